@@ -1,0 +1,401 @@
+"""The one typed config tree: dataclasses loaded from YAML, overridden from the CLI.
+
+Deliberately free of torch/transformers imports: the CLI loads and validates configs
+before deciding whether any heavy machinery is needed at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from aura_hpc.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    n_layer: int = 2
+    n_embd: int = 128
+    n_head: int = 4
+    n_positions: int = 256
+    vocab_size: int = 0  # 0: take the vocabulary size of the prepared data's tokenizer
+    dropout: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # prepared directory; "" = the package's own Spanish corpus
+    seq_len: int = 128
+    vocab_size: int = 4096  # used only when `local` prepares the built-in corpus
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 150
+    max_tokens: int = 0  # > 0: derive max_steps from a token budget instead
+    stop_at: int = 0  # > 0: checkpoint and stop at this step; re-run to continue
+    batch_size: int = 8  # sequences per device per micro-step
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 15
+    schedule: str = "cosine"
+    optimizer: str = "adamw"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    precision: str = "auto"
+    seed: int = 1234
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 4
+    checkpoint_every: int = 50
+    keep_last: int = 3
+    sample_every: int = 0  # 0: only a final sample
+    sample_prompt: str = "En un lugar de la Mancha"
+    sample_tokens: int = 40
+    allow_oversubscription: bool = False
+    threads: int = 0  # torch intra-op threads per process; 0 = launcher's OMP_NUM_THREADS
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"
+    strategy: str = "ddp"
+    timeout_s: int = 600  # collective (all_reduce, barrier) timeout
+    init_timeout_s: int = 120  # process-group initialisation timeout
+
+
+@dataclass
+class RunConfig:
+    run_name: str = "tiny"
+    output_dir: str = "runs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.run_name
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+    def model_fingerprint(self) -> str:
+        """What must match between a checkpoint and the config resuming from it."""
+        m = dataclasses.asdict(self.model)
+        m.pop("preset")
+        m.pop("dropout")
+        key = {"model": m, "seq_len": self.data.seq_len}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "train.schedule": ("cosine", "linear", "constant"),
+    "train.optimizer": ("adamw", "sgd"),
+    "train.precision": ("auto", "fp32", "bf16", "fp16", "fp64"),
+    "dist.backend": ("auto", "nccl", "gloo"),
+    "dist.strategy": ("ddp",),
+}
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "dist": DistConfig}
+TOP_LEVEL = ("run_name", "output_dir")
+# Keys resolved relative to the config file they appear in.
+_PATH_KEYS = {("data", "path")}
+
+
+def configs_dir() -> Path:
+    """Shipped configs: the repo's `configs/` (mapped into the package as aura_hpc.configs)."""
+    env = os.environ.get("AURA_HPC_CONFIGS")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parent.parent / "configs"
+    if repo.is_dir():
+        return repo
+    return Path(str(resources.files("aura_hpc.configs")))
+
+
+def shipped_configs() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(configs_dir().glob("*.yaml"))}
+
+
+def _valid_keys() -> list[str]:
+    keys = list(TOP_LEVEL)
+    for name, cls in SECTIONS.items():
+        keys += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
+    return keys
+
+
+def _unknown_key(key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return ConfigError(f"unknown config key '{key}': {hint}valid keys are {', '.join(valid)}")
+
+
+def _coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
+    typ = typ if isinstance(typ, str) else typ.__name__
+    fix = f"(fix: --set {key}=<{typ}>)"
+    if typ == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ConfigError(f"{key} must be true or false, got {value!r} {fix}")
+    if typ == "int":
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be a whole number, got {value!r} {fix}")
+        if isinstance(value, int):
+            return value
+        try:
+            f = float(str(value).replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{key} must be a whole number, got {value!r} {fix}") from None
+        if not f.is_integer():
+            raise ConfigError(f"{key} must be a whole number, got {value!r} {fix}")
+        return int(f)
+    if typ == "float":
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be a number, got {value!r} {fix}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be a number, got {value!r} {fix}") from None
+    if typ == "str":
+        if value is None:
+            return ""
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key} must be a string, got {value!r} {fix}")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported type {typ}")  # pragma: no cover
+
+
+def _merge(base: dict[str, Any], raw: dict[str, Any], origin: str, base_dir: Path | None) -> None:
+    """Merge `raw` (a YAML mapping) into `base`, rejecting unknown keys and coercing types."""
+    valid = _valid_keys()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{origin}: a config must be a YAML mapping of sections, got {type(raw).__name__}")
+    for top, value in raw.items():
+        if top in TOP_LEVEL:
+            base[top] = _coerce(top, value, "str", False)
+            continue
+        if top not in SECTIONS:
+            raise _unknown_key(str(top), valid)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"{origin}: section '{top}' must be a mapping of keys, got {value!r}")
+        types = {f.name: f.type for f in dataclasses.fields(SECTIONS[top])}
+        for k, v in value.items():
+            dotted = f"{top}.{k}"
+            if k not in types:
+                raise _unknown_key(dotted, valid)
+            v = _coerce(dotted, v, types[k], False)
+            if (top, k) in _PATH_KEYS and v and base_dir is not None and not os.path.isabs(v):
+                v = str((base_dir / v).resolve())
+            base[top][k] = v
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`--set section.key=value` strings to a nested mapping (values parsed as YAML scalars)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} is not KEY=VALUE (example: --set train.lr=3e-4)")
+        key, _, text = item.partition("=")
+        key = key.strip()
+        value: Any = yaml.safe_load(text) if text.strip() else ""
+        if isinstance(value, (dict, list)):
+            value = text
+        if "." in key:
+            section, _, name = key.partition(".")
+            if section not in SECTIONS or not name:
+                raise _unknown_key(key, _valid_keys())
+            out.setdefault(section, {})[name] = value
+        else:
+            out[key] = value
+    return out
+
+
+def _load_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found (fix: pass an existing file or a preset name)") from None
+    except yaml.YAMLError as exc:
+        line = getattr(getattr(exc, "problem_mark", None), "line", None)
+        where = f" line {line + 1}" if line is not None else ""
+        raise ConfigError(f"config file {path}{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    return data or {}
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        return p
+    shipped = shipped_configs()
+    if name_or_path in shipped:
+        return shipped[name_or_path]
+    raise ConfigError(
+        f"config '{name_or_path}' is neither a file nor a shipped preset (fix: use one of {', '.join(shipped)}, or a path to a .yaml file)"
+    )
+
+
+def load_config(
+    config: str | None = None,
+    overrides: list[str] | None = None,
+    output_dir: str | None = None,
+    run_name: str | None = None,
+) -> RunConfig:
+    """defaults <- model preset <- config file <- --set overrides <- --output-dir/--run-name."""
+    merged = RunConfig().to_dict()
+    file_raw: dict[str, Any] = {}
+    base_dir: Path | None = None
+    if config:
+        path = resolve_config_path(config)
+        file_raw = _load_yaml(path)
+        base_dir = path.parent.resolve()
+    cli_raw = parse_overrides(overrides or [])
+    # A model preset names a shipped config whose model section is the base for model keys.
+    file_model = (file_raw.get("model") or {}) if isinstance(file_raw, dict) else {}
+    preset = (cli_raw.get("model") or {}).get("preset") or (file_model.get("preset") if isinstance(file_model, dict) else None)
+    if preset:
+        shipped = shipped_configs()
+        if str(preset) not in shipped:
+            raise ConfigError(f"model.preset '{preset}' is unknown (fix: use one of {', '.join(shipped)})")
+        preset_model = _load_yaml(shipped[str(preset)]).get("model") or {}
+        _merge(merged, {"model": preset_model}, str(shipped[str(preset)]), None)
+    _merge(merged, file_raw, str(config), base_dir)
+    _merge(merged, cli_raw, "--set", Path.cwd())
+    if output_dir is not None:
+        merged["output_dir"] = output_dir
+    if run_name is not None:
+        merged["run_name"] = run_name
+    cfg = from_dict(merged)
+    validate(cfg)
+    return cfg
+
+
+def from_dict(d: dict[str, Any]) -> RunConfig:
+    return RunConfig(
+        run_name=d["run_name"],
+        output_dir=d["output_dir"],
+        **{name: cls(**d[name]) for name, cls in SECTIONS.items()},
+    )
+
+
+def load_run_file(path: str | Path) -> RunConfig:
+    """A resolved config.yaml from a run directory (already complete; still validated)."""
+    merged = RunConfig().to_dict()
+    _merge(merged, _load_yaml(Path(path)), str(path), None)
+    cfg = from_dict(merged)
+    validate(cfg)
+    return cfg
+
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks; each error names the fix."""
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r} (fix: --set {key}={allowed[0]})")
+    m, d, t = cfg.model, cfg.data, cfg.train
+    positive = {
+        "model.n_layer": m.n_layer,
+        "model.n_embd": m.n_embd,
+        "model.n_head": m.n_head,
+        "model.n_positions": m.n_positions,
+        "data.seq_len": d.seq_len,
+        "train.batch_size": t.batch_size,
+        "train.grad_accum": t.grad_accum,
+        "train.keep_last": t.keep_last,
+        "train.log_every": t.log_every,
+        "train.eval_batches": t.eval_batches,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be greater than 0, got {value} (fix: --set {key}=<positive number>)")
+    non_negative = {
+        "train.max_tokens": t.max_tokens,
+        "train.stop_at": t.stop_at,
+        "train.warmup_steps": t.warmup_steps,
+        "train.eval_every": t.eval_every,
+        "train.checkpoint_every": t.checkpoint_every,
+        "train.sample_every": t.sample_every,
+        "train.weight_decay": t.weight_decay,
+        "train.grad_clip": t.grad_clip,
+        "train.threads": t.threads,
+        "model.vocab_size": m.vocab_size,
+        "train.sample_tokens": t.sample_tokens,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be 0 or more, got {value} (fix: --set {key}=0)")
+    if t.max_steps <= 0 and t.max_tokens <= 0:
+        raise ConfigError(f"train.max_steps must be greater than 0, got {t.max_steps} (fix: --set train.max_steps=1000)")
+    if not t.lr > 0:
+        raise ConfigError(f"train.lr must be greater than 0, got {t.lr} (fix: --set train.lr=3e-4)")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio must be between 0 and 1, got {t.min_lr_ratio} (fix: --set train.min_lr_ratio=0.1)")
+    if not 0 <= m.dropout < 1:
+        raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout} (fix: --set model.dropout=0.0)")
+    if m.n_embd % m.n_head:
+        raise ConfigError(
+            f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head}) "
+            f"(fix: e.g. --set model.n_head={_divisor_near(m.n_embd, m.n_head)})"
+        )
+    if d.seq_len > m.n_positions:
+        raise ConfigError(
+            f"data.seq_len ({d.seq_len}) is longer than model.n_positions ({m.n_positions}) "
+            f"(fix: --set data.seq_len={m.n_positions} or raise model.n_positions)"
+        )
+    if m.vocab_size and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size {m.vocab_size} is too small for a byte-level tokenizer (fix: 0 = from data)")
+    if not 256 <= d.vocab_size <= 1_000_000:
+        raise ConfigError(f"data.vocab_size must be between 256 and 1000000, got {d.vocab_size} (fix: --set data.vocab_size=8192)")
+    if t.max_tokens <= 0 and t.warmup_steps >= t.max_steps:
+        raise ConfigError(
+            f"train.warmup_steps ({t.warmup_steps}) must be smaller than train.max_steps ({t.max_steps}) "
+            f"(fix: --set train.warmup_steps={max(0, t.max_steps // 10)})"
+        )
+    if t.max_tokens <= 0 and t.stop_at > t.max_steps:
+        raise ConfigError(f"train.stop_at ({t.stop_at}) is after train.max_steps ({t.max_steps}) (fix: lower train.stop_at)")
+    if not _RUN_NAME.match(cfg.run_name):
+        raise ConfigError(f"run_name {cfg.run_name!r} must be letters, digits, '.', '_' or '-' (fix: --run-name my-run)")
+    if not cfg.output_dir:
+        raise ConfigError("output_dir is empty (fix: --output-dir runs)")
+
+
+def _divisor_near(n: int, k: int) -> int:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return min(divisors, key=lambda d: (abs(d - k), d))
+
+
+def max_steps_for(cfg: RunConfig, world_size: int) -> int:
+    """The schedule horizon: train.max_steps, or the step count that covers train.max_tokens."""
+    t = cfg.train
+    if t.max_tokens > 0:
+        per_step = t.batch_size * t.grad_accum * world_size * cfg.data.seq_len
+        return max(1, -(-t.max_tokens // per_step))
+    return t.max_steps

@@ -1,0 +1,86 @@
+"""The user-facing side: all `rich` output goes through here.
+
+Workers write plain, rank-prefixed log lines (Slurm log files are not terminals); only rank 0
+attached to a terminal gets a live progress bar, and its log lines are printed above the bar.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+def error(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+
+
+def info(message: str) -> None:
+    console.print(message, markup=False, soft_wrap=True)
+
+
+def heading(message: str) -> None:
+    console.print(f"[bold]{message}[/]")
+
+
+def table(title: str, rows: list[tuple[str, str]]) -> None:
+    from rich.table import Table
+
+    t = Table(title=title, show_header=False, title_justify="left")
+    t.add_column(style="bold cyan")
+    t.add_column()
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+
+
+class TrainProgress:
+    """A progress bar for rank 0 on a terminal; a no-op elsewhere."""
+
+    def __init__(self, total: int, start: int, enabled: bool) -> None:
+        self.enabled = enabled and sys.stdout.isatty()
+        self._progress: Progress | None = None
+        self._task: Any = None
+        if self.enabled:
+            self._progress = Progress(
+                TextColumn("[bold]training"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=console,
+                transient=False,
+            )
+            self._task = self._progress.add_task("train", total=total, completed=start, status="")
+            self._progress.start()
+
+    def update(self, step: int, status: str = "") -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, status=status)
+
+    def print(self, line: str) -> None:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+class ProgressAwareHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Routes rank 0's stdout log lines through the live progress bar when there is one."""
+
+    progress: TrainProgress | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.progress is not None and self.progress.enabled:
+            self.progress.print(self.format(record))
+        else:
+            super().emit(record)

@@ -1,0 +1,1 @@
+"""Data: the built-in corpus, `prepare` (tokenize + pack), and the packed-token reader."""

@@ -1,0 +1,287 @@
+"""`python -m aura_hpc local`: the trainer on this machine, or on several LAN machines, without Slurm.
+
+Workers are started by torch's own elastic agent (torch.distributed.launcher.api, the code
+behind torchrun) with a c10d rendezvous hosted by node 0; the worker command is the same
+`python -m aura_hpc.train RUN_DIR/config.yaml` that Slurm jobs run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import platform
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aura_hpc.config import RunConfig, load_config, load_run_file
+from aura_hpc.errors import ConfigError, DataError, LaunchError
+
+WORKER_MODULE = "aura_hpc.train"
+RDZV_RUN_ID = "aura_hpc"
+
+
+@dataclass
+class LocalPlan:
+    cfg: RunConfig
+    nnodes: int
+    node_rank: int
+    nproc: int
+    master_addr: str
+    master_port: int
+    max_restarts: int
+    rdzv_timeout: int
+    local_addr: str | None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def config_path(self) -> Path:
+        return self.cfg.run_dir / "config.yaml"
+
+    @property
+    def worker_cmd(self) -> list[str]:
+        return [sys.executable, "-u", "-m", WORKER_MODULE, str(self.config_path)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def wait_for_master(addr: str, port: int, timeout: float) -> None:
+    """Fail with a clear message, never hang, when the master cannot be reached."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=min(2.0, max(0.1, timeout))):
+                return
+        except socket.gaierror:
+            raise LaunchError(f"master address {addr!r} does not resolve (fix: use node 0's IP address, e.g. 192.168.1.10)") from None
+        except OSError as exc:
+            last = exc.strerror or str(exc)
+        if time.monotonic() >= deadline:
+            raise LaunchError(
+                f"cannot reach the master at {addr}:{port} within {timeout:.0f}s ({last}) (fix: start node 0 first, "
+                f"check that {addr} is node 0's IP, and allow TCP port {port} and gloo's ports in its firewall)"
+            )
+        time.sleep(0.5)
+
+
+def route_to(addr: str) -> tuple[str | None, str | None]:
+    """(local IP, interface name) this machine uses to reach `addr`."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((addr, 9))  # UDP connect sends nothing; it only picks the route
+            ip = s.getsockname()[0]
+    except OSError:
+        return None, None
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            return ip, name
+    return ip, None
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def builtin_data_dir(cfg: RunConfig) -> Path:
+    from aura_hpc.data.corpus import CORPUS_VERSION
+
+    return Path(cfg.output_dir) / "prepared" / f"{CORPUS_VERSION}-bpe{cfg.data.vocab_size}"
+
+
+def plan_local(
+    config: str | None,
+    overrides: list[str],
+    output_dir: str | None,
+    run_name: str | None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    nproc: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    max_restarts: int = 0,
+    rdzv_timeout: int = 120,
+    backend: str | None = None,
+    ifname: str | None = None,
+) -> LocalPlan:
+    """Everything `local` will do, decided and checked up front; nothing is written."""
+    if backend:
+        overrides = [*overrides, f"dist.backend={backend}"]
+    cfg = load_config(config, overrides, output_dir, run_name)
+    cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
+    if cfg.data.path:
+        cfg.data.path = str(Path(cfg.data.path).expanduser().resolve())
+    if nnodes < 1:
+        raise LaunchError(f"--nnodes must be at least 1, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        raise LaunchError(f"--node-rank {node_rank} is not below --nnodes {nnodes} (fix: use 0..{nnodes - 1}, 0 on the master)")
+    if rdzv_timeout <= 0:
+        raise LaunchError(f"--rdzv-timeout must be positive, got {rdzv_timeout}")
+    if max_restarts < 0:
+        raise LaunchError(f"--max-restarts must be 0 or more, got {max_restarts}")
+    if nnodes > 1 and not master_addr:
+        raise LaunchError("--nnodes > 1 needs --master-addr (fix: --master-addr <IP of node 0> on every node)")
+    gpus = _cuda_count()
+    wanted = cfg.dist.backend
+    if wanted == "nccl" and gpus == 0:
+        raise ConfigError("--backend nccl needs CUDA GPUs, and this machine has none (fix: --backend gloo or auto)")
+    if nproc is None:
+        nproc = gpus if gpus and wanted != "gloo" else 2
+    if nproc < 1:
+        raise LaunchError(f"--nproc-per-node must be at least 1, got {nproc}")
+    if gpus and wanted != "gloo" and nproc > gpus:
+        raise LaunchError(f"--nproc-per-node {nproc} is more than the {gpus} GPUs on this machine (fix: --nproc-per-node {gpus})")
+
+    if nnodes == 1 and not master_addr:
+        master_addr = "127.0.0.1"
+    assert master_addr is not None
+    if master_port is None:
+        master_port = _free_port() if nnodes == 1 else 29500
+    if not 1 <= master_port <= 65535:
+        raise LaunchError(f"--master-port must be 1..65535, got {master_port}")
+
+    env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
+    cores = os.cpu_count() or 1
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // nproc))
+    if platform.system() == "Windows":
+        env["TORCH_DISTRIBUTED_USE_LIBUV"] = "0"  # the Windows build of torch has no libuv TCPStore
+    local_addr = None
+    if nnodes > 1:
+        ip, iface = route_to(master_addr)
+        iface = ifname or iface
+        local_addr = ip
+        if iface:
+            env.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", iface))
+            if gpus:
+                env.setdefault("NCCL_SOCKET_IFNAME", os.environ.get("NCCL_SOCKET_IFNAME", iface))
+    elif ifname:
+        env["GLOO_SOCKET_IFNAME"] = ifname
+    return LocalPlan(cfg, nnodes, node_rank, nproc, master_addr, master_port, max_restarts, rdzv_timeout, local_addr, env)
+
+
+def _check_resume_compatible(cfg: RunConfig) -> None:
+    old = cfg.run_dir / "config.yaml"
+    if not old.exists() or not (cfg.run_dir / "checkpoints").is_dir():
+        return
+    with contextlib.suppress(ConfigError):
+        previous = load_run_file(old)
+        if previous.model_fingerprint() != cfg.model_fingerprint():
+            raise ConfigError(
+                f"run directory {cfg.run_dir} holds checkpoints of a different model shape or data.seq_len "
+                "(fix: use a new --run-name, or resume with the original config)"
+            )
+
+
+def prepare_run(plan: LocalPlan) -> None:
+    """Side effects before launch: the built-in data if needed, the run directory, config.yaml."""
+    cfg = plan.cfg
+    out = Path(cfg.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise LaunchError(f"output_dir {out} is not writable ({exc.strerror}) (fix: --output-dir a writable folder)") from None
+    if not cfg.data.path:
+        from aura_hpc.data.prepare import PrepareSpec, prepare
+
+        target = builtin_data_dir(cfg)
+        manifest = prepare(PrepareSpec(out_dir=target, builtin=True, vocab_size=cfg.data.vocab_size, val_fraction=0.05))
+        if not manifest.get("up_to_date"):
+            logging.getLogger("aura_hpc").info("prepared the built-in Spanish corpus in %s", target)
+        cfg.data.path = str(target)
+    else:
+        from aura_hpc.data.prepare import read_manifest
+
+        if read_manifest(Path(cfg.data.path)) is None:
+            raise DataError(
+                f"data.path {cfg.data.path} is not a prepared directory (no manifest.json) "
+                f"(fix: python -m aura_hpc prepare FILES --out {cfg.data.path})"
+            )
+    _check_resume_compatible(cfg)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = plan.config_path.with_suffix(".yaml.tmp")
+    tmp.write_text(cfg.to_yaml(), encoding="utf-8")
+    tmp.replace(plan.config_path)
+
+
+def launch(plan: LocalPlan) -> int:
+    """Run the plan through the elastic agent; returns the exit status for the CLI."""
+    if plan.nnodes > 1 and plan.node_rank == 0 and _port_in_use(plan.master_port):
+        raise LaunchError(
+            f"port {plan.master_port} is already in use on this machine (fix: --master-port {plan.master_port + 1} "
+            "on every node, or stop the program using it)"
+        )
+    if plan.node_rank > 0:
+        wait_for_master(plan.master_addr, plan.master_port, plan.rdzv_timeout)
+    prepare_run(plan)
+    os.environ.update(plan.env)
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    lc = LaunchConfig(
+        min_nodes=plan.nnodes,
+        max_nodes=plan.nnodes,
+        nproc_per_node=plan.nproc,
+        run_id=RDZV_RUN_ID,
+        role="trainer",
+        rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
+        rdzv_backend="c10d",
+        rdzv_configs={"join_timeout": plan.rdzv_timeout, "is_host": plan.node_rank == 0},
+        max_restarts=plan.max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+        local_addr=plan.local_addr,
+    )
+    cmd = plan.worker_cmd
+    try:
+        elastic_launch(lc, cmd[0])(*cmd[1:])
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        log_file = plan.cfg.run_dir / "logs" / f"rank_{rank}.log"
+        raise LaunchError(
+            f"training failed: rank {rank} exited with status {failure.exitcode} (see {log_file}); "
+            "fix the cause above, then re-run the same command to resume from the last checkpoint"
+        ) from None
+    except RendezvousError as exc:
+        raise LaunchError(
+            f"the {plan.nnodes} nodes did not all join at {plan.master_addr}:{plan.master_port} within "
+            f"{plan.rdzv_timeout}s ({type(exc).__name__}) (fix: start every node with the same --nnodes, "
+            "--master-addr and --master-port, and check the firewall)"
+        ) from None
+    return 0
+
+
+def summary(plan: LocalPlan) -> dict[str, object] | None:
+    path = plan.cfg.run_dir / "summary.json"
+    if not path.exists():
+        return None
+    data: dict[str, object] = json.loads(path.read_text(encoding="utf-8"))
+    return data

@@ -1,0 +1,509 @@
+"""The one worker entry point: `python -m aura_hpc.train RUN_DIR/config.yaml`.
+
+Every launcher starts it the same way (`local` through torch's elastic agent, `submit` under
+Slurm); it reads rank and world size from the environment through DistEnv alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aura_hpc import checkpoint, distributed
+from aura_hpc.config import RunConfig, load_run_file, max_steps_for
+from aura_hpc.data.packed import GlobalOrder, PackedTokens, batch_start
+from aura_hpc.dist_env import DistEnv
+from aura_hpc.errors import AuraError, CheckpointError, ConfigError, DataError
+from aura_hpc.model import build_model, count_parameters, lm_loss
+from aura_hpc.parallel import Wrapped, wrap
+
+log = logging.getLogger("aura_hpc")
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of train.lr for the update that follows `step` completed updates."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{device.index} ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, env: DistEnv) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.run_dir = cfg.run_dir
+        self.ckpt_root = self.run_dir / "checkpoints"
+
+    # ---- set-up -------------------------------------------------------------------------
+    def _setup_runtime(self) -> None:
+        cfg, env = self.cfg, self.env
+        threads = cfg.train.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+        if threads:
+            torch.set_num_threads(threads)
+        if cfg.dist.backend == "nccl" and not torch.cuda.is_available():
+            raise ConfigError("dist.backend is nccl but this machine has no CUDA GPU (fix: --backend gloo or auto)")
+        self.device = distributed.pick_device(env, cfg.dist.backend)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.backend = "none"
+        if env.launcher != "none" or env.world_size > 1:
+            self.backend = distributed.init_process_group(env, cfg.dist.backend, self.device, cfg.dist.init_timeout_s, cfg.dist.timeout_s)
+        log.info(
+            "start rank=%d local_rank=%d world_size=%d node_rank=%d host=%s backend=%s device=%s restart=%d",
+            env.rank,
+            env.local_rank,
+            env.world_size,
+            env.node_rank,
+            env.hostname,
+            self.backend,
+            _device_name(self.device),
+            env.restart_count,
+        )
+
+    def _precision(self) -> tuple[torch.dtype, torch.dtype | None]:
+        """(parameter dtype, autocast dtype or None)."""
+        p = self.cfg.train.precision
+        cuda = self.device.type == "cuda"
+        if p == "fp64":
+            return torch.float64, None
+        if p == "fp32":
+            return torch.float32, None
+        if p == "bf16" or (p == "auto" and cuda and torch.cuda.is_bf16_supported()):
+            return torch.float32, torch.bfloat16
+        if p == "fp16":
+            if not cuda:
+                raise ConfigError("train.precision fp16 needs a CUDA GPU (fix: --set train.precision=auto)")
+            return torch.float32, torch.float16
+        return torch.float32, None
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _check_same_everywhere(self) -> None:
+        """Nodes prepared their data and wrote their config separately: they must agree."""
+        mine = (
+            self.data.manifest.get("data_sha256"),
+            self.cfg.model_fingerprint(),
+            json.dumps(self.cfg.train.__dict__, sort_keys=True, default=str),
+        )
+        every = distributed.all_gather_object(mine)
+        for r, theirs in enumerate(every):
+            if theirs[0] != mine[0]:
+                raise DataError(
+                    f"rank {r} has different prepared data than rank {self.env.rank} "
+                    "(fix: use the same data.path contents on every node, e.g. copy the prepared directory)"
+                )
+            if theirs[1:] != mine[1:]:
+                raise ConfigError(
+                    f"rank {r} runs a different config than rank {self.env.rank} (fix: pass the same --config/--set on every node)"
+                )
+
+    def _build(self) -> None:
+        cfg, env = self.cfg, self.env
+        t = cfg.train
+        seed = t.seed
+        torch.manual_seed(seed)
+        random.seed(seed)
+        if not cfg.data.path:
+            raise DataError("data.path is empty (fix: --set data.path=DIR from `python -m aura_hpc prepare`)")
+        self.data = PackedTokens(cfg.data.path, cfg.data.seq_len)
+        if cfg.model.vocab_size and cfg.model.vocab_size != self.data.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size {cfg.model.vocab_size} does not match the data's tokenizer "
+                f"({self.data.vocab_size}) (fix: --set model.vocab_size=0 to take it from the data)"
+            )
+        self._check_same_everywhere()
+        self.param_dtype, self.autocast_dtype = self._precision()
+        model = build_model(cfg.model, self.data.vocab_size, self.data.eos_id)
+        model.to(device=self.device, dtype=self.param_dtype)
+        self.model = model
+        self.n_params = count_parameters(model)
+
+        self.world = env.world_size
+        self.per_step = t.batch_size * self.world * t.grad_accum
+        self.tokens_per_step = self.per_step * cfg.data.seq_len
+        self.max_steps = max_steps_for(cfg, self.world)
+        self.end_step = min(t.stop_at, self.max_steps) if t.stop_at else self.max_steps
+        n_train = self.data.num_sequences("train")
+        if n_train < self.per_step:
+            msg = (
+                f"the prepared data has {n_train} training sequences of {cfg.data.seq_len} tokens, fewer than one "
+                f"effective batch of {self.per_step} (= {t.batch_size} per device x {self.world} processes x "
+                f"{t.grad_accum} accumulation)"
+            )
+            if not t.allow_oversubscription:
+                raise DataError(
+                    msg + " (fix: more data, a smaller train.batch_size/data.seq_len, fewer processes, or "
+                    "--set train.allow_oversubscription=true to repeat the data)"
+                )
+            if env.is_main:
+                log.warning("%s; train.allow_oversubscription=true: repeating the data to fill each batch", msg)
+        self.order = GlobalOrder(max(n_train, 1), seed)
+
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if t.optimizer == "sgd":
+            self.optimizer: torch.optim.Optimizer = torch.optim.SGD(groups, lr=t.lr)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
+        horizon = self.max_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, t.warmup_steps, horizon, t.schedule, t.min_lr_ratio)
+        )
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.autocast_dtype == torch.float16)
+
+    # ---- resume -------------------------------------------------------------------------
+    def _resume(self) -> None:
+        """Every rank resumes from the newest valid checkpoint that rank 0 sees.
+
+        Ranks that cannot read it themselves (LAN machines without shared storage) receive it
+        from rank 0 over the process group.
+        """
+        self.step = 0
+        self.samples_base, self.step_base = 0, 0
+        self.tokens_seen = 0
+        chosen = None
+        if self.env.is_main:
+            found = checkpoint.newest_valid(self.ckpt_root)
+            chosen = found.path.name if found else None
+        chosen = distributed.broadcast_object(chosen)
+        if chosen is None:
+            if self.env.is_main:
+                log.info("no checkpoint in %s: starting from step 0", self.ckpt_root)
+            return
+        local = self.ckpt_root / chosen
+        have = (local / checkpoint.MARKER).exists()
+        everyone = distributed.all_gather_object(have)
+        if all(everyone):
+            payload = checkpoint.read_payload(local)
+        else:
+            payload = checkpoint.read_payload(local) if self.env.is_main else None
+            payload = distributed.broadcast_object(payload)
+            if self.env.is_main:
+                log.info("sent checkpoint %s to ranks without shared storage", chosen)
+        weights, state, meta = checkpoint.decode_payload(payload)
+        if meta.get("model_fingerprint") != self.cfg.model_fingerprint():
+            raise CheckpointError(
+                f"checkpoint {chosen} was written with a different model shape or data.seq_len than this config "
+                "(fix: resume with the original config, or start fresh with a new --run-name)"
+            )
+        checkpoint.load_weights(self.model, {k: v.to(self.param_dtype) for k, v in weights.items()})
+        self.model.to(self.device)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        rngs = state.get("rng") or []
+        if len(rngs) == self.world:
+            _set_rng_state(rngs[self.env.rank])
+        elif self.env.is_main:
+            log.warning("world size changed (%d -> %d): RNG streams re-seeded", len(rngs), self.world)
+        self.step = int(meta["step"])
+        self.samples_base, self.step_base = int(meta["samples_seen"]), self.step
+        self.tokens_seen = int(meta.get("tokens_seen", 0))
+        if int(meta.get("effective_batch", self.per_step)) != self.per_step and self.env.is_main:
+            log.warning("effective batch changed (%s -> %d) since the checkpoint", meta.get("effective_batch"), self.per_step)
+        log.info("resumed from checkpoint %s at step %d", chosen, self.step)
+
+    # ---- the loop -----------------------------------------------------------------------
+    def _batch(self, micro: int) -> torch.Tensor:
+        t = self.cfg.train
+        start = self.samples_base + (self.step - self.step_base) * self.per_step
+        start += batch_start(0, micro, self.env.rank, self.world, t.batch_size, t.grad_accum)
+        idx = self.order.indices(start, t.batch_size)
+        x = torch.from_numpy(self.data.sequences("train", idx))
+        return x.to(self.device, non_blocking=True)
+
+    def _train_step(self, wrapped: Wrapped) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.cfg.train
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        for micro in range(t.grad_accum):
+            batch = self._batch(micro)
+            with wrapped.accumulating(sync=micro == t.grad_accum - 1), self._autocast():
+                loss = lm_loss(wrapped.module, batch) / t.grad_accum
+            self.scaler.scale(loss).backward()
+            total += loss.detach().to(torch.float64)
+        self.scaler.unscale_(self.optimizer)
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        t = self.cfg.train
+        n_val = self.data.num_sequences("val")
+        if n_val == 0:
+            return None
+        n = min(n_val, t.eval_batches * t.batch_size * self.world)
+        mine = list(range(self.env.rank, n, self.world))
+        self.model.eval()
+        loss_sum, count = 0.0, 0
+        for i in range(0, len(mine), t.batch_size):
+            idx = mine[i : i + t.batch_size]
+            x = torch.from_numpy(self.data.sequences("val", idx)).to(self.device)
+            with self._autocast():
+                loss_sum += float(lm_loss(self.model, x)) * len(idx)
+            count += len(idx)
+        self.model.train()
+        total, cnt = distributed.all_reduce_sum([loss_sum, float(count)], self.device)
+        return total / cnt if cnt else None
+
+    @torch.no_grad()
+    def sample(self) -> str:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(self.data.tokenizer_dir))
+        t = self.cfg.train
+        ids = tok(t.sample_prompt, return_tensors="pt").input_ids.to(self.device)
+        self.model.eval()
+        # Sampling must not disturb the training RNG stream (resume would diverge).
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(t.seed + self.step)
+            with self._autocast():
+                out = self.model.generate(
+                    ids,
+                    max_new_tokens=t.sample_tokens,
+                    do_sample=True,
+                    top_k=40,
+                    temperature=0.8,
+                    pad_token_id=self.data.eos_id,
+                    attention_mask=torch.ones_like(ids),
+                )
+        self.model.train()
+        return str(tok.decode(out[0], skip_special_tokens=True))
+
+    def save(self) -> Path | None:
+        rngs = distributed.all_gather_object(_rng_state())
+        path = None
+        if self.env.is_main:
+            meta = {
+                "step": self.step,
+                "samples_seen": self.samples_base + (self.step - self.step_base) * self.per_step,
+                "tokens_seen": self.tokens_seen,
+                "effective_batch": self.per_step,
+                "world_size": self.world,
+                "model_fingerprint": self.cfg.model_fingerprint(),
+                "n_params": self.n_params,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            state = {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+                "rng": rngs,
+            }
+            t0 = time.perf_counter()
+            path = checkpoint.save(
+                self.ckpt_root, self.step, self.model, state, meta, self.data.tokenizer_dir, self.cfg.to_yaml(), self.cfg.train.keep_last
+            )
+            log.info("checkpoint %s written in %.2fs", path, time.perf_counter() - t0)
+        distributed.barrier()
+        return path
+
+    def _print_plan(self) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        lines = [
+            f"run directory: {self.run_dir}",
+            f"model: GPT-2 {cfg.model.n_layer} layers x {cfg.model.n_embd} wide, {cfg.model.n_head} heads, "
+            f"{self.n_params:,} parameters ({self.n_params / 1e6:.1f}M), vocab {self.data.vocab_size}",
+            f"batch: {t.batch_size} per device x {self.world} processes x {t.grad_accum} accumulation = "
+            f"effective batch {self.per_step} sequences = {self.tokens_per_step:,} tokens per step",
+            f"data: {self.data.num_sequences('train'):,} train / {self.data.num_sequences('val'):,} val sequences "
+            f"of {cfg.data.seq_len} tokens from {cfg.data.path}",
+            f"steps: {self.step} -> {self.end_step} (schedule horizon {self.max_steps}), lr {t.lr:g} "
+            f"{t.schedule} with {t.warmup_steps} warmup, precision {t.precision} "
+            f"(params {str(self.param_dtype).removeprefix('torch.')}, autocast "
+            f"{str(self.autocast_dtype).removeprefix('torch.') if self.autocast_dtype else 'off'})",
+        ]
+        for line in lines:
+            log.info("%s", line)
+
+    def run(self) -> int:
+        self._setup_runtime()
+        self._build()
+        self._resume()
+        env, t = self.env, self.cfg.train
+        wrapped = wrap(self.model, self.cfg.dist.strategy, self.device, self.world)
+        if env.is_main:
+            self._print_plan()
+        distributed.barrier()
+
+        from aura_hpc.console import ProgressAwareHandler, TrainProgress
+
+        metrics = None
+        progress = TrainProgress(self.end_step, self.step, enabled=env.is_main and self.step < self.end_step)
+        if env.is_main:
+            from aura_hpc.metrics import MetricsWriter
+
+            metrics = MetricsWriter(self.run_dir, self.step)
+            for h in log.handlers:
+                if isinstance(h, ProgressAwareHandler):
+                    h.progress = progress
+        if self.step >= self.end_step and env.is_main:
+            log.info("nothing to do: the run is already at step %d of %d", self.step, self.end_step)
+        interval_time, interval_tokens, interval_loss, interval_steps = 0.0, 0, 0.0, 0
+        last_sample = ""
+        while self.step < self.end_step:
+            t0 = time.perf_counter()
+            loss, grad_norm = self._train_step(wrapped)
+            self.step += 1
+            self.tokens_seen += self.tokens_per_step
+            interval_time += time.perf_counter() - t0
+            interval_tokens += self.tokens_per_step
+            interval_loss += float(loss)
+            interval_steps += 1
+            at_end = self.step == self.end_step
+            do_eval = bool(t.eval_every) and (self.step % t.eval_every == 0 or at_end)
+            if self.step % t.log_every == 0 or do_eval or at_end:
+                mean_loss = distributed.all_reduce_sum([interval_loss / interval_steps], self.device)[0] / self.world
+                eval_loss = self.evaluate() if do_eval else None
+                row: dict[str, Any] = {
+                    "step": self.step,
+                    "loss": round(mean_loss, 6),
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "tokens_per_s": round(interval_tokens / interval_time, 1) if interval_time else 0.0,
+                    "step_time_s": round(interval_time / interval_steps, 5),
+                    "grad_norm": round(float(grad_norm), 6),
+                    "tokens": self.tokens_seen,
+                }
+                if eval_loss is not None:
+                    row["eval_loss"] = round(eval_loss, 6)
+                if env.is_main and metrics is not None:
+                    metrics.write(row)
+                    log.info(
+                        "step %d/%d loss %.4f%s lr %.3e tokens/s %s step_time %.3fs",
+                        self.step,
+                        self.end_step,
+                        mean_loss,
+                        f" eval_loss {eval_loss:.4f}" if eval_loss is not None else "",
+                        row["lr"],
+                        f"{row['tokens_per_s']:,.0f}",
+                        row["step_time_s"],
+                    )
+                progress.update(self.step, f"loss {mean_loss:.3f}")
+                interval_time, interval_tokens, interval_loss, interval_steps = 0.0, 0, 0.0, 0
+            else:
+                progress.update(self.step)
+            if env.is_main and t.sample_every and self.step % t.sample_every == 0 and not at_end:
+                last_sample = self.sample()
+                log.info("sample at step %d: %s", self.step, last_sample.replace("\n", " "))
+                if metrics is not None:
+                    metrics.text("sample", last_sample, self.step)
+            if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or at_end:
+                self.save()
+        progress.stop()
+        final_ckpt = checkpoint.list_complete(self.ckpt_root)
+        if env.is_main:
+            last_sample = self.sample()
+            log.info("sample: %s", last_sample.replace("\n", " "))
+            if metrics is not None:
+                metrics.text("sample", last_sample, self.step)
+                metrics.close()
+            summary = {
+                "run_dir": str(self.run_dir),
+                "step": self.step,
+                "max_steps": self.max_steps,
+                "finished": self.step >= self.max_steps,
+                "checkpoint": str(final_ckpt[0].path) if final_ckpt else None,
+                "metrics": str(self.run_dir / "metrics.jsonl"),
+                "sample": last_sample,
+                "n_params": self.n_params,
+                "world_size": self.world,
+                "backend": self.backend,
+            }
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+        distributed.barrier()
+        if env.is_main:
+            if self.step < self.max_steps:
+                log.info("stopped at step %d of %d (train.stop_at); re-run the same command to continue", self.step, self.max_steps)
+            log.info("all %d ranks finished at step %d", self.world, self.step)
+        return 0
+
+
+@contextlib.contextmanager
+def _process_group_cleanup() -> Iterator[None]:
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            distributed.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m aura_hpc.train", description=__doc__)
+    parser.add_argument("config", help="a resolved run config (RUN_DIR/config.yaml)")
+    args = parser.parse_args(argv)
+    env = DistEnv.from_environ()
+    from aura_hpc import worker_log
+    from aura_hpc.console import ProgressAwareHandler
+
+    try:
+        cfg = load_run_file(args.config)
+    except AuraError as exc:
+        worker_log.setup(None, env.rank)
+        log.error("%s", exc)
+        return exc.exit_code
+    # Library progress bars (tqdm) and download chatter do not belong in per-rank log files.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    stream = ProgressAwareHandler(sys.stdout) if env.is_main else None
+    worker_log.setup(cfg.run_dir / "logs", env.rank, stream)
+    with _process_group_cleanup():
+        try:
+            return Trainer(cfg, env).run()
+        except AuraError as exc:
+            log.error("%s", exc)
+            return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
