@@ -218,7 +218,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"--set {item!r} is not KEY=VALUE (example: --set train.lr=3e-4)")
+            raise ConfigError(f"--set {item!r} is not KEY=VALUE (fix: e.g. --set train.lr=3e-4)")
         key, _, text = item.partition("=")
         key = key.strip()
         value: Any = yaml.safe_load(text) if text.strip() else ""

@@ -36,12 +36,20 @@ class DistEnv:
         host = socket.gethostname()
         if "RANK" in e and "WORLD_SIZE" in e:
             # torchrun / the elastic agent (also what submitit's TorchDistributedEnvironment exports).
+            rank, world = int(e["RANK"]), int(e["WORLD_SIZE"])
+            local_rank, local_world = int(e.get("LOCAL_RANK", "0")), int(e.get("LOCAL_WORLD_SIZE", "1"))
+            node_rank = int(e.get("GROUP_RANK", e.get("NODE_RANK", "0")))
+            if "AURA_NODE_RANK" in e and int(e.get("AURA_NNODES", "0")) * local_world == world:
+                # c10d orders nodes by address string, not by --node-rank; renumber so that the
+                # machine the user calls node 0 (the master) holds global rank 0 and the checkpoints.
+                node_rank = int(e["AURA_NODE_RANK"])
+                rank = node_rank * local_world + local_rank
             return cls(
-                rank=int(e["RANK"]),
-                local_rank=int(e.get("LOCAL_RANK", "0")),
-                world_size=int(e["WORLD_SIZE"]),
-                local_world_size=int(e.get("LOCAL_WORLD_SIZE", "1")),
-                node_rank=int(e.get("GROUP_RANK", e.get("NODE_RANK", "0"))),
+                rank=rank,
+                local_rank=local_rank,
+                world_size=world,
+                local_world_size=local_world,
+                node_rank=node_rank,
                 master_addr=e.get("MASTER_ADDR", "127.0.0.1"),
                 master_port=int(e.get("MASTER_PORT", "29500")),
                 restart_count=int(e.get("TORCHELASTIC_RESTART_COUNT", "0")),

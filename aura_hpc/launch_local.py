@@ -162,7 +162,7 @@ def plan_local(
     if not 1 <= master_port <= 65535:
         raise LaunchError(f"--master-port must be 1..65535, got {master_port}")
 
-    env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
+    env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "AURA_NODE_RANK": str(node_rank), "AURA_NNODES": str(nnodes)}
     cores = os.cpu_count() or 1
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // nproc))
     if platform.system() == "Windows":
@@ -194,6 +194,34 @@ def _check_resume_compatible(cfg: RunConfig) -> None:
             )
 
 
+def preflight_data(cfg: RunConfig, world_size: int) -> None:
+    """Data checks that need no GPU: refuse before any worker starts."""
+    from aura_hpc.data.prepare import read_manifest
+
+    m = read_manifest(Path(cfg.data.path))
+    if m is None:
+        raise DataError(
+            f"data.path {cfg.data.path} is not a prepared directory (no manifest.json) "
+            f"(fix: python -m aura_hpc prepare FILES --out {cfg.data.path})"
+        )
+    vocab = int(m["tokenizer"]["vocab_size"])
+    if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
+        raise ConfigError(
+            f"model.vocab_size {cfg.model.vocab_size} does not match the data's tokenizer ({vocab}) "
+            "(fix: --set model.vocab_size=0 to take it from the data)"
+        )
+    t = cfg.train
+    sequences = max(0, (int(m["train_tokens"]) - 1) // cfg.data.seq_len)
+    effective = t.batch_size * world_size * t.grad_accum
+    if sequences < effective and not t.allow_oversubscription:
+        raise DataError(
+            f"the prepared data has {sequences} training sequences of {cfg.data.seq_len} tokens, fewer than one effective "
+            f"batch of {effective} (= {t.batch_size} per device x {world_size} processes x {t.grad_accum} accumulation) "
+            "(fix: more data, a smaller train.batch_size/data.seq_len, fewer processes, or "
+            "--set train.allow_oversubscription=true to repeat the data)"
+        )
+
+
 def prepare_run(plan: LocalPlan) -> None:
     """Side effects before launch: the built-in data if needed, the run directory, config.yaml."""
     cfg = plan.cfg
@@ -213,14 +241,7 @@ def prepare_run(plan: LocalPlan) -> None:
         if not manifest.get("up_to_date"):
             logging.getLogger("aura_hpc").info("prepared the built-in Spanish corpus in %s", target)
         cfg.data.path = str(target)
-    else:
-        from aura_hpc.data.prepare import read_manifest
-
-        if read_manifest(Path(cfg.data.path)) is None:
-            raise DataError(
-                f"data.path {cfg.data.path} is not a prepared directory (no manifest.json) "
-                f"(fix: python -m aura_hpc prepare FILES --out {cfg.data.path})"
-            )
+    preflight_data(cfg, plan.nproc * plan.nnodes)
     _check_resume_compatible(cfg)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     tmp = plan.config_path.with_suffix(".yaml.tmp")

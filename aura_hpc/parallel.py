@@ -39,5 +39,5 @@ def wrap(model: torch.nn.Module, strategy: str, device: torch.device, world_size
     if world_size == 1:
         return Wrapped(model, model, "single")
     ids = [device.index] if device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+    ddp = DistributedDataParallel(model, device_ids=ids)
     return Wrapped(ddp, model, "ddp")

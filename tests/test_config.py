@@ -1,0 +1,141 @@
+"""Config tree: shipped presets load; bad keys, types and combinations fail with one-line fixes."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aura_hpc.config import load_config, load_run_file, shipped_configs
+from aura_hpc.errors import ConfigError
+from tests.conftest import run_cli
+
+
+def test_every_shipped_config_loads() -> None:
+    shipped = shipped_configs()
+    assert {"tiny", "gpt2-small", "gpt2-medium", "gpt2-1b"} <= set(shipped)
+    params = {}
+    for name in shipped:
+        cfg = load_config(name)
+        assert cfg.model.preset == name
+        m = cfg.model
+        # GPT-2 parameter count without embeddings: ~12 * layers * width^2.
+        params[name] = 12 * m.n_layer * m.n_embd**2
+    assert 80e6 < params["gpt2-small"] < 90e6  # 124M with the 50k-token embedding
+    assert 280e6 < params["gpt2-medium"] < 320e6
+    assert 0.9e9 < params["gpt2-1b"] < 1.2e9
+
+
+def test_defaults_are_the_tiny_preset() -> None:
+    assert load_config(None) == load_config("tiny")
+
+
+def test_override_precedence_and_types() -> None:
+    cfg = load_config("gpt2-small", ["train.lr=3e-4", "train.batch_size=4", "train.allow_oversubscription=yes"])
+    assert cfg.train.lr == pytest.approx(3e-4) and isinstance(cfg.train.lr, float)
+    assert cfg.train.batch_size == 4
+    assert cfg.train.allow_oversubscription is True
+    assert cfg.model.n_layer == 12  # from the file
+    assert cfg.train.warmup_steps == 700
+
+
+def test_model_preset_sets_the_model_shape() -> None:
+    cfg = load_config(None, ["model.preset=gpt2-medium", "model.n_layer=6"])
+    assert (cfg.model.n_embd, cfg.model.n_head, cfg.model.n_layer) == (1024, 16, 6)
+
+
+def test_cli_output_dir_and_run_name_win() -> None:
+    cfg = load_config("tiny", ["output_dir=a", "run_name=b"], output_dir="/x", run_name="y")
+    assert str(cfg.run_dir) == "/x/y"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["train.lrr=1"], "unknown config key 'train.lrr': did you mean 'train.lr'?"),
+        (["trian.lr=1"], "unknown config key 'trian.lr'"),
+        (["model.layers=3"], "unknown config key 'model.layers'"),
+        (["train.batch_size=abc"], "train.batch_size must be a whole number, got 'abc'"),
+        (["train.batch_size=2.5"], "train.batch_size must be a whole number"),
+        (["train.lr=fast"], "train.lr must be a number"),
+        (["train.allow_oversubscription=maybe"], "must be true or false"),
+        (["train.batch_size=0"], "train.batch_size must be greater than 0"),
+        (["model.n_layer=-1"], "model.n_layer must be greater than 0"),
+        (["train.lr=0"], "train.lr must be greater than 0"),
+        (["model.n_embd=130"], "model.n_embd (130) must be divisible by model.n_head (4)"),
+        (["data.seq_len=512"], "data.seq_len (512) is longer than model.n_positions (256)"),
+        (["train.warmup_steps=150"], "train.warmup_steps (150) must be smaller than train.max_steps (150)"),
+        (["dist.backend=mpi"], "dist.backend must be one of auto, nccl, gloo"),
+        (["train.precision=fp8"], "train.precision must be one of"),
+        (["train.stop_at=500"], "train.stop_at (500) is after train.max_steps"),
+        (["run_name=../escape"], "run_name '../escape' must be"),
+        (["model.preset=gpt5"], "model.preset 'gpt5' is unknown"),
+        (["lr"], "is not KEY=VALUE"),
+    ],
+)
+def test_bad_overrides_give_one_line_errors(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    msg = str(err.value)
+    assert expected in msg
+    assert "\n" not in msg
+    assert "fix" in msg or "valid keys" in msg or "did you mean" in msg
+
+
+def test_unknown_key_lists_the_valid_ones() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.learning_rate=1"])
+    assert "train.max_steps" in str(err.value) and "dist.backend" in str(err.value)
+
+
+def test_bad_yaml_files(tmp_path: Path) -> None:
+    bad_key = tmp_path / "a.yaml"
+    bad_key.write_text("train:\n  max_step: 10\n")
+    with pytest.raises(ConfigError, match=re.escape("unknown config key 'train.max_step': did you mean 'train.max_steps'")):
+        load_config(str(bad_key))
+    broken = tmp_path / "b.yaml"
+    broken.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(str(broken))
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="neither a file nor a shipped preset"):
+        load_config("gpt2-huge")
+
+
+def test_relative_data_path_is_relative_to_the_config_file(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text("data:\n  path: prepared/es\n")
+    cfg = load_config(str(tmp_path / "c.yaml"))
+    assert cfg.data.path == str(tmp_path / "prepared" / "es")
+
+
+def test_resolved_config_round_trips(tmp_path: Path) -> None:
+    cfg = load_config("gpt2-small", ["train.lr=1e-4"], output_dir=str(tmp_path), run_name="r")
+    path = tmp_path / "config.yaml"
+    path.write_text(cfg.to_yaml())
+    assert load_run_file(path) == cfg
+
+
+def test_cli_rejects_bad_config_before_launching(tmp_path: Path) -> None:
+    r = run_cli(["local", "--set", "train.lrr=1", "--output-dir", str(tmp_path)], timeout=60)
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "unknown config key 'train.lrr'" in lines[0]
+    assert "Traceback" not in r.stderr
+    assert not any(tmp_path.iterdir())  # nothing was written
+
+
+def test_help_does_not_import_heavy_libraries() -> None:
+    code = (
+        "import sys\n"
+        "from aura_hpc.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('torch', 'transformers', 'datasets', 'deepspeed', 'numpy') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "local" in r.stdout and "prepare" in r.stdout
+    assert "HEAVY []" in r.stdout

@@ -1,0 +1,226 @@
+"""`prepare`: local txt/jsonl/parquet and the datasets (hub) path, idempotence, atomicity."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aura_hpc.data.packed import PackedTokens
+from aura_hpc.data.prepare import PrepareSpec, _split_paragraphs, prepare, read_manifest
+from aura_hpc.errors import DataError
+from tests.conftest import cli_env, run_cli
+
+DOCS = [
+    "En un pueblo pequeño vivía una panadera que madrugaba cada día.",
+    "El molinero abrió la puerta del molino y miró el camino largo.",
+    "La maestra leyó una carta junto al río, bajo los olivos.",
+    "Los arrieros cantaron en la venta del camino hasta el amanecer.",
+] * 20
+
+
+def _write_inputs(root: Path) -> dict[str, Path]:
+    root.mkdir(parents=True, exist_ok=True)
+    txt = root / "a.txt"
+    txt.write_text("\n\n".join(DOCS[:40]) + "\n", encoding="utf-8")
+    jsonl = root / "b.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS[40:])), encoding="utf-8")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = root / "c.parquet"
+    pq.write_table(pa.table({"text": DOCS[:30], "n": list(range(30))}), parquet)
+    return {"txt": txt, "jsonl": jsonl, "parquet": parquet}
+
+
+def _expected_tokens(out: Path, files: dict[str, Path]) -> int:
+    """Independent count: encode every unit with the saved tokenizer, plus one eos per document."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    n = 0
+    text = files["txt"].read_text(encoding="utf-8")
+    n += sum(len(tok.encode(p, add_special_tokens=False)) for p in _split_paragraphs(text)) + 1
+    for line in files["jsonl"].read_text(encoding="utf-8").splitlines():
+        n += len(tok.encode(json.loads(line)["text"], add_special_tokens=False)) + 1
+    n += sum(len(tok.encode(d, add_special_tokens=False)) + 1 for d in DOCS[:30])
+    return n
+
+
+def test_prepare_txt_jsonl_parquet_counts_match_the_tokenizer(tmp_path: Path) -> None:
+    files = _write_inputs(tmp_path / "in")
+    out = tmp_path / "prepared"
+    m = prepare(PrepareSpec(out_dir=out, inputs=[str(tmp_path / "in")], vocab_size=300, val_fraction=0.1))
+    assert len(m["sources"]) == 3
+    assert m["train_tokens"] + m["val_tokens"] == _expected_tokens(out, files)
+    assert m["val_tokens"] > 0 and m["dtype"] == "uint16"
+    data = PackedTokens(out, seq_len=16)
+    assert data.vocab_size == m["tokenizer"]["vocab_size"] <= 300
+    # The packed stream decodes back to the input text.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    decoded = tok.decode(np.asarray(data.splits["train"][:200]).tolist())
+    assert "panadera" in decoded or "molinero" in decoded
+    assert tok.eos_token == "<|endoftext|>"
+
+
+def test_rerun_is_a_noop_and_changed_input_is_not(tmp_path: Path) -> None:
+    files = _write_inputs(tmp_path / "in")
+    out = tmp_path / "p"
+    spec = PrepareSpec(out_dir=out, inputs=[str(files["txt"])], vocab_size=300)
+    first = prepare(spec)
+    mtime = (out / "train.bin").stat().st_mtime_ns
+    again = prepare(spec)
+    assert again["up_to_date"] is True and (out / "train.bin").stat().st_mtime_ns == mtime
+    files["txt"].write_text("Otra cosa distinta.\n\n" * 30, encoding="utf-8")
+    changed = prepare(spec)
+    assert changed["up_to_date"] is False and changed["input_key"] != first["input_key"]
+
+
+def test_globs_and_max_tokens(tmp_path: Path) -> None:
+    _write_inputs(tmp_path / "in")
+    m = prepare(PrepareSpec(out_dir=tmp_path / "p", inputs=[str(tmp_path / "in" / "*.jsonl")], vocab_size=300, max_tokens=100))
+    assert m["train_tokens"] + m["val_tokens"] == 100
+    assert m["sources"] == [str((tmp_path / "in" / "b.jsonl").resolve())]
+
+
+def test_hub_dataset_path_with_a_local_dataset_folder(tmp_path: Path) -> None:
+    """--dataset goes through datasets.load_dataset(name, subset, split, streaming=True): the hub code path."""
+    ds = tmp_path / "my_dataset"
+    (ds / "data").mkdir(parents=True)
+    rows = [{"content": d} for d in DOCS]
+    (ds / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    out = tmp_path / "p"
+    r = run_cli(
+        [
+            "prepare",
+            "--dataset",
+            str(ds),
+            "--split",
+            "train",
+            "--text-column",
+            "content",
+            "--vocab-size",
+            "300",
+            "--max-tokens",
+            "500",
+            "--out",
+            str(out),
+        ],
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    m = read_manifest(out)
+    assert m is not None and m["dataset"]["name"] == str(ds) and m["train_tokens"] + m["val_tokens"] == 500
+    bad = run_cli(["prepare", "--dataset", str(ds), "--text-column", "text", "--out", str(tmp_path / "q")], timeout=120)
+    assert bad.returncode == 2 and "column 'text' not in" in bad.stderr and "--text-column" in bad.stderr
+
+
+def test_given_tokenizer_is_used(tmp_path: Path, prepared: Path) -> None:
+    files = _write_inputs(tmp_path / "in")
+    m = prepare(PrepareSpec(out_dir=tmp_path / "p", inputs=[str(files["txt"])], tokenizer=str(prepared / "tokenizer")))
+    assert m["tokenizer"]["sha256"] == read_manifest(prepared)["tokenizer"]["sha256"]
+
+
+def test_failed_prepare_leaves_nothing_that_looks_complete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    files = _write_inputs(tmp_path / "in")
+    out = tmp_path / "p"
+    import aura_hpc.data.prepare as prep
+
+    def boom(*_a: object, **_k: object) -> None:
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(prep, "_move_tail_to_val", boom)
+    monkeypatch.setattr(prep, "_fsync_tree", boom)
+    with pytest.raises(RuntimeError):
+        prepare(PrepareSpec(out_dir=out, inputs=[str(files["txt"])], vocab_size=300))
+    assert not out.exists()
+    assert not list(tmp_path.glob(".p.tmp-*"))
+
+
+def test_killed_prepare_is_not_taken_as_complete(tmp_path: Path) -> None:
+    big = tmp_path / "big.txt"
+    from aura_hpc.data.corpus import generate
+
+    big.write_text(generate(20000, seed=7), encoding="utf-8")
+    out = tmp_path / "p"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aura_hpc", "prepare", str(big), "--out", str(out)],
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 60
+    while time.time() < deadline and not list(tmp_path.glob(".p.tmp-*")):
+        time.sleep(0.01)
+    assert list(tmp_path.glob(".p.tmp-*")), "prepare never started writing"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert read_manifest(out) is None
+    with pytest.raises(DataError, match="not a prepared directory"):
+        PackedTokens(out, 16)
+    # A later run is not fooled by the leftover temp dir, and completes.
+    m = prepare(PrepareSpec(out_dir=out, inputs=[str(big)], vocab_size=512))
+    assert m["up_to_date"] is False and read_manifest(out) is not None
+
+
+def test_directory_without_manifest_is_redone(tmp_path: Path) -> None:
+    files = _write_inputs(tmp_path / "in")
+    out = tmp_path / "p"
+    out.mkdir()
+    (out / "train.bin").write_bytes(b"\0" * 10)  # a half-copied directory
+    m = prepare(PrepareSpec(out_dir=out, inputs=[str(files["txt"])], vocab_size=300))
+    assert m["up_to_date"] is False and (out / "train.bin").stat().st_size == 2 * m["train_tokens"]
+
+
+def test_truncated_token_file_is_detected(tmp_path: Path) -> None:
+    files = _write_inputs(tmp_path / "in")
+    out = tmp_path / "p"
+    prepare(PrepareSpec(out_dir=out, inputs=[str(files["txt"])], vocab_size=300))
+    with open(out / "train.bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(DataError, match="re-run prepare with --force"):
+        PackedTokens(out, 16)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["/nonexistent/x.txt"], "does not exist"),
+        ([], "nothing to prepare"),
+        (["{tmp}/notes.docx"], "unsupported type '.docx'"),
+        (["{tmp}/latin1.txt"], "is not UTF-8 text"),
+        (["{tmp}/a.txt", "--vocab-size", "10"], "--vocab-size must be between"),
+    ],
+)
+def test_prepare_bad_inputs(tmp_path: Path, args: list[str], expected: str) -> None:
+    _write_inputs(tmp_path)
+    (tmp_path / "notes.docx").write_bytes(b"PK")
+    (tmp_path / "latin1.txt").write_bytes("año".encode("latin-1"))
+    from aura_hpc.data.prepare import PrepareSpec as Spec
+
+    argv = [a.format(tmp=tmp_path) for a in args]
+    vocab = int(argv[argv.index("--vocab-size") + 1]) if "--vocab-size" in argv else 300
+    inputs = [a for a in argv if not a.startswith("--") and not a.isdigit()]
+    with pytest.raises(DataError, match=expected.replace("(", r"\(").replace(".", r"\.")):
+        prepare(Spec(out_dir=tmp_path / "out", inputs=inputs, vocab_size=vocab))
+
+
+def test_prepare_cli_on_the_shared_corpus(tmp_path: Path) -> None:
+    from tests.conftest import SHARED_CORPUS
+
+    if not SHARED_CORPUS.exists():
+        pytest.skip("../shared/data/quijote.txt is not present")
+    r = run_cli(["prepare", str(SHARED_CORPUS), "--out", str(tmp_path / "q"), "--vocab-size", "4096"], timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = read_manifest(tmp_path / "q")
+    assert m is not None and m["train_tokens"] > 300_000
+    assert "tokens/s encoding" in r.stdout

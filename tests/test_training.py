@@ -1,0 +1,266 @@
+"""The trainer through the real launcher: real processes, real gloo, real checkpoints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from aura_hpc import checkpoint
+from aura_hpc.data.prepare import PrepareSpec, prepare
+from tests.conftest import cli_env, final_weights, free_port, run_cli
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "--set",
+    "model.n_layer=2",
+    "--set",
+    "model.n_embd=64",
+    "--set",
+    "model.n_head=2",
+    "--set",
+    "data.seq_len=64",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.log_every=5",
+]
+
+
+def _train(out: Path, name: str, prepared: Path, nproc: int, extra: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    r = run_cli(
+        [
+            "local",
+            "--nproc-per-node",
+            str(nproc),
+            "--output-dir",
+            str(out),
+            "--run-name",
+            name,
+            "--set",
+            f"data.path={prepared}",
+            *SMALL,
+            *extra,
+        ],
+        timeout=timeout,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def test_default_local_runs_to_completion(tmp_path: Path) -> None:
+    """`python -m aura_hpc local` with no arguments: the tiny preset on the built-in corpus."""
+    r = run_cli(["local"], cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = tmp_path / "runs" / "tiny"
+    out = r.stdout
+    assert "training finished" in out and str(run) in out
+    # Printed at start by rank 0: parameters, batch arithmetic, world size.
+    assert "parameters" in out
+    assert "8 per device x 2 processes x 1 accumulation = effective batch 16 sequences = 2,048 tokens per step" in out
+    assert "start rank=1" in out and "world_size=2" in out and "backend=gloo" in out
+    assert "all 2 ranks finished at step 150" in out
+    # The run directory layout.
+    assert (run / "config.yaml").exists() and (run / "summary.json").exists()
+    assert sorted(p.name for p in (run / "logs").iterdir()) == ["rank_0.log", "rank_1.log"]
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    ckpts = checkpoint.list_complete(run / "checkpoints")
+    assert [c.step for c in ckpts] == [150, 100, 50]  # keep_last 3
+    assert all(checkpoint.verify(c.path) is None for c in ckpts)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(10, 151, 10))
+    assert all({"step", "loss", "lr", "tokens_per_s"} <= set(r) for r in rows)
+    assert [r["step"] for r in rows if "eval_loss" in r] == [50, 100, 150]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 2.0, "the model did not learn"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["sample"].startswith("En un lugar de la Mancha") and summary["finished"]
+
+    g = run_cli(["generate", "--run", str(run), "--prompt", "La panadera", "--max-new-tokens", "20"], timeout=120)
+    assert g.returncode == 0, g.stderr
+    assert g.stdout.strip().startswith("La panadera") and len(g.stdout.split()) > 4
+
+    again = run_cli(["local"], cwd=tmp_path, timeout=300)
+    assert again.returncode == 0
+    assert "nothing to do: the run is already at step 150" in again.stdout
+
+
+def test_ddp_two_ranks_equals_one_rank_with_accumulation(tmp_path: Path, prepared: Path) -> None:
+    common = [
+        "--set",
+        "train.precision=fp64",
+        "--set",
+        "train.max_steps=8",
+        "--set",
+        "train.warmup_steps=2",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "train.checkpoint_every=0",
+    ]
+    _train(tmp_path, "ddp", prepared, 2, [*common, "--set", "train.grad_accum=1"])
+    _train(tmp_path, "accum", prepared, 1, [*common, "--set", "train.grad_accum=2"])
+    a, b = final_weights(tmp_path / "ddp"), final_weights(tmp_path / "accum")
+    assert a.keys() == b.keys()
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert a["transformer.wte.weight"].dtype == torch.float64
+    assert diff < 1e-10, f"DDP 2x4 and 1x4 accum 2 differ by {diff}"
+    # Different data order would differ at ~1e-3; check the test can tell.
+    _train(tmp_path, "other-seed", prepared, 1, [*common, "--set", "train.grad_accum=2", "--set", "train.seed=7"])
+    c = final_weights(tmp_path / "other-seed")
+    assert max((a[k] - c[k]).abs().max().item() for k in a) > 1e-4
+
+
+def test_resume_is_bit_identical(tmp_path: Path, prepared: Path) -> None:
+    common = [
+        "--set",
+        "train.max_steps=20",
+        "--set",
+        "train.warmup_steps=3",
+        "--set",
+        "train.checkpoint_every=5",
+        "--set",
+        "model.dropout=0.1",
+    ]
+    _train(tmp_path, "straight", prepared, 2, common)
+    stopped = _train(tmp_path, "resumed", prepared, 2, [*common, "--set", "train.stop_at=10"])
+    assert "stopped at step 10 of 20" in stopped.stdout
+    assert checkpoint.list_complete(tmp_path / "resumed" / "checkpoints")[0].step == 10
+    again = _train(tmp_path, "resumed", prepared, 2, common)
+    assert "resumed from checkpoint step_00000010 at step 10" in again.stdout
+    a, b = final_weights(tmp_path / "straight"), final_weights(tmp_path / "resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from the uninterrupted one"
+    rows = [json.loads(x)["step"] for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [5, 10, 15, 20]
+    log0 = (tmp_path / "resumed" / "logs" / "rank_0.log").read_text()
+    assert log0.count("start rank=0") == 2  # appended across both attempts
+
+
+def test_two_lan_machines_on_one_host(tmp_path: Path, prepared: Path) -> None:
+    """Two `local --nnodes 2` invocations, separate output dirs (no shared storage), one job."""
+    port = free_port()
+    args = [
+        "local",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--nproc-per-node",
+        "1",
+        "--set",
+        f"data.path={prepared}",
+        *SMALL,
+        "--set",
+        "train.max_steps=10",
+        "--set",
+        "train.warmup_steps=1",
+        "--set",
+        "train.checkpoint_every=5",
+        "--run-name",
+        "lan",
+    ]
+    procs = []
+    for node in (1, 0):
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "aura_hpc", *args, "--node-rank", str(node), "--output-dir", str(tmp_path / f"m{node}")],
+                env=cli_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+        time.sleep(0.5)
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    node1, node0 = outs
+    assert "all 2 ranks finished at step 10" in node0 and "training finished" in node0
+    assert "Rank 0 ran on another node" in node1
+    # Rank 0 (checkpoints, metrics) is on the machine started with --node-rank 0.
+    assert [c.step for c in checkpoint.list_complete(tmp_path / "m0" / "lan" / "checkpoints")] == [10, 5]
+    assert not (tmp_path / "m1" / "lan" / "checkpoints").exists()
+    assert (tmp_path / "m1" / "lan" / "logs" / "rank_1.log").exists()
+    # Restart with resume: node 1 has no checkpoint locally; rank 0 ships it.
+    port = free_port()
+    args[args.index("--master-port") + 1] = str(port)
+    args[args.index("train.max_steps=10")] = "train.max_steps=15"
+    procs = []
+    for node in (1, 0):
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "aura_hpc", *args, "--node-rank", str(node), "--output-dir", str(tmp_path / f"m{node}")],
+                env=cli_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+        time.sleep(0.5)
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "sent checkpoint step_00000010 to ranks without shared storage" in outs[1]
+    assert "resumed from checkpoint step_00000010 at step 10" in outs[0]
+
+
+def test_unreachable_master_fails_fast_with_a_clear_error(tmp_path: Path) -> None:
+    port = free_port()  # nothing listens there
+    t0 = time.monotonic()
+    r = run_cli(
+        [
+            "local",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--rdzv-timeout",
+            "3",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        timeout=60,
+    )
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 2
+    assert f"cannot reach the master at 127.0.0.1:{port} within 3s" in r.stderr and "firewall" in r.stderr
+    assert elapsed < 30
+    assert not (tmp_path / "tiny").exists()
+
+
+def test_too_little_data_is_refused_unless_oversubscribed(tmp_path: Path) -> None:
+    src = tmp_path / "small.txt"
+    src.write_text("El molinero abrió la puerta del molino y miró el camino largo. " * 60, encoding="utf-8")
+    data = tmp_path / "small"
+    prepare(PrepareSpec(out_dir=data, inputs=[str(src)], vocab_size=300))
+    base = [
+        "local",
+        "--nproc-per-node",
+        "2",
+        "--output-dir",
+        str(tmp_path / "runs"),
+        "--set",
+        f"data.path={data}",
+        *SMALL,
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "train.warmup_steps=1",
+    ]
+    r = run_cli(base, timeout=60)
+    assert r.returncode == 2
+    assert "fewer than one effective batch of 16 (= 8 per device x 2 processes x 1 accumulation)" in r.stderr
+    assert "train.allow_oversubscription=true" in r.stderr
+    assert not (tmp_path / "runs" / "tiny").exists()
+    ok = run_cli([*base, "--set", "train.allow_oversubscription=true"], timeout=240)
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+    assert "repeating the data to fill each batch" in ok.stdout
