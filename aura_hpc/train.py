@@ -389,6 +389,7 @@ class Trainer:
             log.info("nothing to do: the run is already at step %d of %d", self.step, self.end_step)
         interval_time, interval_tokens, interval_loss, interval_steps = 0.0, 0, 0.0, 0
         last_sample = ""
+        loop_start = time.perf_counter()
         while self.step < self.end_step:
             t0 = time.perf_counter()
             loss, grad_norm = self._train_step(wrapped)
@@ -411,6 +412,7 @@ class Trainer:
                     "step_time_s": round(interval_time / interval_steps, 5),
                     "grad_norm": round(float(grad_norm), 6),
                     "tokens": self.tokens_seen,
+                    "elapsed_s": round(time.perf_counter() - loop_start, 4),
                 }
                 if eval_loss is not None:
                     row["eval_loss"] = round(eval_loss, 6)
