@@ -14,6 +14,8 @@ leaves either the previous checkpoints untouched plus an ignored temp dir, or a 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -21,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,23 +82,33 @@ def save(
     keep_last: int,
 ) -> Path:
     """Write checkpoint `step` atomically and prune to the newest `keep_last`. Rank 0 only."""
+    from aura_hpc import faults
+
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    if (final / MARKER).exists():
-        return final
     _clean_stale_temps(root)
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    run_dir = root.parent
+
+    def stage(name: str) -> None:
+        faults.checkpoint_stage(name, run_dir)
+
     try:
+        tmp.mkdir()
         model.save_pretrained(str(tmp / "model"), safe_serialization=True)
+        stage("model")
         buf = io.BytesIO()
         torch.save(trainer_state, buf)
         _write(tmp / "trainer_state.pt", buf.getvalue())
+        stage("trainer_state")
         _write(tmp / "meta.json", json.dumps(meta, indent=2).encode())
+        stage("meta")
         _write(tmp / "config.yaml", config_yaml.encode())
+        stage("config")
         if tokenizer_dir is not None and tokenizer_dir.is_dir():
             shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+        stage("tokenizer")
         files: dict[str, dict[str, Any]] = {}
         for p in sorted(tmp.rglob("*")):
             if p.is_file():
@@ -103,15 +116,26 @@ def save(
                 files[str(p.relative_to(tmp))] = {"size": p.stat().st_size, "sha256": _sha256(p)}
         for d in [tmp, *[p for p in tmp.rglob("*") if p.is_dir()]]:
             _fsync(d)
+        stage("files")
         _write(tmp / MARKER, json.dumps({"step": step, "files": files}, indent=1).encode())
+        stage("marker")
         _fsync(tmp)
-        tmp.rename(final)
+        if final.exists():
+            # The same step written again (after a rollback the weights differ): swap it in.
+            old = root / f".old-{final.name}-{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
         _fsync(root)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        reason = exc.strerror or str(exc)
+        fix = "free disk space" if exc.errno == errno.ENOSPC else "check the permissions and the filesystem"
         raise CheckpointError(
-            f"could not write checkpoint {final} ({exc.strerror or exc}); previous checkpoints are intact "
-            "(fix: free disk space or check permissions, then re-run to resume)"
+            f"could not write checkpoint {final.name} in {root} ({reason}); the previous checkpoints are intact "
+            f"(fix: {fix}, then re-run the same command to resume)"
         ) from None
     prune(root, keep_last)
     return final
@@ -119,7 +143,7 @@ def save(
 
 def _clean_stale_temps(root: Path) -> None:
     """Partial checkpoints from a crash mid-save; only the writer (rank 0) is ever here."""
-    for p in root.glob(".tmp-step_*"):
+    for p in [*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]:
         if p.is_dir() and not p.name.endswith(f"-{os.getpid()}"):
             log.info("removing partial checkpoint %s left by an interrupted save", p.name)
             shutil.rmtree(p, ignore_errors=True)
@@ -136,9 +160,26 @@ def list_complete(root: Path) -> list[Checkpoint]:
     return sorted(out, key=lambda c: c.step, reverse=True)
 
 
+def _eval_loss(ckpt: Checkpoint) -> float | None:
+    try:
+        value = json.loads((ckpt.path / "meta.json").read_text()).get("eval_loss")
+    except (OSError, json.JSONDecodeError):
+        return None
+    return float(value) if value is not None else None
+
+
+def best(root: Path) -> Checkpoint | None:
+    """The complete checkpoint with the lowest validation loss, if any recorded one."""
+    scored = [(loss, c) for c in list_complete(root) if (loss := _eval_loss(c)) is not None]
+    return min(scored, key=lambda x: (x[0], -x[1].step))[1] if scored else None
+
+
 def prune(root: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` and the best by validation loss."""
+    keep_best = best(root)
     for ckpt in list_complete(root)[keep_last:]:
-        shutil.rmtree(ckpt.path, ignore_errors=True)
+        if keep_best is None or ckpt.path != keep_best.path:
+            shutil.rmtree(ckpt.path, ignore_errors=True)
 
 
 def verify(ckpt: Path) -> str | None:
@@ -159,12 +200,22 @@ def verify(ckpt: Path) -> str | None:
 
 
 def newest_valid(root: Path) -> Checkpoint | None:
-    """The newest checkpoint that verifies; corrupt newer ones are reported and skipped."""
-    for ckpt in list_complete(root):
+    """The newest checkpoint that verifies; corrupt newer ones are reported and set aside."""
+    complete = list_complete(root)
+    newest_complete = complete[0].step if complete else -1
+    if root.is_dir():
+        for p in sorted(root.iterdir()):
+            m = _NAME.match(p.name)
+            if m and p.is_dir() and not (p / MARKER).exists() and int(m.group(1)) > newest_complete:
+                log.warning("checkpoint %s has no %s (its save was interrupted): ignored", p.name, MARKER)
+    for ckpt in complete:
         problem = verify(ckpt.path)
         if problem is None:
             return ckpt
-        log.warning("checkpoint %s is corrupt (%s); trying the previous one", ckpt.path.name, problem)
+        aside = root / f"corrupt-{ckpt.path.name}-{int(time.time())}"
+        with contextlib.suppress(OSError):
+            ckpt.path.rename(aside)
+        log.warning("checkpoint %s is corrupt (%s); moved it to %s and using the previous one", ckpt.path.name, problem, aside.name)
     return None
 
 
@@ -180,10 +231,17 @@ def read_payload(ckpt: Path) -> dict[str, bytes]:
 def decode_payload(payload: dict[str, bytes]) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     from safetensors.torch import load as load_safetensors
 
-    weights = load_safetensors(payload["model"])
-    # weights_only: a checkpoint is data, never code.
-    state = torch.load(io.BytesIO(payload["trainer_state"]), map_location="cpu", weights_only=True)
-    meta = json.loads(payload["meta"])
+    try:
+        weights = load_safetensors(payload["model"])
+        # weights_only: a checkpoint is data, never code.
+        state = torch.load(io.BytesIO(payload["trainer_state"]), map_location="cpu", weights_only=True)
+        meta = json.loads(payload["meta"])
+    except Exception as exc:  # any decoding failure means the same thing to the user
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"checkpoint could not be loaded safely ({type(exc).__name__}: {first[:200]}) "
+            "(fix: move that checkpoint directory away to resume from the previous one)"
+        ) from None
     return weights, state, meta
 
 

@@ -53,6 +53,8 @@ def cmd_local(a: argparse.Namespace) -> int:
         f"{plan.nproc} processes, master {plan.master_addr}:{plan.master_port}"
     )
     status = launch(plan)
+    if status != 0:
+        return status
     s = summary(plan)
     if s is None:
         console.info("done. Rank 0 ran on another node; its run directory holds the checkpoints and metrics.")

@@ -68,6 +68,9 @@ class TrainConfig:
     sample_tokens: int = 40
     allow_oversubscription: bool = False
     threads: int = 0  # torch intra-op threads per process; 0 = launcher's OMP_NUM_THREADS
+    nan_rollback_after: int = 3  # consecutive non-finite steps (skipped) before rolling back
+    nan_lr_scale: float = 0.5  # multiply the learning rate by this at each rollback (1 = keep)
+    nan_max_rollbacks: int = 3  # then stop: the run diverges
 
 
 @dataclass
@@ -242,7 +245,10 @@ def _load_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         line = getattr(getattr(exc, "problem_mark", None), "line", None)
         where = f" line {line + 1}" if line is not None else ""
-        raise ConfigError(f"config file {path}{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+        raise ConfigError(
+            f"config file {path}{where} is not valid YAML: {getattr(exc, 'problem', exc)} "
+            "(fix: check the brackets, quotes and indentation there)"
+        ) from None
     return data or {}
 
 
@@ -358,6 +364,14 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.lr must be greater than 0, got {t.lr} (fix: --set train.lr=3e-4)")
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError(f"train.min_lr_ratio must be between 0 and 1, got {t.min_lr_ratio} (fix: --set train.min_lr_ratio=0.1)")
+    if t.nan_rollback_after < 1:
+        raise ConfigError(
+            f"train.nan_rollback_after must be at least 1, got {t.nan_rollback_after} (fix: --set train.nan_rollback_after=3)"
+        )
+    if not 0 < t.nan_lr_scale <= 1:
+        raise ConfigError(f"train.nan_lr_scale must be in (0, 1], got {t.nan_lr_scale} (fix: --set train.nan_lr_scale=0.5)")
+    if t.nan_max_rollbacks < 0:
+        raise ConfigError(f"train.nan_max_rollbacks must be 0 or more, got {t.nan_max_rollbacks} (fix: --set train.nan_max_rollbacks=3)")
     if not 0 <= m.dropout < 1:
         raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout} (fix: --set model.dropout=0.0)")
     if m.n_embd % m.n_head:

@@ -25,7 +25,17 @@ class CheckpointError(AuraError):
     pass
 
 
+class TrainingError(AuraError):
+    """Training cannot go on (e.g. the loss stays non-finite after every rollback)."""
+
+    exit_code = 3
+
+
 # Exit statuses a launcher can read.
 EXIT_OK = 0
-EXIT_USER_ERROR = 2
 EXIT_TRAIN_FAILED = 1
+EXIT_USER_ERROR = 2
+EXIT_DIVERGED = 3
+# Stopped on a signal (SIGTERM, SIGINT, SIGUSR2) after writing a checkpoint: re-run to resume.
+# 75 is EX_TEMPFAIL in sysexits.h: "temporary failure, try again".
+EXIT_RESUMABLE = 75

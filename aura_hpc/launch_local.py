@@ -7,11 +7,11 @@ behind torchrun) with a c10d rendezvous hosted by node 0; the worker command is 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import platform
+import signal
 import socket
 import sys
 import time
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aura_hpc.config import RunConfig, load_config, load_run_file
-from aura_hpc.errors import ConfigError, DataError, LaunchError
+from aura_hpc.errors import EXIT_RESUMABLE, ConfigError, DataError, LaunchError
 
 WORKER_MODULE = "aura_hpc.train"
 RDZV_RUN_ID = "aura_hpc"
@@ -37,6 +37,7 @@ class LocalPlan:
     rdzv_timeout: int
     local_addr: str | None
     env: dict[str, str] = field(default_factory=dict)
+    shutdown_timeout: int = 120
 
     @property
     def config_path(self) -> Path:
@@ -134,23 +135,25 @@ def plan_local(
     if cfg.data.path:
         cfg.data.path = str(Path(cfg.data.path).expanduser().resolve())
     if nnodes < 1:
-        raise LaunchError(f"--nnodes must be at least 1, got {nnodes}")
+        raise LaunchError(f"--nnodes must be at least 1, got {nnodes} (fix: --nnodes 1 for this machine alone)")
     if not 0 <= node_rank < nnodes:
         raise LaunchError(f"--node-rank {node_rank} is not below --nnodes {nnodes} (fix: use 0..{nnodes - 1}, 0 on the master)")
     if rdzv_timeout <= 0:
-        raise LaunchError(f"--rdzv-timeout must be positive, got {rdzv_timeout}")
+        raise LaunchError(f"--rdzv-timeout must be positive, got {rdzv_timeout} (fix: --rdzv-timeout 120)")
     if max_restarts < 0:
-        raise LaunchError(f"--max-restarts must be 0 or more, got {max_restarts}")
+        raise LaunchError(f"--max-restarts must be 0 or more, got {max_restarts} (fix: --max-restarts 0 or a positive count)")
     if nnodes > 1 and not master_addr:
         raise LaunchError("--nnodes > 1 needs --master-addr (fix: --master-addr <IP of node 0> on every node)")
     gpus = _cuda_count()
     wanted = cfg.dist.backend
     if wanted == "nccl" and gpus == 0:
         raise ConfigError("--backend nccl needs CUDA GPUs, and this machine has none (fix: --backend gloo or auto)")
+    if cfg.train.precision == "fp16" and gpus == 0:
+        raise ConfigError("train.precision fp16 needs a CUDA GPU and this machine has none (fix: --set train.precision=auto)")
     if nproc is None:
         nproc = gpus if gpus and wanted != "gloo" else 2
     if nproc < 1:
-        raise LaunchError(f"--nproc-per-node must be at least 1, got {nproc}")
+        raise LaunchError(f"--nproc-per-node must be at least 1, got {nproc} (fix: omit it for one per GPU, or 2 on CPU)")
     if gpus and wanted != "gloo" and nproc > gpus:
         raise LaunchError(f"--nproc-per-node {nproc} is more than the {gpus} GPUs on this machine (fix: --nproc-per-node {gpus})")
 
@@ -160,7 +163,7 @@ def plan_local(
     if master_port is None:
         master_port = _free_port() if nnodes == 1 else 29500
     if not 1 <= master_port <= 65535:
-        raise LaunchError(f"--master-port must be 1..65535, got {master_port}")
+        raise LaunchError(f"--master-port must be 1..65535, got {master_port} (fix: --master-port 29500)")
 
     env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "AURA_NODE_RANK": str(node_rank), "AURA_NNODES": str(nnodes)}
     cores = os.cpu_count() or 1
@@ -185,13 +188,15 @@ def _check_resume_compatible(cfg: RunConfig) -> None:
     old = cfg.run_dir / "config.yaml"
     if not old.exists() or not (cfg.run_dir / "checkpoints").is_dir():
         return
-    with contextlib.suppress(ConfigError):
+    try:
         previous = load_run_file(old)
-        if previous.model_fingerprint() != cfg.model_fingerprint():
-            raise ConfigError(
-                f"run directory {cfg.run_dir} holds checkpoints of a different model shape or data.seq_len "
-                "(fix: use a new --run-name, or resume with the original config)"
-            )
+    except ConfigError:
+        return  # an unreadable old config: the checkpoint's own fingerprint is checked at resume
+    if previous.model_fingerprint() != cfg.model_fingerprint():
+        raise ConfigError(
+            f"run directory {cfg.run_dir} holds checkpoints of a different model shape or data.seq_len "
+            "(fix: use a new --run-name, or resume with the original config)"
+        )
 
 
 def preflight_data(cfg: RunConfig, world_size: int) -> None:
@@ -210,6 +215,9 @@ def preflight_data(cfg: RunConfig, world_size: int) -> None:
             f"model.vocab_size {cfg.model.vocab_size} does not match the data's tokenizer ({vocab}) "
             "(fix: --set model.vocab_size=0 to take it from the data)"
         )
+    from aura_hpc.data.packed import PackedTokens
+
+    PackedTokens(cfg.data.path, cfg.data.seq_len)  # token files present and as long as the manifest says
     t = cfg.train
     sequences = max(0, (int(m["train_tokens"]) - 1) // cfg.data.seq_len)
     effective = t.batch_size * world_size * t.grad_accum
@@ -261,12 +269,13 @@ def launch(plan: LocalPlan) -> int:
     prepare_run(plan)
     os.environ.update(plan.env)
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger(name).setLevel(logging.ERROR)
     lc = LaunchConfig(
         min_nodes=plan.nnodes,
         max_nodes=plan.nnodes,
@@ -280,16 +289,25 @@ def launch(plan: LocalPlan) -> int:
         monitor_interval=0.2,
         start_method="spawn",
         local_addr=plan.local_addr,
+        # On Ctrl+C/SIGTERM the agent forwards the signal and waits this long for the workers to
+        # finish their step and write a checkpoint before it kills them.
+        shutdown_timeout=plan.shutdown_timeout,
+        # SIGUSR2 is the pre-timeout/preemption signal: forward it like SIGTERM instead of dying on it.
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",
     )
     cmd = plan.worker_cmd
     try:
         elastic_launch(lc, cmd[0])(*cmd[1:])
+    except SignalException as exc:
+        return _resumable(plan, exc.sigval.name)
     except ChildFailedError as exc:
+        if all(f.exitcode == EXIT_RESUMABLE for f in exc.failures.values()):
+            return _resumable(plan, "a stop signal to the workers")
         rank, failure = exc.get_first_failure()
         log_file = plan.cfg.run_dir / "logs" / f"rank_{rank}.log"
+        restarts = f" after {plan.max_restarts} restart(s)" if plan.max_restarts else ""
         raise LaunchError(
-            f"training failed: rank {rank} exited with status {failure.exitcode} (see {log_file}); "
-            "fix the cause above, then re-run the same command to resume from the last checkpoint"
+            f"training failed{restarts}: rank {rank} {_exit_description(failure.exitcode)} (see {log_file}); {_resume_hint(plan)}"
         ) from None
     except RendezvousError as exc:
         raise LaunchError(
@@ -298,6 +316,32 @@ def launch(plan: LocalPlan) -> int:
             "--master-addr and --master-port, and check the firewall)"
         ) from None
     return 0
+
+
+def _exit_description(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _resume_hint(plan: LocalPlan) -> str:
+    from aura_hpc import checkpoint
+
+    ckpts = checkpoint.list_complete(plan.cfg.run_dir / "checkpoints")
+    where = f"from {ckpts[0].path.name}" if ckpts else "(no checkpoint yet: it starts from step 0)"
+    return f"to resume {where}, fix the cause and re-run the same command"
+
+
+def _resumable(plan: LocalPlan, why: str) -> int:
+    from aura_hpc import checkpoint, console
+
+    ckpts = checkpoint.list_complete(plan.cfg.run_dir / "checkpoints")
+    saved = f"checkpoint {ckpts[0].path.name} saved" if ckpts else "no checkpoint was saved"
+    console.info(f"stopped by {why}: {saved}; re-run the same command to resume")
+    return EXIT_RESUMABLE
 
 
 def summary(plan: LocalPlan) -> dict[str, object] | None:

@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
-from aura_hpc import checkpoint, distributed
+from aura_hpc import checkpoint, distributed, faults
 from aura_hpc.config import RunConfig, load_run_file, max_steps_for
 from aura_hpc.data.packed import GlobalOrder, PackedTokens, batch_start
 from aura_hpc.dist_env import DistEnv
-from aura_hpc.errors import AuraError, CheckpointError, ConfigError, DataError
+from aura_hpc.errors import EXIT_RESUMABLE, AuraError, CheckpointError, ConfigError, DataError, TrainingError
 from aura_hpc.model import build_model, count_parameters, lm_loss
 from aura_hpc.parallel import Wrapped, wrap
+from aura_hpc.stop import StopRequest
 
 log = logging.getLogger("aura_hpc")
 
@@ -204,6 +205,8 @@ class Trainer:
         self.step = 0
         self.samples_base, self.step_base = 0, 0
         self.tokens_seen = 0
+        self.rollbacks = 0
+        self.last_eval: float | None = None
         chosen = None
         if self.env.is_main:
             found = checkpoint.newest_valid(self.ckpt_root)
@@ -213,6 +216,12 @@ class Trainer:
             if self.env.is_main:
                 log.info("no checkpoint in %s: starting from step 0", self.ckpt_root)
             return
+        self._load_checkpoint(chosen)
+        self.samples_base, self.step_base = self._samples_seen_at_ckpt, self.step
+        log.info("resumed from checkpoint %s at step %d", chosen, self.step)
+
+    def _load_checkpoint(self, chosen: str) -> None:
+        """Load checkpoint `chosen` (a directory name) on every rank."""
         local = self.ckpt_root / chosen
         have = (local / checkpoint.MARKER).exists()
         everyone = distributed.all_gather_object(have)
@@ -223,7 +232,10 @@ class Trainer:
             payload = distributed.broadcast_object(payload)
             if self.env.is_main:
                 log.info("sent checkpoint %s to ranks without shared storage", chosen)
-        weights, state, meta = checkpoint.decode_payload(payload)
+        try:
+            weights, state, meta = checkpoint.decode_payload(payload)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{chosen}: {exc}") from None
         if meta.get("model_fingerprint") != self.cfg.model_fingerprint():
             raise CheckpointError(
                 f"checkpoint {chosen} was written with a different model shape or data.seq_len than this config "
@@ -241,11 +253,11 @@ class Trainer:
         elif self.env.is_main:
             log.warning("world size changed (%d -> %d): RNG streams re-seeded", len(rngs), self.world)
         self.step = int(meta["step"])
-        self.samples_base, self.step_base = int(meta["samples_seen"]), self.step
+        self._samples_seen_at_ckpt = int(meta["samples_seen"])
         self.tokens_seen = int(meta.get("tokens_seen", 0))
+        self.rollbacks = int(meta.get("rollbacks", 0))
         if int(meta.get("effective_batch", self.per_step)) != self.per_step and self.env.is_main:
             log.warning("effective batch changed (%s -> %d) since the checkpoint", meta.get("effective_batch"), self.per_step)
-        log.info("resumed from checkpoint %s at step %d", chosen, self.step)
 
     # ---- the loop -----------------------------------------------------------------------
     def _batch(self, micro: int) -> torch.Tensor:
@@ -256,23 +268,51 @@ class Trainer:
         x = torch.from_numpy(self.data.sequences("train", idx))
         return x.to(self.device, non_blocking=True)
 
-    def _train_step(self, wrapped: Wrapped) -> tuple[torch.Tensor, torch.Tensor]:
+    def _train_step(self, wrapped: Wrapped, stop: StopRequest) -> tuple[float, float, bool, list[int]]:
+        """One optimizer step; returns (loss, grad norm, stop agreed, ranks with a non-finite loss/grad).
+
+        Whether to stop and whether the step is usable is decided by all ranks together in a
+        single all_reduce, so a NaN or a signal on one rank never leaves the others waiting.
+        """
         t = self.cfg.train
         total = torch.zeros((), device=self.device, dtype=torch.float64)
+        poison = faults.poison_loss(self.env.rank, self.step + 1)
         for micro in range(t.grad_accum):
             batch = self._batch(micro)
             with wrapped.accumulating(sync=micro == t.grad_accum - 1), self._autocast():
                 loss = lm_loss(wrapped.module, batch) / t.grad_accum
+                if poison:
+                    loss = loss * float("nan")
             self.scaler.scale(loss).backward()
             total += loss.detach().to(torch.float64)
         self.scaler.unscale_(self.optimizer)
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        loss_value, norm_value = float(total), float(grad_norm)
+        bad = 0.0
+        if not math.isfinite(loss_value):
+            bad = 1.0
+        elif not math.isfinite(norm_value) and not self.scaler.is_enabled():
+            bad = 2.0  # fp16's GradScaler skips inf-gradient steps itself; only a bad loss counts there
+        flags = torch.zeros(1 + self.world, dtype=torch.float64, device=self.device)
+        flags[0] = 1.0 if stop.requested else 0.0
+        flags[1 + self.env.rank] = bad
+        if distributed.active():
+            torch.distributed.all_reduce(flags)
+        flags_list = flags.tolist()
+        bad_ranks = [r for r in range(self.world) if flags_list[1 + r] > 0]
+        # A NaN loss on one rank poisons every rank's gradients through DDP; name where it started.
+        origin = [r for r in range(self.world) if flags_list[1 + r] == 1.0] or bad_ranks
+        if bad_ranks:
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler.is_enabled():
+                self.scaler.update()
+        else:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total, grad_norm
+        return loss_value, norm_value, flags_list[0] > 0, origin
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -318,11 +358,20 @@ class Trainer:
         self.model.train()
         return str(tok.decode(out[0], skip_special_tokens=True))
 
+    def _weights_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
     def save(self) -> Path | None:
         rngs = distributed.all_gather_object(_rng_state())
         path = None
+        if not all(distributed.all_gather_object(self._weights_finite())):
+            if self.env.is_main:
+                log.error("weights are not finite at step %d: checkpoint NOT written (the previous ones are kept)", self.step)
+            return None
         if self.env.is_main:
             meta = {
+                "eval_loss": self.last_eval,
+                "rollbacks": self.rollbacks,
                 "step": self.step,
                 "samples_seen": self.samples_base + (self.step - self.step_base) * self.per_step,
                 "tokens_seen": self.tokens_seen,
@@ -339,12 +388,82 @@ class Trainer:
                 "rng": rngs,
             }
             t0 = time.perf_counter()
-            path = checkpoint.save(
-                self.ckpt_root, self.step, self.model, state, meta, self.data.tokenizer_dir, self.cfg.to_yaml(), self.cfg.train.keep_last
-            )
-            log.info("checkpoint %s written in %.2fs", path, time.perf_counter() - t0)
+            error: str | None = None
+            try:
+                path = checkpoint.save(
+                    self.ckpt_root,
+                    self.step,
+                    self.model,
+                    state,
+                    meta,
+                    self.data.tokenizer_dir,
+                    self.cfg.to_yaml(),
+                    self.cfg.train.keep_last,
+                )
+                log.info("checkpoint %s written in %.2fs", path, time.perf_counter() - t0)
+            except CheckpointError as exc:
+                error = str(exc)
+            # Every rank learns that the save failed, so all stop together instead of hanging.
+            error = distributed.broadcast_object(error)
+        else:
+            error = distributed.broadcast_object(None)
+        if error:
+            raise CheckpointError(error)
         distributed.barrier()
         return path
+
+    def _rollback(self, bad_steps: int) -> None:
+        """Back to the newest good checkpoint, past the data that went bad, with a lower LR."""
+        t = self.cfg.train
+        if self.rollbacks >= t.nan_max_rollbacks:
+            raise TrainingError(
+                f"the loss stayed non-finite after {self.rollbacks} rollbacks (step {self.step}) "
+                "(fix: lower train.lr, raise train.warmup_steps or train.grad_clip, or check the data)"
+            )
+        chosen = None
+        if self.env.is_main:
+            found = checkpoint.newest_valid(self.ckpt_root)
+            chosen = found.path.name if found else None
+        chosen = distributed.broadcast_object(chosen)
+        if chosen is None:
+            raise TrainingError(
+                f"{bad_steps} non-finite steps in a row at step {self.step} and no checkpoint to roll back to "
+                "(fix: lower train.lr or raise train.warmup_steps; set train.checkpoint_every to have one)"
+            )
+        position = self.samples_base + (self.step - self.step_base) * self.per_step
+        rollbacks = self.rollbacks + 1
+        self._load_checkpoint(chosen)
+        self.rollbacks = rollbacks
+        self.samples_base, self.step_base = position, self.step
+        self.scheduler.base_lrs = [lr * t.nan_lr_scale for lr in self.scheduler.base_lrs]
+        factor = lr_factor(self.step, t.warmup_steps, self.max_steps, t.schedule, t.min_lr_ratio)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = base * factor
+        if self.env.is_main:
+            log.warning(
+                "%d non-finite steps in a row: rolled back to %s (step %d), skipping the data that went bad, "
+                "learning rate x%g (rollback %d of at most %d)",
+                bad_steps,
+                chosen,
+                self.step,
+                t.nan_lr_scale,
+                self.rollbacks,
+                t.nan_max_rollbacks,
+            )
+
+    def _stop_on_signal(self, stop: StopRequest) -> int:
+        path = self.save()
+        if self.env.is_main:
+            what = f"checkpoint {path.name} written" if path else "no checkpoint written (weights not finite)"
+            log.warning(
+                "stop requested (%s) at step %d: %s; exiting with status %d (resumable: re-run the same command)",
+                stop.signal_name or "signal on another rank",
+                self.step,
+                what,
+                EXIT_RESUMABLE,
+            )
+        distributed.barrier()
+        return EXIT_RESUMABLE
 
     def _print_plan(self) -> None:
         cfg, t = self.cfg, self.cfg.train
@@ -390,20 +509,49 @@ class Trainer:
         interval_time, interval_tokens, interval_loss, interval_steps = 0.0, 0, 0.0, 0
         last_sample = ""
         loop_start = time.perf_counter()
+        stop = StopRequest()
+        stop.install()
+        bad_in_a_row = 0
         while self.step < self.end_step:
             t0 = time.perf_counter()
-            loss, grad_norm = self._train_step(wrapped)
+            loss, grad_norm, stop_agreed, bad_ranks = self._train_step(wrapped, stop)
             self.step += 1
             self.tokens_seen += self.tokens_per_step
+            faults.after_step(self.env.rank, self.step, self.run_dir)
             interval_time += time.perf_counter() - t0
+            if bad_ranks:
+                bad_in_a_row += 1
+                if env.is_main:
+                    log.warning(
+                        "non-finite loss or gradient on rank(s) %s at step %d: update skipped (%d in a row)",
+                        bad_ranks,
+                        self.step,
+                        bad_in_a_row,
+                    )
+                if bad_in_a_row >= t.nan_rollback_after:
+                    self._rollback(bad_in_a_row)
+                    bad_in_a_row = 0
+                    interval_time, interval_tokens, interval_loss, interval_steps = 0.0, 0, 0.0, 0
+                    continue
+            else:
+                bad_in_a_row = 0
+            if stop_agreed:
+                progress.stop()
+                if metrics is not None:
+                    metrics.close()
+                return self._stop_on_signal(stop)
+            if bad_ranks:
+                continue
             interval_tokens += self.tokens_per_step
-            interval_loss += float(loss)
+            interval_loss += loss
             interval_steps += 1
             at_end = self.step == self.end_step
             do_eval = bool(t.eval_every) and (self.step % t.eval_every == 0 or at_end)
             if self.step % t.log_every == 0 or do_eval or at_end:
                 mean_loss = distributed.all_reduce_sum([interval_loss / interval_steps], self.device)[0] / self.world
                 eval_loss = self.evaluate() if do_eval else None
+                if eval_loss is not None:
+                    self.last_eval = eval_loss
                 row: dict[str, Any] = {
                     "step": self.step,
                     "loss": round(mean_loss, 6),
@@ -439,8 +587,12 @@ class Trainer:
                     metrics.text("sample", last_sample, self.step)
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or at_end:
                 self.save()
+            self.last_eval = None
         progress.stop()
         final_ckpt = checkpoint.list_complete(self.ckpt_root)
+        if self.step > 0 and (not final_ckpt or final_ckpt[0].step != self.step):
+            self.save()  # the last step was skipped (non-finite) and so was its checkpoint
+            final_ckpt = checkpoint.list_complete(self.ckpt_root)
         if env.is_main:
             last_sample = self.sample()
             log.info("sample: %s", last_sample.replace("\n", " "))

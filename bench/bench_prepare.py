@@ -1,8 +1,8 @@
 """`prepare`'s fast path vs `datasets.map` tokenizing the same corpus with the same tokenizer.
 
 Each side runs in a fresh process (a multi-process .map leaves the tokenizer's thread pool
-slower in the same process) and is timed from reading the text to having the token ids
-written to a file. Corpus: ../shared/data/quijote.txt repeated 5x when present, else the
+slower in the same process), imports its libraries first, and is timed from reading the text
+to having the token ids written to a file. Corpus: ../shared/data/quijote.txt repeated 5x when present, else the
 built-in corpus.
 """
 
@@ -21,6 +21,7 @@ QUIJOTE = REPO.parent / "shared" / "data" / "quijote.txt"
 FAST = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
+    import transformers, tokenizers  # imported before the clock starts, as on the datasets.map side
     from aura_hpc.data.prepare import PrepareSpec, prepare
     src, tok, out = sys.argv[1:4]
     t0 = time.perf_counter()

@@ -1,0 +1,63 @@
+"""Fault injection for the fault-tolerance tests, driven by environment variables.
+
+Inert unless one of these is set (never set them in production):
+    AURA_FAULT_KILL=RANK:STEP         SIGKILL that rank right after it finishes STEP (once per run dir)
+    AURA_FAULT_NAN=RANK:STEP[:COUNT]  poison the loss on that rank for COUNT steps from STEP (each step once)
+    AURA_FAULT_CKPT=MODE:STAGE        while writing a checkpoint, after STAGE (model, trainer_state, meta,
+                                      config, tokenizer, files, marker): MODE=kill (SIGKILL the writer)
+                                      or MODE=enospc (fail as a full disk would). Once per run dir.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+from pathlib import Path
+
+_poisoned: set[int] = set()
+
+
+def _once(run_dir: Path, name: str) -> bool:
+    """True the first time a fault fires for this run directory (survives restarts)."""
+    marker = run_dir / f".fault-{name}"
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+def after_step(rank: int, step: int, run_dir: Path) -> None:
+    spec = os.environ.get("AURA_FAULT_KILL")
+    if not spec:
+        return
+    r, s = (int(x) for x in spec.split(":"))
+    if r == rank and s == step and _once(run_dir, "kill"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def poison_loss(rank: int, step: int) -> bool:
+    spec = os.environ.get("AURA_FAULT_NAN")
+    if not spec:
+        return False
+    parts = [int(x) for x in spec.split(":")]
+    r, s, count = parts[0], parts[1], parts[2] if len(parts) > 2 else 1
+    if r == rank and s <= step < s + count and step not in _poisoned:
+        _poisoned.add(step)
+        return True
+    return False
+
+
+def checkpoint_stage(stage: str, run_dir: Path) -> None:
+    spec = os.environ.get("AURA_FAULT_CKPT")
+    if not spec:
+        return
+    mode, where = spec.split(":")
+    if where != stage or not _once(run_dir, f"ckpt-{mode}"):
+        return
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -1,0 +1,30 @@
+"""Graceful stop on SIGTERM, SIGINT, SIGHUP and SIGUSR2 (Slurm's pre-timeout signal).
+
+The handler only records the signal; the trainer acts at the next step boundary, where all
+ranks agree in one collective, write one checkpoint and exit with EXIT_RESUMABLE.
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2, signal.SIGHUP)
+
+
+class StopRequest:
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        # Only a flag: raising here (KeyboardInterrupt) could tear a checkpoint write in half.
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None

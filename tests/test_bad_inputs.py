@@ -1,0 +1,179 @@
+"""The bad-input battery: each row ends with exit != 0 and one readable line naming the problem and
+the fix, before any training step (no checkpoint, no metrics, no worker output)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import free_port, run_cli
+
+
+@dataclass
+class Row:
+    name: str
+    args: list[str]
+    expect: str
+    setup: Callable[[Path, Path], None] | None = None
+    skip_if: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _small_data(tmp: Path, _prepared: Path) -> None:
+    from aura_hpc.data.prepare import PrepareSpec, prepare
+
+    (tmp / "small.txt").write_text("La panadera abrió la puerta del molino. " * 40, encoding="utf-8")
+    prepare(PrepareSpec(out_dir=tmp / "small", inputs=[str(tmp / "small.txt")], vocab_size=300))
+
+
+def _truncated(tmp: Path, prepared: Path) -> None:
+    shutil.copytree(prepared, tmp / "trunc")
+    with open(tmp / "trunc" / "train.bin", "r+b") as f:
+        f.truncate(1000)
+
+
+def _files(tmp: Path, _prepared: Path) -> None:
+    (tmp / "typo.yaml").write_text("train:\n  max_step: 10\n")
+    (tmp / "broken.yaml").write_text("model: {n_layer: 2\n")
+    (tmp / "empty").mkdir()
+    (tmp / "afile").write_text("not a directory")
+    (tmp / "doc.docx").write_bytes(b"PK")
+    (tmp / "latin1.txt").write_bytes("año y señal".encode("latin-1"))
+    (tmp / "rows.jsonl").write_text('{"body": "hola"}\n')
+    (tmp / "norun").mkdir()
+
+
+def _incompatible_run(tmp: Path, _prepared: Path) -> None:
+    from aura_hpc.config import load_config
+
+    old = load_config(None, ["model.n_layer=4"], output_dir=str(tmp / "runs"), run_name="tiny")
+    old.run_dir.mkdir(parents=True)
+    (old.run_dir / "config.yaml").write_text(old.to_yaml())
+    (old.run_dir / "checkpoints").mkdir()
+
+
+_listener: socket.socket | None = None
+
+
+def _busy_port(tmp: Path, _prepared: Path) -> None:
+    global _listener
+    _listener = socket.socket()
+    _listener.bind(("", 0))
+    _listener.listen()
+    (tmp / "port").write_text(str(_listener.getsockname()[1]))
+
+
+NO_CUDA = not torch.cuda.is_available()
+D = "--set=data.path={data}"
+
+ROWS = [
+    # config
+    Row("unknown key", ["local", "--set", "train.lrr=1"], "unknown config key 'train.lrr': did you mean 'train.lr'?"),
+    Row("misspelt key in a file", ["local", "--config", "{tmp}/typo.yaml"], "unknown config key 'train.max_step'", _files),
+    Row("unknown section", ["local", "--set", "optim.lr=1"], "unknown config key 'optim.lr'"),
+    Row("zero batch", ["local", "--set", "train.batch_size=0"], "train.batch_size must be greater than 0"),
+    Row("negative layers", ["local", "--set", "model.n_layer=-2"], "model.n_layer must be greater than 0"),
+    Row("zero lr", ["local", "--set", "train.lr=0"], "train.lr must be greater than 0"),
+    Row("wrong type", ["local", "--set", "train.max_steps=many"], "train.max_steps must be a whole number"),
+    Row("n_embd vs n_head", ["local", "--set", "model.n_embd=130"], "model.n_embd (130) must be divisible by model.n_head (4)"),
+    Row("sequence too long", ["local", "--set", "data.seq_len=1024"], "data.seq_len (1024) is longer than model.n_positions (256)"),
+    Row("warmup too long", ["local", "--set", "train.warmup_steps=1000"], "train.warmup_steps (1000) must be smaller than"),
+    Row("bad backend value", ["local", "--set", "dist.backend=mpi"], "dist.backend must be one of auto, nccl, gloo"),
+    Row("unknown preset", ["local", "--config", "gpt9"], "config 'gpt9' is neither a file nor a shipped preset"),
+    Row("invalid YAML", ["local", "--config", "{tmp}/broken.yaml"], "is not valid YAML", _files),
+    Row("bad run name", ["local", "--run-name", "../x"], "run_name '../x' must be letters"),
+    Row("--set without =", ["local", "--set", "train.lr"], "is not KEY=VALUE"),
+    Row("fp16 on CPU", ["local", "--set", "train.precision=fp16"], "fp16 needs a CUDA GPU", skip_if=not NO_CUDA),
+    # data
+    Row("missing data dir", ["local", "--set", "data.path=/nonexistent/data"], "is not a prepared directory (no manifest.json)"),
+    Row("unprepared data dir", ["local", "--set", "data.path={tmp}/empty"], "python -m aura_hpc prepare", _files),
+    Row("effective batch > dataset", ["local", "--set", "data.path={tmp}/small"], "fewer than one effective batch", _small_data),
+    Row("vocab mismatch", ["local", D, "--set", "model.vocab_size=5000"], "model.vocab_size 5000 does not match the data's tokenizer"),
+    Row("truncated token file", ["local", "--set", "data.path={tmp}/trunc"], "re-run prepare with --force", _truncated),
+    Row(
+        "resume with another model",
+        ["local", "--output-dir", "{tmp}/runs", D],
+        "holds checkpoints of a different model shape",
+        _incompatible_run,
+    ),
+    # filesystem
+    Row("output_dir is a file", ["local", "--output-dir", "{tmp}/afile/runs", D], "is not writable", _files),
+    # CLI / launcher
+    Row(
+        "node-rank >= nnodes",
+        ["local", "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"],
+        "--node-rank 2 is not below --nnodes 2",
+    ),
+    Row("zero nodes", ["local", "--nnodes", "0"], "--nnodes must be at least 1"),
+    Row("nnodes without master", ["local", "--nnodes", "2"], "--nnodes > 1 needs --master-addr"),
+    Row("zero processes", ["local", "--nproc-per-node", "0"], "--nproc-per-node must be at least 1"),
+    Row("port out of range", ["local", "--master-port", "70000"], "--master-port must be 1..65535"),
+    Row("negative restarts", ["local", "--max-restarts", "-1"], "--max-restarts must be 0 or more"),
+    Row("zero rendezvous timeout", ["local", "--rdzv-timeout", "0"], "--rdzv-timeout must be positive"),
+    Row("nccl without CUDA", ["local", "--backend", "nccl"], "--backend nccl needs CUDA GPUs", skip_if=not NO_CUDA),
+    Row("more processes than GPUs", ["local", "--nproc-per-node", "64"], "is more than the", skip_if=NO_CUDA),
+    # network
+    Row(
+        "port in use",
+        ["local", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "{port}", D],
+        "is already in use on this machine",
+        _busy_port,
+    ),
+    Row(
+        "master unreachable",
+        ["local", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", "{free}", "--rdzv-timeout", "2", D],
+        "cannot reach the master at 127.0.0.1",
+    ),
+    Row(
+        "master does not resolve",
+        ["local", "--nnodes", "2", "--node-rank", "1", "--master-addr", "no-such-host.invalid", "--rdzv-timeout", "2", D],
+        "does not resolve",
+    ),
+    # prepare
+    Row("prepare: missing input", ["prepare", "/nonexistent.txt", "--out", "{tmp}/p"], "input '/nonexistent.txt' does not exist"),
+    Row("prepare: unsupported type", ["prepare", "{tmp}/doc.docx", "--out", "{tmp}/p"], "unsupported type '.docx'", _files),
+    Row("prepare: not UTF-8", ["prepare", "{tmp}/latin1.txt", "--out", "{tmp}/p"], "is not UTF-8 text", _files),
+    Row("prepare: missing text column", ["prepare", "{tmp}/rows.jsonl", "--out", "{tmp}/p"], "column 'text' not in", _files),
+    Row("prepare: nothing to do", ["prepare", "--out", "{tmp}/p"], "nothing to prepare"),
+    Row(
+        "prepare: tiny vocab",
+        ["prepare", "{tmp}/latin1.txt", "--vocab-size", "10", "--out", "{tmp}/p"],
+        "--vocab-size must be between",
+        _files,
+    ),
+    # generate
+    Row("generate: no checkpoint", ["generate", "--run", "{tmp}/norun"], "no complete checkpoint", _files),
+]
+
+
+def test_there_are_at_least_30_distinct_rows() -> None:
+    assert len({r.name for r in ROWS}) == len(ROWS) >= 30
+    assert sum(not r.skip_if for r in ROWS) >= 30
+
+
+@pytest.mark.parametrize(
+    "row", [pytest.param(r, id=r.name, marks=pytest.mark.skipif(r.skip_if, reason="needs the other hardware")) for r in ROWS]
+)
+def test_bad_input(row: Row, tmp_path: Path, prepared: Path) -> None:
+    if row.setup:
+        row.setup(tmp_path, prepared)
+    port = (tmp_path / "port").read_text() if (tmp_path / "port").exists() else "0"
+    args = [a.format(tmp=tmp_path, data=prepared, port=port, free=free_port()) for a in row.args]
+    if args[0] == "local" and "--output-dir" not in args:
+        args += ["--output-dir", str(tmp_path / "runs")]
+    r = run_cli(args, cwd=tmp_path, timeout=60, **row.env)
+    assert r.returncode not in (0, None), r.stdout[-1000:]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr  # one readable line, no traceback
+    line = lines[0]
+    assert line.startswith("error: ") and row.expect in line, line
+    assert "fix" in line or "did you mean" in line, f"no fix named: {line}"
+    # Nothing was trained: no worker started, no checkpoint or metrics.
+    assert "start rank=" not in r.stdout
+    assert not list(tmp_path.rglob("metrics.jsonl")) and not list(tmp_path.rglob("step_*"))

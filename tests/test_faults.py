@@ -1,0 +1,306 @@
+"""Fault injection with real processes and gloo: every fault ends in a finished run, nothing lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from aura_hpc import checkpoint
+from aura_hpc.errors import EXIT_RESUMABLE
+from tests.conftest import cli_env, final_weights, run_cli
+
+pytestmark = pytest.mark.slow
+
+STEPS = 20
+BASE = [
+    "--set",
+    "model.n_layer=2",
+    "--set",
+    "model.n_embd=64",
+    "--set",
+    "model.n_head=2",
+    "--set",
+    "data.seq_len=64",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.log_every=5",
+    "--set",
+    "train.warmup_steps=3",
+    "--set",
+    "train.checkpoint_every=5",
+    "--set",
+    "model.dropout=0.1",
+    "--set",
+    "train.keep_last=5",
+]
+
+
+def _args(out: Path, name: str, prepared: Path, steps: int = STEPS, extra: tuple[str, ...] = ()) -> list[str]:
+    return [
+        "local",
+        "--nproc-per-node",
+        "2",
+        "--output-dir",
+        str(out),
+        "--run-name",
+        name,
+        "--set",
+        f"data.path={prepared}",
+        *BASE,
+        "--set",
+        f"train.max_steps={steps}",
+        *extra,
+    ]
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """Uninterrupted runs: the weights every faulted run must end with, bit for bit."""
+    out = tmp_path_factory.mktemp("reference")
+    weights = {}
+    for steps in (STEPS, 300):
+        r = run_cli(_args(out, f"ref{steps}", prepared, steps))
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        weights[steps] = final_weights(out / f"ref{steps}")
+    return weights
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sigkill_of_a_rank_restarts_and_ends_bit_identical(tmp_path: Path, prepared: Path, reference: dict, seed: int) -> None:
+    rng = random.Random(seed)
+    rank, step = rng.randrange(2), rng.randrange(1, STEPS)
+    r = run_cli([*_args(tmp_path, "run", prepared), "--max-restarts", "1"], AURA_FAULT_KILL=f"{rank}:{step}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "restart=1" in r.stdout, "the elastic agent did not restart the workers"
+    last_ckpt = (step // 5) * 5
+    if last_ckpt:
+        assert f"resumed from checkpoint step_{last_ckpt:08d} at step {last_ckpt}" in r.stdout
+    assert _same(final_weights(tmp_path / "run"), reference[STEPS])
+
+
+def test_beyond_max_restarts_says_how_to_resume_and_rerun_resumes(tmp_path: Path, prepared: Path, reference: dict) -> None:
+    r = run_cli(_args(tmp_path, "run", prepared), AURA_FAULT_KILL="1:12")
+    assert r.returncode != 0
+    err = r.stderr.strip().splitlines()[-1]
+    assert "training failed: rank 1 was killed by SIGKILL" in err
+    assert "to resume from step_00000010" in err and "re-run the same command" in err
+    again = run_cli(_args(tmp_path, "run", prepared))
+    assert again.returncode == 0, again.stdout[-2000:]
+    assert "resumed from checkpoint step_00000010 at step 10" in again.stdout
+    assert _same(final_weights(tmp_path / "run"), reference[STEPS])
+
+
+def _workers(launcher: subprocess.Popen[str]) -> dict[int, psutil.Process]:
+    found = {}
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if "aura_hpc.train" in " ".join(child.cmdline()):
+                found[int(child.environ().get("LOCAL_RANK", "-1"))] = child
+        except psutil.Error:
+            continue
+    return found
+
+
+def _wait_for_step(run: Path, step: int, timeout: float = 120) -> None:
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists():
+            rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+            if rows and rows[-1]["step"] >= step:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"training never reached step {step}")
+
+
+@pytest.mark.parametrize(("sig", "target"), [("SIGTERM", "launcher"), ("SIGINT", "launcher"), ("SIGUSR2", "rank1")])
+def test_stop_signal_checkpoints_once_and_exits_resumable(tmp_path: Path, prepared: Path, reference: dict, sig: str, target: str) -> None:
+    args = _args(tmp_path, "run", prepared, 300)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aura_hpc", *args], env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        _wait_for_step(tmp_path / "run", 20)
+        victim = proc.pid if target == "launcher" else _workers(proc)[1].pid
+        sent_at = time.monotonic()
+        os.kill(victim, getattr(signal, sig))
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.monotonic() - sent_at < 60
+    assert proc.returncode == EXIT_RESUMABLE, out[-3000:]
+    stops = [line for line in out.splitlines() if "stop requested" in line]
+    assert len(stops) == 1 and "resumable" in stops[0], out[-3000:]  # one checkpoint, written by rank 0
+    step = int(stops[0].split(" at step ")[1].split(":")[0])
+    assert 20 <= step < 300
+    assert checkpoint.list_complete(tmp_path / "run" / "checkpoints")[0].step == step
+    assert "re-run the same command to resume" in out
+    again = run_cli(args)
+    assert again.returncode == 0
+    assert f"resumed from checkpoint step_{step:08d} at step {step}" in again.stdout
+    assert _same(final_weights(tmp_path / "run"), reference[300])
+
+
+@pytest.mark.parametrize("stage", ["trainer_state", "marker"])
+def test_writer_killed_mid_checkpoint_resumes_from_the_previous(tmp_path: Path, prepared: Path, reference: dict, stage: str) -> None:
+    r = run_cli([*_args(tmp_path, "run", prepared), "--max-restarts", "1"], AURA_FAULT_CKPT=f"kill:{stage}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # The first save (step 5) died half-written; the restart started over, ignoring it.
+    assert "no checkpoint in" in r.stdout.split("restart=1")[1]
+    assert "removing partial checkpoint .tmp-step_00000005" in r.stdout
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert not list(ckpts.glob(".tmp-*"))
+    assert _same(final_weights(tmp_path / "run"), reference[STEPS])
+
+
+def test_disk_full_while_saving_is_a_clear_error_and_keeps_the_previous(tmp_path: Path, prepared: Path, reference: dict) -> None:
+    # The first save (step 5) succeeds, the next one (step 10) fails as a full disk would.
+    proc = run_cli(_args(tmp_path, "run", prepared, extra=("--set", "train.stop_at=5")))
+    assert proc.returncode == 0
+    r = run_cli(_args(tmp_path, "run", prepared), AURA_FAULT_CKPT="enospc:model")
+    assert r.returncode != 0
+    assert "could not write checkpoint step_00000010" in r.stdout and "No space left on device" in r.stdout
+    assert "the previous checkpoints are intact (fix: free disk space" in r.stdout
+    ckpts = checkpoint.list_complete(tmp_path / "run" / "checkpoints")
+    assert [c.step for c in ckpts] == [5] and checkpoint.verify(ckpts[0].path) is None
+    again = run_cli(_args(tmp_path, "run", prepared))
+    assert again.returncode == 0 and "resumed from checkpoint step_00000005" in again.stdout
+    assert _same(final_weights(tmp_path / "run"), reference[STEPS])
+
+
+def test_nan_on_one_rank_skips_the_step_without_hanging(tmp_path: Path, prepared: Path) -> None:
+    r = run_cli(_args(tmp_path, "run", prepared), AURA_FAULT_NAN="1:7:1", timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "non-finite loss or gradient on rank(s) [1] at step 7: update skipped (1 in a row)" in r.stdout
+    w = final_weights(tmp_path / "run")
+    assert all(torch.isfinite(t).all() for t in w.values())
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor(row["loss"])) for row in rows)
+
+
+def test_nan_burst_rolls_back_to_the_last_good_checkpoint(tmp_path: Path, prepared: Path) -> None:
+    r = run_cli(_args(tmp_path, "run", prepared), AURA_FAULT_NAN="0:12:3", timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "3 non-finite steps in a row: rolled back to step_00000010 (step 10)" in r.stdout
+    assert "learning rate x0.5" in r.stdout
+    run = tmp_path / "run"
+    meta = json.loads((checkpoint.list_complete(run / "checkpoints")[0].path / "meta.json").read_text())
+    assert meta["step"] == STEPS and meta["rollbacks"] == 1
+    assert all(torch.isfinite(t).all() for t in final_weights(run).values())
+
+
+def test_nan_forever_stops_with_a_clear_error(tmp_path: Path, prepared: Path) -> None:
+    r = run_cli(_args(tmp_path, "run", prepared, extra=("--set", "train.nan_max_rollbacks=1")), AURA_FAULT_NAN="0:6:100", timeout=180)
+    assert r.returncode != 0
+    assert "the loss stayed non-finite after 1 rollbacks" in r.stdout and "fix: lower train.lr" in r.stdout
+    for c in checkpoint.list_complete(tmp_path / "run" / "checkpoints"):
+        from safetensors.torch import load_file
+
+        assert all(torch.isfinite(t).all() for t in load_file(str(c.path / "model" / "model.safetensors")).values())
+
+
+@pytest.mark.parametrize("damage", ["bad-file", "missing-marker", "truncated"])
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, prepared: Path, reference: dict, damage: str) -> None:
+    first = run_cli(_args(tmp_path, "run", prepared, extra=("--set", "train.stop_at=10")))
+    assert first.returncode == 0
+    newest = tmp_path / "run" / "checkpoints" / "step_00000010"
+    if damage == "bad-file":
+        data = bytearray((newest / "trainer_state.pt").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (newest / "trainer_state.pt").write_bytes(bytes(data))
+    elif damage == "missing-marker":
+        (newest / checkpoint.MARKER).unlink()
+    else:
+        with open(newest / "model" / "model.safetensors", "r+b") as f:
+            f.truncate(100)
+    r = run_cli(_args(tmp_path, "run", prepared))
+    assert r.returncode == 0, r.stdout[-2000:]
+    expected = "has no COMPLETE.json" if damage == "missing-marker" else "checkpoint step_00000010 is corrupt"
+    assert expected in r.stdout
+    assert "resumed from checkpoint step_00000005 at step 5" in r.stdout
+    assert _same(final_weights(tmp_path / "run"), reference[STEPS])
+
+
+def test_checkpoint_cannot_run_code(tmp_path: Path, prepared: Path) -> None:
+    """A trainer_state.pt that would execute code on unpickling is refused (weights_only=True)."""
+    first = run_cli(_args(tmp_path, "run", prepared, extra=("--set", "train.stop_at=5")))
+    assert first.returncode == 0
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000005"
+    pwned = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, (f"touch {pwned}",))
+
+    torch.save({"optimizer": Evil()}, ckpt / "trainer_state.pt")
+    marker = json.loads((ckpt / checkpoint.MARKER).read_text())
+    p = ckpt / "trainer_state.pt"
+    marker["files"]["trainer_state.pt"] = {"size": p.stat().st_size, "sha256": checkpoint._sha256(p)}
+    (ckpt / checkpoint.MARKER).write_text(json.dumps(marker))
+    r = run_cli(_args(tmp_path, "run", prepared))
+    assert r.returncode != 0
+    assert "step_00000005: checkpoint could not be loaded safely" in r.stdout
+    assert not pwned.exists()
+
+
+def test_sigkill_at_random_moments_of_a_save_never_breaks_the_previous(tmp_path: Path) -> None:
+    """The writer alone, killed at random instants: a checkpoint is complete and valid, or ignored."""
+    script = tmp_path / "writer.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from transformers import GPT2Config, GPT2LMHeadModel\n"
+        "from aura_hpc import checkpoint\n"
+        "root = Path(sys.argv[1])\n"
+        "model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64))\n"
+        "opt = torch.optim.AdamW(model.parameters())\n"
+        "print('ready', flush=True)\n"
+        "for step in range(1, 10000):\n"
+        "    with torch.no_grad():\n"
+        "        for p in model.parameters():\n"
+        "            p.add_(0.001)\n"
+        "    checkpoint.save(root, step, model, {'optimizer': opt.state_dict()}, {'step': step}, None, 'x: 1\\n', 2)\n"
+    )
+    rng = random.Random(0)
+    root = tmp_path / "ckpts"
+    for _ in range(5):
+        proc = subprocess.Popen([sys.executable, str(script), str(root)], env=cli_env(), stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.2, 1.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        ckpts = checkpoint.list_complete(root)
+        assert ckpts, "no checkpoint survived"
+        newest = checkpoint.newest_valid(root)
+        assert newest is not None and newest.step == ckpts[0].step  # the newest complete one is intact
+        assert checkpoint.verify(newest.path) is None
+        weights, _state, meta = checkpoint.decode_payload(checkpoint.read_payload(newest.path))
+        assert meta["step"] == newest.step and weights
+
+
+def test_keep_last_plus_best_by_validation_loss(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300, n_positions=32))
+    losses = {1: 3.0, 2: 1.5, 3: 2.5, 4: 2.8, 5: 2.9}
+    for step, loss in losses.items():
+        checkpoint.save(tmp_path, step, model, {}, {"step": step, "eval_loss": loss}, None, "", keep_last=2)
+    assert [c.step for c in checkpoint.list_complete(tmp_path)] == [5, 4, 2]
+    best = checkpoint.best(tmp_path)
+    assert best is not None and best.step == 2
