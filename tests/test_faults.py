@@ -162,7 +162,7 @@ def test_writer_killed_mid_checkpoint_resumes_from_the_previous(tmp_path: Path, 
     r = run_cli([*_args(tmp_path, "run", prepared), "--max-restarts", "1"], AURA_FAULT_CKPT=f"kill:{stage}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # The first save (step 5) died half-written; the restart started over, ignoring it.
-    assert "no checkpoint in" in r.stdout.split("restart=1")[1]
+    assert "no checkpoint in" in r.stdout[r.stdout.index("restart=1") :]
     assert "removing partial checkpoint .tmp-step_00000005" in r.stdout
     ckpts = tmp_path / "run" / "checkpoints"
     assert not list(ckpts.glob(".tmp-*"))
@@ -279,7 +279,7 @@ def test_sigkill_at_random_moments_of_a_save_never_breaks_the_previous(tmp_path:
     )
     rng = random.Random(0)
     root = tmp_path / "ckpts"
-    for _ in range(5):
+    for _ in range(3):
         proc = subprocess.Popen([sys.executable, str(script), str(root)], env=cli_env(), stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0.2, 1.5))
