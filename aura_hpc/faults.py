@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 from pathlib import Path
 
 _poisoned: set[int] = set()
@@ -35,6 +36,7 @@ def after_step(rank: int, step: int, run_dir: Path) -> None:
         return
     r, s = (int(x) for x in spec.split(":"))
     if r == rank and s == step and _once(run_dir, "kill"):
+        print(f"fault injection: SIGKILL rank {rank} after step {step} at {time.time():.3f}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -58,6 +60,7 @@ def checkpoint_stage(stage: str, run_dir: Path) -> None:
     if where != stage or not _once(run_dir, f"ckpt-{mode}"):
         return
     if mode == "kill":
+        print(f"fault injection: SIGKILL checkpoint writer after {stage} at {time.time():.3f}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -303,12 +303,13 @@ def launch(plan: LocalPlan) -> int:
     except ChildFailedError as exc:
         if all(f.exitcode == EXIT_RESUMABLE for f in exc.failures.values()):
             return _resumable(plan, "a stop signal to the workers")
-        rank, failure = exc.get_first_failure()
-        log_file = plan.cfg.run_dir / "logs" / f"rank_{rank}.log"
+        # A killed rank makes its peers fail too (broken collectives): name every failed rank,
+        # the ones killed by a signal first, since they are usually the cause.
+        failures = sorted(exc.failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp))
+        what = "; ".join(f"rank {r} {_exit_description(f.exitcode)}" for r, f in failures)
+        log_dir = plan.cfg.run_dir / "logs"
         restarts = f" after {plan.max_restarts} restart(s)" if plan.max_restarts else ""
-        raise LaunchError(
-            f"training failed{restarts}: rank {rank} {_exit_description(failure.exitcode)} (see {log_file}); {_resume_hint(plan)}"
-        ) from None
+        raise LaunchError(f"training failed{restarts}: {what} (see {log_dir}); {_resume_hint(plan)}") from None
     except RendezvousError as exc:
         raise LaunchError(
             f"the {plan.nnodes} nodes did not all join at {plan.master_addr}:{plan.master_port} within "

@@ -512,11 +512,16 @@ class Trainer:
         stop = StopRequest()
         stop.install()
         bad_in_a_row = 0
+        first_step = True
         while self.step < self.end_step:
             t0 = time.perf_counter()
             loss, grad_norm, stop_agreed, bad_ranks = self._train_step(wrapped, stop)
             self.step += 1
             self.tokens_seen += self.tokens_per_step
+            if first_step and env.is_main:
+                # Lets operators (and bench_faults.py) see how long a restart took to train again.
+                log.info("first step of this attempt done: step %d at unix time %.3f", self.step, time.time())
+            first_step = False
             faults.after_step(self.env.rank, self.step, self.run_dir)
             interval_time += time.perf_counter() - t0
             if bad_ranks:

@@ -97,7 +97,7 @@ def test_beyond_max_restarts_says_how_to_resume_and_rerun_resumes(tmp_path: Path
     r = run_cli(_args(tmp_path, "run", prepared), AURA_FAULT_KILL="1:12")
     assert r.returncode != 0
     err = r.stderr.strip().splitlines()[-1]
-    assert "training failed: rank 1 was killed by SIGKILL" in err
+    assert "training failed: rank 1 was killed by SIGKILL" in err  # the cause first, even if rank 0 failed too
     assert "to resume from step_00000010" in err and "re-run the same command" in err
     again = run_cli(_args(tmp_path, "run", prepared))
     assert again.returncode == 0, again.stdout[-2000:]

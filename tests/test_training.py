@@ -141,6 +141,20 @@ def test_resume_is_bit_identical(tmp_path: Path, prepared: Path) -> None:
     assert log0.count("start rank=0") == 2  # appended across both attempts
 
 
+def _collect(procs: list[subprocess.Popen[str]], timeout: float = 180) -> list[str]:
+    """Both nodes' output; on a hang, kill them and show what each printed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    hung = [p.poll() is None for p in procs]
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    outs = [p.communicate()[0] for p in procs]
+    assert not any(hung) and [p.returncode for p in procs] == [0, 0], "\n=====\n".join(outs)
+    return outs
+
+
 def test_two_lan_machines_on_one_host(tmp_path: Path, prepared: Path) -> None:
     """Two `local --nnodes 2` invocations, separate output dirs (no shared storage), one job."""
     port = free_port()
@@ -167,7 +181,7 @@ def test_two_lan_machines_on_one_host(tmp_path: Path, prepared: Path) -> None:
         "lan",
     ]
     procs = []
-    for node in (1, 0):
+    for node in (0, 1):
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "aura_hpc", *args, "--node-rank", str(node), "--output-dir", str(tmp_path / f"m{node}")],
@@ -178,9 +192,8 @@ def test_two_lan_machines_on_one_host(tmp_path: Path, prepared: Path) -> None:
             )
         )
         time.sleep(0.5)
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    node1, node0 = outs
+    outs = _collect(procs)
+    node0, node1 = outs
     assert "all 2 ranks finished at step 10" in node0 and "training finished" in node0
     assert "Rank 0 ran on another node" in node1
     # Rank 0 (checkpoints, metrics) is on the machine started with --node-rank 0.
@@ -192,7 +205,7 @@ def test_two_lan_machines_on_one_host(tmp_path: Path, prepared: Path) -> None:
     args[args.index("--master-port") + 1] = str(port)
     args[args.index("train.max_steps=10")] = "train.max_steps=15"
     procs = []
-    for node in (1, 0):
+    for node in (0, 1):
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "aura_hpc", *args, "--node-rank", str(node), "--output-dir", str(tmp_path / f"m{node}")],
@@ -203,10 +216,9 @@ def test_two_lan_machines_on_one_host(tmp_path: Path, prepared: Path) -> None:
             )
         )
         time.sleep(0.5)
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    assert "sent checkpoint step_00000010 to ranks without shared storage" in outs[1]
-    assert "resumed from checkpoint step_00000010 at step 10" in outs[0]
+    outs = _collect(procs)
+    assert "sent checkpoint step_00000010 to ranks without shared storage" in outs[0]
+    assert "resumed from checkpoint step_00000010 at step 10" in outs[1]
 
 
 def test_unreachable_master_fails_fast_with_a_clear_error(tmp_path: Path) -> None:
