@@ -116,6 +116,139 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_submit(a: argparse.Namespace) -> int:
+    from aura_hpc import console
+    from aura_hpc.submit_plan import describe, plan_submit
+
+    flags = {
+        "nodes": a.nodes,
+        "gpus_per_node": a.gpus,
+        "cpus_per_task": a.cpus_per_task,
+        "mem": a.mem,
+        "time": a.time,
+        "partition": a.partition,
+        "account": a.account,
+        "qos": a.qos,
+        "constraint": a.constraint,
+        "exclusive": a.exclusive,
+        "job_name": a.job_name,
+        "cluster": a.cluster,
+        "nccl_debug": a.nccl_debug,
+        "array_parallelism": a.array_parallelism,
+    }
+    plan = plan_submit(a.config, a.overrides, a.output_dir, a.run_name, flags, a.sweep, a.after)
+    for w in plan.warnings:
+        console.warn(w)
+    if a.dry_run:
+        console.heading("aura_hpc submit --dry-run: nothing is written or submitted")
+        console.grid("settings (cli > config > profile > default)", ["setting", "value", "from"], [list(r) for r in describe(plan)])
+        for p in plan.points:
+            console.info(f"run directory: {p.cfg.run_dir}" + (f"  ({p.label})" if p.label else ""))
+        console.info(f"tasks: {plan.slurm.nodes} node(s) x {plan.tasks_per_node} task(s) = world size {plan.world_size}")
+        if plan.prepare_builtin:
+            console.info(f"data: the built-in Spanish corpus would be prepared in {plan.prepare_builtin}")
+        console.info("environment: sbatch exports your current environment (Slurm's default), plus the script's exports:")
+        for k, v in plan.env.items():
+            console.plain(f"  {k}={v}")
+        console.info(f"sbatch script ({plan.folder / '<jobid>_submission.sh'}):")
+        console.plain(plan.script)
+        return 0
+    from aura_hpc import submit as submitting
+
+    ids = submitting.submit(plan)
+    for p, job_id in zip(plan.points, ids, strict=True):
+        console.info(f"submitted job {job_id}: {p.cfg.run_dir}" + (f"  ({p.label})" if p.label else ""))
+    console.info(f"follow it: python -m aura_hpc status {ids[0]}   |   python -m aura_hpc logs {ids[0]} --follow")
+    if not (a.wait or a.follow):
+        return 0
+    log = submitting.rank_log(plan.folder, ids[0]) if a.follow else None
+    status = submitting.wait(ids, log, printer=console.plain)
+    console.info(f"job{'s' if len(ids) > 1 else ''} {', '.join(ids)} ended: {'COMPLETED' if status == 0 else f'exit status {status}'}")
+    return status
+
+
+def _job_rows(rows: list[dict[str, object]]) -> list[list[str]]:
+    def fmt(v: object, spec: str = "") -> str:
+        if v is None or v == "":
+            return "-"
+        return format(v, spec) if spec and isinstance(v, (int, float)) else str(v)
+
+    return [
+        [
+            fmt(r["job_id"]),
+            fmt(r["name"]),
+            fmt(r["state"]),
+            fmt(r["nodes"]),
+            fmt(r["elapsed"]),
+            fmt(r["time_left"]),
+            fmt(r["reason"]),
+            fmt(r["step"]),
+            fmt(r["loss"], ".4f"),
+            fmt(r["tokens_per_s"], ",.0f"),
+            fmt(r["run_dir"]),
+        ]
+        for r in rows
+    ]
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    import json
+
+    from aura_hpc import console
+    from aura_hpc.job_commands import status
+
+    rows, notes = status(a.target, a.all)
+    if a.json:
+        print(json.dumps({"jobs": rows, "notes": notes}, indent=2))
+        return 0
+    columns = ["job", "name", "state", "nodes", "elapsed", "left", "reason", "step", "loss", "tokens/s", "run dir"]
+    if rows:
+        console.grid("aura_hpc jobs", columns, _job_rows(rows))
+    for n in notes:
+        console.info(n)
+    return 0
+
+
+def cmd_logs(a: argparse.Namespace) -> int:
+    from aura_hpc import console
+    from aura_hpc.job_commands import follow, log_file
+
+    job_id, path = log_file(a.target, a.rank, a.stderr)
+    if a.follow:
+        follow(job_id, path, console.plain)
+        return 0
+    if not path.exists():
+        console.info(f"{path} does not exist yet (the job may still be pending; --follow waits for it)")
+        return 0
+    console.plain(path.read_text(encoding="utf-8", errors="replace").rstrip("\n"))
+    return 0
+
+
+def cmd_cancel(a: argparse.Namespace) -> int:
+    from aura_hpc import console
+    from aura_hpc.job_commands import cancel
+
+    job_id = cancel(a.target)
+    console.info(f"cancelled job {job_id} (ranks get SIGTERM: they write a checkpoint at the next step if there is time)")
+    return 0
+
+
+def cmd_history(a: argparse.Namespace) -> int:
+    import json
+
+    from aura_hpc import console
+    from aura_hpc.job_commands import history
+
+    rows = history(a.since)
+    if a.json:
+        print(json.dumps({"jobs": rows}, indent=2))
+        return 0
+    cols = ["job", "name", "state", "exit", "nodes", "elapsed", "submitted", "run dir"]
+    keys = ["job_id", "name", "state", "exit_code", "nodes", "elapsed", "submit", "run_dir"]
+    console.grid(f"jobs since {a.since}", cols, [[str(r.get(k) or "-") for k in keys] for r in rows])
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m aura_hpc",
@@ -140,6 +273,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], help="process-group backend (default: auto)")
     p.add_argument("--ifname", help="network interface for gloo/NCCL (default: the one that routes to the master)")
     p.set_defaults(func=cmd_local)
+
+    p = sub.add_parser(
+        "submit",
+        help="submit the trainer to Slurm (submitit)",
+        description="Generate and submit the Slurm job with submitit: one task per GPU (one per node with --gpus 0). "
+        "Slurm values: CLI > the config's slurm section > the cluster profile > defaults (shown by --dry-run).",
+    )
+    _add_run_options(p)
+    p.add_argument("--cluster", help="a profile from sbatch_templates/ (generic, h100-ib, h200-ib) or a profile file")
+    p.add_argument("--nodes", type=int, help="number of nodes")
+    p.add_argument("--gpus", type=int, help="GPUs per node; one task per GPU (0: a CPU job with gloo)")
+    p.add_argument("--cpus-per-task", type=int, help="CPUs per task (rank)")
+    p.add_argument("--mem", help="memory per node, e.g. 64G (0 = all)")
+    p.add_argument("--time", help="time limit: minutes, HH:MM:SS or D-HH:MM:SS")
+    p.add_argument("--partition", help="Slurm partition")
+    p.add_argument("--account", help="Slurm account")
+    p.add_argument("--qos", help="quality of service")
+    p.add_argument("--constraint", help="node features, e.g. h100")
+    p.add_argument("--exclusive", action="store_true", default=None, help="whole nodes only")
+    p.add_argument("--job-name", help="Slurm job name (default: aura-<run name>)")
+    p.add_argument("--nccl-debug", action="store_true", default=None, help="NCCL_DEBUG=INFO (INIT,NET), one file per host in the run dir")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2", help="a job array over these values (repeatable: a grid)")
+    p.add_argument("--array-parallelism", type=int, help="sweep elements running at once (default: all)")
+    p.add_argument("--after", metavar="JOBID", help="start only after this job completed successfully (afterok)")
+    p.add_argument("--dry-run", action="store_true", help="print the settings and the exact sbatch script; submit nothing")
+    p.add_argument("--wait", action="store_true", help="block until the job ends; the exit status is the job's")
+    p.add_argument("--follow", action="store_true", help="like --wait, streaming rank 0's log")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("status", help="your aura_hpc jobs (squeue; sacct for finished ones)")
+    p.add_argument("target", nargs="?", help="a job id or a run directory (default: all your aura_hpc jobs)")
+    p.add_argument("--all", action="store_true", help="also your jobs not started by aura_hpc")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("logs", help="a job's per-rank log")
+    p.add_argument("target", help="a job id or a run directory")
+    p.add_argument("--rank", type=int, default=0, help="which rank (default 0)")
+    p.add_argument("--stderr", action="store_true", help="the rank's stderr instead of stdout")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("cancel", help="cancel a job (scancel)")
+    p.add_argument("target", help="a job id or a run directory")
+    p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("history", help="your past jobs (sacct)")
+    p.add_argument("--since", default="now-7days", help="sacct start time, e.g. 2026-11-01 or now-2days (default now-7days)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_history)
 
     p = sub.add_parser(
         "prepare",

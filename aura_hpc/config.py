@@ -82,6 +82,29 @@ class DistConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """What `submit` asks Slurm for. Precedence: CLI flags > this section > cluster profile > these defaults."""
+
+    cluster: str = "generic"  # a profile in sbatch_templates/ (name or path)
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0: a CPU job (gloo); one task per GPU otherwise
+    cpus_per_task: int = 0  # 0: Slurm's default
+    mem: str = ""  # per node, e.g. 64G; "0" = all of it; "": Slurm's default
+    time: str = "01:00:00"  # minutes, HH:MM:SS or D-HH:MM:SS
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    constraint: str = ""
+    exclusive: bool = False
+    job_name: str = ""  # "": aura-<run_name>
+    signal: str = "USR2"  # sent signal_lead_s before the time limit: checkpoint, then requeue
+    signal_lead_s: int = 120
+    max_requeues: int = 10  # automatic requeues after the pre-timeout signal, then stop
+    array_parallelism: int = 0  # sweeps: array elements running at once; 0 = all
+    nccl_debug: bool = False  # NCCL_DEBUG=INFO with INIT,NET subsystems, one file per host and pid
+
+
+@dataclass
 class RunConfig:
     run_name: str = "tiny"
     output_dir: str = "runs"
@@ -89,6 +112,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -115,9 +139,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.precision": ("auto", "fp32", "bf16", "fp16", "fp64"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.strategy": ("ddp",),
+    "slurm.signal": ("USR2", "USR1", "TERM", "INT", "HUP"),
 }
 
-SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "dist": DistConfig}
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "dist": DistConfig, "slurm": SlurmConfig}
 TOP_LEVEL = ("run_name", "output_dir")
 # Keys resolved relative to the config file they appear in.
 _PATH_KEYS = {("data", "path")}
@@ -190,14 +215,21 @@ def _coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
     raise ConfigError(f"{key}: unsupported type {typ}")  # pragma: no cover
 
 
-def _merge(base: dict[str, Any], raw: dict[str, Any], origin: str, base_dir: Path | None) -> None:
-    """Merge `raw` (a YAML mapping) into `base`, rejecting unknown keys and coercing types."""
+def _merge(
+    base: dict[str, Any], raw: dict[str, Any], origin: str, base_dir: Path | None, given: dict[str, str] | None = None, label: str = ""
+) -> None:
+    """Merge `raw` (a YAML mapping) into `base`, rejecting unknown keys and coercing types.
+
+    `given` records, for each key set here, `label` (where it came from: config or cli).
+    """
     valid = _valid_keys()
     if not isinstance(raw, dict):
         raise ConfigError(f"{origin}: a config must be a YAML mapping of sections, got {type(raw).__name__}")
     for top, value in raw.items():
         if top in TOP_LEVEL:
             base[top] = _coerce(top, value, "str", False)
+            if given is not None:
+                given[top] = label
             continue
         if top not in SECTIONS:
             raise _unknown_key(str(top), valid)
@@ -214,6 +246,8 @@ def _merge(base: dict[str, Any], raw: dict[str, Any], origin: str, base_dir: Pat
             if (top, k) in _PATH_KEYS and v and base_dir is not None and not os.path.isabs(v):
                 v = str((base_dir / v).resolve())
             base[top][k] = v
+            if given is not None:
+                given[dotted] = label
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -269,8 +303,13 @@ def load_config(
     overrides: list[str] | None = None,
     output_dir: str | None = None,
     run_name: str | None = None,
+    given: dict[str, str] | None = None,
 ) -> RunConfig:
-    """defaults <- model preset <- config file <- --set overrides <- --output-dir/--run-name."""
+    """defaults <- model preset <- config file <- --set overrides <- --output-dir/--run-name.
+
+    `given`, when passed, is filled with each key the config file ("config") or the command
+    line ("cli") set, so later layers (a cluster profile) know what not to override.
+    """
     merged = RunConfig().to_dict()
     file_raw: dict[str, Any] = {}
     base_dir: Path | None = None
@@ -288,12 +327,16 @@ def load_config(
             raise ConfigError(f"model.preset '{preset}' is unknown (fix: use one of {', '.join(shipped)})")
         preset_model = _load_yaml(shipped[str(preset)]).get("model") or {}
         _merge(merged, {"model": preset_model}, str(shipped[str(preset)]), None)
-    _merge(merged, file_raw, str(config), base_dir)
-    _merge(merged, cli_raw, "--set", Path.cwd())
+    _merge(merged, file_raw, str(config), base_dir, given, "config")
+    _merge(merged, cli_raw, "--set", Path.cwd(), given, "cli")
     if output_dir is not None:
         merged["output_dir"] = output_dir
+        if given is not None:
+            given["output_dir"] = "cli"
     if run_name is not None:
         merged["run_name"] = run_name
+        if given is not None:
+            given["run_name"] = "cli"
     cfg = from_dict(merged)
     validate(cfg)
     return cfg
@@ -303,7 +346,7 @@ def from_dict(d: dict[str, Any]) -> RunConfig:
     return RunConfig(
         run_name=d["run_name"],
         output_dir=d["output_dir"],
-        **{name: cls(**d[name]) for name, cls in SECTIONS.items()},
+        **{name: cls(**d.get(name, {})) for name, cls in SECTIONS.items()},
     )
 
 
@@ -399,6 +442,51 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"run_name {cfg.run_name!r} must be letters, digits, '.', '_' or '-' (fix: --run-name my-run)")
     if not cfg.output_dir:
         raise ConfigError("output_dir is empty (fix: --output-dir runs)")
+    validate_slurm(cfg.slurm)
+
+
+_SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def slurm_minutes(value: str) -> int:
+    """Slurm's --time formats (minutes, M:S, H:M:S, D-H, D-H:M, D-H:M:S) to whole minutes, rounded up."""
+    m = _SLURM_TIME.match(value.strip())
+    if not m:
+        raise ConfigError(f"slurm.time {value!r} is not a Slurm time (fix: --time 04:00:00, or minutes like --time 240)")
+    days, a, b, c = (int(x) if x is not None else None for x in m.groups())
+    assert a is not None
+    if days is not None:  # D-H, D-H:M, D-H:M:S
+        seconds = days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+    elif c is not None:  # H:M:S
+        seconds = a * 3600 + (b or 0) * 60 + c
+    elif b is not None:  # M:S
+        seconds = a * 60 + b
+    else:  # minutes
+        seconds = a * 60
+    return -(-seconds // 60)
+
+
+def validate_slurm(s: SlurmConfig) -> None:
+    if s.nodes < 1:
+        raise ConfigError(f"slurm.nodes must be at least 1, got {s.nodes} (fix: --nodes 1)")
+    if s.gpus_per_node < 0:
+        raise ConfigError(f"slurm.gpus_per_node must be 0 (CPU job) or more, got {s.gpus_per_node} (fix: --gpus 8, or --gpus 0)")
+    if s.cpus_per_task < 0:
+        raise ConfigError(f"slurm.cpus_per_task must be 0 (Slurm's default) or more, got {s.cpus_per_task} (fix: --cpus-per-task 8)")
+    minutes = slurm_minutes(s.time)
+    if minutes < 1:
+        raise ConfigError(f"slurm.time {s.time!r} is zero (fix: --time 01:00:00)")
+    if s.signal_lead_s < 0 or s.signal_lead_s >= minutes * 60:
+        raise ConfigError(
+            f"slurm.signal_lead_s ({s.signal_lead_s}) must be between 0 and the time limit ({minutes * 60}s) "
+            "(fix: --set slurm.signal_lead_s=120, or a longer --time)"
+        )
+    if s.max_requeues < 0:
+        raise ConfigError(f"slurm.max_requeues must be 0 or more, got {s.max_requeues} (fix: --set slurm.max_requeues=10)")
+    if s.array_parallelism < 0:
+        raise ConfigError(f"slurm.array_parallelism must be 0 (all) or more, got {s.array_parallelism} (fix: --array-parallelism 4)")
+    if s.mem and not re.match(r"^\d+[KMGT]?B?$", s.mem, re.IGNORECASE):
+        raise ConfigError(f"slurm.mem {s.mem!r} is not a Slurm memory size (fix: --mem 64G, or --mem 0 for all of a node's memory)")
 
 
 def _divisor_near(n: int, k: int) -> int:

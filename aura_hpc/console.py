@@ -84,3 +84,24 @@ class ProgressAwareHandler(logging.StreamHandler):  # type: ignore[type-arg]
             self.progress.print(self.format(record))
         else:
             super().emit(record)
+
+
+def grid(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    """A table with a header row (job listings)."""
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for c in columns:
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(*r)
+    console.print(t)
+
+
+def plain(text: str) -> None:
+    """Exact text (scripts, logs): no markup, no wrapping, no highlighting."""
+    console.out(text, highlight=False)
+
+
+def warn(message: str) -> None:
+    err_console.print(f"[bold yellow]warning:[/] {message}", markup=True, soft_wrap=True)

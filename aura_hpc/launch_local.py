@@ -18,8 +18,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aura_hpc.config import RunConfig, load_config, load_run_file
-from aura_hpc.errors import EXIT_RESUMABLE, ConfigError, DataError, LaunchError
+from aura_hpc.config import RunConfig, load_config
+from aura_hpc.errors import EXIT_RESUMABLE, ConfigError, LaunchError
+from aura_hpc.run_setup import prepare_run_dir
 
 WORKER_MODULE = "aura_hpc.train"
 RDZV_RUN_ID = "aura_hpc"
@@ -106,12 +107,6 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def builtin_data_dir(cfg: RunConfig) -> Path:
-    from aura_hpc.data.corpus import CORPUS_VERSION
-
-    return Path(cfg.output_dir) / "prepared" / f"{CORPUS_VERSION}-bpe{cfg.data.vocab_size}"
-
-
 def plan_local(
     config: str | None,
     overrides: list[str],
@@ -184,79 +179,6 @@ def plan_local(
     return LocalPlan(cfg, nnodes, node_rank, nproc, master_addr, master_port, max_restarts, rdzv_timeout, local_addr, env)
 
 
-def _check_resume_compatible(cfg: RunConfig) -> None:
-    old = cfg.run_dir / "config.yaml"
-    if not old.exists() or not (cfg.run_dir / "checkpoints").is_dir():
-        return
-    try:
-        previous = load_run_file(old)
-    except ConfigError:
-        return  # an unreadable old config: the checkpoint's own fingerprint is checked at resume
-    if previous.model_fingerprint() != cfg.model_fingerprint():
-        raise ConfigError(
-            f"run directory {cfg.run_dir} holds checkpoints of a different model shape or data.seq_len "
-            "(fix: use a new --run-name, or resume with the original config)"
-        )
-
-
-def preflight_data(cfg: RunConfig, world_size: int) -> None:
-    """Data checks that need no GPU: refuse before any worker starts."""
-    from aura_hpc.data.prepare import read_manifest
-
-    m = read_manifest(Path(cfg.data.path))
-    if m is None:
-        raise DataError(
-            f"data.path {cfg.data.path} is not a prepared directory (no manifest.json) "
-            f"(fix: python -m aura_hpc prepare FILES --out {cfg.data.path})"
-        )
-    vocab = int(m["tokenizer"]["vocab_size"])
-    if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
-        raise ConfigError(
-            f"model.vocab_size {cfg.model.vocab_size} does not match the data's tokenizer ({vocab}) "
-            "(fix: --set model.vocab_size=0 to take it from the data)"
-        )
-    from aura_hpc.data.packed import PackedTokens
-
-    PackedTokens(cfg.data.path, cfg.data.seq_len)  # token files present and as long as the manifest says
-    t = cfg.train
-    sequences = max(0, (int(m["train_tokens"]) - 1) // cfg.data.seq_len)
-    effective = t.batch_size * world_size * t.grad_accum
-    if sequences < effective and not t.allow_oversubscription:
-        raise DataError(
-            f"the prepared data has {sequences} training sequences of {cfg.data.seq_len} tokens, fewer than one effective "
-            f"batch of {effective} (= {t.batch_size} per device x {world_size} processes x {t.grad_accum} accumulation) "
-            "(fix: more data, a smaller train.batch_size/data.seq_len, fewer processes, or "
-            "--set train.allow_oversubscription=true to repeat the data)"
-        )
-
-
-def prepare_run(plan: LocalPlan) -> None:
-    """Side effects before launch: the built-in data if needed, the run directory, config.yaml."""
-    cfg = plan.cfg
-    out = Path(cfg.output_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as exc:
-        raise LaunchError(f"output_dir {out} is not writable ({exc.strerror}) (fix: --output-dir a writable folder)") from None
-    if not cfg.data.path:
-        from aura_hpc.data.prepare import PrepareSpec, prepare
-
-        target = builtin_data_dir(cfg)
-        manifest = prepare(PrepareSpec(out_dir=target, builtin=True, vocab_size=cfg.data.vocab_size, val_fraction=0.05))
-        if not manifest.get("up_to_date"):
-            logging.getLogger("aura_hpc").info("prepared the built-in Spanish corpus in %s", target)
-        cfg.data.path = str(target)
-    preflight_data(cfg, plan.nproc * plan.nnodes)
-    _check_resume_compatible(cfg)
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = plan.config_path.with_suffix(".yaml.tmp")
-    tmp.write_text(cfg.to_yaml(), encoding="utf-8")
-    tmp.replace(plan.config_path)
-
-
 def launch(plan: LocalPlan) -> int:
     """Run the plan through the elastic agent; returns the exit status for the CLI."""
     if plan.nnodes > 1 and plan.node_rank == 0 and _port_in_use(plan.master_port):
@@ -266,7 +188,7 @@ def launch(plan: LocalPlan) -> int:
         )
     if plan.node_rank > 0:
         wait_for_master(plan.master_addr, plan.master_port, plan.rdzv_timeout)
-    prepare_run(plan)
+    prepare_run_dir(plan.cfg, plan.nproc * plan.nnodes)
     os.environ.update(plan.env)
 
     from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -1,4 +1,4 @@
-"""Graceful stop on SIGTERM, SIGINT, SIGHUP and SIGUSR2 (Slurm's pre-timeout signal).
+"""Graceful stop on SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 (Slurm's pre-timeout signal).
 
 The handler only records the signal; the trainer acts at the next step boundary, where all
 ranks agree in one collective, write one checkpoint and exit with EXIT_RESUMABLE.
@@ -9,7 +9,11 @@ from __future__ import annotations
 import signal
 from types import FrameType
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+
+# The signal that stopped the last trainer in this process: the Slurm job wrapper requeues
+# only for the pre-timeout signal, never for a cancel (SIGTERM).
+last_signal: str | None = None
 
 
 class StopRequest:
@@ -22,8 +26,10 @@ class StopRequest:
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         # Only a flag: raising here (KeyboardInterrupt) could tear a checkpoint write in half.
+        global last_signal
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
+            last_signal = self.signal_name
 
     @property
     def requested(self) -> bool:

@@ -206,12 +206,9 @@ class Trainer:
         self.samples_base, self.step_base = 0, 0
         self.tokens_seen = 0
         self.rollbacks = 0
+        self.saved_step = -1
         self.last_eval: float | None = None
-        chosen = None
-        if self.env.is_main:
-            found = checkpoint.newest_valid(self.ckpt_root)
-            chosen = found.path.name if found else None
-        chosen = distributed.broadcast_object(chosen)
+        chosen = self._newest_checkpoint_name()
         if chosen is None:
             if self.env.is_main:
                 log.info("no checkpoint in %s: starting from step 0", self.ckpt_root)
@@ -219,6 +216,14 @@ class Trainer:
         self._load_checkpoint(chosen)
         self.samples_base, self.step_base = self._samples_seen_at_ckpt, self.step
         log.info("resumed from checkpoint %s at step %d", chosen, self.step)
+
+    def _newest_checkpoint_name(self) -> str | None:
+        """The newest valid checkpoint as rank 0 sees it, agreed by every rank."""
+        chosen = None
+        if self.env.is_main:
+            found = checkpoint.newest_valid(self.ckpt_root)
+            chosen = found.path.name if found else None
+        return distributed.broadcast_object(chosen)
 
     def _load_checkpoint(self, chosen: str) -> None:
         """Load checkpoint `chosen` (a directory name) on every rank."""
@@ -253,6 +258,7 @@ class Trainer:
         elif self.env.is_main:
             log.warning("world size changed (%d -> %d): RNG streams re-seeded", len(rngs), self.world)
         self.step = int(meta["step"])
+        self.saved_step = self.step
         self._samples_seen_at_ckpt = int(meta["samples_seen"])
         self.tokens_seen = int(meta.get("tokens_seen", 0))
         self.rollbacks = int(meta.get("rollbacks", 0))
@@ -410,6 +416,7 @@ class Trainer:
         if error:
             raise CheckpointError(error)
         distributed.barrier()
+        self.saved_step = self.step
         return path
 
     def _rollback(self, bad_steps: int) -> None:
@@ -420,11 +427,7 @@ class Trainer:
                 f"the loss stayed non-finite after {self.rollbacks} rollbacks (step {self.step}) "
                 "(fix: lower train.lr, raise train.warmup_steps or train.grad_clip, or check the data)"
             )
-        chosen = None
-        if self.env.is_main:
-            found = checkpoint.newest_valid(self.ckpt_root)
-            chosen = found.path.name if found else None
-        chosen = distributed.broadcast_object(chosen)
+        chosen = self._newest_checkpoint_name()
         if chosen is None:
             raise TrainingError(
                 f"{bad_steps} non-finite steps in a row at step {self.step} and no checkpoint to roll back to "
@@ -594,10 +597,12 @@ class Trainer:
                 self.save()
             self.last_eval = None
         progress.stop()
-        final_ckpt = checkpoint.list_complete(self.ckpt_root)
-        if self.step > 0 and (not final_ckpt or final_ckpt[0].step != self.step):
+        # Decided from state every rank shares: on a LAN job without shared storage the
+        # other nodes' checkpoint directories are empty, and a filesystem check would make
+        # only some ranks enter the (collective) save.
+        if self.step > 0 and self.saved_step != self.step:
             self.save()  # the last step was skipped (non-finite) and so was its checkpoint
-            final_ckpt = checkpoint.list_complete(self.ckpt_root)
+        final_ckpt = checkpoint.list_complete(self.ckpt_root)
         if env.is_main:
             last_sample = self.sample()
             log.info("sample: %s", last_sample.replace("\n", " "))

@@ -1,0 +1,72 @@
+"""Which run directory a job id belongs to: run_dir/job.json, plus a per-user index of submissions."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from aura_hpc.errors import LaunchError
+
+
+def index_path() -> Path:
+    return Path(os.environ.get("AURA_HPC_HOME") or Path.home() / ".aura_hpc") / "jobs.jsonl"
+
+
+def record(job_id: str, run_dir: Path, name: str, submitted: str) -> None:
+    path = index_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"job_id": job_id, "run_dir": str(run_dir), "name": name, "submitted": submitted})
+    with path.open("a", encoding="utf-8") as f:  # one short line per append: safe for concurrent submits
+        f.write(line + "\n")
+
+
+def entries() -> list[dict[str, Any]]:
+    try:
+        lines = index_path().read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def run_dir_of(job_id: str) -> Path | None:
+    """The newest submission with this id (ids restart when a cluster is rebuilt)."""
+    for e in reversed(entries()):
+        if e.get("job_id") == job_id:
+            return Path(e["run_dir"])
+    return None
+
+
+def read_job_file(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "job.json"
+    try:
+        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LaunchError(
+            f"{run_dir} holds no job.json: it was not submitted with `submit` (fix: pass a job id or a submitted run directory)"
+        ) from None
+    return data
+
+
+def resolve(target: str) -> tuple[str, Path | None, dict[str, Any] | None]:
+    """JOB or RUN_DIR -> (job id, run dir if known, job.json if known)."""
+    p = Path(target).expanduser()
+    if p.is_dir():
+        info = read_job_file(p)
+        return str(info["job_id"]), p.resolve(), info
+    if not target.replace("_", "").isdigit():
+        raise LaunchError(f"{target!r} is neither a job id nor a run directory (fix: pass the id `submit` printed, or RUN_DIR)")
+    run_dir = run_dir_of(target)
+    info = None
+    if run_dir is not None and (run_dir / "job.json").exists():
+        info = read_job_file(run_dir)
+        if str(info.get("job_id")) != target:
+            info = None
+    return target, run_dir, info

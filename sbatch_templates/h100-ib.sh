@@ -1,0 +1,45 @@
+#!/bin/bash
+# aura_hpc cluster profile "h100-ib": nodes with 8x NVIDIA H100 SXM and an InfiniBand fabric
+# (one ConnectX HCA per GPU, GPUDirect RDMA). Copy and edit for your site; pass the copy with
+# --cluster /path/to/profile.sh.
+#
+# Lines read by aura_hpc:
+#   #SBATCH --option=value   defaults for the job (the config's slurm section and CLI flags win)
+#   #AURA key=value          aura_hpc settings: output_dir (shared by all nodes), max_gpus_per_node
+#   anything else            runs in the job script before the trainer (modules, venv, exports)
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=16
+#SBATCH --mem=0
+#SBATCH --time=24:00:00
+#SBATCH --exclusive
+#AURA max_gpus_per_node=8
+#AURA output_dir=/shared/$USER/aura_runs
+
+# Site software: change the module names to what `module avail` shows on your cluster.
+module purge 2>/dev/null || true
+module load cuda/12.4 2>/dev/null || true
+# The Python environment aura_hpc is installed in (same path on every node).
+if [ -f "${AURA_VENV:-$HOME/venvs/aura}/bin/activate" ]; then source "${AURA_VENV:-$HOME/venvs/aura}/bin/activate"; fi
+
+# Threads per rank for CPU-side work (data loading, optimizer on CPU): the task's CPUs.
+export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
+# Bootstrap interface only: NCCL's out-of-band setup and gloo use this TCP interface; the data
+# goes over InfiniBand. Change it when your nodes have several Ethernet/IPoIB interfaces
+# (e.g. =ib0 or =bond0); the ^ form excludes loopback and container bridges.
+export NCCL_SOCKET_IFNAME=^lo,docker
+# The HCAs NCCL may use for the data: "mlx5" matches every ConnectX port. List the compute-fabric
+# ports explicitly (e.g. =mlx5_0,mlx5_3,...) when some HCAs serve storage instead.
+export NCCL_IB_HCA=mlx5
+# RoCE only (Ethernet with RDMA, not InfiniBand): the GID index for RoCE v2, usually 3.
+# export NCCL_IB_GID_INDEX=3
+# NCCL_NET_GDR_LEVEL is left unset on purpose: NCCL picks GPUDirect RDMA from the PCIe topology.
+# Set it (e.g. PHB) only when nvidia-smi topo -m shows GPU and HCA behind different switches.
+# NCCL prints warnings only; `submit --nccl-debug` switches to INFO with a file per host.
+export NCCL_DEBUG=WARN
+# A failed or hung collective tears the job down (and Slurm can requeue) instead of hanging.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# On a collective timeout, dump the flight recorder (last collectives per rank) for debugging.
+export TORCH_NCCL_DUMP_ON_TIMEOUT=1
+export TORCH_NCCL_TRACE_BUFFER_SIZE=2000
+export TORCH_FR_DUMP_TEMP_FILE=${AURA_RUN_DIR:-.}/nccl_trace/rank_
+mkdir -p "${AURA_RUN_DIR:-.}/nccl_trace"
