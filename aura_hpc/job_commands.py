@@ -37,6 +37,8 @@ def latest_metrics(run_dir: Path | None) -> dict[str, Any]:
 
 def _row_dict(row: slurm_query.JobRow, run_dir: Path | None) -> dict[str, Any]:
     d: dict[str, Any] = row.to_dict()
+    if not row.active:
+        d["time_left"] = ""
     m = latest_metrics(run_dir)
     d["run_dir"] = str(run_dir) if run_dir else None
     d["step"] = m.get("step")

@@ -56,7 +56,7 @@ class TrainJob:
                 # Rank 0 carries the job's outcome; exiting 0 here keeps srun --kill-on-bad-exit
                 # from killing rank 0 before it has requeued the job.
                 return 0
-            if stop.last_signal == self.requeue_signal:
+            if stop.last_signal == f"SIG{self.requeue_signal}":
                 self._requeue(job_id, restarts)
         if status != 0:
             # SystemExit (not an exception) so the job's exit code is the trainer's own status.

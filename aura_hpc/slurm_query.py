@@ -202,3 +202,24 @@ def job_state(job_id: str) -> JobRow | None:
 def scancel(job_id: str, signal_name: str | None = None) -> None:
     cmd = ["scancel", job_id] if signal_name is None else ["scancel", f"--signal={signal_name}", job_id]
     _run(cmd)
+
+
+def test_only(script: str) -> None:
+    """`sbatch --test-only`: Slurm validates partition, account, QOS, time and resources; nothing is queued."""
+    import tempfile
+
+    require("sbatch")
+    with tempfile.NamedTemporaryFile("w", suffix=".sh", prefix="aura-test-only-") as f:
+        f.write(script)
+        f.flush()
+        done = subprocess.run(["sbatch", "--test-only", f.name], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        lines = []
+        for ln in (done.stderr + "\n" + done.stdout).splitlines():
+            ln = ln.strip()
+            for prefix in ("sbatch: error:", "sbatch:"):
+                if ln.lower().startswith(prefix):
+                    ln = ln[len(prefix) :].strip()
+            if ln and ln not in lines:
+                lines.append(ln)
+        raise LaunchError("the job was not submitted: " + explain("sbatch", "; ".join(lines)))

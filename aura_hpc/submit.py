@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import time
 from pathlib import Path
@@ -17,6 +19,7 @@ JOB_FILE = "job.json"
 def submit(plan: SubmitPlan) -> list[str]:
     """Prepare the run directories, submit through submitit, record each job; returns the job ids."""
     slurm_query.require("sbatch")
+    slurm_query.test_only(plan.script)  # refused here, nothing is written or queued
     from aura_hpc.run_setup import prepare_run_dir
     from aura_hpc.slurm_job import TrainJob
 
@@ -28,14 +31,17 @@ def submit(plan: SubmitPlan) -> list[str]:
     executor = submitit.SlurmExecutor(folder=plan.folder, max_num_timeout=plan.slurm.max_requeues)
     executor.update_parameters(**plan.params)
     jobs: list[Any] = []
+    # submitit echoes sbatch's stderr when sbatch fails; it is reported once, below, with the fix.
+    quiet = contextlib.redirect_stderr(io.StringIO())
     try:
-        if plan.is_array:
-            with executor.batch():
-                for p in plan.points:
-                    jobs.append(executor.submit(TrainJob(str(p.config_path), plan.slurm.signal, plan.slurm.max_requeues)))
-        else:
-            p = plan.points[0]
-            jobs.append(executor.submit(TrainJob(str(p.config_path), plan.slurm.signal, plan.slurm.max_requeues)))
+        with quiet:
+            if plan.is_array:
+                with executor.batch():
+                    for p in plan.points:
+                        jobs.append(executor.submit(TrainJob(str(p.config_path), plan.slurm.signal, plan.slurm.max_requeues)))
+            else:
+                p = plan.points[0]
+                jobs.append(executor.submit(TrainJob(str(p.config_path), plan.slurm.signal, plan.slurm.max_requeues)))
     except (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError, OSError) as exc:
         raise LaunchError(_rejection(str(exc))) from None
     submitted = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -67,8 +73,14 @@ def submit(plan: SubmitPlan) -> list[str]:
 
 def _rejection(text: str) -> str:
     """sbatch's own message (submitit wraps it in a traceback-like text) plus what to change."""
-    lines = [ln.strip() for ln in text.splitlines() if "error" in ln.lower() and "sbatch" in ln.lower()]
-    msg = lines[-1] if lines else " ".join(text.split())[:400]
+    lines: list[str] = []
+    for ln in text.splitlines():
+        ln = ln.strip()
+        if ln.lower().startswith("sbatch: error:"):
+            ln = ln[len("sbatch: error:") :].strip()
+            if ln not in lines:
+                lines.append(ln)
+    msg = "; ".join(lines) if lines else " ".join(text.split())[:400]
     return "the job was not submitted: " + slurm_query.explain("sbatch", msg)
 
 

@@ -280,6 +280,8 @@ def describe(plan: SubmitPlan) -> list[tuple[str, str, str]]:
         if f.name == "cluster":
             continue
         value = getattr(s, f.name)
+        if f.name == "job_name":
+            value = plan.params["job_name"]
         rows.append(
             (f"slurm.{f.name}", str(value) if value not in ("", None) else "(Slurm's default)", plan.sources.get(f.name, "default"))
         )

@@ -459,7 +459,7 @@ class Trainer:
         if self.env.is_main:
             what = f"checkpoint {path.name} written" if path else "no checkpoint written (weights not finite)"
             log.warning(
-                "stop requested (%s) at step %d: %s; exiting with status %d (resumable: re-run the same command)",
+                "stop requested (%s) at step %d: %s; exiting with status %d (resumable: re-run the same command, or Slurm requeues)",
                 stop.signal_name or "signal on another rank",
                 self.step,
                 what,

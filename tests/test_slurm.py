@@ -1,0 +1,348 @@
+"""`submit`, requeue, sweeps and job inspection against a real Slurm (slurmctld + 4 slurmd + slurmdbd).
+
+The cluster is started by tests/slurm/cluster.sh (the `slurm_cluster` fixture); .ci/run installs
+Debian's slurm-wlm, munge, slurmdbd and mariadb-server first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, final_weights, run_cli
+
+CLUSTER_SH = REPO / "tests" / "slurm" / "cluster.sh"
+STATE = Path(os.environ.get("AURA_SLURM_STATE", "/tmp/aura-slurm"))
+SLURM_CONF = STATE / "etc" / "slurm.conf"
+
+TINY = [
+    "--nodes",
+    "2",
+    "--gpus",
+    "0",
+    "--time",
+    "10",
+    "--set",
+    "model.n_layer=2",
+    "--set",
+    "model.n_embd=64",
+    "--set",
+    "model.n_head=2",
+    "--set",
+    "data.seq_len=64",
+    "--set",
+    "train.warmup_steps=2",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.log_every=5",
+    "--set",
+    "train.sample_tokens=5",
+]
+
+
+def _slurm_ping() -> bool:
+    env = dict(os.environ, SLURM_CONF=str(SLURM_CONF))
+    try:
+        return subprocess.run(["scontrol", "ping"], env=env, capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Path:
+    """A real Slurm on this machine, started for the session (and stopped if we started it)."""
+    if shutil.which("slurmctld") is None or shutil.which("sbatch") is None:
+        pytest.skip("needs Debian's slurm-wlm, munge, slurmdbd and mariadb-server (.ci/run installs them)")
+    if os.geteuid() != 0:
+        pytest.skip("starting munged/slurmctld/slurmd needs root (CI runs as root)")
+    started = False
+    if not _slurm_ping():
+        t0 = time.perf_counter()
+        subprocess.run([str(CLUSTER_SH), "up"], check=True, timeout=180)
+        print(f"slurm cluster up in {time.perf_counter() - t0:.1f}s")
+        started = True
+    os.environ["SLURM_CONF"] = str(SLURM_CONF)
+    yield SLURM_CONF
+    if started:
+        subprocess.run([str(CLUSTER_SH), "down"], timeout=120)
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    h = tmp_path / "aura-home"
+    monkeypatch.setenv("AURA_HPC_HOME", str(h))
+    return h
+
+
+def _job_id(run_dir: Path) -> str:
+    return str(json.loads((run_dir / "job.json").read_text())["job_id"])
+
+
+def _squeue_ids() -> set[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout
+    return set(out.split())
+
+
+def _wait_gone(job_id: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if job_id not in _squeue_ids():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} still queued after {timeout}s")
+
+
+def _latest_step(run_dir: Path) -> int:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in lines if line.strip().startswith("{")]
+    return max(steps, default=0)
+
+
+# ---- real submissions -------------------------------------------------------------------
+
+
+def test_two_node_job_completes_and_status_logs_find_it(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
+    out = tmp_path / "runs"
+    args = ["submit", *TINY, "--output-dir", str(out), "--run-name", "two", "--set", f"data.path={prepared}", "--set", "train.max_steps=12"]
+    dry = run_cli([*args, "--dry-run"])
+    assert dry.returncode == 0, dry.stderr
+    t0 = time.perf_counter()
+    res = run_cli([*args, "--wait"], timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_dir = out / "two"
+    job = _job_id(run_dir)
+    assert f"submitted job {job}" in res.stdout and "COMPLETED" in res.stdout
+    print(f"submit --wait of a 2-node tiny job: {time.perf_counter() - t0:.1f}s")
+
+    # The run directory holds the resolved config, the submitted script and the job id.
+    assert (run_dir / "config.yaml").exists()
+    submitted = (run_dir / "submission.sh").read_text()
+    assert submitted.rstrip() in dry.stdout.replace(str(run_dir / "slurm" / "<jobid>_submission.sh"), ""), (
+        "dry-run differs from what was submitted"
+    )
+    assert "#SBATCH --nodes=2" in submitted and "#SBATCH --ntasks-per-node=1" in submitted and "#SBATCH --signal=USR2@" in submitted
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 12 and summary["world_size"] == 2 and summary["finished"]
+
+    status = run_cli(["status", job, "--json"])
+    assert status.returncode == 0, status.stderr
+    row = json.loads(status.stdout)["jobs"][0]
+    assert row["job_id"] == job and row["state"] == "COMPLETED" and row["step"] == 12
+    assert row["run_dir"] == str(run_dir) and row["loss"] > 0
+
+    by_dir = json.loads(run_cli(["status", str(run_dir), "--json"]).stdout)["jobs"][0]
+    assert by_dir["job_id"] == job
+
+    for rank in (0, 1):
+        log = run_cli(["logs", job, "--rank", str(rank)])
+        assert log.returncode == 0, log.stderr
+        assert f"[rank{rank}]" in log.stdout and "world_size=2" in log.stdout
+        assert (run_dir / "slurm" / f"{job}_{rank}_log.out").exists()
+    assert "all 2 ranks finished at step 12" in run_cli(["logs", str(run_dir)]).stdout
+    bad = run_cli(["logs", job, "--rank", "5"])
+    assert bad.returncode == 2 and "--rank 0..1" in bad.stderr
+
+    history = run_cli(["history", "--json"])
+    assert history.returncode == 0, history.stderr
+    assert any(r["job_id"] == job and r["run_dir"] == str(run_dir) for r in json.loads(history.stdout)["jobs"])
+
+
+def test_usr2_checkpoints_requeues_and_ends_equal_to_an_uninterrupted_run(
+    slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path
+) -> None:
+    out = tmp_path / "runs"
+    common = [*TINY, "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=150"]
+    common += ["--set", "train.checkpoint_every=100"]
+    res = run_cli(["submit", *common, "--run-name", "requeued"])
+    assert res.returncode == 0, res.stderr
+    run_dir = out / "requeued"
+    job = _job_id(run_dir)
+    deadline = time.monotonic() + 120
+    while _latest_step(run_dir) < 20:
+        assert time.monotonic() < deadline, "the job never reached step 20"
+        time.sleep(0.2)
+    # Preemption or the pre-timeout warning: the same signal Slurm sends before the time limit.
+    signalled = time.time()
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    _wait_gone(job)
+
+    log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
+    assert "stop requested (SIGUSR2)" in log and f"requeued job {job}" in log
+    assert "restart=0" in log and "restart=1" in log, "the log must show both parts (appended, not truncated)"
+    m = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", log)
+    assert m and 20 <= int(m.group(2)) < 150
+    first = re.findall(r"first step of this attempt done: step (\d+) at unix time ([\d.]+)", log)
+    assert len(first) == 2 and int(first[1][0]) == int(m.group(2)) + 1
+    print(f"USR2 -> first resumed step: {float(first[1][1]) - signalled:.1f}s")
+    acct = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"], capture_output=True, text=True).stdout
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == 150
+
+    ref = run_cli(["submit", *common, "--run-name", "straight", "--wait"], timeout=300)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    a, b = final_weights(run_dir), final_weights(out / "straight")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after requeue (accounting said: {acct.strip()})"
+
+
+def test_sweep_is_an_array_and_after_waits(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
+    out = tmp_path / "runs"
+    base = [*TINY[2:], "--nodes", "1", "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=8"]
+    first = run_cli(["submit", *base, "--run-name", "first", "--set", "train.max_steps=60"])
+    assert first.returncode == 0, first.stderr
+    first_id = _job_id(out / "first")
+    res = run_cli(["submit", *base, "--run-name", "sw", "--sweep", "train.lr=1e-3,3e-3", "--after", first_id, "--wait"], timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    points = sorted(p for p in (out / "sw").iterdir() if (p / "job.json").exists())
+    assert [p.name for p in points] == ["lr1e-3", "lr3e-3"]
+    ids = [_job_id(p) for p in points]
+    array = {i.split("_")[0] for i in ids}
+    assert len(array) == 1 and sorted(i.split("_")[1] for i in ids) == ["0", "1"], ids
+    lrs = []
+    for p in points:
+        cfg = (p / "config.yaml").read_text()
+        lrs.append(float(re.search(r"^  lr: (.+)$", cfg, re.M).group(1)))  # type: ignore[union-attr]
+        assert json.loads((p / "summary.json").read_text())["finished"]
+    assert lrs == [1e-3, 3e-3]
+    # --after: no array element started before the first job had ended.
+    acct = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-j", f"{first_id},{next(iter(array))}", "-o", "JobID,Start,End"], capture_output=True, text=True
+    ).stdout
+    times = {line.split("|")[0]: line.split("|")[1:] for line in acct.splitlines() if line}
+    assert times[first_id][1] <= min(times[i][0] for i in ids), acct
+
+
+def test_hostile_names_and_paths_are_passed_literally(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
+    out = tmp_path / "my runs $(touch PWNED1) `touch PWNED2` 'q' \"dq\""
+    name = "job $(touch PWNED3) `touch PWNED4` 'x' \"y\" ; touch PWNED5"
+    args = ["submit", *TINY, "--output-dir", str(out), "--run-name", "quoted", "--job-name", name]
+    args += ["--set", f"data.path={prepared}", "--set", "train.max_steps=4"]
+    dry = run_cli([*args, "--dry-run"])
+    assert dry.returncode == 0, dry.stderr
+    script = dry.stdout[dry.stdout.index("#!/bin/bash") :]
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    res = run_cli([*args, "--wait"], cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_dir = out / "quoted"
+    assert json.loads((run_dir / "summary.json").read_text())["finished"]
+    job = _job_id(run_dir)
+    got = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "JobName"], capture_output=True, text=True).stdout.strip()
+    squeue_name = subprocess.run(["squeue", "-h", "-t", "all", "-j", job, "-o", "%j"], capture_output=True, text=True).stdout.strip()
+    assert name in (got, squeue_name), (got, squeue_name)
+    for where in (tmp_path, Path.cwd(), run_dir, run_dir / "slurm", Path("/tmp")):
+        assert not list(where.glob("PWNED*")), f"a name was executed as a command in {where}"
+
+
+# ---- requeue cap ------------------------------------------------------------------------
+
+
+def test_requeue_stops_at_max_requeues(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
+    out = tmp_path / "runs"
+    args = ["submit", *TINY, "--output-dir", str(out), "--run-name", "capped", "--set", f"data.path={prepared}"]
+    args += ["--set", "train.max_steps=100000", "--set", "slurm.max_requeues=0", "--set", "train.checkpoint_every=0"]
+    assert run_cli(args).returncode == 0
+    run_dir = out / "capped"
+    job = _job_id(run_dir)
+    deadline = time.monotonic() + 120
+    while _latest_step(run_dir) < 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    waited = run_cli(["status", job, "--json"])
+    assert waited.returncode == 0
+    _wait_gone(job)
+    log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
+    assert "not requeued" in log and "slurm.max_requeues=0" in log and "requeued job" not in log
+    assert (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*"))
+
+
+# ---- refused before anything is submitted ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--partition", "nosuchpart"], "invalid partition"),
+        (["--nodes", "0"], "slurm.nodes must be at least 1"),
+        (["--cluster", "h100-ib", "--gpus", "9"], "more than the 8 GPUs per node"),
+        (["--nodes", "9"], "sbatch"),
+        (["--time", "soon"], "is not a Slurm time"),
+    ],
+    ids=["unknown partition", "zero nodes", "gpus above profile", "more nodes than the cluster", "bad time"],
+)
+def test_bad_submissions_are_refused_and_nothing_is_queued(
+    slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path, extra: list[str], needle: str
+) -> None:
+    before = _squeue_ids()
+    args = ["submit", *TINY, "--output-dir", str(tmp_path / "runs"), "--run-name", "bad", "--set", f"data.path={prepared}", *extra]
+    res = run_cli(args)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert needle in res.stderr and "fix:" in res.stderr, res.stderr
+    errors = [ln for ln in res.stderr.strip().splitlines() if not ln.startswith("warning:")]
+    assert len(errors) == 1, res.stderr
+    assert _squeue_ids() <= before
+    assert not (tmp_path / "runs" / "bad" / "job.json").exists()
+
+
+def test_relative_output_dir_is_refused(tmp_path: Path) -> None:
+    res = run_cli(["submit", "--output-dir", "runs", "--dry-run"], cwd=tmp_path)
+    assert res.returncode == 2 and "is not an absolute path" in res.stderr and "fix:" in res.stderr
+
+
+def test_missing_slurm_is_a_clear_error(tmp_path: Path, prepared: Path) -> None:
+    bin_dir = Path(os.__file__).parent  # a PATH with python's lib only: no sbatch anywhere on it
+    res = run_cli(
+        ["submit", *TINY, "--output-dir", str(tmp_path / "runs"), "--set", f"data.path={prepared}"],
+        PATH=str(bin_dir),
+    )
+    assert res.returncode == 2 and "not on PATH" in res.stderr and "fix:" in res.stderr, res.stderr
+    status = run_cli(["status"], PATH=str(bin_dir))
+    assert status.returncode == 2 and "not on PATH" in status.stderr
+
+
+def test_unknown_job_is_a_clear_error(slurm_cluster: Path, home: Path) -> None:
+    res = run_cli(["status", "987654"])
+    assert res.returncode == 2 and "987654" in res.stderr and "fix:" in res.stderr, res.stderr
+    res = run_cli(["cancel", "987654"])
+    assert res.returncode == 2 and "not in the queue" in res.stderr
+
+
+def test_cancel_stops_a_running_job(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
+    out = tmp_path / "runs"
+    args = [
+        "submit",
+        *TINY,
+        "--output-dir",
+        str(out),
+        "--run-name",
+        "cx",
+        "--set",
+        f"data.path={prepared}",
+        "--set",
+        "train.max_steps=100000",
+    ]
+    assert run_cli(args).returncode == 0
+    run_dir = out / "cx"
+    deadline = time.monotonic() + 120
+    while _latest_step(run_dir) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    res = run_cli(["cancel", str(run_dir)])
+    assert res.returncode == 0, res.stderr
+    job = _job_id(run_dir)
+    _wait_gone(job)
+    log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
+    assert "requeued job" not in log, "a cancel must not requeue"
