@@ -249,6 +249,50 @@ def cmd_history(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(a: argparse.Namespace) -> int:
+    import json
+
+    from aura_hpc import console
+    from aura_hpc.check import ClusterArgs, Report, run
+    from aura_hpc.errors import LaunchError
+
+    cluster = None
+    if a.nnodes > 1 or a.master_addr:
+        if a.nnodes < 1 or not 0 <= a.node_rank < a.nnodes:
+            raise LaunchError(
+                f"--node-rank {a.node_rank} is not in 0..{a.nnodes - 1} (fix: --node-rank 0 on the master, 1..N-1 on the others)"
+            )
+        if a.nnodes > 1 and not a.master_addr:
+            raise LaunchError("--nnodes > 1 needs --master-addr (fix: --master-addr <IP of node 0> on every node)")
+        sizes = tuple(float(x) for x in a.sizes_mb.split(",") if x.strip())
+        cluster = ClusterArgs(
+            a.nnodes, a.node_rank, a.master_addr or "127.0.0.1", a.master_port, a.backend, a.shared_dir, a.timeout, sizes, a.ifname
+        )
+
+    def show(report: Report, timed_out_at: str | None = None) -> None:
+        if timed_out_at:
+            report.add(
+                "timeout",
+                False,
+                f"the check did not finish within {a.timeout:g}s (stuck at: {timed_out_at})",
+                "see the failed line above; a firewall that drops gloo/NCCL's data ports hangs here: open them between the nodes",
+            )
+        if a.json:
+            print(json.dumps(report.to_json(), indent=2), flush=True)
+            return
+        rows = [[("ok" if f.ok and not f.warning else "WARN" if f.warning else "FAIL"), f.name, f.detail] for f in report.findings]
+        console.grid(f"aura_hpc check: node {report.node_rank}/{report.nnodes}, {report.elapsed_s:.1f}s", ["", "check", "result"], rows)
+        for f in report.findings:
+            if not f.ok and not f.warning:
+                console.error(f.line())
+            elif f.warning and f.fix:
+                console.warn(f.line())
+
+    report = run(a.output_dir, cluster, lambda r, stage: show(r, stage))
+    show(report)
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m aura_hpc",
@@ -323,6 +367,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--since", default="now-7days", help="sacct start time, e.g. 2026-11-01 or now-2days (default now-7days)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_history)
+
+    p = sub.add_parser(
+        "check",
+        help="check this machine, or the network/storage between machines (all_reduce, bandwidth, NFS)",
+        description="Alone: Python, torch, CUDA/NCCL, GPUs, backends, disk. With --nnodes N on every machine: "
+        "reachability, rendezvous, a verified all_reduce, bus bandwidth, clock skew, addresses and --shared-dir.",
+    )
+    p.add_argument("--nnodes", type=int, default=1, help="number of machines taking part (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 on the master")
+    p.add_argument("--master-addr", help="IP address of node 0")
+    p.add_argument("--master-port", type=int, default=29500, help="TCP port on node 0 (default 29500)")
+    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="process-group backend to test")
+    p.add_argument("--shared-dir", help="a directory that should be the same (NFS) on every node: write-then-read test")
+    p.add_argument("--ifname", help="network interface for gloo/NCCL (default: the one that routes to the master)")
+    p.add_argument("--sizes-mb", default="1,8,32", help="all_reduce sizes for the bandwidth test (default 1,8,32)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds before the check gives up (default 10)")
+    p.add_argument("--output-dir", help="where runs will go (free disk is checked there)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_check)
 
     p = sub.add_parser(
         "prepare",

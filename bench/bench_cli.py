@@ -1,10 +1,11 @@
-"""`python -m aura_hpc --help` wall time vs bare `python -c pass` (target: < 0.3 s above it)."""
+"""`python -m aura_hpc --help` and `submit --dry-run` wall time vs bare `python -c pass` (target: < 0.3 s above it)."""
 
 from __future__ import annotations
 
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -22,10 +23,14 @@ def main() -> None:
     base = wall([sys.executable, "-c", "pass"], n)
     helped = wall([sys.executable, "-m", "aura_hpc", "--help"], n)
     local_help = wall([sys.executable, "-m", "aura_hpc", "local", "--help"], n)
+    with tempfile.TemporaryDirectory() as out:
+        dry = [sys.executable, "-m", "aura_hpc", "submit", "--cluster", "h100-ib", "--nodes", "4", "--gpus", "8"]
+        dry_run = wall([*dry, "--output-dir", out, "--dry-run"], n)
     print(
         f"median of {n}: python -c pass {base * 1000:.0f} ms; aura_hpc --help {helped * 1000:.0f} ms "
         f"(+{(helped - base) * 1000:.0f} ms); aura_hpc local --help {local_help * 1000:.0f} ms "
-        f"(+{(local_help - base) * 1000:.0f} ms); target: < +300 ms"
+        f"(+{(local_help - base) * 1000:.0f} ms); submit --dry-run {dry_run * 1000:.0f} ms "
+        f"(+{(dry_run - base) * 1000:.0f} ms); target: < +300 ms"
     )
 
 

@@ -1,0 +1,172 @@
+"""`check`: real processes, on this host and in two network namespaces joined by a veth pair
+(two "LAN machines" with their own addresses). Healthy pairs pass; each fault is one line
+naming the cause and the fix, within the timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cli_env, free_port
+
+TIMEOUT = 8
+
+
+def _check(args: list[str], netns: str | None = None) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "aura_hpc", "check", "--timeout", str(TIMEOUT), "--sizes-mb", "1,4", *args]
+    if netns:
+        cmd = ["nsenter", f"--net=/run/netns/{netns}", *cmd]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+
+
+def _finish(p: subprocess.Popen[str]) -> tuple[int, str, str]:
+    try:
+        out, err = p.communicate(timeout=TIMEOUT + 20)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        raise AssertionError(f"check hung past its timeout:\n{out}\n{err}") from None
+    return p.returncode, out, err
+
+
+def _pair(
+    extra0: list[str], extra1: list[str], addr: str = "127.0.0.1", ns: tuple[str | None, str | None] = (None, None)
+) -> list[tuple[int, str, str]]:
+    port = str(free_port())
+    base = ["--nnodes", "2", "--master-addr", addr, "--master-port", port]
+    p0 = _check([*base, "--node-rank", "0", *extra0], ns[0])
+    time.sleep(0.3)
+    p1 = _check([*base, "--node-rank", "1", *extra1], ns[1])
+    return [_finish(p0), _finish(p1)]
+
+
+def _findings(out: str) -> dict[str, dict]:
+    return {f["name"]: f for f in json.loads(out)["findings"]}
+
+
+def test_single_machine_check() -> None:
+    code, out, err = _finish(_check(["--json"]))
+    assert code == 0, out + err
+    f = _findings(out)
+    assert f["backend gloo"]["ok"] and f["python"]["ok"] and "free" in f["disk"]["detail"]
+
+
+def test_healthy_pair_on_this_host_with_a_shared_dir(tmp_path: Path) -> None:
+    t0 = time.perf_counter()
+    results = _pair(["--json", "--shared-dir", str(tmp_path)], ["--json", "--shared-dir", str(tmp_path)])
+    print(f"healthy pair on one host: {time.perf_counter() - t0:.1f}s")
+    for code, out, err in results:
+        assert code == 0, out + err
+        report = json.loads(out)
+        f = _findings(out)
+        assert report["ok"] and f["all_reduce"]["ok"] and "verified on every rank" in f["all_reduce"]["detail"]
+        assert f["shared dir"]["ok"] and f["clock skew"]["ok"]
+        assert [b["size_mb"] for b in report["bandwidth"]] == [1.0, 4.0] and all(b["busbw_gbps"] > 0 for b in report["bandwidth"])
+        assert report["elapsed_s"] < TIMEOUT
+    assert not list(tmp_path.glob(".aura-check/*")), "the shared-dir probe files are cleaned up"
+
+
+def test_nothing_listening_is_reported_with_the_fix() -> None:
+    t0 = time.perf_counter()
+    code, _, err = _finish(_check(["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]))
+    assert code == 1
+    assert "reach master: connection refused" in err and "fix:" in err and "start `check --node-rank 0`" in err
+    assert time.perf_counter() - t0 < TIMEOUT + 8
+
+
+def test_a_node_that_never_joins_is_named() -> None:
+    code, _, err = _finish(_check(["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]))
+    assert code == 1
+    assert "node rank(s) 1 never joined" in err and "fix:" in err
+
+
+def test_duplicate_node_rank_is_reported() -> None:
+    port = str(free_port())
+    base = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
+    p0 = _check([*base, "--node-rank", "0"])
+    time.sleep(0.3)
+    p1 = _check([*base, "--node-rank", "1"])
+    p2 = _check([*base, "--node-rank", "1"])
+    results = [_finish(p) for p in (p0, p1, p2)]
+    dup = [r for r in results if "another machine already joined as --node-rank 1" in r[2]]
+    assert len(dup) == 1 and dup[0][0] == 1 and "fix:" in dup[0][2], results
+
+
+def test_a_directory_that_is_not_shared_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    results = _pair(["--shared-dir", str(tmp_path / "a")], ["--shared-dir", str(tmp_path / "b")])
+    for code, _, err in results:
+        assert code == 1
+        assert "is not one shared directory" in err and "does not see the files of node" in err and "fix: mount the same NFS export" in err
+
+
+# ---- two "machines": network namespaces with their own addresses -------------------------
+
+
+@pytest.fixture(scope="module")
+def two_hosts() -> Iterator[tuple[str, str]]:
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None:
+        pytest.skip("network namespaces need root and iproute2 (CI runs as root)")
+    tag = uuid.uuid4().hex[:6]
+    a, b = f"aura-a-{tag}", f"aura-b-{tag}"
+    va, vb = f"va{tag}", f"vb{tag}"
+    cmds = [
+        ["ip", "netns", "add", a],
+        ["ip", "netns", "add", b],
+        ["ip", "link", "add", va, "type", "veth", "peer", "name", vb],
+        ["ip", "link", "set", va, "netns", a],
+        ["ip", "link", "set", vb, "netns", b],
+        ["nsenter", f"--net=/run/netns/{a}", "ip", "addr", "add", "10.77.1.1/24", "dev", va],
+        ["nsenter", f"--net=/run/netns/{b}", "ip", "addr", "add", "10.77.1.2/24", "dev", vb],
+    ]
+    for ns, dev in ((a, va), (b, vb)):
+        cmds += [
+            ["nsenter", f"--net=/run/netns/{ns}", "ip", "link", "set", dev, "up"],
+            ["nsenter", f"--net=/run/netns/{ns}", "ip", "link", "set", "lo", "up"],
+        ]
+    try:
+        for c in cmds:
+            subprocess.run(c, check=True, capture_output=True, timeout=20)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        pytest.skip(f"cannot create network namespaces here: {exc}")
+    yield a, b
+    for ns in (a, b):
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_healthy_pair_across_two_network_namespaces(two_hosts: tuple[str, str]) -> None:
+    t0 = time.perf_counter()
+    results = _pair(["--json"], ["--json"], addr="10.77.1.1", ns=two_hosts)
+    print(f"healthy pair across namespaces: {time.perf_counter() - t0:.1f}s")
+    for code, out, err in results:
+        assert code == 0, out + err
+        report = json.loads(out)
+        assert report["ok"]
+        assert {n["ip"] for n in report["nodes"]} == {"10.77.1.1", "10.77.1.2"}
+        assert {n["interface"] for n in report["nodes"]} == {f"va{two_hosts[0][-6:]}", f"vb{two_hosts[0][-6:]}"}
+
+
+def test_wrong_master_ip_across_namespaces(two_hosts: tuple[str, str]) -> None:
+    t0 = time.perf_counter()
+    code, _, err = _finish(
+        _check(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.77.1.99", "--master-port", str(free_port())], two_hosts[1])
+    )
+    assert code == 1 and "reach master:" in err and ("no answer" in err or "no route" in err) and "fix:" in err, err
+    assert time.perf_counter() - t0 < TIMEOUT + 8
+
+
+def test_master_not_started_across_namespaces(two_hosts: tuple[str, str]) -> None:
+    code, _, err = _finish(
+        _check(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.77.1.1", "--master-port", str(free_port())], two_hosts[1])
+    )
+    assert code == 1 and "connection refused" in err and "open TCP port" in err, err
