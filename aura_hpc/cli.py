@@ -293,6 +293,44 @@ def cmd_check(a: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_monitor(a: argparse.Namespace) -> int:
+    import json
+    import sys
+    import time
+
+    from aura_hpc import console
+    from aura_hpc.errors import ConfigError
+    from aura_hpc.gpu_health import open_reader
+    from aura_hpc.resources import Sampler
+
+    if a.interval <= 0:
+        raise ConfigError(f"--interval must be positive, got {a.interval} (fix: --interval 5)")
+    sampler = Sampler(open_reader(a.replay or ""), a.disk or ".")
+    out = None
+    if a.json:
+        out = sys.stdout if a.json == "-" else open(a.json, "a", encoding="utf-8")
+    live = None if out is not None or not sys.stdout.isatty() else console.live_table()
+    n = 0
+    try:
+        while a.count == 0 or n < a.count:
+            time.sleep(a.interval)
+            row = sampler.sample()
+            n += 1
+            if out is not None:
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+            elif live is not None:
+                live.update(console.resources_table(row))
+            else:
+                console.plain(json.dumps(row))
+    finally:
+        if live is not None:
+            live.stop()
+        if out is not None and out is not sys.stdout:
+            out.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m aura_hpc",
@@ -386,6 +424,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", help="where runs will go (free disk is checked there)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("monitor", help="CPU, RAM, disk, network and per-GPU readings at an interval")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between samples (default 5)")
+    p.add_argument("--json", metavar="FILE", help="append JSON lines to FILE ('-' for stdout) instead of the live table")
+    p.add_argument("--count", type=int, default=0, help="stop after this many samples (default: until Ctrl+C)")
+    p.add_argument("--disk", help="the path whose filesystem is reported (default: .)")
+    p.add_argument("--replay", help=argparse.SUPPRESS)  # recorded GPU readings instead of NVML (tests)
+    p.set_defaults(func=cmd_monitor)
 
     p = sub.add_parser(
         "prepare",

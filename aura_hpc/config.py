@@ -82,6 +82,23 @@ class DistConfig:
 
 
 @dataclass
+class HealthConfig:
+    """Resource monitor and GPU circuit breaker, run in a background thread on one rank per node."""
+
+    monitor_interval_s: float = 0.0  # > 0: sample CPU/RAM/disk/net/GPUs to RUN_DIR/resources/node<N>.jsonl and TensorBoard
+    breaker: bool = True  # GPU circuit breaker (acts only where NVML sees GPUs, or with nvml_replay)
+    breaker_interval_s: float = 5.0
+    temp_margin_c: float = 3.0  # open when a GPU is this close to its slowdown temperature
+    throttle_reasons: str = "hw_slowdown,hw_thermal,sw_thermal,hw_power_brake"
+    throttle_samples: int = 3  # consecutive throttled samples before opening
+    webhook_url: str = ""  # a secret, never logged; "env:VAR" reads it from an environment variable
+    webhook_type: str = "generic"  # generic JSON | discord | slack
+    webhook_timeout_s: float = 5.0
+    webhook_retries: int = 2
+    nvml_replay: str = ""  # recorded readings (JSON lines) replayed instead of NVML: tests, incident replays
+
+
+@dataclass
 class SlurmConfig:
     """What `submit` asks Slurm for. Precedence: CLI flags > this section > cluster profile > these defaults."""
 
@@ -113,6 +130,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -140,9 +158,17 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.strategy": ("ddp",),
     "slurm.signal": ("USR2", "USR1", "TERM", "INT", "HUP"),
+    "health.webhook_type": ("generic", "discord", "slack"),
 }
 
-SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "dist": DistConfig, "slurm": SlurmConfig}
+SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "dist": DistConfig,
+    "slurm": SlurmConfig,
+    "health": HealthConfig,
+}
 TOP_LEVEL = ("run_name", "output_dir")
 # Keys resolved relative to the config file they appear in.
 _PATH_KEYS = {("data", "path")}
@@ -443,6 +469,21 @@ def validate(cfg: RunConfig) -> None:
     if not cfg.output_dir:
         raise ConfigError("output_dir is empty (fix: --output-dir runs)")
     validate_slurm(cfg.slurm)
+    h = cfg.health
+    if h.monitor_interval_s < 0 or h.breaker_interval_s <= 0:
+        raise ConfigError(
+            "health.monitor_interval_s must be >= 0 and health.breaker_interval_s > 0 (fix: --set health.breaker_interval_s=5)"
+        )
+    from aura_hpc.gpu_health import THROTTLE_BITS
+
+    unknown = [r for r in h.throttle_reasons.split(",") if r.strip() and r.strip() not in THROTTLE_BITS]
+    if unknown:
+        raise ConfigError(f"health.throttle_reasons: unknown {', '.join(unknown)} (fix: a comma list of {', '.join(THROTTLE_BITS)})")
+    if h.webhook_url and not (h.webhook_url.startswith(("http://", "https://", "env:"))):
+        # The value itself is not echoed: it is a secret.
+        raise ConfigError(
+            "health.webhook_url must start with http://, https:// or env:VAR (fix: --set health.webhook_url=env:AURA_GPU_WEBHOOK)"
+        )
 
 
 _SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")

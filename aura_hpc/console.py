@@ -105,3 +105,45 @@ def plain(text: str) -> None:
 
 def warn(message: str) -> None:
     err_console.print(f"[bold yellow]warning:[/] {message}", markup=True, soft_wrap=True)
+
+
+def resources_table(row: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    t = Table(title=f"{row.get('host')}  {row.get('time')}", title_justify="left")
+    for c in ("cpu %", "ram GB (%)", "disk free GB", "net rx/tx Mbit/s"):
+        t.add_column(c)
+    t.add_row(
+        f"{row['cpu_pct']:.0f}",
+        f"{row['ram_used_gb']} ({row['ram_pct']:.0f}%)",
+        str(row["disk_free_gb"]),
+        f"{row['net_rx_mbps']} / {row['net_tx_mbps']}",
+    )
+    gpus = row.get("gpus") or []
+    if not gpus:
+        return t
+    from rich.console import Group
+
+    g = Table()
+    cols = ["index", "name", "util_pct", "mem_used_mb", "temp_c", "power_w", "sm_clock_mhz", "throttle_reasons", "ecc_uncorrected_volatile"]
+    for c in cols:
+        g.add_column(c.replace("_", " "))
+    for gpu in gpus:
+        g.add_row(*[str(gpu.get(c, "-")) for c in cols])
+    return Group(t, g)
+
+
+def live_table() -> Any:
+    from rich.live import Live
+
+    live = Live(console=console, auto_refresh=False)
+    live.start()
+
+    class _Updater:
+        def update(self, renderable: Any) -> None:
+            live.update(renderable, refresh=True)
+
+        def stop(self) -> None:
+            live.stop()
+
+    return _Updater()

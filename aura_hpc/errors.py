@@ -39,3 +39,5 @@ EXIT_DIVERGED = 3
 # Stopped on a signal (SIGTERM, SIGINT, SIGUSR2) after writing a checkpoint: re-run to resume.
 # 75 is EX_TEMPFAIL in sysexits.h: "temporary failure, try again".
 EXIT_RESUMABLE = 75
+# The GPU circuit breaker opened: a hardware fault; orchestrators should drain the node, not retry on it.
+EXIT_GPU_FAULT = 76

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aura_hpc.config import RunConfig, load_config
-from aura_hpc.errors import EXIT_RESUMABLE, ConfigError, LaunchError
+from aura_hpc.errors import EXIT_GPU_FAULT, EXIT_RESUMABLE, ConfigError, LaunchError
 from aura_hpc.run_setup import prepare_run_dir
 
 WORKER_MODULE = "aura_hpc.train"
@@ -225,6 +225,14 @@ def launch(plan: LocalPlan) -> int:
     except ChildFailedError as exc:
         if all(f.exitcode == EXIT_RESUMABLE for f in exc.failures.values()):
             return _resumable(plan, "a stop signal to the workers")
+        if any(f.exitcode == EXIT_GPU_FAULT for f in exc.failures.values()):
+            from aura_hpc import console
+
+            console.error(
+                f"the GPU circuit breaker stopped training (see {plan.cfg.run_dir / 'logs'}): take this machine's GPU out of "
+                "service before training on it again; re-run the same command on healthy hardware to resume"
+            )
+            return EXIT_GPU_FAULT
         # A killed rank makes its peers fail too (broken collectives): name every failed rank,
         # the ones killed by a signal first, since they are usually the cause.
         failures = sorted(exc.failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp))

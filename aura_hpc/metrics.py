@@ -39,6 +39,16 @@ class MetricsWriter:
             if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                 self._tb.add_scalar(f"train/{k}" if k != "eval_loss" else "eval/loss", v, step)
 
+    def resources(self, row: dict[str, Any], step: int) -> None:
+        """A resource sample (from the monitor thread) as TensorBoard scalars at the current step."""
+        for k, v in row.items():
+            if k not in ("time",) and isinstance(v, (int, float)) and math.isfinite(v):
+                self._tb.add_scalar(f"resources/{k}", v, step)
+        for g in row.get("gpus", []):
+            for k, v in g.items():
+                if k != "index" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(f"gpu{g.get('index', 0)}/{k}", v, step)
+
     def text(self, tag: str, text: str, step: int) -> None:
         self._tb.add_text(tag, text, step)
 

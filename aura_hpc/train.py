@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import random
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -25,9 +26,11 @@ from aura_hpc import checkpoint, distributed, faults
 from aura_hpc.config import RunConfig, load_run_file, max_steps_for
 from aura_hpc.data.packed import GlobalOrder, PackedTokens, batch_start
 from aura_hpc.dist_env import DistEnv
-from aura_hpc.errors import EXIT_RESUMABLE, AuraError, CheckpointError, ConfigError, DataError, TrainingError
+from aura_hpc.errors import EXIT_GPU_FAULT, EXIT_RESUMABLE, AuraError, CheckpointError, ConfigError, DataError, TrainingError
+from aura_hpc.gpu_health import Fault, HealthRules, NoGpus, Thresholds, is_gpu_error, open_reader
 from aura_hpc.model import build_model, count_parameters, lm_loss
 from aura_hpc.parallel import Wrapped, wrap
+from aura_hpc.resources import BackgroundMonitor, Sampler
 from aura_hpc.stop import StopRequest
 
 log = logging.getLogger("aura_hpc")
@@ -67,6 +70,7 @@ def _device_name(device: torch.device) -> str:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, env: DistEnv) -> None:
+        self.monitor: BackgroundMonitor | None = None
         self.cfg = cfg
         self.env = env
         self.run_dir = cfg.run_dir
@@ -274,8 +278,8 @@ class Trainer:
         x = torch.from_numpy(self.data.sequences("train", idx))
         return x.to(self.device, non_blocking=True)
 
-    def _train_step(self, wrapped: Wrapped, stop: StopRequest) -> tuple[float, float, bool, list[int]]:
-        """One optimizer step; returns (loss, grad norm, stop agreed, ranks with a non-finite loss/grad).
+    def _train_step(self, wrapped: Wrapped, stop: StopRequest) -> tuple[float, float, bool, list[int], bool]:
+        """One optimizer step; returns (loss, grad norm, stop agreed, ranks with a non-finite loss/grad, GPU fault agreed).
 
         Whether to stop and whether the step is usable is decided by all ranks together in a
         single all_reduce, so a NaN or a signal on one rank never leaves the others waiting.
@@ -300,15 +304,17 @@ class Trainer:
             bad = 1.0
         elif not math.isfinite(norm_value) and not self.scaler.is_enabled():
             bad = 2.0  # fp16's GradScaler skips inf-gradient steps itself; only a bad loss counts there
-        flags = torch.zeros(1 + self.world, dtype=torch.float64, device=self.device)
+        # [stop requested, GPU breaker open, non-finite on rank 0..N-1]: one all_reduce per step.
+        flags = torch.zeros(2 + self.world, dtype=torch.float64, device=self.device)
         flags[0] = 1.0 if stop.requested else 0.0
-        flags[1 + self.env.rank] = bad
+        flags[1] = 1.0 if self.monitor is not None and self.monitor.fault is not None else 0.0
+        flags[2 + self.env.rank] = bad
         if distributed.active():
             torch.distributed.all_reduce(flags)
         flags_list = flags.tolist()
-        bad_ranks = [r for r in range(self.world) if flags_list[1 + r] > 0]
+        bad_ranks = [r for r in range(self.world) if flags_list[2 + r] > 0]
         # A NaN loss on one rank poisons every rank's gradients through DDP; name where it started.
-        origin = [r for r in range(self.world) if flags_list[1 + r] == 1.0] or bad_ranks
+        origin = [r for r in range(self.world) if flags_list[2 + r] == 1.0] or bad_ranks
         if bad_ranks:
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler.is_enabled():
@@ -318,7 +324,7 @@ class Trainer:
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return loss_value, norm_value, flags_list[0] > 0, origin
+        return loss_value, norm_value, flags_list[0] > 0, origin, flags_list[1] > 0
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -454,6 +460,76 @@ class Trainer:
                 t.nan_max_rollbacks,
             )
 
+    def _start_monitor(self, metrics: Any) -> BackgroundMonitor | None:
+        """Resource sampling and the GPU breaker, on local rank 0 of each node only."""
+        h = self.cfg.health
+        if self.env.local_rank != 0:
+            return None
+        reader = open_reader(h.nvml_replay)
+        breaker = h.breaker and not isinstance(reader, NoGpus)
+        if h.monitor_interval_s <= 0 and not breaker:
+            return None
+        interval = h.monitor_interval_s if h.monitor_interval_s > 0 else h.breaker_interval_s
+        if breaker and h.monitor_interval_s > 0:
+            interval = min(interval, h.breaker_interval_s)
+        out = self.run_dir / "resources" / f"node{self.env.node_rank}.jsonl" if h.monitor_interval_s > 0 else None
+        rules = None
+        if breaker:
+            reasons = tuple(r.strip() for r in h.throttle_reasons.split(",") if r.strip())
+            rules = HealthRules(Thresholds(h.temp_margin_c, reasons, h.throttle_samples))
+
+        def to_tensorboard(row: dict[str, Any]) -> None:
+            if metrics is not None and h.monitor_interval_s > 0:
+                metrics.resources(row, self.step)
+
+        sampler = Sampler(reader, self.run_dir)
+        return BackgroundMonitor(sampler, interval, out, rules, to_tensorboard).start()
+
+    def _report_gpu_fault(self, fault: Fault) -> None:
+        h = self.cfg.health
+        url = h.webhook_url
+        if url.startswith("env:"):
+            url = os.environ.get(url[4:], "")
+        if not url:
+            return
+        from aura_hpc import webhook
+
+        event = {
+            "event": "gpu.fault",
+            "host": socket.gethostname(),
+            "gpu_index": fault.gpu_index,
+            "reason": fault.reason,
+            "readings": fault.readings,
+            "job_id": os.environ.get("SLURM_JOB_ID", ""),
+            "node_rank": self.env.node_rank,
+            "run_dir": str(self.run_dir),
+            "step": self.step,
+        }
+        webhook.deliver(url, h.webhook_type, event, h.webhook_timeout_s, h.webhook_retries)
+
+    def _open_circuit(self) -> int:
+        """All ranks agreed that a GPU is faulty: checkpoint if it still answers, alert, exit EXIT_GPU_FAULT."""
+        fault = self.monitor.fault if self.monitor is not None else None
+        if fault is not None:
+            log.error("GPU circuit breaker OPEN on %s: %s", socket.gethostname(), fault.describe())
+            self._report_gpu_fault(fault)
+        try:
+            path = self.save()
+            saved = f"checkpoint {path.name} written" if path else "checkpoint not written"
+        except Exception as exc:  # the GPU may no longer answer: nothing more to save
+            saved = f"checkpoint failed ({str(exc).splitlines()[0][:120]})"
+        if self.env.is_main:
+            log.error(
+                "stopped at step %d by the GPU circuit breaker: %s; exiting with status %d so the node can be drained "
+                "(Slurm: scontrol update nodename=<node> state=drain reason=gpu-fault); resume elsewhere with the same command",
+                self.step,
+                saved,
+                EXIT_GPU_FAULT,
+            )
+        if self.monitor is not None:
+            self.monitor.stop()
+        return EXIT_GPU_FAULT
+
     def _stop_on_signal(self, stop: StopRequest) -> int:
         path = self.save()
         if self.env.is_main:
@@ -516,9 +592,22 @@ class Trainer:
         stop.install()
         bad_in_a_row = 0
         first_step = True
+        self.monitor = self._start_monitor(metrics)
         while self.step < self.end_step:
             t0 = time.perf_counter()
-            loss, grad_norm, stop_agreed, bad_ranks = self._train_step(wrapped, stop)
+            try:
+                loss, grad_norm, stop_agreed, bad_ranks, gpu_fault = self._train_step(wrapped, stop)
+            except RuntimeError as exc:
+                if not is_gpu_error(exc):
+                    raise
+                # Xid-style failure: the GPU state is unusable, so no checkpoint and no collective.
+                fault = Fault(self.device.index or 0, f"CUDA error in the training loop: {str(exc).splitlines()[0][:200]}", {})
+                self._report_gpu_fault(fault)
+                log.error("%s; exiting with status %d (drain this node)", fault.describe(), EXIT_GPU_FAULT)
+                return EXIT_GPU_FAULT
+            if gpu_fault:
+                progress.stop()
+                return self._open_circuit()
             self.step += 1
             self.tokens_seen += self.tokens_per_step
             if first_step and env.is_main:
@@ -597,6 +686,8 @@ class Trainer:
                 self.save()
             self.last_eval = None
         progress.stop()
+        if self.monitor is not None:
+            self.monitor.stop()
         # Decided from state every rank shares: on a LAN job without shared storage the
         # other nodes' checkpoint directories are empty, and a filesystem check would make
         # only some ranks enter the (collective) save.

@@ -1,0 +1,46 @@
+"""Deliver a `gpu.fault` event to a webhook (generic JSON, Discord or Slack), with retry and timeout.
+
+The URL is a secret (it usually embeds a token): it is never logged or written anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+log = logging.getLogger("aura_hpc")
+
+
+def body(kind: str, event: dict[str, Any]) -> dict[str, Any]:
+    if kind == "generic":
+        return event
+    text = (
+        f"aura_hpc {event['event']} on {event['host']} GPU {event['gpu_index']}: {event['reason']}"
+        f" (job {event.get('job_id') or '-'}, run {event.get('run_dir')}, step {event.get('step')})"
+    )
+    return {"content": text} if kind == "discord" else {"text": text}
+
+
+def deliver(url: str, kind: str, event: dict[str, Any], timeout_s: float = 5.0, retries: int = 2, backoff_s: float = 1.0) -> bool:
+    """POST the event; True once a 2xx arrives. Retries on errors and non-2xx answers."""
+    data = json.dumps(body(kind, event)).encode()
+    for attempt in range(retries + 1):
+        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", "User-Agent": "aura_hpc"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                if 200 <= resp.status < 300:
+                    log.warning("gpu.fault webhook delivered (HTTP %d, attempt %d)", resp.status, attempt + 1)
+                    return True
+                why = f"HTTP {resp.status}"
+        except urllib.error.HTTPError as exc:
+            why = f"HTTP {exc.code}"
+        except (urllib.error.URLError, OSError, TimeoutError) as exc:
+            why = type(getattr(exc, "reason", exc)).__name__
+        log.warning("gpu.fault webhook attempt %d of %d failed (%s)", attempt + 1, retries + 1, why)
+        if attempt < retries:
+            time.sleep(backoff_s * (attempt + 1))
+    return False

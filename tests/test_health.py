@@ -1,0 +1,181 @@
+"""Resource monitor and GPU circuit breaker. Without a GPU, NVML readings are replayed from a
+file (the same reader interface the real NVML path uses); the webhook goes to a real local HTTP
+server that fails the first delivery."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from aura_hpc.gpu_health import THROTTLE_BITS, HealthRules, Thresholds
+from aura_hpc.webhook import body
+from tests.conftest import run_cli
+
+HEALTHY = {
+    "index": 0,
+    "name": "NVIDIA H100 80GB HBM3",
+    "util_pct": 97,
+    "mem_used_mb": 60000.0,
+    "temp_c": 61,
+    "temp_slowdown_c": 87,
+    "temp_shutdown_c": 92,
+    "power_w": 650.0,
+    "sm_clock_mhz": 1980,
+    "throttle_reasons": 0,
+    "ecc_uncorrected_volatile": 0,
+}
+FAULTS = {
+    "ecc": dict(HEALTHY, ecc_uncorrected_volatile=2),
+    "thermal": dict(HEALTHY, temp_c=86),
+    "throttle": dict(HEALTHY, throttle_reasons=THROTTLE_BITS["hw_slowdown"], sm_clock_mhz=900),
+}
+REASON = {"ecc": "uncorrectable ECC", "thermal": "slowdown threshold", "throttle": "clocks throttled (hw_slowdown)"}
+
+
+def _rules() -> HealthRules:
+    return HealthRules(Thresholds(temp_margin_c=3, throttle_samples=3))
+
+
+def test_rules_trip_on_faults_and_not_on_healthy_readings() -> None:
+    r = _rules()
+    assert all(r.evaluate([HEALTHY, dict(HEALTHY, index=1)]) is None for _ in range(10))
+    for kind in ("ecc", "thermal"):
+        r = _rules()
+        assert r.evaluate([HEALTHY]) is None
+        fault = r.evaluate([FAULTS[kind]])
+        assert fault is not None and REASON[kind] in fault.reason and fault.gpu_index == 0
+    r = _rules()
+    assert r.evaluate([FAULTS["throttle"]]) is None and r.evaluate([FAULTS["throttle"]]) is None, "a short throttle is not a fault"
+    fault = r.evaluate([FAULTS["throttle"]])
+    assert fault is not None and REASON["throttle"] in fault.reason
+    r = _rules()
+    r.evaluate([FAULTS["throttle"]])
+    r.evaluate([HEALTHY])
+    assert r.evaluate([FAULTS["throttle"]]) is None, "the count restarts after a healthy sample"
+    assert _rules().evaluate([dict(HEALTHY, recovery_action=2)]).reason == "the driver asks to reboot the node"  # type: ignore[union-attr]
+    # An ECC count present from before the job is the baseline, not a new fault.
+    r = _rules()
+    assert (
+        r.evaluate([dict(HEALTHY, ecc_uncorrected_volatile=5)]) is None and r.evaluate([dict(HEALTHY, ecc_uncorrected_volatile=5)]) is None
+    )
+
+
+def test_webhook_bodies_per_kind() -> None:
+    event = {"event": "gpu.fault", "host": "n1", "gpu_index": 3, "reason": "hot", "job_id": "42", "run_dir": "/r", "step": 7}
+    assert body("generic", event) == event
+    assert "GPU 3" in body("discord", event)["content"] and "hot" in body("slack", event)["text"]
+
+
+def test_monitor_json_samples_at_the_interval(tmp_path: Path) -> None:
+    out = tmp_path / "m.jsonl"
+    res = run_cli(["monitor", "--interval", "0.3", "--count", "4", "--json", str(out), "--disk", str(tmp_path)])
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4
+    for row in rows:
+        assert {"time", "host", "cpu_pct", "ram_used_gb", "disk_free_gb", "net_rx_mbps", "net_tx_mbps"} <= row.keys()
+        assert "gpus" not in row  # no GPU here: GPU columns absent, not faked
+    gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(rows)]
+    assert all(0.25 <= g <= 1.0 for g in gaps), gaps
+
+
+def test_monitor_shows_gpu_readings_when_there_are_some(tmp_path: Path) -> None:
+    replay = tmp_path / "nvml.jsonl"
+    replay.write_text(json.dumps([HEALTHY]) + "\n")
+    res = run_cli(["monitor", "--interval", "0.1", "--count", "2", "--json", "-", "--replay", str(replay)])
+    assert res.returncode == 0, res.stderr
+    row = json.loads(res.stdout.splitlines()[-1])
+    assert row["gpus"][0]["temp_c"] == 61 and row["gpus"][0]["name"].startswith("NVIDIA")
+
+
+class _Hook(BaseHTTPRequestHandler):
+    received: ClassVar[list[dict]] = []
+    calls = 0
+
+    def do_POST(self) -> None:
+        type(self).calls += 1
+        data = self.rfile.read(int(self.headers["Content-Length"]))
+        if type(self).calls == 1:
+            self.send_response(503)  # the first delivery fails: the trainer must retry once
+            self.end_headers()
+            return
+        type(self).received.append(json.loads(data))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def webhook_server() -> Iterator[tuple[str, type[_Hook]]]:
+    _Hook.received, _Hook.calls = [], 0
+    server = HTTPServer(("127.0.0.1", 0), _Hook)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hooks/SECRET-TOKEN-123", _Hook
+    server.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["ecc", "thermal", "throttle"])
+def test_breaker_stops_all_ranks_checkpoints_alerts_and_exits_distinctly(
+    kind: str, tmp_path: Path, prepared: Path, webhook_server: tuple[str, type[_Hook]]
+) -> None:
+    url, hook = webhook_server
+    replay = tmp_path / "nvml.jsonl"
+    replay.write_text(json.dumps([HEALTHY]) + "\n" + json.dumps([FAULTS[kind]]) + "\n")
+    res = run_cli(
+        [
+            "local",
+            "--nproc-per-node",
+            "2",
+            "--output-dir",
+            str(tmp_path / "runs"),
+            "--run-name",
+            "hot",
+            "--set",
+            f"data.path={prepared}",
+            *["--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2", "--set", "data.seq_len=32"],
+            *[
+                "--set",
+                "train.max_steps=100000",
+                "--set",
+                "train.warmup_steps=2",
+                "--set",
+                "train.eval_every=0",
+                "--set",
+                "train.checkpoint_every=0",
+            ],
+            "--set",
+            f"health.nvml_replay={replay}",
+            "--set",
+            "health.breaker_interval_s=0.2",
+            "--set",
+            "health.webhook_url=env:AURA_TEST_HOOK",
+            "--set",
+            "health.webhook_retries=1",
+        ],
+        timeout=240,
+        AURA_TEST_HOOK=url,
+    )
+    assert res.returncode == 76, res.stdout + res.stderr
+    run_dir = tmp_path / "runs" / "hot"
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("rank_*.log")}
+    assert set(logs) == {"rank_0.log", "rank_1.log"}
+    assert "GPU circuit breaker OPEN" in logs["rank_0.log"] and REASON[kind] in logs["rank_0.log"]
+    assert "stopped at step" in logs["rank_0.log"] and "status 76" in logs["rank_0.log"]
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert ckpts and (ckpts[-1] / "COMPLETE.json").exists(), "a checkpoint is written while the GPU still answers"
+    assert hook.calls == 2 and len(hook.received) == 1, "one delivery, after one retried failure"
+    event = hook.received[0]
+    assert event["event"] == "gpu.fault" and event["gpu_index"] == 0 and REASON[kind] in event["reason"]
+    assert event["readings"]["name"].startswith("NVIDIA") and event["host"] and event["run_dir"] == str(run_dir)
+    everything = res.stdout + res.stderr + "".join(logs.values()) + (run_dir / "config.yaml").read_text()
+    assert "SECRET-TOKEN-123" not in everything, "the webhook URL is a secret"
