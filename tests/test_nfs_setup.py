@@ -1,0 +1,72 @@
+"""nfs_setup/: dry-run output and idempotence, against scratch exports/fstab files.
+
+Exporting and mounting for real needs a kernel NFS server; AURA_NFS_NO_SYSTEM=1 skips the
+package, exportfs and mount steps so the file editing and the reporting are what is tested."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from tests.conftest import REPO
+
+SERVER = REPO / "nfs_setup" / "server.sh"
+CLIENT = REPO / "nfs_setup" / "client.sh"
+
+
+def _run(script: Path, args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(script), *args], capture_output=True, text=True, env={**os.environ, "AURA_NFS_NO_SYSTEM": "1", **env}, timeout=60
+    )
+
+
+def test_server_dry_run_changes_nothing_then_apply_is_idempotent(tmp_path: Path) -> None:
+    exports = tmp_path / "exports"
+    exports.write_text("/other 10.0.0.0/8(ro)\n")
+    export_dir = tmp_path / "srv" / "aura"
+    args = ["--export", str(export_dir), "--clients", "192.168.1.0/24", "--clients", "10.0.0.5"]
+    dry = _run(SERVER, [*args, "--dry-run"], AURA_NFS_EXPORTS=str(exports))
+    assert dry.returncode == 0, dry.stderr
+    line = f"{export_dir} 192.168.1.0/24(rw,sync,no_subtree_check) 10.0.0.5(rw,sync,no_subtree_check)"
+    assert f"would: create {export_dir}" in dry.stdout and f"would: add to {exports}: '{line}'" in dry.stdout
+    assert "dry run: 2 change(s) not made" in dry.stdout
+    assert exports.read_text() == "/other 10.0.0.0/8(ro)\n" and not export_dir.exists()
+
+    first = _run(SERVER, args, AURA_NFS_EXPORTS=str(exports))
+    assert first.returncode == 0, first.stderr
+    assert exports.read_text() == "/other 10.0.0.0/8(ro)\n" + line + "\n" and export_dir.is_dir()
+    again = _run(SERVER, args, AURA_NFS_EXPORTS=str(exports))
+    assert again.returncode == 0 and "nothing to change" in again.stdout and "already exports" in again.stdout
+    assert exports.read_text().count(str(export_dir)) == 1
+
+    changed = _run(SERVER, ["--export", str(export_dir), "--clients", "192.168.2.0/24"], AURA_NFS_EXPORTS=str(exports))
+    assert "replace in" in changed.stdout
+    assert exports.read_text().splitlines() == ["/other 10.0.0.0/8(ro)", f"{export_dir} 192.168.2.0/24(rw,sync,no_subtree_check)"]
+    assert (tmp_path / "exports.aura-backup").exists()
+
+
+def test_client_dry_run_and_idempotent_fstab(tmp_path: Path) -> None:
+    fstab = tmp_path / "fstab"
+    fstab.write_text("UUID=abc / ext4 defaults 0 1\n")
+    mount = tmp_path / "shared" / "aura"
+    args = ["--server", "192.168.1.10", "--export", "/srv/aura", "--mount", str(mount)]
+    dry = _run(CLIENT, [*args, "--dry-run"], AURA_NFS_FSTAB=str(fstab))
+    assert dry.returncode == 0, dry.stderr
+    line = f"192.168.1.10:/srv/aura {mount} nfs4 rw,hard,noatime,_netdev 0 0"
+    assert f"would: add to {fstab}: '{line}'" in dry.stdout and fstab.read_text() == "UUID=abc / ext4 defaults 0 1\n" and not mount.exists()
+    assert _run(CLIENT, args, AURA_NFS_FSTAB=str(fstab)).returncode == 0
+    assert fstab.read_text().splitlines() == ["UUID=abc / ext4 defaults 0 1", line]
+    again = _run(CLIENT, args, AURA_NFS_FSTAB=str(fstab))
+    assert "nothing to change" in again.stdout and fstab.read_text().count(str(mount)) == 1
+
+
+def test_bad_arguments_are_one_line_with_the_fix() -> None:
+    for script, args in (
+        (SERVER, ["--export", "relative/dir", "--clients", "x"]),
+        (SERVER, []),
+        (CLIENT, ["--server", "a"]),
+        (SERVER, ["--bogus"]),
+    ):
+        res = _run(script, args)
+        assert res.returncode == 2 and res.stderr.startswith("error:") and len(res.stderr.strip().splitlines()) == 1, res.stderr
