@@ -53,8 +53,8 @@ def run_bare(data: Path, nproc: int, steps: int, warmup: int, tmp: Path) -> floa
     return float(json.loads(out.read_text())["tokens_per_s"])
 
 
-def run_trainer(data: Path, nproc: int, steps: int, warmup: int, tmp: Path, i: int) -> float:
-    name = f"t{nproc}-{i}"
+def run_trainer(data: Path, nproc: int, steps: int, warmup: int, tmp: Path, i: int, extra: tuple[str, ...] = (), tag: str = "") -> float:
+    name = f"t{nproc}-{i}{tag}"
     subprocess.run(
         [
             sys.executable,
@@ -79,6 +79,7 @@ def run_trainer(data: Path, nproc: int, steps: int, warmup: int, tmp: Path, i: i
             "train.eval_every=0",
             "--set",
             "train.checkpoint_every=0",
+            *extra,
         ],
         check=True,
         env=_env(nproc),

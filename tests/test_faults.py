@@ -80,7 +80,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> dict[
     return weights
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2])
 def test_sigkill_of_a_rank_restarts_and_ends_bit_identical(tmp_path: Path, prepared: Path, reference: dict, seed: int) -> None:
     rng = random.Random(seed)
     rank, step = rng.randrange(2), rng.randrange(1, STEPS)
