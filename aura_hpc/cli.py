@@ -136,7 +136,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
         "nccl_debug": a.nccl_debug,
         "array_parallelism": a.array_parallelism,
     }
-    plan = plan_submit(a.config, a.overrides, a.output_dir, a.run_name, flags, a.sweep, a.after)
+    plan = plan_submit(a.config, a.overrides, a.output_dir, a.run_name, flags, a.sweep, a.after, check=a.check)
     for w in plan.warnings:
         console.warn(w)
     if a.dry_run:
@@ -156,6 +156,10 @@ def cmd_submit(a: argparse.Namespace) -> int:
     from aura_hpc import submit as submitting
 
     ids = submitting.submit(plan)
+    if plan.check:
+        console.info(f"submitted check job {ids[0]} on {plan.slurm.nodes} node(s); logs in {plan.folder}")
+        status = submitting.wait(ids, submitting.rank_log(plan.folder, ids[0]), printer=console.plain)
+        return status
     for p, job_id in zip(plan.points, ids, strict=True):
         console.info(f"submitted job {job_id}: {p.cfg.run_dir}" + (f"  ({p.label})" if p.label else ""))
     console.info(f"follow it: python -m aura_hpc status {ids[0]}   |   python -m aura_hpc logs {ids[0]} --follow")
@@ -380,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--array-parallelism", type=int, help="sweep elements running at once (default: all)")
     p.add_argument("--after", metavar="JOBID", help="start only after this job completed successfully (afterok)")
     p.add_argument("--dry-run", action="store_true", help="print the settings and the exact sbatch script; submit nothing")
+    p.add_argument("--check", action="store_true", help="run `check` on every node of such an allocation instead of training")
     p.add_argument("--wait", action="store_true", help="block until the job ends; the exit status is the job's")
     p.add_argument("--follow", action="store_true", help="like --wait, streaming rank 0's log")
     p.set_defaults(func=cmd_submit)

@@ -79,3 +79,34 @@ class TrainJob:
             sys.stdout.flush()
         else:
             say(f"scontrol requeue {job_id} failed: {done.stderr.strip()} (fix: resubmit the same command to resume)")
+
+
+class CheckJob:
+    """`submit --check`: `python -m aura_hpc check` on every node of the allocation (one task per node)."""
+
+    def __init__(self, backend: str, shared_dir: str, timeout: float = 60.0) -> None:
+        self.backend = backend
+        self.shared_dir = shared_dir
+        self.timeout = timeout
+
+    def __call__(self) -> int:
+        e = os.environ
+        job_id, restarts = int(e["SLURM_JOB_ID"]), int(e.get("SLURM_RESTART_COUNT", "0"))
+        from aura_hpc.cli import main
+
+        args = ["check", "--nnodes", e.get("SLURM_NNODES", "1"), "--node-rank", e.get("SLURM_NODEID", "0")]
+        args += ["--master-addr", first_node(e["SLURM_JOB_NODELIST"]), "--master-port", str(rendezvous_port(job_id, restarts))]
+        args += [
+            "--backend",
+            self.backend,
+            "--shared-dir",
+            self.shared_dir,
+            "--timeout",
+            str(self.timeout),
+            "--output-dir",
+            self.shared_dir,
+        ]
+        status = main(args)
+        if status != 0:
+            raise SystemExit(status)
+        return 0

@@ -20,10 +20,12 @@ def submit(plan: SubmitPlan) -> list[str]:
     """Prepare the run directories, submit through submitit, record each job; returns the job ids."""
     slurm_query.require("sbatch")
     slurm_query.test_only(plan.script)  # refused here, nothing is written or queued
-    from aura_hpc.run_setup import prepare_run_dir
-    from aura_hpc.slurm_job import TrainJob
+    from aura_hpc.run_setup import check_writable, prepare_run_dir
+    from aura_hpc.slurm_job import CheckJob, TrainJob
 
-    for p in plan.points:
+    if plan.check:
+        check_writable(plan.folder)
+    for p in plan.points if not plan.check else []:
         # The built-in corpus (data.path "") is prepared here, on the login node, into output_dir.
         prepare_run_dir(p.cfg, plan.world_size)
     import submitit
@@ -39,6 +41,9 @@ def submit(plan: SubmitPlan) -> list[str]:
                 with executor.batch():
                     for p in plan.points:
                         jobs.append(executor.submit(TrainJob(str(p.config_path), plan.slurm.signal, plan.slurm.max_requeues)))
+            elif plan.check:
+                backend = plan.points[0].cfg.dist.backend
+                jobs.append(executor.submit(CheckJob(backend, plan.points[0].cfg.output_dir)))
             else:
                 p = plan.points[0]
                 jobs.append(executor.submit(TrainJob(str(p.config_path), plan.slurm.signal, plan.slurm.max_requeues)))
@@ -48,6 +53,8 @@ def submit(plan: SubmitPlan) -> list[str]:
     ids = [str(j.job_id) for j in jobs]
     script_file = plan.folder / f"{ids[0].split('_')[0]}_submission.sh"
     script = script_file.read_text(encoding="utf-8") if script_file.exists() else plan.script
+    if plan.check:
+        return ids
     for p, job_id in zip(plan.points, ids, strict=True):
         (p.cfg.run_dir / "submission.sh").write_text(script, encoding="utf-8")
         record = {

@@ -50,10 +50,11 @@ class SubmitPlan:
     env: dict[str, str] = field(default_factory=dict)  # variables the script exports for aura_hpc
     warnings: list[str] = field(default_factory=list)
     prepare_builtin: Path | None = None  # the built-in corpus is prepared here before submitting
+    check: bool = False  # `submit --check`: run `check` on every node instead of training
 
     @property
     def tasks_per_node(self) -> int:
-        return max(1, self.slurm.gpus_per_node)
+        return 1 if self.check else max(1, self.slurm.gpus_per_node)
 
     @property
     def world_size(self) -> int:
@@ -168,6 +169,7 @@ def plan_submit(
     slurm_flags: dict[str, Any],
     sweeps: list[str] | None = None,
     after: str | None = None,
+    check: bool = False,
 ) -> SubmitPlan:
     """Everything `submit` will do, decided and checked up front; nothing is written or submitted."""
     base_overrides = [*overrides, *_slurm_cli_overrides(slurm_flags)]
@@ -197,7 +199,14 @@ def plan_submit(
 
     grid = parse_sweeps(sweeps or [])
     points: list[RunPoint] = []
-    if grid == [[]]:
+    if check:
+        # `check` across the allocation: one task per node, results beside the runs.
+        if sweeps:
+            raise ConfigError("--check and --sweep do not go together (fix: drop one of them)")
+        points.append(RunPoint(cfg, "check"))
+        folder = Path(cfg.output_dir) / "checks" / cfg.run_name
+        run_dir_env = str(folder)
+    elif grid == [[]]:
         points.append(RunPoint(cfg))
         folder = cfg.run_dir / "slurm"
         run_dir_env = str(cfg.run_dir)
@@ -224,9 +233,9 @@ def plan_submit(
         setup += [f"export {k}={shlex.quote(v)}" for k, v in nccl.items()]
 
     params: dict[str, Any] = {
-        "job_name": slurm.job_name or f"aura-{cfg.run_name}",
+        "job_name": slurm.job_name or f"aura-{'check-' if check else ''}{cfg.run_name}",
         "nodes": slurm.nodes,
-        "ntasks_per_node": max(1, slurm.gpus_per_node),
+        "ntasks_per_node": 1 if check else max(1, slurm.gpus_per_node),
         "time": slurm_minutes(slurm.time),
         "signal_delay_s": slurm.signal_lead_s,
         "comment": "aura_hpc",
@@ -251,12 +260,12 @@ def plan_submit(
         params["array_parallelism"] = slurm.array_parallelism or len(points)
 
     prepare_builtin = None
-    if not cfg.data.path:
+    if not cfg.data.path and not check:
         from aura_hpc.run_setup import builtin_data_dir
 
         prepare_builtin = builtin_data_dir(cfg)
     script = sbatch_script(folder, params, len(points))
-    return SubmitPlan(points, prof, slurm, sources, params, folder, script, env, warnings, prepare_builtin)
+    return SubmitPlan(points, prof, slurm, sources, params, folder, script, env, warnings, prepare_builtin, check)
 
 
 def submitit_command(folder: Path) -> str:

@@ -713,7 +713,12 @@ class Trainer:
                 "backend": self.backend,
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
-        distributed.barrier()
+        try:
+            distributed.barrier()
+        except Exception as exc:
+            # Every rank got here after the last (collective) checkpoint, so nothing is lost: a peer
+            # that exited first and closed its connections must not turn a finished run into a failure.
+            log.warning("a peer left before the final barrier (%s); the run had already finished and saved", str(exc).splitlines()[0][:160])
         if env.is_main:
             if self.step < self.max_steps:
                 log.info("stopped at step %d of %d (train.stop_at); re-run the same command to continue", self.step, self.max_steps)

@@ -64,6 +64,14 @@ def _args(out: Path, name: str, prepared: Path, steps: int = STEPS, extra: tuple
     ]
 
 
+def _diagnose(res: subprocess.CompletedProcess[str], run_dir: Path) -> str:
+    """What a failed run printed, and the tail of every rank's log (CI keeps nothing else)."""
+    logs = "".join(
+        f"\n== {p.name}\n" + "".join(p.read_text().splitlines(keepends=True)[-25:]) for p in sorted((run_dir / "logs").glob("*.log"))
+    )
+    return f"exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}{logs}"
+
+
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -152,7 +160,7 @@ def test_stop_signal_checkpoints_once_and_exits_resumable(tmp_path: Path, prepar
     assert checkpoint.list_complete(tmp_path / "run" / "checkpoints")[0].step == step
     assert "re-run the same command to resume" in out
     again = run_cli(args)
-    assert again.returncode == 0
+    assert again.returncode == 0, _diagnose(again, tmp_path / "run")
     assert f"resumed from checkpoint step_{step:08d} at step {step}" in again.stdout
     assert _same(final_weights(tmp_path / "run"), reference[300])
 
@@ -172,7 +180,7 @@ def test_writer_killed_mid_checkpoint_resumes_from_the_previous(tmp_path: Path, 
 def test_disk_full_while_saving_is_a_clear_error_and_keeps_the_previous(tmp_path: Path, prepared: Path, reference: dict) -> None:
     # The first save (step 5) succeeds, the next one (step 10) fails as a full disk would.
     proc = run_cli(_args(tmp_path, "run", prepared, extra=("--set", "train.stop_at=5")))
-    assert proc.returncode == 0
+    assert proc.returncode == 0, _diagnose(proc, tmp_path / "run")
     r = run_cli(_args(tmp_path, "run", prepared), AURA_FAULT_CKPT="enospc:model")
     assert r.returncode != 0
     assert "could not write checkpoint step_00000010" in r.stdout and "No space left on device" in r.stdout
@@ -218,7 +226,7 @@ def test_nan_forever_stops_with_a_clear_error(tmp_path: Path, prepared: Path) ->
 @pytest.mark.parametrize("damage", ["bad-file", "missing-marker", "truncated"])
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, prepared: Path, reference: dict, damage: str) -> None:
     first = run_cli(_args(tmp_path, "run", prepared, extra=("--set", "train.stop_at=10")))
-    assert first.returncode == 0
+    assert first.returncode == 0, _diagnose(first, tmp_path / "run")
     newest = tmp_path / "run" / "checkpoints" / "step_00000010"
     if damage == "bad-file":
         data = bytearray((newest / "trainer_state.pt").read_bytes())
@@ -240,7 +248,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, pr
 def test_checkpoint_cannot_run_code(tmp_path: Path, prepared: Path) -> None:
     """A trainer_state.pt that would execute code on unpickling is refused (weights_only=True)."""
     first = run_cli(_args(tmp_path, "run", prepared, extra=("--set", "train.stop_at=5")))
-    assert first.returncode == 0
+    assert first.returncode == 0, _diagnose(first, tmp_path / "run")
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000005"
     pwned = tmp_path / "pwned"
 

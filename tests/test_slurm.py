@@ -346,3 +346,9 @@ def test_cancel_stops_a_running_job(slurm_cluster: Path, prepared: Path, tmp_pat
     _wait_gone(job)
     log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
     assert "requeued job" not in log, "a cancel must not requeue"
+
+
+def test_submit_check_runs_check_on_every_node(slurm_cluster: Path, tmp_path: Path, home: Path) -> None:
+    res = run_cli(["submit", "--check", "--nodes", "2", "--gpus", "0", "--time", "5", "--output-dir", str(tmp_path / "runs")], timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "verified on every rank" in res.stdout and "is the same directory on all 2 nodes" in res.stdout, res.stdout
