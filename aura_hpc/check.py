@@ -188,6 +188,13 @@ def reach_master(report: Report, a: ClusterArgs, deadline: float) -> None:
             )
             raise Failed from None
         except OSError as exc:
+            if last is None:
+                # Plain line on stderr (stdout may be --json): says why nothing happens yet.
+                print(
+                    f"node {a.node_rank}: waiting for the master at {a.master_addr}:{a.master_port} ({exc.strerror or exc}) ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
             last = exc
         if time.monotonic() >= deadline - 0.3:
             break

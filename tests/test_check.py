@@ -90,15 +90,17 @@ def test_a_node_that_never_joins_is_named() -> None:
 
 
 def test_duplicate_node_rank_is_reported() -> None:
+    # The usual mistake: three machines, and "1" typed twice instead of 1 and 2. Node 0 waits for
+    # rank 2 until its timeout, so both "rank 1"s meet it whatever order they arrive in (with two
+    # nodes, one duplicate may finish the whole check before the other arrives).
     port = str(free_port())
-    base = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port]
-    p0 = _check([*base, "--node-rank", "0"])
-    time.sleep(0.3)
-    p1 = _check([*base, "--node-rank", "1"])
-    p2 = _check([*base, "--node-rank", "1"])
-    results = [_finish(p) for p in (p0, p1, p2)]
+    base = ["--nnodes", "3", "--master-addr", "127.0.0.1", "--master-port", port]
+    procs = [_check([*base, "--node-rank", r]) for r in ("0", "1", "1")]
+    results = [_finish(p) for p in procs]
+    shown = [(code, err[-600:]) for code, _, err in results]
     dup = [r for r in results if "another machine already joined as --node-rank 1" in r[2]]
-    assert len(dup) == 1 and dup[0][0] == 1 and "fix:" in dup[0][2], results
+    assert len(dup) == 1 and dup[0][0] == 1 and "fix:" in dup[0][2], shown
+    assert results[0][0] == 1 and "node rank(s) 2 never joined" in results[0][2], shown
 
 
 def test_a_directory_that_is_not_shared_is_reported(tmp_path: Path) -> None:

@@ -179,3 +179,12 @@ def test_breaker_stops_all_ranks_checkpoints_alerts_and_exits_distinctly(
     assert event["readings"]["name"].startswith("NVIDIA") and event["host"] and event["run_dir"] == str(run_dir)
     everything = res.stdout + res.stderr + "".join(logs.values()) + (run_dir / "config.yaml").read_text()
     assert "SECRET-TOKEN-123" not in everything, "the webhook URL is a secret"
+
+
+def test_cuda_errors_that_mean_a_broken_gpu_are_recognised() -> None:
+    from aura_hpc.gpu_health import is_gpu_error
+
+    assert is_gpu_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert is_gpu_error(RuntimeError("CUDA error: uncorrectable ECC error encountered"))
+    assert not is_gpu_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 4x8)"))
+    assert not is_gpu_error(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))

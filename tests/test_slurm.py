@@ -119,11 +119,13 @@ def test_two_node_job_completes_and_status_logs_find_it(slurm_cluster: Path, pre
     dry = run_cli([*args, "--dry-run"])
     assert dry.returncode == 0, dry.stderr
     t0 = time.perf_counter()
-    res = run_cli([*args, "--wait"], timeout=300)
+    res = run_cli([*args, "--follow"], timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     run_dir = out / "two"
     job = _job_id(run_dir)
     assert f"submitted job {job}" in res.stdout and "COMPLETED" in res.stdout
+    # --follow streamed rank 0's log while waiting.
+    assert "[rank0]" in res.stdout and "all 2 ranks finished at step 12" in res.stdout
     print(f"submit --wait of a 2-node tiny job: {time.perf_counter() - t0:.1f}s")
 
     # The run directory holds the resolved config, the submitted script and the job id.
@@ -352,3 +354,12 @@ def test_submit_check_runs_check_on_every_node(slurm_cluster: Path, tmp_path: Pa
     res = run_cli(["submit", "--check", "--nodes", "2", "--gpus", "0", "--time", "5", "--output-dir", str(tmp_path / "runs")], timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "verified on every rank" in res.stdout and "is the same directory on all 2 nodes" in res.stdout, res.stdout
+
+
+def test_unreachable_slurmctld_is_a_clear_error(slurm_cluster: Path, tmp_path: Path, home: Path) -> None:
+    conf = tmp_path / "slurm.conf"
+    text = slurm_cluster.read_text()
+    conf.write_text(re.sub(r"^SlurmctldPort=\d+", "SlurmctldPort=1", text, flags=re.M) + "MessageTimeout=2\n")
+    res = run_cli(["status"], SLURM_CONF=str(conf), timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "slurmctld is not reachable" in res.stderr and "fix:" in res.stderr, res.stderr
