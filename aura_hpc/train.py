@@ -281,40 +281,47 @@ class Trainer:
     def _train_step(self, wrapped: Wrapped, stop: StopRequest) -> tuple[float, float, bool, list[int], bool]:
         """One optimizer step; returns (loss, grad norm, stop agreed, ranks with a non-finite loss/grad, GPU fault agreed).
 
-        Whether to stop and whether the step is usable is decided by all ranks together in a
-        single all_reduce, so a NaN or a signal on one rank never leaves the others waiting.
+        Whether to stop and whether the step is usable is decided by all ranks together in one
+        all-reduce (under DDP the gradients' own), so a NaN or a signal on one rank never leaves
+        the others waiting.
         """
         t = self.cfg.train
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         poison = faults.poison_loss(self.env.rank, self.step + 1)
+        riding = False
+        flags = torch.zeros(2 + self.world, dtype=torch.float64, device=self.device)
         for micro in range(t.grad_accum):
             batch = self._batch(micro)
-            with wrapped.accumulating(sync=micro == t.grad_accum - 1), self._autocast():
+            last = micro == t.grad_accum - 1
+            with wrapped.accumulating(sync=last), self._autocast():
                 loss = lm_loss(wrapped.module, batch) / t.grad_accum
                 if poison:
                     loss = loss * float("nan")
-            self.scaler.scale(loss).backward()
             total += loss.detach().to(torch.float64)
+            if last:
+                # [stop requested, GPU breaker open, non-finite loss on rank 0..N-1], built on the
+                # device without a sync and summed over ranks with the gradients (or below).
+                flags[0] = 1.0 if stop.requested else 0.0
+                flags[1] = 1.0 if self.monitor is not None and self.monitor.fault is not None else 0.0
+                flags[2 + self.env.rank] = (~torch.isfinite(total)).to(torch.float64)
+                riding = wrapped.send_flags(flags)
+            self.scaler.scale(loss).backward()
+        if riding:
+            flags = wrapped.received_flags()
+        elif distributed.active():
+            torch.distributed.all_reduce(flags)
         self.scaler.unscale_(self.optimizer)
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         loss_value, norm_value = float(total), float(grad_norm)
-        bad = 0.0
-        if not math.isfinite(loss_value):
-            bad = 1.0
-        elif not math.isfinite(norm_value) and not self.scaler.is_enabled():
-            bad = 2.0  # fp16's GradScaler skips inf-gradient steps itself; only a bad loss counts there
-        # [stop requested, GPU breaker open, non-finite on rank 0..N-1]: one all_reduce per step.
-        flags = torch.zeros(2 + self.world, dtype=torch.float64, device=self.device)
-        flags[0] = 1.0 if stop.requested else 0.0
-        flags[1] = 1.0 if self.monitor is not None and self.monitor.fault is not None else 0.0
-        flags[2 + self.env.rank] = bad
-        if distributed.active():
-            torch.distributed.all_reduce(flags)
         flags_list = flags.tolist()
         bad_ranks = [r for r in range(self.world) if flags_list[2 + r] > 0]
+        if not bad_ranks and not math.isfinite(norm_value) and not self.scaler.is_enabled():
+            # After the all-reduce every rank holds the same gradients, so every rank sees this
+            # alike. fp16's GradScaler skips inf-gradient steps itself; only a bad loss counts there.
+            bad_ranks = list(range(self.world))
         # A NaN loss on one rank poisons every rank's gradients through DDP; name where it started.
-        origin = [r for r in range(self.world) if flags_list[2 + r] == 1.0] or bad_ranks
+        origin = bad_ranks
         if bad_ranks:
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler.is_enabled():

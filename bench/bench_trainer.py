@@ -46,6 +46,7 @@ def run_bare(data: Path, nproc: int, steps: int, warmup: int, tmp: Path) -> floa
             str(out),
         ],
         check=True,
+        timeout=600,  # a stuck gloo rendezvous must not stall the benchmark forever
         env=_env(nproc),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -82,6 +83,7 @@ def run_trainer(data: Path, nproc: int, steps: int, warmup: int, tmp: Path, i: i
             *extra,
         ],
         check=True,
+        timeout=600,  # a stuck gloo rendezvous must not stall the benchmark forever
         env=_env(nproc),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -94,9 +96,10 @@ def run_trainer(data: Path, nproc: int, steps: int, warmup: int, tmp: Path, i: i
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--steps", type=int, default=70)
-    p.add_argument("--warmup-steps", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--nproc", default="1,2", help="process counts to measure, comma-separated")
     a = p.parse_args()
     from aura_hpc.data.prepare import PrepareSpec, prepare
 
@@ -104,7 +107,7 @@ def main() -> None:
         tmp = Path(d)
         data = tmp / "data"
         prepare(PrepareSpec(out_dir=data, builtin=True, vocab_size=4096, val_fraction=0.05))
-        for nproc in (1, 2):
+        for nproc in (int(x) for x in a.nproc.split(",")):
             bare, ours = [], []
             for i in range(a.repeats):
                 bare.append(run_bare(data, nproc, a.steps, a.warmup_steps, tmp))
