@@ -77,28 +77,34 @@ def _run(cmd: list[str], timeout: float = 30) -> str:
     return done.stdout
 
 
+# Slurm's error texts (lower case) -> what the user should change; the first match wins.
+_FIXES: list[tuple[tuple[str, ...], str]] = [
+    (
+        ("unable to contact slurm controller", "connection refused", "connect failure"),
+        "slurmctld is not reachable: check `scontrol ping` and SLURM_CONF, or ask your admins",
+    ),
+    (("invalid partition",), "choose a partition that `sinfo -s` lists (--partition NAME)"),
+    (
+        ("invalid account", "association"),
+        "choose an account you belong to: `sacctmgr show assoc user=$USER format=account` (--account NAME)",
+    ),
+    (("time limit",), "ask for less time (--time) than the partition's limit shown by `sinfo -s`"),
+    (("qos",), "choose a QOS you may use (--qos NAME), see `sacctmgr show assoc user=$USER format=qos`"),
+    (("invalid job id",), "check the job id with `python -m aura_hpc status --all` (finished jobs: history)"),
+    (
+        ("node configuration is not available", "requested node config"),
+        "ask for fewer GPUs/CPUs/memory per node or fewer nodes than the partition has (`sinfo -N -l`)",
+    ),
+    (("accounting storage is disabled",), "this cluster keeps no job accounting; use `status` while jobs are queued or running"),
+]
+_DEFAULT_FIX = "see Slurm's message; `sinfo -s` and `scontrol show partition` show what the cluster offers"
+
+
 def explain(command: str, stderr: str) -> str:
     """Slurm's own message plus what to change."""
     msg = " ".join(line.strip() for line in stderr.strip().splitlines() if line.strip()) or f"{command} failed"
     low = msg.lower()
-    if "unable to contact slurm controller" in low or "connection refused" in low or "connect failure" in low:
-        fix = "slurmctld is not reachable: check `scontrol ping` and SLURM_CONF, or ask your admins"
-    elif "invalid partition" in low:
-        fix = "choose a partition that `sinfo -s` lists (--partition NAME)"
-    elif "invalid account" in low or "association" in low:
-        fix = "choose an account you belong to: `sacctmgr show assoc user=$USER format=account` (--account NAME)"
-    elif "time limit" in low:
-        fix = "ask for less time (--time) than the partition's limit shown by `sinfo -s`"
-    elif "qos" in low:
-        fix = "choose a QOS you may use (--qos NAME), see `sacctmgr show assoc user=$USER format=qos`"
-    elif "invalid job id" in low:
-        fix = "check the job id with `python -m aura_hpc status --all` (finished jobs: history)"
-    elif "node configuration is not available" in low or "requested node config" in low:
-        fix = "ask for fewer GPUs/CPUs/memory per node or fewer nodes than the partition has (`sinfo -N -l`)"
-    elif "accounting storage is disabled" in low:
-        fix = "this cluster keeps no job accounting; use `status` while jobs are queued or running"
-    else:
-        fix = "see Slurm's message; `sinfo -s` and `scontrol show partition` show what the cluster offers"
+    fix = next((fix for needles, fix in _FIXES if any(n in low for n in needles)), _DEFAULT_FIX)
     return f"{command}: {msg} (fix: {fix})"
 
 

@@ -18,6 +18,23 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 os.environ.update(OFFLINE)
 
 
+# The small model and quiet logging that the multi-process tests train (seconds per run on CPU).
+SMALL_MODEL = [
+    "--set",
+    "model.n_layer=2",
+    "--set",
+    "model.n_embd=64",
+    "--set",
+    "model.n_head=2",
+    "--set",
+    "data.seq_len=64",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.log_every=5",
+]
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(OFFLINE)

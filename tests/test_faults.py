@@ -17,24 +17,13 @@ import torch
 
 from aura_hpc import checkpoint
 from aura_hpc.errors import EXIT_RESUMABLE
-from tests.conftest import cli_env, final_weights, run_cli
+from tests.conftest import SMALL_MODEL, cli_env, final_weights, run_cli
 
 pytestmark = pytest.mark.slow
 
 STEPS = 20
 BASE = [
-    "--set",
-    "model.n_layer=2",
-    "--set",
-    "model.n_embd=64",
-    "--set",
-    "model.n_head=2",
-    "--set",
-    "data.seq_len=64",
-    "--set",
-    "train.eval_every=0",
-    "--set",
-    "train.log_every=5",
+    *SMALL_MODEL,
     "--set",
     "train.warmup_steps=3",
     "--set",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, final_weights, run_cli
+from tests.conftest import REPO, SMALL_MODEL, final_weights, run_cli
 
 CLUSTER_SH = REPO / "tests" / "slurm" / "cluster.sh"
 STATE = Path(os.environ.get("AURA_SLURM_STATE", "/tmp/aura-slurm"))
@@ -30,20 +30,9 @@ TINY = [
     "0",
     "--time",
     "10",
-    "--set",
-    "model.n_layer=2",
-    "--set",
-    "model.n_embd=64",
-    "--set",
-    "model.n_head=2",
-    "--set",
-    "data.seq_len=64",
+    *SMALL_MODEL,
     "--set",
     "train.warmup_steps=2",
-    "--set",
-    "train.eval_every=0",
-    "--set",
-    "train.log_every=5",
     "--set",
     "train.sample_tokens=5",
 ]

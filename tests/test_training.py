@@ -13,24 +13,9 @@ import torch
 
 from aura_hpc import checkpoint
 from aura_hpc.data.prepare import PrepareSpec, prepare
-from tests.conftest import cli_env, final_weights, free_port, run_cli
+from tests.conftest import SMALL_MODEL, cli_env, final_weights, free_port, run_cli
 
 pytestmark = pytest.mark.slow
-
-SMALL = [
-    "--set",
-    "model.n_layer=2",
-    "--set",
-    "model.n_embd=64",
-    "--set",
-    "model.n_head=2",
-    "--set",
-    "data.seq_len=64",
-    "--set",
-    "train.eval_every=0",
-    "--set",
-    "train.log_every=5",
-]
 
 
 def _train(out: Path, name: str, prepared: Path, nproc: int, extra: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -45,7 +30,7 @@ def _train(out: Path, name: str, prepared: Path, nproc: int, extra: list[str], t
             name,
             "--set",
             f"data.path={prepared}",
-            *SMALL,
+            *SMALL_MODEL,
             *extra,
         ],
         timeout=timeout,
@@ -170,7 +155,7 @@ def test_two_lan_machines_on_one_host(tmp_path: Path, prepared: Path) -> None:
         "1",
         "--set",
         f"data.path={prepared}",
-        *SMALL,
+        *SMALL_MODEL,
         "--set",
         "train.max_steps=10",
         "--set",
@@ -262,7 +247,7 @@ def test_too_little_data_is_refused_unless_oversubscribed(tmp_path: Path) -> Non
         str(tmp_path / "runs"),
         "--set",
         f"data.path={data}",
-        *SMALL,
+        *SMALL_MODEL,
         "--set",
         "train.max_steps=4",
         "--set",
