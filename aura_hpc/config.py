@@ -68,6 +68,7 @@ class TrainConfig:
     sample_tokens: int = 40
     allow_oversubscription: bool = False
     threads: int = 0  # torch intra-op threads per process; 0 = launcher's OMP_NUM_THREADS
+    tune_malloc: bool = True  # CPU training: fixed glibc mmap/trim thresholds (see aura_hpc/malloc_tuning.py)
     nan_rollback_after: int = 3  # consecutive non-finite steps (skipped) before rolling back
     nan_lr_scale: float = 0.5  # multiply the learning rate by this at each rollback (1 = keep)
     nan_max_rollbacks: int = 3  # then stop: the run diverges

@@ -3,6 +3,12 @@
 Both are timed by wall clock from step --warmup-steps to the last step; the trainer's figure
 comes from the `elapsed_s`/`tokens` columns of its metrics.jsonl, so its logging, metric
 all_reduce and progress reporting are inside the measurement. Runs alternate to share noise.
+
+The trainer pins glibc's malloc thresholds on CPU (train.tune_malloc, aura_hpc/malloc_tuning.py),
+which changes the speed of the same loop by several percent here. So each repeat runs four
+programs and the report gives three ratios: the loop's own overhead with the allocator set the
+same way on both sides (default glibc, and pinned through glibc's MALLOC_* variables, which do
+what mallopt does), and the trainer as shipped against a bare loop as a user would write it.
 """
 
 from __future__ import annotations
@@ -19,15 +25,34 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _env(nproc: int) -> dict[str, str]:
-    env = dict(os.environ)
+# The same thresholds as aura_hpc/malloc_tuning.py, through glibc's environment tunables.
+PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(1024 * 1024 * 1024)}
+
+
+def _env(nproc: int, pinned_malloc: bool = False) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in PINNED_MALLOC}
     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // nproc))
     env["HF_HUB_OFFLINE"] = "1"
+    if pinned_malloc:
+        env.update(PINNED_MALLOC)
     return env
 
 
-def run_bare(data: Path, nproc: int, steps: int, warmup: int, tmp: Path) -> float:
+def run_bare(data: Path, nproc: int, steps: int, warmup: int, tmp: Path, pinned_malloc: bool) -> float:
     out = tmp / f"bare-{nproc}.json"
+    env = _env(nproc, pinned_malloc)
+    # A bare 2-process torchrun here has hung twice in gloo's rendezvous (one worker waiting, the
+    # other gone), the failure PLATFORM.md describes for restarts; this is its documented fix.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    for attempt in range(3):
+        try:
+            return _run_bare_once(data, nproc, steps, warmup, out, env)
+        except subprocess.TimeoutExpired:
+            print(f"bare loop ({nproc} processes) stuck for 180 s; retrying ({attempt + 1}/3)", file=sys.stderr)
+    raise RuntimeError("the bare loop hung three times")
+
+
+def _run_bare_once(data: Path, nproc: int, steps: int, warmup: int, out: Path, env: dict[str, str]) -> float:
     subprocess.run(
         [
             sys.executable,
@@ -46,8 +71,8 @@ def run_bare(data: Path, nproc: int, steps: int, warmup: int, tmp: Path) -> floa
             str(out),
         ],
         check=True,
-        timeout=600,  # a stuck gloo rendezvous must not stall the benchmark forever
-        env=_env(nproc),
+        timeout=180,  # a run takes ~15 s; a stuck gloo rendezvous must not stall the benchmark
+        env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -108,16 +133,27 @@ def main() -> None:
         data = tmp / "data"
         prepare(PrepareSpec(out_dir=data, builtin=True, vocab_size=4096, val_fraction=0.05))
         for nproc in (int(x) for x in a.nproc.split(",")):
-            bare, ours = [], []
+            runs: dict[str, list[float]] = {"bare": [], "bare_pinned": [], "trainer": [], "trainer_untuned": []}
             for i in range(a.repeats):
-                bare.append(run_bare(data, nproc, a.steps, a.warmup_steps, tmp))
-                ours.append(run_trainer(data, nproc, a.steps, a.warmup_steps, tmp, i))
-            b, t = statistics.median(bare), statistics.median(ours)
-            print(
-                f"{nproc} process(es), {_env(nproc)['OMP_NUM_THREADS']} thread(s) each: bare loop {b:,.0f} tok/s, "
-                f"trainer {t:,.0f} tok/s, trainer/bare = {t / b:.3f} (overhead {100 * (1 - t / b):+.1f}%) "
-                f"[bare {[round(x) for x in bare]}, trainer {[round(x) for x in ours]}]"
-            )
+                runs["bare"].append(run_bare(data, nproc, a.steps, a.warmup_steps, tmp, pinned_malloc=False))
+                runs["trainer"].append(run_trainer(data, nproc, a.steps, a.warmup_steps, tmp, i))
+                runs["bare_pinned"].append(run_bare(data, nproc, a.steps, a.warmup_steps, tmp, pinned_malloc=True))
+                runs["trainer_untuned"].append(
+                    run_trainer(data, nproc, a.steps, a.warmup_steps, tmp, i, ("--set", "train.tune_malloc=false"), "-untuned")
+                )
+            med = {k: statistics.median(v) for k, v in runs.items()}
+            print(f"{nproc} process(es), {_env(nproc)['OMP_NUM_THREADS']} thread(s) each, median of {a.repeats}:")
+            for label, t_key, b_key in (
+                ("default glibc malloc on both sides", "trainer_untuned", "bare"),
+                ("pinned malloc thresholds on both sides", "trainer", "bare_pinned"),
+                ("as shipped (trainer pinned) vs a plain bare loop", "trainer", "bare"),
+            ):
+                t, b = med[t_key], med[b_key]
+                print(
+                    f"  {label}: trainer {t:,.0f} tok/s, bare loop {b:,.0f} tok/s, trainer/bare = {t / b:.3f} "
+                    f"(overhead {100 * (1 - t / b):+.1f}%)"
+                )
+            print("  all runs: " + json.dumps({k: [round(x) for x in v] for k, v in runs.items()}))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ def test_default_local_runs_to_completion(tmp_path: Path) -> None:
     assert "parameters" in out
     assert "8 per device x 2 processes x 1 accumulation = effective batch 16 sequences = 2,048 tokens per step" in out
     assert "start rank=1" in out and "world_size=2" in out and "backend=gloo" in out
+    assert "malloc=pinned" in out  # train.tune_malloc defaults on for CPU training
     assert "all 2 ranks finished at step 150" in out
     # The run directory layout.
     assert (run / "config.yaml").exists() and (run / "summary.json").exists()
