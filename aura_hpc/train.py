@@ -315,20 +315,20 @@ class Trainer:
             self.scaler.scale(loss).backward()
         if riding:
             flags = wrapped.received_flags()
-        elif distributed.active():
+        elif distributed.active() and self.world > 1:
             torch.distributed.all_reduce(flags)
         self.scaler.unscale_(self.optimizer)
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         loss_value, norm_value = float(total), float(grad_norm)
         flags_list = flags.tolist()
+        # Only the rank whose loss went bad is named: a NaN loss on one rank poisons every rank's
+        # gradients through DDP, so the gradients cannot say where it started.
         bad_ranks = [r for r in range(self.world) if flags_list[2 + r] > 0]
         if not bad_ranks and not math.isfinite(norm_value) and not self.scaler.is_enabled():
             # After the all-reduce every rank holds the same gradients, so every rank sees this
             # alike. fp16's GradScaler skips inf-gradient steps itself; only a bad loss counts there.
             bad_ranks = list(range(self.world))
-        # A NaN loss on one rank poisons every rank's gradients through DDP; name where it started.
-        origin = bad_ranks
         if bad_ranks:
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler.is_enabled():
@@ -338,7 +338,7 @@ class Trainer:
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return loss_value, norm_value, flags_list[0] > 0, origin, flags_list[1] > 0
+        return loss_value, norm_value, flags_list[0] > 0, bad_ranks, flags_list[1] > 0
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

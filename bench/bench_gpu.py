@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_trainer import run_trainer, trainer_run_dir
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "quijote.txt"
@@ -88,59 +91,33 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         data = prepare_data(tmp, a.data)
-        name_run = "bench-gpu"
-        cmd = [
-            sys.executable,
-            "-m",
-            "aura_hpc",
-            "local",
-            "--config",
-            a.config,
-            "--nproc-per-node",
-            str(nproc),
-            "--output-dir",
-            str(tmp),
-            "--run-name",
-            name_run,
-        ]
+        extra = ["--config", a.config]
         for kv in (
-            f"data.path={data}",
             "model.vocab_size=0",
             f"train.batch_size={a.batch_size}",
             "train.grad_accum=1",
-            f"train.max_steps={a.steps}",
-            f"train.warmup_steps={min(10, a.steps)}",
-            f"train.log_every={a.warmup_steps}",
-            "train.eval_every=0",
-            "train.checkpoint_every=0",
             "train.sample_every=0",
             "train.allow_oversubscription=true",
             "health.monitor_interval_s=2",
             *a.set,
         ):
-            cmd += ["--set", kv]
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-        run = tmp / name_run
-        if r.returncode != 0:
-            sys.exit(f"the trainer failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        first = next(row for row in rows if row["step"] == a.warmup_steps)
-        last = rows[-1]
-        tok_s = (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
-        cfg = __import__("yaml").safe_load((run / "config.yaml").read_text())
+            extra += ["--set", kv]
+        tok_s = run_trainer(data, nproc, a.steps, a.warmup_steps, tmp, 0, tuple(extra), tag="-gpu")
+        run = trainer_run_dir(tmp, nproc, 0, "-gpu")
+        last_step = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
         n_params = json.loads((run / "summary.json").read_text())["n_params"]
         m = cfg["model"]
         fpt = flops_per_token(n_params, m["n_layer"], m["n_embd"], cfg["data"]["seq_len"])
         mfu = tok_s * fpt / (peak * 1e12 * nproc)
-        mem = []
+        mem: list[float] = []
         res = run / "resources" / "node0.jsonl"
         if res.exists():
             for line in res.read_text().splitlines():
                 mem += [g["mem_used_mb"] for g in json.loads(line).get("gpus", []) if "mem_used_mb" in g]
         print(
             f"{a.config} ({n_params / 1e6:.1f}M parameters), {nproc} x {name}, batch {a.batch_size} x "
-            f"{cfg['data']['seq_len']} tokens per GPU, steps {a.warmup_steps}-{last['step']}: "
+            f"{cfg['data']['seq_len']} tokens per GPU, steps {a.warmup_steps}-{last_step}: "
             f"{tok_s:,.0f} tokens/s ({tok_s / nproc:,.0f} per GPU), "
             f"{tok_s * fpt / 1e12 / nproc:.1f} TFLOP/s per GPU, MFU {100 * mfu:.1f}% of {peak:g} TFLOP/s"
             + (f", GPU memory up to {max(mem) / 1024:.1f} GiB" if mem else "")

@@ -22,11 +22,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from aura_hpc.malloc_tuning import MMAP_THRESHOLD, TRIM_THRESHOLD
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-# The same thresholds as aura_hpc/malloc_tuning.py, through glibc's environment tunables.
-PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024), "MALLOC_TRIM_THRESHOLD_": str(1024 * 1024 * 1024)}
+# The trainer's own thresholds (aura_hpc/malloc_tuning.py), through glibc's environment tunables.
+PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
 
 
 def _env(nproc: int, pinned_malloc: bool = False) -> dict[str, str]:
@@ -36,6 +38,12 @@ def _env(nproc: int, pinned_malloc: bool = False) -> dict[str, str]:
     if pinned_malloc:
         env.update(PINNED_MALLOC)
     return env
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float) -> None:
+    r = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:5])} ... exited with {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
 
 
 def run_bare(data: Path, nproc: int, steps: int, warmup: int, tmp: Path, pinned_malloc: bool) -> float:
@@ -53,7 +61,7 @@ def run_bare(data: Path, nproc: int, steps: int, warmup: int, tmp: Path, pinned_
 
 
 def _run_bare_once(data: Path, nproc: int, steps: int, warmup: int, out: Path, env: dict[str, str]) -> float:
-    subprocess.run(
+    _run(
         [
             sys.executable,
             "-m",
@@ -70,18 +78,27 @@ def _run_bare_once(data: Path, nproc: int, steps: int, warmup: int, out: Path, e
             "--out",
             str(out),
         ],
-        check=True,
+        env,
         timeout=180,  # a run takes ~15 s; a stuck gloo rendezvous must not stall the benchmark
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
     )
     return float(json.loads(out.read_text())["tokens_per_s"])
 
 
+def trainer_run_dir(tmp: Path, nproc: int, i: int, tag: str = "") -> Path:
+    return tmp / f"t{nproc}-{i}{tag}"
+
+
+def trainer_tokens_per_s(run_dir: Path, warmup: int) -> float:
+    """Tokens/s from step `warmup` to the last logged step, from the run's metrics.jsonl."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in rows if r["step"] == warmup)
+    last = rows[-1]
+    return (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
+
+
 def run_trainer(data: Path, nproc: int, steps: int, warmup: int, tmp: Path, i: int, extra: tuple[str, ...] = (), tag: str = "") -> float:
-    name = f"t{nproc}-{i}{tag}"
-    subprocess.run(
+    run_dir = trainer_run_dir(tmp, nproc, i, tag)
+    _run(
         [
             sys.executable,
             "-m",
@@ -92,7 +109,7 @@ def run_trainer(data: Path, nproc: int, steps: int, warmup: int, tmp: Path, i: i
             "--output-dir",
             str(tmp),
             "--run-name",
-            name,
+            run_dir.name,
             "--set",
             f"data.path={data}",
             "--set",
@@ -107,16 +124,10 @@ def run_trainer(data: Path, nproc: int, steps: int, warmup: int, tmp: Path, i: i
             "train.checkpoint_every=0",
             *extra,
         ],
-        check=True,
+        _env(nproc),
         timeout=600,  # a stuck gloo rendezvous must not stall the benchmark forever
-        env=_env(nproc),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
     )
-    rows = [json.loads(x) for x in (tmp / name / "metrics.jsonl").read_text().splitlines()]
-    first = next(r for r in rows if r["step"] == warmup)
-    last = rows[-1]
-    return (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
+    return trainer_tokens_per_s(run_dir, warmup)
 
 
 def main() -> None:
