@@ -1,12 +1,25 @@
-"""User-facing errors: each carries one line that names the problem and the fix."""
+"""User-facing errors, each carrying one line that names the problem and the fix, and exit statuses.
+
+The statuses are what README.md documents for `local` (and what a Slurm job's exit code shows).
+"""
 
 from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_TRAIN_FAILED = 1  # a process crashed or was killed, or training failed after it started
+EXIT_USER_ERROR = 2  # bad input: a config, data, checkpoint or launch problem, refused before training
+EXIT_DIVERGED = 3  # the loss stayed non-finite after every rollback
+# Stopped on a signal (SIGTERM, SIGINT, SIGUSR2) after writing a checkpoint: re-run to resume.
+# 75 is EX_TEMPFAIL in sysexits.h: "temporary failure, try again".
+EXIT_RESUMABLE = 75
+# The GPU circuit breaker opened: a hardware fault; orchestrators should drain the node, not retry on it.
+EXIT_GPU_FAULT = 76
 
 
 class AuraError(Exception):
     """An error whose message is meant for the user as-is (no traceback)."""
 
-    exit_code = 2
+    exit_code = EXIT_USER_ERROR
 
 
 class ConfigError(AuraError):
@@ -28,16 +41,12 @@ class CheckpointError(AuraError):
 class TrainingError(AuraError):
     """Training cannot go on (e.g. the loss stays non-finite after every rollback)."""
 
-    exit_code = 3
+    exit_code = EXIT_DIVERGED
 
 
-# Exit statuses a launcher can read.
-EXIT_OK = 0
-EXIT_TRAIN_FAILED = 1
-EXIT_USER_ERROR = 2
-EXIT_DIVERGED = 3
-# Stopped on a signal (SIGTERM, SIGINT, SIGUSR2) after writing a checkpoint: re-run to resume.
-# 75 is EX_TEMPFAIL in sysexits.h: "temporary failure, try again".
-EXIT_RESUMABLE = 75
-# The GPU circuit breaker opened: a hardware fault; orchestrators should drain the node, not retry on it.
-EXIT_GPU_FAULT = 76
+class TrainingFailed(AuraError):
+    """Workers started and failed (crashed, killed, or stopped on an error); the launcher's verdict."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_TRAIN_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from aura_hpc import checkpoint
 from aura_hpc.data.prepare import PrepareSpec, prepare
+from aura_hpc.train import checkpoint
 
 BASE = [
     "--set",

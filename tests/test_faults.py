@@ -15,8 +15,8 @@ import psutil
 import pytest
 import torch
 
-from aura_hpc import checkpoint
 from aura_hpc.errors import EXIT_RESUMABLE
+from aura_hpc.train import checkpoint
 from tests.conftest import SMALL_MODEL, cli_env, final_weights, run_cli
 
 pytestmark = pytest.mark.slow
@@ -263,7 +263,7 @@ def test_sigkill_at_random_moments_of_a_save_never_breaks_the_previous(tmp_path:
         "import sys, torch\n"
         "from pathlib import Path\n"
         "from transformers import GPT2Config, GPT2LMHeadModel\n"
-        "from aura_hpc import checkpoint\n"
+        "from aura_hpc.train import checkpoint\n"
         "root = Path(sys.argv[1])\n"
         "model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64))\n"
         "opt = torch.optim.AdamW(model.parameters())\n"

@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import pytest
 
-from aura_hpc.gpu_health import THROTTLE_BITS, HealthRules, Thresholds
-from aura_hpc.webhook import body
+from aura_hpc.ops.gpu_health import THROTTLE_BITS, HealthRules, Thresholds
+from aura_hpc.ops.webhook import body
 from tests.conftest import run_cli
 
 HEALTHY = {
@@ -182,7 +182,7 @@ def test_breaker_stops_all_ranks_checkpoints_alerts_and_exits_distinctly(
 
 
 def test_cuda_errors_that_mean_a_broken_gpu_are_recognised() -> None:
-    from aura_hpc.gpu_health import is_gpu_error
+    from aura_hpc.ops.gpu_health import is_gpu_error
 
     assert is_gpu_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert is_gpu_error(RuntimeError("CUDA error: uncorrectable ECC error encountered"))

@@ -7,7 +7,6 @@ number agreement, so a tiny model has real structure to learn in a minute of CPU
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 CORPUS_VERSION = "aura-es-v1"
 
@@ -241,11 +240,3 @@ def generate(n_paragraphs: int = 4000, seed: int = 2024) -> str:
     rng = random.Random(seed)
     paragraphs = [_PROSE] + [_paragraph(rng) for _ in range(n_paragraphs)]
     return "\n\n".join(paragraphs) + "\n"
-
-
-def write_corpus(path: Path, n_paragraphs: int = 4000, seed: int = 2024) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(generate(n_paragraphs, seed), encoding="utf-8")
-    tmp.replace(path)
-    return path

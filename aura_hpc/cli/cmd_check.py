@@ -1,0 +1,81 @@
+"""`check` (one machine, or several at once) and `monitor` (resource readings)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def cmd_check(a: argparse.Namespace) -> int:
+    from aura_hpc.ops import check
+
+    cluster = check.cluster_args(
+        a.nnodes, a.node_rank, a.master_addr, a.master_port, a.backend, a.shared_dir, a.timeout, a.sizes_mb, a.ifname
+    )
+    return check.run_and_show(a.output_dir, cluster, a.json)
+
+
+def cmd_monitor(a: argparse.Namespace) -> int:
+    import json
+    import sys
+    import time
+
+    from aura_hpc import console
+    from aura_hpc.errors import ConfigError
+    from aura_hpc.ops.gpu_health import open_reader
+    from aura_hpc.ops.resources import Sampler
+
+    if a.interval <= 0:
+        raise ConfigError(f"--interval must be positive, got {a.interval} (fix: --interval 5)")
+    sampler = Sampler(open_reader(a.replay or ""), a.disk or ".")
+    out = None
+    if a.json:
+        out = sys.stdout if a.json == "-" else open(a.json, "a", encoding="utf-8")
+    live = None if out is not None or not sys.stdout.isatty() else console.live_table()
+    n = 0
+    try:
+        while a.count == 0 or n < a.count:
+            time.sleep(a.interval)
+            row = sampler.sample()
+            n += 1
+            if out is not None:
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+            elif live is not None:
+                live.update(console.resources_table(row))
+            else:
+                console.plain(json.dumps(row))
+    finally:
+        if live is not None:
+            live.stop()
+        if out is not None and out is not sys.stdout:
+            out.close()
+    return 0
+
+
+def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "check",
+        help="check this machine, or the network/storage between machines (all_reduce, bandwidth, NFS)",
+        description="Alone: Python, torch, CUDA/NCCL, GPUs, backends, disk. With --nnodes N on every machine: "
+        "reachability, rendezvous, a verified all_reduce, bus bandwidth, clock skew, addresses and --shared-dir.",
+    )
+    p.add_argument("--nnodes", type=int, default=1, help="number of machines taking part (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 on the master")
+    p.add_argument("--master-addr", help="IP address of node 0")
+    p.add_argument("--master-port", type=int, default=29500, help="TCP port on node 0 (default 29500)")
+    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="process-group backend to test")
+    p.add_argument("--shared-dir", help="a directory that should be the same (NFS) on every node: write-then-read test")
+    p.add_argument("--ifname", help="network interface for gloo/NCCL (default: the one that routes to the master)")
+    p.add_argument("--sizes-mb", default="1,8,32", help="all_reduce sizes for the bandwidth test (default 1,8,32)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds before the check gives up (default 10)")
+    p.add_argument("--output-dir", help="where runs will go (free disk is checked there)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("monitor", help="CPU, RAM, disk, network and per-GPU readings at an interval")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between samples (default 5)")
+    p.add_argument("--json", metavar="FILE", help="append JSON lines to FILE ('-' for stdout) instead of the live table")
+    p.add_argument("--count", type=int, default=0, help="stop after this many samples (default: until Ctrl+C)")
+    p.add_argument("--disk", help="the path whose filesystem is reported (default: .)")
+    p.add_argument("--replay", help=argparse.SUPPRESS)  # recorded GPU readings instead of NVML (tests)
+    p.set_defaults(func=cmd_monitor)

@@ -1,0 +1,81 @@
+"""`prepare` (text to a prepared data directory) and `generate` (text from a trained run)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def cmd_prepare(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from aura_hpc import console
+    from aura_hpc.data.prepare import PrepareSpec, prepare
+
+    spec = PrepareSpec(
+        out_dir=Path(a.out),
+        inputs=a.inputs,
+        dataset=a.dataset,
+        subset=a.subset,
+        split=a.split,
+        text_column=a.text_column,
+        max_tokens=a.max_tokens,
+        tokenizer=a.tokenizer,
+        vocab_size=a.vocab_size,
+        val_fraction=a.val_fraction,
+        force=a.force,
+    )
+    m = prepare(spec)
+    if m.get("up_to_date"):
+        console.info(f"{a.out} is already prepared from these inputs (nothing to do; --force to redo)")
+    console.table(
+        "prepared" if not m.get("up_to_date") else "up to date",
+        [
+            ("directory", str(Path(a.out).resolve())),
+            ("sources", ", ".join(m["sources"][:3]) + (f" (+{len(m['sources']) - 3} more)" if len(m["sources"]) > 3 else "")),
+            ("tokens", f"{m['train_tokens']:,} train / {m['val_tokens']:,} validation ({m['dtype']})"),
+            ("tokenizer", f"{m['tokenizer']['source']}, vocab {m['tokenizer']['vocab_size']}"),
+            ("speed", f"{m.get('encode_tokens_per_s') or 0:,} tokens/s encoding, {m.get('elapsed_s')}s in all"),
+            ("use it", f"--set data.path={Path(a.out).resolve()}"),
+        ],
+    )
+    return 0
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from aura_hpc import console
+    from aura_hpc.train.generate import generate
+
+    for text in generate(a.run, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed, a.num):
+        console.info(text)
+    return 0
+
+
+def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "prepare",
+        help="tokenize and pack text into a prepared data directory",
+        description="Local .txt/.jsonl/.parquet files, folders or globs, or a Hugging Face dataset "
+        "(streamed) -> packed token files + tokenizer + manifest.",
+    )
+    p.add_argument("inputs", nargs="*", help="files, folders or globs")
+    p.add_argument("--out", required=True, help="the prepared directory to create")
+    p.add_argument("--dataset", help="a Hugging Face dataset name (or a local dataset folder)")
+    p.add_argument("--subset", help="the dataset's configuration/subset name")
+    p.add_argument("--split", default="train", help="dataset split (default: train)")
+    p.add_argument("--text-column", default="text", help="column holding the text (default: text)")
+    p.add_argument("--max-tokens", type=int, default=0, help="stop after this many tokens (default: all)")
+    p.add_argument("--tokenizer", help="a tokenizer folder or name; default: train a byte-level BPE on the input")
+    p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size of a trained tokenizer (default 8192)")
+    p.add_argument("--val-fraction", type=float, default=0.01, help="share of text kept for validation (default 0.01)")
+    p.add_argument("--force", action="store_true", help="prepare again even if the inputs did not change")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
+    p.add_argument("--run", required=True, help="a run directory (output_dir/run_name)")
+    p.add_argument("--prompt", default="En un lugar de la Mancha")
+    p.add_argument("--max-new-tokens", type=int, default=60)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num", type=int, default=1, help="how many samples")
+    p.set_defaults(func=cmd_generate)

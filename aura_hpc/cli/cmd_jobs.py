@@ -1,0 +1,111 @@
+"""`status`, `logs`, `cancel`, `history`: following submitted jobs."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _job_rows(rows: list[dict[str, object]]) -> list[list[str]]:
+    def fmt(v: object, spec: str = "") -> str:
+        if v is None or v == "":
+            return "-"
+        return format(v, spec) if spec and isinstance(v, (int, float)) else str(v)
+
+    return [
+        [
+            fmt(r["job_id"]),
+            fmt(r["name"]),
+            fmt(r["state"]),
+            fmt(r["nodes"]),
+            fmt(r["elapsed"]),
+            fmt(r["time_left"]),
+            fmt(r["reason"]),
+            fmt(r["step"]),
+            fmt(r["loss"], ".4f"),
+            fmt(r["tokens_per_s"], ",.0f"),
+            fmt(r["run_dir"]),
+        ]
+        for r in rows
+    ]
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    import json
+
+    from aura_hpc import console
+    from aura_hpc.slurm.commands import status
+
+    rows, notes = status(a.target, a.all)
+    if a.json:
+        print(json.dumps({"jobs": rows, "notes": notes}, indent=2))
+        return 0
+    columns = ["job", "name", "state", "nodes", "elapsed", "left", "reason", "step", "loss", "tokens/s", "run dir"]
+    if rows:
+        console.grid("aura_hpc jobs", columns, _job_rows(rows))
+    for n in notes:
+        console.info(n)
+    return 0
+
+
+def cmd_logs(a: argparse.Namespace) -> int:
+    from aura_hpc import console
+    from aura_hpc.slurm.commands import follow, log_file
+
+    job_id, path = log_file(a.target, a.rank, a.stderr)
+    if a.follow:
+        follow(job_id, path, console.plain)
+        return 0
+    if not path.exists():
+        console.info(f"{path} does not exist yet (the job may still be pending; --follow waits for it)")
+        return 0
+    console.plain(path.read_text(encoding="utf-8", errors="replace").rstrip("\n"))
+    return 0
+
+
+def cmd_cancel(a: argparse.Namespace) -> int:
+    from aura_hpc import console
+    from aura_hpc.slurm.commands import cancel
+
+    job_id = cancel(a.target)
+    console.info(f"cancelled job {job_id} (ranks get SIGTERM: they write a checkpoint at the next step if there is time)")
+    return 0
+
+
+def cmd_history(a: argparse.Namespace) -> int:
+    import json
+
+    from aura_hpc import console
+    from aura_hpc.slurm.commands import history
+
+    rows = history(a.since)
+    if a.json:
+        print(json.dumps({"jobs": rows}, indent=2))
+        return 0
+    cols = ["job", "name", "state", "exit", "nodes", "elapsed", "submitted", "run dir"]
+    keys = ["job_id", "name", "state", "exit_code", "nodes", "elapsed", "submit", "run_dir"]
+    console.grid(f"jobs since {a.since}", cols, [[str(r.get(k) or "-") for k in keys] for r in rows])
+    return 0
+
+
+def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("status", help="your aura_hpc jobs (squeue; sacct for finished ones)")
+    p.add_argument("target", nargs="?", help="a job id or a run directory (default: all your aura_hpc jobs)")
+    p.add_argument("--all", action="store_true", help="also your jobs not started by aura_hpc")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("logs", help="a job's per-rank log")
+    p.add_argument("target", help="a job id or a run directory")
+    p.add_argument("--rank", type=int, default=0, help="which rank (default 0)")
+    p.add_argument("--stderr", action="store_true", help="the rank's stderr instead of stdout")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("cancel", help="cancel a job (scancel)")
+    p.add_argument("target", help="a job id or a run directory")
+    p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("history", help="your past jobs (sacct)")
+    p.add_argument("--since", default="now-7days", help="sacct start time, e.g. 2026-11-01 or now-2days (default now-7days)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_history)

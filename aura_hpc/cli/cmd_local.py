@@ -1,0 +1,69 @@
+"""`local`: train on this machine or on LAN machines, through torch's elastic launcher."""
+
+from __future__ import annotations
+
+import argparse
+
+from aura_hpc.cli.common import add_run_options
+
+
+def cmd_local(a: argparse.Namespace) -> int:
+    from aura_hpc import console
+    from aura_hpc.launch.local import launch, plan_local, summary
+
+    plan = plan_local(
+        a.config,
+        a.overrides,
+        a.output_dir,
+        a.run_name,
+        nnodes=a.nnodes,
+        node_rank=a.node_rank,
+        nproc=a.nproc_per_node,
+        master_addr=a.master_addr,
+        master_port=a.master_port,
+        max_restarts=a.max_restarts,
+        rdzv_timeout=a.rdzv_timeout,
+        backend=a.backend,
+        ifname=a.ifname,
+    )
+    console.heading(
+        f"aura_hpc local: run {plan.cfg.run_name!r}, node {plan.node_rank}/{plan.nnodes}, "
+        f"{plan.nproc} processes, master {plan.master_addr}:{plan.master_port}"
+    )
+    status = launch(plan)
+    if status != 0:
+        return status
+    s = summary(plan)
+    if s is None:
+        console.info("done. Rank 0 ran on another node; its run directory holds the checkpoints and metrics.")
+        return status
+    rows = [
+        ("run directory", str(plan.cfg.run_dir)),
+        ("step", f"{s['step']} of {s['max_steps']}" + ("" if s["finished"] else " (stopped early; re-run to continue)")),
+        ("checkpoint", str(s["checkpoint"])),
+        ("metrics", f"{s['metrics']}  (TensorBoard: tensorboard --logdir {plan.cfg.run_dir / 'tensorboard'})"),
+        ("logs", str(plan.cfg.run_dir / "logs")),
+        ("sample", str(s["sample"])),
+    ]
+    console.table("training finished", rows)
+    return status
+
+
+def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "local",
+        help="train on this machine or on LAN machines (no Slurm)",
+        description="Train with torch's elastic launcher. With no arguments: the tiny preset on the "
+        "built-in Spanish corpus, 2 CPU processes (or one per GPU).",
+    )
+    add_run_options(p)
+    p.add_argument("--nnodes", type=int, default=1, help="number of machines (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 on the master (default 0)")
+    p.add_argument("--nproc-per-node", type=int, help="processes on this machine (default: one per GPU, or 2 on CPU)")
+    p.add_argument("--master-addr", help="IP address of node 0 (needed with --nnodes > 1)")
+    p.add_argument("--master-port", type=int, help="TCP port on node 0 (default 29500; a free one on a single machine)")
+    p.add_argument("--max-restarts", type=int, default=0, help="restart all workers this many times after a failure")
+    p.add_argument("--rdzv-timeout", type=int, default=120, help="seconds to wait for all nodes to join (default 120)")
+    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], help="process-group backend (default: auto)")
+    p.add_argument("--ifname", help="network interface for gloo/NCCL (default: the one that routes to the master)")
+    p.set_defaults(func=cmd_local)

@@ -1,0 +1,93 @@
+"""`submit`: the plan (`--dry-run` prints it), then submitit; `--wait`/`--follow`."""
+
+from __future__ import annotations
+
+import argparse
+
+from aura_hpc.cli.common import add_run_options
+
+
+def cmd_submit(a: argparse.Namespace) -> int:
+    from aura_hpc import console
+    from aura_hpc.slurm.plan import describe, plan_submit
+
+    flags = {
+        "nodes": a.nodes,
+        "gpus_per_node": a.gpus,
+        "cpus_per_task": a.cpus_per_task,
+        "mem": a.mem,
+        "time": a.time,
+        "partition": a.partition,
+        "account": a.account,
+        "qos": a.qos,
+        "constraint": a.constraint,
+        "exclusive": a.exclusive,
+        "job_name": a.job_name,
+        "cluster": a.cluster,
+        "nccl_debug": a.nccl_debug,
+        "array_parallelism": a.array_parallelism,
+    }
+    plan = plan_submit(a.config, a.overrides, a.output_dir, a.run_name, flags, a.sweep, a.after, check=a.check)
+    for w in plan.warnings:
+        console.warn(w)
+    if a.dry_run:
+        console.heading("aura_hpc submit --dry-run: nothing is written or submitted")
+        console.grid("settings (cli > config > profile > default)", ["setting", "value", "from"], [list(r) for r in describe(plan)])
+        for p in plan.points:
+            console.info(f"run directory: {p.cfg.run_dir}" + (f"  ({p.label})" if p.label else ""))
+        console.info(f"tasks: {plan.slurm.nodes} node(s) x {plan.tasks_per_node} task(s) = world size {plan.world_size}")
+        if plan.prepare_builtin:
+            console.info(f"data: the built-in Spanish corpus would be prepared in {plan.prepare_builtin}")
+        console.info("environment: sbatch exports your current environment (Slurm's default), plus the script's exports:")
+        for k, v in plan.env.items():
+            console.plain(f"  {k}={v}")
+        console.info(f"sbatch script ({plan.folder / '<jobid>_submission.sh'}):")
+        console.plain(plan.script)
+        return 0
+    from aura_hpc.slurm import submit as submitting
+
+    ids = submitting.submit(plan)
+    if plan.check:
+        console.info(f"submitted check job {ids[0]} on {plan.slurm.nodes} node(s); logs in {plan.folder}")
+        status = submitting.wait(ids, submitting.rank_log(plan.folder, ids[0]), printer=console.plain)
+        return status
+    for p, job_id in zip(plan.points, ids, strict=True):
+        console.info(f"submitted job {job_id}: {p.cfg.run_dir}" + (f"  ({p.label})" if p.label else ""))
+    console.info(f"follow it: python -m aura_hpc status {ids[0]}   |   python -m aura_hpc logs {ids[0]} --follow")
+    if not (a.wait or a.follow):
+        return 0
+    log = submitting.rank_log(plan.folder, ids[0]) if a.follow else None
+    status = submitting.wait(ids, log, printer=console.plain)
+    console.info(f"job{'s' if len(ids) > 1 else ''} {', '.join(ids)} ended: {'COMPLETED' if status == 0 else f'exit status {status}'}")
+    return status
+
+
+def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "submit",
+        help="submit the trainer to Slurm (submitit)",
+        description="Generate and submit the Slurm job with submitit: one task per GPU (one per node with --gpus 0). "
+        "Slurm values: CLI > the config's slurm section > the cluster profile > defaults (shown by --dry-run).",
+    )
+    add_run_options(p)
+    p.add_argument("--cluster", help="a profile from sbatch_templates/ (generic, h100-ib, h200-ib) or a profile file")
+    p.add_argument("--nodes", type=int, help="number of nodes")
+    p.add_argument("--gpus", type=int, help="GPUs per node; one task per GPU (0: a CPU job with gloo)")
+    p.add_argument("--cpus-per-task", type=int, help="CPUs per task (rank)")
+    p.add_argument("--mem", help="memory per node, e.g. 64G (0 = all)")
+    p.add_argument("--time", help="time limit: minutes, HH:MM:SS or D-HH:MM:SS")
+    p.add_argument("--partition", help="Slurm partition")
+    p.add_argument("--account", help="Slurm account")
+    p.add_argument("--qos", help="quality of service")
+    p.add_argument("--constraint", help="node features, e.g. h100")
+    p.add_argument("--exclusive", action="store_true", default=None, help="whole nodes only")
+    p.add_argument("--job-name", help="Slurm job name (default: aura-<run name>)")
+    p.add_argument("--nccl-debug", action="store_true", default=None, help="NCCL_DEBUG=INFO (INIT,NET), one file per host in the run dir")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2", help="a job array over these values (repeatable: a grid)")
+    p.add_argument("--array-parallelism", type=int, help="sweep elements running at once (default: all)")
+    p.add_argument("--after", metavar="JOBID", help="start only after this job completed successfully (afterok)")
+    p.add_argument("--dry-run", action="store_true", help="print the settings and the exact sbatch script; submit nothing")
+    p.add_argument("--check", action="store_true", help="run `check` on every node of such an allocation instead of training")
+    p.add_argument("--wait", action="store_true", help="block until the job ends; the exit status is the job's")
+    p.add_argument("--follow", action="store_true", help="like --wait, streaming rank 0's log")
+    p.set_defaults(func=cmd_submit)

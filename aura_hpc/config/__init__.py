@@ -1,0 +1,44 @@
+"""The one typed config tree: dataclasses loaded from YAML files in configs/, overridden from the CLI.
+
+Deliberately free of torch/transformers imports (and of the rest of the package): the CLI loads
+and validates configs before deciding whether any heavy machinery is needed at all.
+"""
+
+from aura_hpc.config.checks import max_steps_for, slurm_minutes, validate, validate_slurm
+from aura_hpc.config.loading import coerce, from_dict, load_config, load_run_file, parse_overrides, resolve_config_path, shipped_configs
+from aura_hpc.config.tree import (
+    CHOICES,
+    SECTIONS,
+    THROTTLE_REASONS,
+    DataConfig,
+    DistConfig,
+    HealthConfig,
+    ModelConfig,
+    RunConfig,
+    SlurmConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "CHOICES",
+    "SECTIONS",
+    "THROTTLE_REASONS",
+    "DataConfig",
+    "DistConfig",
+    "HealthConfig",
+    "ModelConfig",
+    "RunConfig",
+    "SlurmConfig",
+    "TrainConfig",
+    "coerce",
+    "from_dict",
+    "load_config",
+    "load_run_file",
+    "max_steps_for",
+    "parse_overrides",
+    "resolve_config_path",
+    "shipped_configs",
+    "slurm_minutes",
+    "validate",
+    "validate_slurm",
+]

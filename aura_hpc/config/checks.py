@@ -1,0 +1,164 @@
+"""Cross-field checks of a loaded config; every error names the fix."""
+
+from __future__ import annotations
+
+import re
+
+from aura_hpc.config.tree import CHOICES, THROTTLE_REASONS, RunConfig, SlurmConfig
+from aura_hpc.errors import ConfigError
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks; each error names the fix."""
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in allowed:
+            raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r} (fix: --set {key}={allowed[0]})")
+    m, d, t = cfg.model, cfg.data, cfg.train
+    positive = {
+        "model.n_layer": m.n_layer,
+        "model.n_embd": m.n_embd,
+        "model.n_head": m.n_head,
+        "model.n_positions": m.n_positions,
+        "data.seq_len": d.seq_len,
+        "train.batch_size": t.batch_size,
+        "train.grad_accum": t.grad_accum,
+        "train.keep_last": t.keep_last,
+        "train.log_every": t.log_every,
+        "train.eval_batches": t.eval_batches,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be greater than 0, got {value} (fix: --set {key}=<positive number>)")
+    non_negative = {
+        "train.max_tokens": t.max_tokens,
+        "train.stop_at": t.stop_at,
+        "train.warmup_steps": t.warmup_steps,
+        "train.eval_every": t.eval_every,
+        "train.checkpoint_every": t.checkpoint_every,
+        "train.sample_every": t.sample_every,
+        "train.weight_decay": t.weight_decay,
+        "train.grad_clip": t.grad_clip,
+        "train.threads": t.threads,
+        "model.vocab_size": m.vocab_size,
+        "train.sample_tokens": t.sample_tokens,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be 0 or more, got {value} (fix: --set {key}=0)")
+    if t.max_steps <= 0 and t.max_tokens <= 0:
+        raise ConfigError(f"train.max_steps must be greater than 0, got {t.max_steps} (fix: --set train.max_steps=1000)")
+    if not t.lr > 0:
+        raise ConfigError(f"train.lr must be greater than 0, got {t.lr} (fix: --set train.lr=3e-4)")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio must be between 0 and 1, got {t.min_lr_ratio} (fix: --set train.min_lr_ratio=0.1)")
+    if t.nan_rollback_after < 1:
+        raise ConfigError(
+            f"train.nan_rollback_after must be at least 1, got {t.nan_rollback_after} (fix: --set train.nan_rollback_after=3)"
+        )
+    if not 0 < t.nan_lr_scale <= 1:
+        raise ConfigError(f"train.nan_lr_scale must be in (0, 1], got {t.nan_lr_scale} (fix: --set train.nan_lr_scale=0.5)")
+    if t.nan_max_rollbacks < 0:
+        raise ConfigError(f"train.nan_max_rollbacks must be 0 or more, got {t.nan_max_rollbacks} (fix: --set train.nan_max_rollbacks=3)")
+    if not 0 <= m.dropout < 1:
+        raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout} (fix: --set model.dropout=0.0)")
+    if m.n_embd % m.n_head:
+        raise ConfigError(
+            f"model.n_embd ({m.n_embd}) must be divisible by model.n_head ({m.n_head}) "
+            f"(fix: e.g. --set model.n_head={_divisor_near(m.n_embd, m.n_head)})"
+        )
+    if d.seq_len > m.n_positions:
+        raise ConfigError(
+            f"data.seq_len ({d.seq_len}) is longer than model.n_positions ({m.n_positions}) "
+            f"(fix: --set data.seq_len={m.n_positions} or raise model.n_positions)"
+        )
+    if m.vocab_size and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size {m.vocab_size} is too small for a byte-level tokenizer (fix: 0 = from data)")
+    if not 256 <= d.vocab_size <= 1_000_000:
+        raise ConfigError(f"data.vocab_size must be between 256 and 1000000, got {d.vocab_size} (fix: --set data.vocab_size=8192)")
+    if t.max_tokens <= 0 and t.warmup_steps >= t.max_steps:
+        raise ConfigError(
+            f"train.warmup_steps ({t.warmup_steps}) must be smaller than train.max_steps ({t.max_steps}) "
+            f"(fix: --set train.warmup_steps={max(0, t.max_steps // 10)})"
+        )
+    if t.max_tokens <= 0 and t.stop_at > t.max_steps:
+        raise ConfigError(f"train.stop_at ({t.stop_at}) is after train.max_steps ({t.max_steps}) (fix: lower train.stop_at)")
+    if not _RUN_NAME.match(cfg.run_name):
+        raise ConfigError(f"run_name {cfg.run_name!r} must be letters, digits, '.', '_' or '-' (fix: --run-name my-run)")
+    if not cfg.output_dir:
+        raise ConfigError("output_dir is empty (fix: --output-dir runs)")
+    validate_slurm(cfg.slurm)
+    h = cfg.health
+    if h.monitor_interval_s < 0 or h.breaker_interval_s <= 0:
+        raise ConfigError(
+            "health.monitor_interval_s must be >= 0 and health.breaker_interval_s > 0 (fix: --set health.breaker_interval_s=5)"
+        )
+    unknown = [r for r in h.throttle_reasons.split(",") if r.strip() and r.strip() not in THROTTLE_REASONS]
+    if unknown:
+        raise ConfigError(f"health.throttle_reasons: unknown {', '.join(unknown)} (fix: a comma list of {', '.join(THROTTLE_REASONS)})")
+    if h.webhook_url and not (h.webhook_url.startswith(("http://", "https://", "env:"))):
+        # The value itself is not echoed: it is a secret.
+        raise ConfigError(
+            "health.webhook_url must start with http://, https:// or env:VAR (fix: --set health.webhook_url=env:AURA_GPU_WEBHOOK)"
+        )
+
+
+_SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def slurm_minutes(value: str) -> int:
+    """Slurm's --time formats (minutes, M:S, H:M:S, D-H, D-H:M, D-H:M:S) to whole minutes, rounded up."""
+    m = _SLURM_TIME.match(value.strip())
+    if not m:
+        raise ConfigError(f"slurm.time {value!r} is not a Slurm time (fix: --time 04:00:00, or minutes like --time 240)")
+    days, a, b, c = (int(x) if x is not None else None for x in m.groups())
+    assert a is not None
+    if days is not None:  # D-H, D-H:M, D-H:M:S
+        seconds = days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+    elif c is not None:  # H:M:S
+        seconds = a * 3600 + (b or 0) * 60 + c
+    elif b is not None:  # M:S
+        seconds = a * 60 + b
+    else:  # minutes
+        seconds = a * 60
+    return -(-seconds // 60)
+
+
+def validate_slurm(s: SlurmConfig) -> None:
+    if s.nodes < 1:
+        raise ConfigError(f"slurm.nodes must be at least 1, got {s.nodes} (fix: --nodes 1)")
+    if s.gpus_per_node < 0:
+        raise ConfigError(f"slurm.gpus_per_node must be 0 (CPU job) or more, got {s.gpus_per_node} (fix: --gpus 8, or --gpus 0)")
+    if s.cpus_per_task < 0:
+        raise ConfigError(f"slurm.cpus_per_task must be 0 (Slurm's default) or more, got {s.cpus_per_task} (fix: --cpus-per-task 8)")
+    minutes = slurm_minutes(s.time)
+    if minutes < 1:
+        raise ConfigError(f"slurm.time {s.time!r} is zero (fix: --time 01:00:00)")
+    if s.signal_lead_s < 0 or s.signal_lead_s >= minutes * 60:
+        raise ConfigError(
+            f"slurm.signal_lead_s ({s.signal_lead_s}) must be between 0 and the time limit ({minutes * 60}s) "
+            "(fix: --set slurm.signal_lead_s=120, or a longer --time)"
+        )
+    if s.max_requeues < 0:
+        raise ConfigError(f"slurm.max_requeues must be 0 or more, got {s.max_requeues} (fix: --set slurm.max_requeues=10)")
+    if s.array_parallelism < 0:
+        raise ConfigError(f"slurm.array_parallelism must be 0 (all) or more, got {s.array_parallelism} (fix: --array-parallelism 4)")
+    if s.mem and not re.match(r"^\d+[KMGT]?B?$", s.mem, re.IGNORECASE):
+        raise ConfigError(f"slurm.mem {s.mem!r} is not a Slurm memory size (fix: --mem 64G, or --mem 0 for all of a node's memory)")
+
+
+def _divisor_near(n: int, k: int) -> int:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return min(divisors, key=lambda d: (abs(d - k), d))
+
+
+def max_steps_for(cfg: RunConfig, world_size: int) -> int:
+    """The schedule horizon: train.max_steps, or the step count that covers train.max_tokens."""
+    t = cfg.train
+    if t.max_tokens > 0:
+        per_step = t.batch_size * t.grad_accum * world_size * cfg.data.seq_len
+        return max(1, -(-t.max_tokens // per_step))
+    return t.max_steps

@@ -1,0 +1,230 @@
+"""Loading configs: defaults <- model preset <- YAML file <- --set overrides, unknown keys refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from aura_hpc.config.checks import validate
+from aura_hpc.config.tree import SECTIONS, TOP_LEVEL, RunConfig
+from aura_hpc.errors import ConfigError
+
+# Keys resolved relative to the config file they appear in.
+_PATH_KEYS = {("data", "path")}
+
+
+def configs_dir() -> Path:
+    """Shipped configs: the repo's `configs/` (mapped into the package as aura_hpc.configs)."""
+    env = os.environ.get("AURA_HPC_CONFIGS")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2] / "configs"
+    if repo.is_dir():
+        return repo
+    return Path(str(resources.files("aura_hpc.configs")))
+
+
+def shipped_configs() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(configs_dir().glob("*.yaml"))}
+
+
+def _valid_keys() -> list[str]:
+    keys = list(TOP_LEVEL)
+    for name, cls in SECTIONS.items():
+        keys += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
+    return keys
+
+
+def _unknown_key(key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return ConfigError(f"unknown config key '{key}': {hint}valid keys are {', '.join(valid)}")
+
+
+def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
+    typ = typ if isinstance(typ, str) else typ.__name__
+    fix = f"(fix: --set {key}=<{typ}>)"
+    if typ == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ConfigError(f"{key} must be true or false, got {value!r} {fix}")
+    if typ == "int":
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be a whole number, got {value!r} {fix}")
+        if isinstance(value, int):
+            return value
+        try:
+            f = float(str(value).replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{key} must be a whole number, got {value!r} {fix}") from None
+        if not f.is_integer():
+            raise ConfigError(f"{key} must be a whole number, got {value!r} {fix}")
+        return int(f)
+    if typ == "float":
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be a number, got {value!r} {fix}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be a number, got {value!r} {fix}") from None
+    if typ == "str":
+        if value is None:
+            return ""
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key} must be a string, got {value!r} {fix}")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported type {typ}")  # pragma: no cover
+
+
+def _merge(
+    base: dict[str, Any], raw: dict[str, Any], origin: str, base_dir: Path | None, given: dict[str, str] | None = None, label: str = ""
+) -> None:
+    """Merge `raw` (a YAML mapping) into `base`, rejecting unknown keys and coercing types.
+
+    `given` records, for each key set here, `label` (where it came from: config or cli).
+    """
+    valid = _valid_keys()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{origin}: a config must be a YAML mapping of sections, got {type(raw).__name__}")
+    for top, value in raw.items():
+        if top in TOP_LEVEL:
+            base[top] = coerce(top, value, "str", False)
+            if given is not None:
+                given[top] = label
+            continue
+        if top not in SECTIONS:
+            raise _unknown_key(str(top), valid)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"{origin}: section '{top}' must be a mapping of keys, got {value!r}")
+        types = {f.name: f.type for f in dataclasses.fields(SECTIONS[top])}
+        for k, v in value.items():
+            dotted = f"{top}.{k}"
+            if k not in types:
+                raise _unknown_key(dotted, valid)
+            v = coerce(dotted, v, types[k], False)
+            if (top, k) in _PATH_KEYS and v and base_dir is not None and not os.path.isabs(v):
+                v = str((base_dir / v).resolve())
+            base[top][k] = v
+            if given is not None:
+                given[dotted] = label
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`--set section.key=value` strings to a nested mapping (values parsed as YAML scalars)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} is not KEY=VALUE (fix: e.g. --set train.lr=3e-4)")
+        key, _, text = item.partition("=")
+        key = key.strip()
+        value: Any = yaml.safe_load(text) if text.strip() else ""
+        if isinstance(value, (dict, list)):
+            value = text
+        if "." in key:
+            section, _, name = key.partition(".")
+            if section not in SECTIONS or not name:
+                raise _unknown_key(key, _valid_keys())
+            out.setdefault(section, {})[name] = value
+        else:
+            out[key] = value
+    return out
+
+
+def _load_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found (fix: pass an existing file or a preset name)") from None
+    except yaml.YAMLError as exc:
+        line = getattr(getattr(exc, "problem_mark", None), "line", None)
+        where = f" line {line + 1}" if line is not None else ""
+        raise ConfigError(
+            f"config file {path}{where} is not valid YAML: {getattr(exc, 'problem', exc)} "
+            "(fix: check the brackets, quotes and indentation there)"
+        ) from None
+    return data or {}
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        return p
+    shipped = shipped_configs()
+    if name_or_path in shipped:
+        return shipped[name_or_path]
+    raise ConfigError(
+        f"config '{name_or_path}' is neither a file nor a shipped preset (fix: use one of {', '.join(shipped)}, or a path to a .yaml file)"
+    )
+
+
+def load_config(
+    config: str | None = None,
+    overrides: list[str] | None = None,
+    output_dir: str | None = None,
+    run_name: str | None = None,
+    given: dict[str, str] | None = None,
+) -> RunConfig:
+    """defaults <- model preset <- config file <- --set overrides <- --output-dir/--run-name.
+
+    `given`, when passed, is filled with each key the config file ("config") or the command
+    line ("cli") set, so later layers (a cluster profile) know what not to override.
+    """
+    merged = RunConfig().to_dict()
+    file_raw: dict[str, Any] = {}
+    base_dir: Path | None = None
+    if config:
+        path = resolve_config_path(config)
+        file_raw = _load_yaml(path)
+        base_dir = path.parent.resolve()
+    cli_raw = parse_overrides(overrides or [])
+    # A model preset names a shipped config whose model section is the base for model keys.
+    file_model = (file_raw.get("model") or {}) if isinstance(file_raw, dict) else {}
+    preset = (cli_raw.get("model") or {}).get("preset") or (file_model.get("preset") if isinstance(file_model, dict) else None)
+    if preset:
+        shipped = shipped_configs()
+        if str(preset) not in shipped:
+            raise ConfigError(f"model.preset '{preset}' is unknown (fix: use one of {', '.join(shipped)})")
+        preset_model = _load_yaml(shipped[str(preset)]).get("model") or {}
+        _merge(merged, {"model": preset_model}, str(shipped[str(preset)]), None)
+    _merge(merged, file_raw, str(config), base_dir, given, "config")
+    _merge(merged, cli_raw, "--set", Path.cwd(), given, "cli")
+    if output_dir is not None:
+        merged["output_dir"] = output_dir
+        if given is not None:
+            given["output_dir"] = "cli"
+    if run_name is not None:
+        merged["run_name"] = run_name
+        if given is not None:
+            given["run_name"] = "cli"
+    cfg = from_dict(merged)
+    validate(cfg)
+    return cfg
+
+
+def from_dict(d: dict[str, Any]) -> RunConfig:
+    return RunConfig(
+        run_name=d["run_name"],
+        output_dir=d["output_dir"],
+        **{name: cls(**d.get(name, {})) for name, cls in SECTIONS.items()},
+    )
+
+
+def load_run_file(path: str | Path) -> RunConfig:
+    """A resolved config.yaml from a run directory (already complete; still validated)."""
+    merged = RunConfig().to_dict()
+    _merge(merged, _load_yaml(Path(path)), str(path), None)
+    cfg = from_dict(merged)
+    validate(cfg)
+    return cfg

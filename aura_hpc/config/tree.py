@@ -1,0 +1,171 @@
+"""The config tree: one dataclass per section, the allowed values, and the section table.
+
+No imports from the rest of the package beyond errors: the CLI loads and validates configs
+before deciding whether any heavy machinery is needed at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# NVML clocks-event reasons the GPU circuit breaker can act on (their bits live in
+# aura_hpc.ops.gpu_health, which checks that it knows every name listed here).
+THROTTLE_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    n_layer: int = 2
+    n_embd: int = 128
+    n_head: int = 4
+    n_positions: int = 256
+    vocab_size: int = 0  # 0: take the vocabulary size of the prepared data's tokenizer
+    dropout: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # prepared directory; "" = the package's own Spanish corpus
+    seq_len: int = 128
+    vocab_size: int = 4096  # used only when `local` prepares the built-in corpus
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 150
+    max_tokens: int = 0  # > 0: derive max_steps from a token budget instead
+    stop_at: int = 0  # > 0: checkpoint and stop at this step; re-run to continue
+    batch_size: int = 8  # sequences per device per micro-step
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 15
+    schedule: str = "cosine"
+    optimizer: str = "adamw"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    precision: str = "auto"
+    seed: int = 1234
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 4
+    checkpoint_every: int = 50
+    keep_last: int = 3
+    sample_every: int = 0  # 0: only a final sample
+    sample_prompt: str = "En un lugar de la Mancha"
+    sample_tokens: int = 40
+    allow_oversubscription: bool = False
+    threads: int = 0  # torch intra-op threads per process; 0 = launcher's OMP_NUM_THREADS
+    tune_malloc: bool = True  # CPU training: fixed glibc mmap/trim thresholds (see aura_hpc/malloc_tuning.py)
+    nan_rollback_after: int = 3  # consecutive non-finite steps (skipped) before rolling back
+    nan_lr_scale: float = 0.5  # multiply the learning rate by this at each rollback (1 = keep)
+    nan_max_rollbacks: int = 3  # then stop: the run diverges
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"
+    strategy: str = "ddp"
+    timeout_s: int = 600  # collective (all_reduce, barrier) timeout
+    init_timeout_s: int = 120  # process-group initialisation timeout
+
+
+@dataclass
+class HealthConfig:
+    """Resource monitor and GPU circuit breaker, run in a background thread on one rank per node."""
+
+    monitor_interval_s: float = 0.0  # > 0: sample CPU/RAM/disk/net/GPUs to RUN_DIR/resources/node<N>.jsonl and TensorBoard
+    breaker: bool = True  # GPU circuit breaker (acts only where NVML sees GPUs, or with nvml_replay)
+    breaker_interval_s: float = 5.0
+    temp_margin_c: float = 3.0  # open when a GPU is this close to its slowdown temperature
+    throttle_reasons: str = "hw_slowdown,hw_thermal,sw_thermal,hw_power_brake"
+    throttle_samples: int = 3  # consecutive throttled samples before opening
+    webhook_url: str = ""  # a secret, never logged; "env:VAR" reads it from an environment variable
+    webhook_type: str = "generic"  # generic JSON | discord | slack
+    webhook_timeout_s: float = 5.0
+    webhook_retries: int = 2
+    nvml_replay: str = ""  # recorded readings (JSON lines) replayed instead of NVML: tests, incident replays
+
+
+@dataclass
+class SlurmConfig:
+    """What `submit` asks Slurm for. Precedence: CLI flags > this section > cluster profile > these defaults."""
+
+    cluster: str = "generic"  # a profile in sbatch_templates/ (name or path)
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0: a CPU job (gloo); one task per GPU otherwise
+    cpus_per_task: int = 0  # 0: Slurm's default
+    mem: str = ""  # per node, e.g. 64G; "0" = all of it; "": Slurm's default
+    time: str = "01:00:00"  # minutes, HH:MM:SS or D-HH:MM:SS
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    constraint: str = ""
+    exclusive: bool = False
+    job_name: str = ""  # "": aura-<run_name>
+    signal: str = "USR2"  # sent signal_lead_s before the time limit: checkpoint, then requeue
+    signal_lead_s: int = 120
+    max_requeues: int = 10  # automatic requeues after the pre-timeout signal, then stop
+    array_parallelism: int = 0  # sweeps: array elements running at once; 0 = all
+    nccl_debug: bool = False  # NCCL_DEBUG=INFO with INIT,NET subsystems, one file per host and pid
+
+
+@dataclass
+class RunConfig:
+    run_name: str = "tiny"
+    output_dir: str = "runs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.run_name
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+    def model_fingerprint(self) -> str:
+        """What must match between a checkpoint and the config resuming from it."""
+        m = dataclasses.asdict(self.model)
+        m.pop("preset")
+        m.pop("dropout")
+        key = {"model": m, "seq_len": self.data.seq_len}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "train.schedule": ("cosine", "linear", "constant"),
+    "train.optimizer": ("adamw", "sgd"),
+    "train.precision": ("auto", "fp32", "bf16", "fp16", "fp64"),
+    "dist.backend": ("auto", "nccl", "gloo"),
+    "dist.strategy": ("ddp",),
+    "slurm.signal": ("USR2", "USR1", "TERM", "INT", "HUP"),
+    "health.webhook_type": ("generic", "discord", "slack"),
+}
+
+SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "dist": DistConfig,
+    "slurm": SlurmConfig,
+    "health": HealthConfig,
+}
+TOP_LEVEL = ("run_name", "output_dir")

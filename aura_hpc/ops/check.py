@@ -1,0 +1,106 @@
+"""`python -m aura_hpc check`: find the network, storage and GPU problems of a multi-node setup.
+
+Single machine: Python/torch/CUDA/NCCL, GPUs, working backends, free disk. Across machines
+(the classic test_ddp.py all_reduce check done right): TCP reachability of the master, a
+rendezvous that catches duplicate node ranks, an all_reduce every rank verifies, bus bandwidth
+over a few sizes, clock skew, the address each node uses, and a shared-directory test.
+Each failure is one line with the cause and the fix. A watchdog ends the check at --timeout,
+so an unhealthy setup never hangs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from aura_hpc.errors import LaunchError
+from aura_hpc.ops.check_cluster import ClusterArgs, cluster_checks
+from aura_hpc.ops.check_local import local_checks
+from aura_hpc.ops.check_report import Failed, Report
+
+
+def run(output_dir: str | None, cluster: ClusterArgs | None, on_timeout: Callable[[Report, str], None]) -> Report:
+    """All checks; a watchdog thread calls on_timeout(report, stage) and ends the process at the deadline."""
+    report = Report()
+    t0 = time.perf_counter()
+    stage = ["local checks"]
+    if cluster is not None:
+        report.node_rank, report.nnodes = cluster.node_rank, cluster.nnodes
+
+        def fire() -> None:
+            report.elapsed_s = time.perf_counter() - t0
+            on_timeout(report, stage[0])
+            os._exit(1)
+
+        cluster.deadline = time.monotonic() + cluster.timeout
+        # The safety net: every stage has its own timeout, but nothing may hang past the deadline.
+        timer = threading.Timer(cluster.timeout + 1.0, fire)
+        timer.daemon = True
+        timer.start()
+    try:
+        local_checks(report, output_dir)
+        if cluster is not None:
+            with contextlib.suppress(Failed):
+                cluster_checks(report, cluster, stage)
+    finally:
+        report.elapsed_s = time.perf_counter() - t0
+        if cluster is not None:
+            timer.cancel()
+    return report
+
+
+def cluster_args(
+    nnodes: int,
+    node_rank: int,
+    master_addr: str | None,
+    master_port: int,
+    backend: str = "auto",
+    shared_dir: str | None = None,
+    timeout: float = 10.0,
+    sizes_mb: str = "1,8,32",
+    ifname: str | None = None,
+) -> ClusterArgs | None:
+    """The across-machines part of a check, or None for this machine alone."""
+    if nnodes <= 1 and not master_addr:
+        return None
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise LaunchError(f"--node-rank {node_rank} is not in 0..{nnodes - 1} (fix: --node-rank 0 on the master, 1..N-1 on the others)")
+    if nnodes > 1 and not master_addr:
+        raise LaunchError("--nnodes > 1 needs --master-addr (fix: --master-addr <IP of node 0> on every node)")
+    sizes = tuple(float(x) for x in sizes_mb.split(",") if x.strip())
+    return ClusterArgs(nnodes, node_rank, master_addr or "127.0.0.1", master_port, backend, shared_dir, timeout, sizes, ifname)
+
+
+def show(report: Report, as_json: bool, timeout: float, timed_out_at: str | None = None) -> None:
+    """Print a report: a table plus one line per failure, or JSON for scripts."""
+    from aura_hpc import console
+
+    if timed_out_at:
+        report.add(
+            "timeout",
+            False,
+            f"the check did not finish within {timeout:g}s (stuck at: {timed_out_at})",
+            "see the failed line above; a firewall that drops gloo/NCCL's data ports hangs here: open them between the nodes",
+        )
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2), flush=True)
+        return
+    rows = [[("ok" if f.ok and not f.warning else "WARN" if f.warning else "FAIL"), f.name, f.detail] for f in report.findings]
+    console.grid(f"aura_hpc check: node {report.node_rank}/{report.nnodes}, {report.elapsed_s:.1f}s", ["", "check", "result"], rows)
+    for f in report.findings:
+        if not f.ok and not f.warning:
+            console.error(f.line())
+        elif f.warning and f.fix:
+            console.warn(f.line())
+
+
+def run_and_show(output_dir: str | None, cluster: ClusterArgs | None, as_json: bool = False) -> int:
+    """`check` as a command: run everything, print the report, exit status 1 on any failure."""
+    timeout = cluster.timeout if cluster is not None else 0.0
+    report = run(output_dir, cluster, lambda r, stage: show(r, as_json, timeout, stage))
+    show(report, as_json, timeout)
+    return 0 if report.ok else 1

@@ -1,0 +1,365 @@
+"""`check` across machines: reachability of the master, a rendezvous that catches duplicate node
+ranks, an all_reduce every rank verifies, bus bandwidth, clock skew, addresses and a shared directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aura_hpc.ops.check_report import Failed, Report
+from aura_hpc.ops.network import route_to
+
+
+@dataclass
+class ClusterArgs:
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    backend: str = "auto"
+    shared_dir: str | None = None
+    timeout: float = 10.0
+    sizes_mb: tuple[float, ...] = (1.0, 8.0, 32.0)
+    ifname: str | None = None
+    deadline: float = 0.0  # monotonic; set when the check starts
+
+
+def reach_master(report: Report, a: ClusterArgs, deadline: float) -> None:
+    """TCP connect to master:port, retried until the deadline; the error kind says what is wrong."""
+    last: OSError | None = None
+    while True:
+        try:
+            with socket.create_connection((a.master_addr, a.master_port), timeout=max(0.2, min(2.0, deadline - time.monotonic()))):
+                report.add("reach master", True, f"{a.master_addr}:{a.master_port} answers")
+                return
+        except socket.gaierror:
+            report.add(
+                "reach master", False, f"{a.master_addr!r} does not resolve", "use node 0's IP address, e.g. --master-addr 192.168.1.10"
+            )
+            raise Failed from None
+        except OSError as exc:
+            if last is None:
+                # Plain line on stderr (stdout may be --json): says why nothing happens yet.
+                print(
+                    f"node {a.node_rank}: waiting for the master at {a.master_addr}:{a.master_port} ({exc.strerror or exc}) ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            last = exc
+        if time.monotonic() >= deadline - 0.3:
+            break
+        time.sleep(0.2)
+    report.add("reach master", False, *_explain_connect(a, last))
+    raise Failed
+
+
+def _explain_connect(a: ClusterArgs, exc: OSError | None) -> tuple[str, str]:
+    where = f"{a.master_addr}:{a.master_port}"
+    loop = a.master_addr.startswith("127.") or a.master_addr == "localhost"
+    hint = "; --master-addr is a loopback address: only node 0 itself can use it" if loop and a.nnodes > 1 else ""
+    code = getattr(exc, "errno", None)
+    if code == errno.ECONNREFUSED:
+        return (
+            f"connection refused at {where}: nothing listens there, or a firewall rejects it{hint}",
+            f"start `check --node-rank 0` on the master first with the same --master-port, and open TCP port {a.master_port} "
+            f"on it (ufw allow {a.master_port}/tcp; Windows/WSL2: a firewall rule plus mirrored networking or a portproxy)",
+        )
+    if code in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return (
+            f"no route to {a.master_addr}{hint}",
+            "check --master-addr (node 0's IP on the network both machines share: `ip -4 addr` there) and that both are on that network",
+        )
+    return (
+        f"no answer from {where} within the timeout (packets dropped){hint}",
+        f"check that {a.master_addr} is node 0's IP, and that its firewall lets TCP port {a.master_port} in; "
+        "under WSL2's NAT the Windows host must forward the port (or use mirrored networking)",
+    )
+
+
+def _node_info(a: ClusterArgs) -> dict[str, Any]:
+    ip, iface = route_to(a.master_addr)
+    host = socket.gethostname()
+    try:
+        host_ip = socket.gethostbyname(host)
+    except OSError:
+        host_ip = None
+    return {
+        "node_rank": a.node_rank,
+        "hostname": host,
+        "hostname_ip": host_ip,
+        "ip": ip,
+        "interface": a.ifname or iface,
+        "uid": os.getuid() if hasattr(os, "getuid") else None,
+        "gid": os.getgid() if hasattr(os, "getgid") else None,
+        "user": os.environ.get("USER") or os.environ.get("USERNAME") or "",
+        "pid": os.getpid(),
+    }
+
+
+def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    deadline = a.deadline or time.monotonic() + a.timeout
+    report.node_rank, report.nnodes = a.node_rank, a.nnodes
+    if a.node_rank > 0:
+        stage[0] = "reaching the master"
+        reach_master(report, a, deadline)
+    stage[0] = "rendezvous"
+    left = timedelta_s(max(1.0, deadline - time.monotonic()))
+    try:
+        tcp = dist.TCPStore(a.master_addr, a.master_port, a.nnodes, is_master=a.node_rank == 0, timeout=left, wait_for_workers=False)
+    except Exception as exc:
+        if a.node_rank == 0:
+            report.add(
+                "rendezvous",
+                False,
+                f"cannot listen on {a.master_addr}:{a.master_port} ({str(exc).splitlines()[0][:120]})",
+                f"--master-addr must be one of this machine's addresses, port {a.master_port} free (try --master-port {a.master_port + 1})",
+            )
+        else:
+            report.add("rendezvous", False, f"the master's store did not answer ({str(exc).splitlines()[0][:120]})", "start node 0 first")
+        raise Failed from None
+    store = dist.PrefixStore("aura-check", tcp)
+    joined = store.add(f"node{a.node_rank}", 1)
+    if joined > 1:
+        report.add(
+            "node rank",
+            False,
+            f"another machine already joined as --node-rank {a.node_rank}",
+            f"give every machine its own --node-rank 0..{a.nnodes - 1} (0 only on the master)",
+        )
+        raise Failed
+    info = _node_info(a)
+    store.set(f"info{a.node_rank}", json.dumps(info))
+    missing = []
+    for r in range(a.nnodes):
+        try:
+            store.wait([f"info{r}"], timedelta_s(max(0.5, deadline - time.monotonic() - 1.0)))
+        except Exception:
+            missing.append(r)
+    if missing:
+        report.add(
+            "rendezvous",
+            False,
+            f"node rank(s) {', '.join(map(str, missing))} never joined (of --nnodes {a.nnodes})",
+            f"run check on every machine with the same --nnodes/--master-addr/--master-port and --node-rank 0..{a.nnodes - 1}",
+        )
+        raise Failed
+    nodes = [json.loads(store.get(f"info{r}")) for r in range(a.nnodes)]
+    report.nodes = nodes
+    report.add("rendezvous", True, f"{a.nnodes} nodes joined: " + ", ".join(f"{n['node_rank']}={n['hostname']}/{n['ip']}" for n in nodes))
+    _address_findings(report, a, nodes)
+
+    stage[0] = f"process group ({a.backend})"
+    backend = a.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    iface = info["interface"]
+    if iface and a.nnodes > 1:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    try:
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("pg", tcp),
+            rank=a.node_rank,
+            world_size=a.nnodes,
+            timeout=timedelta_s(max(2.0, deadline - time.monotonic())),
+            device_id=device if backend == "nccl" else None,
+        )
+    except Exception as exc:
+        report.add(
+            "process group",
+            False,
+            f"{backend} could not connect the nodes: {str(exc).splitlines()[0][:160]}",
+            f"set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME to the interface on the shared network (here: {iface}); "
+            "open the firewall for the nodes' other ports (gloo/NCCL use random ports)",
+        )
+        raise Failed from None
+    try:
+        stage[0] = "all_reduce"
+        _all_reduce_checks(report, a, device)
+        stage[0] = "clock skew"
+        _clock_skew(report, a)
+        stage[0] = "bandwidth"
+        _bandwidth(report, a, device)
+        if a.shared_dir:
+            stage[0] = "shared directory"
+            _shared_dir(report, a, store, nodes)
+        stage[0] = "finishing"
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def timedelta_s(seconds: float) -> Any:
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+def _address_findings(report: Report, a: ClusterArgs, nodes: list[dict[str, Any]]) -> None:
+    hosts = {n["hostname"] for n in nodes}
+    same_host = len(hosts) == 1
+    for n in nodes:
+        hip = n.get("hostname_ip") or ""
+        if a.nnodes > 1 and not same_host and hip.startswith("127."):
+            report.add(
+                f"node {n['node_rank']} hostname",
+                True,
+                f"{n['hostname']} resolves to {hip} (a loopback address, as Debian/Ubuntu /etc/hosts do)",
+                f"peers would be sent to loopback by tools using the hostname: set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME={n['interface']}",
+                warning=True,
+            )
+        if a.nnodes > 1 and not same_host and (n.get("ip") or "").startswith("127."):
+            report.add(
+                f"node {n['node_rank']} address",
+                False,
+                f"reaches the master through loopback ({n['ip']}), so other machines cannot reach it",
+                "use node 0's LAN IP as --master-addr on every machine",
+            )
+    ifaces = {n["node_rank"]: n.get("interface") for n in nodes}
+    report.add("interfaces", True, ", ".join(f"node {r}: {i or '?'}" for r, i in ifaces.items()))
+
+
+def _all_reduce_checks(report: Report, a: ClusterArgs, device: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    n = a.nnodes
+    t = torch.full((4096,), float(a.node_rank + 1), device=device)
+    dist.all_reduce(t)
+    expected = n * (n + 1) / 2
+    mine_ok = bool(torch.all(t == expected).item())
+    bad = torch.tensor([0.0 if mine_ok else 1.0], device=device)
+    dist.all_reduce(bad)
+    wrong = int(bad.item())
+    report.add(
+        "all_reduce",
+        wrong == 0,
+        f"sum over {n} ranks = {expected:g} verified on every rank"
+        if wrong == 0
+        else f"{wrong} rank(s) got a wrong sum (this one: {t[0].item():g})",
+        "" if wrong == 0 else "a broken NIC/driver or mixed torch/NCCL versions: run the same software on every node",
+    )
+
+
+def _clock_skew(report: Report, a: ClusterArgs) -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+    t = time.time()
+    times: list[Any] = [None] * a.nnodes
+    dist.all_gather_object(times, t)
+    skew = max(times) - min(times)
+    report.add(
+        "clock skew",
+        skew < 1.0,
+        f"{skew * 1000:.0f} ms between the nodes' clocks (after a barrier)",
+        ""
+        if skew < 1.0
+        else "enable time sync on every node (timedatectl set-ntp true / chrony); logs and checkpoint times will disagree otherwise",
+        warning=skew >= 1.0,
+    )
+
+
+def _bandwidth(report: Report, a: ClusterArgs, device: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    n = a.nnodes
+    for mb in a.sizes_mb:
+        numel = int(mb * 2**20 / 4)
+        t = torch.ones(numel, dtype=torch.float32, device=device)
+        dist.all_reduce(t)  # warm-up: connections and buffers
+        iters = 3
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(t)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        secs = (time.perf_counter() - t0) / iters
+        size = numel * 4
+        algbw = size / secs / 1e9
+        busbw = algbw * 2 * (n - 1) / n if n > 1 else algbw  # nccl-tests' bus bandwidth for all_reduce
+        report.bandwidth.append(
+            {"size_mb": mb, "time_ms": round(secs * 1000, 3), "algbw_gbps": round(algbw, 3), "busbw_gbps": round(busbw, 3)}
+        )
+    best = max(b["busbw_gbps"] for b in report.bandwidth)
+    sizes = ", ".join(f"{b['size_mb']:g} MB: {b['busbw_gbps']:.2f}" for b in report.bandwidth)
+    report.add("bandwidth", True, f"all_reduce bus bandwidth up to {best:.2f} GB/s ({sizes})")
+
+
+def _shared_dir(report: Report, a: ClusterArgs, store: Any, nodes: list[dict[str, Any]]) -> None:
+    import torch.distributed as dist
+
+    root = Path(a.shared_dir or ".").expanduser()
+    token = store.get("shared-token").decode() if a.node_rank else uuid.uuid4().hex
+    if a.node_rank == 0:
+        store.set("shared-token", token)
+    where = root / ".aura-check" / token
+    error = ""
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        (where / f"node{a.node_rank}").write_text(json.dumps({"node_rank": a.node_rank, "uid": os.getuid(), "token": token}))
+    except OSError as exc:
+        error = f"cannot write in {root} ({exc.strerror})"
+    dist.barrier()
+    seen, foreign_owner = [], []
+    if not error:
+        for n in nodes:
+            f = where / f"node{n['node_rank']}"
+            if f.exists():
+                seen.append(n["node_rank"])
+                st = f.stat()
+                if n["uid"] is not None and st.st_uid != n["uid"]:
+                    foreign_owner.append(f"node {n['node_rank']}'s file is owned by uid {st.st_uid}, not {n['uid']}")
+    results: list[Any] = [None] * a.nnodes
+    dist.all_gather_object(results, {"error": error, "seen": seen, "owners": foreign_owner})
+    dist.barrier()
+    if a.node_rank == 0:
+        shutil.rmtree(where, ignore_errors=True)
+    problems = []
+    for r, res in enumerate(results):
+        if res["error"]:
+            problems.append(f"node {r}: {res['error']}")
+        elif sorted(res["seen"]) != list(range(a.nnodes)):
+            unseen = sorted(set(range(a.nnodes)) - set(res["seen"]))
+            problems.append(f"node {r} does not see the files of node(s) {', '.join(map(str, unseen))}")
+    if problems:
+        report.add(
+            "shared dir",
+            False,
+            f"{root} is not one shared directory: " + "; ".join(problems),
+            "mount the same NFS export at this path on every node (see nfs_setup/) and pass that path",
+        )
+        return
+    uids = {n["uid"] for n in nodes}
+    owners = [o for res in results for o in res["owners"]]
+    if len(uids) > 1 or owners:
+        detail = f"users differ: uid {sorted(uids)}" if len(uids) > 1 else "; ".join(owners[:2])
+        report.add(
+            "shared dir",
+            False,
+            f"{root} is shared but {detail}",
+            "use the same UID/GID for the training user on every node (NFS matches numbers, not names); root_squash maps root to nobody",
+        )
+        return
+    report.add(
+        "shared dir", True, f"{root} is the same directory on all {a.nnodes} nodes, same uid/gid {nodes[0]['uid']}/{nodes[0]['gid']}"
+    )

@@ -1,0 +1,182 @@
+"""GPU readings through NVML (nvidia-ml-py), a replay reader for tests, and the fault rules
+of the circuit breaker (uncorrectable ECC, temperature near slowdown/shutdown, hardware
+throttling, the driver's recovery action)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from aura_hpc.config import THROTTLE_REASONS
+
+# NVML clocks-event (throttle) reason bits, named as in nvml.h.
+THROTTLE_BITS = {
+    "sw_power_cap": 0x4,
+    "hw_slowdown": 0x8,
+    "sw_thermal": 0x20,
+    "hw_thermal": 0x40,
+    "hw_power_brake": 0x80,
+}
+# The config accepts these names without importing this module (it sits below ops).
+assert set(THROTTLE_BITS) == set(THROTTLE_REASONS), "aura_hpc.config.THROTTLE_REASONS and THROTTLE_BITS disagree"
+RECOVERY_ACTIONS = {0: "none", 1: "reset the GPU", 2: "reboot the node", 3: "drain peer connections", 4: "drain and reset"}
+
+
+class GpuReader(Protocol):
+    def read(self) -> list[dict[str, Any]]: ...
+
+
+class NoGpus:
+    def read(self) -> list[dict[str, Any]]:
+        return []
+
+
+class NvmlReader:
+    """Real readings; fields a GPU or driver does not support are left out, not faked."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self.nv = pynvml
+        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+
+    def read(self) -> list[dict[str, Any]]:
+        nv = self.nv
+        out = []
+        for i, h in enumerate(self.handles):
+            g: dict[str, Any] = {"index": i}
+            calls = {
+                "name": lambda h=h: _text(nv.nvmlDeviceGetName(h)),
+                "util_pct": lambda h=h: nv.nvmlDeviceGetUtilizationRates(h).gpu,
+                "mem_used_mb": lambda h=h: nv.nvmlDeviceGetMemoryInfo(h).used / 2**20,
+                "mem_total_mb": lambda h=h: nv.nvmlDeviceGetMemoryInfo(h).total / 2**20,
+                "temp_c": lambda h=h: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
+                "temp_slowdown_c": lambda h=h: nv.nvmlDeviceGetTemperatureThreshold(h, nv.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
+                "temp_shutdown_c": lambda h=h: nv.nvmlDeviceGetTemperatureThreshold(h, nv.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
+                "power_w": lambda h=h: nv.nvmlDeviceGetPowerUsage(h) / 1000,
+                "power_limit_w": lambda h=h: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000,
+                "sm_clock_mhz": lambda h=h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+                "mem_clock_mhz": lambda h=h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM),
+                "throttle_reasons": lambda h=h: nv.nvmlDeviceGetCurrentClocksThrottleReasons(h),
+                "ecc_uncorrected_volatile": lambda h=h: nv.nvmlDeviceGetTotalEccErrors(
+                    h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC
+                ),
+                "recovery_action": lambda h=h: _field(nv, h, nv.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION),
+            }
+            for key, call in calls.items():
+                try:
+                    value = call()
+                except Exception:  # not supported on this GPU/driver: leave the field out
+                    continue
+                if value is not None:
+                    g[key] = round(value, 1) if isinstance(value, float) else value
+            out.append(g)
+        return out
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _field(nv: Any, handle: Any, field_id: int) -> int | None:
+    values = nv.nvmlDeviceGetFieldValues(handle, [field_id])
+    v = values[0]
+    if getattr(v, "nvmlReturn", 0) != 0:
+        return None
+    return int(v.value.uiVal)
+
+
+class ReplayReader:
+    """Replays recorded readings (JSON lines, one list of GPUs per line); the last one repeats.
+
+    How the breaker is tested without a GPU, and how a recorded incident can be replayed.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.samples = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+        self._it: Iterator[list[dict[str, Any]]] = iter(self.samples)
+        self._last: list[dict[str, Any]] = []
+
+    def read(self) -> list[dict[str, Any]]:
+        self._last = next(self._it, self._last)
+        return self._last
+
+
+def open_reader(replay: str = "") -> GpuReader:
+    if replay:
+        return ReplayReader(replay)
+    try:
+        return NvmlReader()
+    except Exception:  # no NVIDIA driver/library: no GPU columns, no breaker
+        return NoGpus()
+
+
+@dataclass
+class Thresholds:
+    temp_margin_c: float = 3.0  # trip this close to the slowdown threshold (or shutdown if no slowdown)
+    throttle_reasons: tuple[str, ...] = ("hw_slowdown", "hw_thermal", "sw_thermal", "hw_power_brake")
+    throttle_samples: int = 3  # consecutive samples throttled before tripping (a blip is not a fault)
+
+
+@dataclass
+class Fault:
+    gpu_index: int
+    reason: str
+    readings: dict[str, Any]
+
+    def describe(self) -> str:
+        return f"GPU {self.gpu_index}: {self.reason}"
+
+
+class HealthRules:
+    """Turns successive readings into at most one fault per call."""
+
+    def __init__(self, thresholds: Thresholds) -> None:
+        self.t = thresholds
+        self.ecc_base: dict[int, int] = {}
+        self.throttled: dict[int, int] = {}
+
+    def evaluate(self, gpus: list[dict[str, Any]]) -> Fault | None:
+        for g in gpus:
+            i = int(g.get("index", 0))
+            ecc = g.get("ecc_uncorrected_volatile")
+            if ecc is not None:
+                base = self.ecc_base.setdefault(i, int(ecc))
+                if int(ecc) > base:
+                    return Fault(i, f"{int(ecc) - base} new uncorrectable ECC error(s) (volatile counter {ecc})", g)
+            action = g.get("recovery_action")
+            if action:
+                return Fault(i, f"the driver asks to {RECOVERY_ACTIONS.get(int(action), f'recover (action {action})')}", g)
+            temp, limit = g.get("temp_c"), g.get("temp_slowdown_c") or g.get("temp_shutdown_c")
+            if temp is not None and limit and temp >= limit - self.t.temp_margin_c:
+                return Fault(i, f"temperature {temp} C within {self.t.temp_margin_c:g} C of the {limit} C slowdown threshold", g)
+            reasons = int(g.get("throttle_reasons") or 0)
+            active = [name for name in self.t.throttle_reasons if reasons & THROTTLE_BITS.get(name, 0)]
+            if active:
+                self.throttled[i] = self.throttled.get(i, 0) + 1
+                if self.throttled[i] >= self.t.throttle_samples:
+                    return Fault(i, f"clocks throttled ({', '.join(active)}) for {self.throttled[i]} samples in a row", g)
+            else:
+                self.throttled[i] = 0
+        return None
+
+
+CUDA_FAULT_MARKERS = (
+    "uncorrectable ecc",
+    "an illegal memory access",
+    "unspecified launch failure",
+    "xid",
+    "cuda error: unknown error",
+    "gpu has fallen off the bus",
+    "cudaerrorlaunchfailure",
+)
+
+
+def is_gpu_error(exc: BaseException) -> bool:
+    """A CUDA/driver error raised in the training loop that means the GPU (not the code) is broken."""
+    text = str(exc).lower()
+    return "cuda" in text and any(m in text for m in CUDA_FAULT_MARKERS)

@@ -1,0 +1,112 @@
+"""Resource samples (psutil for CPU/RAM/disk/network, NVML for GPUs) and the background sampler
+the trainer runs on one rank per node; it also feeds the GPU circuit breaker."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aura_hpc.ops.gpu_health import Fault, GpuReader, HealthRules
+
+log = logging.getLogger("aura_hpc")
+
+
+class Sampler:
+    def __init__(self, reader: GpuReader, disk_path: str | Path = ".") -> None:
+        import psutil
+
+        self.psutil = psutil
+        self.reader = reader
+        self.disk_path = str(disk_path)
+        self._net = psutil.net_io_counters()
+        self._t = time.monotonic()
+        psutil.cpu_percent(None)  # the first call only starts the measurement
+
+    def sample(self) -> dict[str, Any]:
+        ps = self.psutil
+        now = time.monotonic()
+        net = ps.net_io_counters()
+        dt = max(1e-6, now - self._t)
+        mem = ps.virtual_memory()
+        try:
+            disk = ps.disk_usage(self.disk_path)
+            disk_free_gb, disk_used_pct = round(disk.free / 2**30, 2), disk.percent
+        except OSError:
+            disk_free_gb, disk_used_pct = None, None
+        row: dict[str, Any] = {
+            "time": round(time.time(), 3),
+            "host": socket.gethostname(),
+            "cpu_pct": ps.cpu_percent(None),
+            "ram_used_gb": round(mem.used / 2**30, 2),
+            "ram_pct": mem.percent,
+            "disk_free_gb": disk_free_gb,
+            "disk_used_pct": disk_used_pct,
+            "net_rx_mbps": round((net.bytes_recv - self._net.bytes_recv) * 8 / dt / 1e6, 2),
+            "net_tx_mbps": round((net.bytes_sent - self._net.bytes_sent) * 8 / dt / 1e6, 2),
+        }
+        self._net, self._t = net, now
+        gpus = self.reader.read()
+        if gpus:
+            row["gpus"] = gpus
+        return row
+
+
+class BackgroundMonitor:
+    """Samples every `interval_s` in a daemon thread: JSON lines to a file, and the breaker rules.
+
+    The training loop only reads `self.fault` (set once); it never waits on this thread.
+    """
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        interval_s: float,
+        out_path: Path | None,
+        rules: HealthRules | None,
+        on_sample: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.sampler = sampler
+        self.interval_s = interval_s
+        self.out_path = out_path
+        self.rules = rules
+        self.on_sample = on_sample
+        self.fault: Fault | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="aura-monitor", daemon=True)
+
+    def start(self) -> BackgroundMonitor:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        f = None
+        if self.out_path is not None:
+            self.out_path.parent.mkdir(parents=True, exist_ok=True)
+            f = self.out_path.open("a", encoding="utf-8")
+        try:
+            while not self._stop.wait(self.interval_s):
+                try:
+                    row = self.sampler.sample()
+                except Exception as exc:  # a sampling hiccup must never stop training
+                    log.warning("resource sample failed: %s", exc)
+                    continue
+                if f is not None:
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                if self.on_sample is not None:
+                    self.on_sample(row)
+                if self.rules is not None and self.fault is None:
+                    self.fault = self.rules.evaluate(row.get("gpus", []))
+        finally:
+            if f is not None:
+                f.close()

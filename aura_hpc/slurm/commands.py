@@ -1,0 +1,131 @@
+"""`status`, `logs`, `cancel` and `history`: following submitted jobs over squeue/sacct."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from aura_hpc.errors import LaunchError
+from aura_hpc.slurm import index as job_index
+from aura_hpc.slurm import query as slurm_query
+from aura_hpc.slurm.submit import print_new_lines, rank_log
+
+
+def latest_metrics(run_dir: Path | None) -> dict[str, Any]:
+    """The newest training row of a run's metrics.jsonl (read from the end: files grow long)."""
+    if run_dir is None:
+        return {}
+    path = run_dir / "metrics.jsonl"
+    try:
+        with path.open("rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - 65536))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except FileNotFoundError:
+        return {}
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and "step" in row and "loss" in row:
+            return row
+    return {}
+
+
+def _row_dict(row: slurm_query.JobRow, run_dir: Path | None) -> dict[str, Any]:
+    d: dict[str, Any] = row.to_dict()
+    if not row.active:
+        d["time_left"] = ""
+    m = latest_metrics(run_dir)
+    d["run_dir"] = str(run_dir) if run_dir else None
+    d["step"] = m.get("step")
+    d["loss"] = m.get("loss")
+    d["tokens_per_s"] = m.get("tokens_per_s")
+    return d
+
+
+def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], list[str]]:
+    """Rows for the table/--json and notes to show under it."""
+    notes: list[str] = []
+    if target:
+        job_id, run_dir, _ = job_index.resolve(target)
+        row = slurm_query.squeue_job(job_id)
+        if row is None:
+            if not slurm_query.accounting_enabled():
+                notes.append("job accounting is disabled on this cluster: finished jobs are known only from their run directory")
+                summary = _summary(run_dir)
+                if summary is None:
+                    raise LaunchError(f"job {job_id} is not in the queue and this cluster keeps no accounting (fix: check the id)")
+                state = "COMPLETED" if summary.get("finished") else "UNKNOWN"
+                row = slurm_query.JobRow(job_id, "", state, "", "", source="run directory")
+            else:
+                rows = [r for r in slurm_query.sacct([job_id]) if r.job_id == job_id]
+                if not rows:
+                    raise LaunchError(f"job {job_id} is unknown to squeue and sacct (fix: check the id with `python -m aura_hpc history`)")
+                row = rows[-1]
+        return [_row_dict(row, run_dir)], notes
+    rows = slurm_query.squeue()
+    if not all_jobs:
+        rows = [r for r in rows if r.comment == "aura_hpc" or job_index.run_dir_of(r.job_id) is not None]
+    if not rows:
+        notes.append("no aura_hpc jobs in the queue" + ("" if all_jobs else " (--all shows your other jobs; `history` the finished ones)"))
+    return [_row_dict(r, job_index.run_dir_of(r.job_id)) for r in rows], notes
+
+
+def _summary(run_dir: Path | None) -> dict[str, Any] | None:
+    if run_dir is None or not (run_dir / "summary.json").exists():
+        return None
+    data: dict[str, Any] = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    return data
+
+
+def log_file(target: str, rank: int, stderr: bool) -> tuple[str, Path]:
+    job_id, _, info = job_index.resolve(target)
+    if info is None:
+        raise LaunchError(f"no run directory is known for job {job_id} (fix: pass its RUN_DIR, or submit it with `submit`)")
+    world = int(info.get("world_size", 1))
+    if not 0 <= rank < world:
+        raise LaunchError(f"--rank {rank} is not a rank of job {job_id}, which has {world} (fix: --rank 0..{world - 1})")
+    return job_id, rank_log(Path(info["log_dir"]), job_id, rank, stderr)
+
+
+def follow(job_id: str, path: Path, printer: Any, poll_s: float = 0.5) -> None:
+    """Print the log as it grows; return once the job has ended and the last lines are out."""
+    offset = 0
+    while True:
+        row = slurm_query.squeue_job(job_id)
+        ended = row is None or not row.active
+        offset = print_new_lines(path, offset, printer)
+        if ended:
+            print_new_lines(path, offset, printer)
+            return
+        time.sleep(poll_s)
+
+
+def cancel(target: str) -> str:
+    job_id, _, _ = job_index.resolve(target)
+    row = slurm_query.squeue_job(job_id)
+    if row is None:
+        raise LaunchError(f"job {job_id} is not in the queue (fix: `python -m aura_hpc status --all` lists the jobs you can cancel)")
+    if not row.active:
+        raise LaunchError(f"job {job_id} has already ended ({row.state}); nothing to cancel")
+    slurm_query.scancel(job_id)
+    return job_id
+
+
+def history(since: str) -> list[dict[str, Any]]:
+    if not slurm_query.accounting_enabled():
+        raise LaunchError(
+            "job accounting is disabled on this cluster, so there is no history (fix: `status` shows queued and running jobs)"
+        )
+    out = []
+    for r in slurm_query.sacct(since=since):
+        run_dir = job_index.run_dir_of(r.job_id)
+        d = r.to_dict()
+        d["run_dir"] = str(run_dir) if run_dir else None
+        out.append(d)
+    return out

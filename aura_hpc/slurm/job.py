@@ -1,0 +1,109 @@
+"""What every Slurm task runs: the same trainer entry point as `local`, plus requeue.
+
+Task layout: one task per GPU (one per node for a CPU job), started by `srun` in the batch
+script that submitit generates. Slurm itself then starts, signals, accounts and kills every
+rank, so a pre-timeout signal reaches all ranks at once and no second launcher (torchrun)
+sits between Slurm and the trainer. Ranks come from SLURM_PROCID/SLURM_LOCALID through
+aura_hpc.train.dist_env, exactly as under `local` they come from torchrun's variables.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+from aura_hpc.errors import EXIT_RESUMABLE
+
+log = logging.getLogger("aura_hpc")
+
+PORT_BASE = 11000  # below Linux's ephemeral range (32768+), so a client socket never holds it
+PORT_SPAN = 20000
+
+
+def rendezvous_port(job_id: int, restart_count: int) -> int:
+    """A port derived from the job id; a new one for each requeue so no old socket is in the way."""
+    return PORT_BASE + (job_id + 1009 * restart_count) % PORT_SPAN
+
+
+def first_node(nodelist: str) -> str:
+    """The allocation's first hostname: the rendezvous host (never localhost, never the submit host)."""
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True).stdout
+    return out.split()[0]
+
+
+class TrainJob:
+    """The picklable callable submitit runs on every task."""
+
+    def __init__(self, config_path: str, requeue_signal: str = "USR2", max_requeues: int = 10) -> None:
+        self.config_path = config_path
+        self.requeue_signal = requeue_signal
+        self.max_requeues = max_requeues
+
+    def __call__(self) -> int:
+        e = os.environ
+        job_id = int(e["SLURM_JOB_ID"])
+        restarts = int(e.get("SLURM_RESTART_COUNT", "0"))
+        os.environ["MASTER_ADDR"] = first_node(e["SLURM_JOB_NODELIST"])
+        os.environ["MASTER_PORT"] = str(rendezvous_port(job_id, restarts))
+        from aura_hpc.train import stop, worker
+
+        status = worker.main([self.config_path])
+        rank = int(e.get("SLURM_PROCID", "0"))
+        if status == EXIT_RESUMABLE:
+            if rank != 0:
+                # Rank 0 carries the job's outcome; exiting 0 here keeps srun --kill-on-bad-exit
+                # from killing rank 0 before it has requeued the job.
+                return 0
+            if stop.last_signal == f"SIG{self.requeue_signal}":
+                self._requeue(job_id, restarts)
+        if status != 0:
+            # SystemExit (not an exception) so the job's exit code is the trainer's own status.
+            raise SystemExit(status)
+        return 0
+
+    def _requeue(self, job_id: int, restarts: int) -> None:
+        def say(msg: str) -> None:
+            print(f"[rank0] {msg}", flush=True)
+
+        if restarts >= self.max_requeues:
+            say(
+                f"not requeued: this job was already requeued {restarts} times (slurm.max_requeues={self.max_requeues}) "
+                "(fix: submit the same command again to resume from the checkpoint, or raise slurm.max_requeues)"
+            )
+            return
+        done = subprocess.run(["scontrol", "requeue", str(job_id)], capture_output=True, text=True)
+        if done.returncode == 0:
+            say(f"requeued job {job_id} (requeue {restarts + 1} of at most {self.max_requeues}); it resumes from the checkpoint")
+            sys.stdout.flush()
+        else:
+            say(f"scontrol requeue {job_id} failed: {done.stderr.strip()} (fix: resubmit the same command to resume)")
+
+
+class CheckJob:
+    """`submit --check`: `python -m aura_hpc check` on every node of the allocation (one task per node)."""
+
+    def __init__(self, backend: str, shared_dir: str, timeout: float = 60.0) -> None:
+        self.backend = backend
+        self.shared_dir = shared_dir
+        self.timeout = timeout
+
+    def __call__(self) -> int:
+        e = os.environ
+        job_id, restarts = int(e["SLURM_JOB_ID"]), int(e.get("SLURM_RESTART_COUNT", "0"))
+        from aura_hpc.ops import check
+
+        cluster = check.cluster_args(
+            int(e.get("SLURM_NNODES", "1")),
+            int(e.get("SLURM_NODEID", "0")),
+            first_node(e["SLURM_JOB_NODELIST"]),
+            rendezvous_port(job_id, restarts),
+            backend=self.backend,
+            shared_dir=self.shared_dir,
+            timeout=self.timeout,
+        )
+        status = check.run_and_show(self.shared_dir, cluster)
+        if status != 0:
+            raise SystemExit(status)
+        return 0

@@ -1,0 +1,298 @@
+"""`submit`, step 1: the job description, built and checked without side effects.
+
+The plan holds everything `--dry-run` prints and `submit` hands to submitit: the resolved
+config of each run, the Slurm values with where each came from (CLI > config > cluster
+profile > defaults), the setup lines and the exact sbatch script.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aura_hpc.config import RunConfig, SlurmConfig, coerce, load_config, slurm_minutes, validate_slurm
+from aura_hpc.errors import ConfigError
+from aura_hpc.slurm import profiles
+
+# Filesystems every node of a cluster sees alike.
+NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "cephfs", "glusterfs", "panfs", "wekafs", "9p", "virtiofs"}
+NETWORK_FS_PREFIXES = ("fuse.", "nfs")
+
+
+@dataclass
+class RunPoint:
+    """One run directory (a sweep has one per point)."""
+
+    cfg: RunConfig
+    label: str = ""  # e.g. "train.lr=3e-4" for a sweep point
+
+    @property
+    def config_path(self) -> Path:
+        return self.cfg.run_dir / "config.yaml"
+
+
+@dataclass
+class SubmitPlan:
+    points: list[RunPoint]
+    profile: profiles.Profile
+    slurm: SlurmConfig
+    sources: dict[str, str]  # slurm.* key or output_dir -> cli | config | profile | default
+    params: dict[str, Any]  # submitit SlurmExecutor parameters
+    folder: Path  # submitit's folder: the batch script, pickles and per-task logs
+    script: str  # the exact sbatch script
+    env: dict[str, str] = field(default_factory=dict)  # variables the script exports for aura_hpc
+    warnings: list[str] = field(default_factory=list)
+    prepare_builtin: Path | None = None  # the built-in corpus is prepared here before submitting
+    check: bool = False  # `submit --check`: run `check` on every node instead of training
+
+    @property
+    def tasks_per_node(self) -> int:
+        return 1 if self.check else max(1, self.slurm.gpus_per_node)
+
+    @property
+    def world_size(self) -> int:
+        return self.slurm.nodes * self.tasks_per_node
+
+    @property
+    def is_array(self) -> bool:
+        return len(self.points) > 1
+
+
+def parse_sweeps(items: list[str]) -> list[list[str]]:
+    """`--sweep train.lr=1e-4,3e-4` (repeatable) -> the override lists of every point (a grid)."""
+    axes: list[list[str]] = []
+    for item in items:
+        key, sep, values = item.partition("=")
+        key = key.strip()
+        vals = [v.strip() for v in values.split(",") if v.strip()]
+        if not sep or "." not in key or not vals:
+            raise ConfigError(f"--sweep {item!r} is not KEY=V1,V2,... (fix: e.g. --sweep train.lr=1e-4,3e-4,1e-3)")
+        if key.startswith("slurm.") or key in ("run_name", "output_dir"):
+            raise ConfigError(f"--sweep {key}: the points of a sweep share one job array's resources (fix: sweep train/model/data keys)")
+        axes.append([f"{key}={v}" for v in vals])
+    return [list(p) for p in itertools.product(*axes)] if axes else [[]]
+
+
+def _point_name(overrides: list[str]) -> str:
+    parts = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        parts.append(f"{key.split('.')[-1]}{value}")
+    name = "-".join(parts)
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+def _filesystem_type(path: Path) -> str:
+    best, fstype = "", "unknown"
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return fstype
+    target = str(path)
+    for line in mounts:
+        parts = line.split()
+        if len(parts) >= 3:
+            mnt = parts[1].replace("\\040", " ")
+            if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, fstype = mnt, parts[2]
+    return fstype
+
+
+def is_network_fs(path: Path) -> bool:
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    fs = _filesystem_type(existing.resolve())
+    return fs in NETWORK_FS or fs.startswith(NETWORK_FS_PREFIXES)
+
+
+def _check_output_dir(out: str, nodes: int, warnings: list[str]) -> None:
+    if not os.path.isabs(out):
+        raise ConfigError(
+            f"output_dir {out!r} is not an absolute path: every node must find the same run directory "
+            "(fix: --output-dir /shared/path/runs, or #AURA output_dir=... in the cluster profile)"
+        )
+    p = Path(out)
+    existing = p
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"output_dir {out} is not writable by you (fix: --output-dir a shared folder you can write, e.g. /shared/$USER/runs)"
+        )
+    if nodes > 1 and not is_network_fs(p):
+        warnings.append(
+            f"output_dir {out} is on a local filesystem ({_filesystem_type(existing.resolve())}), not a network one: "
+            "with several nodes, every node must see the same checkpoints (use an NFS/Lustre/GPFS path)"
+        )
+
+
+def _slurm_cli_overrides(flags: dict[str, Any]) -> list[str]:
+    out = []
+    for key, value in flags.items():
+        if value is None or value is False:
+            continue
+        out.append(f"slurm.{key}={'true' if value is True else value}")
+    return out
+
+
+def resolve_slurm(cfg: RunConfig, given: dict[str, str], prof: profiles.Profile) -> tuple[SlurmConfig, dict[str, str]]:
+    """CLI > config > profile > defaults, with the source of each value."""
+    s = copy.deepcopy(cfg.slurm)
+    types = {f.name: f.type for f in dataclasses.fields(SlurmConfig)}
+    sources: dict[str, str] = {}
+    for name in types:
+        key = f"slurm.{name}"
+        if key in given:
+            sources[name] = given[key]
+        elif name in prof.values:
+            setattr(s, name, coerce(f"#SBATCH in {prof.path}: {name}", prof.values[name], types[name], False))
+            sources[name] = "profile"
+        else:
+            sources[name] = "default"
+    validate_slurm(s)
+    return s, sources
+
+
+def plan_submit(
+    config: str | None,
+    overrides: list[str],
+    output_dir: str | None,
+    run_name: str | None,
+    slurm_flags: dict[str, Any],
+    sweeps: list[str] | None = None,
+    after: str | None = None,
+    check: bool = False,
+) -> SubmitPlan:
+    """Everything `submit` will do, decided and checked up front; nothing is written or submitted."""
+    base_overrides = [*overrides, *_slurm_cli_overrides(slurm_flags)]
+    given: dict[str, str] = {}
+    cfg = load_config(config, base_overrides, output_dir, run_name, given)
+    prof = profiles.load(cfg.slurm.cluster)
+    slurm, sources = resolve_slurm(cfg, given, prof)
+    if "output_dir" in given:
+        sources["output_dir"] = given["output_dir"]
+    elif prof.output_dir:
+        cfg.output_dir = prof.output_dir
+        sources["output_dir"] = "profile"
+    else:
+        sources["output_dir"] = "default"
+    warnings: list[str] = []
+    _check_output_dir(cfg.output_dir, slurm.nodes, warnings)
+    max_gpus = prof.max_gpus_per_node
+    if max_gpus is not None and slurm.gpus_per_node > max_gpus:
+        raise ConfigError(
+            f"--gpus {slurm.gpus_per_node} is more than the {max_gpus} GPUs per node of cluster profile "
+            f"'{prof.name}' (fix: --gpus {max_gpus} and more --nodes)"
+        )
+    if slurm.gpus_per_node == 0 and cfg.dist.backend == "nccl":
+        raise ConfigError("dist.backend nccl needs GPUs and this is a CPU job (--gpus 0) (fix: --gpus 8, or --set dist.backend=gloo)")
+    if after is not None and not after.replace("_", "").isdigit():
+        raise ConfigError(f"--after {after!r} is not a job id (fix: --after 12345, the id `submit` printed)")
+
+    grid = parse_sweeps(sweeps or [])
+    points: list[RunPoint] = []
+    if check:
+        # `check` across the allocation: one task per node, results beside the runs.
+        if sweeps:
+            raise ConfigError("--check and --sweep do not go together (fix: drop one of them)")
+        points.append(RunPoint(cfg, "check"))
+        folder = Path(cfg.output_dir) / "checks" / cfg.run_name
+        run_dir_env = str(folder)
+    elif grid == [[]]:
+        points.append(RunPoint(cfg))
+        folder = cfg.run_dir / "slurm"
+        run_dir_env = str(cfg.run_dir)
+    else:
+        sweep_dir = Path(cfg.output_dir) / cfg.run_name
+        for extra in grid:
+            pcfg = load_config(config, [*base_overrides, *extra], str(sweep_dir), _point_name(extra))
+            pcfg.slurm = slurm
+            points.append(RunPoint(pcfg, ", ".join(extra)))
+        folder = sweep_dir / "slurm"
+        run_dir_env = str(sweep_dir)
+    for p in points:
+        if p.cfg.data.path:
+            p.cfg.data.path = str(Path(p.cfg.data.path).expanduser().resolve())
+
+    env = {"AURA_RUN_DIR": run_dir_env, "PYTHONUNBUFFERED": "1"}
+    setup = [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    if prof.setup:
+        setup += [f"# cluster profile: {prof.path}", *prof.setup]
+    if slurm.nccl_debug:
+        nccl = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_DEBUG_FILE": f"{run_dir_env}/nccl_debug/%h-%p.log"}
+        env.update(nccl)
+        setup += ["# --nccl-debug", f"mkdir -p {shlex.quote(run_dir_env + '/nccl_debug')}"]
+        setup += [f"export {k}={shlex.quote(v)}" for k, v in nccl.items()]
+
+    params: dict[str, Any] = {
+        "job_name": slurm.job_name or f"aura-{'check-' if check else ''}{cfg.run_name}",
+        "nodes": slurm.nodes,
+        "ntasks_per_node": 1 if check else max(1, slurm.gpus_per_node),
+        "time": slurm_minutes(slurm.time),
+        "signal_delay_s": slurm.signal_lead_s,
+        "comment": "aura_hpc",
+        "setup": setup,
+        # A rank that dies takes the others down at once instead of leaving them in a collective;
+        # the per-task logs are appended across requeues, not truncated.
+        "srun_args": ["--kill-on-bad-exit=1", "--open-mode=append"],
+        "additional_parameters": {**prof.extra_sbatch, "signal": f"{slurm.signal}@{slurm.signal_lead_s}", "requeue": True},
+    }
+    if slurm.gpus_per_node:
+        params["gpus_per_node"] = slurm.gpus_per_node
+    if slurm.cpus_per_task:
+        params["cpus_per_task"] = slurm.cpus_per_task
+    for key in ("mem", "partition", "account", "qos", "constraint"):
+        if getattr(slurm, key):
+            params[key] = getattr(slurm, key)
+    if slurm.exclusive:
+        params["exclusive"] = True
+    if after:
+        params["dependency"] = f"afterok:{after}"
+    if len(points) > 1:
+        params["array_parallelism"] = slurm.array_parallelism or len(points)
+
+    prepare_builtin = None
+    if not cfg.data.path and not check:
+        from aura_hpc.launch.run_setup import builtin_data_dir
+
+        prepare_builtin = builtin_data_dir(cfg)
+    script = sbatch_script(folder, params, len(points))
+    return SubmitPlan(points, prof, slurm, sources, params, folder, script, env, warnings, prepare_builtin, check)
+
+
+def submitit_command(folder: Path) -> str:
+    """The job's command line, as submitit's SlurmExecutor writes it."""
+    return " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+
+
+def sbatch_script(folder: Path, params: dict[str, Any], n_points: int) -> str:
+    """The script submitit will submit, produced by submitit's own generator."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    extra = {"map_count": n_points} if n_points > 1 else {}
+    return str(_make_sbatch_string(command=submitit_command(folder), folder=folder, **params, **extra))
+
+
+def describe(plan: SubmitPlan) -> list[tuple[str, str, str]]:
+    """(setting, value, source) rows for --dry-run."""
+    s = plan.slurm
+    rows = [("cluster profile", f"{plan.profile.name} ({plan.profile.path})", plan.sources.get("cluster", "default"))]
+    for f in dataclasses.fields(SlurmConfig):
+        if f.name == "cluster":
+            continue
+        value = getattr(s, f.name)
+        if f.name == "job_name":
+            value = plan.params["job_name"]
+        rows.append(
+            (f"slurm.{f.name}", str(value) if value not in ("", None) else "(Slurm's default)", plan.sources.get(f.name, "default"))
+        )
+    rows.append(("output_dir", plan.points[0].cfg.output_dir if not plan.is_array else str(plan.folder.parent), plan.sources["output_dir"]))
+    return rows

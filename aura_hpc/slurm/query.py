@@ -1,0 +1,217 @@
+"""Thin wrappers over the real Slurm commands (squeue, sacct, scancel) with one-line errors."""
+
+from __future__ import annotations
+
+import getpass
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from aura_hpc.errors import LaunchError
+
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "REVOKED",
+    "SPECIAL_EXIT",
+}
+SQUEUE_FIELDS = ("JobID", "Name", "State", "NumNodes", "TimeUsed", "TimeLeft", "Reason", "Comment", "SubmitTime", "UserName")
+
+
+@dataclass
+class JobRow:
+    job_id: str
+    name: str
+    state: str
+    nodes: str
+    elapsed: str
+    time_left: str = ""
+    reason: str = ""
+    comment: str = ""
+    submit: str = ""
+    exit_code: str = ""
+    source: str = "squeue"
+
+    @property
+    def active(self) -> bool:
+        return self.state not in FINAL_STATES
+
+    def to_dict(self) -> dict[str, str | bool]:
+        return {
+            "job_id": self.job_id,
+            "name": self.name,
+            "state": self.state,
+            "nodes": self.nodes,
+            "elapsed": self.elapsed,
+            "time_left": self.time_left,
+            "reason": self.reason,
+            "submit": self.submit,
+            "exit_code": self.exit_code,
+            "source": self.source,
+        }
+
+
+def require(command: str = "sbatch") -> None:
+    if shutil.which(command) is None:
+        raise LaunchError(
+            f"Slurm's {command} is not on PATH: this machine is not a Slurm login node "
+            "(fix: run on the cluster's login node, `module load slurm`, or use `python -m aura_hpc local`)"
+        )
+
+
+def _run(cmd: list[str], timeout: float = 30) -> str:
+    require(cmd[0])
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"{cmd[0]} did not answer within {timeout:.0f}s (fix: check that slurmctld is up: scontrol ping)") from None
+    if done.returncode != 0:
+        raise LaunchError(explain(cmd[0], done.stderr or done.stdout))
+    return done.stdout
+
+
+# Slurm's error texts (lower case) -> what the user should change; the first match wins.
+_FIXES: list[tuple[tuple[str, ...], str]] = [
+    (
+        ("unable to contact slurm controller", "connection refused", "connect failure"),
+        "slurmctld is not reachable: check `scontrol ping` and SLURM_CONF, or ask your admins",
+    ),
+    (("invalid partition",), "choose a partition that `sinfo -s` lists (--partition NAME)"),
+    (
+        ("invalid account", "association"),
+        "choose an account you belong to: `sacctmgr show assoc user=$USER format=account` (--account NAME)",
+    ),
+    (("time limit",), "ask for less time (--time) than the partition's limit shown by `sinfo -s`"),
+    (("qos",), "choose a QOS you may use (--qos NAME), see `sacctmgr show assoc user=$USER format=qos`"),
+    (("invalid job id",), "check the job id with `python -m aura_hpc status --all` (finished jobs: history)"),
+    (
+        ("node configuration is not available", "requested node config"),
+        "ask for fewer GPUs/CPUs/memory per node or fewer nodes than the partition has (`sinfo -N -l`)",
+    ),
+    (("accounting storage is disabled",), "this cluster keeps no job accounting; use `status` while jobs are queued or running"),
+]
+_DEFAULT_FIX = "see Slurm's message; `sinfo -s` and `scontrol show partition` show what the cluster offers"
+
+
+def explain(command: str, stderr: str) -> str:
+    """Slurm's own message plus what to change."""
+    msg = " ".join(line.strip() for line in stderr.strip().splitlines() if line.strip()) or f"{command} failed"
+    low = msg.lower()
+    fix = next((fix for needles, fix in _FIXES if any(n in low for n in needles)), _DEFAULT_FIX)
+    return f"{command}: {msg} (fix: {fix})"
+
+
+def squeue(job_ids: list[str] | None = None, all_users: bool = False, all_states: bool = False) -> list[JobRow]:
+    cmd = ["squeue", "-h", "-O", ",".join(f"{f}:|" for f in SQUEUE_FIELDS)]
+    if job_ids:
+        cmd += ["-j", ",".join(job_ids)]
+    elif not all_users:
+        cmd += ["-u", getpass.getuser()]
+    if all_states:
+        cmd += ["-t", "all"]
+    rows = []
+    for line in _run(cmd).splitlines():
+        parts = [p.strip() for p in line.split("|")]
+        if len(parts) < len(SQUEUE_FIELDS):
+            continue
+        v = dict(zip(SQUEUE_FIELDS, parts, strict=False))
+        rows.append(
+            JobRow(
+                job_id=v["JobID"],
+                name=v["Name"],
+                state=v["State"],
+                nodes=v["NumNodes"],
+                elapsed=v["TimeUsed"],
+                time_left=v["TimeLeft"],
+                reason="" if v["Reason"] == "None" else v["Reason"],
+                comment="" if v["Comment"] == "(null)" else v["Comment"],
+                submit=v["SubmitTime"],
+            )
+        )
+    return rows
+
+
+def squeue_job(job_id: str) -> JobRow | None:
+    """The job as slurmctld knows it now (finished ones stay for MinJobAge), or None."""
+    try:
+        rows = squeue([job_id], all_states=True)
+    except LaunchError as exc:
+        if "invalid job id" in str(exc).lower():
+            return None
+        raise
+    for r in rows:
+        if r.job_id == job_id:
+            return r
+    return rows[0] if rows else None
+
+
+SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "Submit", "Comment")
+
+
+def accounting_enabled() -> bool:
+    require("sacct")
+    done = subprocess.run(["sacct", "-n", "-X", "-j", "1", "-o", "JobID"], capture_output=True, text=True, timeout=30)
+    return "accounting storage is disabled" not in (done.stderr + done.stdout).lower()
+
+
+def sacct(job_ids: list[str] | None = None, since: str | None = None, all_users: bool = False) -> list[JobRow]:
+    cmd = ["sacct", "-n", "-P", "-X", "-o", ",".join(SACCT_FIELDS)]
+    if job_ids:
+        cmd += ["-j", ",".join(job_ids)]
+    if since:
+        cmd += ["-S", since]
+    if all_users:
+        cmd += ["-a"]
+    rows = []
+    for line in _run(cmd).splitlines():
+        parts = line.split("|")
+        if len(parts) < len(SACCT_FIELDS):
+            continue
+        v = dict(zip(SACCT_FIELDS, parts, strict=False))
+        rows.append(
+            JobRow(
+                job_id=v["JobID"],
+                name=v["JobName"],
+                state=v["State"].split()[0],  # "CANCELLED by 0" -> CANCELLED
+                nodes=v["NNodes"],
+                elapsed=v["Elapsed"],
+                exit_code=v["ExitCode"],
+                comment=v["Comment"],
+                submit=v["Submit"],
+                source="sacct",
+            )
+        )
+    return rows
+
+
+def scancel(job_id: str, signal_name: str | None = None) -> None:
+    cmd = ["scancel", job_id] if signal_name is None else ["scancel", f"--signal={signal_name}", job_id]
+    _run(cmd)
+
+
+def test_only(script: str) -> None:
+    """`sbatch --test-only`: Slurm validates partition, account, QOS, time and resources; nothing is queued."""
+    import tempfile
+
+    require("sbatch")
+    with tempfile.NamedTemporaryFile("w", suffix=".sh", prefix="aura-test-only-") as f:
+        f.write(script)
+        f.flush()
+        done = subprocess.run(["sbatch", "--test-only", f.name], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        lines = []
+        for ln in (done.stderr + "\n" + done.stdout).splitlines():
+            ln = ln.strip()
+            for prefix in ("sbatch: error:", "sbatch:"):
+                if ln.lower().startswith(prefix):
+                    ln = ln[len(prefix) :].strip()
+            if ln and ln not in lines:
+                lines.append(ln)
+        raise LaunchError("the job was not submitted: " + explain("sbatch", "; ".join(lines)))

@@ -1,0 +1,170 @@
+"""`submit`, step 2: carry out a SubmitPlan with submitit, record the job, optionally wait."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from aura_hpc.errors import LaunchError
+from aura_hpc.slurm import index as job_index
+from aura_hpc.slurm import query as slurm_query
+from aura_hpc.slurm.plan import SubmitPlan
+
+JOB_FILE = "job.json"
+
+
+def submit(plan: SubmitPlan) -> list[str]:
+    """Prepare the run directories, submit through submitit, record each job; returns the job ids."""
+    slurm_query.require("sbatch")
+    slurm_query.test_only(plan.script)  # refused here, nothing is written or queued
+    from aura_hpc.launch.run_setup import check_writable, prepare_run_dir
+    from aura_hpc.slurm.job import CheckJob, TrainJob
+
+    if plan.check:
+        check_writable(plan.folder)
+    for p in plan.points if not plan.check else []:
+        # The built-in corpus (data.path "") is prepared here, on the login node, into output_dir.
+        prepare_run_dir(p.cfg, plan.world_size)
+    import submitit
+
+    executor = submitit.SlurmExecutor(folder=plan.folder, max_num_timeout=plan.slurm.max_requeues)
+    executor.update_parameters(**plan.params)
+    jobs: list[Any] = []
+    # submitit echoes sbatch's stderr when sbatch fails; it is reported once, below, with the fix.
+    quiet = contextlib.redirect_stderr(io.StringIO())
+    try:
+        with quiet:
+            if plan.is_array:
+                with executor.batch():
+                    for p in plan.points:
+                        jobs.append(executor.submit(TrainJob(str(p.config_path), plan.slurm.signal, plan.slurm.max_requeues)))
+            elif plan.check:
+                backend = plan.points[0].cfg.dist.backend
+                jobs.append(executor.submit(CheckJob(backend, plan.points[0].cfg.output_dir)))
+            else:
+                p = plan.points[0]
+                jobs.append(executor.submit(TrainJob(str(p.config_path), plan.slurm.signal, plan.slurm.max_requeues)))
+    except (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError, OSError) as exc:
+        raise LaunchError(_rejection(str(exc))) from None
+    submitted = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    ids = [str(j.job_id) for j in jobs]
+    script_file = plan.folder / f"{ids[0].split('_')[0]}_submission.sh"
+    script = script_file.read_text(encoding="utf-8") if script_file.exists() else plan.script
+    if plan.check:
+        return ids
+    for p, job_id in zip(plan.points, ids, strict=True):
+        (p.cfg.run_dir / "submission.sh").write_text(script, encoding="utf-8")
+        record = {
+            "job_id": job_id,
+            "job_name": plan.params["job_name"],
+            "submitted": submitted,
+            "run_dir": str(p.cfg.run_dir),
+            "log_dir": str(plan.folder),
+            "sweep_point": p.label,
+            "nodes": plan.slurm.nodes,
+            "tasks_per_node": plan.tasks_per_node,
+            "world_size": plan.world_size,
+            "cluster": str(plan.profile.path),
+            "slurm": {k: getattr(plan.slurm, k) for k in plan.sources if hasattr(plan.slurm, k)},
+            "sources": plan.sources,
+        }
+        tmp = p.cfg.run_dir / (JOB_FILE + ".tmp")
+        tmp.write_text(json.dumps(record, indent=2), encoding="utf-8")
+        tmp.replace(p.cfg.run_dir / JOB_FILE)
+        job_index.record(job_id, p.cfg.run_dir, plan.params["job_name"], submitted)
+    return ids
+
+
+def _rejection(text: str) -> str:
+    """sbatch's own message (submitit wraps it in a traceback-like text) plus what to change."""
+    lines: list[str] = []
+    for ln in text.splitlines():
+        ln = ln.strip()
+        if ln.lower().startswith("sbatch: error:"):
+            ln = ln[len("sbatch: error:") :].strip()
+            if ln not in lines:
+                lines.append(ln)
+    msg = "; ".join(lines) if lines else " ".join(text.split())[:400]
+    return "the job was not submitted: " + slurm_query.explain("sbatch", msg)
+
+
+def wait(job_ids: list[str], follow_log: Path | None = None, poll_s: float = 1.0, printer: Any = print) -> int:
+    """Block until every job has ended; the exit status reflects the jobs' (0 only if all COMPLETED)."""
+    offset = 0
+    final: dict[str, slurm_query.JobRow | None] = {}
+    while True:
+        pending = [j for j in job_ids if j not in final]
+        for j in pending:
+            row = slurm_query.squeue_job(j)
+            if row is None or not row.active:
+                final[j] = _final_state(j, row)
+        if follow_log is not None:
+            offset = print_new_lines(follow_log, offset, printer)
+        if len(final) == len(job_ids):
+            break
+        time.sleep(poll_s)
+    if follow_log is not None:
+        print_new_lines(follow_log, offset, printer)
+    status = 0
+    for j in job_ids:
+        row = final[j]
+        if row is None or row.state != "COMPLETED":
+            code = _exit_code(row)
+            status = status or code or 1
+    return status
+
+
+def _final_state(job_id: str, row: slurm_query.JobRow | None, timeout_s: float = 60) -> slurm_query.JobRow | None:
+    if row is not None and row.state in slurm_query.FINAL_STATES:
+        # squeue knows the state but not the exit code: ask accounting for it when there is one.
+        try:
+            acct = [r for r in slurm_query.sacct([job_id]) if r.job_id == job_id and r.state == row.state]
+        except LaunchError:
+            acct = []
+        return acct[-1] if acct else row
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:  # accounting lags behind the controller
+        try:
+            rows = [r for r in slurm_query.sacct([job_id]) if r.job_id == job_id and r.state in slurm_query.FINAL_STATES]
+        except LaunchError:
+            return None
+        if rows:
+            return rows[-1]
+        time.sleep(1)
+    return None
+
+
+def _exit_code(row: slurm_query.JobRow | None) -> int:
+    if row is None or not row.exit_code:
+        return 0
+    code, _, sig = row.exit_code.partition(":")
+    try:
+        return int(code) or (128 + int(sig) if sig and int(sig) else 0)
+    except ValueError:
+        return 0
+
+
+def print_new_lines(path: Path, offset: int, printer: Any) -> int:
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return offset
+    if not data:
+        return offset
+    end = data.rfind(b"\n") + 1  # whole lines only
+    if end == 0:
+        return offset
+    for line in data[:end].decode("utf-8", "replace").splitlines():
+        printer(line)
+    return offset + end
+
+
+def rank_log(log_dir: Path, job_id: str, rank: int = 0, stderr: bool = False) -> Path:
+    """Slurm's per-task log as submitit names it: <job>_<task>_log.out (arrays: <array>_<index>_<task>)."""
+    return log_dir / f"{job_id}_{rank}_log.{'err' if stderr else 'out'}"

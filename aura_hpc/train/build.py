@@ -1,0 +1,104 @@
+"""Building a run from its config: data, the agreement of every rank, model, optimizer, layout."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import torch
+
+from aura_hpc.config import RunConfig, max_steps_for
+from aura_hpc.data.packed import GlobalOrder, PackedTokens
+from aura_hpc.errors import ConfigError, DataError
+from aura_hpc.train import distributed
+from aura_hpc.train.dist_env import DistEnv
+from aura_hpc.train.model import build_model, count_parameters
+from aura_hpc.train.runtime import Runtime
+from aura_hpc.train.schedule import make_optimizer, make_scheduler
+from aura_hpc.train.state import Layout, Parts
+
+log = logging.getLogger("aura_hpc")
+
+
+def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout]:
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    random.seed(t.seed)
+    if not cfg.data.path:
+        raise DataError("data.path is empty (fix: --set data.path=DIR from `python -m aura_hpc prepare`)")
+    data = PackedTokens(cfg.data.path, cfg.data.seq_len)
+    if cfg.model.vocab_size and cfg.model.vocab_size != data.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size {cfg.model.vocab_size} does not match the data's tokenizer "
+            f"({data.vocab_size}) (fix: --set model.vocab_size=0 to take it from the data)"
+        )
+    check_same_everywhere(cfg, env, data)
+    model = build_model(cfg.model, data.vocab_size, data.eos_id)
+    model.to(device=rt.device, dtype=rt.param_dtype)
+
+    world = env.world_size
+    max_steps = max_steps_for(cfg, world)
+    end_step = min(t.stop_at, max_steps) if t.stop_at else max_steps
+    layout = Layout(t.batch_size, t.grad_accum, world, cfg.data.seq_len, max_steps, end_step)
+    n_train = data.num_sequences("train")
+    if n_train < layout.per_step:
+        msg = (
+            f"the prepared data has {n_train} training sequences of {cfg.data.seq_len} tokens, fewer than one "
+            f"effective batch of {layout.per_step} (= {t.batch_size} per device x {world} processes x "
+            f"{t.grad_accum} accumulation)"
+        )
+        if not t.allow_oversubscription:
+            raise DataError(
+                msg + " (fix: more data, a smaller train.batch_size/data.seq_len, fewer processes, or "
+                "--set train.allow_oversubscription=true to repeat the data)"
+            )
+        if env.is_main:
+            log.warning("%s; train.allow_oversubscription=true: repeating the data to fill each batch", msg)
+    optimizer = make_optimizer(model, t)
+    parts = Parts(
+        data=data,
+        order=GlobalOrder(max(n_train, 1), t.seed),
+        model=model,
+        n_params=count_parameters(model),
+        optimizer=optimizer,
+        scheduler=make_scheduler(optimizer, t, max_steps),
+        scaler=torch.amp.GradScaler("cuda", enabled=rt.autocast_dtype == torch.float16),
+    )
+    return parts, layout
+
+
+def check_same_everywhere(cfg: RunConfig, env: DistEnv, data: PackedTokens) -> None:
+    """Nodes prepared their data and wrote their config separately: they must agree."""
+    mine = (
+        data.manifest.get("data_sha256"),
+        cfg.model_fingerprint(),
+        json.dumps(cfg.train.__dict__, sort_keys=True, default=str),
+    )
+    every = distributed.all_gather_object(mine)
+    for r, theirs in enumerate(every):
+        if theirs[0] != mine[0]:
+            raise DataError(
+                f"rank {r} has different prepared data than rank {env.rank} "
+                "(fix: use the same data.path contents on every node, e.g. copy the prepared directory)"
+            )
+        if theirs[1:] != mine[1:]:
+            raise ConfigError(f"rank {r} runs a different config than rank {env.rank} (fix: pass the same --config/--set on every node)")
+
+
+def describe(cfg: RunConfig, parts: Parts, layout: Layout, rt: Runtime, start_step: int, run_dir: str) -> list[str]:
+    """The lines rank 0 prints before the first step: model, batch arithmetic, data, schedule."""
+    t, data = cfg.train, parts.data
+    return [
+        f"run directory: {run_dir}",
+        f"model: GPT-2 {cfg.model.n_layer} layers x {cfg.model.n_embd} wide, {cfg.model.n_head} heads, "
+        f"{parts.n_params:,} parameters ({parts.n_params / 1e6:.1f}M), vocab {data.vocab_size}",
+        f"batch: {t.batch_size} per device x {layout.world} processes x {t.grad_accum} accumulation = "
+        f"effective batch {layout.per_step} sequences = {layout.tokens_per_step:,} tokens per step",
+        f"data: {data.num_sequences('train'):,} train / {data.num_sequences('val'):,} val sequences "
+        f"of {cfg.data.seq_len} tokens from {cfg.data.path}",
+        f"steps: {start_step} -> {layout.end_step} (schedule horizon {layout.max_steps}), lr {t.lr:g} "
+        f"{t.schedule} with {t.warmup_steps} warmup, precision {t.precision} "
+        f"(params {str(rt.param_dtype).removeprefix('torch.')}, autocast "
+        f"{str(rt.autocast_dtype).removeprefix('torch.') if rt.autocast_dtype else 'off'})",
+    ]

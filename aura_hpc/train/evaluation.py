@@ -1,0 +1,59 @@
+"""Validation loss over all ranks, and text samples from the model being trained."""
+
+from __future__ import annotations
+
+import torch
+
+from aura_hpc.config import TrainConfig
+from aura_hpc.train import distributed
+from aura_hpc.train.model import lm_loss
+from aura_hpc.train.runtime import Runtime
+from aura_hpc.train.state import Parts
+
+
+@torch.no_grad()
+def evaluate(parts: Parts, t: TrainConfig, rank: int, world: int, rt: Runtime) -> float | None:
+    """Mean loss over the first validation sequences, split over the ranks; None without a validation split."""
+    data, model = parts.data, parts.model
+    n_val = data.num_sequences("val")
+    if n_val == 0:
+        return None
+    n = min(n_val, t.eval_batches * t.batch_size * world)
+    mine = list(range(rank, n, world))
+    model.eval()
+    loss_sum, count = 0.0, 0
+    for i in range(0, len(mine), t.batch_size):
+        idx = mine[i : i + t.batch_size]
+        x = torch.from_numpy(data.sequences("val", idx)).to(rt.device)
+        with rt.autocast():
+            loss_sum += float(lm_loss(model, x)) * len(idx)
+        count += len(idx)
+    model.train()
+    total, cnt = distributed.all_reduce_sum([loss_sum, float(count)], rt.device)
+    return total / cnt if cnt else None
+
+
+@torch.no_grad()
+def sample(parts: Parts, t: TrainConfig, step: int, rt: Runtime) -> str:
+    """A short continuation of train.sample_prompt (rank 0 only)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(parts.data.tokenizer_dir))
+    model = parts.model
+    ids = tok(t.sample_prompt, return_tensors="pt").input_ids.to(rt.device)
+    model.eval()
+    # Sampling must not disturb the training RNG stream (resume would diverge).
+    with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []):
+        torch.manual_seed(t.seed + step)
+        with rt.autocast():
+            out = model.generate(  # type: ignore[operator]
+                ids,
+                max_new_tokens=t.sample_tokens,
+                do_sample=True,
+                top_k=40,
+                temperature=0.8,
+                pad_token_id=parts.data.eos_id,
+                attention_mask=torch.ones_like(ids),
+            )
+    model.train()
+    return str(tok.decode(out[0], skip_special_tokens=True))

@@ -1,0 +1,41 @@
+"""Sampling from a run's newest valid checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aura_hpc.errors import CheckpointError
+from aura_hpc.train import checkpoint
+
+
+def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int, num: int = 1) -> list[str]:
+    root = Path(run_dir) / "checkpoints"
+    if not Path(run_dir).is_dir():
+        raise CheckpointError(f"run directory {run_dir} does not exist (fix: pass output_dir/run_name of a run)")
+    ckpt = checkpoint.newest_valid(root)
+    if ckpt is None:
+        raise CheckpointError(f"no complete checkpoint in {root} (fix: train first: python -m aura_hpc local)")
+    if temperature <= 0 or max_new_tokens <= 0:
+        raise CheckpointError("--temperature and --max-new-tokens must be positive (fix: --temperature 0.8)")
+    import torch
+    from transformers import AutoTokenizer, GPT2LMHeadModel
+
+    tok = AutoTokenizer.from_pretrained(str(ckpt.path / "tokenizer"))
+    model = GPT2LMHeadModel.from_pretrained(str(ckpt.path / "model"), dtype=torch.float32)
+    model.eval()
+    torch.manual_seed(seed)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    out = []
+    with torch.no_grad():
+        for _ in range(num):
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=True,
+                temperature=temperature,
+                top_k=top_k,
+                pad_token_id=tok.eos_token_id,
+            )
+            out.append(tok.decode(gen[0], skip_special_tokens=True))
+    return out

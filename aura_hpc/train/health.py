@@ -1,0 +1,75 @@
+"""The trainer's side of the resource monitor and GPU circuit breaker (the readings: aura_hpc.ops)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from aura_hpc.config import RunConfig
+from aura_hpc.ops.gpu_health import Fault, HealthRules, NoGpus, Thresholds, open_reader
+from aura_hpc.ops.resources import BackgroundMonitor, Sampler
+from aura_hpc.train.dist_env import DistEnv
+
+
+class HealthWatch:
+    """Samples resources and watches the GPUs in a background thread on local rank 0 of each node."""
+
+    def __init__(self, cfg: RunConfig, env: DistEnv) -> None:
+        self.cfg, self.env = cfg, env
+        self.monitor: BackgroundMonitor | None = None
+
+    @property
+    def fault(self) -> Fault | None:
+        return self.monitor.fault if self.monitor is not None else None
+
+    def fault_seen(self) -> bool:
+        return self.fault is not None
+
+    def start(self, on_sample: Callable[[dict[str, Any]], None] | None) -> None:
+        h = self.cfg.health
+        if self.env.local_rank != 0:
+            return
+        reader = open_reader(h.nvml_replay)
+        breaker = h.breaker and not isinstance(reader, NoGpus)
+        if h.monitor_interval_s <= 0 and not breaker:
+            return
+        interval = h.monitor_interval_s if h.monitor_interval_s > 0 else h.breaker_interval_s
+        if breaker and h.monitor_interval_s > 0:
+            interval = min(interval, h.breaker_interval_s)
+        run_dir = self.cfg.run_dir
+        out = run_dir / "resources" / f"node{self.env.node_rank}.jsonl" if h.monitor_interval_s > 0 else None
+        rules = None
+        if breaker:
+            reasons = tuple(r.strip() for r in h.throttle_reasons.split(",") if r.strip())
+            rules = HealthRules(Thresholds(h.temp_margin_c, reasons, h.throttle_samples))
+        sink = on_sample if h.monitor_interval_s > 0 else None
+        self.monitor = BackgroundMonitor(Sampler(reader, run_dir), interval, out, rules, sink).start()
+
+    def stop(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+
+    def report(self, fault: Fault, step: int) -> None:
+        """The `gpu.fault` event to health.webhook_url, if one is set (the URL is never logged)."""
+        h = self.cfg.health
+        url = h.webhook_url
+        if url.startswith("env:"):
+            url = os.environ.get(url[4:], "")
+        if not url:
+            return
+        from aura_hpc.ops import webhook
+
+        event = {
+            "event": "gpu.fault",
+            "host": socket.gethostname(),
+            "gpu_index": fault.gpu_index,
+            "reason": fault.reason,
+            "readings": fault.readings,
+            "job_id": os.environ.get("SLURM_JOB_ID", ""),
+            "node_rank": self.env.node_rank,
+            "run_dir": str(self.cfg.run_dir),
+            "step": step,
+        }
+        webhook.deliver(url, h.webhook_type, event, h.webhook_timeout_s, h.webhook_retries)

@@ -1,0 +1,76 @@
+"""Metrics as JSON lines and TensorBoard events in the run directory (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, resume_step: int) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self._drop_rows_after(resume_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step drops events from a previous attempt beyond the resumed step.
+        self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+
+    def _drop_rows_after(self, step: int) -> None:
+        """Rows logged after the checkpoint we resume from describe steps that will be redone."""
+        if not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except json.JSONDecodeError:
+                continue
+        self.path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        step = int(row["step"])
+        for k, v in row.items():
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                self._tb.add_scalar(f"train/{k}" if k != "eval_loss" else "eval/loss", v, step)
+
+    def resources(self, row: dict[str, Any], step: int) -> None:
+        """A resource sample (from the monitor thread) as TensorBoard scalars at the current step."""
+        for k, v in row.items():
+            if k not in ("time",) and isinstance(v, (int, float)) and math.isfinite(v):
+                self._tb.add_scalar(f"resources/{k}", v, step)
+        for g in row.get("gpus", []):
+            for k, v in g.items():
+                if k != "index" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(f"gpu{g.get('index', 0)}/{k}", v, step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self._tb.add_text(tag, text, step)
+
+    def close(self) -> None:
+        self._file.close()
+        self._tb.close()
+
+
+@dataclass
+class Interval:
+    """Sums over the steps since the last logged one: its row reports their means."""
+
+    time_s: float = 0.0
+    tokens: int = 0
+    loss: float = 0.0
+    steps: int = 0
+
+    def add(self, loss: float, tokens: int) -> None:
+        self.loss += loss
+        self.tokens += tokens
+        self.steps += 1
+
+    def reset(self) -> None:
+        self.time_s, self.tokens, self.loss, self.steps = 0.0, 0, 0.0, 0

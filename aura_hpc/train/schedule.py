@@ -1,0 +1,45 @@
+"""The optimizer and its learning-rate schedule (linear warmup, then cosine, linear or constant)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from aura_hpc.config import TrainConfig
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of train.lr for the update that follows `step` completed updates."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (or SGD) with weight decay on matrices only, not on biases and norms."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=t.lr)
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig, horizon: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t.warmup_steps, horizon, t.schedule, t.min_lr_ratio))
+
+
+def scale_learning_rate(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, t: TrainConfig, step: int, horizon: int
+) -> None:
+    """Multiply the base learning rates by train.nan_lr_scale (after a rollback) and apply it now."""
+    scheduler.base_lrs = [lr * t.nan_lr_scale for lr in scheduler.base_lrs]
+    factor = lr_factor(step, t.warmup_steps, horizon, t.schedule, t.min_lr_ratio)
+    for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+        group["lr"] = base * factor

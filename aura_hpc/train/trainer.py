@@ -1,0 +1,273 @@
+"""The training loop: `Trainer.run()` is the outline of a run; the parts live beside it.
+
+runtime.py (device, precision, process group), build.py (data, model, optimizer), checkpointing.py
+(save, resume, rollback), step.py (one optimizer step), evaluation.py (eval loss, samples),
+health.py (monitor and GPU breaker), strategies/ (DDP).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from typing import Any
+
+from aura_hpc.config import RunConfig
+from aura_hpc.errors import EXIT_GPU_FAULT, EXIT_RESUMABLE
+from aura_hpc.ops.gpu_health import Fault, is_gpu_error
+from aura_hpc.train import checkpoint, distributed, faults, runtime
+from aura_hpc.train.batches import Batches
+from aura_hpc.train.build import build, describe
+from aura_hpc.train.checkpointing import Checkpointer
+from aura_hpc.train.dist_env import DistEnv
+from aura_hpc.train.evaluation import evaluate, sample
+from aura_hpc.train.health import HealthWatch
+from aura_hpc.train.metrics import Interval, MetricsWriter
+from aura_hpc.train.state import Position
+from aura_hpc.train.step import Stepper, StepResult
+from aura_hpc.train.stop import StopRequest
+from aura_hpc.train.strategies import wrap
+
+log = logging.getLogger("aura_hpc")
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, env: DistEnv) -> None:
+        self.cfg, self.env = cfg, env
+        self.run_dir = cfg.run_dir
+        self.pos = Position()
+        self.health = HealthWatch(cfg, env)
+        self.metrics: MetricsWriter | None = None
+
+    def run(self) -> int:
+        """Set up, resume, train to the end step (or a stop), finish; returns the exit status."""
+        cfg, env = self.cfg, self.env
+        self.rt = runtime.start(cfg, env)
+        self.parts, self.layout = build(cfg, env, self.rt)
+        self.ckpt = Checkpointer(cfg, env, self.rt, self.parts, self.layout, self.pos)
+        self.ckpt.resume()
+        wrapped = wrap(self.parts.model, cfg.dist.strategy, self.rt.device, self.layout.world)
+        batches = Batches(self.parts, self.layout, env.rank, self.rt.device)
+        stepper = Stepper(cfg.train, env.rank, self.layout.world, self.rt, self.parts, wrapped, batches)
+        if env.is_main:
+            for line in describe(cfg, self.parts, self.layout, self.rt, self.pos.step, str(self.run_dir)):
+                log.info("%s", line)
+        distributed.barrier()
+        self._open_outputs()
+        stop = StopRequest()
+        stop.install()
+        self.health.start(self._resources_to_tensorboard)
+        status = self._train(stepper, stop)
+        if status is not None:
+            return status
+        return self._finish()
+
+    # ---- the loop -----------------------------------------------------------------------
+    def _open_outputs(self) -> None:
+        """Rank 0's progress bar (on a terminal), metrics.jsonl and TensorBoard."""
+        from aura_hpc.console import ProgressAwareHandler, TrainProgress
+
+        env, end = self.env, self.layout.end_step
+        self.progress = TrainProgress(end, self.pos.step, enabled=env.is_main and self.pos.step < end)
+        if env.is_main:
+            self.metrics = MetricsWriter(self.run_dir, self.pos.step)
+            for h in log.handlers:
+                if isinstance(h, ProgressAwareHandler):
+                    h.progress = self.progress
+            if self.pos.step >= end:
+                log.info("nothing to do: the run is already at step %d of %d", self.pos.step, end)
+
+    def _train(self, stepper: Stepper, stop: StopRequest) -> int | None:
+        """Steps until the end step; an exit status when the run stops early (signal, GPU fault)."""
+        t, pos, lay = self.cfg.train, self.pos, self.layout
+        interval = Interval()
+        bad_in_a_row = 0
+        first_step = True
+        self.loop_start = time.perf_counter()
+        while pos.step < lay.end_step:
+            t0 = time.perf_counter()
+            try:
+                r = stepper.step(pos, stop, self.health.fault_seen)
+            except RuntimeError as exc:
+                if not is_gpu_error(exc):
+                    raise
+                return self._gpu_error(exc)
+            if r.gpu_fault:
+                self.progress.stop()
+                return self._open_circuit()
+            pos.step += 1
+            pos.tokens_seen += lay.tokens_per_step
+            if first_step and self.env.is_main:
+                # Lets operators (and bench_faults.py) see how long a restart took to train again.
+                log.info("first step of this attempt done: step %d at unix time %.3f", pos.step, time.time())
+            first_step = False
+            faults.after_step(self.env.rank, pos.step, self.run_dir)
+            interval.time_s += time.perf_counter() - t0
+            if r.bad_ranks:
+                bad_in_a_row += 1
+                if self.env.is_main:
+                    log.warning(
+                        "non-finite loss or gradient on rank(s) %s at step %d: update skipped (%d in a row)",
+                        r.bad_ranks,
+                        pos.step,
+                        bad_in_a_row,
+                    )
+                if bad_in_a_row >= t.nan_rollback_after:
+                    self.ckpt.rollback(bad_in_a_row)
+                    bad_in_a_row = 0
+                    interval.reset()
+                    continue
+            else:
+                bad_in_a_row = 0
+            if r.stop:
+                self.progress.stop()
+                if self.metrics is not None:
+                    self.metrics.close()
+                return self._stop_on_signal(stop)
+            if r.bad_ranks:
+                continue
+            interval.add(r.loss, lay.tokens_per_step)
+            self._after_step(r, interval)
+        return None
+
+    def _after_step(self, r: StepResult, interval: Interval) -> None:
+        """Logging, evaluation, samples and checkpoints due at this (good) step."""
+        t, pos = self.cfg.train, self.pos
+        at_end = pos.step == self.layout.end_step
+        do_eval = bool(t.eval_every) and (pos.step % t.eval_every == 0 or at_end)
+        if pos.step % t.log_every == 0 or do_eval or at_end:
+            self._log_row(r, interval, do_eval)
+            interval.reset()
+        else:
+            self.progress.update(pos.step)
+        if self.env.is_main and t.sample_every and pos.step % t.sample_every == 0 and not at_end:
+            text = sample(self.parts, t, pos.step, self.rt)
+            log.info("sample at step %d: %s", pos.step, text.replace("\n", " "))
+            if self.metrics is not None:
+                self.metrics.text("sample", text, pos.step)
+        if (t.checkpoint_every and pos.step % t.checkpoint_every == 0) or at_end:
+            self.ckpt.save()
+        pos.last_eval = None
+
+    def _log_row(self, r: StepResult, interval: Interval, do_eval: bool) -> None:
+        pos, world = self.pos, self.layout.world
+        mean_loss = distributed.all_reduce_sum([interval.loss / interval.steps], self.rt.device)[0] / world
+        eval_loss = evaluate(self.parts, self.cfg.train, self.env.rank, world, self.rt) if do_eval else None
+        if eval_loss is not None:
+            pos.last_eval = eval_loss
+        row: dict[str, Any] = {
+            "step": pos.step,
+            "loss": round(mean_loss, 6),
+            "lr": self.parts.scheduler.get_last_lr()[0],
+            "tokens_per_s": round(interval.tokens / interval.time_s, 1) if interval.time_s else 0.0,
+            "step_time_s": round(interval.time_s / interval.steps, 5),
+            "grad_norm": round(float(r.grad_norm), 6),
+            "tokens": pos.tokens_seen,
+            "elapsed_s": round(time.perf_counter() - self.loop_start, 4),
+        }
+        if eval_loss is not None:
+            row["eval_loss"] = round(eval_loss, 6)
+        if self.env.is_main and self.metrics is not None:
+            self.metrics.write(row)
+            log.info(
+                "step %d/%d loss %.4f%s lr %.3e tokens/s %s step_time %.3fs",
+                pos.step,
+                self.layout.end_step,
+                mean_loss,
+                f" eval_loss {eval_loss:.4f}" if eval_loss is not None else "",
+                row["lr"],
+                f"{row['tokens_per_s']:,.0f}",
+                row["step_time_s"],
+            )
+        self.progress.update(pos.step, f"loss {mean_loss:.3f}")
+
+    def _resources_to_tensorboard(self, row: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.resources(row, self.pos.step)
+
+    # ---- endings ------------------------------------------------------------------------
+    def _finish(self) -> int:
+        """After the last step: a final checkpoint if needed, the sample, summary.json, a last barrier."""
+        env, pos = self.env, self.pos
+        self.progress.stop()
+        self.health.stop()
+        # Decided from state every rank shares: on a LAN job without shared storage the
+        # other nodes' checkpoint directories are empty, and a filesystem check would make
+        # only some ranks enter the (collective) save.
+        if pos.step > 0 and pos.saved_step != pos.step:
+            self.ckpt.save()  # the last step was skipped (non-finite) and so was its checkpoint
+        final_ckpt = checkpoint.list_complete(self.ckpt.root)
+        if env.is_main:
+            last_sample = sample(self.parts, self.cfg.train, pos.step, self.rt)
+            log.info("sample: %s", last_sample.replace("\n", " "))
+            if self.metrics is not None:
+                self.metrics.text("sample", last_sample, pos.step)
+                self.metrics.close()
+            summary = {
+                "run_dir": str(self.run_dir),
+                "step": pos.step,
+                "max_steps": self.layout.max_steps,
+                "finished": pos.step >= self.layout.max_steps,
+                "checkpoint": str(final_ckpt[0].path) if final_ckpt else None,
+                "metrics": str(self.run_dir / "metrics.jsonl"),
+                "sample": last_sample,
+                "n_params": self.parts.n_params,
+                "world_size": self.layout.world,
+                "backend": self.rt.backend,
+            }
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+        try:
+            distributed.barrier()
+        except Exception as exc:
+            # Every rank got here after the last (collective) checkpoint, so nothing is lost: a peer
+            # that exited first and closed its connections must not turn a finished run into a failure.
+            log.warning("a peer left before the final barrier (%s); the run had already finished and saved", str(exc).splitlines()[0][:160])
+        if env.is_main:
+            if pos.step < self.layout.max_steps:
+                log.info("stopped at step %d of %d (train.stop_at); re-run the same command to continue", pos.step, self.layout.max_steps)
+            log.info("all %d ranks finished at step %d", self.layout.world, pos.step)
+        return 0
+
+    def _stop_on_signal(self, stop: StopRequest) -> int:
+        path = self.ckpt.save()
+        if self.env.is_main:
+            what = f"checkpoint {path.name} written" if path else "no checkpoint written (weights not finite)"
+            log.warning(
+                "stop requested (%s) at step %d: %s; exiting with status %d (resumable: re-run the same command, or Slurm requeues)",
+                stop.signal_name or "signal on another rank",
+                self.pos.step,
+                what,
+                EXIT_RESUMABLE,
+            )
+        distributed.barrier()
+        return EXIT_RESUMABLE
+
+    def _gpu_error(self, exc: RuntimeError) -> int:
+        """Xid-style failure: the GPU state is unusable, so no checkpoint and no collective."""
+        fault = Fault(self.rt.device.index or 0, f"CUDA error in the training loop: {str(exc).splitlines()[0][:200]}", {})
+        self.health.report(fault, self.pos.step)
+        log.error("%s; exiting with status %d (drain this node)", fault.describe(), EXIT_GPU_FAULT)
+        return EXIT_GPU_FAULT
+
+    def _open_circuit(self) -> int:
+        """All ranks agreed that a GPU is faulty: checkpoint if it still answers, alert, exit EXIT_GPU_FAULT."""
+        fault = self.health.fault
+        if fault is not None:
+            log.error("GPU circuit breaker OPEN on %s: %s", socket.gethostname(), fault.describe())
+            self.health.report(fault, self.pos.step)
+        try:
+            path = self.ckpt.save()
+            saved = f"checkpoint {path.name} written" if path else "checkpoint not written"
+        except Exception as exc:  # the GPU may no longer answer: nothing more to save
+            saved = f"checkpoint failed ({str(exc).splitlines()[0][:120]})"
+        if self.env.is_main:
+            log.error(
+                "stopped at step %d by the GPU circuit breaker: %s; exiting with status %d so the node can be drained "
+                "(Slurm: scontrol update nodename=<node> state=drain reason=gpu-fault); resume elsewhere with the same command",
+                self.pos.step,
+                saved,
+                EXIT_GPU_FAULT,
+            )
+        self.health.stop()
+        return EXIT_GPU_FAULT

@@ -1,0 +1,62 @@
+"""The one worker entry point: `python -m aura_hpc.train RUN_DIR/config.yaml`.
+
+Every launcher starts it the same way (`local` through torch's elastic agent, `submit` under
+Slurm, where aura_hpc.slurm.job calls `main` directly); it reads rank and world size from the
+environment through DistEnv alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+
+from aura_hpc.config import load_run_file
+from aura_hpc.errors import AuraError
+from aura_hpc.train import distributed, worker_log
+from aura_hpc.train.dist_env import DistEnv
+
+log = logging.getLogger("aura_hpc")
+
+
+@contextlib.contextmanager
+def _process_group_cleanup() -> Iterator[None]:
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            distributed.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m aura_hpc.train", description=__doc__)
+    parser.add_argument("config", help="a resolved run config (RUN_DIR/config.yaml)")
+    args = parser.parse_args(argv)
+    env = DistEnv.from_environ()
+    from aura_hpc.console import ProgressAwareHandler
+
+    try:
+        cfg = load_run_file(args.config)
+    except AuraError as exc:
+        worker_log.setup(None, env.rank)
+        log.error("%s", exc)
+        return exc.exit_code
+    # Library progress bars (tqdm) and download chatter do not belong in per-rank log files.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    stream = ProgressAwareHandler(sys.stdout) if env.is_main else None
+    worker_log.setup(cfg.run_dir / "logs", env.rank, stream)
+    from aura_hpc.train.trainer import Trainer
+
+    with _process_group_cleanup():
+        try:
+            return Trainer(cfg, env).run()
+        except AuraError as exc:
+            log.error("%s", exc)
+            return exc.exit_code

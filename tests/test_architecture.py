@@ -1,0 +1,127 @@
+"""The layout ARCHITECTURE.md describes, checked: wings, one-way imports, no circle, small modules."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGE = REPO / "aura_hpc"
+
+# Imports flow from a wing to wings below it (or within itself), never upwards.
+LAYERS = [
+    {"__main__", "cli"},
+    {"slurm"},
+    {"launch"},
+    {"train"},
+    {"ops"},
+    {"data"},
+    {"config"},
+    {"errors", "console", "__init__"},
+]
+RANK = {wing: i for i, wings in enumerate(LAYERS) for wing in wings}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every aura_hpc module `name` imports, at the top or inside functions."""
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("aura_hpc"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("aura_hpc"):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in MODULES else base)
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _wing(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_wing_is_placed_in_a_layer() -> None:
+    assert {_wing(m) for m in MODULES} <= set(RANK), {_wing(m) for m in MODULES} - set(RANK)
+
+
+def test_imports_flow_one_way() -> None:
+    upward = [f"{src} -> {dst}" for src, targets in GRAPH.items() for dst in targets if RANK[_wing(src)] > RANK[_wing(dst)]]
+    assert not upward, "imports against the layering (see LAYERS):\n" + "\n".join(upward)
+
+
+def test_no_import_circle() -> None:
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(GRAPH[m]):
+            if state.get(n) == 1:
+                return [*stack[stack.index(n) :], n]
+            if n not in state and (cycle := visit(n)):
+                return cycle
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(GRAPH):
+        if m not in state and (cycle := visit(m)):
+            raise AssertionError("import circle: " + " -> ".join(cycle))
+
+
+def test_the_slurm_job_starts_the_worker_not_the_command_line() -> None:
+    job = GRAPH["aura_hpc.slurm.job"]
+    assert "aura_hpc.train.worker" in job and "aura_hpc.ops.check" in job
+    assert not any(m == "aura_hpc.cli" or m.startswith("aura_hpc.cli.") for m in job)
+
+
+def test_config_imports_nothing_above_it() -> None:
+    for name in MODULES:
+        if _wing(name) == "config":
+            assert GRAPH[name] <= {m for m in MODULES if _wing(m) in ("config", "errors")}, (name, GRAPH[name])
+
+
+def test_modules_and_classes_stay_small() -> None:
+    big_modules, big_classes = [], []
+    for name, path in MODULES.items():
+        text = path.read_text(encoding="utf-8")
+        if text.count("\n") > 450:
+            big_modules.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno and node.end_lineno - node.lineno + 1 > 300:
+                big_classes.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not big_modules and not big_classes, big_modules + big_classes
+
+
+def test_the_top_level_holds_few_modules() -> None:
+    top = [p.name for p in PACKAGE.glob("*.py")]
+    assert len(top) <= 10, top
+
+
+def test_architecture_md_names_every_wing_and_stays_short() -> None:
+    text = (REPO / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    assert text.count("\n") <= 80
+    for wing in ("cli", "slurm", "launch", "train", "ops", "data", "config"):
+        assert re.search(rf"`aura_hpc/{wing}", text), wing

@@ -1,0 +1,95 @@
+"""The exit statuses README.md documents for `local` are the ones the command produces.
+
+0 is every finished run in test_training.py; 75 (stopped by a signal, checkpointed) is
+test_faults.py::test_stop_signal_checkpoints_once_and_exits_resumable; 76 (GPU circuit breaker)
+is test_health.py. 1, 2 and 3 are produced here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from aura_hpc import errors
+from aura_hpc.train import checkpoint
+from tests.conftest import REPO, SMALL_MODEL, run_cli
+
+
+def _documented() -> dict[int, str]:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    sentence = text[text.index("Exit statuses of `local`:") :].split("\n\n")[0]
+    return {int(code): what.strip() for code, what in re.findall(r"`(\d+)`\s*([^,`]+)", sentence)}
+
+
+def test_readme_lists_the_statuses_the_code_defines() -> None:
+    doc = _documented()
+    assert set(doc) == {
+        errors.EXIT_OK,
+        errors.EXIT_TRAIN_FAILED,
+        errors.EXIT_USER_ERROR,
+        errors.EXIT_DIVERGED,
+        errors.EXIT_RESUMABLE,
+        errors.EXIT_GPU_FAULT,
+    }, doc
+    assert "failed" in doc[1] and "bad input" in doc[2] and "non-finite" in doc[3]
+
+
+def _args(tmp_path: Path, prepared: Path, *extra: str) -> list[str]:
+    return [
+        "local",
+        "--nproc-per-node",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+        "--set",
+        f"data.path={prepared}",
+        *SMALL_MODEL,
+        "--set",
+        "train.max_steps=8",
+        "--set",
+        "train.warmup_steps=1",
+        *extra,
+    ]
+
+
+def test_bad_input_exits_2(tmp_path: Path) -> None:
+    r = run_cli(["local", "--set", "model.n_layer=0", "--output-dir", str(tmp_path)], timeout=60)
+    assert r.returncode == errors.EXIT_USER_ERROR == 2, r.stderr
+
+
+@pytest.mark.slow
+def test_a_crashed_rank_exits_1(tmp_path: Path, prepared: Path) -> None:
+    r = run_cli(_args(tmp_path, prepared), AURA_FAULT_KILL="1:3", timeout=240)
+    assert r.returncode == errors.EXIT_TRAIN_FAILED == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "training failed: rank 1 was killed by SIGKILL" in r.stderr
+
+
+@pytest.mark.slow
+def test_a_loss_that_stays_non_finite_exits_3(tmp_path: Path, prepared: Path) -> None:
+    extra = ("--set", "train.nan_rollback_after=1", "--set", "train.nan_max_rollbacks=0")
+    r = run_cli(_args(tmp_path, prepared, *extra), AURA_FAULT_NAN="0:2:100", timeout=240)
+    assert r.returncode == errors.EXIT_DIVERGED == 3, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    # One line naming what happened and the fix, taken from the worker that stopped.
+    assert len(lines) == 1 and lines[0].startswith("error: training stopped: the loss stayed non-finite"), r.stderr
+    assert "fix: lower train.lr" in lines[0]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_the_worker_refuses_exits_2(tmp_path: Path, prepared: Path) -> None:
+    first = run_cli(_args(tmp_path, prepared, "--set", "train.stop_at=4", "--set", "train.checkpoint_every=4"), timeout=240)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    ckpt = tmp_path / "tiny" / "checkpoints" / "step_00000004"
+    meta = ckpt / "meta.json"
+    meta.write_text(meta.read_text().replace('"model_fingerprint": "', '"model_fingerprint": "x'))
+    # Re-seal it, so that it passes verification and reaches the worker's fingerprint check.
+    marker = ckpt / checkpoint.MARKER
+    m = json.loads(marker.read_text())
+    m["files"]["meta.json"] = {"size": meta.stat().st_size, "sha256": checkpoint._sha256(meta)}
+    marker.write_text(json.dumps(m))
+    r = run_cli(_args(tmp_path, prepared), timeout=240)
+    assert r.returncode == errors.EXIT_USER_ERROR, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "was written with a different model shape" in r.stderr and "fix:" in r.stderr
