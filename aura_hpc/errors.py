@@ -38,6 +38,12 @@ class CheckpointError(AuraError):
     pass
 
 
+class CheckpointWriteError(CheckpointError):
+    """Saving failed (disk full, permissions): training itself failed, the input was fine."""
+
+    exit_code = EXIT_TRAIN_FAILED
+
+
 class TrainingError(AuraError):
     """Training cannot go on (e.g. the loss stays non-finite after every rollback)."""
 

@@ -82,6 +82,8 @@ def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
             return ""
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key} must be a string, got {value!r} {fix}")
+        if isinstance(value, bool):  # YAML reads `compile: true` as a boolean
+            return "true" if value else "false"
         return str(value)
     raise ConfigError(f"{key}: unsupported type {typ}")  # pragma: no cover
 

@@ -66,7 +66,11 @@ class TrainConfig:
     sample_tokens: int = 40
     allow_oversubscription: bool = False
     threads: int = 0  # torch intra-op threads per process; 0 = launcher's OMP_NUM_THREADS
-    tune_malloc: bool = True  # CPU training: fixed glibc mmap/trim thresholds (see aura_hpc/malloc_tuning.py)
+    tune_malloc: bool = True  # CPU training: fixed glibc mmap/trim thresholds (see aura_hpc/train/malloc_tuning.py)
+    compile: str = "auto"  # torch.compile of the transformer blocks: auto (on for CUDA, off for CPU) | true | false
+    loss: str = "auto"  # cross-entropy: auto (chunked on CUDA, full on CPU) | chunked (no full fp32 logits) | full
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward pass (less memory)
+    async_checkpoint: bool = True  # write checkpoints in a background thread after copying the state to host memory
     nan_rollback_after: int = 3  # consecutive non-finite steps (skipped) before rolling back
     nan_lr_scale: float = 0.5  # multiply the learning rate by this at each rollback (1 = keep)
     nan_max_rollbacks: int = 3  # then stop: the run diverges
@@ -154,6 +158,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.schedule": ("cosine", "linear", "constant"),
     "train.optimizer": ("adamw", "sgd"),
     "train.precision": ("auto", "fp32", "bf16", "fp16", "fp64"),
+    "train.compile": ("auto", "true", "false"),
+    "train.loss": ("auto", "chunked", "full"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.strategy": ("ddp",),
     "slurm.signal": ("USR2", "USR1", "TERM", "INT", "HUP"),

@@ -8,56 +8,18 @@ behind torchrun) with a c10d rendezvous hosted by node 0; the worker command is 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import platform
-import signal
 import socket
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from aura_hpc.config import RunConfig, load_config
-from aura_hpc.errors import (
-    EXIT_DIVERGED,
-    EXIT_GPU_FAULT,
-    EXIT_RESUMABLE,
-    EXIT_TRAIN_FAILED,
-    EXIT_USER_ERROR,
-    ConfigError,
-    LaunchError,
-    TrainingFailed,
-)
+from aura_hpc.config import load_config
+from aura_hpc.errors import ConfigError, LaunchError
+from aura_hpc.launch.agent import run_workers
+from aura_hpc.launch.plan import LocalPlan
 from aura_hpc.launch.run_setup import prepare_run_dir
 from aura_hpc.ops.network import route_to
-
-WORKER_MODULE = "aura_hpc.train"
-RDZV_RUN_ID = "aura_hpc"
-
-
-@dataclass
-class LocalPlan:
-    cfg: RunConfig
-    nnodes: int
-    node_rank: int
-    nproc: int
-    master_addr: str
-    master_port: int
-    max_restarts: int
-    rdzv_timeout: int
-    local_addr: str | None
-    env: dict[str, str] = field(default_factory=dict)
-    shutdown_timeout: int = 120
-
-    @property
-    def config_path(self) -> Path:
-        return self.cfg.run_dir / "config.yaml"
-
-    @property
-    def worker_cmd(self) -> list[str]:
-        return [sys.executable, "-u", "-m", WORKER_MODULE, str(self.config_path)]
 
 
 def _free_port() -> int:
@@ -186,119 +148,7 @@ def launch(plan: LocalPlan) -> int:
     prepare_run_dir(plan.cfg, plan.nproc * plan.nnodes)
     os.environ.update(plan.env)
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        # The verdict on failed workers is ours (one line naming the ranks, the cause and the fix).
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    lc = LaunchConfig(
-        min_nodes=plan.nnodes,
-        max_nodes=plan.nnodes,
-        nproc_per_node=plan.nproc,
-        run_id=RDZV_RUN_ID,
-        role="trainer",
-        rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
-        rdzv_backend="c10d",
-        rdzv_configs={"join_timeout": plan.rdzv_timeout, "is_host": plan.node_rank == 0},
-        max_restarts=plan.max_restarts,
-        monitor_interval=0.2,
-        start_method="spawn",
-        local_addr=plan.local_addr,
-        # On Ctrl+C/SIGTERM the agent forwards the signal and waits this long for the workers to
-        # finish their step and write a checkpoint before it kills them.
-        shutdown_timeout=plan.shutdown_timeout,
-        # SIGUSR2 is the pre-timeout/preemption signal: forward it like SIGTERM instead of dying on it.
-        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2",
-    )
-    cmd = plan.worker_cmd
-    try:
-        elastic_launch(lc, cmd[0])(*cmd[1:])
-    except SignalException as exc:
-        return _resumable(plan, exc.sigval.name)
-    except ChildFailedError as exc:
-        if all(f.exitcode == EXIT_RESUMABLE for f in exc.failures.values()):
-            return _resumable(plan, "a stop signal to the workers")
-        if any(f.exitcode == EXIT_GPU_FAULT for f in exc.failures.values()):
-            from aura_hpc import console
-
-            console.error(
-                f"the GPU circuit breaker stopped training (see {plan.cfg.run_dir / 'logs'}): take this machine's GPU out of "
-                "service before training on it again; re-run the same command on healthy hardware to resume"
-            )
-            return EXIT_GPU_FAULT
-        raise _failure(plan, exc.failures) from None
-    except RendezvousError as exc:
-        raise LaunchError(
-            f"the {plan.nnodes} nodes did not all join at {plan.master_addr}:{plan.master_port} within "
-            f"{plan.rdzv_timeout}s ({type(exc).__name__}) (fix: start every node with the same --nnodes, "
-            "--master-addr and --master-port, and check the firewall)"
-        ) from None
-    return 0
-
-
-def _failure(plan: LocalPlan, failures: dict[int, Any]) -> TrainingFailed:
-    """The one-line verdict on failed workers, with the exit status README.md documents."""
-    log_dir = plan.cfg.run_dir / "logs"
-    codes = {f.exitcode for f in failures.values()}
-    said = _worker_error(plan)
-    if codes == {EXIT_DIVERGED}:
-        return TrainingFailed(f"training stopped: {said or 'the loss stayed non-finite'} (see {log_dir})", EXIT_DIVERGED)
-    if codes == {EXIT_USER_ERROR} and said:
-        # A worker refused its input (e.g. a checkpoint that does not fit): nothing was trained.
-        return TrainingFailed(f"{said} (see {log_dir})", EXIT_USER_ERROR)
-    # A killed rank makes its peers fail too (broken collectives): name every failed rank,
-    # the ones killed by a signal first, since they are usually the cause.
-    ordered = sorted(failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp))
-    what = "; ".join(f"rank {r} {_exit_description(f.exitcode)}" for r, f in ordered)
-    restarts = f" after {plan.max_restarts} restart(s)" if plan.max_restarts else ""
-    return TrainingFailed(f"training failed{restarts}: {what} (see {log_dir}); {_resume_hint(plan)}", EXIT_TRAIN_FAILED)
-
-
-def _worker_error(plan: LocalPlan) -> str | None:
-    """The last error a worker of this machine logged: why it exited (each logs its error before leaving)."""
-    first = plan.node_rank * plan.nproc
-    for rank in range(first, first + plan.nproc):
-        try:
-            with open(plan.cfg.run_dir / "logs" / f"rank_{rank}.log", "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 65536))
-                lines = f.read().decode("utf-8", "replace").splitlines()
-        except OSError:
-            continue
-        for line in reversed(lines):
-            if " ERROR " in line:
-                return line.split(" ERROR ", 1)[1].strip()
-    return None
-
-
-def _exit_description(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
-
-
-def _resume_hint(plan: LocalPlan) -> str:
-    from aura_hpc.train import checkpoint
-
-    ckpts = checkpoint.list_complete(plan.cfg.run_dir / "checkpoints")
-    where = f"from {ckpts[0].path.name}" if ckpts else "(no checkpoint yet: it starts from step 0)"
-    return f"to resume {where}, fix the cause and re-run the same command"
-
-
-def _resumable(plan: LocalPlan, why: str) -> int:
-    from aura_hpc import console
-    from aura_hpc.train import checkpoint
-
-    ckpts = checkpoint.list_complete(plan.cfg.run_dir / "checkpoints")
-    saved = f"checkpoint {ckpts[0].path.name} saved" if ckpts else "no checkpoint was saved"
-    console.info(f"stopped by {why}: {saved}; re-run the same command to resume")
-    return EXIT_RESUMABLE
+    return run_workers(plan)
 
 
 def summary(plan: LocalPlan) -> dict[str, object] | None:

@@ -201,6 +201,10 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
         stage[0] = "finishing"
         dist.barrier()
     finally:
+        # gloo's worker thread frees finished work (and the Python tensors it holds) right after
+        # completing it; destroying the group while it still must, with the GIL held here,
+        # deadlocks torch < 2.8 (seen on 2.6: ~2 runs in 8). A short GIL-free pause lets it finish.
+        time.sleep(0.1)
         dist.destroy_process_group()
 
 

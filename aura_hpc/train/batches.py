@@ -1,4 +1,10 @@
-"""Which training sequences each rank reads at each micro-step, as device tensors."""
+"""Which training sequences each rank reads at each micro-step, as device tensors, one step ahead.
+
+`prefetch()` assembles the next step's micro-batches right after the current step is queued,
+so on a GPU the gathering, the pinned-memory staging and the (non-blocking) copy happen while
+the GPU still computes. Batches are keyed by their first sample position: a rollback, which
+moves the position, simply misses the prefetched ones.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +18,28 @@ class Batches:
     def __init__(self, parts: Parts, layout: Layout, rank: int, device: torch.device) -> None:
         self.data, self.order = parts.data, parts.order
         self.layout, self.rank, self.device = layout, rank, device
+        self.pin = device.type == "cuda"
+        self._ready: dict[int, torch.Tensor] = {}
+
+    def _start(self, pos: Position, micro: int) -> int:
+        lay = self.layout
+        return pos.samples_seen(lay.per_step) + batch_start(0, micro, self.rank, lay.world, lay.batch_size, lay.grad_accum)
+
+    def _load(self, start: int) -> torch.Tensor:
+        idx = self.order.indices(start, self.layout.batch_size)
+        x = torch.from_numpy(self.data.sequences("train", idx))
+        if self.pin:
+            # Only a copy from pinned memory is truly asynchronous; from pageable memory
+            # `non_blocking` still waits for the host-side staging.
+            x = x.pin_memory()
+        return x.to(self.device, non_blocking=True)
 
     def get(self, pos: Position, micro: int) -> torch.Tensor:
         """The (batch, seq_len+1) tokens this rank trains on at micro-step `micro` of the next step."""
-        lay = self.layout
-        start = pos.samples_seen(lay.per_step)
-        start += batch_start(0, micro, self.rank, lay.world, lay.batch_size, lay.grad_accum)
-        idx = self.order.indices(start, lay.batch_size)
-        x = torch.from_numpy(self.data.sequences("train", idx))
-        return x.to(self.device, non_blocking=True)
+        start = self._start(pos, micro)
+        ready = self._ready.pop(start, None)
+        return ready if ready is not None else self._load(start)
+
+    def prefetch(self, pos: Position) -> None:
+        """Start loading every micro-batch of the step after `pos`."""
+        self._ready = {s: self._load(s) for s in (self._start(pos, m) for m in range(self.layout.grad_accum))}

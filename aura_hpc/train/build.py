@@ -13,7 +13,7 @@ from aura_hpc.data.packed import GlobalOrder, PackedTokens
 from aura_hpc.errors import ConfigError, DataError
 from aura_hpc.train import distributed
 from aura_hpc.train.dist_env import DistEnv
-from aura_hpc.train.model import build_model, count_parameters
+from aura_hpc.train.model import LanguageModelLoss, build_model, compile_blocks, count_parameters, enable_activation_checkpointing
 from aura_hpc.train.runtime import Runtime
 from aura_hpc.train.schedule import make_optimizer, make_scheduler
 from aura_hpc.train.state import Layout, Parts
@@ -36,6 +36,12 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout]:
     check_same_everywhere(cfg, env, data)
     model = build_model(cfg.model, data.vocab_size, data.eos_id)
     model.to(device=rt.device, dtype=rt.param_dtype)
+    cuda = rt.device.type == "cuda"
+    if t.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    loss_model = LanguageModelLoss(model, chunked=t.loss == "chunked" or (t.loss == "auto" and cuda), compute_dtype=rt.autocast_dtype)
+    if t.compile == "true" or (t.compile == "auto" and cuda):
+        compile_blocks(model)
 
     world = env.world_size
     max_steps = max_steps_for(cfg, world)
@@ -55,11 +61,12 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout]:
             )
         if env.is_main:
             log.warning("%s; train.allow_oversubscription=true: repeating the data to fill each batch", msg)
-    optimizer = make_optimizer(model, t)
+    optimizer = make_optimizer(model, t, fused=cuda)
     parts = Parts(
         data=data,
         order=GlobalOrder(max(n_train, 1), t.seed),
         model=model,
+        loss_model=loss_model,
         n_params=count_parameters(model),
         optimizer=optimizer,
         scheduler=make_scheduler(optimizer, t, max_steps),
@@ -101,4 +108,12 @@ def describe(cfg: RunConfig, parts: Parts, layout: Layout, rt: Runtime, start_st
         f"{t.schedule} with {t.warmup_steps} warmup, precision {t.precision} "
         f"(params {str(rt.param_dtype).removeprefix('torch.')}, autocast "
         f"{str(rt.autocast_dtype).removeprefix('torch.') if rt.autocast_dtype else 'off'})",
+        f"compute: torch.compile {'on (per block)' if _compiled(parts.model) else 'off'}, loss "
+        f"{'chunked' if getattr(parts.loss_model, 'chunked', False) else 'full logits'}, activation checkpointing "
+        f"{'on' if t.activation_checkpointing else 'off'}, optimizer {type(parts.optimizer).__name__}"
+        f"{' (fused)' if getattr(parts.optimizer, '_step_supports_amp_scaling', False) else ''}",
     ]
+
+
+def _compiled(model: torch.nn.Module) -> bool:
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())

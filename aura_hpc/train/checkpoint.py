@@ -15,6 +15,7 @@ leaves either the previous checkpoints untouched plus an ignored temp dir, or a 
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import hashlib
 import io
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from aura_hpc.errors import CheckpointError
+from aura_hpc.errors import CheckpointError, CheckpointWriteError
 
 log = logging.getLogger("aura_hpc")
 
@@ -64,11 +65,85 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _write(path: Path, data: bytes) -> None:
+def _write(path: Path, data: bytes) -> str:
+    """Write, fsync, and return the sha256 of what was written (no second read)."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+class _HashingFile:
+    """A write-only file that hashes what passes through it (torch.save streams into it)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.h = f, hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.h.update(data)
+        return int(self.f.write(data))
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+# Unchanged files (the tokenizer) are hashed once per process, not at every save.
+_HASHES: dict[tuple[str, int, int], str] = {}
+
+
+def _sha256_cached(path: Path) -> str:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _HASHES:
+        _HASHES[key] = _sha256(path)
+    return _HASHES[key]
+
+
+@dataclass
+class ModelSnapshot:
+    """A model's weights (tied copies once) and configuration in host memory, detached from training."""
+
+    weights: dict[str, torch.Tensor]
+    config: Any
+    generation_config: Any
+
+
+def host_copy(obj: Any) -> Any:
+    """`obj` with every tensor copied to host memory: what training mutates next cannot reach it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def snapshot_model(model: Any) -> ModelSnapshot:
+    weights: dict[str, torch.Tensor] = {}
+    seen: set[tuple[str, int]] = set()
+    for name, t in model.state_dict().items():
+        key = (str(t.device), t.data_ptr())
+        if key in seen:  # a tied weight (lm_head = wte): stored once, as transformers does
+            continue
+        seen.add(key)
+        weights[name] = t.detach().to("cpu", copy=True).contiguous()
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    return ModelSnapshot(weights, config, copy.deepcopy(getattr(model, "generation_config", None)))
+
+
+def _write_model(folder: Path, snap: ModelSnapshot) -> dict[str, str]:
+    """config.json, generation_config.json and model.safetensors, as `save_pretrained` lays them out."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    snap.config.save_pretrained(str(folder))
+    if snap.generation_config is not None:
+        snap.generation_config.save_pretrained(str(folder))
+    save_file(snap.weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return {str(p.relative_to(folder.parent)): _sha256(p) for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 def save(
@@ -81,9 +156,14 @@ def save(
     config_yaml: str,
     keep_last: int,
 ) -> Path:
-    """Write checkpoint `step` atomically and prune to the newest `keep_last`. Rank 0 only."""
+    """Write checkpoint `step` atomically and prune to the newest `keep_last`. Rank 0 only.
+
+    `model` is a ModelSnapshot (or a model, snapshotted here); `trainer_state` must not change
+    while this runs (the asynchronous writer gets a host copy).
+    """
     from aura_hpc.train import faults
 
+    snap = model if isinstance(model, ModelSnapshot) else snapshot_model(model)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
     _clean_stale_temps(root)
@@ -96,24 +176,32 @@ def save(
 
     try:
         tmp.mkdir()
-        model.save_pretrained(str(tmp / "model"), safe_serialization=True)
+        hashes = _write_model(tmp / "model", snap)
         stage("model")
-        buf = io.BytesIO()
-        torch.save(trainer_state, buf)
-        _write(tmp / "trainer_state.pt", buf.getvalue())
+        with open(tmp / "trainer_state.pt", "wb") as f:
+            hashing = _HashingFile(f)
+            torch.save(trainer_state, hashing)
+            f.flush()
+            os.fsync(f.fileno())
+        hashes["trainer_state.pt"] = hashing.h.hexdigest()
         stage("trainer_state")
-        _write(tmp / "meta.json", json.dumps(meta, indent=2).encode())
+        hashes["meta.json"] = _write(tmp / "meta.json", json.dumps(meta, indent=2).encode())
         stage("meta")
-        _write(tmp / "config.yaml", config_yaml.encode())
+        hashes["config.yaml"] = _write(tmp / "config.yaml", config_yaml.encode())
         stage("config")
         if tokenizer_dir is not None and tokenizer_dir.is_dir():
-            shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+            for src in sorted(p for p in tokenizer_dir.rglob("*") if p.is_file()):
+                dst = tmp / "tokenizer" / src.relative_to(tokenizer_dir)
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, dst)
+                hashes[str(dst.relative_to(tmp))] = _sha256_cached(src)
         stage("tokenizer")
         files: dict[str, dict[str, Any]] = {}
         for p in sorted(tmp.rglob("*")):
             if p.is_file():
                 _fsync(p)
-                files[str(p.relative_to(tmp))] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+                rel = str(p.relative_to(tmp))
+                files[rel] = {"size": p.stat().st_size, "sha256": hashes.get(rel) or _sha256(p)}
         for d in [tmp, *[p for p in tmp.rglob("*") if p.is_dir()]]:
             _fsync(d)
         stage("files")
@@ -133,7 +221,7 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         reason = exc.strerror or str(exc)
         fix = "free disk space" if exc.errno == errno.ENOSPC else "check the permissions and the filesystem"
-        raise CheckpointError(
+        raise CheckpointWriteError(
             f"could not write checkpoint {final.name} in {root} ({reason}); the previous checkpoints are intact "
             f"(fix: {fix}, then re-run the same command to resume)"
         ) from None
@@ -219,6 +307,51 @@ def newest_valid(root: Path) -> Checkpoint | None:
     return None
 
 
+def _unreadable(exc: BaseException) -> CheckpointError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CheckpointError(
+        f"checkpoint could not be loaded safely ({type(exc).__name__}: {first[:200]}) "
+        "(fix: move that checkpoint directory away to resume from the previous one)"
+    )
+
+
+def read_meta(ckpt: Path) -> dict[str, Any]:
+    try:
+        meta: dict[str, Any] = json.loads((ckpt / "meta.json").read_bytes())
+    except Exception as exc:
+        raise _unreadable(exc) from None
+    return meta
+
+
+def load_weights_from(ckpt: Path, model: torch.nn.Module) -> None:
+    """Copy the saved weights into `model` one tensor at a time (memory-mapped: one tensor in host memory)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(ckpt / "model" / "model.safetensors"), framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            _check_keys(model, names)
+            params = model.state_dict()
+            with torch.no_grad():
+                for name in names:
+                    params[name].copy_(f.get_tensor(name))
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise _unreadable(exc) from None
+
+
+def read_trainer_state(ckpt: Path) -> dict[str, Any]:
+    """Optimizer, scheduler and RNG states, memory-mapped: the ranks of a node share the pages
+    (the file is read from shared storage once per node, not once per rank)."""
+    try:
+        # weights_only: a checkpoint is data, never code.
+        state: dict[str, Any] = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise _unreadable(exc) from None
+    return state
+
+
 def read_payload(ckpt: Path) -> dict[str, bytes]:
     """The raw bytes a resuming rank needs (lets rank 0 ship them to ranks without shared storage)."""
     return {
@@ -237,18 +370,20 @@ def decode_payload(payload: dict[str, bytes]) -> tuple[dict[str, torch.Tensor], 
         state = torch.load(io.BytesIO(payload["trainer_state"]), map_location="cpu", weights_only=True)
         meta = json.loads(payload["meta"])
     except Exception as exc:  # any decoding failure means the same thing to the user
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(
-            f"checkpoint could not be loaded safely ({type(exc).__name__}: {first[:200]}) "
-            "(fix: move that checkpoint directory away to resume from the previous one)"
-        ) from None
+        raise _unreadable(exc) from None
     return weights, state, meta
 
 
 def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    _check_keys(model, list(weights))
+    model.load_state_dict(weights, strict=False)
+
+
+def _check_keys(model: torch.nn.Module, names: list[str]) -> None:
+    expected = set(model.state_dict())
     tied = {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
-    missing = [k for k in missing if k not in tied]
+    missing = sorted(expected - set(names) - tied)
+    unexpected = sorted(set(names) - expected)
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint weights do not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]}) "

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from aura_hpc.config import RunConfig
-from aura_hpc.errors import CheckpointError, TrainingError
+from aura_hpc.errors import CheckpointError, CheckpointWriteError, TrainingError
 from aura_hpc.train import checkpoint, distributed
 from aura_hpc.train.dist_env import DistEnv
 from aura_hpc.train.runtime import Runtime, rng_state, set_rng_state
@@ -24,6 +26,7 @@ class Checkpointer:
         self.cfg, self.env, self.rt = cfg, env, rt
         self.parts, self.layout, self.pos = parts, layout, pos
         self.root = cfg.run_dir / "checkpoints"
+        self.writer: _Writer | None = None
 
     # ---- resume -------------------------------------------------------------------------
     def resume(self) -> None:
@@ -54,32 +57,31 @@ class Checkpointer:
         local = self.root / chosen
         have = (local / checkpoint.MARKER).exists()
         everyone = distributed.all_gather_object(have)
-        if all(everyone):
-            payload = checkpoint.read_payload(local)
-        else:
-            payload = checkpoint.read_payload(local) if self.env.is_main else None
-            payload = distributed.broadcast_object(payload)
-            if self.env.is_main:
-                log.info("sent checkpoint %s to ranks without shared storage", chosen)
-        try:
-            weights, state, meta = checkpoint.decode_payload(payload)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{chosen}: {exc}") from None
-        if meta.get("model_fingerprint") != self.cfg.model_fingerprint():
-            raise CheckpointError(
-                f"checkpoint {chosen} was written with a different model shape or data.seq_len than this config "
-                "(fix: resume with the original config, or start fresh with a new --run-name)"
-            )
         p = self.parts
-        checkpoint.load_weights(p.model, {k: v.to(self.rt.param_dtype) for k, v in weights.items()})
-        p.model.to(self.rt.device)
+        try:
+            if all(everyone):
+                # Straight from (shared) storage, memory-mapped: no rank holds a private copy.
+                meta = checkpoint.read_meta(local)
+                self._check_fingerprint(chosen, meta)
+                checkpoint.load_weights_from(local, p.model)
+                state = checkpoint.read_trainer_state(local)
+            else:
+                payload = checkpoint.read_payload(local) if self.env.is_main else None
+                payload = distributed.broadcast_object(payload)
+                if self.env.is_main:
+                    log.info("sent checkpoint %s to ranks without shared storage", chosen)
+                weights, state, meta = checkpoint.decode_payload(payload)
+                self._check_fingerprint(chosen, meta)
+                checkpoint.load_weights(p.model, {k: v.to(self.rt.param_dtype) for k, v in weights.items()})
+        except CheckpointError as exc:
+            raise CheckpointError(str(exc) if str(exc).startswith(f"checkpoint {chosen} ") else f"{chosen}: {exc}") from None
         p.optimizer.load_state_dict(state["optimizer"])
         p.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             p.scaler.load_state_dict(state["scaler"])
         rngs = state.get("rng") or []
         if len(rngs) == self.layout.world:
-            set_rng_state(rngs[self.env.rank])
+            set_rng_state(rngs[self.env.rank], self.rt.device)
         elif self.env.is_main:
             log.warning("world size changed (%d -> %d): RNG streams re-seeded", len(rngs), self.layout.world)
         self.pos.step = int(meta["step"])
@@ -91,20 +93,35 @@ class Checkpointer:
             log.warning("effective batch changed (%s -> %d) since the checkpoint", meta.get("effective_batch"), per_step)
         return int(meta["samples_seen"])
 
+    def _check_fingerprint(self, chosen: str, meta: dict[str, Any]) -> None:
+        if meta.get("model_fingerprint") != self.cfg.model_fingerprint():
+            raise CheckpointError(
+                f"checkpoint {chosen} was written with a different model shape or data.seq_len than this config "
+                "(fix: resume with the original config, or start fresh with a new --run-name)"
+            )
+
     # ---- save ---------------------------------------------------------------------------
     def _weights_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.parts.model.parameters())
+        flags = [torch.isfinite(p).all() for p in self.parts.model.parameters()]
+        return bool(torch.stack(flags).all())  # one device sync, not one per tensor
 
     def save(self) -> Path | None:
-        """One checkpoint of the current step, written by rank 0; None when the weights are not finite."""
-        rngs = distributed.all_gather_object(rng_state())
-        path = None
+        """A checkpoint of the current step, written by rank 0; None when the weights are not finite.
+
+        With train.async_checkpoint, rank 0 copies the state to host memory and a background
+        thread writes it: training pauses only for the copy. A write that fails is reported,
+        to every rank, at the next save or `wait()`.
+        """
+        rngs = distributed.all_gather_object(rng_state(self.rt.device))
         pos, p = self.pos, self.parts
         if not all(distributed.all_gather_object(self._weights_finite())):
             if self.env.is_main:
                 log.error("weights are not finite at step %d: checkpoint NOT written (the previous ones are kept)", pos.step)
             return None
+        self.wait()  # one write at a time; and the previous one's outcome, for every rank
+        path = self.root / checkpoint.step_dir_name(pos.step)
         if self.env.is_main:
+            t0 = time.perf_counter()
             meta = {
                 "eval_loss": pos.last_eval,
                 "rollbacks": pos.rollbacks,
@@ -117,30 +134,38 @@ class Checkpointer:
                 "n_params": p.n_params,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
-            state = {
-                "optimizer": p.optimizer.state_dict(),
-                "scheduler": p.scheduler.state_dict(),
-                "scaler": p.scaler.state_dict() if p.scaler.is_enabled() else {},
-                "rng": rngs,
-            }
-            t0 = time.perf_counter()
-            error: str | None = None
-            try:
-                path = checkpoint.save(
-                    self.root, pos.step, p.model, state, meta, p.data.tokenizer_dir, self.cfg.to_yaml(), self.cfg.train.keep_last
-                )
-                log.info("checkpoint %s written in %.2fs", path, time.perf_counter() - t0)
-            except CheckpointError as exc:
-                error = str(exc)
-            # Every rank learns that the save failed, so all stop together instead of hanging.
-            error = distributed.broadcast_object(error)
-        else:
-            error = distributed.broadcast_object(None)
-        if error:
-            raise CheckpointError(error)
-        distributed.barrier()
+            state = checkpoint.host_copy(
+                {
+                    "optimizer": p.optimizer.state_dict(),
+                    "scheduler": p.scheduler.state_dict(),
+                    "scaler": p.scaler.state_dict() if p.scaler.is_enabled() else {},
+                    "rng": rngs,
+                }
+            )
+            snap = checkpoint.snapshot_model(p.model)
+            paused = time.perf_counter() - t0
+            args = (self.root, pos.step, snap, state, meta, p.data.tokenizer_dir, self.cfg.to_yaml(), self.cfg.train.keep_last)
+            self.writer = _Writer(args, t0, paused)
+            if self.cfg.train.async_checkpoint:
+                self.writer.start()
+            else:
+                self.writer.run()
+        if not self.cfg.train.async_checkpoint:
+            self.wait()
         pos.saved_step = pos.step
         return path
+
+    def wait(self) -> None:
+        """Wait for the checkpoint being written; every rank calls this at the same point."""
+        error = None
+        if self.env.is_main and self.writer is not None:
+            if self.writer.ident is not None:  # started in the background (else it already ran)
+                self.writer.join()
+            error, self.writer = self.writer.error, None
+        # Every rank learns that the save failed, so all stop together instead of hanging.
+        error = distributed.broadcast_object(error)
+        if error:
+            raise CheckpointWriteError(error)
 
     # ---- rollback -----------------------------------------------------------------------
     def rollback(self, bad_steps: int) -> None:
@@ -151,6 +176,7 @@ class Checkpointer:
                 f"the loss stayed non-finite after {pos.rollbacks} rollbacks (step {pos.step}) "
                 "(fix: lower train.lr, raise train.warmup_steps or train.grad_clip, or check the data)"
             )
+        self.wait()
         chosen = self.newest_name()
         if chosen is None:
             raise TrainingError(
@@ -174,3 +200,26 @@ class Checkpointer:
                 pos.rollbacks,
                 t.nan_max_rollbacks,
             )
+
+
+class _Writer(threading.Thread):
+    """Writes one checkpoint from host memory (rank 0), in the background or in place."""
+
+    def __init__(self, args: tuple[Any, ...], t0: float, paused: float) -> None:
+        super().__init__(name="aura-checkpoint-writer")
+        self.args, self.t0, self.paused = args, t0, paused
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            path = checkpoint.save(*self.args)
+            log.info(
+                "checkpoint %s written in %.2fs (training paused %.2fs to copy the state)",
+                path,
+                time.perf_counter() - self.t0,
+                self.paused,
+            )
+        except CheckpointError as exc:
+            self.error = str(exc)
+        except Exception as exc:  # reported like a failed write: the previous checkpoints stay intact
+            self.error = f"could not write the checkpoint ({type(exc).__name__}: {str(exc)[:200]}); the previous checkpoints are intact"

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from aura_hpc.errors import LaunchError
 from aura_hpc.train.dist_env import DistEnv
 
 log = logging.getLogger("aura_hpc")
@@ -21,15 +23,10 @@ def pick_device(env: DistEnv, backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _store(env: DistEnv, timeout: timedelta) -> dist.Store:
-    """A per-attempt view of the rendezvous store.
-
-    Under the elastic agent, workers share the agent's TCPStore across restarts. Without a
-    per-attempt prefix, restarted workers read the previous attempt's gloo addresses and fail
-    ("connectFullMesh ... Connection refused") or hang (measured 3/3 runs on this platform).
-    """
+def _tcp_store(env: DistEnv, timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous store: the agent's under torchrun, else one that rank 0 hosts. Created once per process."""
     is_master = env.rank == 0 and not env.uses_agent_store
-    tcp = dist.TCPStore(
+    return dist.TCPStore(
         env.master_addr,
         env.master_port,
         env.world_size,
@@ -38,38 +35,61 @@ def _store(env: DistEnv, timeout: timedelta) -> dist.Store:
         wait_for_workers=False,
         use_libuv=os.environ.get("TORCH_DISTRIBUTED_USE_LIBUV", "1") != "0",
     )
-    return dist.PrefixStore(f"aura/attempt{env.restart_count}", tcp)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def init_process_group(env: DistEnv, backend: str, device: torch.device, init_timeout_s: int, timeout_s: int) -> str:
-    """Initialise the default group; NCCL falls back to gloo (logged) when it cannot start."""
+    """Initialise the default group; returns the backend in use.
+
+    With dist.backend=auto on GPUs, NCCL that cannot start on some rank makes every rank fall
+    back to gloo together (logged as fallback=gloo); with dist.backend=nccl it is an error, never
+    a silent switch. The fallback reuses the same store: a second TCPStore on the master port
+    would fail with EADDRINUSE (seen under Slurm).
+    """
     wanted = backend
     if backend == "auto":
         wanted = "nccl" if device.type == "cuda" else "gloo"
-    store = _store(env, timedelta(seconds=init_timeout_s))
+    tcp = _tcp_store(env, timedelta(seconds=init_timeout_s))
+    # Under the elastic agent, workers share the agent's TCPStore across restarts. Without a
+    # per-attempt prefix, restarted workers read the previous attempt's gloo addresses and fail
+    # ("connectFullMesh ... Connection refused") or hang (measured 3/3 runs on this platform).
+    attempt = f"aura/attempt{env.restart_count}"
+    timeout = timedelta(seconds=timeout_s)
+    if wanted != "nccl":
+        dist.init_process_group(wanted, store=dist.PrefixStore(attempt, tcp), rank=env.rank, world_size=env.world_size, timeout=timeout)
+        return wanted
+    error = ""
     try:
         dist.init_process_group(
-            wanted,
-            store=store,
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timedelta(seconds=timeout_s),
-            device_id=device if wanted == "nccl" else None,
+            "nccl", store=dist.PrefixStore(attempt, tcp), rank=env.rank, world_size=env.world_size, timeout=timeout, device_id=device
         )
-        if wanted == "nccl":
-            # NCCL initialises lazily; force a collective so a broken fabric shows up here.
-            t = torch.ones(1, device=device)
-            dist.all_reduce(t)
-        return wanted
     except Exception as exc:
-        if wanted != "nccl":
-            raise
-        log.warning("NCCL init failed (%s); fallback=gloo", str(exc).splitlines()[0] if str(exc) else exc)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        store = dist.PrefixStore("gloo-fallback", _store(env, timedelta(seconds=init_timeout_s)))
-        dist.init_process_group("gloo", store=store, rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
-        return "gloo"
+        error = _first_line(exc)
+    # Every rank learns every rank's outcome, so that all fall back together or none does.
+    tcp.set(f"{attempt}/nccl/{env.rank}", error or "ok")
+    outcomes = [tcp.get(f"{attempt}/nccl/{r}").decode() for r in range(env.world_size)]
+    failed = {r: o for r, o in enumerate(outcomes) if o != "ok"}
+    if not failed:
+        # NCCL connects lazily on some releases; one collective makes a broken fabric show up here.
+        dist.all_reduce(torch.ones(1, device=device))
+        return "nccl"
+    first_rank, why = next(iter(failed.items()))
+    if backend == "nccl":
+        raise LaunchError(
+            f"NCCL could not start on rank(s) {sorted(failed)} (rank {first_rank}: {why}) and dist.backend=nccl does not fall "
+            "back to gloo (fix: `python -m aura_hpc check` on these nodes; NCCL_SOCKET_IFNAME / InfiniBand settings in the "
+            "cluster profile; or --set dist.backend=auto to allow a gloo fallback)"
+        )
+    if env.is_main:
+        log.warning("NCCL could not start on rank(s) %s (rank %d: %s); fallback=gloo", sorted(failed), first_rank, why)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    fallback = dist.PrefixStore(f"{attempt}/gloo-fallback", tcp)
+    dist.init_process_group("gloo", store=fallback, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    return "gloo"
 
 
 def active() -> bool:
@@ -107,4 +127,8 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 def shutdown() -> None:
     if active():
+        # gloo's worker thread frees finished work (and the Python tensors it holds) right after
+        # completing it; destroying the group while it still must, with the GIL held here,
+        # deadlocks torch < 2.8 (seen on 2.6: ~2 runs in 8). A short GIL-free pause lets it finish.
+        time.sleep(0.1)
         dist.destroy_process_group()

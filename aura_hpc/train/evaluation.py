@@ -6,7 +6,6 @@ import torch
 
 from aura_hpc.config import TrainConfig
 from aura_hpc.train import distributed
-from aura_hpc.train.model import lm_loss
 from aura_hpc.train.runtime import Runtime
 from aura_hpc.train.state import Parts
 
@@ -14,7 +13,7 @@ from aura_hpc.train.state import Parts
 @torch.no_grad()
 def evaluate(parts: Parts, t: TrainConfig, rank: int, world: int, rt: Runtime) -> float | None:
     """Mean loss over the first validation sequences, split over the ranks; None without a validation split."""
-    data, model = parts.data, parts.model
+    data, model = parts.data, parts.loss_model
     n_val = data.num_sequences("val")
     if n_val == 0:
         return None
@@ -26,7 +25,7 @@ def evaluate(parts: Parts, t: TrainConfig, rank: int, world: int, rt: Runtime) -
         idx = mine[i : i + t.batch_size]
         x = torch.from_numpy(data.sequences("val", idx)).to(rt.device)
         with rt.autocast():
-            loss_sum += float(lm_loss(model, x)) * len(idx)
+            loss_sum += float(model(x)) * len(idx)
         count += len(idx)
     model.train()
     total, cnt = distributed.all_reduce_sum([loss_sum, float(count)], rt.device)

@@ -18,10 +18,12 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
     if temperature <= 0 or max_new_tokens <= 0:
         raise CheckpointError("--temperature and --max-new-tokens must be positive (fix: --temperature 0.8)")
     import torch
-    from transformers import AutoTokenizer, GPT2LMHeadModel
+    from transformers import AutoTokenizer
+
+    from aura_hpc.train.model import load_pretrained
 
     tok = AutoTokenizer.from_pretrained(str(ckpt.path / "tokenizer"))
-    model = GPT2LMHeadModel.from_pretrained(str(ckpt.path / "model"), dtype=torch.float32)
+    model = load_pretrained(str(ckpt.path / "model"))
     model.eval()
     torch.manual_seed(seed)
     ids = tok(prompt, return_tensors="pt").input_ids

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,17 +61,25 @@ class MetricsWriter:
 
 @dataclass
 class Interval:
-    """Sums over the steps since the last logged one: its row reports their means."""
+    """What the next metrics row reports: the mean loss of the good steps since the last row, and
+    the throughput of the steps timed since the clock last started (compilation, evaluation and
+    checkpoints stay outside it)."""
 
-    time_s: float = 0.0
-    tokens: int = 0
     loss: float = 0.0
     steps: int = 0
+    tokens: int = 0
+    timed_steps: int = 0
+    start: float = field(default_factory=time.perf_counter)
 
     def add(self, loss: float, tokens: int) -> None:
         self.loss += loss
-        self.tokens += tokens
         self.steps += 1
+        self.tokens += tokens
+        self.timed_steps += 1
+
+    def restart_clock(self) -> None:
+        self.tokens, self.timed_steps, self.start = 0, 0, time.perf_counter()
 
     def reset(self) -> None:
-        self.time_s, self.tokens, self.loss, self.steps = 0.0, 0, 0.0, 0
+        self.loss, self.steps = 0.0, 0
+        self.restart_clock()

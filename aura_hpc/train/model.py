@@ -1,4 +1,8 @@
-"""The GPT-2 model, built from config and trained from scratch. Knows nothing of distribution."""
+"""The GPT-2 model, built from config and trained from scratch, and the loss the loop trains on.
+
+Knows nothing of distribution: strategies/ wraps `LanguageModelLoss` (the module whose forward
+is the training loss), and checkpoints save the transformers model inside it.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from typing import Any
 import torch
 
 from aura_hpc.config import ModelConfig
+from aura_hpc.train.loss import chunked_cross_entropy
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, eos_id: int) -> Any:
@@ -29,13 +34,63 @@ def build_model(cfg: ModelConfig, vocab_size: int, eos_id: int) -> Any:
     return GPT2LMHeadModel(hf_cfg)
 
 
+def load_pretrained(path: str, dtype: torch.dtype = torch.float32) -> Any:
+    """A saved model folder, on every transformers release we support (`dtype=` replaced `torch_dtype=` in 4.56)."""
+    import transformers
+    from transformers import GPT2LMHeadModel
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    return GPT2LMHeadModel.from_pretrained(path, **{key: dtype})
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     # Tied input/output embeddings are one tensor; parameters() already yields it once.
     return sum(p.numel() for p in model.parameters())
 
 
 def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of a (B, T+1) token batch."""
+    """Mean next-token cross-entropy of a (B, T+1) token batch, through the full logits."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
     logits = model(input_ids=inputs).logits
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+class LanguageModelLoss(torch.nn.Module):
+    """forward(batch) = the training loss of a (B, T+1) token batch; what the strategies wrap.
+
+    `chunked` computes the loss from the last hidden states a slice of tokens at a time
+    (train/loss.py) instead of materialising the whole batch's fp32 logits.
+    """
+
+    def __init__(self, lm: torch.nn.Module, chunked: bool, compute_dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.lm = lm
+        self.chunked = chunked
+        self.compute_dtype = compute_dtype
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        if not self.chunked:
+            return lm_loss(self.lm, batch)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        hidden = self.lm.transformer(input_ids=inputs).last_hidden_state  # type: ignore[union-attr,operator]
+        weight = self.lm.lm_head.weight  # type: ignore[union-attr]
+        return chunked_cross_entropy(hidden.reshape(-1, hidden.size(-1)), weight, targets.reshape(-1), self.compute_dtype)
+
+
+def enable_activation_checkpointing(lm: Any) -> None:
+    """Recompute each block's activations in the backward pass (non-reentrant: works with DDP and compile)."""
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def compile_blocks(lm: Any) -> int:
+    """torch.compile each transformer block in place; returns how many.
+
+    Per block, as torchtitan does: each block's backward still ends on its own, so DDP's
+    bucketed all-reduce overlaps the rest of the backward pass, and FSDP2 can shard per block.
+    State-dict keys do not change (Module.compile keeps the module).
+    """
+    blocks = list(lm.transformer.h)
+    for block in blocks:
+        block.compile()
+    return len(blocks)

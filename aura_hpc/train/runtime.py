@@ -48,8 +48,11 @@ def start(cfg: RunConfig, env: DistEnv) -> Runtime:
         malloc = "pinned"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        # TF32 matmuls round fp32 inputs to 10-bit mantissas: fine under mixed precision, not
+        # when the config asks for full fp32 (or fp64) arithmetic.
+        tf32 = cfg.train.precision in ("auto", "bf16", "fp16")
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
     backend = "none"
     if env.launcher != "none" or env.world_size > 1:
         backend = distributed.init_process_group(env, cfg.dist.backend, device, cfg.dist.init_timeout_s, cfg.dist.timeout_s)
@@ -90,15 +93,21 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's RNG streams: CPU, Python, and the one GPU it trains on (not every visible GPU)."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is None or device.type != "cuda":
+        return
+    if isinstance(cuda, list):  # older checkpoints held the state of every visible GPU
+        cuda = cuda[device.index] if device.index is not None and device.index < len(cuda) else None
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)

@@ -21,13 +21,18 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (or SGD) with weight decay on matrices only, not on biases and norms."""
+def make_optimizer(model: torch.nn.Module, t: TrainConfig, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW (or SGD) with weight decay on matrices only, not on biases and norms.
+
+    fused (CUDA): one kernel for the whole update, and a bad step skipped on the device.
+    """
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=t.lr)
+    if fused:
+        return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
 
 

@@ -60,7 +60,8 @@ class Parts:
 
     data: PackedTokens
     order: GlobalOrder
-    model: torch.nn.Module
+    model: torch.nn.Module  # the transformers model: what checkpoints save and samples come from
+    loss_model: torch.nn.Module  # forward(batch) = the training loss; what the strategies wrap
     n_params: int
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR

@@ -1,4 +1,12 @@
-"""One optimizer step: micro-steps with accumulation, the ranks' agreement flags, clipping, update."""
+"""One optimizer step: micro-steps with accumulation, the ranks' agreement flags, clipping, update.
+
+A step never waits for the GPU. Whether the update is usable (finite loss on every rank,
+finite gradients) is decided on the device, and a fused optimizer skips a bad update there
+(the `found_inf` input GradScaler also uses), so a NaN step is never applied and every rank
+skips it alike. What the loop needs to know (loss, gradient norm, stop and GPU-fault flags,
+which ranks went bad) is copied to pinned host memory without blocking and read later, when
+the loop has a reason to wait: the next step is already queued by then.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +19,6 @@ import torch
 from aura_hpc.config import TrainConfig
 from aura_hpc.train import distributed, faults
 from aura_hpc.train.batches import Batches
-from aura_hpc.train.model import lm_loss
 from aura_hpc.train.runtime import Runtime
 from aura_hpc.train.state import Parts, Position
 from aura_hpc.train.stop import StopRequest
@@ -20,6 +27,7 @@ from aura_hpc.train.strategies import Wrapped
 
 @dataclass
 class StepResult:
+    step: int
     loss: float
     grad_norm: float
     stop: bool  # every rank agreed to stop (a signal reached at least one)
@@ -27,32 +35,63 @@ class StepResult:
     gpu_fault: bool  # a GPU circuit breaker opened on at least one node
 
 
+class StepOutcome:
+    """A step's report, on its way to host memory; `read()` waits for it (usually already there)."""
+
+    def __init__(self, step: int, report: torch.Tensor, world: int, scaler_enabled: bool) -> None:
+        self.step, self.world, self.scaler_enabled = step, world, scaler_enabled
+        self.event = None
+        if report.device.type == "cuda":
+            host = torch.empty(report.shape, dtype=report.dtype, pin_memory=True)
+            host.copy_(report, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+            report = host
+        self.report = report
+
+    def read(self) -> StepResult:
+        if self.event is not None:
+            self.event.synchronize()
+        v = self.report.tolist()
+        loss, norm = v[0], v[1]
+        # Only the rank whose loss went bad is named: a NaN loss on one rank poisons every rank's
+        # gradients through DDP, so the gradients cannot say where it started.
+        bad = [r for r in range(self.world) if v[4 + r] > 0]
+        if not bad and not math.isfinite(norm) and not self.scaler_enabled:
+            # After the all-reduce every rank holds the same gradients, so every rank sees this
+            # alike. fp16's GradScaler skips inf-gradient steps itself; only a bad loss counts there.
+            bad = list(range(self.world))
+        return StepResult(self.step, loss, norm, v[2] > 0, bad, v[3] > 0)
+
+
 class Stepper:
     def __init__(self, t: TrainConfig, rank: int, world: int, rt: Runtime, parts: Parts, wrapped: Wrapped, batches: Batches) -> None:
         self.t, self.rank, self.world, self.rt = t, rank, world, rt
         self.parts, self.wrapped, self.batches = parts, wrapped, batches
+        # Fused optimizers take a device flag that turns the update into a no-op (no host sync).
+        self.skips_on_device = bool(getattr(parts.optimizer, "_step_supports_amp_scaling", False))
 
-    def step(self, pos: Position, stop: StopRequest, gpu_fault_seen: Callable[[], bool]) -> StepResult:
-        """Whether to stop and whether the step is usable is decided by all ranks together in one
-        all-reduce (under DDP the gradients' own), so a NaN or a signal on one rank never leaves
-        the others waiting.
+    def step(self, pos: Position, stop: StopRequest, gpu_fault_seen: Callable[[], bool]) -> StepOutcome:
+        """Queue step pos.step + 1. Whether to stop and whether the step is usable is decided by all
+        ranks together in one all-reduce (under DDP the gradients' own), so a NaN or a signal on
+        one rank never leaves the others waiting.
         """
         t, rt, p, wrapped = self.t, self.rt, self.parts, self.wrapped
         total = torch.zeros((), device=rt.device, dtype=torch.float64)
         poison = faults.poison_loss(self.rank, pos.step + 1)
         riding = False
+        # [stop requested, GPU breaker open, non-finite loss on rank 0..N-1], built on the device
+        # and summed over ranks with the gradients (or below).
         flags = torch.zeros(2 + self.world, dtype=torch.float64, device=rt.device)
         for micro in range(t.grad_accum):
             batch = self.batches.get(pos, micro)
             last = micro == t.grad_accum - 1
             with wrapped.accumulating(sync=last), rt.autocast():
-                loss = lm_loss(wrapped.module, batch) / t.grad_accum
+                loss = wrapped.module(batch) / t.grad_accum
                 if poison:
                     loss = loss * float("nan")
             total += loss.detach().to(torch.float64)
             if last:
-                # [stop requested, GPU breaker open, non-finite loss on rank 0..N-1], built on the
-                # device without a sync and summed over ranks with the gradients (or below).
                 flags[0] = 1.0 if stop.requested else 0.0
                 flags[1] = 1.0 if gpu_fault_seen() else 0.0
                 flags[2 + self.rank] = (~torch.isfinite(total)).to(torch.float64)
@@ -65,22 +104,30 @@ class Stepper:
         p.scaler.unscale_(p.optimizer)
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(p.model.parameters(), max_norm)
-        loss_value, norm_value = float(total), float(grad_norm)
-        flags_list = flags.tolist()
-        # Only the rank whose loss went bad is named: a NaN loss on one rank poisons every rank's
-        # gradients through DDP, so the gradients cannot say where it started.
-        bad_ranks = [r for r in range(self.world) if flags_list[2 + r] > 0]
-        if not bad_ranks and not math.isfinite(norm_value) and not p.scaler.is_enabled():
-            # After the all-reduce every rank holds the same gradients, so every rank sees this
-            # alike. fp16's GradScaler skips inf-gradient steps itself; only a bad loss counts there.
-            bad_ranks = list(range(self.world))
-        if bad_ranks:
-            p.optimizer.zero_grad(set_to_none=True)
-            if p.scaler.is_enabled():
+        bad = flags[2:].sum() > 0
+        if not p.scaler.is_enabled():
+            bad = bad | ~torch.isfinite(grad_norm)
+        self._update(bad)
+        p.scheduler.step()
+        report = torch.cat([total.view(1), grad_norm.detach().to(torch.float64).view(1), flags])
+        return StepOutcome(pos.step + 1, report, self.world, p.scaler.is_enabled())
+
+    def _update(self, bad: torch.Tensor) -> None:
+        p = self.parts
+        if p.scaler.is_enabled():  # fp16: GradScaler decides about inf gradients itself
+            if bool(bad):
+                p.optimizer.zero_grad(set_to_none=True)
                 p.scaler.update()
-        else:
+                return
             p.scaler.step(p.optimizer)
             p.scaler.update()
-            p.optimizer.zero_grad(set_to_none=True)
-        p.scheduler.step()
-        return StepResult(loss_value, norm_value, flags_list[0] > 0, bad_ranks, flags_list[1] > 0)
+        elif self.skips_on_device:
+            opt = p.optimizer
+            opt.grad_scale, opt.found_inf = None, bad.to(torch.float32)  # type: ignore[attr-defined]
+            try:
+                opt.step()
+            finally:
+                opt.found_inf = None  # type: ignore[attr-defined]
+        elif not bool(bad):  # CPU: the tensors are already computed, reading one costs nothing
+            p.optimizer.step()
+        p.optimizer.zero_grad(set_to_none=True)

@@ -25,11 +25,13 @@ from aura_hpc.train.evaluation import evaluate, sample
 from aura_hpc.train.health import HealthWatch
 from aura_hpc.train.metrics import Interval, MetricsWriter
 from aura_hpc.train.state import Position
-from aura_hpc.train.step import Stepper, StepResult
+from aura_hpc.train.step import StepOutcome, Stepper, StepResult
 from aura_hpc.train.stop import StopRequest
 from aura_hpc.train.strategies import wrap
 
 log = logging.getLogger("aura_hpc")
+
+ROLLED_BACK = -1  # _settle's answer after a rollback: the loop goes on from the restored step
 
 
 class Trainer:
@@ -47,7 +49,7 @@ class Trainer:
         self.parts, self.layout = build(cfg, env, self.rt)
         self.ckpt = Checkpointer(cfg, env, self.rt, self.parts, self.layout, self.pos)
         self.ckpt.resume()
-        wrapped = wrap(self.parts.model, cfg.dist.strategy, self.rt.device, self.layout.world)
+        wrapped = wrap(self.parts.loss_model, cfg.dist.strategy, self.rt.device, self.layout.world)
         batches = Batches(self.parts, self.layout, env.rank, self.rt.device)
         stepper = Stepper(cfg.train, env.rank, self.layout.world, self.rt, self.parts, wrapped, batches)
         if env.is_main:
@@ -58,7 +60,7 @@ class Trainer:
         stop = StopRequest()
         stop.install()
         self.health.start(self._resources_to_tensorboard)
-        status = self._train(stepper, stop)
+        status = self._train(stepper, batches, stop)
         if status is not None:
             return status
         return self._finish()
@@ -78,67 +80,108 @@ class Trainer:
             if self.pos.step >= end:
                 log.info("nothing to do: the run is already at step %d of %d", self.pos.step, end)
 
-    def _train(self, stepper: Stepper, stop: StopRequest) -> int | None:
-        """Steps until the end step; an exit status when the run stops early (signal, GPU fault)."""
-        t, pos, lay = self.cfg.train, self.pos, self.layout
-        interval = Interval()
-        bad_in_a_row = 0
-        first_step = True
+    def _train(self, stepper: Stepper, batches: Batches, stop: StopRequest) -> int | None:
+        """Steps until the end step; an exit status when the run stops early (signal, GPU fault).
+
+        A step's report is read one step late, once the next step is queued, except at the
+        steps that log, evaluate, sample or checkpoint (and the first): those wait for it.
+        """
+        pos, lay = self.pos, self.layout
+        self.interval = Interval()
+        self.bad_in_a_row = 0
         self.loop_start = time.perf_counter()
+        pending: StepOutcome | None = None
+        first = True
         while pos.step < lay.end_step:
-            t0 = time.perf_counter()
             try:
-                r = stepper.step(pos, stop, self.health.fault_seen)
+                outcome = stepper.step(pos, stop, self.health.fault_seen)
             except RuntimeError as exc:
                 if not is_gpu_error(exc):
                     raise
                 return self._gpu_error(exc)
+            pos.step += 1
+            pos.tokens_seen += lay.tokens_per_step
+            batches.prefetch(pos)
+            faults.after_step(self.env.rank, pos.step, self.run_dir)
+            due = first or self._due(pos.step)
+            reports = [pending] if pending is not None else []
+            pending = None if due else outcome
+            if due:
+                reports.append(outcome)
+            results = [r.read() for r in reports]
+            status = self._settle(results, stop)
+            if status == ROLLED_BACK:
+                pending = None
+                continue
+            if status is not None:
+                return status
+            if first:
+                first = False
+                self._first_step_done()
+            if due:
+                self._after_step(results[-1])
+        return None
+
+    def _due(self, step: int) -> bool:
+        """Steps whose report the loop must have before it goes on."""
+        t = self.cfg.train
+        every = (t.log_every, t.eval_every, t.checkpoint_every, t.sample_every)
+        return step == self.layout.end_step or any(n and step % n == 0 for n in every)
+
+    def _first_step_done(self) -> None:
+        if self.env.is_main:
+            # Lets operators (and bench_faults.py) see how long a restart took to train again.
+            log.info(
+                "first step of this attempt done: step %d at unix time %.3f (%.1fs including compilation and warm-up, "
+                "not counted in tokens/s)",
+                self.pos.step,
+                time.time(),
+                time.perf_counter() - self.loop_start,
+            )
+        self.interval.restart_clock()
+
+    def _settle(self, results: list[StepResult], stop: StopRequest) -> int | None:
+        """Act on step reports, oldest first: skipped updates, rollback, stop, GPU fault."""
+        t = self.cfg.train
+        for r in results:
             if r.gpu_fault:
                 self.progress.stop()
                 return self._open_circuit()
-            pos.step += 1
-            pos.tokens_seen += lay.tokens_per_step
-            if first_step and self.env.is_main:
-                # Lets operators (and bench_faults.py) see how long a restart took to train again.
-                log.info("first step of this attempt done: step %d at unix time %.3f", pos.step, time.time())
-            first_step = False
-            faults.after_step(self.env.rank, pos.step, self.run_dir)
-            interval.time_s += time.perf_counter() - t0
             if r.bad_ranks:
-                bad_in_a_row += 1
+                self.bad_in_a_row += 1
                 if self.env.is_main:
                     log.warning(
                         "non-finite loss or gradient on rank(s) %s at step %d: update skipped (%d in a row)",
                         r.bad_ranks,
-                        pos.step,
-                        bad_in_a_row,
+                        r.step,
+                        self.bad_in_a_row,
                     )
-                if bad_in_a_row >= t.nan_rollback_after:
-                    self.ckpt.rollback(bad_in_a_row)
-                    bad_in_a_row = 0
-                    interval.reset()
-                    continue
+                if self.bad_in_a_row >= t.nan_rollback_after:
+                    self.ckpt.rollback(self.bad_in_a_row)
+                    self.bad_in_a_row = 0
+                    self.interval.reset()
+                    return ROLLED_BACK
             else:
-                bad_in_a_row = 0
+                self.bad_in_a_row = 0
+                self.interval.add(r.loss, self.layout.tokens_per_step)
             if r.stop:
                 self.progress.stop()
                 if self.metrics is not None:
                     self.metrics.close()
                 return self._stop_on_signal(stop)
-            if r.bad_ranks:
-                continue
-            interval.add(r.loss, lay.tokens_per_step)
-            self._after_step(r, interval)
         return None
 
-    def _after_step(self, r: StepResult, interval: Interval) -> None:
-        """Logging, evaluation, samples and checkpoints due at this (good) step."""
+    def _after_step(self, r: StepResult) -> None:
+        """Logging, evaluation, samples and checkpoints due at this step.
+
+        A skipped (non-finite) step still gets its checkpoint: its weights are the last good ones.
+        """
         t, pos = self.cfg.train, self.pos
         at_end = pos.step == self.layout.end_step
         do_eval = bool(t.eval_every) and (pos.step % t.eval_every == 0 or at_end)
-        if pos.step % t.log_every == 0 or do_eval or at_end:
-            self._log_row(r, interval, do_eval)
-            interval.reset()
+        logged = not r.bad_ranks and self.interval.steps > 0 and (pos.step % t.log_every == 0 or do_eval or at_end)
+        if logged:
+            self._log_row(r, do_eval)
         else:
             self.progress.update(pos.step)
         if self.env.is_main and t.sample_every and pos.step % t.sample_every == 0 and not at_end:
@@ -149,10 +192,15 @@ class Trainer:
         if (t.checkpoint_every and pos.step % t.checkpoint_every == 0) or at_end:
             self.ckpt.save()
         pos.last_eval = None
+        if logged:
+            self.interval.reset()
+        else:
+            self.interval.restart_clock()
 
-    def _log_row(self, r: StepResult, interval: Interval, do_eval: bool) -> None:
-        pos, world = self.pos, self.layout.world
-        mean_loss = distributed.all_reduce_sum([interval.loss / interval.steps], self.rt.device)[0] / world
+    def _log_row(self, r: StepResult, do_eval: bool) -> None:
+        pos, world, iv = self.pos, self.layout.world, self.interval
+        elapsed = time.perf_counter() - iv.start  # before evaluating: eval time is not training speed
+        mean_loss = distributed.all_reduce_sum([iv.loss / iv.steps], self.rt.device)[0] / world
         eval_loss = evaluate(self.parts, self.cfg.train, self.env.rank, world, self.rt) if do_eval else None
         if eval_loss is not None:
             pos.last_eval = eval_loss
@@ -160,8 +208,8 @@ class Trainer:
             "step": pos.step,
             "loss": round(mean_loss, 6),
             "lr": self.parts.scheduler.get_last_lr()[0],
-            "tokens_per_s": round(interval.tokens / interval.time_s, 1) if interval.time_s else 0.0,
-            "step_time_s": round(interval.time_s / interval.steps, 5),
+            "tokens_per_s": round(iv.tokens / elapsed, 1) if iv.tokens and elapsed > 0 else 0.0,
+            "step_time_s": round(elapsed / iv.timed_steps, 5) if iv.timed_steps else 0.0,
             "grad_norm": round(float(r.grad_norm), 6),
             "tokens": pos.tokens_seen,
             "elapsed_s": round(time.perf_counter() - self.loop_start, 4),
@@ -196,7 +244,8 @@ class Trainer:
         # other nodes' checkpoint directories are empty, and a filesystem check would make
         # only some ranks enter the (collective) save.
         if pos.step > 0 and pos.saved_step != pos.step:
-            self.ckpt.save()  # the last step was skipped (non-finite) and so was its checkpoint
+            self.ckpt.save()  # the last save was refused (weights not finite): try once more
+        self.ckpt.wait()
         final_ckpt = checkpoint.list_complete(self.ckpt.root)
         if env.is_main:
             last_sample = sample(self.parts, self.cfg.train, pos.step, self.rt)
@@ -231,6 +280,7 @@ class Trainer:
 
     def _stop_on_signal(self, stop: StopRequest) -> int:
         path = self.ckpt.save()
+        self.ckpt.wait()
         if self.env.is_main:
             what = f"checkpoint {path.name} written" if path else "no checkpoint written (weights not finite)"
             log.warning(
@@ -258,6 +308,7 @@ class Trainer:
             self.health.report(fault, self.pos.step)
         try:
             path = self.ckpt.save()
+            self.ckpt.wait()
             saved = f"checkpoint {path.name} written" if path else "checkpoint not written"
         except Exception as exc:  # the GPU may no longer answer: nothing more to save
             saved = f"checkpoint failed ({str(exc).splitlines()[0][:120]})"

@@ -80,7 +80,9 @@ class DdpWrapped(Wrapped):
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, world_size: int) -> DdpWrapped:
     ids = [device.index] if device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=ids)
+    # Gradients as views into DDP's buckets: no copy into the buckets before the all-reduce,
+    # and no second copy of every gradient in memory.
+    ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
     ride = FlagRide(world_size)
     ddp.register_comm_hook(ride, _ride_hook)
     return DdpWrapped(ddp, ride)

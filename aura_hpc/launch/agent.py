@@ -1,0 +1,179 @@
+"""Running a LocalPlan's workers under torch's elastic agent, and the verdict on how they ended.
+
+The agent's options changed across the torch releases we support (pyproject's range): 2.6-2.7
+have no `shutdown_timeout` and no `signals_to_handle`. What a release lacks is detected, not
+assumed, and replaced by the older behaviour with a one-line note.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from aura_hpc.errors import EXIT_DIVERGED, EXIT_GPU_FAULT, EXIT_RESUMABLE, EXIT_TRAIN_FAILED, EXIT_USER_ERROR, LaunchError, TrainingFailed
+from aura_hpc.launch.plan import LocalPlan
+
+RDZV_RUN_ID = "aura_hpc"
+# Forwarded to the workers like SIGTERM: SIGUSR2 is the pre-timeout/preemption signal.
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
+# What torch's agent waits for the workers after a stop signal when it cannot be told otherwise.
+OLD_AGENT_SHUTDOWN_S = 30
+
+
+def agent_options(shutdown_timeout: int) -> tuple[dict[str, Any], list[str]]:
+    """The LaunchConfig keywords this torch accepts for graceful stops, and notes on what it lacks."""
+    import torch
+    from torch.distributed.launcher.api import LaunchConfig
+
+    fields = {f.name for f in dataclasses.fields(LaunchConfig)}
+    options: dict[str, Any] = {}
+    notes = []
+    if "shutdown_timeout" in fields:
+        # On Ctrl+C/SIGTERM the agent forwards the signal and waits this long for the workers to
+        # finish their step and write a checkpoint before it kills them.
+        options["shutdown_timeout"] = shutdown_timeout
+    else:
+        notes.append(
+            f"note: torch {torch.__version__}'s launcher gives workers {OLD_AGENT_SHUTDOWN_S}s (not {shutdown_timeout}s) "
+            "to write their checkpoint after a stop signal"
+        )
+    if "signals_to_handle" in fields:
+        options["signals_to_handle"] = FORWARDED_SIGNALS
+    return options, notes
+
+
+def _forward_like_sigterm(sigval: signal.Signals) -> Callable[[int, FrameType | None], None]:
+    """What torch >= 2.8 does for the signals in `signals_to_handle`: the agent stops its workers with it."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+
+    return handler
+
+
+def run_workers(plan: LocalPlan) -> int:
+    """Run the plan's workers through the elastic agent; returns the exit status for the CLI."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from aura_hpc import console
+
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        # The verdict on failed workers is ours (one line naming the ranks, the cause and the fix).
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    options, notes = agent_options(plan.shutdown_timeout)
+    for note in notes:
+        console.info(note)
+    if "signals_to_handle" not in options and hasattr(signal, "SIGUSR2"):
+        # Older agents install handlers for TERM/INT/HUP/QUIT only; SIGUSR2 would kill the agent
+        # and orphan its workers.
+        signal.signal(signal.SIGUSR2, _forward_like_sigterm(signal.SIGUSR2))
+    lc = LaunchConfig(
+        min_nodes=plan.nnodes,
+        max_nodes=plan.nnodes,
+        nproc_per_node=plan.nproc,
+        run_id=RDZV_RUN_ID,
+        role="trainer",
+        rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
+        rdzv_backend="c10d",
+        rdzv_configs={"join_timeout": plan.rdzv_timeout, "is_host": plan.node_rank == 0},
+        max_restarts=plan.max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+        local_addr=plan.local_addr,
+        **options,
+    )
+    cmd = plan.worker_cmd
+    try:
+        elastic_launch(lc, cmd[0])(*cmd[1:])
+    except SignalException as exc:
+        return _resumable(plan, exc.sigval.name)
+    except ChildFailedError as exc:
+        if all(f.exitcode == EXIT_RESUMABLE for f in exc.failures.values()):
+            return _resumable(plan, "a stop signal to the workers")
+        if any(f.exitcode == EXIT_GPU_FAULT for f in exc.failures.values()):
+            console.error(
+                f"the GPU circuit breaker stopped training (see {plan.cfg.run_dir / 'logs'}): take this machine's GPU out of "
+                "service before training on it again; re-run the same command on healthy hardware to resume"
+            )
+            return EXIT_GPU_FAULT
+        raise _failure(plan, exc.failures) from None
+    except RendezvousError as exc:
+        raise LaunchError(
+            f"the {plan.nnodes} nodes did not all join at {plan.master_addr}:{plan.master_port} within "
+            f"{plan.rdzv_timeout}s ({type(exc).__name__}) (fix: start every node with the same --nnodes, "
+            "--master-addr and --master-port, and check the firewall)"
+        ) from None
+    return 0
+
+
+def _failure(plan: LocalPlan, failures: dict[int, Any]) -> TrainingFailed:
+    """The one-line verdict on failed workers, with the exit status README.md documents."""
+    log_dir = plan.cfg.run_dir / "logs"
+    # The agent stops the remaining workers with SIGTERM once one has failed; a worker already
+    # on its way out then dies of it. Those are not what went wrong.
+    codes = {f.exitcode for f in failures.values() if f.exitcode != -signal.SIGTERM} or {f.exitcode for f in failures.values()}
+    said = _worker_error(plan)
+    if codes == {EXIT_DIVERGED}:
+        return TrainingFailed(f"training stopped: {said or 'the loss stayed non-finite'} (see {log_dir})", EXIT_DIVERGED)
+    if codes == {EXIT_USER_ERROR} and said:
+        # A worker refused its input (e.g. a checkpoint that does not fit): nothing was trained.
+        return TrainingFailed(f"{said} (see {log_dir})", EXIT_USER_ERROR)
+    # A killed rank makes its peers fail too (broken collectives): name every failed rank,
+    # the ones killed by a signal first, since they are usually the cause.
+    ordered = sorted(failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp))
+    what = "; ".join(f"rank {r} {_exit_description(f.exitcode)}" for r, f in ordered)
+    restarts = f" after {plan.max_restarts} restart(s)" if plan.max_restarts else ""
+    return TrainingFailed(f"training failed{restarts}: {what} (see {log_dir}); {_resume_hint(plan)}", EXIT_TRAIN_FAILED)
+
+
+def _worker_error(plan: LocalPlan) -> str | None:
+    """The last error a worker of this machine logged: why it exited (each logs its error before leaving)."""
+    first = plan.node_rank * plan.nproc
+    for rank in range(first, first + plan.nproc):
+        try:
+            with open(plan.cfg.run_dir / "logs" / f"rank_{rank}.log", "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 65536))
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            continue
+        for line in reversed(lines):
+            if " ERROR " in line:
+                return line.split(" ERROR ", 1)[1].strip()
+    return None
+
+
+def _exit_description(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _resume_hint(plan: LocalPlan) -> str:
+    from aura_hpc.train import checkpoint
+
+    ckpts = checkpoint.list_complete(plan.cfg.run_dir / "checkpoints")
+    where = f"from {ckpts[0].path.name}" if ckpts else "(no checkpoint yet: it starts from step 0)"
+    return f"to resume {where}, fix the cause and re-run the same command"
+
+
+def _resumable(plan: LocalPlan, why: str) -> int:
+    from aura_hpc import console
+    from aura_hpc.train import checkpoint
+
+    ckpts = checkpoint.list_complete(plan.cfg.run_dir / "checkpoints")
+    saved = f"checkpoint {ckpts[0].path.name} saved" if ckpts else "no checkpoint was saved"
+    console.info(f"stopped by {why}: {saved}; re-run the same command to resume")
+    return EXIT_RESUMABLE

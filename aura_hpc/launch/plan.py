@@ -1,0 +1,35 @@
+"""What `local` will do on this machine, decided up front (`plan_local` in local.py builds it)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aura_hpc.config import RunConfig
+
+# The one worker entry point; Slurm jobs run the same (aura_hpc.slurm.job).
+WORKER_MODULE = "aura_hpc.train"
+
+
+@dataclass
+class LocalPlan:
+    cfg: RunConfig
+    nnodes: int
+    node_rank: int
+    nproc: int
+    master_addr: str
+    master_port: int
+    max_restarts: int
+    rdzv_timeout: int
+    local_addr: str | None
+    env: dict[str, str] = field(default_factory=dict)
+    shutdown_timeout: int = 120
+
+    @property
+    def config_path(self) -> Path:
+        return self.cfg.run_dir / "config.yaml"
+
+    @property
+    def worker_cmd(self) -> list[str]:
+        return [sys.executable, "-u", "-m", WORKER_MODULE, str(self.config_path)]
