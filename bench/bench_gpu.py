@@ -77,13 +77,13 @@ def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int) -> f
     return 6.0 * n_params + 12.0 * n_layer * n_embd * seq_len
 
 
-def prepare_data(tmp: Path, data: str) -> Path:
+def prepare_data(tmp: Path, data: str, cpu: bool) -> Path:
     if data:
         return Path(data)
     from aura_hpc.data.prepare import PrepareSpec, prepare
 
     out = tmp / "data"
-    if SHARED_CORPUS.exists():
+    if SHARED_CORPUS.exists() and not cpu:
         prepare(PrepareSpec(out_dir=out, inputs=[str(SHARED_CORPUS)], vocab_size=32768, val_fraction=0.01))
     else:
         prepare(PrepareSpec(out_dir=out, builtin=True, vocab_size=1024, val_fraction=0.05))
@@ -108,6 +108,9 @@ def run_shape(s: Shape, data: Path, tmp: Path, a: argparse.Namespace, peak: floa
     for kv in (
         "model.vocab_size=0",
         f"model.padded_vocab_size={s.vocab}",
+        f"model.n_layer={s.n_layer}",
+        f"model.n_embd={s.n_embd}",
+        f"model.n_head={s.n_head}",
         f"model.n_positions={max(s.seq_len, 64)}",
         f"data.seq_len={s.seq_len}",
         f"train.batch_size={s.batch}",
@@ -123,7 +126,7 @@ def run_shape(s: Shape, data: Path, tmp: Path, a: argparse.Namespace, peak: floa
     run = trainer_run_dir(tmp, 1, 0, tag)
     n_params = json.loads((run / "summary.json").read_text())["n_params"]
     cfg = yaml.safe_load((run / "config.yaml").read_text())
-    assert cfg["model"]["n_layer"] == s.n_layer and cfg["model"]["n_embd"] == s.n_embd, "the preset changed shape"
+    assert cfg["model"]["n_layer"] == s.n_layer and cfg["model"]["n_embd"] == s.n_embd
     ref = run_reference(s, a.steps, a.warmup_steps, cpu)
     fpt = flops_per_token(n_params, s.n_layer, s.n_embd, s.seq_len)
     mfu, ref_mfu = trainer * fpt / (peak * 1e12), ref["tokens_per_s"] * fpt / (peak * 1e12)
@@ -163,7 +166,7 @@ def main() -> None:
     print(f"device {name}, torch {torch.__version__}, peak {peak:g} TFLOP/s, {steps} steps ({warmup} untimed)", flush=True)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        data = prepare_data(tmp, a.data)
+        data = prepare_data(tmp, a.data, cpu)
         results = [run_shape(s, data, tmp, a, peak, cpu) for s in shapes]
     ratio, mfu = min(results)
     print(f"ratio trainer/reference {ratio:.2f}, MFU {100 * mfu:.1f}%")

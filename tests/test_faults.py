@@ -278,7 +278,9 @@ def test_sigkill_at_random_moments_of_a_save_never_breaks_the_previous(tmp_path:
     root = tmp_path / "ckpts"
     for _ in range(3):
         proc = subprocess.Popen([sys.executable, str(script), str(root)], env=cli_env(), stdout=subprocess.PIPE, text=True)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert proc.stdout is not None
+        # Libraries may print first (transformers 4.x imports DeepSpeed, which logs its accelerator).
+        assert any(proc.stdout.readline().strip() == "ready" for _ in range(20))
         time.sleep(rng.uniform(0.2, 1.5))
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -188,3 +188,31 @@ def test_cuda_errors_that_mean_a_broken_gpu_are_recognised() -> None:
     assert is_gpu_error(RuntimeError("CUDA error: uncorrectable ECC error encountered"))
     assert not is_gpu_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 4x8)"))
     assert not is_gpu_error(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+
+
+def test_the_breaker_watches_only_the_jobs_own_gpus() -> None:
+    from aura_hpc.ops.gpu_health import selection_from_env
+
+    assert selection_from_env({}).keeps(HEALTHY)
+    only0 = selection_from_env({"CUDA_VISIBLE_DEVICES": "0"})
+    assert only0.keeps(HEALTHY) and not only0.keeps(dict(HEALTHY, index=1))
+    slurm = selection_from_env({"SLURM_STEP_GPUS": "2,3"})
+    assert slurm.keeps(dict(HEALTHY, index=3)) and not slurm.keeps(HEALTHY)
+    by_uuid = selection_from_env({"CUDA_VISIBLE_DEVICES": "0"}, uuids=["aaaa-1111"])
+    assert by_uuid.keeps(dict(HEALTHY, index=5, uuid="GPU-AAAA-1111")) and not by_uuid.keeps(dict(HEALTHY, uuid="GPU-bbbb"))
+    assert not selection_from_env({"CUDA_VISIBLE_DEVICES": ""}).keeps(HEALTHY), "no GPU visible: none is ours"
+
+
+def test_another_jobs_faulty_gpu_does_not_stop_training(tmp_path: Path, prepared: Path) -> None:
+    replay = tmp_path / "nvml.jsonl"
+    other = dict(FAULTS["ecc"], index=1)
+    replay.write_text(json.dumps([HEALTHY, dict(HEALTHY, index=1)]) + "\n" + json.dumps([HEALTHY, other]) + "\n")
+    args = ["local", "--nproc-per-node", "1", "--output-dir", str(tmp_path / "runs"), "--set", f"data.path={prepared}"]
+    args += ["--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2", "--set", "data.seq_len=32"]
+    args += ["--set", "train.max_steps=60", "--set", "train.warmup_steps=2", "--set", "train.eval_every=0"]
+    args += ["--set", f"health.nvml_replay={replay}", "--set", "health.breaker_interval_s=0.05"]
+    mine = run_cli(args, timeout=240, CUDA_VISIBLE_DEVICES="0")
+    assert mine.returncode == 0, mine.stdout[-2000:] + mine.stderr[-2000:]
+    assert "circuit breaker OPEN" not in mine.stdout
+    theirs = run_cli([*args, "--run-name", "gpu1"], timeout=240, CUDA_VISIBLE_DEVICES="1")
+    assert theirs.returncode == 76, "the same reading on the job's own GPU does open the breaker"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from aura_hpc.config.tree import CHOICES, THROTTLE_REASONS, RunConfig, SlurmConfig
+from aura_hpc.config.tree import CHOICES, THROTTLE_REASONS, ModelConfig, RunConfig, SlurmConfig
 from aura_hpc.errors import ConfigError
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -44,6 +44,7 @@ def validate(cfg: RunConfig) -> None:
         "train.grad_clip": t.grad_clip,
         "train.threads": t.threads,
         "model.vocab_size": m.vocab_size,
+        "model.padded_vocab_size": m.padded_vocab_size,
         "train.sample_tokens": t.sample_tokens,
     }
     for key, value in non_negative.items():
@@ -162,3 +163,13 @@ def max_steps_for(cfg: RunConfig, world_size: int) -> int:
         per_step = t.batch_size * t.grad_accum * world_size * cfg.data.seq_len
         return max(1, -(-t.max_tokens // per_step))
     return t.max_steps
+
+
+def embedding_rows(m: ModelConfig, tokenizer_vocab: int) -> int:
+    """The tokenizer's vocabulary, or model.padded_vocab_size when set (never fewer rows than tokens)."""
+    if m.padded_vocab_size and m.padded_vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.padded_vocab_size {m.padded_vocab_size} is smaller than the data's tokenizer ({tokenizer_vocab} tokens) "
+            f"(fix: --set model.padded_vocab_size={-(-tokenizer_vocab // 128) * 128}, or 0 for no padding)"
+        )
+    return m.padded_vocab_size or tokenizer_vocab

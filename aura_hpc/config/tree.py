@@ -28,6 +28,7 @@ class ModelConfig:
     n_head: int = 4
     n_positions: int = 256
     vocab_size: int = 0  # 0: take the vocabulary size of the prepared data's tokenizer
+    padded_vocab_size: int = 0  # > 0: embedding rows, at least the tokenizer's (e.g. 50304: multiples of 64/128 run faster)
     dropout: float = 0.0
 
 
@@ -70,6 +71,7 @@ class TrainConfig:
     compile: str = "auto"  # torch.compile of the transformer blocks: auto (on for CUDA, off for CPU) | true | false
     loss: str = "auto"  # cross-entropy: auto (chunked on CUDA, full on CPU) | chunked (no full fp32 logits) | full
     activation_checkpointing: bool = False  # recompute each block's activations in the backward pass (less memory)
+    fused_optimizer: str = "auto"  # fused AdamW (one kernel; a bad step skipped on the device): auto (CUDA) | true | false
     async_checkpoint: bool = True  # write checkpoints in a background thread after copying the state to host memory
     nan_rollback_after: int = 3  # consecutive non-finite steps (skipped) before rolling back
     nan_lr_scale: float = 0.5  # multiply the learning rate by this at each rollback (1 = keep)
@@ -160,6 +162,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.precision": ("auto", "fp32", "bf16", "fp16", "fp64"),
     "train.compile": ("auto", "true", "false"),
     "train.loss": ("auto", "chunked", "full"),
+    "train.fused_optimizer": ("auto", "true", "false"),
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.strategy": ("ddp",),
     "slurm.signal": ("USR2", "USR1", "TERM", "INT", "HUP"),

@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from aura_hpc.config import RunConfig, load_run_file
+from aura_hpc.config import RunConfig, embedding_rows, load_run_file
 from aura_hpc.errors import ConfigError, DataError, LaunchError
 
 
@@ -47,6 +47,7 @@ def preflight_data(cfg: RunConfig, world_size: int) -> None:
             f"model.vocab_size {cfg.model.vocab_size} does not match the data's tokenizer ({vocab}) "
             "(fix: --set model.vocab_size=0 to take it from the data)"
         )
+    embedding_rows(cfg.model, vocab)
     from aura_hpc.data.packed import PackedTokens
 
     PackedTokens(cfg.data.path, cfg.data.seq_len)  # token files present and as long as the manifest says

@@ -5,7 +5,7 @@ throttling, the driver's recovery action)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,6 +34,52 @@ class NoGpus:
         return []
 
 
+@dataclass(frozen=True)
+class GpuSelection:
+    """The GPUs one job may use on this node, by NVML index and/or UUID (None: every GPU)."""
+
+    indices: frozenset[int] | None = None
+    uuids: frozenset[str] | None = None
+
+    def keeps(self, gpu: dict[str, Any]) -> bool:
+        uuid = _bare_uuid(str(gpu.get("uuid", "")))
+        if self.uuids is not None and uuid:
+            return uuid in self.uuids
+        if self.indices is not None:
+            return int(gpu.get("index", -1)) in self.indices
+        return self.uuids is None
+
+
+def _bare_uuid(text: str) -> str:
+    return text.strip().lower().removeprefix("gpu-")
+
+
+def selection_from_env(env: Mapping[str, str], uuids: list[str] | None = None) -> GpuSelection:
+    """The job's GPUs: the UUIDs of the CUDA devices the process sees when known, else
+    CUDA_VISIBLE_DEVICES (indices or GPU-UUIDs), else Slurm's SLURM_STEP_GPUS / SLURM_JOB_GPUS."""
+    if uuids:
+        return GpuSelection(uuids=frozenset(_bare_uuid(u) for u in uuids))
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        raw = env.get("SLURM_STEP_GPUS") or env.get("SLURM_JOB_GPUS")
+    if raw is None:
+        return GpuSelection()
+    items = [x.strip() for x in raw.split(",") if x.strip()]
+    indices = frozenset(int(x) for x in items if x.isdigit())
+    ids = frozenset(_bare_uuid(x) for x in items if x.lower().startswith("gpu-"))
+    return GpuSelection(indices=indices if indices or not ids else None, uuids=ids or None)
+
+
+class Selected:
+    """A reader that reports only the selected GPUs."""
+
+    def __init__(self, reader: GpuReader, selection: GpuSelection) -> None:
+        self.reader, self.selection = reader, selection
+
+    def read(self) -> list[dict[str, Any]]:
+        return [g for g in self.reader.read() if self.selection.keeps(g)]
+
+
 class NvmlReader:
     """Real readings; fields a GPU or driver does not support are left out, not faked."""
 
@@ -51,6 +97,7 @@ class NvmlReader:
             g: dict[str, Any] = {"index": i}
             calls = {
                 "name": lambda h=h: _text(nv.nvmlDeviceGetName(h)),
+                "uuid": lambda h=h: _text(nv.nvmlDeviceGetUUID(h)),
                 "util_pct": lambda h=h: nv.nvmlDeviceGetUtilizationRates(h).gpu,
                 "mem_used_mb": lambda h=h: nv.nvmlDeviceGetMemoryInfo(h).used / 2**20,
                 "mem_total_mb": lambda h=h: nv.nvmlDeviceGetMemoryInfo(h).total / 2**20,
@@ -106,13 +153,17 @@ class ReplayReader:
         return self._last
 
 
-def open_reader(replay: str = "") -> GpuReader:
+def open_reader(replay: str = "", only: GpuSelection | None = None) -> GpuReader:
+    """NVML's readings (or recorded ones), restricted to `only` when given."""
+    reader: GpuReader
     if replay:
-        return ReplayReader(replay)
-    try:
-        return NvmlReader()
-    except Exception:  # no NVIDIA driver/library: no GPU columns, no breaker
-        return NoGpus()
+        reader = ReplayReader(replay)
+    else:
+        try:
+            reader = NvmlReader()
+        except Exception:  # no NVIDIA driver/library: no GPU columns, no breaker
+            return NoGpus()
+    return Selected(reader, only) if only is not None else reader
 
 
 @dataclass

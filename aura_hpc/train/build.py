@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from aura_hpc.config import RunConfig, max_steps_for
+from aura_hpc.config import RunConfig, embedding_rows, max_steps_for
 from aura_hpc.data.packed import GlobalOrder, PackedTokens
 from aura_hpc.errors import ConfigError, DataError
 from aura_hpc.train import distributed
@@ -34,7 +34,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout]:
             f"({data.vocab_size}) (fix: --set model.vocab_size=0 to take it from the data)"
         )
     check_same_everywhere(cfg, env, data)
-    model = build_model(cfg.model, data.vocab_size, data.eos_id)
+    model = build_model(cfg.model, embedding_rows(cfg.model, data.vocab_size), data.eos_id)
     model.to(device=rt.device, dtype=rt.param_dtype)
     cuda = rt.device.type == "cuda"
     if t.activation_checkpointing:
@@ -61,7 +61,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout]:
             )
         if env.is_main:
             log.warning("%s; train.allow_oversubscription=true: repeating the data to fill each batch", msg)
-    optimizer = make_optimizer(model, t, fused=cuda)
+    optimizer = make_optimizer(model, t, fused=t.fused_optimizer == "true" or (t.fused_optimizer == "auto" and cuda))
     parts = Parts(
         data=data,
         order=GlobalOrder(max(n_train, 1), t.seed),
@@ -99,7 +99,8 @@ def describe(cfg: RunConfig, parts: Parts, layout: Layout, rt: Runtime, start_st
     return [
         f"run directory: {run_dir}",
         f"model: GPT-2 {cfg.model.n_layer} layers x {cfg.model.n_embd} wide, {cfg.model.n_head} heads, "
-        f"{parts.n_params:,} parameters ({parts.n_params / 1e6:.1f}M), vocab {data.vocab_size}",
+        f"{parts.n_params:,} parameters ({parts.n_params / 1e6:.1f}M), vocab {data.vocab_size}"
+        + (f" (embedding padded to {cfg.model.padded_vocab_size})" if cfg.model.padded_vocab_size > data.vocab_size else ""),
         f"batch: {t.batch_size} per device x {layout.world} processes x {t.grad_accum} accumulation = "
         f"effective batch {layout.per_step} sequences = {layout.tokens_per_step:,} tokens per step",
         f"data: {data.num_sequences('train'):,} train / {data.num_sequences('val'):,} val sequences "

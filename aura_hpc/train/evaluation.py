@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 
 from aura_hpc.config import TrainConfig
 from aura_hpc.train import distributed
+from aura_hpc.train.model import padding_suppressed
 from aura_hpc.train.runtime import Runtime
 from aura_hpc.train.state import Parts
 
@@ -32,6 +36,11 @@ def evaluate(parts: Parts, t: TrainConfig, rank: int, world: int, rt: Runtime) -
     return total / cnt if cnt else None
 
 
+def _eager() -> contextlib.AbstractContextManager[Any]:
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
 @torch.no_grad()
 def sample(parts: Parts, t: TrainConfig, step: int, rt: Runtime) -> str:
     """A short continuation of train.sample_prompt (rank 0 only)."""
@@ -41,8 +50,9 @@ def sample(parts: Parts, t: TrainConfig, step: int, rt: Runtime) -> str:
     model = parts.model
     ids = tok(t.sample_prompt, return_tensors="pt").input_ids.to(rt.device)
     model.eval()
-    # Sampling must not disturb the training RNG stream (resume would diverge).
-    with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []):
+    # Sampling must not disturb the training RNG stream (resume would diverge). Compiled blocks run
+    # eagerly here: every generated token has another length, each would be one more compilation.
+    with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []), _eager():
         torch.manual_seed(t.seed + step)
         with rt.autocast():
             out = model.generate(  # type: ignore[operator]
@@ -53,6 +63,7 @@ def sample(parts: Parts, t: TrainConfig, step: int, rt: Runtime) -> str:
                 temperature=0.8,
                 pad_token_id=parts.data.eos_id,
                 attention_mask=torch.ones_like(ids),
+                **padding_suppressed(model, parts.data.vocab_size),
             )
     model.train()
     return str(tok.decode(out[0], skip_special_tokens=True))

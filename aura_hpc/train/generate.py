@@ -20,7 +20,7 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
     import torch
     from transformers import AutoTokenizer
 
-    from aura_hpc.train.model import load_pretrained
+    from aura_hpc.train.model import load_pretrained, padding_suppressed
 
     tok = AutoTokenizer.from_pretrained(str(ckpt.path / "tokenizer"))
     model = load_pretrained(str(ckpt.path / "model"))
@@ -38,6 +38,7 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
                 temperature=temperature,
                 top_k=top_k,
                 pad_token_id=tok.eos_token_id,
+                **padding_suppressed(model, len(tok)),
             )
             out.append(tok.decode(gen[0], skip_special_tokens=True))
     return out

@@ -8,9 +8,21 @@ from collections.abc import Callable
 from typing import Any
 
 from aura_hpc.config import RunConfig
-from aura_hpc.ops.gpu_health import Fault, HealthRules, NoGpus, Thresholds, open_reader
+from aura_hpc.ops.gpu_health import Fault, HealthRules, NoGpus, Thresholds, open_reader, selection_from_env
 from aura_hpc.ops.resources import BackgroundMonitor, Sampler
 from aura_hpc.train.dist_env import DistEnv
+
+
+def _visible_uuids() -> list[str] | None:
+    """UUIDs of the CUDA devices this process sees (CUDA_VISIBLE_DEVICES and Slurm's binding applied)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+    except (AttributeError, RuntimeError):  # a torch without device UUIDs: fall back to the environment
+        return None
 
 
 class HealthWatch:
@@ -31,7 +43,8 @@ class HealthWatch:
         h = self.cfg.health
         if self.env.local_rank != 0:
             return
-        reader = open_reader(h.nvml_replay)
+        # Only this job's GPUs: another job's faulty GPU on a shared node is not ours to stop for.
+        reader = open_reader(h.nvml_replay, selection_from_env(os.environ, _visible_uuids()))
         breaker = h.breaker and not isinstance(reader, NoGpus)
         if h.monitor_interval_s <= 0 and not breaker:
             return

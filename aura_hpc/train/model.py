@@ -44,6 +44,12 @@ def load_pretrained(path: str, dtype: torch.dtype = torch.float32) -> Any:
     return GPT2LMHeadModel.from_pretrained(path, **{key: dtype})
 
 
+def padding_suppressed(model: Any, tokenizer_vocab: int) -> dict[str, Any]:
+    """generate() arguments that keep padded embedding rows (no token behind them) out of samples."""
+    rows = int(model.config.vocab_size)
+    return {"suppress_tokens": list(range(tokenizer_vocab, rows))} if rows > tokenizer_vocab else {}
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     # Tied input/output embeddings are one tensor; parameters() already yields it once.
     return sum(p.numel() for p in model.parameters())
@@ -53,7 +59,9 @@ def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of a (B, T+1) token batch, through the full logits."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
     logits = model(input_ids=inputs).logits
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+    # At least fp32 for the softmax (bf16 logits lose the loss), and fp64 stays fp64.
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 class LanguageModelLoss(torch.nn.Module):

@@ -1,0 +1,92 @@
+"""The speed options of the trainer change how it computes, not what it learns (checked on CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from aura_hpc.train import checkpoint
+from tests.conftest import SMALL_MODEL, final_weights, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def _train(tmp: Path, name: str, prepared: Path, *extra: str, nproc: int = 1, env: dict[str, str] | None = None) -> str:
+    args = ["local", "--nproc-per-node", str(nproc), "--output-dir", str(tmp), "--run-name", name, "--set", f"data.path={prepared}"]
+    args += [*SMALL_MODEL, "--set", "train.max_steps=6", "--set", "train.warmup_steps=1", "--set", "train.batch_size=4"]
+    r = run_cli([*args, *extra], timeout=300, **(env or {}))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_chunked_loss_trains_like_the_full_loss(tmp_path: Path, prepared: Path) -> None:
+    # fp64 and SGD: the two routes differ only in summation order (~1e-16); Adam would amplify
+    # that on near-zero gradients (update ~ g / eps), SGD passes it through as is.
+    fp64 = ("--set", "train.precision=fp64", "--set", "train.optimizer=sgd", "--set", "train.lr=0.05")
+    out = _train(tmp_path, "chunked", prepared, *fp64, "--set", "train.loss=chunked")
+    assert "loss chunked" in out
+    _train(tmp_path, "full", prepared, *fp64, "--set", "train.loss=full")
+    diff = _max_diff(final_weights(tmp_path / "chunked"), final_weights(tmp_path / "full"))
+    assert diff < 1e-12, f"chunked and full cross-entropy trained apart by {diff}"
+    assert _max_diff(final_weights(tmp_path / "full"), _initial(tmp_path, prepared)) > 1e-4, "the runs must have trained"
+
+
+def _initial(tmp: Path, prepared: Path) -> dict[str, torch.Tensor]:
+    """The weights before any update: a run of 0 optimizer steps does not exist, so take step 1 of plain SGD at lr ~0."""
+    _train(tmp, "init", prepared, "--set", "train.precision=fp64", "--set", "train.optimizer=sgd", "--set", "train.lr=1e-300")
+    return final_weights(tmp / "init")
+
+
+def test_activation_checkpointing_recomputes_the_same_numbers(tmp_path: Path, prepared: Path) -> None:
+    out = _train(tmp_path, "ac", prepared, "--set", "train.activation_checkpointing=true")
+    assert "activation checkpointing on" in out
+    _train(tmp_path, "plain", prepared)
+    a, b = final_weights(tmp_path / "ac"), final_weights(tmp_path / "plain")
+    assert all(torch.equal(a[k], b[k]) for k in a), "recomputed activations must give bit-identical training"
+
+
+def test_compiled_blocks_train_like_eager(tmp_path: Path, prepared: Path) -> None:
+    out = _train(tmp_path, "compiled", prepared, "--set", "train.compile=true")
+    assert "torch.compile on (per block)" in out and "including compilation" in out
+    _train(tmp_path, "eager", prepared, "--set", "train.compile=false")
+    diff = _max_diff(final_weights(tmp_path / "compiled"), final_weights(tmp_path / "eager"))
+    assert diff < 1e-4, f"compiled and eager training differ by {diff}"
+    # The checkpoint of a compiled model is a plain transformers folder.
+    from aura_hpc.train.model import load_pretrained
+
+    newest = checkpoint.list_complete(tmp_path / "compiled" / "checkpoints")[0]
+    assert load_pretrained(str(newest.path / "model")).config.n_layer == 2
+
+
+def test_fused_optimizer_skips_a_non_finite_step_on_the_device(tmp_path: Path, prepared: Path) -> None:
+    """The fused AdamW path (CUDA's default) drops a NaN step without a host round trip."""
+    nan = {"AURA_FAULT_NAN": "1:3:1"}
+    out = _train(tmp_path, "fused", prepared, "--set", "train.fused_optimizer=true", nproc=2, env=nan)
+    assert "optimizer AdamW (fused)" in out and "non-finite loss or gradient on rank(s) [1] at step 3: update skipped" in out
+    _train(tmp_path, "foreach", prepared, "--set", "train.fused_optimizer=false", nproc=2, env=nan)
+    fused, foreach = final_weights(tmp_path / "fused"), final_weights(tmp_path / "foreach")
+    assert all(torch.isfinite(t).all() for t in fused.values())
+    # Same skipped step, same Adam step count: only the kernels' rounding differs.
+    assert _max_diff(fused, foreach) < 1e-5
+
+
+def test_padded_vocabulary_trains_saves_and_samples(tmp_path: Path, prepared: Path) -> None:
+    tokenizer_vocab = json.loads((prepared / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+    padded = -(-tokenizer_vocab // 128) * 128 + 128
+    out = _train(tmp_path, "padded", prepared, "--set", f"model.padded_vocab_size={padded}")
+    assert f"embedding padded to {padded}" in out
+    w = final_weights(tmp_path / "padded")
+    assert w["transformer.wte.weight"].shape[0] == padded
+    g = run_cli(["generate", "--run", str(tmp_path / "padded"), "--max-new-tokens", "12"], timeout=120)
+    assert g.returncode == 0 and g.stdout.strip(), g.stderr
+    too_few = f"model.padded_vocab_size={tokenizer_vocab - 1}"
+    small = run_cli(["local", "--output-dir", str(tmp_path), "--set", f"data.path={prepared}", "--set", too_few], timeout=60)
+    assert small.returncode == 2 and "is smaller than the data's tokenizer" in small.stderr and "fix:" in small.stderr
