@@ -224,3 +224,15 @@ def test_prepare_cli_on_the_shared_corpus(tmp_path: Path) -> None:
     m = read_manifest(tmp_path / "q")
     assert m is not None and m["train_tokens"] > 300_000
     assert "tokens/s encoding" in r.stdout
+
+
+def test_the_tokenizer_folder_loads_with_transformers_4_and_5(prepared: Path) -> None:
+    """transformers 5 writes `TokenizersBackend`, a class 4.x does not know; prepare writes the name both load."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((prepared / "tokenizer" / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    tok = AutoTokenizer.from_pretrained(str(prepared / "tokenizer"))
+    assert tok.eos_token == "<|endoftext|>" and tok("hola").input_ids

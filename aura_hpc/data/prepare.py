@@ -193,7 +193,22 @@ def _train_tokenizer(spec: PrepareSpec, files: list[Path], out: Path) -> _Tok:
     )
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, unk_token=EOS_TOKEN, pad_token=EOS_TOKEN)
     tok.save_pretrained(str(out))
+    _portable_tokenizer_class(out)
     return _Tok(tok.backend_tokenizer, len(tok), int(tok.eos_token_id))
+
+
+def _portable_tokenizer_class(folder: Path) -> None:
+    """transformers 5 names the class `TokenizersBackend`, which 4.x cannot load; the name both
+    releases load the same tokenizer.json with is `PreTrainedTokenizerFast` (data prepared with
+    one release must train and sample with the other, e.g. laptop vs cluster image)."""
+    path = folder / "tokenizer_config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return
+    if cfg.get("tokenizer_class") == "TokenizersBackend":
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _special_token(folder: Path, name: str) -> str | None:
@@ -237,6 +252,7 @@ def _load_tokenizer(name_or_path: str, out: Path) -> _Tok:
     if tok.eos_token_id is None:
         raise DataError(f"tokenizer {name_or_path!r} has no eos token (fix: use a tokenizer that defines eos_token)")
     tok.save_pretrained(str(out))
+    _portable_tokenizer_class(out)
     return _Tok(tok.backend_tokenizer, len(tok), int(tok.eos_token_id))
 
 

@@ -18,9 +18,11 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
     if temperature <= 0 or max_new_tokens <= 0:
         raise CheckpointError("--temperature and --max-new-tokens must be positive (fix: --temperature 0.8)")
     import torch
-    from transformers import AutoTokenizer
 
-    from aura_hpc.train.model import load_pretrained, padding_suppressed
+    from aura_hpc.train.model import load_pretrained, padding_suppressed, quiet_deepspeed_probe
+
+    quiet_deepspeed_probe()
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(ckpt.path / "tokenizer"))
     model = load_pretrained(str(ckpt.path / "model"))
