@@ -5,7 +5,8 @@
 #
 # Lines read by aura_hpc:
 #   #SBATCH --option=value   defaults for the job (the config's slurm section and CLI flags win)
-#   #AURA key=value          aura_hpc settings: output_dir (shared by all nodes), max_gpus_per_node
+#   #AURA key=value          aura_hpc settings: output_dir (shared by all nodes), max_gpus_per_node,
+#                            gpu_mem_gib (the memory plan refuses a job that cannot fit)
 #   anything else            runs in the job script before the trainer (modules, venv, exports)
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=16
@@ -13,6 +14,7 @@
 #SBATCH --time=24:00:00
 #SBATCH --exclusive
 #AURA max_gpus_per_node=8
+#AURA gpu_mem_gib=79
 #AURA output_dir=/shared/$USER/aura_runs
 
 # Site software: change the module names to what `module avail` shows on your cluster.

@@ -352,3 +352,32 @@ def test_unreachable_slurmctld_is_a_clear_error(slurm_cluster: Path, tmp_path: P
     res = run_cli(["status"], SLURM_CONF=str(conf), timeout=120)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "slurmctld is not reachable" in res.stderr and "fix:" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
+def test_sharded_strategies_requeue_and_resume_from_their_shards(
+    slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path, strategy: str
+) -> None:
+    out = tmp_path / "runs"
+    common = [*TINY, "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=150"]
+    common += ["--set", "train.checkpoint_every=100", "--set", f"dist.strategy={strategy}", "--set", "train.precision=fp32"]
+    res = run_cli(["submit", *common, "--run-name", "requeued"])
+    assert res.returncode == 0, res.stderr
+    run_dir = out / "requeued"
+    job = _job_id(run_dir)
+    deadline = time.monotonic() + 180
+    while _latest_step(run_dir) < 20:
+        assert time.monotonic() < deadline, "the job never reached step 20"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    _wait_gone(job)
+    log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
+    assert f"strategy: {strategy}" in log and "stop requested (SIGUSR2)" in log and f"requeued job {job}" in log
+    m = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", log)
+    assert m and 20 <= int(m.group(2)) < 150, log[-3000:]
+    resumed_from = run_dir / "checkpoints" / f"step_{int(m.group(1)):08d}"
+    assert not resumed_from.exists() or (resumed_from / "sharded").is_dir()
+    ref = run_cli(["submit", *common, "--run-name", "straight", "--wait"], timeout=300)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    a, b = final_weights(run_dir), final_weights(out / "straight")
+    assert all(torch.equal(a[k], b[k]) for k in a), f"{strategy}: the requeued run differs from the uninterrupted one"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from aura_hpc.cli.common import add_run_options
+from aura_hpc.cli.common import add_run_options, show_plan
 
 
 def cmd_local(a: argparse.Namespace) -> int:
@@ -30,6 +30,10 @@ def cmd_local(a: argparse.Namespace) -> int:
         f"aura_hpc local: run {plan.cfg.run_name!r}, node {plan.node_rank}/{plan.nnodes}, "
         f"{plan.nproc} processes, master {plan.master_addr}:{plan.master_port}"
     )
+    if a.dry_run:
+        show_plan(plan.cfg, plan.nproc * plan.nnodes, plan.memory, plan.gpu_mem_gib or None)
+        console.info(f"run directory: {plan.cfg.run_dir} (nothing was written or started)")
+        return 0
     status = launch(plan)
     if status != 0:
         return status
@@ -66,4 +70,5 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--rdzv-timeout", type=int, default=120, help="seconds to wait for all nodes to join (default 120)")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], help="process-group backend (default: auto)")
     p.add_argument("--ifname", help="network interface for gloo/NCCL (default: the one that routes to the master)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (batch, memory per GPU) and start nothing")
     p.set_defaults(func=cmd_local)

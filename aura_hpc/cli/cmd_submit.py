@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from aura_hpc.cli.common import add_run_options
+from aura_hpc.cli.common import add_run_options, show_plan
 
 
 def cmd_submit(a: argparse.Namespace) -> int:
@@ -36,6 +36,8 @@ def cmd_submit(a: argparse.Namespace) -> int:
         for p in plan.points:
             console.info(f"run directory: {p.cfg.run_dir}" + (f"  ({p.label})" if p.label else ""))
         console.info(f"tasks: {plan.slurm.nodes} node(s) x {plan.tasks_per_node} task(s) = world size {plan.world_size}")
+        if not plan.check:
+            show_plan(plan.points[0].cfg, plan.world_size, plan.memory, plan.profile.gpu_mem_gib if plan.slurm.gpus_per_node else None)
         if plan.prepare_builtin:
             console.info(f"data: the built-in Spanish corpus would be prepared in {plan.prepare_builtin}")
         console.info("environment: sbatch exports your current environment (Slurm's default), plus the script's exports:")

@@ -1,8 +1,9 @@
-"""Options shared by the commands that start a run (`local`, `submit`)."""
+"""What the commands that start a run (`local`, `submit`) share: options, and how a plan is shown."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
@@ -17,3 +18,20 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--output-dir", help="where run directories go (default: runs)")
     p.add_argument("--run-name", help="the run directory's name under --output-dir; re-using it resumes")
+
+
+def show_plan(cfg: Any, world: int, memory: Any, limit_gib: float | None) -> None:
+    """The batch arithmetic and the memory plan of a run, as both dry runs print them."""
+    from aura_hpc import console
+
+    t = cfg.train
+    per_step = t.batch_size * world * t.grad_accum
+    console.info(
+        f"batch: {t.batch_size} per device x {world} processes x {t.grad_accum} accumulation = effective batch "
+        f"{per_step} sequences = {per_step * cfg.data.seq_len:,} tokens per step"
+    )
+    if memory is None:
+        return
+    where = f" of {limit_gib:g} GiB" if limit_gib else ""
+    title = f"memory plan per device{where}: dist.strategy={memory.strategy} on {memory.world} ranks (estimate)"
+    console.grid(title, ["", "estimate"], [list(r) for r in memory.rows()])

@@ -91,6 +91,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"run_name {cfg.run_name!r} must be letters, digits, '.', '_' or '-' (fix: --run-name my-run)")
     if not cfg.output_dir:
         raise ConfigError("output_dir is empty (fix: --output-dir runs)")
+    validate_strategy(cfg)
     validate_slurm(cfg.slurm)
     h = cfg.health
     if h.monitor_interval_s < 0 or h.breaker_interval_s <= 0:
@@ -173,3 +174,34 @@ def embedding_rows(m: ModelConfig, tokenizer_vocab: int) -> int:
             f"(fix: --set model.padded_vocab_size={-(-tokenizer_vocab // 128) * 128}, or 0 for no padding)"
         )
     return m.padded_vocab_size or tokenizer_vocab
+
+
+def validate_strategy(cfg: RunConfig) -> None:
+    """What each dist.strategy does not support is refused here, with the reason."""
+    d, t = cfg.dist, cfg.train
+    zero = d.strategy.startswith("zero")
+    if d.strategy != "ddp" and t.precision == "fp16":
+        raise ConfigError(
+            f"train.precision fp16 is not supported with dist.strategy={d.strategy} (its loss scaling is DDP's GradScaler) "
+            "(fix: --set train.precision=bf16)"
+        )
+    if zero and t.precision == "fp64":
+        raise ConfigError(f"DeepSpeed ({d.strategy}) does not train in fp64 (fix: --set train.precision=fp32, or dist.strategy=fsdp)")
+    if d.strategy == "zero3" and t.compile == "true":
+        raise ConfigError(
+            "train.compile=true with zero3: DeepSpeed's parameter gathering hooks and per-block compilation are not "
+            "supported together here (fix: --set train.compile=auto, which leaves it off under zero3)"
+        )
+    if d.deepspeed_config and not zero:
+        raise ConfigError(
+            f"dist.deepspeed_config is used only by zero1/zero2/zero3, and dist.strategy is {d.strategy} "
+            "(fix: --set dist.strategy=zero2, or drop dist.deepspeed_config)"
+        )
+    if d.zero_offload_optimizer and not zero:
+        raise ConfigError(f"dist.zero_offload_optimizer needs dist.strategy zero1/2/3, not {d.strategy} (fix: --set dist.strategy=zero2)")
+    if d.fsdp_cpu_offload and d.strategy != "fsdp":
+        raise ConfigError(f"dist.fsdp_cpu_offload needs dist.strategy=fsdp, not {d.strategy} (fix: --set dist.strategy=fsdp)")
+    if zero and d.deepspeed_config:
+        from aura_hpc.config.deepspeed import deepspeed_config
+
+        deepspeed_config(cfg, 1, bf16=False)  # conflicts with what the trainer sets are named before launch

@@ -16,7 +16,7 @@ from aura_hpc.config.tree import SECTIONS, TOP_LEVEL, RunConfig
 from aura_hpc.errors import ConfigError
 
 # Keys resolved relative to the config file they appear in.
-_PATH_KEYS = {("data", "path")}
+_PATH_KEYS = {("data", "path"), ("dist", "deepspeed_config")}
 
 
 def configs_dir() -> Path:

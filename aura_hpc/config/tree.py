@@ -81,7 +81,10 @@ class TrainConfig:
 @dataclass
 class DistConfig:
     backend: str = "auto"
-    strategy: str = "ddp"
+    strategy: str = "ddp"  # ddp | fsdp (FSDP2) | zero1 | zero2 | zero3 (DeepSpeed): what is sharded over the ranks
+    fsdp_cpu_offload: bool = False  # fsdp: parameters, gradients and optimizer state in host memory between uses
+    zero_offload_optimizer: bool = False  # zero1-3: DeepSpeed keeps the optimizer state (and its step) in host memory
+    deepspeed_config: str = ""  # zero1-3: your DeepSpeed JSON, merged under what the trainer sets (conflicts refused)
     timeout_s: int = 600  # collective (all_reduce, barrier) timeout
     init_timeout_s: int = 120  # process-group initialisation timeout
 
@@ -164,7 +167,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.loss": ("auto", "chunked", "full"),
     "train.fused_optimizer": ("auto", "true", "false"),
     "dist.backend": ("auto", "nccl", "gloo"),
-    "dist.strategy": ("ddp",),
+    "dist.strategy": ("ddp", "fsdp", "zero1", "zero2", "zero3"),
     "slurm.signal": ("USR2", "USR1", "TERM", "INT", "HUP"),
     "health.webhook_type": ("generic", "discord", "slack"),
 }

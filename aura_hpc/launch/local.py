@@ -117,7 +117,8 @@ def plan_local(
     if not 1 <= master_port <= 65535:
         raise LaunchError(f"--master-port must be 1..65535, got {master_port} (fix: --master-port 29500)")
 
-    env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "AURA_NODE_RANK": str(node_rank), "AURA_NNODES": str(nnodes)}
+    # PYTHONFAULTHANDLER: a worker that crashes in native code still leaves a Python stack in its log.
+    env: dict[str, str] = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "AURA_NODE_RANK": str(node_rank), "AURA_NNODES": str(nnodes)}
     cores = os.cpu_count() or 1
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // nproc))
     if platform.system() == "Windows":
@@ -133,7 +134,26 @@ def plan_local(
                 env.setdefault("NCCL_SOCKET_IFNAME", os.environ.get("NCCL_SOCKET_IFNAME", iface))
     elif ifname:
         env["GLOO_SOCKET_IFNAME"] = ifname
-    return LocalPlan(cfg, nnodes, node_rank, nproc, master_addr, master_port, max_restarts, rdzv_timeout, local_addr, env)
+    plan = LocalPlan(cfg, nnodes, node_rank, nproc, master_addr, master_port, max_restarts, rdzv_timeout, local_addr, env)
+    _plan_memory(plan, gpus > 0 and wanted != "gloo")
+    return plan
+
+
+def _plan_memory(plan: LocalPlan, gpu: bool) -> None:
+    """The memory plan per GPU; refused here, before any worker starts, when it cannot fit."""
+    from aura_hpc.launch.memory import check_fits, tokenizer_vocab
+    from aura_hpc.launch.memory import plan as plan_memory
+
+    world = plan.nproc * plan.nnodes
+    vocab = tokenizer_vocab(plan.cfg)
+    plan.memory = plan_memory(plan.cfg, vocab, world, gpu=gpu)
+    if gpu:
+        import torch
+
+        plan.gpu_mem_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+        refusal = check_fits(plan.cfg, vocab, world, plan.gpu_mem_gib)
+        if refusal:
+            raise ConfigError(refusal.replace("this cluster's GPUs", "this machine's GPUs"))
 
 
 def launch(plan: LocalPlan) -> int:

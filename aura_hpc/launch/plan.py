@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aura_hpc.config import RunConfig
+from aura_hpc.launch.memory import MemoryPlan
 
 # The one worker entry point; Slurm jobs run the same (aura_hpc.slurm.job).
 WORKER_MODULE = "aura_hpc.train"
@@ -25,6 +26,8 @@ class LocalPlan:
     local_addr: str | None
     env: dict[str, str] = field(default_factory=dict)
     shutdown_timeout: int = 120
+    memory: MemoryPlan | None = None  # per GPU (per process on CPU)
+    gpu_mem_gib: float = 0.0  # this machine's GPU memory (0: no GPU)
 
     @property
     def config_path(self) -> Path:

@@ -19,6 +19,8 @@ from typing import Any
 
 from aura_hpc.config import RunConfig, SlurmConfig, coerce, load_config, slurm_minutes, validate_slurm
 from aura_hpc.errors import ConfigError
+from aura_hpc.launch.memory import MemoryPlan, check_fits, tokenizer_vocab
+from aura_hpc.launch.memory import plan as plan_memory
 from aura_hpc.slurm import profiles
 
 # Filesystems every node of a cluster sees alike.
@@ -51,6 +53,7 @@ class SubmitPlan:
     warnings: list[str] = field(default_factory=list)
     prepare_builtin: Path | None = None  # the built-in corpus is prepared here before submitting
     check: bool = False  # `submit --check`: run `check` on every node instead of training
+    memory: MemoryPlan | None = None  # per GPU (per task for a CPU job), for the first point
 
     @property
     def tasks_per_node(self) -> int:
@@ -264,8 +267,19 @@ def plan_submit(
         from aura_hpc.launch.run_setup import builtin_data_dir
 
         prepare_builtin = builtin_data_dir(cfg)
+    world = slurm.nodes * (1 if check else max(1, slurm.gpus_per_node))
+    memory = None
+    if not check:
+        first = points[0].cfg
+        vocab = tokenizer_vocab(first)
+        memory = plan_memory(first, vocab, world, gpu=slurm.gpus_per_node > 0)
+        limit = prof.gpu_mem_gib
+        if limit and slurm.gpus_per_node > 0:
+            refusal = check_fits(first, vocab, world, limit)
+            if refusal:
+                raise ConfigError(refusal.replace("this cluster's GPUs", f"cluster profile '{prof.name}'s GPUs"))
     script = sbatch_script(folder, params, len(points))
-    return SubmitPlan(points, prof, slurm, sources, params, folder, script, env, warnings, prepare_builtin, check)
+    return SubmitPlan(points, prof, slurm, sources, params, folder, script, env, warnings, prepare_builtin, check, memory)
 
 
 def submitit_command(folder: Path) -> str:

@@ -30,7 +30,7 @@ SBATCH_TO_KEY = {
 }
 # Options aura_hpc decides itself; a profile setting them would break the task layout.
 RESERVED = {"ntasks", "ntasks-per-node", "output", "error", "array", "signal", "open-mode", "dependency", "wckey"}
-AURA_KEYS = {"output_dir", "max_gpus_per_node"}
+AURA_KEYS = {"output_dir", "max_gpus_per_node", "gpu_mem_gib"}
 
 
 @dataclass
@@ -46,6 +46,11 @@ class Profile:
     def max_gpus_per_node(self) -> int | None:
         v = self.aura.get("max_gpus_per_node")
         return int(v) if v else None
+
+    @property
+    def gpu_mem_gib(self) -> float | None:
+        v = self.aura.get("gpu_mem_gib")
+        return float(v) if v else None
 
     @property
     def output_dir(self) -> str | None:

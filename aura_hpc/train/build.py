@@ -17,11 +17,13 @@ from aura_hpc.train.model import LanguageModelLoss, build_model, compile_blocks,
 from aura_hpc.train.runtime import Runtime
 from aura_hpc.train.schedule import make_optimizer, make_scheduler
 from aura_hpc.train.state import Layout, Parts
+from aura_hpc.train.strategies import Wrapped, wrap
 
 log = logging.getLogger("aura_hpc")
 
 
-def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout]:
+def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wrapped]:
+    """Data, model spread over the ranks by the strategy, then the optimizer over what the strategy made."""
     t = cfg.train
     torch.manual_seed(t.seed)
     random.seed(t.seed)
@@ -40,7 +42,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout]:
     if t.activation_checkpointing:
         enable_activation_checkpointing(model)
     loss_model = LanguageModelLoss(model, chunked=t.loss == "chunked" or (t.loss == "auto" and cuda), compute_dtype=rt.autocast_dtype)
-    if t.compile == "true" or (t.compile == "auto" and cuda):
+    if t.compile == "true" or (t.compile == "auto" and cuda and not cfg.dist.strategy.startswith("zero")):
         compile_blocks(model)
 
     world = env.world_size
@@ -61,7 +63,8 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout]:
             )
         if env.is_main:
             log.warning("%s; train.allow_oversubscription=true: repeating the data to fill each batch", msg)
-    optimizer = make_optimizer(model, t, fused=t.fused_optimizer == "true" or (t.fused_optimizer == "auto" and cuda))
+    fused = t.fused_optimizer == "true" or (t.fused_optimizer == "auto" and cuda and cfg.dist.strategy == "ddp")
+    wrapped, optimizer = wrap(loss_model, model, cfg, rt, world, lambda m: make_optimizer(m, t, fused=fused))
     parts = Parts(
         data=data,
         order=GlobalOrder(max(n_train, 1), t.seed),
@@ -72,7 +75,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout]:
         scheduler=make_scheduler(optimizer, t, max_steps),
         scaler=torch.amp.GradScaler("cuda", enabled=rt.autocast_dtype == torch.float16),
     )
-    return parts, layout
+    return parts, layout, wrapped
 
 
 def check_same_everywhere(cfg: RunConfig, env: DistEnv, data: PackedTokens) -> None:
@@ -109,6 +112,7 @@ def describe(cfg: RunConfig, parts: Parts, layout: Layout, rt: Runtime, start_st
         f"{t.schedule} with {t.warmup_steps} warmup, precision {t.precision} "
         f"(params {str(rt.param_dtype).removeprefix('torch.')}, autocast "
         f"{str(rt.autocast_dtype).removeprefix('torch.') if rt.autocast_dtype else 'off'})",
+        f"strategy: {cfg.dist.strategy}" + (" (parameters, gradients and optimizer state sharded)" if cfg.dist.strategy != "ddp" else ""),
         f"compute: torch.compile {'on (per block)' if _compiled(parts.model) else 'off'}, loss "
         f"{'chunked' if getattr(parts.loss_model, 'chunked', False) else 'full logits'}, activation checkpointing "
         f"{'on' if t.activation_checkpointing else 'off'}, optimizer {type(parts.optimizer).__name__}"

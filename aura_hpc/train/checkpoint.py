@@ -120,6 +120,17 @@ def host_copy(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+def sha256_of(path: Path) -> str:
+    return _sha256(path)
+
+
+def model_configs(model: Any) -> tuple[Any, Any]:
+    """Copies of the model's config (naming its class, as save_pretrained does) and generation config."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    return config, copy.deepcopy(getattr(model, "generation_config", None))
+
+
 def snapshot_model(model: Any) -> ModelSnapshot:
     weights: dict[str, torch.Tensor] = {}
     seen: set[tuple[str, int]] = set()
@@ -129,9 +140,7 @@ def snapshot_model(model: Any) -> ModelSnapshot:
             continue
         seen.add(key)
         weights[name] = t.detach().to("cpu", copy=True).contiguous()
-    config = copy.deepcopy(model.config)
-    config.architectures = [type(model).__name__]
-    return ModelSnapshot(weights, config, copy.deepcopy(getattr(model, "generation_config", None)))
+    return ModelSnapshot(weights, *model_configs(model))
 
 
 def _write_model(folder: Path, snap: ModelSnapshot) -> dict[str, str]:
@@ -146,6 +155,16 @@ def _write_model(folder: Path, snap: ModelSnapshot) -> dict[str, str]:
     return {str(p.relative_to(folder.parent)): _sha256(p) for p in sorted(folder.iterdir()) if p.is_file()}
 
 
+def begin(root: Path, step: int) -> Path:
+    """The empty temporary folder checkpoint `step` is written into (rank 0; sharded files go in too)."""
+    root.mkdir(parents=True, exist_ok=True)
+    _clean_stale_temps(root)
+    tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
 def save(
     root: Path,
     step: int,
@@ -155,28 +174,29 @@ def save(
     tokenizer_dir: Path | None,
     config_yaml: str,
     keep_last: int,
+    tmp: Path | None = None,
+    known_hashes: dict[str, str] | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically and prune to the newest `keep_last`. Rank 0 only.
 
     `model` is a ModelSnapshot (or a model, snapshotted here); `trainer_state` must not change
-    while this runs (the asynchronous writer gets a host copy).
+    while this runs (the asynchronous writer gets a host copy). `tmp` is a folder from begin()
+    that already holds files other ranks wrote (their hashes in `known_hashes`).
     """
     from aura_hpc.train import faults
 
     snap = model if isinstance(model, ModelSnapshot) else snapshot_model(model)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    _clean_stale_temps(root)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     run_dir = root.parent
 
     def stage(name: str) -> None:
         faults.checkpoint_stage(name, run_dir)
 
     try:
-        tmp.mkdir()
-        hashes = _write_model(tmp / "model", snap)
+        if tmp is None:
+            tmp = begin(root, step)
+        hashes = dict(known_hashes or {})
+        hashes.update(_write_model(tmp / "model", snap))
         stage("model")
         with open(tmp / "trainer_state.pt", "wb") as f:
             hashing = _HashingFile(f)
@@ -218,7 +238,8 @@ def save(
             tmp.rename(final)
         _fsync(root)
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         reason = exc.strerror or str(exc)
         fix = "free disk space" if exc.errno == errno.ENOSPC else "check the permissions and the filesystem"
         raise CheckpointWriteError(

@@ -17,14 +17,17 @@ from aura_hpc.train.dist_env import DistEnv
 from aura_hpc.train.runtime import Runtime, rng_state, set_rng_state
 from aura_hpc.train.schedule import scale_learning_rate
 from aura_hpc.train.state import Layout, Parts, Position
+from aura_hpc.train.strategies import Wrapped
 
 log = logging.getLogger("aura_hpc")
 
+SHARDS = "sharded"  # a checkpoint's folder of per-rank shards (DCP) under sharded strategies
+
 
 class Checkpointer:
-    def __init__(self, cfg: RunConfig, env: DistEnv, rt: Runtime, parts: Parts, layout: Layout, pos: Position) -> None:
+    def __init__(self, cfg: RunConfig, env: DistEnv, rt: Runtime, parts: Parts, layout: Layout, pos: Position, wrapped: Wrapped) -> None:
         self.cfg, self.env, self.rt = cfg, env, rt
-        self.parts, self.layout, self.pos = parts, layout, pos
+        self.parts, self.layout, self.pos, self.wrapped = parts, layout, pos, wrapped
         self.root = cfg.run_dir / "checkpoints"
         self.writer: _Writer | None = None
 
@@ -59,10 +62,13 @@ class Checkpointer:
         everyone = distributed.all_gather_object(have)
         p = self.parts
         try:
-            if all(everyone):
+            if self.wrapped.sharded:
+                meta, state = self._load_sharded(chosen, local, everyone)
+            elif all(everyone):
                 # Straight from (shared) storage, memory-mapped: no rank holds a private copy.
                 meta = checkpoint.read_meta(local)
                 self._check_fingerprint(chosen, meta)
+                self._check_layout(chosen, local)
                 checkpoint.load_weights_from(local, p.model)
                 state = checkpoint.read_trainer_state(local)
             else:
@@ -75,7 +81,8 @@ class Checkpointer:
                 checkpoint.load_weights(p.model, {k: v.to(self.rt.param_dtype) for k, v in weights.items()})
         except CheckpointError as exc:
             raise CheckpointError(str(exc) if str(exc).startswith(f"checkpoint {chosen} ") else f"{chosen}: {exc}") from None
-        p.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:  # sharded checkpoints keep it with the model shards
+            p.optimizer.load_state_dict(state["optimizer"])
         p.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             p.scaler.load_state_dict(state["scaler"])
@@ -93,6 +100,36 @@ class Checkpointer:
             log.warning("effective batch changed (%s -> %d) since the checkpoint", meta.get("effective_batch"), per_step)
         return int(meta["samples_seen"])
 
+    def _load_sharded(self, chosen: str, local: Path, everyone: list[bool]) -> tuple[dict[str, Any], dict[str, Any]]:
+        missing = [r for r, have in enumerate(everyone) if not have]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {chosen} is sharded and rank(s) {missing} cannot see {self.root}: every rank reads and writes its "
+                "own shard (fix: put output_dir on storage all nodes share, e.g. NFS, or --set dist.strategy=ddp)"
+            )
+        meta = checkpoint.read_meta(local)
+        self._check_fingerprint(chosen, meta)
+        self._check_layout(chosen, local)
+        written_on = int(meta.get("world_size", self.layout.world))
+        if self.wrapped.name.startswith("zero") and written_on != self.layout.world:
+            raise CheckpointError(
+                f"checkpoint {chosen} holds DeepSpeed ZeRO partitions for {written_on} ranks and this run has {self.layout.world}: "
+                f"ZeRO checkpoints resume at the world size they were written at (fix: resume on {written_on} processes, or convert "
+                "it with DeepSpeed's ds_to_universal; fsdp checkpoints reshard to any world size)"
+            )
+        self.wrapped.load_sharded(local / SHARDS, self.parts.optimizer)  # type: ignore[attr-defined]
+        return meta, checkpoint.read_trainer_state(local)
+
+    def _check_layout(self, chosen: str, local: Path) -> None:
+        """A sharded checkpoint resumes only under a sharded strategy, and a full one only under ddp."""
+        sharded = (local / SHARDS).is_dir()
+        if sharded != self.wrapped.sharded:
+            was = "a sharded strategy" if sharded else "ddp"
+            raise CheckpointError(
+                f"checkpoint {chosen} was written under {was} and this run uses dist.strategy={self.cfg.dist.strategy}: "
+                "the optimizer state is laid out differently (fix: resume with the strategy the run started with, or a new --run-name)"
+            )
+
     def _check_fingerprint(self, chosen: str, meta: dict[str, Any]) -> None:
         if meta.get("model_fingerprint") != self.cfg.model_fingerprint():
             raise CheckpointError(
@@ -102,7 +139,8 @@ class Checkpointer:
 
     # ---- save ---------------------------------------------------------------------------
     def _weights_finite(self) -> bool:
-        flags = [torch.isfinite(p).all() for p in self.parts.model.parameters()]
+        # This rank's part of each tensor (a shard under sharded strategies); every rank's verdict is gathered.
+        flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in self.parts.model.parameters()]
         return bool(torch.stack(flags).all())  # one device sync, not one per tensor
 
     def save(self) -> Path | None:
@@ -120,20 +158,13 @@ class Checkpointer:
             return None
         self.wait()  # one write at a time; and the previous one's outcome, for every rank
         path = self.root / checkpoint.step_dir_name(pos.step)
+        if self.wrapped.sharded:
+            self._save_sharded(rngs)
+            pos.saved_step = pos.step
+            return path
         if self.env.is_main:
             t0 = time.perf_counter()
-            meta = {
-                "eval_loss": pos.last_eval,
-                "rollbacks": pos.rollbacks,
-                "step": pos.step,
-                "samples_seen": pos.samples_seen(self.layout.per_step),
-                "tokens_seen": pos.tokens_seen,
-                "effective_batch": self.layout.per_step,
-                "world_size": self.layout.world,
-                "model_fingerprint": self.cfg.model_fingerprint(),
-                "n_params": p.n_params,
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            }
+            meta = self._meta()
             state = checkpoint.host_copy(
                 {
                     "optimizer": p.optimizer.state_dict(),
@@ -154,6 +185,54 @@ class Checkpointer:
             self.wait()
         pos.saved_step = pos.step
         return path
+
+    def _meta(self) -> dict[str, Any]:
+        pos = self.pos
+        return {
+            "eval_loss": pos.last_eval,
+            "rollbacks": pos.rollbacks,
+            "step": pos.step,
+            "samples_seen": pos.samples_seen(self.layout.per_step),
+            "tokens_seen": pos.tokens_seen,
+            "effective_batch": self.layout.per_step,
+            "world_size": self.layout.world,
+            "model_fingerprint": self.cfg.model_fingerprint(),
+            "n_params": self.parts.n_params,
+            "strategy": self.wrapped.name,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+
+    def _save_sharded(self, rngs: list[Any]) -> None:
+        """Every rank writes its shard (DCP) into rank 0's temporary folder; rank 0 adds the full
+        weights (model/), the rest and the commit marker. Synchronous and collective."""
+        pos, p = self.pos, self.parts
+        t0 = time.perf_counter()
+        tmp: Path | None = None
+        error = None
+        if self.env.is_main:
+            try:
+                tmp = checkpoint.begin(self.root, pos.step)
+            except OSError as exc:
+                error = f"could not start checkpoint step {pos.step} in {self.root} ({exc.strerror or exc}) (fix: check the disk)"
+        where, error = distributed.broadcast_object((str(tmp) if tmp else "", error))
+        if error:
+            raise CheckpointWriteError(error)
+        folder = Path(where)
+        self.wrapped.save_sharded(folder / SHARDS, p.optimizer)  # type: ignore[attr-defined]
+        weights = self.wrapped.full_weights()  # type: ignore[attr-defined]
+        # Each rank hashes the files it wrote; rank 0 hashes the rest while committing.
+        own = self.wrapped.own_shard_files(folder / SHARDS, self.env.rank)  # type: ignore[attr-defined]
+        mine = {str(f.relative_to(folder)): checkpoint.sha256_of(f) for f in own}
+        hashes = {k: v for part in distributed.all_gather_object(mine) for k, v in part.items()}
+        if self.env.is_main:
+            snap = checkpoint.ModelSnapshot(weights, *checkpoint.model_configs(p.model))
+            state = checkpoint.host_copy(
+                {"scheduler": p.scheduler.state_dict(), "scaler": p.scaler.state_dict() if p.scaler.is_enabled() else {}, "rng": rngs}
+            )
+            args = (self.root, pos.step, snap, state, self._meta(), p.data.tokenizer_dir, self.cfg.to_yaml(), self.cfg.train.keep_last)
+            self.writer = _Writer(args, t0, time.perf_counter() - t0, tmp=folder, known_hashes=hashes)
+            self.writer.run()
+        self.wait()
 
     def wait(self) -> None:
         """Wait for the checkpoint being written; every rank calls this at the same point."""
@@ -205,14 +284,14 @@ class Checkpointer:
 class _Writer(threading.Thread):
     """Writes one checkpoint from host memory (rank 0), in the background or in place."""
 
-    def __init__(self, args: tuple[Any, ...], t0: float, paused: float) -> None:
+    def __init__(self, args: tuple[Any, ...], t0: float, paused: float, **kw: Any) -> None:
         super().__init__(name="aura-checkpoint-writer")
-        self.args, self.t0, self.paused = args, t0, paused
+        self.args, self.kw, self.t0, self.paused = args, kw, t0, paused
         self.error: str | None = None
 
     def run(self) -> None:
         try:
-            path = checkpoint.save(*self.args)
+            path = checkpoint.save(*self.args, **self.kw)
             log.info(
                 "checkpoint %s written in %.2fs (training paused %.2fs to copy the state)",
                 path,

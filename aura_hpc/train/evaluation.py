@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import torch
@@ -42,20 +43,22 @@ def _eager() -> contextlib.AbstractContextManager[Any]:
 
 
 @torch.no_grad()
-def sample(parts: Parts, t: TrainConfig, step: int, rt: Runtime) -> str:
-    """A short continuation of train.sample_prompt (rank 0 only)."""
+def sample(parts: Parts, t: TrainConfig, step: int, rt: Runtime, model: Any = None) -> str:
+    """A short continuation of train.sample_prompt (rank 0 only), from `model` or the live one."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(parts.data.tokenizer_dir))
-    model = parts.model
-    ids = tok(t.sample_prompt, return_tensors="pt").input_ids.to(rt.device)
+    live = model is None
+    model = parts.model if live else model
+    device = rt.device if live else torch.device("cpu")
+    ids = tok(t.sample_prompt, return_tensors="pt").input_ids.to(device)
     model.eval()
     # Sampling must not disturb the training RNG stream (resume would diverge). Compiled blocks run
     # eagerly here: every generated token has another length, each would be one more compilation.
-    with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []), _eager():
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _eager():
         torch.manual_seed(t.seed + step)
-        with rt.autocast():
-            out = model.generate(  # type: ignore[operator]
+        with rt.autocast() if live else contextlib.nullcontext():
+            out = model.generate(
                 ids,
                 max_new_tokens=t.sample_tokens,
                 do_sample=True,
@@ -67,3 +70,11 @@ def sample(parts: Parts, t: TrainConfig, step: int, rt: Runtime) -> str:
             )
     model.train()
     return str(tok.decode(out[0], skip_special_tokens=True))
+
+
+def host_model(like: Any, weights: dict[str, torch.Tensor], cached: Any = None) -> Any:
+    """A plain fp32 copy of the model in host memory holding `weights` (samples under sharded strategies)."""
+    if cached is None:
+        cached = type(like)(copy.deepcopy(like.config)).to(torch.float32)
+    cached.load_state_dict({k: v.to(torch.float32) for k, v in weights.items()}, strict=False)
+    return cached

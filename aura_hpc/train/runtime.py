@@ -42,6 +42,10 @@ def start(cfg: RunConfig, env: DistEnv) -> Runtime:
         torch.set_num_threads(threads)
     if cfg.dist.backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("dist.backend is nccl but this machine has no CUDA GPU (fix: --backend gloo or auto)")
+    # Libraries that read the launcher's variables themselves (DeepSpeed asserts LOCAL_RANK) find
+    # them under Slurm too, where srun sets SLURM_* only.
+    for key, value in (("LOCAL_RANK", env.local_rank), ("RANK", env.rank), ("WORLD_SIZE", env.world_size)):
+        os.environ.setdefault(key, str(value))
     device = distributed.pick_device(env, cfg.dist.backend)
     malloc = "default"
     if device.type == "cpu" and cfg.train.tune_malloc and pin_thresholds():
@@ -111,3 +115,12 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         cuda = cuda[device.index] if device.index is not None and device.index < len(cuda) else None
     if cuda is not None:
         torch.cuda.set_rng_state(cuda, device)
+
+
+def host_memory_peak() -> int:
+    """The process's peak resident set, in bytes (Linux reports kilobytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)

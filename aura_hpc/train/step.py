@@ -68,8 +68,6 @@ class Stepper:
     def __init__(self, t: TrainConfig, rank: int, world: int, rt: Runtime, parts: Parts, wrapped: Wrapped, batches: Batches) -> None:
         self.t, self.rank, self.world, self.rt = t, rank, world, rt
         self.parts, self.wrapped, self.batches = parts, wrapped, batches
-        # Fused optimizers take a device flag that turns the update into a no-op (no host sync).
-        self.skips_on_device = bool(getattr(parts.optimizer, "_step_supports_amp_scaling", False))
 
     def step(self, pos: Position, stop: StopRequest, gpu_fault_seen: Callable[[], bool]) -> StepOutcome:
         """Queue step pos.step + 1. Whether to stop and whether the step is usable is decided by all
@@ -96,38 +94,16 @@ class Stepper:
                 flags[1] = 1.0 if gpu_fault_seen() else 0.0
                 flags[2 + self.rank] = (~torch.isfinite(total)).to(torch.float64)
                 riding = wrapped.send_flags(flags)
-            p.scaler.scale(loss).backward()
+            wrapped.backward(loss, p.scaler)
         if riding:
             flags = wrapped.received_flags()
         elif distributed.active() and self.world > 1:
             torch.distributed.all_reduce(flags)
-        p.scaler.unscale_(p.optimizer)
-        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(p.model.parameters(), max_norm)
+        grad_norm = wrapped.grad_norm(p.optimizer, p.scaler, t.grad_clip)
         bad = flags[2:].sum() > 0
         if not p.scaler.is_enabled():
             bad = bad | ~torch.isfinite(grad_norm)
-        self._update(bad)
+        wrapped.update(p.optimizer, p.scaler, bad)
         p.scheduler.step()
         report = torch.cat([total.view(1), grad_norm.detach().to(torch.float64).view(1), flags])
         return StepOutcome(pos.step + 1, report, self.world, p.scaler.is_enabled())
-
-    def _update(self, bad: torch.Tensor) -> None:
-        p = self.parts
-        if p.scaler.is_enabled():  # fp16: GradScaler decides about inf gradients itself
-            if bool(bad):
-                p.optimizer.zero_grad(set_to_none=True)
-                p.scaler.update()
-                return
-            p.scaler.step(p.optimizer)
-            p.scaler.update()
-        elif self.skips_on_device:
-            opt = p.optimizer
-            opt.grad_scale, opt.found_inf = None, bad.to(torch.float32)  # type: ignore[attr-defined]
-            try:
-                opt.step()
-            finally:
-                opt.found_inf = None  # type: ignore[attr-defined]
-        elif not bool(bad):  # CPU: the tensors are already computed, reading one costs nothing
-            p.optimizer.step()
-        p.optimizer.zero_grad(set_to_none=True)

@@ -21,13 +21,12 @@ from aura_hpc.train.batches import Batches
 from aura_hpc.train.build import build, describe
 from aura_hpc.train.checkpointing import Checkpointer
 from aura_hpc.train.dist_env import DistEnv
-from aura_hpc.train.evaluation import evaluate, sample
+from aura_hpc.train.evaluation import evaluate, host_model, sample
 from aura_hpc.train.health import HealthWatch
 from aura_hpc.train.metrics import Interval, MetricsWriter
 from aura_hpc.train.state import Position
 from aura_hpc.train.step import StepOutcome, Stepper, StepResult
 from aura_hpc.train.stop import StopRequest
-from aura_hpc.train.strategies import wrap
 
 log = logging.getLogger("aura_hpc")
 
@@ -46,10 +45,11 @@ class Trainer:
         """Set up, resume, train to the end step (or a stop), finish; returns the exit status."""
         cfg, env = self.cfg, self.env
         self.rt = runtime.start(cfg, env)
-        self.parts, self.layout = build(cfg, env, self.rt)
-        self.ckpt = Checkpointer(cfg, env, self.rt, self.parts, self.layout, self.pos)
+        self.memory_base = runtime.host_memory_peak()  # what the process held before the model existed
+        self.parts, self.layout, wrapped = build(cfg, env, self.rt)
+        self.wrapped = wrapped
+        self.ckpt = Checkpointer(cfg, env, self.rt, self.parts, self.layout, self.pos, wrapped)
         self.ckpt.resume()
-        wrapped = wrap(self.parts.loss_model, cfg.dist.strategy, self.rt.device, self.layout.world)
         batches = Batches(self.parts, self.layout, env.rank, self.rt.device)
         stepper = Stepper(cfg.train, env.rank, self.layout.world, self.rt, self.parts, wrapped, batches)
         if env.is_main:
@@ -184,11 +184,12 @@ class Trainer:
             self._log_row(r, do_eval)
         else:
             self.progress.update(pos.step)
-        if self.env.is_main and t.sample_every and pos.step % t.sample_every == 0 and not at_end:
-            text = sample(self.parts, t, pos.step, self.rt)
-            log.info("sample at step %d: %s", pos.step, text.replace("\n", " "))
-            if self.metrics is not None:
-                self.metrics.text("sample", text, pos.step)
+        if t.sample_every and pos.step % t.sample_every == 0 and not at_end:
+            text = self._sample()
+            if text is not None:
+                log.info("sample at step %d: %s", pos.step, text.replace("\n", " "))
+                if self.metrics is not None:
+                    self.metrics.text("sample", text, pos.step)
         if (t.checkpoint_every and pos.step % t.checkpoint_every == 0) or at_end:
             self.ckpt.save()
         pos.last_eval = None
@@ -230,6 +231,25 @@ class Trainer:
             )
         self.progress.update(pos.step, f"loss {mean_loss:.3f}")
 
+    def _peak_memory(self) -> float:
+        """Bytes this rank's training needed at most: the GPU allocator's peak, or the growth of
+        the process's resident set on CPU (what the memory plan estimates)."""
+        if self.rt.device.type == "cuda":
+            import torch
+
+            return float(torch.cuda.max_memory_allocated(self.rt.device))
+        return float(runtime.host_memory_peak() - self.memory_base)
+
+    def _sample(self) -> str | None:
+        """A text sample on rank 0; with sharded weights every rank takes part in gathering them."""
+        if self.wrapped.sharded:
+            weights = self.wrapped.full_weights()  # type: ignore[attr-defined]
+            if not self.env.is_main:
+                return None
+            self._host_model = host_model(self.parts.model, weights, getattr(self, "_host_model", None))
+            return sample(self.parts, self.cfg.train, self.pos.step, self.rt, self._host_model)
+        return sample(self.parts, self.cfg.train, self.pos.step, self.rt) if self.env.is_main else None
+
     def _resources_to_tensorboard(self, row: dict[str, Any]) -> None:
         if self.metrics is not None:
             self.metrics.resources(row, self.pos.step)
@@ -247,8 +267,8 @@ class Trainer:
             self.ckpt.save()  # the last save was refused (weights not finite): try once more
         self.ckpt.wait()
         final_ckpt = checkpoint.list_complete(self.ckpt.root)
-        if env.is_main:
-            last_sample = sample(self.parts, self.cfg.train, pos.step, self.rt)
+        last_sample = self._sample()
+        if last_sample is not None:
             log.info("sample: %s", last_sample.replace("\n", " "))
             if self.metrics is not None:
                 self.metrics.text("sample", last_sample, pos.step)
@@ -264,6 +284,8 @@ class Trainer:
                 "n_params": self.parts.n_params,
                 "world_size": self.layout.world,
                 "backend": self.rt.backend,
+                "strategy": self.wrapped.name,
+                "peak_memory_gib": round(self._peak_memory() / 2**30, 3),
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
         try:
@@ -275,7 +297,12 @@ class Trainer:
         if env.is_main:
             if pos.step < self.layout.max_steps:
                 log.info("stopped at step %d of %d (train.stop_at); re-run the same command to continue", pos.step, self.layout.max_steps)
-            log.info("all %d ranks finished at step %d", self.layout.world, pos.step)
+            log.info(
+                "all %d ranks finished at step %d (peak memory of rank 0: %.2f GiB)",
+                self.layout.world,
+                pos.step,
+                self._peak_memory() / 2**30,
+            )
         return 0
 
     def _stop_on_signal(self, stop: StopRequest) -> int:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 
 from aura_hpc.config import load_run_file
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         worker_log.setup(None, env.rank)
         log.error("%s", exc)
         return exc.exit_code
+    # Deprecation notices that DeepSpeed's calls into torch.distributed raise on every rank, every run:
+    # nothing the user can act on.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     # Library progress bars (tqdm) and download chatter do not belong in per-rank log files.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from aura_hpc.train.model import quiet_deepspeed_probe

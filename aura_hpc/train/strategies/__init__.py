@@ -8,20 +8,40 @@ the loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from aura_hpc.errors import ConfigError
+from aura_hpc.config import RunConfig
+from aura_hpc.train.runtime import Runtime
 from aura_hpc.train.strategies.base import Wrapped
 
-
-def wrap(model: torch.nn.Module, strategy: str, device: torch.device, world_size: int) -> Wrapped:
-    if strategy != "ddp":
-        raise ConfigError(f"dist.strategy {strategy!r} is not available yet (fix: --set dist.strategy=ddp)")
-    if world_size == 1:
-        return Wrapped(model)
-    from aura_hpc.train.strategies.ddp import wrap_ddp
-
-    return wrap_ddp(model, device, world_size)
+MakeOptimizer = Callable[[torch.nn.Module], torch.optim.Optimizer]
 
 
-__all__ = ["Wrapped", "wrap"]
+def wrap(
+    loss_model: torch.nn.Module, model: torch.nn.Module, cfg: RunConfig, rt: Runtime, world_size: int, make_optimizer: MakeOptimizer
+) -> tuple[Wrapped, torch.optim.Optimizer]:
+    """`loss_model` (forward(batch) = loss, holding `model`) spread over the ranks by dist.strategy,
+    and the optimizer over what the strategy made of the parameters (FSDP replaces them by shards;
+    DeepSpeed takes the optimizer in and partitions it)."""
+    strategy = cfg.dist.strategy
+    if strategy.startswith("zero"):
+        from aura_hpc.train.strategies.zero import wrap_zero
+
+        optimizer = make_optimizer(model)
+        return wrap_zero(loss_model, model, cfg, rt, world_size, optimizer), optimizer
+    if strategy == "fsdp":
+        from aura_hpc.train.strategies.fsdp import wrap_fsdp
+
+        wrapped: Wrapped = wrap_fsdp(loss_model, model, cfg.dist, rt, world_size)
+    elif world_size == 1:
+        wrapped = Wrapped(loss_model, model)
+    else:
+        from aura_hpc.train.strategies.ddp import wrap_ddp
+
+        wrapped = wrap_ddp(loss_model, model, rt.device, world_size)
+    return wrapped, make_optimizer(model)
+
+
+__all__ = ["MakeOptimizer", "Wrapped", "wrap"]

@@ -1,16 +1,28 @@
-"""The interface every strategy offers the loop; as is, it is the single-process strategy."""
+"""The interface every strategy offers the loop; as is, it is the single-process strategy.
+
+A step goes: `module(batch)` per micro-step inside `accumulating()`, `backward()`, then
+`grad_norm()` (clipping included), then `update()`. Flags ride on the gradients' all-reduce
+where a strategy can carry them (`send_flags`); otherwise the step all-reduces them itself.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 
 class Wrapped:
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module  # what the loop calls forward on
+    name = "single"
+    # Every rank writes its own part of a checkpoint (DCP, DeepSpeed) instead of rank 0 all of it.
+    sharded = False
+
+    def __init__(self, module: torch.nn.Module, model: torch.nn.Module) -> None:
+        self.module = module  # what the loop calls forward on: forward(batch) = loss
+        self.model = model  # the transformers model inside (saved, sampled)
 
     def send_flags(self, flags: torch.Tensor) -> bool:
         """Hands flags to the next gradient all-reduce; False when the caller must reduce them itself."""
@@ -24,3 +36,52 @@ class Wrapped:
     def accumulating(self, sync: bool) -> Iterator[None]:
         """Around a micro-step: with sync=False, gradients are only accumulated locally."""
         yield
+
+    def backward(self, loss: torch.Tensor, scaler: Any) -> None:
+        scaler.scale(loss).backward()
+
+    def grad_norm(self, optimizer: torch.optim.Optimizer, scaler: Any, max_norm: float) -> torch.Tensor:
+        """The total gradient norm (before clipping), after clipping to max_norm (0: no clipping)."""
+        scaler.unscale_(optimizer)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return clip_to_total_norm(grads, max_norm)
+
+    def update(self, optimizer: torch.optim.Optimizer, scaler: Any, bad: torch.Tensor) -> None:
+        """Apply the step unless `bad` (a device bool agreed by every rank); clear the gradients."""
+        if scaler.is_enabled():  # fp16: GradScaler decides about inf gradients itself
+            if bool(bad):
+                optimizer.zero_grad(set_to_none=True)
+                scaler.update()
+                return
+            scaler.step(optimizer)
+            scaler.update()
+        elif getattr(optimizer, "_step_supports_amp_scaling", False) and self.device_skip:
+            # Fused optimizers take a device flag that turns the update into a no-op (no host sync).
+            optimizer.grad_scale, optimizer.found_inf = None, bad.to(torch.float32)  # type: ignore[attr-defined]
+            try:
+                optimizer.step()
+            finally:
+                optimizer.found_inf = None  # type: ignore[attr-defined]
+        elif not bool(bad):  # reading `bad` waits for the device (on CPU it costs nothing)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    device_skip = True  # whether found_inf may be handed to a fused optimizer over these parameters
+
+
+def clip_to_total_norm(grads: list[torch.Tensor], max_norm: float, group: Any = None, sharded: bool = False) -> torch.Tensor:
+    """clip_grad_norm_, with the squares summed in fp64 (and over the ranks' shards when `sharded`).
+
+    In fp64 the total no longer depends on how the elements were split and summed, so DDP (whole
+    gradients) and FSDP (shards) compute the same clipping factor and train to the same bits.
+    """
+    if not grads:
+        return torch.zeros(())
+    squares = torch.stack([torch.linalg.vector_norm(g, 2, dtype=torch.float64).square() for g in grads]).sum()
+    if sharded:
+        torch.distributed.all_reduce(squares, group=group)
+    norm = squares.sqrt()
+    if max_norm > 0 and math.isfinite(max_norm):
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return norm

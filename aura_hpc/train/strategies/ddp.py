@@ -53,8 +53,10 @@ def _ride_hook(ride, bucket):  # type: ignore[no-untyped-def]
 
 
 class DdpWrapped(Wrapped):
-    def __init__(self, ddp: DistributedDataParallel, ride: FlagRide) -> None:
-        super().__init__(ddp)
+    name = "ddp"
+
+    def __init__(self, ddp: DistributedDataParallel, model: torch.nn.Module, ride: FlagRide) -> None:
+        super().__init__(ddp, model)
         self.ride = ride
 
     def send_flags(self, flags: torch.Tensor) -> bool:
@@ -78,11 +80,11 @@ class DdpWrapped(Wrapped):
             yield
 
 
-def wrap_ddp(model: torch.nn.Module, device: torch.device, world_size: int) -> DdpWrapped:
+def wrap_ddp(loss_model: torch.nn.Module, model: torch.nn.Module, device: torch.device, world_size: int) -> DdpWrapped:
     ids = [device.index] if device.type == "cuda" else None
     # Gradients as views into DDP's buckets: no copy into the buckets before the all-reduce,
     # and no second copy of every gradient in memory.
-    ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+    ddp = DistributedDataParallel(loss_model, device_ids=ids, gradient_as_bucket_view=True)
     ride = FlagRide(world_size)
     ddp.register_comm_hook(ride, _ride_hook)
-    return DdpWrapped(ddp, ride)
+    return DdpWrapped(ddp, model, ride)

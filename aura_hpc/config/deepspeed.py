@@ -1,0 +1,64 @@
+"""The DeepSpeed config of a zero1/zero2/zero3 run: what the trainer controls, over the user's own JSON.
+
+Pure Python (no DeepSpeed, no torch): `submit --dry-run` and `local` name a conflict before launch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from aura_hpc.config.tree import RunConfig
+from aura_hpc.errors import ConfigError
+
+
+def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool) -> dict[str, Any]:
+    """What the trainer controls, merged over the user's dist.deepspeed_config (conflicts refused)."""
+    t, d = cfg.train, cfg.dist
+    ours: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": t.batch_size,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.batch_size * t.grad_accum * world_size,
+        "gradient_clipping": t.grad_clip,
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": False},
+        "zero_allow_untested_optimizer": True,  # our torch AdamW, partitioned by ZeRO
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    zero: dict[str, Any] = {"stage": int(d.strategy[-1])}
+    if d.zero_offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    user = load_user_config(d.deepspeed_config) if d.deepspeed_config else {}
+    conflicts = [f"{k} ({user[k]!r} vs {v!r})" for k, v in ours.items() if k in user and user[k] != v]
+    user_zero = user.get("zero_optimization") or {}
+    if "stage" in user_zero and int(user_zero["stage"]) != zero["stage"]:
+        conflicts.append(f"zero_optimization.stage ({user_zero['stage']} vs {zero['stage']})")
+    if conflicts:
+        raise ConfigError(
+            f"dist.deepspeed_config {d.deepspeed_config} sets what the trainer controls: {'; '.join(conflicts)} "
+            "(fix: remove those keys from the JSON; set them with train.batch_size, train.grad_accum, train.grad_clip, "
+            "train.precision and dist.strategy)"
+        )
+    merged = {**user, **ours}
+    merged["zero_optimization"] = {**user_zero, **zero}
+    for key in ("optimizer", "scheduler"):
+        if key in user:
+            raise ConfigError(
+                f"dist.deepspeed_config {d.deepspeed_config} defines '{key}': the trainer brings its own AdamW and schedule "
+                f"(fix: remove '{key}' from the JSON; use train.lr, train.schedule, train.warmup_steps)"
+            )
+    return merged
+
+
+def load_user_config(path: str) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"dist.deepspeed_config {path} not found (fix: a path to a DeepSpeed JSON config)") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"dist.deepspeed_config {path} is not valid JSON (line {exc.lineno}: {exc.msg}) (fix: check the file)") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"dist.deepspeed_config {path} must hold a JSON object (fix: a DeepSpeed config)")
+    return data
