@@ -2,7 +2,8 @@
 
 Measured here: every strategy ends 20 fp32 AdamW steps bit for bit where DDP does. With gradient
 clipping on, FSDP still does (the clipping norm is summed in fp64 over the shards); DeepSpeed
-clips with a norm of its own, summed in fp32 in another order, so ZeRO lands within ~2e-6.
+clips with a norm of its own, summed in fp32 in another order, so ZeRO lands within ~2e-6, as
+ZeRO-2 does with gradient accumulation (it reduces each micro-step, then accumulates).
 """
 
 from __future__ import annotations
@@ -62,6 +63,17 @@ def test_zero_trains_to_the_same_bits_as_ddp(tmp_path: Path, prepared: Path, ddp
     if stage == "zero2":
         _run(tmp_path, "clipped", prepared, stage)
         assert _diff(final_weights(tmp_path / "clipped"), final_weights(ddp_runs / "clip")) < 1e-5
+
+
+def test_gradient_accumulation_is_the_same_under_every_strategy(tmp_path: Path, prepared: Path) -> None:
+    accum = ("--set", "train.grad_accum=2", "--set", "train.batch_size=4", "--set", "train.grad_clip=0", "--set", "train.max_steps=8")
+    for strategy in ("ddp", "fsdp", "zero2"):
+        _run(tmp_path, strategy, prepared, strategy, *accum)
+    ddp = final_weights(tmp_path / "ddp")
+    assert _diff(final_weights(tmp_path / "fsdp"), ddp) == 0.0
+    # ZeRO-2 reduces every micro-step's gradients across ranks and then accumulates them, DDP the
+    # other way round: the same sums in another order.
+    assert _diff(final_weights(tmp_path / "zero2"), ddp) < 1e-5
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Callable
 from typing import Any
 
 from aura_hpc.config import RunConfig
+from aura_hpc.errors import EXIT_GPU_FAULT
 from aura_hpc.ops.gpu_health import Fault, HealthRules, NoGpus, Thresholds, open_reader, selection_from_env
 from aura_hpc.ops.resources import BackgroundMonitor, Sampler
 from aura_hpc.train.dist_env import DistEnv
+
+log = logging.getLogger("aura_hpc")
 
 
 def _visible_uuids() -> list[str] | None:
@@ -86,3 +90,33 @@ class HealthWatch:
             "step": step,
         }
         webhook.deliver(url, h.webhook_type, event, h.webhook_timeout_s, h.webhook_retries)
+
+    def gpu_error(self, exc: RuntimeError, device: Any, step: int) -> int:
+        """Xid-style failure in the loop: the GPU state is unusable, so no checkpoint and no collective."""
+        fault = Fault(device.index or 0, f"CUDA error in the training loop: {str(exc).splitlines()[0][:200]}", {})
+        self.report(fault, step)
+        log.error("%s; exiting with status %d (drain this node)", fault.describe(), EXIT_GPU_FAULT)
+        return EXIT_GPU_FAULT
+
+    def open_circuit(self, ckpt: Any, step: int) -> int:
+        """All ranks agreed that a GPU is faulty: checkpoint if it still answers, alert, exit EXIT_GPU_FAULT."""
+        fault = self.fault
+        if fault is not None:
+            log.error("GPU circuit breaker OPEN on %s: %s", socket.gethostname(), fault.describe())
+            self.report(fault, step)
+        try:
+            path = ckpt.save()
+            ckpt.wait()
+            saved = f"checkpoint {path.name} written" if path else "checkpoint not written"
+        except Exception as exc:  # the GPU may no longer answer: nothing more to save
+            saved = f"checkpoint failed ({str(exc).splitlines()[0][:120]})"
+        if self.env.is_main:
+            log.error(
+                "stopped at step %d by the GPU circuit breaker: %s; exiting with status %d so the node can be drained "
+                "(Slurm: scontrol update nodename=<node> state=drain reason=gpu-fault); resume elsewhere with the same command",
+                step,
+                saved,
+                EXIT_GPU_FAULT,
+            )
+        self.stop()
+        return EXIT_GPU_FAULT

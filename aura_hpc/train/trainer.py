@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import time
 from typing import Any
 
 from aura_hpc.config import RunConfig
-from aura_hpc.errors import EXIT_GPU_FAULT, EXIT_RESUMABLE
-from aura_hpc.ops.gpu_health import Fault, is_gpu_error
+from aura_hpc.errors import EXIT_RESUMABLE
+from aura_hpc.ops.gpu_health import is_gpu_error
 from aura_hpc.train import checkpoint, distributed, faults, runtime
 from aura_hpc.train.batches import Batches
 from aura_hpc.train.build import build, describe
@@ -321,31 +320,7 @@ class Trainer:
         return EXIT_RESUMABLE
 
     def _gpu_error(self, exc: RuntimeError) -> int:
-        """Xid-style failure: the GPU state is unusable, so no checkpoint and no collective."""
-        fault = Fault(self.rt.device.index or 0, f"CUDA error in the training loop: {str(exc).splitlines()[0][:200]}", {})
-        self.health.report(fault, self.pos.step)
-        log.error("%s; exiting with status %d (drain this node)", fault.describe(), EXIT_GPU_FAULT)
-        return EXIT_GPU_FAULT
+        return self.health.gpu_error(exc, self.rt.device, self.pos.step)
 
     def _open_circuit(self) -> int:
-        """All ranks agreed that a GPU is faulty: checkpoint if it still answers, alert, exit EXIT_GPU_FAULT."""
-        fault = self.health.fault
-        if fault is not None:
-            log.error("GPU circuit breaker OPEN on %s: %s", socket.gethostname(), fault.describe())
-            self.health.report(fault, self.pos.step)
-        try:
-            path = self.ckpt.save()
-            self.ckpt.wait()
-            saved = f"checkpoint {path.name} written" if path else "checkpoint not written"
-        except Exception as exc:  # the GPU may no longer answer: nothing more to save
-            saved = f"checkpoint failed ({str(exc).splitlines()[0][:120]})"
-        if self.env.is_main:
-            log.error(
-                "stopped at step %d by the GPU circuit breaker: %s; exiting with status %d so the node can be drained "
-                "(Slurm: scontrol update nodename=<node> state=drain reason=gpu-fault); resume elsewhere with the same command",
-                self.pos.step,
-                saved,
-                EXIT_GPU_FAULT,
-            )
-        self.health.stop()
-        return EXIT_GPU_FAULT
+        return self.health.open_circuit(self.ckpt, self.pos.step)
