@@ -15,6 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
+# Files and pipes (Slurm logs, `| tee`) get whole lines: no 80-column wrapping, no box tables.
+_PLAIN = not console.is_terminal
 
 
 def error(message: str) -> None:
@@ -29,7 +31,14 @@ def heading(message: str) -> None:
     console.print(f"[bold]{message}[/]")
 
 
+def _plain_lines(title: str, lines: list[str]) -> None:
+    console.out("\n".join([title, *(f"  {line}" for line in lines)]), highlight=False)
+
+
 def table(title: str, rows: list[tuple[str, str]]) -> None:
+    if _PLAIN:
+        _plain_lines(title, [f"{k}: {' '.join(str(v).split())}" for k, v in rows])
+        return
     from rich.table import Table
 
     t = Table(title=title, show_header=False, title_justify="left")
@@ -88,6 +97,14 @@ class ProgressAwareHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 def grid(title: str, columns: list[str], rows: list[list[str]]) -> None:
     """A table with a header row (job listings)."""
+    if _PLAIN:
+
+        def cell(c: str, v: str) -> str:
+            v = " ".join(str(v).split()) or "-"
+            return f"{c}={v}" if c else v
+
+        _plain_lines(title, ["  ".join(cell(c, v) for c, v in zip(columns, r, strict=False)) for r in rows])
+        return
     from rich.table import Table
 
     t = Table(title=title, title_justify="left")
@@ -108,9 +125,13 @@ def warn(message: str) -> None:
 
 
 def resources_table(row: dict[str, Any]) -> Any:
+    import time
+
     from rich.table import Table
 
-    t = Table(title=f"{row.get('host')}  {row.get('time')}", title_justify="left")
+    when = row.get("time")
+    shown = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(when))) if isinstance(when, (int, float)) else when
+    t = Table(title=f"{row.get('host')}  {shown}", title_justify="left")
     for c in ("cpu %", "ram GB (%)", "disk free GB", "net rx/tx Mbit/s"):
         t.add_column(c)
     t.add_row(

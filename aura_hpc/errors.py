@@ -5,6 +5,8 @@ The statuses are what README.md documents for `local` (and what a Slurm job's ex
 
 from __future__ import annotations
 
+import unicodedata
+
 EXIT_OK = 0
 EXIT_TRAIN_FAILED = 1  # a process crashed or was killed, or training failed after it started
 EXIT_USER_ERROR = 2  # bad input: a config, data, checkpoint or launch problem, refused before training
@@ -16,10 +18,21 @@ EXIT_RESUMABLE = 75
 EXIT_GPU_FAULT = 76
 
 
+def one_line(text: str) -> str:
+    """`text` with line breaks and other control characters shown as escapes (a value quoted in a
+    message must not add lines to a terminal or a log, nor hide text)."""
+    if all(unicodedata.category(c) not in ("Cc", "Cf", "Zl", "Zp") for c in text):
+        return text
+    return "".join(repr(c)[1:-1] if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") else c for c in text)
+
+
 class AuraError(Exception):
-    """An error whose message is meant for the user as-is (no traceback)."""
+    """An error whose message is meant for the user as-is (no traceback), always one line."""
 
     exit_code = EXIT_USER_ERROR
+
+    def __init__(self, message: str = "", *args: object) -> None:
+        super().__init__(one_line(str(message)), *args)
 
 
 class ConfigError(AuraError):
@@ -54,5 +67,5 @@ class TrainingFailed(AuraError):
     """Workers started and failed (crashed, killed, or stopped on an error); the launcher's verdict."""
 
     def __init__(self, message: str, exit_code: int = EXIT_TRAIN_FAILED) -> None:
-        super().__init__(message)
+        super().__init__(message)  # made one line by AuraError
         self.exit_code = exit_code

@@ -18,8 +18,13 @@
 #AURA output_dir=/shared/$USER/aura_runs
 
 # Site software: change the module names to what `module avail` shows on your cluster.
-module purge 2>/dev/null || true
-module load cuda/12.6 2>/dev/null || true
+# A missing module is said in the job's log (the job goes on: the venv may bring its own CUDA).
+if command -v module >/dev/null 2>&1; then
+  module purge
+  module load cuda/12.6 || echo "aura_hpc: module cuda/12.6 is not available on $(hostname) (fix: change the module line of the cluster profile)" >&2
+else
+  echo "aura_hpc: no 'module' command on $(hostname); the profile's module lines were skipped" >&2
+fi
 # The Python environment aura_hpc is installed in (same path on every node).
 if [ -f "${AURA_VENV:-$HOME/venvs/aura}/bin/activate" ]; then source "${AURA_VENV:-$HOME/venvs/aura}/bin/activate"; fi
 

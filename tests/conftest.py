@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -79,3 +82,35 @@ def final_weights(run_dir: Path) -> dict:
 
     newest = checkpoint.list_complete(run_dir / "checkpoints")[0]
     return load_file(str(newest.path / "model" / "model.safetensors"))
+
+
+CLUSTER_SH = REPO / "tests" / "slurm" / "cluster.sh"
+SLURM_STATE = Path(os.environ.get("AURA_SLURM_STATE", "/tmp/aura-slurm"))
+SLURM_CONF = SLURM_STATE / "etc" / "slurm.conf"
+
+
+def _slurm_ping() -> bool:
+    env = dict(os.environ, SLURM_CONF=str(SLURM_CONF))
+    try:
+        return subprocess.run(["scontrol", "ping"], env=env, capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[Path]:
+    """A real Slurm on this machine, started for the session (and stopped if we started it)."""
+    if shutil.which("slurmctld") is None or shutil.which("sbatch") is None:
+        pytest.skip("needs Debian's slurm-wlm, munge, slurmdbd and mariadb-server (.ci/run installs them)")
+    if os.geteuid() != 0:
+        pytest.skip("starting munged/slurmctld/slurmd needs root (CI runs as root)")
+    started = False
+    if not _slurm_ping():
+        t0 = time.perf_counter()
+        subprocess.run([str(CLUSTER_SH), "up"], check=True, timeout=180)
+        print(f"slurm cluster up in {time.perf_counter() - t0:.1f}s")
+        started = True
+    os.environ["SLURM_CONF"] = str(SLURM_CONF)
+    yield SLURM_CONF
+    if started:
+        subprocess.run([str(CLUSTER_SH), "down"], timeout=120)

@@ -58,6 +58,25 @@ def _incompatible_run(tmp: Path, _prepared: Path) -> None:
     (old.run_dir / "checkpoints").mkdir()
 
 
+def _other_tokenizer_run(tmp: Path, prepared: Path) -> None:
+    """A run whose checkpoint was trained with another tokenizer than the data it is resumed on."""
+    ckpt = tmp / "runs" / "tiny" / "checkpoints" / "step_00000005"
+    shutil.copytree(prepared / "tokenizer", ckpt / "tokenizer")
+    tok = ckpt / "tokenizer" / "tokenizer.json"
+    tok.write_text(tok.read_text().replace('"vocab"', '"vocab" ', 1))
+    (ckpt / "COMPLETE.json").write_text("{}")
+    (tmp / "runs" / "tiny" / "config.yaml").write_text("kept: as it was\n")
+
+
+def _held_run_dir(tmp: Path, _prepared: Path) -> None:
+    import json
+    import os
+
+    run = tmp / "runs" / "tiny"
+    run.mkdir(parents=True)
+    (run / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": "now"}))
+
+
 _listener: socket.socket | None = None
 
 
@@ -95,6 +114,10 @@ ROWS = [
     Row("unprepared data dir", ["local", "--set", "data.path={tmp}/empty"], "python -m aura_hpc prepare", _files),
     Row("effective batch > dataset", ["local", "--set", "data.path={tmp}/small"], "fewer than one effective batch", _small_data),
     Row("vocab mismatch", ["local", D, "--set", "model.vocab_size=5000"], "model.vocab_size 5000 does not match the data's tokenizer"),
+    Row("data.path is a text file", ["local", "--set", "data.path={tmp}/latin1.txt"], "is a file; the trainer reads a prepared", _files),
+    Row("resume on data of another tokenizer", ["local", "--output-dir", "{tmp}/runs", D], "another tokenizer", _other_tokenizer_run),
+    Row("run directory in use", ["local", "--output-dir", "{tmp}/runs", D], "is in use by PID", _held_run_dir),
+    Row("line break in a value", ["local", "--set", "slurm.partition=a\ntouch x #"], "contains the character '\\n'"),
     Row("truncated token file", ["local", "--set", "data.path={tmp}/trunc"], "re-run prepare with --force", _truncated),
     Row(
         "resume with another model",
@@ -131,6 +154,11 @@ ROWS = [
         "cannot reach the master at 127.0.0.1",
     ),
     Row(
+        "node 0 started with another machine's address",
+        ["local", "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.255.255.1", D],
+        "10.255.255.1 is not an address of this machine",
+    ),
+    Row(
         "master does not resolve",
         ["local", "--nnodes", "2", "--node-rank", "1", "--master-addr", "no-such-host.invalid", "--rdzv-timeout", "2", D],
         "does not resolve",
@@ -164,6 +192,7 @@ def test_bad_input(row: Row, tmp_path: Path, prepared: Path) -> None:
     if row.setup:
         row.setup(tmp_path, prepared)
     port = (tmp_path / "port").read_text() if (tmp_path / "port").exists() else "0"
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     args = [a.format(tmp=tmp_path, data=prepared, port=port, free=free_port()) for a in row.args]
     if args[0] == "local" and "--output-dir" not in args:
         args += ["--output-dir", str(tmp_path / "runs")]
@@ -176,4 +205,6 @@ def test_bad_input(row: Row, tmp_path: Path, prepared: Path) -> None:
     assert "fix" in line or "did you mean" in line, f"no fix named: {line}"
     # Nothing was trained: no worker started, no checkpoint or metrics.
     assert "start rank=" not in r.stdout
-    assert not list(tmp_path.rglob("metrics.jsonl")) and not list(tmp_path.rglob("step_*"))
+    assert not list(tmp_path.rglob("metrics.jsonl")) and not [p for p in tmp_path.rglob("step_*") if (p / "COMPLETE.json") not in before]
+    # Nothing that was there changed (a refused resume keeps the run's config.yaml).
+    assert all(p.read_bytes() == data for p, data in before.items() if p.exists() and p.name != "port")

@@ -20,13 +20,17 @@ def test_every_shipped_config_loads() -> None:
     params = {}
     for name in shipped:
         cfg = load_config(name)
-        assert cfg.model.preset == name
+        # A model preset names itself; a run preset (hrm-*, a cluster recipe) builds on a model one.
+        if cfg.model.preset != name:
+            assert name.startswith("hrm-") and load_config(cfg.model.preset).model.preset == cfg.model.preset
         m = cfg.model
         # GPT-2 parameter count without embeddings: ~12 * layers * width^2.
         params[name] = 12 * m.n_layer * m.n_embd**2
     assert 80e6 < params["gpt2-small"] < 90e6  # 124M with the 50k-token embedding
     assert 280e6 < params["gpt2-medium"] < 320e6
     assert 0.9e9 < params["gpt2-1b"] < 1.2e9
+    assert 0.9e9 < params["hrm-1b-8xh200"] < 1.2e9
+    assert 3.0e9 < params["gpt2-3b"] < 3.3e9
 
 
 def test_defaults_are_the_tiny_preset() -> None:
@@ -85,10 +89,17 @@ def test_bad_overrides_give_one_line_errors(overrides: list[str], expected: str)
     assert "fix" in msg or "valid keys" in msg or "did you mean" in msg
 
 
-def test_unknown_key_lists_the_valid_ones() -> None:
+def test_unknown_key_names_its_sections_keys_and_the_command_that_lists_all() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, ["train.learning_rate=1"])
-    assert "train.max_steps" in str(err.value) and "dist.backend" in str(err.value)
+    msg = str(err.value)
+    assert "the train section has max_steps" in msg and "dist.backend" not in msg and "config --keys" in msg
+    with pytest.raises(ConfigError, match=r"did you mean 'train.lr'\? the train section has"):
+        load_config(None, ["trian.lr=1"])
+    keys = run_cli(["config", "--keys"])
+    assert keys.returncode == 0 and "dist.backend" in keys.stdout and "train.max_steps" in keys.stdout
+    shown = run_cli(["config", "--config", "gpt2-small", "--set", "train.lr=3e-4"])
+    assert shown.returncode == 0 and "lr: 0.0003" in shown.stdout and "n_embd: 768" in shown.stdout
 
 
 def test_bad_yaml_files(tmp_path: Path) -> None:
@@ -139,3 +150,37 @@ def test_help_does_not_import_heavy_libraries() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "local" in r.stdout and "prepare" in r.stdout
     assert "HEAVY []" in r.stdout
+
+
+def test_a_literal_webhook_url_is_stored_redacted_and_reaches_the_workers_by_environment(tmp_path: Path) -> None:
+    from aura_hpc.ops.webhook import resolve_url
+
+    secret = "https://hooks.slack.com/services/T000/B000/SECRET-42"
+    cfg = load_config("tiny", [f"health.webhook_url={secret}"])
+    stored = cfg.to_yaml()
+    assert "SECRET-42" not in stored and "https://hooks.slack.com/<redacted>" in stored
+    path = tmp_path / "config.yaml"
+    path.write_text(stored)
+    h = load_run_file(path).health
+    assert h.webhook_url_env == "AURA_WEBHOOK_URL"
+    assert resolve_url(h.webhook_url, h.webhook_url_env, h.webhook_url_file) in ("", secret)
+    import os
+
+    os.environ["AURA_WEBHOOK_URL"] = secret
+    try:
+        assert resolve_url(h.webhook_url, h.webhook_url_env, h.webhook_url_file) == secret
+    finally:
+        del os.environ["AURA_WEBHOOK_URL"]
+    with pytest.raises(ConfigError, match="more than one is set") as exc:
+        load_config("tiny", [f"health.webhook_url={secret}", "health.webhook_url_env=HOOK"])
+    assert "SECRET-42" not in str(exc.value)
+    with pytest.raises(ConfigError, match="not an environment variable name"):
+        load_config("tiny", ["health.webhook_url_env=my hook"])
+
+
+def test_line_breaks_in_values_are_refused_before_yaml_can_fold_them() -> None:
+    with pytest.raises(ConfigError, match=r"slurm\.partition contains the character '\\n'"):
+        load_config("tiny", ["slurm.partition=a\ntouch x #"])
+    with pytest.raises(ConfigError, match=r"U\+0000"):
+        load_config("tiny", ["data.path=a\0b"])
+    assert load_config("tiny", ["train.sample_prompt=Capítulo I\nEn"]).train.sample_prompt == "Capítulo I\nEn"

@@ -129,6 +129,12 @@ def test_breaker_stops_all_ranks_checkpoints_alerts_and_exits_distinctly(
     kind: str, tmp_path: Path, prepared: Path, webhook_server: tuple[str, type[_Hook]]
 ) -> None:
     url, hook = webhook_server
+    # The three ways to give the secret URL, one per fault kind: literal, an environment variable, a file.
+    url_file = tmp_path / "hook.url"
+    url_file.write_text(url + "\n")
+    source = {"ecc": f"health.webhook_url={url}", "thermal": "health.webhook_url_env=AURA_TEST_HOOK"}.get(
+        kind, f"health.webhook_url_file={url_file}"
+    )
     replay = tmp_path / "nvml.jsonl"
     replay.write_text(json.dumps([HEALTHY]) + "\n" + json.dumps([FAULTS[kind]]) + "\n")
     res = run_cli(
@@ -158,7 +164,7 @@ def test_breaker_stops_all_ranks_checkpoints_alerts_and_exits_distinctly(
             "--set",
             "health.breaker_interval_s=0.2",
             "--set",
-            "health.webhook_url=env:AURA_TEST_HOOK",
+            source,
             "--set",
             "health.webhook_retries=1",
         ],
@@ -177,8 +183,13 @@ def test_breaker_stops_all_ranks_checkpoints_alerts_and_exits_distinctly(
     event = hook.received[0]
     assert event["event"] == "gpu.fault" and event["gpu_index"] == 0 and REASON[kind] in event["reason"]
     assert event["readings"]["name"].startswith("NVIDIA") and event["host"] and event["run_dir"] == str(run_dir)
-    everything = res.stdout + res.stderr + "".join(logs.values()) + (run_dir / "config.yaml").read_text()
+    stored = [p.read_text(errors="replace") for p in run_dir.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json", ".jsonl", ".log")]
+    everything = res.stdout + res.stderr + "".join(stored)
+    assert (run_dir / "config.yaml").exists() and len(stored) > 4
     assert "SECRET-TOKEN-123" not in everything, "the webhook URL is a secret"
+    if kind == "ecc":
+        assert "webhook_url: http://127.0.0.1:" in (run_dir / "config.yaml").read_text() and "<redacted>" in everything
+    assert oct((run_dir).stat().st_mode & 0o777) == "0o750", "run directories are not world-readable"
 
 
 def test_cuda_errors_that_mean_a_broken_gpu_are_recognised() -> None:

@@ -1,6 +1,6 @@
 """`submit`, requeue, sweeps and job inspection against a real Slurm (slurmctld + 4 slurmd + slurmdbd).
 
-The cluster is started by tests/slurm/cluster.sh (the `slurm_cluster` fixture); .ci/run installs
+The cluster is started by tests/slurm/cluster.sh (the `slurm_cluster` fixture in conftest.py); .ci/run installs
 Debian's slurm-wlm, munge, slurmdbd and mariadb-server first.
 """
 
@@ -17,11 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, SMALL_MODEL, final_weights, run_cli
-
-CLUSTER_SH = REPO / "tests" / "slurm" / "cluster.sh"
-STATE = Path(os.environ.get("AURA_SLURM_STATE", "/tmp/aura-slurm"))
-SLURM_CONF = STATE / "etc" / "slurm.conf"
+from tests.conftest import SMALL_MODEL, final_weights, run_cli
 
 TINY = [
     "--nodes",
@@ -36,33 +32,6 @@ TINY = [
     "--set",
     "train.sample_tokens=5",
 ]
-
-
-def _slurm_ping() -> bool:
-    env = dict(os.environ, SLURM_CONF=str(SLURM_CONF))
-    try:
-        return subprocess.run(["scontrol", "ping"], env=env, capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-@pytest.fixture(scope="session")
-def slurm_cluster() -> Path:
-    """A real Slurm on this machine, started for the session (and stopped if we started it)."""
-    if shutil.which("slurmctld") is None or shutil.which("sbatch") is None:
-        pytest.skip("needs Debian's slurm-wlm, munge, slurmdbd and mariadb-server (.ci/run installs them)")
-    if os.geteuid() != 0:
-        pytest.skip("starting munged/slurmctld/slurmd needs root (CI runs as root)")
-    started = False
-    if not _slurm_ping():
-        t0 = time.perf_counter()
-        subprocess.run([str(CLUSTER_SH), "up"], check=True, timeout=180)
-        print(f"slurm cluster up in {time.perf_counter() - t0:.1f}s")
-        started = True
-    os.environ["SLURM_CONF"] = str(SLURM_CONF)
-    yield SLURM_CONF
-    if started:
-        subprocess.run([str(CLUSTER_SH), "down"], timeout=120)
 
 
 @pytest.fixture
@@ -157,6 +126,9 @@ def test_usr2_checkpoints_requeues_and_ends_equal_to_an_uninterrupted_run(
     out = tmp_path / "runs"
     common = [*TINY, "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=150"]
     common += ["--set", "train.checkpoint_every=100"]
+    # The uninterrupted reference runs beside it (the test cluster has 4 nodes): half the wall time.
+    ref = run_cli(["submit", *common, "--run-name", "straight"])
+    assert ref.returncode == 0, ref.stderr
     res = run_cli(["submit", *common, "--run-name", "requeued"])
     assert res.returncode == 0, res.stderr
     run_dir = out / "requeued"
@@ -181,8 +153,8 @@ def test_usr2_checkpoints_requeues_and_ends_equal_to_an_uninterrupted_run(
     acct = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"], capture_output=True, text=True).stdout
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 150
 
-    ref = run_cli(["submit", *common, "--run-name", "straight", "--wait"], timeout=300)
-    assert ref.returncode == 0, ref.stdout + ref.stderr
+    _wait_gone(_job_id(out / "straight"))
+    assert json.loads((out / "straight" / "summary.json").read_text())["finished"]
     a, b = final_weights(run_dir), final_weights(out / "straight")
     assert a.keys() == b.keys()
     for k in a:
@@ -354,6 +326,17 @@ def test_unreachable_slurmctld_is_a_clear_error(slurm_cluster: Path, tmp_path: P
     assert "slurmctld is not reachable" in res.stderr and "fix:" in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize("command", [["status"], ["history"], ["cancel", "123"]])
+def test_no_slurm_configuration_is_named_at_once(command: list[str], tmp_path: Path, home: Path) -> None:
+    if shutil.which("squeue") is None:
+        pytest.skip("needs Slurm's client commands")
+    t0 = time.perf_counter()
+    res = run_cli(command, SLURM_CONF=str(tmp_path / "nowhere" / "slurm.conf"), timeout=60)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "no Slurm configuration is reachable" in res.stderr and "SLURM_CONF=" in res.stderr, res.stderr
+    assert time.perf_counter() - t0 < 20, "Slurm's own 60 s retry loop was not waited out"
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
 def test_sharded_strategies_requeue_and_resume_from_their_shards(
     slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path, strategy: str
@@ -361,6 +344,9 @@ def test_sharded_strategies_requeue_and_resume_from_their_shards(
     out = tmp_path / "runs"
     common = [*TINY, "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=150"]
     common += ["--set", "train.checkpoint_every=100", "--set", f"dist.strategy={strategy}", "--set", "train.precision=fp32"]
+    # The uninterrupted reference runs beside it (the test cluster has 4 nodes): half the wall time.
+    ref = run_cli(["submit", *common, "--run-name", "straight"])
+    assert ref.returncode == 0, ref.stderr
     res = run_cli(["submit", *common, "--run-name", "requeued"])
     assert res.returncode == 0, res.stderr
     run_dir = out / "requeued"
@@ -377,7 +363,7 @@ def test_sharded_strategies_requeue_and_resume_from_their_shards(
     assert m and 20 <= int(m.group(2)) < 150, log[-3000:]
     resumed_from = run_dir / "checkpoints" / f"step_{int(m.group(1)):08d}"
     assert not resumed_from.exists() or (resumed_from / "sharded").is_dir()
-    ref = run_cli(["submit", *common, "--run-name", "straight", "--wait"], timeout=300)
-    assert ref.returncode == 0, ref.stdout + ref.stderr
+    _wait_gone(_job_id(out / "straight"))
+    assert json.loads((out / "straight" / "summary.json").read_text())["finished"]
     a, b = final_weights(run_dir), final_weights(out / "straight")
     assert all(torch.equal(a[k], b[k]) for k in a), f"{strategy}: the requeued run differs from the uninterrupted one"

@@ -71,8 +71,9 @@ def test_precedence_cli_over_config_over_profile(tmp_path: Path) -> None:
     assert "module load cuda/12.4" in script and "NCCL_IB_HCA=mlx5" in script
     table = res.stdout[: res.stdout.index("#!/bin/bash")]
     for key, source in (("slurm.partition", "cli"), ("slurm.time", "config"), ("slurm.mem", "profile"), ("slurm.max_requeues", "default")):
-        line = next(ln for ln in table.splitlines() if f" {key} " in ln)
-        assert line.rstrip(" │").endswith(source), line
+        # Piped output is plain: one "setting=KEY  value=...  from=SOURCE" line per row, never wrapped.
+        line = next(ln for ln in table.splitlines() if f"setting={key} " in ln)
+        assert line.endswith(f"from={source}"), line
 
 
 def test_nccl_debug_and_signal_settings(tmp_path: Path) -> None:
@@ -93,3 +94,40 @@ def test_nccl_debug_and_signal_settings(tmp_path: Path) -> None:
     script = _script(res.stdout)
     assert "#SBATCH --signal=USR1@300" in script
     assert "export NCCL_DEBUG=INFO" in script and "NCCL_DEBUG_SUBSYS=INIT,NET" in script and "%h-%p.log" in script
+
+
+def test_both_spellings_of_the_size_flags_and_close_flags_suggested(tmp_path: Path) -> None:
+    a = run_cli(["submit", "--profile", "h100-ib", "--nnodes", "2", "--nproc-per-node", "8", "--output-dir", str(tmp_path), "--dry-run"])
+    b = run_cli(["submit", "--cluster", "h100-ib", "--nodes", "2", "--gpus", "8", "--output-dir", str(tmp_path), "--dry-run"])
+    assert a.returncode == b.returncode == 0, a.stderr + b.stderr
+    assert "#SBATCH --nodes=2" in a.stdout and "#SBATCH --gpus-per-node=8" in a.stdout
+    assert a.stdout.split("#!/bin/bash")[1] == b.stdout.split("#!/bin/bash")[1]
+    loc = run_cli(["local", "--nodes", "1", "--gpus", "1", "--dry-run"], cwd=tmp_path)
+    assert loc.returncode == 0 and "node 0/1, 1 processes" in loc.stdout, loc.stderr
+    typo = run_cli(["submit", "--clustr", "h100-ib", "--dry-run"])
+    assert typo.returncode == 2 and "--clustr: did you mean --cluster?" in typo.stderr
+
+
+def test_a_missing_module_is_said_in_the_job_log(tmp_path: Path) -> None:
+    import subprocess
+
+    profile = REPO / "sbatch_templates" / "h100-ib.sh"
+    # A site whose `module load` fails (Lmod prints its own error and returns 1).
+    script = f'module() {{ [ "$1" = purge ] && return 0; echo "Lmod has detected the following error" >&2; return 1; }}\nsource {profile}\n'
+    env = {**os.environ, "AURA_RUN_DIR": str(tmp_path)}
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env)
+    assert done.returncode == 0
+    assert "aura_hpc: module cuda/12.4 is not available on" in done.stderr and "fix: change the module line" in done.stderr
+    without = subprocess.run(
+        ["bash", "-c", f"source {profile}"], capture_output=True, text=True, env={**os.environ, "AURA_RUN_DIR": str(tmp_path)}
+    )
+    assert "no 'module' command" in without.stderr
+
+
+def test_dry_run_checks_the_data_and_submit_refuses_it(tmp_path: Path) -> None:
+    args = ["submit", "--output-dir", str(tmp_path / "runs"), "--set", f"data.path={tmp_path / 'missing'}"]
+    dry = run_cli([*args, "--dry-run"])
+    assert dry.returncode == 0 and "effective batch 8 sequences = 1,024 tokens per step" in dry.stdout
+    assert "submit would refuse this: data.path" in dry.stderr and "is not a prepared directory" in dry.stderr
+    real = run_cli(args)
+    assert real.returncode == 2 and "is not a prepared directory" in real.stderr and not (tmp_path / "runs").exists()

@@ -70,10 +70,24 @@ def test_default_local_runs_to_completion(tmp_path: Path) -> None:
     g = run_cli(["generate", "--run", str(run), "--prompt", "La panadera", "--max-new-tokens", "20"], timeout=120)
     assert g.returncode == 0, g.stderr
     assert g.stdout.strip().startswith("La panadera") and len(g.stdout.split()) > 4
+    two = run_cli(["generate", "--run", str(run), "--num", "2", "--max-new-tokens", "8"], timeout=120)
+    assert two.returncode == 0 and two.stdout.count("--- sample ") == 2 and "--- sample 2 of 2 ---" in two.stdout
+    assert "Loading" not in two.stdout + two.stderr and "%|" not in two.stdout + two.stderr, two.stderr
 
     again = run_cli(["local"], cwd=tmp_path, timeout=300)
     assert again.returncode == 0
     assert "nothing to do: the run is already at step 150" in again.stdout
+
+    # status/logs/cancel read a local run's directory (no Slurm job behind it).
+    st = run_cli(["status", str(run), "--json"])
+    assert st.returncode == 0, st.stderr
+    row = json.loads(st.stdout)["jobs"][0]
+    assert (row["job_id"], row["state"], row["step"]) == ("local", "COMPLETED", 150)
+    lg = run_cli(["logs", str(run), "--rank", "1"])
+    assert lg.returncode == 0 and "[rank1]" in lg.stdout and "[rank0]" not in lg.stdout
+    cancel = run_cli(["cancel", str(run)])
+    assert cancel.returncode == 2 and "is a `local` run, not a Slurm job" in cancel.stderr
+    assert oct(run.stat().st_mode & 0o777) == "0o750" and not (run / "run.lock").exists()
 
 
 def test_ddp_two_ranks_equals_one_rank_with_accumulation(tmp_path: Path, prepared: Path) -> None:

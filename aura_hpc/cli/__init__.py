@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aura_hpc.cli import cmd_check, cmd_data, cmd_jobs, cmd_local, cmd_submit
+from aura_hpc.cli import cmd_check, cmd_config, cmd_data, cmd_jobs, cmd_local, cmd_submit
 from aura_hpc.errors import AuraError
 
 
@@ -19,15 +19,33 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a GPT-2-style language model from a laptop to a Slurm cluster with the same trainer.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    # The order of `--help`: train, follow jobs, check machines, data.
-    for command in (cmd_local, cmd_submit, cmd_jobs, cmd_check, cmd_data):
+    # The order of `--help`: train, follow jobs, check machines, data, configs.
+    for command in (cmd_local, cmd_submit, cmd_jobs, cmd_check, cmd_data, cmd_config):
         command.add(sub)
     return parser
 
 
+def _refuse_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> None:
+    """argparse's own error, plus the closest flag of that command for each unknown one."""
+    import difflib
+
+    command = getattr(args, "command", None)
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    target = sub.choices.get(command, parser) if sub is not None and command else parser
+    flags = [o for a in target._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for u in unknown:
+        close = difflib.get_close_matches(u.split("=", 1)[0], flags, n=1, cutoff=0.6) if u.startswith("--") else []
+        if close:
+            hints.append(f"{u}: did you mean {close[0]}?")
+    target.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown(parser, args, unknown)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -45,8 +45,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from aura_hpc import console
     from aura_hpc.train.generate import generate
 
-    for text in generate(a.run, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed, a.num):
-        console.info(text)
+    texts = generate(a.run, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed, a.num)
+    for i, text in enumerate(texts):
+        if len(texts) > 1:  # samples are multi-line text: a header line keeps them apart
+            console.plain(f"--- sample {i + 1} of {len(texts)} ---")
+        console.plain(text)
     return 0
 
 
@@ -70,12 +73,16 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--force", action="store_true", help="prepare again even if the inputs did not change")
     p.set_defaults(func=cmd_prepare)
 
-    p = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
+    p = sub.add_parser(
+        "generate",
+        help="sample text from a run's latest checkpoint",
+        description="Sample text from the newest valid checkpoint of a run (on CPU; the samples go to stdout).",
+    )
     p.add_argument("--run", required=True, help="a run directory (output_dir/run_name)")
-    p.add_argument("--prompt", default="En un lugar de la Mancha")
-    p.add_argument("--max-new-tokens", type=int, default=60)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num", type=int, default=1, help="how many samples")
+    p.add_argument("--prompt", default="En un lugar de la Mancha", help="the text to continue (default: En un lugar de la Mancha)")
+    p.add_argument("--max-new-tokens", type=int, default=60, help="tokens to generate after the prompt (default 60)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; lower is more conservative (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens; 0 = all (default 40)")
+    p.add_argument("--seed", type=int, default=0, help="random seed: the same seed gives the same samples (default 0)")
+    p.add_argument("--num", type=int, default=1, help="how many samples, each preceded by a separator line (default 1)")
     p.set_defaults(func=cmd_generate)

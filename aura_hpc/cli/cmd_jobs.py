@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any
 
 
 def _job_rows(rows: list[dict[str, object]]) -> list[list[str]]:
@@ -33,9 +35,14 @@ def cmd_status(a: argparse.Namespace) -> int:
     import json
 
     from aura_hpc import console
-    from aura_hpc.slurm.commands import status
+    from aura_hpc.launch.run_status import is_local_run, local_status
+    from aura_hpc.slurm.commands import latest_metrics, status
 
-    rows, notes = status(a.target, a.all)
+    if a.target and is_local_run(a.target):  # started with `local`: no Slurm involved
+        run_dir = Path(a.target)
+        rows, notes = [local_status(run_dir, latest_metrics(run_dir.resolve()))], []
+    else:
+        rows, notes = status(a.target, a.all)
     if a.json:
         print(json.dumps({"jobs": rows, "notes": notes}, indent=2))
         return 0
@@ -49,8 +56,16 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 def cmd_logs(a: argparse.Namespace) -> int:
     from aura_hpc import console
+    from aura_hpc.launch.run_status import is_local_run, local_log
     from aura_hpc.slurm.commands import follow, log_file
 
+    if is_local_run(a.target):
+        path = local_log(Path(a.target), a.rank)
+        if a.follow:
+            _follow_local(path, console.plain)
+        else:
+            console.plain(path.read_text(encoding="utf-8", errors="replace").rstrip("\n"))
+        return 0
     job_id, path = log_file(a.target, a.rank, a.stderr)
     if a.follow:
         follow(job_id, path, console.plain)
@@ -62,10 +77,35 @@ def cmd_logs(a: argparse.Namespace) -> int:
     return 0
 
 
+def _follow_local(path: Path, printer: Any) -> None:
+    """A local run's rank log as it grows, until its trainer lets go of the run directory."""
+    import time
+
+    from aura_hpc.launch.run_status import local_status
+    from aura_hpc.slurm.submit import print_new_lines
+
+    offset = 0
+    while True:
+        offset = print_new_lines(path, offset, printer)
+        if local_status(path.parent.parent, {})["state"] != "RUNNING":
+            print_new_lines(path, offset, printer)
+            return
+        time.sleep(0.5)
+
+
 def cmd_cancel(a: argparse.Namespace) -> int:
     from aura_hpc import console
+    from aura_hpc.launch.run_status import is_local_run, local_status
     from aura_hpc.slurm.commands import cancel
 
+    if is_local_run(a.target):
+        from aura_hpc.errors import LaunchError
+
+        row = local_status(Path(a.target), {})
+        how = f"`kill {row['reason'].split()[1]}` on {row['reason'].split()[3]}" if row["state"] == "RUNNING" else "nothing runs there now"
+        raise LaunchError(
+            f"{a.target} is a `local` run, not a Slurm job (fix: Ctrl-C in its terminal, or {how}: it writes a checkpoint and stops)"
+        )
     job_id = cancel(a.target)
     console.info(f"cancelled job {job_id} (ranks get SIGTERM: they write a checkpoint at the next step if there is time)")
     return 0

@@ -26,6 +26,8 @@ def cmd_local(a: argparse.Namespace) -> int:
         backend=a.backend,
         ifname=a.ifname,
     )
+    for w in plan.warnings:
+        console.warn(w)
     console.heading(
         f"aura_hpc local: run {plan.cfg.run_name!r}, node {plan.node_rank}/{plan.nnodes}, "
         f"{plan.nproc} processes, master {plan.master_addr}:{plan.master_port}"
@@ -61,9 +63,11 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "built-in Spanish corpus, 2 CPU processes (or one per GPU).",
     )
     add_run_options(p)
-    p.add_argument("--nnodes", type=int, default=1, help="number of machines (default 1)")
+    p.add_argument("--nnodes", "--nodes", dest="nnodes", type=int, default=1, help="number of machines (default 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 on the master (default 0)")
-    p.add_argument("--nproc-per-node", type=int, help="processes on this machine (default: one per GPU, or 2 on CPU)")
+    p.add_argument(
+        "--nproc-per-node", "--gpus", dest="nproc_per_node", type=int, help="processes on this machine (default: one per GPU, or 2 on CPU)"
+    )
     p.add_argument("--master-addr", help="IP address of node 0 (needed with --nnodes > 1)")
     p.add_argument("--master-port", type=int, help="TCP port on node 0 (default 29500; a free one on a single machine)")
     p.add_argument("--max-restarts", type=int, default=0, help="restart all workers this many times after a failure")

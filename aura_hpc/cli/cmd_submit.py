@@ -38,6 +38,8 @@ def cmd_submit(a: argparse.Namespace) -> int:
         console.info(f"tasks: {plan.slurm.nodes} node(s) x {plan.tasks_per_node} task(s) = world size {plan.world_size}")
         if not plan.check:
             show_plan(plan.points[0].cfg, plan.world_size, plan.memory, plan.profile.gpu_mem_gib if plan.slurm.gpus_per_node else None)
+        if plan.data_problem:
+            console.warn(f"submit would refuse this: {plan.data_problem}")
         if plan.prepare_builtin:
             console.info(f"data: the built-in Spanish corpus would be prepared in {plan.prepare_builtin}")
         console.info("environment: sbatch exports your current environment (Slurm's default), plus the script's exports:")
@@ -46,6 +48,10 @@ def cmd_submit(a: argparse.Namespace) -> int:
         console.info(f"sbatch script ({plan.folder / '<jobid>_submission.sh'}):")
         console.plain(plan.script)
         return 0
+    if plan.data_problem:
+        from aura_hpc.errors import DataError
+
+        raise DataError(plan.data_problem)
     from aura_hpc.slurm import submit as submitting
 
     ids = submitting.submit(plan)
@@ -72,9 +78,9 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "Slurm values: CLI > the config's slurm section > the cluster profile > defaults (shown by --dry-run).",
     )
     add_run_options(p)
-    p.add_argument("--cluster", help="a profile from sbatch_templates/ (generic, h100-ib, h200-ib) or a profile file")
-    p.add_argument("--nodes", type=int, help="number of nodes")
-    p.add_argument("--gpus", type=int, help="GPUs per node; one task per GPU (0: a CPU job with gloo)")
+    p.add_argument("--cluster", "--profile", dest="cluster", help="a profile from sbatch_templates/ (generic, h100-ib, h200-ib) or a file")
+    p.add_argument("--nodes", "--nnodes", dest="nodes", type=int, help="number of nodes")
+    p.add_argument("--gpus", "--nproc-per-node", dest="gpus", type=int, help="GPUs per node; one task per GPU (0: a CPU job with gloo)")
     p.add_argument("--cpus-per-task", type=int, help="CPUs per task (rank)")
     p.add_argument("--mem", help="memory per node, e.g. 64G (0 = all)")
     p.add_argument("--time", help="time limit: minutes, HH:MM:SS or D-HH:MM:SS")

@@ -7,7 +7,7 @@ from typing import Any
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="a preset name (tiny, gpt2-small, gpt2-medium, gpt2-1b) or a YAML file")
+    p.add_argument("--config", help="a shipped preset (`python -m aura_hpc config --list`: tiny, gpt2-small, ...) or a YAML file")
     p.add_argument(
         "--set",
         dest="overrides",

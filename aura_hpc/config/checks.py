@@ -2,16 +2,66 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import unicodedata
 
-from aura_hpc.config.tree import CHOICES, THROTTLE_REASONS, ModelConfig, RunConfig, SlurmConfig
+from aura_hpc.config.tree import (
+    CHOICES,
+    REDACTED,
+    SECTIONS,
+    THROTTLE_REASONS,
+    TOP_LEVEL,
+    WEBHOOK_SECRET_ENV,
+    ModelConfig,
+    RunConfig,
+    SlurmConfig,
+)
 from aura_hpc.errors import ConfigError
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
+# Control, format and line/paragraph-separator characters: they can start a line in a generated
+# script or hide text from whoever reads a config. A text prompt may hold newlines and tabs.
+_BREAKING_CATEGORIES = {"Cc", "Cf", "Zl", "Zp"}
+_MULTILINE_KEYS = {"train.sample_prompt"}
+
+
+def line_breaking(value: str, allowed: str = "") -> str | None:
+    """The first character of `value` that could start a line or hide one, if any."""
+    for c in value:
+        if c not in allowed and unicodedata.category(c) in _BREAKING_CATEGORIES:
+            return c
+    return None
+
+
+def describe_char(c: str) -> str:
+    names = {"\n": "line feed", "\r": "carriage return", "\0": "NUL", "\t": "tab"}
+    name = unicodedata.name(c, "") or names.get(c, "control character")
+    shown = repr(c)[1:-1] if not c.isprintable() else c
+    return f"'{shown}' (U+{ord(c):04X} {name.lower()})"
+
+
+def check_text_value(key: str, value: str) -> None:
+    c = line_breaking(value, "\n\t" if key in _MULTILINE_KEYS else "")
+    if c is not None:
+        raise ConfigError(f"{key} contains the character {describe_char(c)}, which no setting may hold (fix: remove it)")
+
+
+def _check_text_values(cfg: RunConfig) -> None:
+    values = [(k, getattr(cfg, k)) for k in TOP_LEVEL]
+    for name in SECTIONS:
+        section = getattr(cfg, name)
+        values += [(f"{name}.{f.name}", getattr(section, f.name)) for f in dataclasses.fields(section)]
+    for key, value in values:
+        if isinstance(value, str):
+            check_text_value(key, value)
+
+
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks; each error names the fix."""
+    _check_text_values(cfg)
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -104,8 +154,16 @@ def validate(cfg: RunConfig) -> None:
     if h.webhook_url and not (h.webhook_url.startswith(("http://", "https://", "env:"))):
         # The value itself is not echoed: it is a secret.
         raise ConfigError(
-            "health.webhook_url must start with http://, https:// or env:VAR (fix: --set health.webhook_url=env:AURA_GPU_WEBHOOK)"
+            "health.webhook_url must start with http://, https:// or env:VAR (fix: --set health.webhook_url_env=AURA_GPU_WEBHOOK)"
         )
+    given = bool(h.webhook_url and REDACTED not in h.webhook_url) + bool(h.webhook_url_env) + bool(h.webhook_url_file)
+    if given > 1 and not (h.webhook_url_env == WEBHOOK_SECRET_ENV and REDACTED in h.webhook_url):
+        raise ConfigError(
+            "health.webhook_url, webhook_url_env and webhook_url_file are three ways to give one URL; more than one is set "
+            "(fix: keep only health.webhook_url_env or health.webhook_url_file)"
+        )
+    if h.webhook_url_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", h.webhook_url_env):
+        raise ConfigError(f"health.webhook_url_env {h.webhook_url_env!r} is not an environment variable name (fix: e.g. AURA_GPU_WEBHOOK)")
 
 
 _SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")

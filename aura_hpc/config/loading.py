@@ -11,12 +11,12 @@ from typing import Any
 
 import yaml
 
-from aura_hpc.config.checks import validate
+from aura_hpc.config.checks import check_text_value, line_breaking, validate
 from aura_hpc.config.tree import SECTIONS, TOP_LEVEL, RunConfig
 from aura_hpc.errors import ConfigError
 
 # Keys resolved relative to the config file they appear in.
-_PATH_KEYS = {("data", "path"), ("dist", "deepspeed_config")}
+_PATH_KEYS = {("data", "path"), ("dist", "deepspeed_config"), ("health", "webhook_url_file")}
 
 
 def configs_dir() -> Path:
@@ -41,10 +41,23 @@ def _valid_keys() -> list[str]:
     return keys
 
 
+LIST_KEYS = "python -m aura_hpc config --keys"
+
+
 def _unknown_key(key: str, valid: list[str]) -> ConfigError:
+    """The closest key and the keys of that section only; all ~90 keys are one command away."""
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     hint = f"did you mean '{close[0]}'? " if close else ""
-    return ConfigError(f"unknown config key '{key}': {hint}valid keys are {', '.join(valid)}")
+    section = key.partition(".")[0] if "." in key else ""
+    if section not in SECTIONS:
+        near = difflib.get_close_matches(section or key, list(SECTIONS), n=1, cutoff=0.5)
+        section = near[0] if near and "." in key else ""
+    if section:
+        keys = ", ".join(f.name for f in dataclasses.fields(SECTIONS[section]))
+        where = f"the {section} section has {keys}"
+    else:
+        where = f"top-level keys are {', '.join(TOP_LEVEL)}; sections are {', '.join(SECTIONS)}"
+    return ConfigError(f"unknown config key '{key}': {hint}{where} (fix: see every key with `{LIST_KEYS}`)")
 
 
 def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
@@ -84,6 +97,7 @@ def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
             raise ConfigError(f"{key} must be a string, got {value!r} {fix}")
         if isinstance(value, bool):  # YAML reads `compile: true` as a boolean
             return "true" if value else "false"
+        check_text_value(key, str(value))  # before the value is used as a path or anything else
         return str(value)
     raise ConfigError(f"{key}: unsupported type {typ}")  # pragma: no cover
 
@@ -131,7 +145,14 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             raise ConfigError(f"--set {item!r} is not KEY=VALUE (fix: e.g. --set train.lr=3e-4)")
         key, _, text = item.partition("=")
         key = key.strip()
-        value: Any = yaml.safe_load(text) if text.strip() else ""
+        # A line break or control character is kept as typed (YAML would fold it away silently) and
+        # refused by the value checks; so is text YAML cannot read.
+        value: Any = text
+        if text.strip() and line_breaking(text) is None:
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError:
+                value = text
         if isinstance(value, (dict, list)):
             value = text
         if "." in key:
@@ -189,7 +210,9 @@ def load_config(
     if config:
         path = resolve_config_path(config)
         file_raw = _load_yaml(path)
-        base_dir = path.parent.resolve()
+        # Relative paths in a user's file are relative to that file; in a shipped preset
+        # (data.path: data/es-prepared) to where the command runs.
+        base_dir = Path.cwd() if path.parent.resolve() == configs_dir().resolve() else path.parent.resolve()
     cli_raw = parse_overrides(overrides or [])
     # A model preset names a shipped config whose model section is the base for model keys.
     file_model = (file_raw.get("model") or {}) if isinstance(file_raw, dict) else {}

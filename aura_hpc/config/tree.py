@@ -20,6 +20,20 @@ import yaml
 THROTTLE_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
 
 
+WEBHOOK_SECRET_ENV = "AURA_WEBHOOK_URL"
+REDACTED = "<redacted>"
+
+
+def is_literal_url(url: str) -> bool:
+    return url.startswith(("http://", "https://")) and REDACTED not in url
+
+
+def redacted_url(url: str) -> str:
+    """Scheme and host only (the path and query usually hold the token)."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.split('/', 1)[0].rsplit('@', 1)[-1]}/{REDACTED}"
+
+
 @dataclass
 class ModelConfig:
     preset: str = "tiny"
@@ -99,7 +113,9 @@ class HealthConfig:
     temp_margin_c: float = 3.0  # open when a GPU is this close to its slowdown temperature
     throttle_reasons: str = "hw_slowdown,hw_thermal,sw_thermal,hw_power_brake"
     throttle_samples: int = 3  # consecutive throttled samples before opening
-    webhook_url: str = ""  # a secret, never logged; "env:VAR" reads it from an environment variable
+    webhook_url: str = ""  # a secret: stored redacted, never logged (prefer webhook_url_env or webhook_url_file)
+    webhook_url_env: str = ""  # the name of an environment variable holding the URL (read where the trainer runs)
+    webhook_url_file: str = ""  # a file holding the URL (chmod 600; on a shared filesystem for Slurm jobs)
     webhook_type: str = "generic"  # generic JSON | discord | slack
     webhook_timeout_s: float = 5.0
     webhook_retries: int = 2
@@ -148,7 +164,14 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+        """The config as stored in a run directory and its checkpoints: secrets redacted."""
+        d = self.to_dict()
+        h = d["health"]
+        if is_literal_url(h["webhook_url"]):
+            # The launcher hands the URL to the workers in WEBHOOK_SECRET_ENV instead.
+            h["webhook_url"] = redacted_url(h["webhook_url"])
+            h["webhook_url_env"] = h["webhook_url_env"] or WEBHOOK_SECRET_ENV
+        return yaml.safe_dump(d, sort_keys=False, allow_unicode=True)
 
     def model_fingerprint(self) -> str:
         """What must match between a checkpoint and the config resuming from it."""

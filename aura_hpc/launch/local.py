@@ -12,6 +12,7 @@ import os
 import platform
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from aura_hpc.config import load_config
@@ -19,7 +20,7 @@ from aura_hpc.errors import ConfigError, LaunchError
 from aura_hpc.launch.agent import run_workers
 from aura_hpc.launch.plan import LocalPlan
 from aura_hpc.launch.run_setup import prepare_run_dir
-from aura_hpc.ops.network import route_to
+from aura_hpc.ops.network import is_own_address, is_trusted_range, resolve, route_to
 
 
 def _free_port() -> int:
@@ -38,11 +39,17 @@ def _port_in_use(port: int) -> bool:
     return False
 
 
-def wait_for_master(addr: str, port: int, timeout: float) -> None:
-    """Fail with a clear message, never hang, when the master cannot be reached."""
-    deadline = time.monotonic() + timeout
+def wait_for_master(addr: str, port: int, timeout: float, progress: Callable[[str], None] | None = None, every_s: float = 10.0) -> None:
+    """Fail with a clear message, never hang, when the master cannot be reached; say so while waiting."""
+    start = time.monotonic()
+    deadline = start + timeout
+    next_note = start + every_s
     last = "no answer"
     while True:
+        now = time.monotonic()
+        if progress is not None and now >= next_note:
+            progress(f"waiting for the master at {addr}:{port} ({now - start:.0f}s of {timeout:.0f}s; {last})...")
+            next_note += every_s
         try:
             with socket.create_connection((addr, port), timeout=min(2.0, max(0.1, timeout))):
                 return
@@ -51,11 +58,37 @@ def wait_for_master(addr: str, port: int, timeout: float) -> None:
         except OSError as exc:
             last = exc.strerror or str(exc)
         if time.monotonic() >= deadline:
+            cause = {
+                "Connection refused": f"{addr} answers but nothing listens on port {port}: node 0 is not started yet, "
+                "or was started with another --master-port",
+                "No route to host": f"{addr} is unreachable: a firewall on node 0 rejects port {port}, or the address is wrong",
+            }.get(last, f"no answer from {addr}: node 0 is off or not at that address, or a firewall drops port {port}")
             raise LaunchError(
-                f"cannot reach the master at {addr}:{port} within {timeout:.0f}s ({last}) (fix: start node 0 first, "
-                f"check that {addr} is node 0's IP, and allow TCP port {port} and gloo's ports in its firewall)"
+                f"cannot reach the master at {addr}:{port} within {timeout:.0f}s ({last}; likely: {cause}) (fix: start node 0 "
+                f"first with --master-addr {addr}, the same --master-port on every node, and allow TCP port {port} and "
+                "gloo's ports in node 0's firewall)"
             )
         time.sleep(0.5)
+
+
+def _check_master_addr(addr: str, nnodes: int, node_rank: int) -> list[str]:
+    """Node 0 hosts the rendezvous on --master-addr, so it must be one of its own addresses; and the
+    peers there are trusted (the process group unpickles what they send)."""
+    if nnodes == 1:
+        return []
+    if resolve(addr) is None:
+        raise LaunchError(f"master address {addr!r} does not resolve (fix: use node 0's IP address, e.g. 192.168.1.10)")
+    if node_rank == 0 and not is_own_address(addr):
+        raise LaunchError(
+            f"{addr} is not an address of this machine; node 0 must be started with its own address as --master-addr "
+            "(fix: --master-addr <this machine's LAN IP, see `ip -4 addr`>, and the same on every node)"
+        )
+    if not is_trusted_range(addr):
+        return [
+            f"master address {addr} is neither private nor loopback: the rendezvous port and the process group trust "
+            "every peer that connects (fix: run LAN nodes on a private network or VPN, and firewall the port to them)"
+        ]
+    return []
 
 
 def _cuda_count() -> int:
@@ -112,6 +145,7 @@ def plan_local(
     if nnodes == 1 and not master_addr:
         master_addr = "127.0.0.1"
     assert master_addr is not None
+    warnings = _check_master_addr(master_addr, nnodes, node_rank)
     if master_port is None:
         master_port = _free_port() if nnodes == 1 else 29500
     if not 1 <= master_port <= 65535:
@@ -135,6 +169,7 @@ def plan_local(
     elif ifname:
         env["GLOO_SOCKET_IFNAME"] = ifname
     plan = LocalPlan(cfg, nnodes, node_rank, nproc, master_addr, master_port, max_restarts, rdzv_timeout, local_addr, env)
+    plan.warnings = warnings
     _plan_memory(plan, gpus > 0 and wanted != "gloo")
     return plan
 
@@ -164,11 +199,20 @@ def launch(plan: LocalPlan) -> int:
             "on every node, or stop the program using it)"
         )
     if plan.node_rank > 0:
-        wait_for_master(plan.master_addr, plan.master_port, plan.rdzv_timeout)
-    prepare_run_dir(plan.cfg, plan.nproc * plan.nnodes)
-    os.environ.update(plan.env)
+        from aura_hpc import console
 
-    return run_workers(plan)
+        wait_for_master(plan.master_addr, plan.master_port, plan.rdzv_timeout, console.info)
+    # Node 0 holds the run directory for the whole run: a second `local` there is refused.
+    node0 = plan.node_rank == 0
+    lock = prepare_run_dir(plan.cfg, plan.nproc * plan.nnodes, lock=node0, check_lock=node0)
+    os.environ.update(plan.env)
+    # Workers stop (checkpoint, exit) when this process is gone, even after a SIGKILL.
+    os.environ["AURA_LAUNCHER_PID"] = str(os.getpid())
+    try:
+        return run_workers(plan)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def summary(plan: LocalPlan) -> dict[str, object] | None:

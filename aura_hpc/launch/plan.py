@@ -28,6 +28,7 @@ class LocalPlan:
     shutdown_timeout: int = 120
     memory: MemoryPlan | None = None  # per GPU (per process on CPU)
     gpu_mem_gib: float = 0.0  # this machine's GPU memory (0: no GPU)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def config_path(self) -> Path:

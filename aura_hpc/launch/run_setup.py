@@ -8,6 +8,7 @@ from pathlib import Path
 
 from aura_hpc.config import RunConfig, embedding_rows, load_run_file
 from aura_hpc.errors import ConfigError, DataError, LaunchError
+from aura_hpc.launch.run_lock import RunLock, check_free
 
 
 def builtin_data_dir(cfg: RunConfig) -> Path:
@@ -16,7 +17,36 @@ def builtin_data_dir(cfg: RunConfig) -> Path:
     return Path(cfg.output_dir) / "prepared" / f"{CORPUS_VERSION}-bpe{cfg.data.vocab_size}"
 
 
+def _newest_complete_checkpoint(run_dir: Path) -> Path | None:
+    steps = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / "COMPLETE.json").is_file())
+    return steps[-1] if steps else None
+
+
+def _file_digest(path: Path) -> str | None:
+    import hashlib
+
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def _check_same_tokenizer(cfg: RunConfig) -> None:
+    """Resuming on data prepared with another tokenizer would load embeddings of another vocabulary."""
+    ckpt = _newest_complete_checkpoint(cfg.run_dir)
+    if ckpt is None or not cfg.data.path:
+        return
+    theirs = _file_digest(ckpt / "tokenizer" / "tokenizer.json")
+    ours = _file_digest(Path(cfg.data.path) / "tokenizer" / "tokenizer.json")
+    if theirs is not None and ours is not None and theirs != ours:
+        raise DataError(
+            f"data.path {cfg.data.path} was prepared with another tokenizer than the one run {cfg.run_dir} was trained with "
+            f"(checkpoint {ckpt.name}) (fix: resume with the data the run was trained on, or start a new --run-name)"
+        )
+
+
 def _check_resume_compatible(cfg: RunConfig) -> None:
+    _check_same_tokenizer(cfg)
     old = cfg.run_dir / "config.yaml"
     if not old.exists() or not (cfg.run_dir / "checkpoints").is_dir():
         return
@@ -35,11 +65,18 @@ def preflight_data(cfg: RunConfig, world_size: int) -> None:
     """Data checks that need no GPU: refuse before any worker starts."""
     from aura_hpc.data.prepare import read_manifest
 
-    m = read_manifest(Path(cfg.data.path))
+    path = Path(cfg.data.path)
+    if path.is_file():
+        out = path.with_name(f"{path.stem}-prepared")
+        raise DataError(
+            f"data.path {path} is a file; the trainer reads a prepared directory (tokenizer + packed tokens) "
+            f"(fix: python -m aura_hpc prepare {path} --out {out}, then --set data.path={out})"
+        )
+    m = read_manifest(path)
     if m is None:
         raise DataError(
-            f"data.path {cfg.data.path} is not a prepared directory (no manifest.json) "
-            f"(fix: python -m aura_hpc prepare FILES --out {cfg.data.path})"
+            f"data.path {path} is not a prepared directory (no manifest.json) "
+            f"(fix: python -m aura_hpc prepare YOUR_TEXT_FILES --out {path})"
         )
     vocab = int(m["tokenizer"]["vocab_size"])
     if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
@@ -73,12 +110,43 @@ def check_writable(out: Path) -> None:
         raise LaunchError(f"output_dir {out} is not writable ({exc.strerror}) (fix: --output-dir a writable folder)") from None
 
 
-def prepare_run_dir(cfg: RunConfig, world_size: int) -> None:
+RUN_DIR_MODE = 0o750
+
+
+def make_run_dir(path: Path) -> None:
+    """A new run directory is readable by its owner and group only: on a shared cluster filesystem the
+    weights, configs and logs are not every user's (an existing one keeps the mode its owner chose)."""
+    if path.is_dir():
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, RUN_DIR_MODE)
+
+
+def export_webhook_secret(cfg: RunConfig) -> None:
+    """A literal health.webhook_url is stored redacted; the workers (local children, or the Slurm job,
+    which inherits the submitting environment) read it from this variable instead."""
+    from aura_hpc.config.tree import WEBHOOK_SECRET_ENV, is_literal_url
+
+    if is_literal_url(cfg.health.webhook_url) and not cfg.health.webhook_url_env:
+        os.environ[WEBHOOK_SECRET_ENV] = cfg.health.webhook_url
+    if cfg.health.webhook_url_file and not os.access(cfg.health.webhook_url_file, os.R_OK):
+        raise ConfigError(
+            f"health.webhook_url_file {cfg.health.webhook_url_file} cannot be read (fix: a readable file holding the URL, "
+            "on storage the compute nodes share)"
+        )
+
+
+def prepare_run_dir(cfg: RunConfig, world_size: int, lock: bool = False, check_lock: bool = True) -> RunLock | None:
     """Side effects before launch: the built-in data if needed, the run directory, config.yaml.
 
     Shared by `local` and `submit`, so both refuse the same bad data before any worker starts.
+    Nothing in an existing run directory changes until the new run is known to be valid and no
+    other trainer holds it; with `lock`, the run lock is taken (and returned) before config.yaml
+    is written. LAN nodes other than node 0 pass check_lock=False: node 0 holds the lock.
     """
     check_writable(Path(cfg.output_dir))
+    if check_lock:
+        check_free(cfg.run_dir)
     if not cfg.data.path:
         from aura_hpc.data.prepare import PrepareSpec, prepare
 
@@ -89,8 +157,11 @@ def prepare_run_dir(cfg: RunConfig, world_size: int) -> None:
         cfg.data.path = str(target)
     preflight_data(cfg, world_size)
     _check_resume_compatible(cfg)
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    export_webhook_secret(cfg)
+    make_run_dir(cfg.run_dir)
+    held = RunLock(cfg.run_dir).acquire() if lock else None
     config_path = cfg.run_dir / "config.yaml"
     tmp = config_path.with_suffix(".yaml.tmp")
     tmp.write_text(cfg.to_yaml(), encoding="utf-8")
     tmp.replace(config_path)
+    return held

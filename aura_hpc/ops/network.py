@@ -19,3 +19,35 @@ def route_to(addr: str) -> tuple[str | None, str | None]:
         if any(a.address == ip for a in addrs):
             return ip, name
     return ip, None
+
+
+def resolve(addr: str) -> str | None:
+    """`addr`'s IPv4 address (a name is looked up), or None when it does not resolve."""
+    try:
+        return socket.gethostbyname(addr)
+    except OSError:
+        return None
+
+
+def is_own_address(addr: str) -> bool:
+    """True when this machine can listen on `addr` (one of its interfaces, loopback, or the wildcard)."""
+    ip = resolve(addr)
+    if ip is None:
+        return False
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((ip, 0))
+        except OSError:
+            return False
+    return True
+
+
+def is_trusted_range(addr: str) -> bool:
+    """Loopback, or a private (RFC 1918, link-local, CGNAT/VPN) range: where LAN peers are expected."""
+    import ipaddress
+
+    ip = resolve(addr)
+    if ip is None:
+        return True  # not resolvable: reported elsewhere
+    a = ipaddress.ip_address(ip)
+    return a.is_loopback or a.is_private or a.is_link_local or a in ipaddress.ip_network("100.64.0.0/10")

@@ -7,12 +7,31 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("aura_hpc")
+
+
+def resolve_url(webhook_url: str, url_env: str, url_file: str) -> str:
+    """The URL from health.webhook_url_file, _env, an `env:VAR` webhook_url, or a literal one ("" if none)."""
+    from aura_hpc.config.tree import REDACTED
+
+    if url_file:
+        try:
+            return Path(url_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            log.warning("gpu.fault webhook: health.webhook_url_file cannot be read (%s)", exc.strerror)
+            return ""
+    if url_env:
+        return os.environ.get(url_env, "").strip()
+    if webhook_url.startswith("env:"):
+        return os.environ.get(webhook_url[4:], "").strip()
+    return "" if REDACTED in webhook_url else webhook_url
 
 
 def body(kind: str, event: dict[str, Any]) -> dict[str, Any]:

@@ -49,8 +49,24 @@ class TrainJob:
         os.environ["MASTER_PORT"] = str(rendezvous_port(job_id, restarts))
         from aura_hpc.train import stop, worker
 
-        status = worker.main([self.config_path])
         rank = int(e.get("SLURM_PROCID", "0"))
+        lock = None
+        if rank == 0:
+            from pathlib import Path
+
+            from aura_hpc.errors import AuraError
+            from aura_hpc.launch.run_lock import RunLock
+
+            try:  # one trainer per run directory; a requeued attempt takes over its own lock
+                lock = RunLock(Path(self.config_path).parent).acquire()
+            except AuraError as exc:
+                print(f"[rank0] {exc}", flush=True)
+                raise SystemExit(exc.exit_code) from None
+        try:
+            status = worker.main([self.config_path])
+        finally:
+            if lock is not None:
+                lock.release()
         if status == EXIT_RESUMABLE:
             if rank != 0:
                 # Rank 0 carries the job's outcome; exiting 0 here keeps srun --kill-on-bad-exit

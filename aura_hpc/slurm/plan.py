@@ -21,7 +21,7 @@ from aura_hpc.config import RunConfig, SlurmConfig, coerce, load_config, slurm_m
 from aura_hpc.errors import ConfigError
 from aura_hpc.launch.memory import MemoryPlan, check_fits, tokenizer_vocab
 from aura_hpc.launch.memory import plan as plan_memory
-from aura_hpc.slurm import profiles
+from aura_hpc.slurm import profiles, script_safety
 
 # Filesystems every node of a cluster sees alike.
 NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "cephfs", "glusterfs", "panfs", "wekafs", "9p", "virtiofs"}
@@ -54,6 +54,7 @@ class SubmitPlan:
     prepare_builtin: Path | None = None  # the built-in corpus is prepared here before submitting
     check: bool = False  # `submit --check`: run `check` on every node instead of training
     memory: MemoryPlan | None = None  # per GPU (per task for a CPU job), for the first point
+    data_problem: str | None = None  # why `submit` would refuse data.path (shown by --dry-run)
 
     @property
     def tasks_per_node(self) -> int:
@@ -135,6 +136,24 @@ def _check_output_dir(out: str, nodes: int, warnings: list[str]) -> None:
             f"output_dir {out} is on a local filesystem ({_filesystem_type(existing.resolve())}), not a network one: "
             "with several nodes, every node must see the same checkpoints (use an NFS/Lustre/GPFS path)"
         )
+
+
+def _check_data(cfg: RunConfig, world: int, nodes: int, warnings: list[str]) -> str | None:
+    """What is wrong with the prepared data, if anything (`submit` refuses it, `--dry-run` shows it),
+    and whether every node sees it."""
+    from aura_hpc.errors import AuraError
+    from aura_hpc.launch.run_setup import preflight_data
+
+    try:
+        preflight_data(cfg, world)
+    except AuraError as exc:
+        return str(exc)
+    if nodes > 1 and not is_network_fs(Path(cfg.data.path)):
+        warnings.append(
+            f"data.path {cfg.data.path} is on a local filesystem ({_filesystem_type(Path(cfg.data.path).resolve())}), not a "
+            "network one: every node must read the same prepared data (use an NFS/Lustre/GPFS path, or copy it to each node)"
+        )
+    return None
 
 
 def _slurm_cli_overrides(flags: dict[str, Any]) -> list[str]:
@@ -224,6 +243,9 @@ def plan_submit(
     for p in points:
         if p.cfg.data.path:
             p.cfg.data.path = str(Path(p.cfg.data.path).expanduser().resolve())
+    data_problem = None
+    if points[0].cfg.data.path and not check:
+        data_problem = _check_data(points[0].cfg, slurm.nodes * max(1, slurm.gpus_per_node), slurm.nodes, warnings)
 
     env = {"AURA_RUN_DIR": run_dir_env, "PYTHONUNBUFFERED": "1"}
     setup = [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
@@ -278,8 +300,40 @@ def plan_submit(
             refusal = check_fits(first, vocab, world, limit)
             if refusal:
                 raise ConfigError(refusal.replace("this cluster's GPUs", f"cluster profile '{prof.name}'s GPUs"))
+    _check_script_values(params, folder, env, prof)
     script = sbatch_script(folder, params, len(points))
-    return SubmitPlan(points, prof, slurm, sources, params, folder, script, env, warnings, prepare_builtin, check, memory)
+    script_safety.assert_directives_intact(script, _planned_directives(params, len(points)))
+    plan = SubmitPlan(points, prof, slurm, sources, params, folder, script, env, warnings, prepare_builtin, check, memory)
+    plan.data_problem = data_problem
+    return plan
+
+
+# submitit parameters that are not #SBATCH options (see submitit.slurm.slurm._make_sbatch_string).
+_NOT_DIRECTIVES = {"setup", "srun_args", "signal_delay_s", "additional_parameters", "array_parallelism"}
+_CONFIG_KEY_OF = {"job_name": "slurm.job_name", "partition": "slurm.partition", "account": "slurm.account", "qos": "slurm.qos"}
+
+
+def _check_script_values(params: dict[str, Any], folder: Path, env: dict[str, str], prof: profiles.Profile) -> None:
+    """Every value the sbatch script will hold, checked before the script is made (see script_safety)."""
+    script_safety.check_path("output_dir", str(folder))
+    script_safety.check_text("the Python interpreter's path", sys.executable)
+    for key, value in params.items():
+        if key in _NOT_DIRECTIVES:
+            continue
+        script_safety.check_directive(_CONFIG_KEY_OF.get(key, f"slurm.{key}"), value)
+    for key, value in params["additional_parameters"].items():
+        where = f"#SBATCH --{key} in {prof.path}" if key in prof.extra_sbatch else f"slurm.{key}"
+        script_safety.check_directive(where, value)
+    for key, value in env.items():
+        script_safety.check_text(f"the exported {key}", value)
+
+
+def _planned_directives(params: dict[str, Any], n_points: int) -> set[str]:
+    keys = {k.replace("_", "-") for k, v in params.items() if k not in _NOT_DIRECTIVES and v is not None}
+    keys |= {k.replace("_", "-") for k in params["additional_parameters"]}
+    # submitit adds these itself (wckey is its default "submitit").
+    keys |= {"signal", "output", "error", "open-mode", "wckey"} | ({"array"} if n_points > 1 else set())
+    return keys
 
 
 def submitit_command(folder: Path) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from aura_hpc.config.checks import describe_char, line_breaking
 from aura_hpc.errors import ConfigError
 
 # #SBATCH option -> slurm.* config key (the ones that have a meaning of their own here).
@@ -84,7 +85,10 @@ def resolve(name_or_path: str) -> Path:
 
 
 def _sbatch_option(text: str, where: str) -> tuple[str, str | bool]:
-    parts = shlex.split(text, comments=True)
+    try:
+        parts = shlex.split(text, comments=True)
+    except ValueError as exc:  # an unclosed quote
+        raise ConfigError(f"{where}: '#SBATCH {text}' cannot be parsed ({exc}) (fix: close the quote, or quote the whole value)") from None
     if not parts or not parts[0].startswith("--"):
         raise ConfigError(f"{where}: '#SBATCH {text}' is not a long option (fix: write it as #SBATCH --option=value)")
     opt = parts[0][2:]
@@ -99,9 +103,15 @@ def _sbatch_option(text: str, where: str) -> tuple[str, str | bool]:
 def load(name_or_path: str) -> Profile:
     path = resolve(name_or_path)
     prof = Profile(name=path.stem, path=path)
-    for n, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    # Lines end at "\n" only (bash's rule); str.splitlines would also split at U+2028 or \x85 and
+    # show a different script than the one that runs.
+    for n, raw in enumerate(path.read_bytes().decode("utf-8").split("\n"), 1):
+        raw = raw.removesuffix("\r")
         line = raw.strip()
         where = f"{path}:{n}"
+        bad = line_breaking(raw, "\t")
+        if bad is not None:
+            raise ConfigError(f"{where} contains the character {describe_char(bad)} (fix: remove it from the profile)")
         if line.startswith("#SBATCH"):
             key, value = _sbatch_option(line[len("#SBATCH") :].strip(), where)
             if key in RESERVED:

@@ -66,8 +66,24 @@ def require(command: str = "sbatch") -> None:
         )
 
 
+NO_CONFIG = (
+    "no Slurm configuration is reachable from this machine: {why} (fix: export SLURM_CONF=/path/to/the cluster's "
+    "slurm.conf, or run on a login node whose slurmctld is reachable; `scontrol ping` must answer)"
+)
+
+
+def require_config() -> None:
+    """A SLURM_CONF that names no file makes every Slurm command retry for 60 s before failing: say it now."""
+    import os
+
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not os.path.isfile(conf):
+        raise LaunchError(NO_CONFIG.format(why=f"SLURM_CONF={conf} does not exist"))
+
+
 def _run(cmd: list[str], timeout: float = 30) -> str:
     require(cmd[0])
+    require_config()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -79,6 +95,11 @@ def _run(cmd: list[str], timeout: float = 30) -> str:
 
 # Slurm's error texts (lower case) -> what the user should change; the first match wins.
 _FIXES: list[tuple[tuple[str, ...], str]] = [
+    (
+        ("failed to fetch config", "dns srv lookup failed", "unable to process configuration file", "cannot stat file"),
+        "no Slurm configuration is reachable from this machine (no slurm.conf, and no controller found for a configless "
+        "setup): export SLURM_CONF=/path/to/slurm.conf, or run on the cluster's login node",
+    ),
     (
         ("unable to contact slurm controller", "connection refused", "connect failure"),
         "slurmctld is not reachable: check `scontrol ping` and SLURM_CONF, or ask your admins",
@@ -157,7 +178,11 @@ SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "S
 
 def accounting_enabled() -> bool:
     require("sacct")
-    done = subprocess.run(["sacct", "-n", "-X", "-j", "1", "-o", "JobID"], capture_output=True, text=True, timeout=30)
+    require_config()
+    try:
+        done = subprocess.run(["sacct", "-n", "-X", "-j", "1", "-o", "JobID"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        raise LaunchError("sacct did not answer within 30s (fix: check that slurmctld and slurmdbd are up: scontrol ping)") from None
     return "accounting storage is disabled" not in (done.stderr + done.stdout).lower()
 
 

@@ -265,17 +265,20 @@ class Checkpointer:
         position = pos.samples_seen(self.layout.per_step)
         rollbacks = pos.rollbacks + 1
         self.load(chosen)
+        # The checkpoint's learning rates carry the rollbacks made before it was written; a second
+        # rollback to the same checkpoint must compound (x0.25 at a 0.5 scale), not repeat x0.5.
+        pending = rollbacks - pos.rollbacks
         pos.rollbacks = rollbacks
         pos.rebase(position)
-        scale_learning_rate(self.parts.optimizer, self.parts.scheduler, t, pos.step, self.layout.max_steps)
+        scale_learning_rate(self.parts.optimizer, self.parts.scheduler, t, pos.step, self.layout.max_steps, pending)
         if self.env.is_main:
             log.warning(
                 "%d non-finite steps in a row: rolled back to %s (step %d), skipping the data that went bad, "
-                "learning rate x%g (rollback %d of at most %d)",
+                "learning rate x%g of the schedule's (rollback %d of at most %d)",
                 bad_steps,
                 chosen,
                 pos.step,
-                t.nan_lr_scale,
+                t.nan_lr_scale**pos.rollbacks,
                 pos.rollbacks,
                 t.nan_max_rollbacks,
             )

@@ -17,12 +17,19 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
         raise CheckpointError(f"no complete checkpoint in {root} (fix: train first: python -m aura_hpc local)")
     if temperature <= 0 or max_new_tokens <= 0:
         raise CheckpointError("--temperature and --max-new-tokens must be positive (fix: --temperature 0.8)")
+    if num < 1 or top_k < 0:
+        raise CheckpointError("--num must be at least 1 and --top-k 0 or more (fix: --num 1 --top-k 40)")
     import torch
 
     from aura_hpc.train.model import load_pretrained, padding_suppressed, quiet_deepspeed_probe
 
     quiet_deepspeed_probe()
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    # The samples are this command's output: no weight-loading progress bar or notices in it.
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
     tok = AutoTokenizer.from_pretrained(str(ckpt.path / "tokenizer"))
     model = load_pretrained(str(ckpt.path / "model"))

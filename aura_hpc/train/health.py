@@ -71,12 +71,11 @@ class HealthWatch:
     def report(self, fault: Fault, step: int) -> None:
         """The `gpu.fault` event to health.webhook_url, if one is set (the URL is never logged)."""
         h = self.cfg.health
-        url = h.webhook_url
-        if url.startswith("env:"):
-            url = os.environ.get(url[4:], "")
+        from aura_hpc.ops import webhook
+
+        url = webhook.resolve_url(h.webhook_url, h.webhook_url_env, h.webhook_url_file)
         if not url:
             return
-        from aura_hpc.ops import webhook
 
         event = {
             "event": "gpu.fault",

@@ -13,15 +13,17 @@ from typing import Any
 class MetricsWriter:
     def __init__(self, run_dir: Path, resume_step: int) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self._drop_rows_after(resume_step)
+        self.drop_rows_after(resume_step)
         self._file = open(self.path, "a", encoding="utf-8")
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step drops events from a previous attempt beyond the resumed step.
         self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
 
-    def _drop_rows_after(self, step: int) -> None:
-        """Rows logged after the checkpoint we resume from describe steps that will be redone."""
+    def drop_rows_after(self, step: int) -> None:
+        """Rows logged after the checkpoint we resume (or roll back) to describe steps that will be redone."""
+        if getattr(self, "_file", None) is not None:
+            self._file.flush()
         if not self.path.exists():
             return
         kept = []
@@ -38,7 +40,7 @@ class MetricsWriter:
         self._file.flush()
         step = int(row["step"])
         for k, v in row.items():
-            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 self._tb.add_scalar(f"train/{k}" if k != "eval_loss" else "eval/loss", v, step)
 
     def resources(self, row: dict[str, Any], step: int) -> None:

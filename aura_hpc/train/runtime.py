@@ -124,3 +124,11 @@ def host_memory_peak() -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def peak_memory(device: Any, host_base: float) -> float:
+    """Bytes this rank's training needed at most: the GPU allocator's peak, or the growth of the
+    process's resident set on CPU over `host_base` (what the memory plan estimates)."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    return float(host_memory_peak() - host_base)

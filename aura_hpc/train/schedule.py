@@ -41,10 +41,15 @@ def make_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig, horizon: in
 
 
 def scale_learning_rate(
-    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, t: TrainConfig, step: int, horizon: int
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    t: TrainConfig,
+    step: int,
+    horizon: int,
+    times: int = 1,
 ) -> None:
-    """Multiply the base learning rates by train.nan_lr_scale (after a rollback) and apply it now."""
-    scheduler.base_lrs = [lr * t.nan_lr_scale for lr in scheduler.base_lrs]
+    """Multiply the base learning rates by train.nan_lr_scale `times` (rollbacks) and apply it now."""
+    scheduler.base_lrs = [lr * t.nan_lr_scale**times for lr in scheduler.base_lrs]
     factor = lr_factor(step, t.warmup_steps, horizon, t.schedule, t.min_lr_ratio)
     for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
         group["lr"] = base * factor

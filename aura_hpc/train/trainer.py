@@ -157,6 +157,8 @@ class Trainer:
                     )
                 if self.bad_in_a_row >= t.nan_rollback_after:
                     self.ckpt.rollback(self.bad_in_a_row)
+                    if self.metrics is not None:
+                        self.metrics.drop_rows_after(self.pos.step)  # the steps after it are redone
                     self.bad_in_a_row = 0
                     self.interval.reset()
                     return ROLLED_BACK
@@ -182,6 +184,8 @@ class Trainer:
         if logged:
             self._log_row(r, do_eval)
         else:
+            if do_eval:  # a skipped update leaves the last good weights: still evaluated on schedule
+                self._eval_row(bool(r.bad_ranks))
             self.progress.update(pos.step)
         if t.sample_every and pos.step % t.sample_every == 0 and not at_end:
             text = self._sample()
@@ -230,14 +234,12 @@ class Trainer:
             )
         self.progress.update(pos.step, f"loss {mean_loss:.3f}")
 
-    def _peak_memory(self) -> float:
-        """Bytes this rank's training needed at most: the GPU allocator's peak, or the growth of
-        the process's resident set on CPU (what the memory plan estimates)."""
-        if self.rt.device.type == "cuda":
-            import torch
-
-            return float(torch.cuda.max_memory_allocated(self.rt.device))
-        return float(runtime.host_memory_peak() - self.memory_base)
+    def _eval_row(self, skipped: bool) -> None:
+        pos = self.pos
+        pos.last_eval = evaluate(self.parts, self.cfg.train, self.env.rank, self.layout.world, self.rt)
+        if self.env.is_main and self.metrics is not None:
+            self.metrics.write({"step": pos.step, "eval_loss": round(pos.last_eval, 6), "update_skipped": skipped})
+            log.info("step %d/%d eval_loss %.4f%s", pos.step, self.layout.end_step, pos.last_eval, " (update skipped)" if skipped else "")
 
     def _sample(self) -> str | None:
         """A text sample on rank 0; with sharded weights every rank takes part in gathering them."""
@@ -284,7 +286,7 @@ class Trainer:
                 "world_size": self.layout.world,
                 "backend": self.rt.backend,
                 "strategy": self.wrapped.name,
-                "peak_memory_gib": round(self._peak_memory() / 2**30, 3),
+                "peak_memory_gib": round(runtime.peak_memory(self.rt.device, self.memory_base) / 2**30, 3),
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
         try:
@@ -300,7 +302,7 @@ class Trainer:
                 "all %d ranks finished at step %d (peak memory of rank 0: %.2f GiB)",
                 self.layout.world,
                 pos.step,
-                self._peak_memory() / 2**30,
+                runtime.peak_memory(self.rt.device, self.memory_base) / 2**30,
             )
         return 0
 

@@ -11,7 +11,10 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -32,10 +35,28 @@ def _process_group_cleanup() -> Iterator[None]:
             distributed.shutdown()
 
 
+def _stop_when_launcher_dies() -> None:
+    """Workers run in their own sessions; if `local` is killed (even with SIGKILL) they are re-parented
+    and would keep training unseen. A watchdog sends this worker SIGTERM then: every rank stops at
+    the next step boundary with a checkpoint, as on Ctrl-C."""
+    launcher = int(os.environ.get("AURA_LAUNCHER_PID", "0") or 0)
+    if not launcher or os.getppid() != launcher:
+        return  # not started by `local` (Slurm: slurmstepd owns the tasks)
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(0.5)
+        log.warning("the launcher (PID %d) is gone: stopping at the next step with a checkpoint", launcher)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="aura-launcher-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m aura_hpc.train", description=__doc__)
     parser.add_argument("config", help="a resolved run config (RUN_DIR/config.yaml)")
     args = parser.parse_args(argv)
+    _stop_when_launcher_dies()
     env = DistEnv.from_environ()
     from aura_hpc.console import ProgressAwareHandler
 

@@ -21,8 +21,12 @@
 export AURA_RUN_DIR=/shared/aura/runs/gpt2
 export PYTHONUNBUFFERED=1
 # cluster profile: REPO/sbatch_templates/h100-ib.sh
-module purge 2>/dev/null || true
-module load cuda/12.4 2>/dev/null || true
+if command -v module >/dev/null 2>&1; then
+  module purge
+  module load cuda/12.4 || echo "aura_hpc: module cuda/12.4 is not available on $(hostname) (fix: change the module line of the cluster profile)" >&2
+else
+  echo "aura_hpc: no 'module' command on $(hostname); the profile's module lines were skipped" >&2
+fi
 if [ -f "${AURA_VENV:-$HOME/venvs/aura}/bin/activate" ]; then source "${AURA_VENV:-$HOME/venvs/aura}/bin/activate"; fi
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 export NCCL_SOCKET_IFNAME=^lo,docker

@@ -1,0 +1,144 @@
+"""One trainer per run directory: RUN_DIR/run.lock names the holder's host and PID.
+
+Two trainers in one run directory resume from each other's checkpoints and write the same steps
+twice. The lock is created with link(2), atomic on local filesystems and NFS alike (O_EXCL is
+not on old NFS), and refreshed by a heartbeat. A lock whose holder is gone is taken over: the
+same host can ask the kernel whether the PID lives; another host's lock is stale once its
+heartbeat stops; a requeued Slurm job takes over its own earlier attempt's lock at once.
+Takeover renames the stale file away first, so of two processes taking over only one wins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from aura_hpc.errors import LaunchError
+
+LOCK_NAME = "run.lock"
+HEARTBEAT_S = 15.0
+STALE_AFTER_S = 90.0  # six missed heartbeats: the holder's host is down or cut off
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, someone else's
+    return True
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+class RunLock:
+    """Held from acquire() until release(); a daemon thread refreshes its mtime meanwhile."""
+
+    def __init__(self, run_dir: Path, pid: int | None = None) -> None:
+        self.path = Path(run_dir) / LOCK_NAME
+        self.record = {
+            "host": socket.gethostname(),
+            "pid": pid or os.getpid(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""),
+            "token": uuid.uuid4().hex,
+        }
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def holder_is_gone(self, holder: dict[str, Any], mtime: float) -> bool:
+        if holder.get("slurm_job_id") and holder.get("slurm_job_id") == self.record["slurm_job_id"]:
+            return True  # this job's earlier attempt (requeued): it ran on nodes that have let go
+        if holder.get("host") == self.record["host"]:
+            return not _pid_alive(int(holder.get("pid", 0)))
+        return time.time() - mtime > STALE_AFTER_S
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{LOCK_NAME}.{self.record['token']}")
+        tmp.write_text(json.dumps(self.record), encoding="utf-8")
+        try:
+            for _ in range(3):
+                try:
+                    os.link(tmp, self.path)
+                    self._start_heartbeat()
+                    return self
+                except FileExistsError:
+                    pass
+                holder = _read(self.path)
+                try:
+                    mtime = self.path.stat().st_mtime
+                except FileNotFoundError:
+                    continue  # released meanwhile
+                if holder is not None and not self.holder_is_gone(holder, mtime):
+                    raise LaunchError(describe_holder(self.path, holder))
+                # Stale (or unreadable, left half-written by a crash): move it aside; a concurrent
+                # taker finds it gone and loses the race for the link above.
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(self.path, self.path.with_name(f".{LOCK_NAME}.stale.{self.record['token']}"))
+                    for old in self.path.parent.glob(f".{LOCK_NAME}.stale.*"):
+                        old.unlink(missing_ok=True)
+            raise LaunchError(f"could not take the run lock {self.path} (fix: remove the file if no trainer runs there)")
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _start_heartbeat(self) -> None:
+        def beat() -> None:
+            while not self._stop.wait(HEARTBEAT_S):
+                with contextlib.suppress(OSError):
+                    os.utime(self.path)
+
+        self._thread = threading.Thread(target=beat, name="aura-run-lock", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        self._stop.set()
+        holder = _read(self.path)
+        if holder is not None and holder.get("token") == self.record["token"]:
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def describe_holder(path: Path, holder: dict[str, Any]) -> str:
+    job = holder.get("slurm_job_id")
+    who = (
+        f"Slurm job {job} (PID {holder.get('pid')} on {holder.get('host')})" if job else f"PID {holder.get('pid')} on {holder.get('host')}"
+    )
+    stop = f"scancel {job}" if job else f"stop it (kill {holder.get('pid')} on {holder.get('host')})"
+    return (
+        f"run directory {path.parent} is in use by {who} since {holder.get('since')}: one trainer per run directory "
+        f"(fix: wait for it to finish or {stop}, or use another --run-name)"
+    )
+
+
+def check_free(run_dir: Path) -> None:
+    """Refuse when a live trainer holds the run directory (used before writing anything into it)."""
+    path = Path(run_dir) / LOCK_NAME
+    holder = _read(path)
+    if holder is None:
+        return
+    try:
+        mtime = path.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if not RunLock(Path(run_dir)).holder_is_gone(holder, mtime):
+        raise LaunchError(describe_holder(path, holder))

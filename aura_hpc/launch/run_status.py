@@ -1,0 +1,64 @@
+"""`status` and `logs` for a run started with `local`: everything is in its run directory.
+
+A Slurm run has job.json (its job id); a local run has none, so its state comes from the run
+lock (a live holder: running), summary.json (finished or stopped at train.stop_at) and the
+newest metrics row.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from aura_hpc.errors import LaunchError
+from aura_hpc.launch.run_lock import LOCK_NAME, RunLock
+
+
+def is_local_run(target: str) -> bool:
+    p = Path(target).expanduser()
+    return p.is_dir() and (p / "config.yaml").is_file() and not (p / "job.json").exists()
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def local_status(run_dir: Path, latest: dict[str, Any]) -> dict[str, Any]:
+    """One status row (the columns `status` shows for jobs) for a local run directory."""
+    run_dir = run_dir.expanduser().resolve()
+    lock = _json(run_dir / LOCK_NAME)
+    summary = _json(run_dir / "summary.json")
+    state, reason = "STOPPED", "re-run the same `local` command to resume"
+    if lock is not None:
+        mtime = (run_dir / LOCK_NAME).stat().st_mtime
+        if not RunLock(run_dir).holder_is_gone(lock, mtime):
+            state, reason = "RUNNING", f"PID {lock.get('pid')} on {lock.get('host')} since {lock.get('since')}"
+    if state != "RUNNING" and summary is not None and summary.get("step") == latest.get("step", summary.get("step")):
+        state = "COMPLETED" if summary.get("finished") else "STOPPED"
+        reason = "" if summary.get("finished") else "train.stop_at reached; re-run to continue"
+    return {
+        "job_id": "local",
+        "name": run_dir.name,
+        "state": state,
+        "nodes": "",
+        "elapsed": latest.get("elapsed_s", ""),
+        "time_left": "",
+        "reason": reason,
+        "step": latest.get("step"),
+        "loss": latest.get("loss"),
+        "tokens_per_s": latest.get("tokens_per_s"),
+        "run_dir": str(run_dir),
+    }
+
+
+def local_log(run_dir: Path, rank: int) -> Path:
+    path = run_dir.expanduser() / "logs" / f"rank_{rank}.log"
+    if not path.exists():
+        ranks = sorted(p.stem.removeprefix("rank_") for p in (run_dir / "logs").glob("rank_*.log"))
+        raise LaunchError(f"{path} does not exist (fix: --rank one of {', '.join(ranks)})" if ranks else f"{run_dir} has no rank logs yet")
+    return path
