@@ -114,3 +114,19 @@ def slurm_cluster() -> Iterator[Path]:
     yield SLURM_CONF
     if started:
         subprocess.run([str(CLUSTER_SH), "down"], timeout=120)
+
+
+def run_cli_together(runs: list[list[str]], timeout: float = 600, **env: str) -> list[subprocess.CompletedProcess[str]]:
+    """Several CLI runs at once: a short training run spends most of its time starting up (imports,
+    rendezvous), which overlaps well on two cores. Results in the order given."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "aura_hpc", *args], env=cli_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for args in runs
+    ]
+    done = []
+    for args, p in zip(runs, procs, strict=True):
+        out, err = p.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(args, p.returncode, out, err))
+    return done

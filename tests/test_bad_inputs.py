@@ -102,7 +102,11 @@ ROWS = [
     Row("wrong type", ["local", "--set", "train.max_steps=many"], "train.max_steps must be a whole number"),
     Row("n_embd vs n_head", ["local", "--set", "model.n_embd=130"], "model.n_embd (130) must be divisible by model.n_head (4)"),
     Row("sequence too long", ["local", "--set", "data.seq_len=1024"], "data.seq_len (1024) is longer than model.n_positions (256)"),
-    Row("warmup too long", ["local", "--set", "train.warmup_steps=1000"], "train.warmup_steps (1000) must be smaller than"),
+    Row(
+        "stop_at after the token budget",
+        ["local", "--set", "train.max_tokens=20480", "--set", "train.stop_at=50"],
+        "is after the end of the run (10 steps)",
+    ),
     Row("bad backend value", ["local", "--set", "dist.backend=mpi"], "dist.backend must be one of auto, nccl, gloo"),
     Row("unknown preset", ["local", "--config", "gpt9"], "config 'gpt9' is neither a file nor a shipped preset"),
     Row("invalid YAML", ["local", "--config", "{tmp}/broken.yaml"], "is not valid YAML", _files),
@@ -126,7 +130,13 @@ ROWS = [
         _incompatible_run,
     ),
     # filesystem
-    Row("output_dir is a file", ["local", "--output-dir", "{tmp}/afile/runs", D], "is not writable", _files),
+    Row("output_dir is a file", ["local", "--output-dir", "{tmp}/afile/runs", D], "afile is a file, not a directory", _files),
+    Row(
+        "submit: output_dir under a file",
+        ["submit", "--output-dir", "{tmp}/afile/runs", D, "--dry-run"],
+        "afile is a file, not a directory",
+        _files,
+    ),
     # CLI / launcher
     Row(
         "node-rank >= nnodes",

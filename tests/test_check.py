@@ -87,6 +87,7 @@ def test_a_node_that_never_joins_is_named() -> None:
     code, _, err = _finish(_check(["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]))
     assert code == 1
     assert "node rank(s) 1 never joined" in err and "fix:" in err
+    assert "this machine's own firewall may drop port" in err  # node 0 is told to look at itself too
 
 
 def test_duplicate_node_rank_is_reported() -> None:

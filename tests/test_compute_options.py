@@ -3,23 +3,55 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from aura_hpc.train import checkpoint
-from tests.conftest import SMALL_MODEL, final_weights, run_cli
+from tests.conftest import SMALL_MODEL, cli_env, final_weights, run_cli
 
 pytestmark = pytest.mark.slow
 
 
-def _train(tmp: Path, name: str, prepared: Path, *extra: str, nproc: int = 1, env: dict[str, str] | None = None) -> str:
+def _args(tmp: Path, name: str, prepared: Path, *extra: str, nproc: int = 1) -> list[str]:
     args = ["local", "--nproc-per-node", str(nproc), "--output-dir", str(tmp), "--run-name", name, "--set", f"data.path={prepared}"]
     args += [*SMALL_MODEL, "--set", "train.max_steps=6", "--set", "train.warmup_steps=1", "--set", "train.batch_size=4"]
-    r = run_cli([*args, *extra], timeout=300, **(env or {}))
+    return [*args, *extra]
+
+
+def _train(tmp: Path, name: str, prepared: Path, *extra: str, nproc: int = 1, env: dict[str, str] | None = None) -> str:
+    r = run_cli(_args(tmp, name, prepared, *extra, nproc=nproc), timeout=300, **(env or {}))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
+
+
+def _train_together(tmp: Path, prepared: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """Several one-process runs at once (each spends most of its time starting up): their outputs by name."""
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "aura_hpc", *_args(tmp, name, prepared, *extra)],
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, extra in runs.items()
+    }
+    outs = {name: p.communicate(timeout=300)[0] for name, p in procs.items()}
+    for name, p in procs.items():
+        assert p.returncode == 0, f"{name}: {outs[name][-3000:]}"
+    return outs
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> dict[str, torch.Tensor]:
+    """The default CPU route (eager, no activation checkpointing, full loss): what the options must match."""
+    out = tmp_path_factory.mktemp("plain")
+    _train(out, "plain", prepared)
+    return final_weights(out / "plain")
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -31,33 +63,28 @@ def test_chunked_loss_trains_like_the_full_loss(tmp_path: Path, prepared: Path) 
     # fp64 and SGD: the two routes differ only in summation order (~1e-16); Adam would amplify
     # that on near-zero gradients (update ~ g / eps), SGD passes it through as is.
     fp64 = ("--set", "train.precision=fp64", "--set", "train.optimizer=sgd", "--set", "train.lr=0.05")
-    out = _train(tmp_path, "chunked", prepared, *fp64, "--set", "train.loss=chunked")
-    assert "loss chunked" in out
-    _train(tmp_path, "full", prepared, *fp64, "--set", "train.loss=full")
+    # "init": the weights before any update (a run of 0 optimizer steps does not exist: SGD at lr ~0).
+    init = ("--set", "train.precision=fp64", "--set", "train.optimizer=sgd", "--set", "train.lr=1e-300")
+    outs = _train_together(
+        tmp_path, prepared, {"chunked": (*fp64, "--set", "train.loss=chunked"), "full": (*fp64, "--set", "train.loss=full"), "init": init}
+    )
+    assert "loss chunked" in outs["chunked"]
     diff = _max_diff(final_weights(tmp_path / "chunked"), final_weights(tmp_path / "full"))
     assert diff < 1e-12, f"chunked and full cross-entropy trained apart by {diff}"
-    assert _max_diff(final_weights(tmp_path / "full"), _initial(tmp_path, prepared)) > 1e-4, "the runs must have trained"
+    assert _max_diff(final_weights(tmp_path / "full"), final_weights(tmp_path / "init")) > 1e-4, "the runs must have trained"
 
 
-def _initial(tmp: Path, prepared: Path) -> dict[str, torch.Tensor]:
-    """The weights before any update: a run of 0 optimizer steps does not exist, so take step 1 of plain SGD at lr ~0."""
-    _train(tmp, "init", prepared, "--set", "train.precision=fp64", "--set", "train.optimizer=sgd", "--set", "train.lr=1e-300")
-    return final_weights(tmp / "init")
-
-
-def test_activation_checkpointing_recomputes_the_same_numbers(tmp_path: Path, prepared: Path) -> None:
+def test_activation_checkpointing_recomputes_the_same_numbers(tmp_path: Path, prepared: Path, plain: dict[str, torch.Tensor]) -> None:
     out = _train(tmp_path, "ac", prepared, "--set", "train.activation_checkpointing=true")
     assert "activation checkpointing on" in out
-    _train(tmp_path, "plain", prepared)
-    a, b = final_weights(tmp_path / "ac"), final_weights(tmp_path / "plain")
-    assert all(torch.equal(a[k], b[k]) for k in a), "recomputed activations must give bit-identical training"
+    a = final_weights(tmp_path / "ac")
+    assert all(torch.equal(a[k], plain[k]) for k in a), "recomputed activations must give bit-identical training"
 
 
-def test_compiled_blocks_train_like_eager(tmp_path: Path, prepared: Path) -> None:
+def test_compiled_blocks_train_like_eager(tmp_path: Path, prepared: Path, plain: dict[str, torch.Tensor]) -> None:
     out = _train(tmp_path, "compiled", prepared, "--set", "train.compile=true")
     assert "torch.compile on (per block)" in out and "including compilation" in out
-    _train(tmp_path, "eager", prepared, "--set", "train.compile=false")
-    diff = _max_diff(final_weights(tmp_path / "compiled"), final_weights(tmp_path / "eager"))
+    diff = _max_diff(final_weights(tmp_path / "compiled"), plain)
     assert diff < 1e-4, f"compiled and eager training differ by {diff}"
     # The checkpoint of a compiled model is a plain transformers folder.
     from aura_hpc.train.model import load_pretrained

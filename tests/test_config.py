@@ -71,7 +71,6 @@ def test_cli_output_dir_and_run_name_win() -> None:
         (["train.lr=0"], "train.lr must be greater than 0"),
         (["model.n_embd=130"], "model.n_embd (130) must be divisible by model.n_head (4)"),
         (["data.seq_len=512"], "data.seq_len (512) is longer than model.n_positions (256)"),
-        (["train.warmup_steps=150"], "train.warmup_steps (150) must be smaller than train.max_steps (150)"),
         (["dist.backend=mpi"], "dist.backend must be one of auto, nccl, gloo"),
         (["train.precision=fp8"], "train.precision must be one of"),
         (["train.stop_at=500"], "train.stop_at (500) is after train.max_steps"),
@@ -184,3 +183,13 @@ def test_line_breaks_in_values_are_refused_before_yaml_can_fold_them() -> None:
     with pytest.raises(ConfigError, match=r"U\+0000"):
         load_config("tiny", ["data.path=a\0b"])
     assert load_config("tiny", ["train.sample_prompt=Capítulo I\nEn"]).train.sample_prompt == "Capítulo I\nEn"
+
+
+def test_a_warmup_longer_than_the_run_is_clamped_with_a_warning() -> None:
+    from aura_hpc.config import fit_to_horizon
+
+    cfg = load_config(None, ["train.warmup_steps=1000", "train.max_steps=40"])
+    notes = fit_to_horizon(cfg, 2)
+    assert cfg.train.warmup_steps == 40 and len(notes) == 1 and "longer than the run (40 steps): using 40" in notes[0]
+    tokens = load_config(None, ["train.max_tokens=40960", "train.warmup_steps=15"])  # 40,960 / (8 x 4 x 128) = 10 steps
+    assert "using 10" in fit_to_horizon(tokens, 4)[0] and fit_to_horizon(load_config(None, ["train.max_tokens=40960"]), 1) == []

@@ -95,6 +95,17 @@ def test_monitor_shows_gpu_readings_when_there_are_some(tmp_path: Path) -> None:
     assert row["gpus"][0]["temp_c"] == 61 and row["gpus"][0]["name"].startswith("NVIDIA")
 
 
+def test_the_monitor_table_shows_a_readable_time() -> None:
+    import time
+
+    from aura_hpc.console import resources_table
+
+    row = {"host": "n1", "time": 1_700_000_000.25, "cpu_pct": 5.0, "ram_used_gb": 1.0, "ram_pct": 3.0, "disk_free_gb": 9}
+    row |= {"net_rx_mbps": 0.1, "net_tx_mbps": 0.2}
+    title = str(resources_table(row).title)
+    assert title == f"n1  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(1_700_000_000.25))}" and "1700000000" not in title
+
+
 class _Hook(BaseHTTPRequestHandler):
     received: ClassVar[list[dict]] = []
     calls = 0

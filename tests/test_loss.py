@@ -59,3 +59,18 @@ def test_without_gradients_the_loss_is_the_same() -> None:
     with torch.no_grad():
         got = chunked_cross_entropy(h, w, t, rows=9)
     assert abs(got.item() - _plain(h, w, t).item()) < 1e-12
+
+
+def test_each_rank_draws_its_own_dropout_masks() -> None:
+    import torch
+
+    from aura_hpc.train.build import seed_dropout
+
+    masks = []
+    for rank in (0, 1, 2):
+        torch.manual_seed(1234)  # what every rank does before building the model
+        seed_dropout(1234, rank)
+        masks.append(torch.nn.functional.dropout(torch.ones(256), 0.5, training=True))
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+    torch.manual_seed(1234)
+    assert torch.equal(torch.nn.functional.dropout(torch.ones(256), 0.5, training=True), masks[0]), "rank 0's stream is unchanged"

@@ -152,6 +152,11 @@ def test_usr2_checkpoints_requeues_and_ends_equal_to_an_uninterrupted_run(
     print(f"USR2 -> first resumed step: {float(first[1][1]) - signalled:.1f}s")
     acct = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"], capture_output=True, text=True).stdout
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 150
+    # Rank 1's interrupted attempt does not claim success; history counts the requeue.
+    rank1 = (run_dir / "slurm" / f"{job}_1_log.out").read_text() + (run_dir / "slurm" / f"{job}_1_log.err").read_text()
+    assert "this attempt stops here" in rank1 and rank1.count("Job completed successfully") == 1, rank1[-3000:]
+    hist = [r for r in json.loads(run_cli(["history", "--json"]).stdout)["jobs"] if r["job_id"] == job]
+    assert len(hist) == 1 and hist[0]["requeues"] == 1 and hist[0]["state"] == "COMPLETED", hist
 
     _wait_gone(_job_id(out / "straight"))
     assert json.loads((out / "straight" / "summary.json").read_text())["finished"]
@@ -367,3 +372,22 @@ def test_sharded_strategies_requeue_and_resume_from_their_shards(
     assert json.loads((out / "straight" / "summary.json").read_text())["finished"]
     a, b = final_weights(run_dir), final_weights(out / "straight")
     assert all(torch.equal(a[k], b[k]) for k in a), f"{strategy}: the requeued run differs from the uninterrupted one"
+
+
+def test_a_job_whose_output_dir_is_gone_on_the_nodes_is_explained(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
+    # A short job to wait for, so the run directory can vanish (as an unmounted NFS) before ours starts.
+    first = subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", "--wrap", "sleep 3"], capture_output=True, text=True, check=True)
+    out = tmp_path / "runs"
+    args = ["submit", *TINY, "--output-dir", str(out), "--run-name", "gone", "--set", f"data.path={prepared}"]
+    res = run_cli([*args, "--after", first.stdout.strip().split(";")[0]])
+    assert res.returncode == 0, res.stderr
+    job = _job_id(out / "gone")
+    shutil.rmtree(out / "gone")
+    _wait_gone(job)
+    st = run_cli(["status", job, "--json"])
+    assert st.returncode == 0, st.stderr
+    said = json.loads(st.stdout)
+    assert said["jobs"][0]["state"] == "FAILED", said
+    assert any("failed before any rank started" in n and "output_dir is not mounted" in n for n in said["notes"]), said
+    logs = run_cli(["logs", job])
+    assert logs.returncode == 2 and "does not exist on this machine" in logs.stderr and "not mounted" in logs.stderr, logs.stderr

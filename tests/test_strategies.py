@@ -15,19 +15,29 @@ import pytest
 import torch
 
 from aura_hpc.train import checkpoint
-from tests.conftest import SMALL_MODEL, final_weights, run_cli
+from tests.conftest import SMALL_MODEL, final_weights, run_cli, run_cli_together
 
 pytestmark = pytest.mark.slow
 
 BASE = [*SMALL_MODEL, "--set", "train.warmup_steps=2", "--set", "train.precision=fp32", "--set", "train.checkpoint_every=5"]
 
 
-def _run(out: Path, name: str, prepared: Path, strategy: str, *extra: str, nproc: int = 2, env: dict[str, str] | None = None) -> str:
+def _args(out: Path, name: str, prepared: Path, strategy: str, *extra: str, nproc: int = 2) -> list[str]:
     args = ["local", "--nproc-per-node", str(nproc), "--output-dir", str(out), "--run-name", name, "--set", f"data.path={prepared}"]
-    args += [*BASE, "--set", f"dist.strategy={strategy}", "--set", "train.max_steps=20", *extra]
-    r = run_cli(args, timeout=600, **(env or {}))
+    return [*args, *BASE, "--set", f"dist.strategy={strategy}", "--set", "train.max_steps=20", *extra]
+
+
+def _run(out: Path, name: str, prepared: Path, strategy: str, *extra: str, nproc: int = 2, env: dict[str, str] | None = None) -> str:
+    r = run_cli(_args(out, name, prepared, strategy, *extra, nproc=nproc), timeout=600, **(env or {}))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
+
+
+def _run_together(out: Path, prepared: Path, runs: dict[str, tuple[str, ...]]) -> None:
+    """name -> (strategy, *extra), all at once."""
+    done = run_cli_together([_args(out, name, prepared, *spec) for name, spec in runs.items()])
+    for name, r in zip(runs, done, strict=True):
+        assert r.returncode == 0, f"{name}: {r.stdout[-3000:]}{r.stderr[-3000:]}"
 
 
 def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -38,8 +48,7 @@ def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> Path:
     out = tmp_path_factory.mktemp("ddp")
-    _run(out, "clip", prepared, "ddp")
-    _run(out, "noclip", prepared, "ddp", "--set", "train.grad_clip=0")
+    _run_together(out, prepared, {"clip": ("ddp",), "noclip": ("ddp", "--set", "train.grad_clip=0")})
     return out
 
 
@@ -58,17 +67,16 @@ def test_fsdp_trains_to_the_same_bits_as_ddp(tmp_path: Path, prepared: Path, ddp
 
 @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
 def test_zero_trains_to_the_same_bits_as_ddp(tmp_path: Path, prepared: Path, ddp_runs: Path, stage: str) -> None:
-    _run(tmp_path, stage, prepared, stage, "--set", "train.grad_clip=0")
+    runs = {stage: (stage, "--set", "train.grad_clip=0")} | ({"clipped": (stage,)} if stage == "zero2" else {})
+    _run_together(tmp_path, prepared, runs)
     assert _diff(final_weights(tmp_path / stage), final_weights(ddp_runs / "noclip")) == 0.0
     if stage == "zero2":
-        _run(tmp_path, "clipped", prepared, stage)
         assert _diff(final_weights(tmp_path / "clipped"), final_weights(ddp_runs / "clip")) < 1e-5
 
 
 def test_gradient_accumulation_is_the_same_under_every_strategy(tmp_path: Path, prepared: Path) -> None:
     accum = ("--set", "train.grad_accum=2", "--set", "train.batch_size=4", "--set", "train.grad_clip=0", "--set", "train.max_steps=8")
-    for strategy in ("ddp", "fsdp", "zero2"):
-        _run(tmp_path, strategy, prepared, strategy, *accum)
+    _run_together(tmp_path, prepared, {strategy: (strategy, *accum) for strategy in ("ddp", "fsdp", "zero2")})
     ddp = final_weights(tmp_path / "ddp")
     assert _diff(final_weights(tmp_path / "fsdp"), ddp) == 0.0
     # ZeRO-2 reduces every micro-step's gradients across ranks and then accumulates them, DDP the

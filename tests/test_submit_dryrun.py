@@ -131,3 +131,10 @@ def test_dry_run_checks_the_data_and_submit_refuses_it(tmp_path: Path) -> None:
     assert "submit would refuse this: data.path" in dry.stderr and "is not a prepared directory" in dry.stderr
     real = run_cli(args)
     assert real.returncode == 2 and "is not a prepared directory" in real.stderr and not (tmp_path / "runs").exists()
+
+
+def test_a_master_address_outside_private_ranges_is_warned_about(tmp_path: Path) -> None:
+    public = run_cli(["local", "--nnodes", "2", "--node-rank", "1", "--master-addr", "8.8.8.8", "--dry-run"], cwd=tmp_path)
+    assert public.returncode == 0 and "8.8.8.8 is neither private nor loopback" in public.stderr, public.stderr
+    lan = run_cli(["local", "--nnodes", "2", "--node-rank", "1", "--master-addr", "192.168.1.10", "--dry-run"], cwd=tmp_path)
+    assert lan.returncode == 0 and "neither private" not in lan.stderr

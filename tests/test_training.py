@@ -13,7 +13,7 @@ import torch
 
 from aura_hpc.data.prepare import PrepareSpec, prepare
 from aura_hpc.train import checkpoint
-from tests.conftest import SMALL_MODEL, cli_env, final_weights, free_port, run_cli
+from tests.conftest import SMALL_MODEL, cli_env, final_weights, free_port, run_cli, run_cli_together
 
 pytestmark = pytest.mark.slow
 
@@ -102,16 +102,37 @@ def test_ddp_two_ranks_equals_one_rank_with_accumulation(tmp_path: Path, prepare
         "train.batch_size=4",
         "--set",
         "train.checkpoint_every=0",
+        "--set",
+        "train.eval_every=4",
     ]
-    _train(tmp_path, "ddp", prepared, 2, [*common, "--set", "train.grad_accum=1"])
-    _train(tmp_path, "accum", prepared, 1, [*common, "--set", "train.grad_accum=2"])
+    # The three runs at once: each spends most of its time starting up.
+    runs = {
+        "ddp": (2, [*common, "--set", "train.grad_accum=1"]),
+        "accum": (1, [*common, "--set", "train.grad_accum=2"]),
+        "other-seed": (1, [*common, "--set", "train.grad_accum=2", "--set", "train.seed=7"]),
+    }
+    procs = {}
+    for name, (nproc, extra) in runs.items():
+        cmd = ["local", "--nproc-per-node", str(nproc), "--output-dir", str(tmp_path), "--run-name", name]
+        cmd += ["--set", f"data.path={prepared}", *SMALL_MODEL, *extra]
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "aura_hpc", *cmd], env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+    for name, p in procs.items():
+        out = p.communicate(timeout=300)[0]
+        assert p.returncode == 0, f"{name}: {out[-3000:]}"
     a, b = final_weights(tmp_path / "ddp"), final_weights(tmp_path / "accum")
     assert a.keys() == b.keys()
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     assert a["transformer.wte.weight"].dtype == torch.float64
     assert diff < 1e-10, f"DDP 2x4 and 1x4 accum 2 differ by {diff}"
+    # The same weights give the same eval_loss under either layout: a fixed validation set.
+    evals = [
+        [r["eval_loss"] for r in map(json.loads, (tmp_path / n / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+        for n in ("ddp", "accum")
+    ]
+    assert len(evals[0]) == 2 and evals[0] == pytest.approx(evals[1], abs=1e-9), evals
     # Different data order would differ at ~1e-3; check the test can tell.
-    _train(tmp_path, "other-seed", prepared, 1, [*common, "--set", "train.grad_accum=2", "--set", "train.seed=7"])
     c = final_weights(tmp_path / "other-seed")
     assert max((a[k] - c[k]).abs().max().item() for k in a) > 1e-4
 
@@ -127,8 +148,25 @@ def test_resume_is_bit_identical(tmp_path: Path, prepared: Path) -> None:
         "--set",
         "model.dropout=0.1",
     ]
-    _train(tmp_path, "straight", prepared, 2, common)
-    stopped = _train(tmp_path, "resumed", prepared, 2, [*common, "--set", "train.stop_at=10"])
+
+    def args(name: str, *extra: str) -> list[str]:
+        return [
+            "local",
+            "--nproc-per-node",
+            "2",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            name,
+            "--set",
+            f"data.path={prepared}",
+            *SMALL_MODEL,
+            *common,
+            *extra,
+        ]
+
+    straight, stopped = run_cli_together([args("straight"), args("resumed", "--set", "train.stop_at=10")])
+    assert straight.returncode == 0 and stopped.returncode == 0, straight.stdout[-2000:] + stopped.stdout[-2000:]
     assert "stopped at step 10 of 20" in stopped.stdout
     assert checkpoint.list_complete(tmp_path / "resumed" / "checkpoints")[0].step == 10
     again = _train(tmp_path, "resumed", prepared, 2, common)
@@ -139,6 +177,16 @@ def test_resume_is_bit_identical(tmp_path: Path, prepared: Path) -> None:
     assert rows == [5, 10, 15, 20]
     log0 = (tmp_path / "resumed" / "logs" / "rank_0.log").read_text()
     assert log0.count("start rank=0") == 2  # appended across both attempts
+
+
+def test_a_token_budget_keeps_its_schedule_when_resumed_at_another_world_size(tmp_path: Path, prepared: Path) -> None:
+    # 12,288 tokens = 12 steps of 2 x 8 x 64 tokens; at one process it would be 24 steps.
+    budget = ["--set", "train.max_tokens=12288", "--set", "train.warmup_steps=2", "--set", "train.checkpoint_every=0"]
+    first = _train(tmp_path, "budget", prepared, 2, [*budget, "--set", "train.stop_at=6"])
+    assert "stopped at step 6 of 12" in first.stdout
+    again = _train(tmp_path, "budget", prepared, 1, budget)
+    assert "keeping this run's schedule horizon of 12 steps" in again.stdout, again.stdout[-2000:]
+    assert json.loads((tmp_path / "budget" / "summary.json").read_text())["step"] == 12
 
 
 def _collect(procs: list[subprocess.Popen[str]], timeout: float = 180) -> list[str]:
@@ -219,6 +267,50 @@ def test_two_lan_machines_on_one_host(tmp_path: Path, prepared: Path) -> None:
     outs = _collect(procs)
     assert "sent checkpoint step_00000010 to ranks without shared storage" in outs[0]
     assert "resumed from checkpoint step_00000010 at step 10" in outs[1]
+
+
+@pytest.mark.parametrize("lost", [0, 1])
+def test_a_lan_node_lost_mid_run_is_named_in_one_line(tmp_path: Path, prepared: Path, lost: int) -> None:
+    import os
+    import signal
+
+    import psutil
+
+    args = ["local", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--nproc-per-node", "1"]
+    args += ["--set", f"data.path={prepared}", *SMALL_MODEL, "--set", "train.max_steps=100000", "--set", "train.warmup_steps=1"]
+    args += ["--set", "train.checkpoint_every=5", "--run-name", "lan"]
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "aura_hpc", *args, "--node-rank", str(node), "--output-dir", str(tmp_path / f"m{node}")]
+        procs.append(subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        time.sleep(0.5)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "m0" / "lan" / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the LAN run never trained"
+            time.sleep(0.2)
+        # The machine goes away: its launcher and workers die at once.
+        victim = psutil.Process(procs[lost].pid)
+        for p in [victim, *victim.children(recursive=True)]:
+            os.kill(p.pid, signal.SIGKILL)
+        out, err = procs[1 - lost].communicate(timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    survivor = procs[1 - lost]
+    assert survivor.returncode == 1, out[-2000:] + err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err[-3000:]  # no C++ stack traces on the terminal
+    if lost == 0:
+        assert "lost node 0 (the master at 127.0.0.1" in lines[0] and "resumes from node 0's newest checkpoint" in lines[0]
+    else:
+        assert "lost the connection to the rank(s) at 127.0.0.1 during step" in lines[0] and "to resume from step_" in lines[0]
+    # The detail (torch's C++ traces, the failed collective) is kept in the survivor's logs.
+    logs = tmp_path / f"m{1 - lost}" / "lan" / "logs"
+    kept = (logs / f"stderr_node{1 - lost}.log").read_text() + (logs / f"rank_{1 - lost}.log").read_text()
+    assert "Connection reset by peer" in kept or "Broken pipe" in kept or "c10d" in kept, kept[-3000:]
 
 
 def test_unreachable_master_fails_fast_with_a_clear_error(tmp_path: Path) -> None:

@@ -11,6 +11,15 @@ def cmd_check(a: argparse.Namespace) -> int:
     cluster = check.cluster_args(
         a.nnodes, a.node_rank, a.master_addr, a.master_port, a.backend, a.shared_dir, a.timeout, a.sizes_mb, a.ifname
     )
+    if cluster is not None and cluster.nnodes > 1:
+        from aura_hpc import console
+        from aura_hpc.ops.network import is_trusted_range
+
+        if not is_trusted_range(cluster.master_addr):
+            console.warn(
+                f"master address {cluster.master_addr} is neither private nor loopback: the rendezvous port and the process "
+                "group trust every peer that connects (fix: run on a private network or VPN, and firewall the port to your nodes)"
+            )
     return check.run_and_show(a.output_dir, cluster, a.json)
 
 

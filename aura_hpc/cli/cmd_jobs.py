@@ -121,8 +121,8 @@ def cmd_history(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps({"jobs": rows}, indent=2))
         return 0
-    cols = ["job", "name", "state", "exit", "nodes", "elapsed", "submitted", "run dir"]
-    keys = ["job_id", "name", "state", "exit_code", "nodes", "elapsed", "submit", "run_dir"]
+    cols = ["job", "name", "state", "exit", "nodes", "elapsed", "submitted", "requeues", "run dir"]
+    keys = ["job_id", "name", "state", "exit_code", "nodes", "elapsed", "submit", "requeues", "run_dir"]
     console.grid(f"jobs since {a.since}", cols, [[str(r.get(k) or "-") for k in keys] for r in rows])
     return 0
 

@@ -130,11 +130,6 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"model.vocab_size {m.vocab_size} is too small for a byte-level tokenizer (fix: 0 = from data)")
     if not 256 <= d.vocab_size <= 1_000_000:
         raise ConfigError(f"data.vocab_size must be between 256 and 1000000, got {d.vocab_size} (fix: --set data.vocab_size=8192)")
-    if t.max_tokens <= 0 and t.warmup_steps >= t.max_steps:
-        raise ConfigError(
-            f"train.warmup_steps ({t.warmup_steps}) must be smaller than train.max_steps ({t.max_steps}) "
-            f"(fix: --set train.warmup_steps={max(0, t.max_steps // 10)})"
-        )
     if t.max_tokens <= 0 and t.stop_at > t.max_steps:
         raise ConfigError(f"train.stop_at ({t.stop_at}) is after train.max_steps ({t.max_steps}) (fix: lower train.stop_at)")
     if not _RUN_NAME.match(cfg.run_name):
@@ -222,6 +217,24 @@ def max_steps_for(cfg: RunConfig, world_size: int) -> int:
         per_step = t.batch_size * t.grad_accum * world_size * cfg.data.seq_len
         return max(1, -(-t.max_tokens // per_step))
     return t.max_steps
+
+
+def fit_to_horizon(cfg: RunConfig, world_size: int) -> list[str]:
+    """Checks against the schedule's horizon (train.max_steps, or the steps train.max_tokens makes at this
+    world size). A warmup as long as the run is clamped with a warning, as torchtitan does (a short
+    test run goes on); a stop_at beyond the run is refused. Returns the warnings."""
+    t = cfg.train
+    horizon = max_steps_for(cfg, world_size)
+    notes = []
+    if t.warmup_steps > horizon:
+        notes.append(
+            f"train.warmup_steps ({t.warmup_steps}) is longer than the run ({horizon} steps): using {horizon} "
+            f"(the learning rate rises over the whole run; --set train.warmup_steps={max(0, horizon // 10)} for a decay)"
+        )
+        t.warmup_steps = horizon
+    if t.stop_at > horizon:
+        raise ConfigError(f"train.stop_at ({t.stop_at}) is after the end of the run ({horizon} steps) (fix: lower train.stop_at)")
+    return notes
 
 
 def embedding_rows(m: ModelConfig, tokenizer_vocab: int) -> int:

@@ -74,6 +74,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 50
     eval_batches: int = 4
+    eval_sequences: int = 0  # the first N validation sequences, whatever the world size; 0 = eval_batches x batch_size
     checkpoint_every: int = 50
     keep_last: int = 3
     sample_every: int = 0  # 0: only a final sample

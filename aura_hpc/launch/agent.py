@@ -7,11 +7,15 @@ assumed, and replaced by the older behaviour with a one-line note.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
-from collections.abc import Callable
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -92,8 +96,10 @@ def run_workers(plan: LocalPlan) -> int:
         **options,
     )
     cmd = plan.worker_cmd
+    started = time.time()
     try:
-        elastic_launch(lc, cmd[0])(*cmd[1:])
+        with native_stderr_to(plan.cfg.run_dir / "logs" / f"stderr_node{plan.node_rank}.log"):
+            elastic_launch(lc, cmd[0])(*cmd[1:])
     except SignalException as exc:
         return _resumable(plan, exc.sigval.name)
     except ChildFailedError as exc:
@@ -107,12 +113,58 @@ def run_workers(plan: LocalPlan) -> int:
             return EXIT_GPU_FAULT
         raise _failure(plan, exc.failures) from None
     except RendezvousError as exc:
+        if _trained_since(plan, started):
+            # The rendezvous host (node 0's launcher) went away after the nodes had joined and trained.
+            raise TrainingFailed(
+                f"lost node 0 (the master at {plan.master_addr}:{plan.master_port}, which hosts the rendezvous) while "
+                f"training: its launcher or machine stopped (see {plan.cfg.run_dir / 'logs'}); rank 0 runs there, so the "
+                f"re-run resumes from node 0's newest checkpoint (fix: start node 0 again, then this command on every node)",
+                EXIT_TRAIN_FAILED,
+            ) from None
         raise LaunchError(
             f"the {plan.nnodes} nodes did not all join at {plan.master_addr}:{plan.master_port} within "
             f"{plan.rdzv_timeout}s ({type(exc).__name__}) (fix: start every node with the same --nnodes, "
             "--master-addr and --master-port, and check the firewall)"
         ) from None
     return 0
+
+
+def _trained_since(plan: LocalPlan, started: float) -> bool:
+    """This node's workers started training in this attempt (their logs say so since `started`)."""
+    first = plan.node_rank * plan.nproc
+    for rank in range(first, first + plan.nproc):
+        path = plan.cfg.run_dir / "logs" / f"rank_{rank}.log"
+        try:
+            if path.stat().st_mtime >= started and "start rank=" in path.read_text(encoding="utf-8", errors="replace"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@contextlib.contextmanager
+def native_stderr_to(path: Path) -> Iterator[None]:
+    """While the workers run, what writes to file descriptor 2 directly (torch's C++ warnings and stack
+    traces from the rendezvous and the collectives, the workers' own stderr, faulthandler dumps) goes
+    to `path`; Python's sys.stderr (our one-line messages) stays on the terminal."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    with open(path, "ab") as sink:
+        os.dup2(sink.fileno(), 2)
+    saved = sys.stderr
+    sys.stderr = os.fdopen(os.dup(terminal), "w", buffering=1, encoding=saved.encoding, errors="replace")
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        sys.stderr.close()
+        sys.stderr = saved
+        os.dup2(terminal, 2)
+        os.close(terminal)
+        with contextlib.suppress(OSError):
+            if path.stat().st_size == 0:
+                path.unlink()  # nothing was said: no empty file in the logs
 
 
 def _failure(plan: LocalPlan, failures: dict[int, Any]) -> TrainingFailed:
@@ -127,6 +179,10 @@ def _failure(plan: LocalPlan, failures: dict[int, Any]) -> TrainingFailed:
     if codes == {EXIT_USER_ERROR} and said:
         # A worker refused its input (e.g. a checkpoint that does not fit): nothing was trained.
         return TrainingFailed(f"{said} (see {log_dir})", EXIT_USER_ERROR)
+    killed = [f for f in failures.values() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
+    if said and said.startswith("lost the connection to the rank(s) at") and not killed:
+        # A peer on another node went away (a rank of this node killed by a signal is named below instead).
+        return TrainingFailed(f"training failed: {said} (see {log_dir}); {_resume_hint(plan)}", EXIT_TRAIN_FAILED)
     # A killed rank makes its peers fail too (broken collectives): name every failed rank,
     # the ones killed by a signal first, since they are usually the cause.
     ordered = sorted(failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp))

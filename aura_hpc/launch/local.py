@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from aura_hpc.config import load_config
+from aura_hpc.config import fit_to_horizon, load_config
 from aura_hpc.errors import ConfigError, LaunchError
 from aura_hpc.launch.agent import run_workers
 from aura_hpc.launch.plan import LocalPlan
@@ -168,6 +168,7 @@ def plan_local(
                 env.setdefault("NCCL_SOCKET_IFNAME", os.environ.get("NCCL_SOCKET_IFNAME", iface))
     elif ifname:
         env["GLOO_SOCKET_IFNAME"] = ifname
+    warnings += fit_to_horizon(cfg, nproc * nnodes)
     plan = LocalPlan(cfg, nnodes, node_rank, nproc, master_addr, master_port, max_restarts, rdzv_timeout, local_addr, env)
     plan.warnings = warnings
     _plan_memory(plan, gpus > 0 and wanted != "gloo")

@@ -101,6 +101,11 @@ def preflight_data(cfg: RunConfig, world_size: int) -> None:
 
 
 def check_writable(out: Path) -> None:
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise LaunchError(f"output_dir {out} cannot be created: {existing} is a file, not a directory (fix: --output-dir a folder path)")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{os.getpid()}"

@@ -153,7 +153,14 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
             "rendezvous",
             False,
             f"node rank(s) {', '.join(map(str, missing))} never joined (of --nnodes {a.nnodes})",
-            f"run check on every machine with the same --nnodes/--master-addr/--master-port and --node-rank 0..{a.nnodes - 1}",
+            f"run check on every machine with the same --nnodes/--master-addr/--master-port and --node-rank 0..{a.nnodes - 1}"
+            + (
+                f"; if they are running, this machine's own firewall may drop port {a.master_port}: allow it inbound here "
+                f"(e.g. sudo ufw allow {a.master_port}/tcp, or nft/iptables rules), and check from another machine with "
+                f"`nc -zv {a.master_addr} {a.master_port}`"
+                if a.node_rank == 0
+                else ""
+            ),
         )
         raise Failed
     nodes = [json.loads(store.get(f"info{r}")) for r in range(a.nnodes)]

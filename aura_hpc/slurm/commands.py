@@ -67,6 +67,9 @@ def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], li
                 if not rows:
                     raise LaunchError(f"job {job_id} is unknown to squeue and sacct (fix: check the id with `python -m aura_hpc history`)")
                 row = rows[-1]
+        launch = _failed_at_launch(row, run_dir)
+        if launch:
+            notes.append(launch)
         return [_row_dict(row, run_dir)], notes
     rows = slurm_query.squeue()
     if not all_jobs:
@@ -74,6 +77,23 @@ def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], li
     if not rows:
         notes.append("no aura_hpc jobs in the queue" + ("" if all_jobs else " (--all shows your other jobs; `history` the finished ones)"))
     return [_row_dict(r, job_index.run_dir_of(r.job_id)) for r in rows], notes
+
+
+def _failed_at_launch(row: slurm_query.JobRow, run_dir: Path | None) -> str | None:
+    """A job that failed before any rank wrote a line: Slurm could not start the tasks, most often because
+    the log files under output_dir could not be opened on the compute nodes (only slurmd's log says so)."""
+    if row.state not in ("FAILED", "NODE_FAIL", "LAUNCH_FAILED") or run_dir is None:
+        return None
+    logs = list((run_dir / "slurm").glob(f"{row.job_id}_*_log.*")) if (run_dir / "slurm").is_dir() else []
+    if any(p.stat().st_size > 0 for p in logs):
+        return None
+    where = f"{run_dir} does not exist on this machine either" if not run_dir.is_dir() else f"nothing was written under {run_dir}"
+    return (
+        f"job {row.job_id} failed before any rank started (exit {row.exit_code or '?'}): Slurm could not launch its tasks; "
+        f"{where}. Usually output_dir is not mounted (or not writable) on the compute nodes, so the job's log files could "
+        "not be opened (fix: mount output_dir on every node, check with `python -m aura_hpc submit --check`, and see "
+        "slurmd's log on the node for the exact cause)"
+    )
 
 
 def _summary(run_dir: Path | None) -> dict[str, Any] | None:
@@ -84,7 +104,12 @@ def _summary(run_dir: Path | None) -> dict[str, Any] | None:
 
 
 def log_file(target: str, rank: int, stderr: bool) -> tuple[str, Path]:
-    job_id, _, info = job_index.resolve(target)
+    job_id, run_dir, info = job_index.resolve(target)
+    if info is None and run_dir is not None and not run_dir.is_dir():
+        raise LaunchError(
+            f"job {job_id}'s run directory {run_dir} does not exist on this machine: output_dir was deleted, or is not "
+            "mounted here (fix: mount the shared output_dir on this node and on every compute node, then resubmit)"
+        )
     if info is None:
         raise LaunchError(f"no run directory is known for job {job_id} (fix: pass its RUN_DIR, or submit it with `submit`)")
     world = int(info.get("world_size", 1))
@@ -122,8 +147,16 @@ def history(since: str) -> list[dict[str, Any]]:
         raise LaunchError(
             "job accounting is disabled on this cluster, so there is no history (fix: `status` shows queued and running jobs)"
         )
+    # One row per job: its last attempt's state, the first attempt's submit time, and how often it
+    # was requeued (sacct without -D shows only the last attempt, submitted at the requeue).
+    jobs: dict[str, slurm_query.JobRow] = {}
+    for r in slurm_query.sacct(since=since, attempts=True):
+        first = jobs.get(r.job_id)
+        if first is not None:
+            r.submit, r.requeues = first.submit, first.requeues + 1
+        jobs[r.job_id] = r
     out = []
-    for r in slurm_query.sacct(since=since):
+    for r in jobs.values():
         run_dir = job_index.run_dir_of(r.job_id)
         d = r.to_dict()
         d["run_dir"] = str(run_dir) if run_dir else None

@@ -69,9 +69,12 @@ class TrainJob:
                 lock.release()
         if status == EXIT_RESUMABLE:
             if rank != 0:
-                # Rank 0 carries the job's outcome; exiting 0 here keeps srun --kill-on-bad-exit
-                # from killing rank 0 before it has requeued the job.
-                return 0
+                # Rank 0 carries the job's outcome; exiting 0 here keeps srun --kill-on-bad-exit from
+                # killing rank 0 before it has requeued the job. Exiting directly also keeps submitit
+                # from logging "Job completed successfully" for an attempt that was interrupted.
+                print(f"[rank{rank}] this attempt stops here: rank 0 checkpoints and requeues the job", flush=True)
+                sys.stderr.flush()
+                os._exit(0)
             if stop.last_signal == f"SIG{self.requeue_signal}":
                 self._requeue(job_id, restarts)
         if status != 0:

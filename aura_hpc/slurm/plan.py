@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aura_hpc.config import RunConfig, SlurmConfig, coerce, load_config, slurm_minutes, validate_slurm
+from aura_hpc.config import RunConfig, SlurmConfig, coerce, fit_to_horizon, load_config, slurm_minutes, validate_slurm
 from aura_hpc.errors import ConfigError
 from aura_hpc.launch.memory import MemoryPlan, check_fits, tokenizer_vocab
 from aura_hpc.launch.memory import plan as plan_memory
@@ -127,6 +127,10 @@ def _check_output_dir(out: str, nodes: int, warnings: list[str]) -> None:
     existing = p
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(
+            f"output_dir {out} cannot be created: {existing} is a file, not a directory (fix: --output-dir a path under a directory)"
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(
             f"output_dir {out} is not writable by you (fix: --output-dir a shared folder you can write, e.g. /shared/$USER/runs)"
@@ -243,6 +247,10 @@ def plan_submit(
     for p in points:
         if p.cfg.data.path:
             p.cfg.data.path = str(Path(p.cfg.data.path).expanduser().resolve())
+    for p in points:
+        for note in fit_to_horizon(p.cfg, slurm.nodes * max(1, slurm.gpus_per_node)):
+            if note not in warnings:
+                warnings.append(note)
     data_problem = None
     if points[0].cfg.data.path and not check:
         data_problem = _check_data(points[0].cfg, slurm.nodes * max(1, slurm.gpus_per_node), slurm.nodes, warnings)

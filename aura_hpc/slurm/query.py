@@ -38,6 +38,7 @@ class JobRow:
     submit: str = ""
     exit_code: str = ""
     source: str = "squeue"
+    requeues: int = 0  # earlier attempts of this job (requeued), from sacct -D
 
     @property
     def active(self) -> bool:
@@ -55,6 +56,7 @@ class JobRow:
             "submit": self.submit,
             "exit_code": self.exit_code,
             "source": self.source,
+            "requeues": self.requeues,
         }
 
 
@@ -186,8 +188,9 @@ def accounting_enabled() -> bool:
     return "accounting storage is disabled" not in (done.stderr + done.stdout).lower()
 
 
-def sacct(job_ids: list[str] | None = None, since: str | None = None, all_users: bool = False) -> list[JobRow]:
-    cmd = ["sacct", "-n", "-P", "-X", "-o", ",".join(SACCT_FIELDS)]
+def sacct(job_ids: list[str] | None = None, since: str | None = None, all_users: bool = False, attempts: bool = False) -> list[JobRow]:
+    """Accounting rows; with `attempts`, one row per attempt of a requeued job (sacct -D), oldest first."""
+    cmd = ["sacct", "-n", "-P", "-X", "-o", ",".join(SACCT_FIELDS)] + (["-D"] if attempts else [])
     if job_ids:
         cmd += ["-j", ",".join(job_ids)]
     if since:

@@ -46,7 +46,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
         compile_blocks(model)
 
     world = env.world_size
-    max_steps = max_steps_for(cfg, world)
+    max_steps = _horizon(cfg, world, env)
     end_step = min(t.stop_at, max_steps) if t.stop_at else max_steps
     layout = Layout(t.batch_size, t.grad_accum, world, cfg.data.seq_len, max_steps, end_step)
     n_train = data.num_sequences("train")
@@ -65,6 +65,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
             log.warning("%s; train.allow_oversubscription=true: repeating the data to fill each batch", msg)
     fused = t.fused_optimizer == "true" or (t.fused_optimizer == "auto" and cuda and cfg.dist.strategy == "ddp")
     wrapped, optimizer = wrap(loss_model, model, cfg, rt, world, lambda m: make_optimizer(m, t, fused=fused))
+    seed_dropout(t.seed, env.rank)
     parts = Parts(
         data=data,
         order=GlobalOrder(max(n_train, 1), t.seed),
@@ -76,6 +77,41 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
         scaler=torch.amp.GradScaler("cuda", enabled=rt.autocast_dtype == torch.float16),
     )
     return parts, layout, wrapped
+
+
+def _horizon(cfg: RunConfig, world: int, env: DistEnv) -> int:
+    """The schedule's horizon in steps. With train.max_tokens it is fixed when the run first starts
+    (recorded in every checkpoint): resuming at another world size keeps the learning-rate schedule
+    instead of stretching or squeezing it, and says how the token total changes."""
+    horizon = max_steps_for(cfg, world)
+    if cfg.train.max_tokens <= 0:
+        return horizon
+    steps = sorted((cfg.run_dir / "checkpoints").glob("step_*/meta.json"))
+    try:
+        recorded = int(json.loads(steps[-1].read_text()).get("max_steps", 0)) if steps else 0
+    except (OSError, ValueError):
+        recorded = 0
+    if recorded and recorded != horizon:
+        if env.is_main:
+            per_step = cfg.train.batch_size * cfg.train.grad_accum * world * cfg.data.seq_len
+            log.warning(
+                "train.max_tokens: keeping this run's schedule horizon of %d steps (set when it started, at another world "
+                "size); a step is now %d tokens, so the total will differ from train.max_tokens=%d",
+                recorded,
+                per_step,
+                cfg.train.max_tokens,
+            )
+        return recorded
+    return horizon
+
+
+def seed_dropout(seed: int, rank: int) -> None:
+    """Each rank its own random stream from here on, so dropout masks differ across ranks (with one
+    seed everywhere, every rank would drop the same units of its batch). The initial weights were
+    drawn before, from train.seed alone, the same on every rank. Rank 0 keeps the stream it has,
+    so a single-process run is unchanged."""
+    if rank:
+        torch.manual_seed(seed + 1_000_003 * rank)
 
 
 def check_same_everywhere(cfg: RunConfig, env: DistEnv, data: PackedTokens) -> None:

@@ -196,6 +196,7 @@ class Checkpointer:
             "tokens_seen": pos.tokens_seen,
             "effective_batch": self.layout.per_step,
             "world_size": self.layout.world,
+            "max_steps": self.layout.max_steps,
             "model_fingerprint": self.cfg.model_fingerprint(),
             "n_params": self.parts.n_params,
             "strategy": self.wrapped.name,

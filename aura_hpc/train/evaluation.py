@@ -17,12 +17,14 @@ from aura_hpc.train.state import Parts
 
 @torch.no_grad()
 def evaluate(parts: Parts, t: TrainConfig, rank: int, world: int, rt: Runtime) -> float | None:
-    """Mean loss over the first validation sequences, split over the ranks; None without a validation split."""
+    """Mean loss over a fixed set of validation sequences (the first N), split over the ranks; None
+    without a validation split. The set does not depend on the world size or the accumulation, so
+    the same weights report the same eval_loss under any layout."""
     data, model = parts.data, parts.loss_model
     n_val = data.num_sequences("val")
     if n_val == 0:
         return None
-    n = min(n_val, t.eval_batches * t.batch_size * world)
+    n = min(n_val, t.eval_sequences or t.eval_batches * t.batch_size)
     mine = list(range(rank, n, world))
     model.eval()
     loss_sum, count = 0.0, 0

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -19,7 +20,7 @@ import warnings
 from collections.abc import Iterator
 
 from aura_hpc.config import load_run_file
-from aura_hpc.errors import AuraError
+from aura_hpc.errors import EXIT_TRAIN_FAILED, AuraError
 from aura_hpc.train import distributed, worker_log
 from aura_hpc.train.dist_env import DistEnv
 
@@ -82,9 +83,32 @@ def main(argv: list[str] | None = None) -> int:
     worker_log.setup(cfg.run_dir / "logs", env.rank, stream)
     from aura_hpc.train.trainer import Trainer
 
+    trainer = Trainer(cfg, env)
     with _process_group_cleanup():
         try:
-            return Trainer(cfg, env).run()
+            return trainer.run()
         except AuraError as exc:
             log.error("%s", exc)
             return exc.exit_code
+        except RuntimeError as exc:
+            peer = lost_peer(exc)
+            if peer is None:
+                raise
+            # A peer's process or machine went away mid-collective: one line saying so (the launcher
+            # repeats it); the C++ detail stays in this rank's log.
+            worker_log.to_file_only("the failed collective, in full:")
+            log.error("%s", PEER_LOST.format(peer=peer, step=trainer.pos.step + 1))
+            return EXIT_TRAIN_FAILED
+
+
+PEER_LOST = "lost the connection to the rank(s) at {peer} during step {step}: their process or machine stopped"
+_PEER_ERRORS = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused", "socket closed")
+
+
+def lost_peer(exc: BaseException) -> str | None:
+    """The peer's address when `exc` is a collective that failed because a peer went away, else None."""
+    text = str(exc)
+    if not any(e in text.lower() for e in _PEER_ERRORS):
+        return None
+    m = re.search(r"\[([0-9a-fA-F.:]+)\]:\d+", text)
+    return m.group(1) if m else "another node"

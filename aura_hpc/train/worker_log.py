@@ -24,3 +24,11 @@ def setup(log_dir: Path | None, rank: int, stream_handler: logging.Handler | Non
         fh.setFormatter(fmt)
         log.addHandler(fh)
     return log
+
+
+def to_file_only(message: str, exc_info: bool = True) -> None:
+    """A record (with the current traceback) for the rank's log file only: detail the terminal does not need."""
+    record = log.makeRecord(log.name, logging.INFO, __file__, 0, message, (), sys.exc_info() if exc_info else None)
+    for h in log.handlers:
+        if isinstance(h, logging.FileHandler):
+            h.handle(record)
