@@ -149,11 +149,13 @@ def history(since: str) -> list[dict[str, Any]]:
         )
     # One row per job: its last attempt's state, the first attempt's submit time, and how often it
     # was requeued (sacct without -D shows only the last attempt, submitted at the requeue).
+    # An attempt follows an earlier one only when that one ended REQUEUED: a job id seen before with
+    # another end is an older job (ids restart when a cluster's state is reset).
     jobs: dict[str, slurm_query.JobRow] = {}
     for r in slurm_query.sacct(since=since, attempts=True):
-        first = jobs.get(r.job_id)
-        if first is not None:
-            r.submit, r.requeues = first.submit, first.requeues + 1
+        earlier = jobs.get(r.job_id)
+        if earlier is not None and earlier.state in ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
+            r.submit, r.requeues = earlier.submit, earlier.requeues + 1
         jobs[r.job_id] = r
     out = []
     for r in jobs.values():
