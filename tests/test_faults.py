@@ -223,7 +223,6 @@ def test_nan_forever_stops_with_a_clear_error(tmp_path: Path, prepared: Path) ->
         assert all(torch.isfinite(t).all() for t in load_file(str(c.path / "model" / "model.safetensors")).values())
 
 
-@pytest.mark.parametrize("damage", ["bad-file", "missing-marker", "truncated"])
 @pytest.fixture(scope="module")
 def stopped_at_10(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> Path:
     """A run stopped at step 10 (checkpoints 5 and 10); each damage test works on a copy."""
@@ -233,6 +232,7 @@ def stopped_at_10(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> P
     return out / "run"
 
 
+@pytest.mark.parametrize("damage", ["bad-file", "missing-marker", "truncated"])
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(
     tmp_path: Path, prepared: Path, reference: dict, damage: str, stopped_at_10: Path
 ) -> None:

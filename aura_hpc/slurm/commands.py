@@ -89,10 +89,10 @@ def _failed_at_launch(row: slurm_query.JobRow, run_dir: Path | None) -> str | No
         return None
     where = f"{run_dir} does not exist on this machine either" if not run_dir.is_dir() else f"nothing was written under {run_dir}"
     return (
-        f"job {row.job_id} failed before any rank started (exit {row.exit_code or '?'}): Slurm could not launch its tasks; "
-        f"{where}. Usually output_dir is not mounted (or not writable) on the compute nodes, so the job's log files could "
-        "not be opened (fix: mount output_dir on every node, check with `python -m aura_hpc submit --check`, and see "
-        "slurmd's log on the node for the exact cause)"
+        f"job {row.job_id} failed before any rank started (exit {row.exit_code or '?'}): Slurm could not launch its tasks "
+        f"on {row.nodelist if row.nodelist not in ('', 'None assigned') else 'its node(s)'}; {where}. Usually output_dir "
+        "is not mounted (or not writable) there, so the job's log files could not be opened (fix: mount output_dir on "
+        "every node, check with `python -m aura_hpc submit --check`, and see slurmd's log on that node for the exact cause)"
     )
 
 

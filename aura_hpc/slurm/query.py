@@ -39,6 +39,7 @@ class JobRow:
     exit_code: str = ""
     source: str = "squeue"
     requeues: int = 0  # earlier attempts of this job (requeued), from sacct -D
+    nodelist: str = ""  # the nodes it ran (or failed to start) on, from sacct
 
     @property
     def active(self) -> bool:
@@ -175,7 +176,7 @@ def squeue_job(job_id: str) -> JobRow | None:
     return rows[0] if rows else None
 
 
-SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "Submit", "Comment")
+SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "Submit", "NodeList", "Comment")
 
 
 def accounting_enabled() -> bool:
@@ -213,6 +214,7 @@ def sacct(job_ids: list[str] | None = None, since: str | None = None, all_users:
                 exit_code=v["ExitCode"],
                 comment=v["Comment"],
                 submit=v["Submit"],
+                nodelist=v["NodeList"],
                 source="sacct",
             )
         )
