@@ -388,7 +388,7 @@ def test_a_job_whose_output_dir_is_gone_on_the_nodes_is_explained(slurm_cluster:
     assert st.returncode == 0, st.stderr
     said = json.loads(st.stdout)
     assert said["jobs"][0]["state"] == "FAILED", said
-    assert any("failed before any rank started" in n and "could not launch its tasks on n" in n for n in said["notes"]), said
+    assert any("failed before any rank started" in n and "could not launch its tasks on" in n for n in said["notes"]), said
     assert any("output_dir is not mounted" in n for n in said["notes"]), said
     logs = run_cli(["logs", job])
     assert logs.returncode == 2 and "does not exist on this machine" in logs.stderr and "not mounted" in logs.stderr, logs.stderr
