@@ -93,10 +93,9 @@ def test_a_killed_rank_resumes_from_the_sharded_checkpoint_bit_identical(tmp_pat
 
 
 def test_fsdp_resumes_at_another_world_size_and_zero_says_it_cannot(tmp_path: Path, prepared: Path) -> None:
-    _run(tmp_path, "fsdp", prepared, "fsdp", "--set", "train.stop_at=10")
+    _run_together(tmp_path, prepared, {"fsdp": ("fsdp", "--set", "train.stop_at=10"), "zero": ("zero2", "--set", "train.stop_at=10")})
     out = _run(tmp_path, "fsdp", prepared, "fsdp", nproc=1)
     assert "resumed from checkpoint step_00000010 at step 10" in out and "all 1 ranks finished at step 20" in out
-    _run(tmp_path, "zero", prepared, "zero2", "--set", "train.stop_at=10")
     args = ["local", "--nproc-per-node", "1", "--output-dir", str(tmp_path), "--run-name", "zero", "--set", f"data.path={prepared}"]
     r = run_cli([*args, *BASE, "--set", "dist.strategy=zero2", "--set", "train.max_steps=20"], timeout=600)
     assert r.returncode == 2 and "resume at the world size they were written at (fix: resume on 2 processes" in r.stderr, r.stderr

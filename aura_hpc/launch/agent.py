@@ -103,7 +103,10 @@ def run_workers(plan: LocalPlan) -> int:
     except SignalException as exc:
         return _resumable(plan, exc.sigval.name)
     except ChildFailedError as exc:
-        if all(f.exitcode == EXIT_RESUMABLE for f in exc.failures.values()):
+        # Every rank stopped resumably; one still shutting down when a peer had already exited is
+        # SIGTERMed by the agent, after the (collective) checkpoint: that is no failure.
+        codes = [f.exitcode for f in exc.failures.values()]
+        if EXIT_RESUMABLE in codes and all(c in (EXIT_RESUMABLE, -signal.SIGTERM) for c in codes):
             return _resumable(plan, "a stop signal to the workers")
         if any(f.exitcode == EXIT_GPU_FAULT for f in exc.failures.values()):
             console.error(
