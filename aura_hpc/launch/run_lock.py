@@ -37,7 +37,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _read(path: Path) -> dict[str, Any] | None:
+def read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -79,7 +79,7 @@ class RunLock:
                     return self
                 except FileExistsError:
                     pass
-                holder = _read(self.path)
+                holder = read_json(self.path)
                 try:
                     mtime = self.path.stat().st_mtime
                 except FileNotFoundError:
@@ -107,7 +107,7 @@ class RunLock:
 
     def release(self) -> None:
         self._stop.set()
-        holder = _read(self.path)
+        holder = read_json(self.path)
         if holder is not None and holder.get("token") == self.record["token"]:
             self.path.unlink(missing_ok=True)
 
@@ -133,7 +133,7 @@ def describe_holder(path: Path, holder: dict[str, Any]) -> str:
 def check_free(run_dir: Path) -> None:
     """Refuse when a live trainer holds the run directory (used before writing anything into it)."""
     path = Path(run_dir) / LOCK_NAME
-    holder = _read(path)
+    holder = read_json(path)
     if holder is None:
         return
     try:

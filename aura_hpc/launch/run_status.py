@@ -7,12 +7,11 @@ newest metrics row.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from aura_hpc.errors import LaunchError
-from aura_hpc.launch.run_lock import LOCK_NAME, RunLock
+from aura_hpc.launch.run_lock import LOCK_NAME, RunLock, read_json
 
 
 def is_local_run(target: str) -> bool:
@@ -20,19 +19,11 @@ def is_local_run(target: str) -> bool:
     return p.is_dir() and (p / "config.yaml").is_file() and not (p / "job.json").exists()
 
 
-def _json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def local_status(run_dir: Path, latest: dict[str, Any]) -> dict[str, Any]:
     """One status row (the columns `status` shows for jobs) for a local run directory."""
     run_dir = run_dir.expanduser().resolve()
-    lock = _json(run_dir / LOCK_NAME)
-    summary = _json(run_dir / "summary.json")
+    lock = read_json(run_dir / LOCK_NAME)
+    summary = read_json(run_dir / "summary.json")
     state, reason = "STOPPED", "re-run the same `local` command to resume"
     if lock is not None:
         mtime = (run_dir / LOCK_NAME).stat().st_mtime
