@@ -37,7 +37,7 @@ def local_status(run_dir: Path, latest: dict[str, Any]) -> dict[str, Any]:
         "name": run_dir.name,
         "state": state,
         "nodes": "",
-        "elapsed": latest.get("elapsed_s", ""),
+        "elapsed": f"{latest['elapsed_s']:.0f}s" if isinstance(latest.get("elapsed_s"), (int, float)) else "",  # training time
         "time_left": "",
         "reason": reason,
         "step": latest.get("step"),
