@@ -18,12 +18,17 @@ EXIT_RESUMABLE = 75
 EXIT_GPU_FAULT = 76
 
 
+# Control, format and line/paragraph-separator characters: they can start a line (in a terminal, a
+# log, a generated script) or hide text. Config values are refused when they hold one.
+BREAKING_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
+
+
 def one_line(text: str) -> str:
     """`text` with line breaks and other control characters shown as escapes (a value quoted in a
     message must not add lines to a terminal or a log, nor hide text)."""
-    if all(unicodedata.category(c) not in ("Cc", "Cf", "Zl", "Zp") for c in text):
+    if all(unicodedata.category(c) not in BREAKING_CATEGORIES for c in text):
         return text
-    return "".join(repr(c)[1:-1] if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") else c for c in text)
+    return "".join(repr(c)[1:-1] if unicodedata.category(c) in BREAKING_CATEGORIES else c for c in text)
 
 
 class AuraError(Exception):

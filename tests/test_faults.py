@@ -345,6 +345,11 @@ def test_a_killed_launcher_takes_its_workers_along_and_a_run_dir_admits_one_trai
         said = second.stdout + second.stderr
         assert second.returncode == 2 and f"is in use by PID {proc.pid} on " in said and "another --run-name" in said, said
         assert (run / "config.yaml").read_bytes() == config_before
+        # status and cancel name the live holder of a local run.
+        st = json.loads(run_cli(["status", str(run), "--json"]).stdout)["jobs"][0]
+        assert st["state"] == "RUNNING" and st["holder"]["pid"] == proc.pid, st
+        cancel = run_cli(["cancel", str(run)])
+        assert cancel.returncode == 2 and f"`kill {proc.pid}` on " in cancel.stderr, cancel.stderr
         workers = list(_workers(proc).values())
         assert len(workers) == 2
         os.kill(proc.pid, signal.SIGKILL)  # the launcher only: workers run in sessions of their own

@@ -68,6 +68,26 @@ def _latest_step(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
+def _requeued_beside_a_reference(common: list[str], out: Path, timeout: float) -> tuple[Path, str, float]:
+    """Submit an uninterrupted "straight" run and a "requeued" one side by side (the test cluster has
+    4 nodes: half the wall time), USR2 the second at step 20; (its run dir, job id, when signalled)."""
+    ref = run_cli(["submit", *common, "--run-name", "straight"])
+    assert ref.returncode == 0, ref.stderr
+    res = run_cli(["submit", *common, "--run-name", "requeued"])
+    assert res.returncode == 0, res.stderr
+    run_dir = out / "requeued"
+    job = _job_id(run_dir)
+    deadline = time.monotonic() + timeout
+    while _latest_step(run_dir) < 20:
+        assert time.monotonic() < deadline, "the job never reached step 20"
+        time.sleep(0.2)
+    # Preemption or the pre-timeout warning: the same signal Slurm sends before the time limit.
+    signalled = time.time()
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    _wait_gone(job)
+    return run_dir, job, signalled
+
+
 # ---- real submissions -------------------------------------------------------------------
 
 
@@ -126,21 +146,7 @@ def test_usr2_checkpoints_requeues_and_ends_equal_to_an_uninterrupted_run(
     out = tmp_path / "runs"
     common = [*TINY, "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=150"]
     common += ["--set", "train.checkpoint_every=100"]
-    # The uninterrupted reference runs beside it (the test cluster has 4 nodes): half the wall time.
-    ref = run_cli(["submit", *common, "--run-name", "straight"])
-    assert ref.returncode == 0, ref.stderr
-    res = run_cli(["submit", *common, "--run-name", "requeued"])
-    assert res.returncode == 0, res.stderr
-    run_dir = out / "requeued"
-    job = _job_id(run_dir)
-    deadline = time.monotonic() + 120
-    while _latest_step(run_dir) < 20:
-        assert time.monotonic() < deadline, "the job never reached step 20"
-        time.sleep(0.2)
-    # Preemption or the pre-timeout warning: the same signal Slurm sends before the time limit.
-    signalled = time.time()
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    _wait_gone(job)
+    run_dir, job, signalled = _requeued_beside_a_reference(common, out, timeout=120)
 
     log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
     assert "stop requested (SIGUSR2)" in log and f"requeued job {job}" in log
@@ -349,19 +355,7 @@ def test_sharded_strategies_requeue_and_resume_from_their_shards(
     out = tmp_path / "runs"
     common = [*TINY, "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=150"]
     common += ["--set", "train.checkpoint_every=100", "--set", f"dist.strategy={strategy}", "--set", "train.precision=fp32"]
-    # The uninterrupted reference runs beside it (the test cluster has 4 nodes): half the wall time.
-    ref = run_cli(["submit", *common, "--run-name", "straight"])
-    assert ref.returncode == 0, ref.stderr
-    res = run_cli(["submit", *common, "--run-name", "requeued"])
-    assert res.returncode == 0, res.stderr
-    run_dir = out / "requeued"
-    job = _job_id(run_dir)
-    deadline = time.monotonic() + 180
-    while _latest_step(run_dir) < 20:
-        assert time.monotonic() < deadline, "the job never reached step 20"
-        time.sleep(0.2)
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    _wait_gone(job)
+    run_dir, job, _ = _requeued_beside_a_reference(common, out, timeout=180)
     log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
     assert f"strategy: {strategy}" in log and "stop requested (SIGUSR2)" in log and f"requeued job {job}" in log
     m = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", log)

@@ -18,23 +18,13 @@ from tests.conftest import SMALL_MODEL, cli_env, final_weights, free_port, run_c
 pytestmark = pytest.mark.slow
 
 
+def _args(out: Path, name: str, prepared: Path, nproc: int, extra: list[str]) -> list[str]:
+    run = ["local", "--nproc-per-node", str(nproc), "--output-dir", str(out), "--run-name", name]
+    return [*run, "--set", f"data.path={prepared}", *SMALL_MODEL, *extra]
+
+
 def _train(out: Path, name: str, prepared: Path, nproc: int, extra: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    r = run_cli(
-        [
-            "local",
-            "--nproc-per-node",
-            str(nproc),
-            "--output-dir",
-            str(out),
-            "--run-name",
-            name,
-            "--set",
-            f"data.path={prepared}",
-            *SMALL_MODEL,
-            *extra,
-        ],
-        timeout=timeout,
-    )
+    r = run_cli(_args(out, name, prepared, nproc, extra), timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
@@ -113,8 +103,7 @@ def test_ddp_two_ranks_equals_one_rank_with_accumulation(tmp_path: Path, prepare
     }
     procs = {}
     for name, (nproc, extra) in runs.items():
-        cmd = ["local", "--nproc-per-node", str(nproc), "--output-dir", str(tmp_path), "--run-name", name]
-        cmd += ["--set", f"data.path={prepared}", *SMALL_MODEL, *extra]
+        cmd = _args(tmp_path, name, prepared, nproc, extra)
         procs[name] = subprocess.Popen(
             [sys.executable, "-m", "aura_hpc", *cmd], env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -149,23 +138,9 @@ def test_resume_is_bit_identical(tmp_path: Path, prepared: Path) -> None:
         "model.dropout=0.1",
     ]
 
-    def args(name: str, *extra: str) -> list[str]:
-        return [
-            "local",
-            "--nproc-per-node",
-            "2",
-            "--output-dir",
-            str(tmp_path),
-            "--run-name",
-            name,
-            "--set",
-            f"data.path={prepared}",
-            *SMALL_MODEL,
-            *common,
-            *extra,
-        ]
-
-    straight, stopped = run_cli_together([args("straight"), args("resumed", "--set", "train.stop_at=10")])
+    straight, stopped = run_cli_together(
+        [_args(tmp_path, "straight", prepared, 2, common), _args(tmp_path, "resumed", prepared, 2, [*common, "--set", "train.stop_at=10"])]
+    )
     assert straight.returncode == 0 and stopped.returncode == 0, straight.stdout[-2000:] + stopped.stdout[-2000:]
     assert "stopped at step 10 of 20" in stopped.stdout
     assert checkpoint.list_complete(tmp_path / "resumed" / "checkpoints")[0].step == 10

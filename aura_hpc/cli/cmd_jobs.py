@@ -102,7 +102,8 @@ def cmd_cancel(a: argparse.Namespace) -> int:
         from aura_hpc.errors import LaunchError
 
         row = local_status(Path(a.target), {})
-        how = f"`kill {row['reason'].split()[1]}` on {row['reason'].split()[3]}" if row["state"] == "RUNNING" else "nothing runs there now"
+        holder = row["holder"]
+        how = f"`kill {holder['pid']}` on {holder['host']}" if holder else "nothing runs there now"
         raise LaunchError(
             f"{a.target} is a `local` run, not a Slurm job (fix: Ctrl-C in its terminal, or {how}: it writes a checkpoint and stops)"
         )

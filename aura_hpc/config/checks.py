@@ -17,21 +17,19 @@ from aura_hpc.config.tree import (
     RunConfig,
     SlurmConfig,
 )
-from aura_hpc.errors import ConfigError
+from aura_hpc.errors import BREAKING_CATEGORIES, ConfigError
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-# Control, format and line/paragraph-separator characters: they can start a line in a generated
-# script or hide text from whoever reads a config. A text prompt may hold newlines and tabs.
-_BREAKING_CATEGORIES = {"Cc", "Cf", "Zl", "Zp"}
+# A text prompt may hold newlines and tabs; no other setting may hold errors.BREAKING_CATEGORIES.
 _MULTILINE_KEYS = {"train.sample_prompt"}
 
 
 def line_breaking(value: str, allowed: str = "") -> str | None:
     """The first character of `value` that could start a line or hide one, if any."""
     for c in value:
-        if c not in allowed and unicodedata.category(c) in _BREAKING_CATEGORIES:
+        if c not in allowed and unicodedata.category(c) in BREAKING_CATEGORIES:
             return c
     return None
 

@@ -44,6 +44,7 @@ def local_status(run_dir: Path, latest: dict[str, Any]) -> dict[str, Any]:
         "loss": latest.get("loss"),
         "tokens_per_s": latest.get("tokens_per_s"),
         "run_dir": str(run_dir),
+        "holder": lock if state == "RUNNING" else None,  # the run lock's record: host, pid, since
     }
 
 

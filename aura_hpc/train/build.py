@@ -86,11 +86,14 @@ def _horizon(cfg: RunConfig, world: int, env: DistEnv) -> int:
     horizon = max_steps_for(cfg, world)
     if cfg.train.max_tokens <= 0:
         return horizon
-    steps = sorted((cfg.run_dir / "checkpoints").glob("step_*/meta.json"))
-    try:
-        recorded = int(json.loads(steps[-1].read_text()).get("max_steps", 0)) if steps else 0
-    except (OSError, ValueError):
-        recorded = 0
+    recorded = 0
+    if env.is_main:  # LAN nodes without shared storage have no checkpoints: rank 0's answer counts
+        steps = sorted((cfg.run_dir / "checkpoints").glob("step_*/meta.json"))
+        try:
+            recorded = int(json.loads(steps[-1].read_text()).get("max_steps", 0)) if steps else 0
+        except (OSError, ValueError):
+            recorded = 0
+    recorded = int(distributed.broadcast_object(recorded))
     if recorded and recorded != horizon:
         if env.is_main:
             per_step = cfg.train.batch_size * cfg.train.grad_accum * world * cfg.data.seq_len
