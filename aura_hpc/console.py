@@ -20,7 +20,10 @@ _PLAIN = not console.is_terminal
 
 
 def error(message: str) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+    from rich.markup import escape
+
+    # The message is text (paths, gloo's "[file.cc:537]" prefixes), never markup.
+    err_console.print(f"[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
 
 
 def info(message: str) -> None:
@@ -28,7 +31,9 @@ def info(message: str) -> None:
 
 
 def heading(message: str) -> None:
-    console.print(f"[bold]{message}[/]")
+    from rich.markup import escape
+
+    console.print(f"[bold]{escape(message)}[/]", soft_wrap=True)
 
 
 def _plain_lines(title: str, lines: list[str]) -> None:
@@ -121,7 +126,9 @@ def plain(text: str) -> None:
 
 
 def warn(message: str) -> None:
-    err_console.print(f"[bold yellow]warning:[/] {message}", markup=True, soft_wrap=True)
+    from rich.markup import escape
+
+    err_console.print(f"[bold yellow]warning:[/] {escape(message)}", markup=True, soft_wrap=True)
 
 
 def resources_table(row: dict[str, Any]) -> Any:

@@ -8,6 +8,9 @@ import argparse
 def cmd_check(a: argparse.Namespace) -> int:
     from aura_hpc.ops import check
 
+    if a.server:
+        return _check_ps_server(a)
+
     cluster = check.cluster_args(
         a.nnodes, a.node_rank, a.master_addr, a.master_port, a.backend, a.shared_dir, a.timeout, a.sizes_mb, a.ifname
     )
@@ -21,6 +24,26 @@ def cmd_check(a: argparse.Namespace) -> int:
                 "group trust every peer that connects (fix: run on a private network or VPN, and firewall the port to your nodes)"
             )
     return check.run_and_show(a.output_dir, cluster, a.json)
+
+
+def _check_ps_server(a: argparse.Namespace) -> int:
+    """From a worker PC: this machine, then the parameter server's port, a join and a tensor round trip."""
+    import time
+
+    from aura_hpc.ops.check import show
+    from aura_hpc.ops.check_local import local_checks
+    from aura_hpc.ops.check_report import Report
+    from aura_hpc.ps.probe import check_server
+    from aura_hpc.ps.worker import parse_server
+
+    addr, port = parse_server(a.server, 30005)
+    report = Report()
+    t0 = time.perf_counter()
+    local_checks(report, a.output_dir)
+    check_server(report, addr, port, a.timeout)
+    report.elapsed_s = time.perf_counter() - t0
+    show(report, a.json, a.timeout)
+    return 0 if report.ok else 1
 
 
 def cmd_monitor(a: argparse.Namespace) -> int:
@@ -73,6 +96,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--master-addr", help="IP address of node 0")
     p.add_argument("--master-port", type=int, default=29500, help="TCP port on node 0 (default 29500)")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="process-group backend to test")
+    p.add_argument("--server", help="from a worker PC: check the parameter server at ADDR[:PORT] (`ps`), with a tensor round trip")
     p.add_argument("--shared-dir", help="a directory that should be the same (NFS) on every node: write-then-read test")
     p.add_argument("--ifname", help="network interface for gloo/NCCL (default: the one that routes to the master)")
     p.add_argument("--sizes-mb", default="1,8,32", help="all_reduce sizes for the bandwidth test (default 1,8,32)")

@@ -136,6 +136,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("output_dir is empty (fix: --output-dir runs)")
     validate_strategy(cfg)
     validate_slurm(cfg.slurm)
+    validate_ps(cfg)
     h = cfg.health
     if h.monitor_interval_s < 0 or h.breaker_interval_s <= 0:
         raise ConfigError(
@@ -157,6 +158,18 @@ def validate(cfg: RunConfig) -> None:
         )
     if h.webhook_url_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", h.webhook_url_env):
         raise ConfigError(f"health.webhook_url_env {h.webhook_url_env!r} is not an environment variable name (fix: e.g. AURA_GPU_WEBHOOK)")
+
+
+def validate_ps(cfg: RunConfig) -> None:
+    p = cfg.ps
+    if not 1 <= p.port <= 65535:
+        raise ConfigError(f"ps.port must be a TCP port (1-65535), got {p.port} (fix: --port 30005)")
+    if not 1 <= p.workers <= 1024:
+        raise ConfigError(f"ps.workers must be between 1 and 1024, got {p.workers} (fix: --workers 2)")
+    if p.max_staleness < 0:
+        raise ConfigError(f"ps.max_staleness must be >= 0, got {p.max_staleness} (fix: --set ps.max_staleness=4)")
+    if p.join_timeout_s <= 0 or p.worker_timeout_s <= 0:
+        raise ConfigError("ps.join_timeout_s and ps.worker_timeout_s must be > 0 (fix: --set ps.worker_timeout_s=120)")
 
 
 _SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")

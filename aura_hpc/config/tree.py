@@ -147,6 +147,19 @@ class SlurmConfig:
 
 
 @dataclass
+class PsConfig:
+    """Asynchronous parameter-server training over a LAN (`ps` on the server PC, `worker` on the others)."""
+
+    port: int = 30005  # the server's TCP port (join and control); gloo adds ephemeral ports per worker
+    workers: int = 2  # worker PCs the training data is split for: worker K reads shard K of this many
+    max_staleness: int = 4  # a gradient computed on weights more than this many versions old is dropped
+    staleness_weight: str = "inverse"  # inverse: a gradient s versions old is scaled by 1/(1+s) | none: full weight
+    wire_dtype: str = "bf16"  # gradients and weights on the network: bf16 | fp16 | fp32 (the server keeps fp32)
+    join_timeout_s: int = 60  # a worker gives up when no server answers within this
+    worker_timeout_s: int = 120  # the server declares a silent worker gone after this (a Wi-Fi drop)
+
+
+@dataclass
 class RunConfig:
     run_name: str = "tiny"
     output_dir: str = "runs"
@@ -156,6 +169,7 @@ class RunConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    ps: PsConfig = field(default_factory=PsConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -194,6 +208,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dist.strategy": ("ddp", "fsdp", "zero1", "zero2", "zero3"),
     "slurm.signal": ("USR2", "USR1", "TERM", "INT", "HUP"),
     "health.webhook_type": ("generic", "discord", "slack"),
+    "ps.staleness_weight": ("inverse", "none"),
+    "ps.wire_dtype": ("bf16", "fp16", "fp32"),
 }
 
 SECTIONS = {
@@ -203,5 +219,6 @@ SECTIONS = {
     "dist": DistConfig,
     "slurm": SlurmConfig,
     "health": HealthConfig,
+    "ps": PsConfig,
 }
 TOP_LEVEL = ("run_name", "output_dir")

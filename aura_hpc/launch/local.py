@@ -39,8 +39,18 @@ def _port_in_use(port: int) -> bool:
     return False
 
 
-def wait_for_master(addr: str, port: int, timeout: float, progress: Callable[[str], None] | None = None, every_s: float = 10.0) -> None:
-    """Fail with a clear message, never hang, when the master cannot be reached; say so while waiting."""
+def wait_for_master(
+    addr: str,
+    port: int,
+    timeout: float,
+    progress: Callable[[str], None] | None = None,
+    every_s: float = 10.0,
+    who: str = "the master",
+    peer: str = "node 0",
+    fix: str = "",
+) -> None:
+    """Fail with a clear message, never hang, when `who` cannot be reached; say so while waiting.
+    `peer` names the machine in the likely causes; `fix` replaces the LAN-training fix."""
     start = time.monotonic()
     deadline = start + timeout
     next_note = start + every_s
@@ -48,7 +58,7 @@ def wait_for_master(addr: str, port: int, timeout: float, progress: Callable[[st
     while True:
         now = time.monotonic()
         if progress is not None and now >= next_note:
-            progress(f"waiting for the master at {addr}:{port} ({now - start:.0f}s of {timeout:.0f}s; {last})...")
+            progress(f"waiting for {who} at {addr}:{port} ({now - start:.0f}s of {timeout:.0f}s; {last})...")
             next_note += every_s
         try:
             with socket.create_connection((addr, port), timeout=min(2.0, max(0.1, timeout))):
@@ -59,15 +69,15 @@ def wait_for_master(addr: str, port: int, timeout: float, progress: Callable[[st
             last = exc.strerror or str(exc)
         if time.monotonic() >= deadline:
             cause = {
-                "Connection refused": f"{addr} answers but nothing listens on port {port}: node 0 is not started yet, "
-                "or was started with another --master-port",
-                "No route to host": f"{addr} is unreachable: a firewall on node 0 rejects port {port}, or the address is wrong",
-            }.get(last, f"no answer from {addr}: node 0 is off or not at that address, or a firewall drops port {port}")
-            raise LaunchError(
-                f"cannot reach the master at {addr}:{port} within {timeout:.0f}s ({last}; likely: {cause}) (fix: start node 0 "
-                f"first with --master-addr {addr}, the same --master-port on every node, and allow TCP port {port} and "
-                "gloo's ports in node 0's firewall)"
+                "Connection refused": f"{addr} answers but nothing listens on port {port}: {peer} is not started yet, "
+                "or was started with another port",
+                "No route to host": f"{addr} is unreachable: a firewall on {peer} rejects port {port}, or the address is wrong",
+            }.get(last, f"no answer from {addr}: {peer} is off or not at that address, or a firewall drops port {port}")
+            fix = fix or (
+                f"start node 0 first with --master-addr {addr}, the same --master-port on every node, and allow TCP port {port} "
+                "and gloo's ports in node 0's firewall"
             )
+            raise LaunchError(f"cannot reach {who} at {addr}:{port} within {timeout:.0f}s ({last}; likely: {cause}) (fix: {fix})")
         time.sleep(0.5)
 
 

@@ -141,6 +141,19 @@ def export_webhook_secret(cfg: RunConfig) -> None:
         )
 
 
+def ensure_data(cfg: RunConfig, world_size: int) -> None:
+    """The built-in corpus prepared when no data.path is given, then the data checks."""
+    if not cfg.data.path:
+        from aura_hpc.data.prepare import PrepareSpec, prepare
+
+        target = builtin_data_dir(cfg)
+        manifest = prepare(PrepareSpec(out_dir=target, builtin=True, vocab_size=cfg.data.vocab_size, val_fraction=0.05))
+        if not manifest.get("up_to_date"):
+            logging.getLogger("aura_hpc").info("prepared the built-in Spanish corpus in %s", target)
+        cfg.data.path = str(target)
+    preflight_data(cfg, world_size)
+
+
 def prepare_run_dir(cfg: RunConfig, world_size: int, lock: bool = False, check_lock: bool = True) -> RunLock | None:
     """Side effects before launch: the built-in data if needed, the run directory, config.yaml.
 
@@ -152,15 +165,7 @@ def prepare_run_dir(cfg: RunConfig, world_size: int, lock: bool = False, check_l
     check_writable(Path(cfg.output_dir))
     if check_lock:
         check_free(cfg.run_dir)
-    if not cfg.data.path:
-        from aura_hpc.data.prepare import PrepareSpec, prepare
-
-        target = builtin_data_dir(cfg)
-        manifest = prepare(PrepareSpec(out_dir=target, builtin=True, vocab_size=cfg.data.vocab_size, val_fraction=0.05))
-        if not manifest.get("up_to_date"):
-            logging.getLogger("aura_hpc").info("prepared the built-in Spanish corpus in %s", target)
-        cfg.data.path = str(target)
-    preflight_data(cfg, world_size)
+    ensure_data(cfg, world_size)
     _check_resume_compatible(cfg)
     export_webhook_secret(cfg)
     make_run_dir(cfg.run_dir)

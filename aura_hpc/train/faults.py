@@ -6,6 +6,8 @@ Inert unless one of these is set (never set them in production):
     AURA_FAULT_CKPT=MODE:STAGE        while writing a checkpoint, after STAGE (model, trainer_state, meta,
                                       config, tokenizer, files, marker): MODE=kill (SIGKILL the writer)
                                       or MODE=enospc (fail as a full disk would). Once per run dir.
+    AURA_FAULT_SLOW=RANK:FRACTION     that rank (a `local` rank, or a `worker` rank) idles FRACTION of every
+                                      step: a slower PC, for bench/bench_ps.py
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 
 _poisoned: set[int] = set()
+_step_ended: dict[int, float] = {}
 
 
 def _once(run_dir: Path, name: str) -> bool:
@@ -30,7 +33,22 @@ def _once(run_dir: Path, name: str) -> bool:
     return True
 
 
+def slow_down(rank: int) -> None:
+    spec = os.environ.get("AURA_FAULT_SLOW")
+    if not spec:
+        return
+    r, fraction = spec.split(":")
+    if int(r) != rank:
+        return
+    f = min(max(float(fraction), 0.0), 0.95)
+    last = _step_ended.get(rank)
+    if last is not None:
+        time.sleep((time.perf_counter() - last) * f / (1 - f))
+    _step_ended[rank] = time.perf_counter()
+
+
 def after_step(rank: int, step: int, run_dir: Path) -> None:
+    slow_down(rank)
     spec = os.environ.get("AURA_FAULT_KILL")
     if not spec:
         return

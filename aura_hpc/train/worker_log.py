@@ -9,8 +9,9 @@ from pathlib import Path
 log = logging.getLogger("aura_hpc")
 
 
-def setup(log_dir: Path | None, rank: int, stream_handler: logging.Handler | None = None) -> logging.Logger:
-    fmt = logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+def setup(log_dir: Path | None, rank: int, stream_handler: logging.Handler | None = None, label: str = "") -> logging.Logger:
+    """`label` replaces "rank<R>" in the prefix and the file name (the parameter server's `ps`, `worker2`)."""
+    fmt = logging.Formatter(f"[{label or f'rank{rank}'}] %(asctime)s %(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
     log.handlers.clear()
     log.setLevel(logging.INFO)
     log.propagate = False
@@ -20,7 +21,7 @@ def setup(log_dir: Path | None, rank: int, stream_handler: logging.Handler | Non
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         # Appended, not truncated: a resumed run's log shows every attempt.
-        fh = logging.FileHandler(log_dir / f"rank_{rank}.log", mode="a", encoding="utf-8")
+        fh = logging.FileHandler(log_dir / (f"{label}.log" if label else f"rank_{rank}.log"), mode="a", encoding="utf-8")
         fh.setFormatter(fmt)
         log.addHandler(fh)
     return log

@@ -1,0 +1,79 @@
+"""`ps` (the parameter server PC) and `worker` (every other PC): asynchronous training over a LAN."""
+
+from __future__ import annotations
+
+import argparse
+
+from aura_hpc.cli.common import add_run_options
+
+
+def cmd_ps(a: argparse.Namespace) -> int:
+    from aura_hpc import console
+    from aura_hpc.launch.run_setup import prepare_run_dir
+    from aura_hpc.ps.commands import lan_addresses, load_ps_config, worker_command
+    from aura_hpc.train import worker_log
+
+    cfg = load_ps_config(a.config, a.overrides, a.output_dir, a.run_name, a.port, a.workers)
+    lock = prepare_run_dir(cfg, 1, lock=True)
+    assert lock is not None
+    try:
+        from aura_hpc.ps.server import ParameterServer
+
+        addrs = lan_addresses()
+        console.heading(
+            f"aura_hpc ps: run {cfg.run_name!r}, parameter server on port {cfg.ps.port} for {cfg.ps.workers} workers "
+            f"(this PC: {', '.join(addrs)})"
+        )
+        console.info("on each worker PC, from any folder (add --worker-rank K to choose its shard, 1..N):")
+        console.plain("  " + worker_command(addrs[0], cfg.ps.port, a.config, a.overrides, a.run_name))
+        console.info(f"open TCP port {cfg.ps.port} on this PC's firewall for the workers; Ctrl+C here saves and stops them all")
+        worker_log.setup(cfg.run_dir / "logs", 0, label="ps")
+        server = ParameterServer(cfg)
+        server.resume()
+        return server.serve(cfg.ps.port)
+    finally:
+        lock.release()
+
+
+def cmd_worker(a: argparse.Namespace) -> int:
+    from aura_hpc import console
+    from aura_hpc.launch.run_setup import ensure_data
+    from aura_hpc.ps.commands import load_ps_config
+    from aura_hpc.ps.worker import PsWorker, parse_server
+    from aura_hpc.train import worker_log
+
+    cfg = load_ps_config(a.config, a.overrides, a.output_dir, a.run_name, None, None)
+    addr, port = parse_server(a.server, cfg.ps.port)
+    if a.worker_rank is not None and a.worker_rank < 1:
+        from aura_hpc.errors import LaunchError
+
+        raise LaunchError(f"--worker-rank must be 1 or more, got {a.worker_rank} (fix: --worker-rank 1, or omit it)")
+    ensure_data(cfg, 1)
+    console.heading(f"aura_hpc worker: run {cfg.run_name!r}, parameter server {addr}:{port}")
+    worker_log.setup(None, 0, label="worker")
+    w = PsWorker(cfg, addr, port, a.worker_rank or 0)
+    return w.run(console.info, lambda rank: worker_log.setup(cfg.run_dir / "logs", rank, label=f"worker{rank}"))
+
+
+def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "ps",
+        help="asynchronous training: run the parameter server on this PC (workers join with `worker`)",
+        description="Hold the model and optimizer, apply each worker's gradient as it arrives (no waiting for slow PCs). "
+        "Prints its LAN address and the exact worker command. Ctrl+C saves and stops the workers; re-running resumes.",
+    )
+    add_run_options(p)
+    p.add_argument("--workers", type=int, help="how many worker PCs the data is split for (default: ps.workers, 2)")
+    p.add_argument("--port", type=int, help="TCP port the workers connect to (default: ps.port, 30005)")
+    p.set_defaults(func=cmd_ps)
+
+    p = sub.add_parser(
+        "worker",
+        help="asynchronous training: join a parameter server from this PC",
+        description="Train on this PC's shard of the data and exchange gradients/weights with the parameter server. "
+        "Use the same --config/--set as the server (it checks). Ctrl+C leaves; the others go on.",
+    )
+    add_run_options(p)
+    p.add_argument("--server", required=True, help="the server's ADDR or ADDR:PORT (printed by `ps`)")
+    p.add_argument("--worker-rank", type=int, help="this worker's rank 1..N (default: the server gives a free one)")
+    p.set_defaults(func=cmd_worker)

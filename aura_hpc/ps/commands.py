@@ -1,0 +1,61 @@
+"""What `ps` and `worker` do before and after training: config, data, run directory, the lines a
+user needs (the server's addresses and the exact worker command), and the logs."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from aura_hpc.config import RunConfig, load_config, max_steps_for
+from aura_hpc.errors import ConfigError
+
+
+def load_ps_config(
+    config: str | None, overrides: list[str], output_dir: str | None, run_name: str | None, port: int | None, workers: int | None
+) -> RunConfig:
+    extra = [f"ps.port={port}"] if port is not None else []
+    extra += [f"ps.workers={workers}"] if workers is not None else []
+    cfg = load_config(config, [*overrides, *extra], output_dir, run_name)
+    cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
+    if cfg.data.path:
+        cfg.data.path = str(Path(cfg.data.path).expanduser().resolve())
+    if cfg.train.stop_at:
+        raise ConfigError(
+            "train.stop_at is not used by the parameter server (fix: drop it; Ctrl+C on the server saves, re-running resumes)"
+        )
+    if cfg.dist.strategy != "ddp":
+        raise ConfigError(
+            f"dist.strategy {cfg.dist.strategy} shards a model over synchronous ranks; the parameter server holds it whole "
+            "(fix: --set dist.strategy=ddp, or use `local`/`submit` for sharded training)"
+        )
+    # A token budget counts server updates: each applies one worker's batch.
+    cfg.train.max_steps = max_steps_for(cfg, 1)
+    cfg.train.max_tokens = 0
+    return cfg
+
+
+def lan_addresses() -> list[str]:
+    """This PC's IPv4 addresses that LAN workers can use (private ranges first), or loopback alone."""
+    import ipaddress
+
+    import psutil
+
+    found = []
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family.name == "AF_INET" and not ipaddress.ip_address(a.address).is_loopback:
+                found.append(a.address)
+    found.sort(key=lambda ip: not ipaddress.ip_address(ip).is_private)
+    return found or ["127.0.0.1"]
+
+
+def worker_command(addr: str, port: int, config: str | None, overrides: list[str], run_name: str | None) -> str:
+    words = ["python", "-m", "aura_hpc", "worker", "--server", f"{addr}:{port}"]
+    if config:
+        words += ["--config", config]
+    for o in overrides:
+        if not o.startswith(("ps.port=", "ps.workers=")):
+            words += ["--set", o]
+    if run_name:
+        words += ["--run-name", run_name]
+    return shlex.join(words)

@@ -1,0 +1,150 @@
+"""What the parameter server records: metrics rows, the staleness distribution, per-worker
+contributions, and checkpoints `last` and `best` in the same atomic format as `local`.
+
+checkpoints/step_<version>/ are train/checkpoint.py's directories (written to a temp folder,
+fsynced, renamed, with COMPLETE.json); `checkpoints/last` and `checkpoints/best` are symlinks
+to the newest and to the lowest-validation-loss one, each swapped in by an atomic rename.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aura_hpc.config import RunConfig
+from aura_hpc.errors import CheckpointError
+from aura_hpc.ps.replica import Replica
+from aura_hpc.train import checkpoint
+
+log = logging.getLogger("aura_hpc")
+
+MODE = "ps"
+
+
+@dataclass
+class Interval:
+    """The updates since the last metrics row."""
+
+    losses: list[float] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
+    tokens: int = 0
+    dropped: int = 0
+    contributions: Counter[int] = field(default_factory=Counter)
+
+
+@dataclass
+class Resumed:
+    version: int
+    tokens: int
+    positions: dict[int, int]
+    best_eval: float | None
+    staleness: dict[str, int]
+    path: Path
+
+
+def _link(root: Path, name: str, target: Path) -> None:
+    tmp = root / f".{name}-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target.name)
+    tmp.replace(root / name)
+
+
+def save(
+    cfg: RunConfig,
+    replica: Replica,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    version: int,
+    meta: dict[str, Any],
+) -> Path:
+    root = cfg.run_dir / "checkpoints"
+    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    full_meta = {"step": version, "version": version, "mode": MODE, "fingerprint": cfg.model_fingerprint(), **meta}
+    path = checkpoint.save(
+        root, version, replica.model, state, full_meta, replica.data.tokenizer_dir, cfg.to_yaml(), max(cfg.train.keep_last, 1)
+    )
+    _link(root, "last", path)
+    best = checkpoint.best(root)
+    if best is not None:
+        _link(root, "best", best.path)
+    return path
+
+
+def resume(cfg: RunConfig, replica: Replica, optimizer: torch.optim.Optimizer, scheduler: Any) -> Resumed | None:
+    """Load the newest valid checkpoint of the run directory (`last`, or an older one if it is corrupt)."""
+    ckpt = checkpoint.newest_valid(cfg.run_dir / "checkpoints")
+    if ckpt is None:
+        return None
+    meta = checkpoint.read_meta(ckpt.path)
+    if meta.get("mode") != MODE:
+        raise CheckpointError(
+            f"run directory {cfg.run_dir} holds checkpoints of a `local`/`submit` run, not of a parameter server "
+            "(fix: another --run-name for the parameter-server run)"
+        )
+    if meta.get("fingerprint") != cfg.model_fingerprint():
+        raise CheckpointError(
+            f"checkpoint {ckpt.path.name} is of another model shape or data.seq_len than this config "
+            "(fix: resume with the config the run was started with, or use a new --run-name)"
+        )
+    checkpoint.load_weights_from(ckpt.path, replica.model)
+    state = checkpoint.read_trainer_state(ckpt.path)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return Resumed(
+        version=int(meta["version"]),
+        tokens=int(meta.get("tokens_seen", 0)),
+        positions={int(k): int(v) for k, v in meta.get("positions", {}).items()},
+        best_eval=meta.get("best_eval"),
+        staleness={str(k): int(v) for k, v in meta.get("staleness", {}).items()},
+        path=ckpt.path,
+    )
+
+
+def staleness_text(hist: Counter[str]) -> str:
+    """'0:12 1:30 2:5 dropped:1' — how many gradients arrived how many versions late."""
+    numbers = sorted((k for k in hist if k.isdigit()), key=int)
+    parts = [f"{k}:{hist[k]}" for k in numbers]
+    if hist.get("dropped"):
+        parts.append(f"dropped:{hist['dropped']}")
+    return " ".join(parts) or "none yet"
+
+
+def metrics_row(version: int, lr: float, interval: Interval, seconds: float, workers: int, hist: Counter[str]) -> dict[str, Any]:
+    st = interval.staleness
+    row: dict[str, Any] = {
+        "step": version,
+        "version": version,
+        "loss": sum(interval.losses) / len(interval.losses) if interval.losses else None,
+        "lr": lr,
+        "tokens_per_s": interval.tokens / seconds if seconds > 0 else 0.0,
+        "staleness_mean": sum(st) / len(st) if st else 0.0,
+        "staleness_max": max(st) if st else 0,
+        "dropped": interval.dropped,
+        "workers": workers,
+        "contributions": {str(k): v for k, v in sorted(interval.contributions.items())},
+        "staleness_hist": dict(hist),
+    }
+    return row
+
+
+def summary(run_dir: Path, version: int, max_steps: int, tokens: int, best_eval: float | None, hist: Counter[str], text: str) -> None:
+    data = {
+        "mode": MODE,
+        "step": version,
+        "max_steps": max_steps,
+        "finished": version >= max_steps,
+        "tokens_seen": tokens,
+        "best_eval": best_eval,
+        "staleness": dict(hist),
+        "checkpoint": str(run_dir / "checkpoints" / "last"),
+        "metrics": str(run_dir / "metrics.jsonl"),
+        "sample": text,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")

@@ -1,0 +1,92 @@
+"""One copy of the model as the parameter server and its workers hold it: the same GPT-2, data and
+loss as `local`, with its parameters (and their gradients) as one flat tensor for the wire."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aura_hpc.config import RunConfig, embedding_rows
+from aura_hpc.data.packed import GlobalOrder, PackedTokens
+from aura_hpc.errors import DataError
+from aura_hpc.train.model import LanguageModelLoss, build_model
+from aura_hpc.train.runtime import Runtime, precision_dtypes
+
+
+@dataclass
+class Replica:
+    data: PackedTokens
+    order: GlobalOrder
+    model: Any  # the transformers model (what checkpoints save)
+    loss_model: torch.nn.Module
+    rt: Runtime
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return list(self.model.parameters())
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def flat_weights(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.nn.utils.parameters_to_vector(self.params).detach().to("cpu", dtype)
+
+    def load_flat_weights(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(flat.to(self.rt.device, self.rt.param_dtype), self.params)
+
+    def flat_grads(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device) for p in self.params]).to(
+            "cpu", dtype
+        )
+
+    def set_grads(self, flat: torch.Tensor, scale: float) -> None:
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype) * scale
+            offset += n
+
+    def shard_batch(self, shard: int, shards: int, position: int, count: int) -> torch.Tensor:
+        """`count` sequences of worker shard `shard` (0-based) of `shards`, from its `position`-th one:
+        the global sample order dealt round-robin, so the shards never overlap."""
+        idx = [self.order.indices((position + i) * shards + shard, 1)[0] for i in range(count)]
+        return torch.from_numpy(self.data.sequences("train", idx)).to(self.rt.device)
+
+
+def build_replica(cfg: RunConfig, device: torch.device) -> Replica:
+    """Data and model exactly as `local` builds them from this config (the same seed gives the same start)."""
+    torch.manual_seed(cfg.train.seed)
+    data = PackedTokens(cfg.data.path, cfg.data.seq_len)
+    model = build_model(cfg.model, embedding_rows(cfg.model, data.vocab_size), data.eos_id)
+    param_dtype, autocast_dtype = precision_dtypes(cfg.train.precision, device)
+    model.to(device=device, dtype=param_dtype)
+    rt = Runtime(device, "none", param_dtype, autocast_dtype)
+    loss_model = LanguageModelLoss(model, chunked=cfg.train.loss == "chunked", compute_dtype=autocast_dtype)
+    return Replica(data, GlobalOrder(max(data.num_sequences("train"), 1), cfg.train.seed), model, loss_model, rt)
+
+
+def fingerprint(cfg: RunConfig, data_path: str) -> dict[str, str]:
+    """What the server and every worker must agree on, by part, so a mismatch can be named."""
+    manifest = json.loads((Path(data_path) / "manifest.json").read_text(encoding="utf-8"))
+    t = cfg.train
+    return {
+        "model": cfg.model_fingerprint(),
+        "data": str(manifest.get("data_sha256", "")),
+        "train": f"batch_size={t.batch_size} grad_accum={t.grad_accum} precision={t.precision} seed={t.seed} loss={t.loss}",
+    }
+
+
+def check_shard_size(data: PackedTokens, shards: int, per_gradient: int) -> None:
+    n = data.num_sequences("train")
+    if n // shards < per_gradient:
+        raise DataError(
+            f"the prepared data has {n} training sequences: split over {shards} workers, a shard holds {n // shards}, "
+            f"fewer than one gradient's batch of {per_gradient} (fix: more data, fewer --workers, or a smaller "
+            "train.batch_size/data.seq_len)"
+        )

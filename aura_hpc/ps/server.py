@@ -1,0 +1,354 @@
+"""`python -m aura_hpc ps`: the parameter server (rank 0) of asynchronous training over a LAN.
+
+It holds the weights and the optimizer. Each worker has its own thread here and its own pair
+group (ps/wire.py): the thread receives that worker's gradient, applies it at once under one lock
+(scaled by its staleness, or dropped when too old), and sends the new weights back. Nobody waits
+for the slowest PC. Workers may join at any time and leave at any time; the run goes on with
+whoever is connected, and re-running the server command resumes from `checkpoints/last`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from aura_hpc.config import RunConfig
+from aura_hpc.errors import EXIT_RESUMABLE
+from aura_hpc.ops.network import route_to
+from aura_hpc.ps import ledger, wire
+from aura_hpc.ps.join import Tickets, decide
+from aura_hpc.ps.replica import Replica, build_replica, check_shard_size, fingerprint
+from aura_hpc.ps.stats import ProcessStats, copy_worker_stats, write_stats
+from aura_hpc.train.evaluation import evaluate, sample
+from aura_hpc.train.metrics import MetricsWriter
+from aura_hpc.train.schedule import make_optimizer, make_scheduler
+from aura_hpc.train.state import Parts
+from aura_hpc.train.stop import StopRequest
+
+log = logging.getLogger("aura_hpc")
+
+# How long a stopping server waits for each connected worker to come for its STOP.
+STOP_GRACE_S = 30.0
+
+
+@dataclass
+class Seat:
+    """A connected worker."""
+
+    rank: int
+    host: str
+    addr: str
+    pid: int
+    ticket: int
+    joined: float = field(default_factory=time.monotonic)
+    updates: int = 0
+    tokens: int = 0
+    link: wire.Link | None = None
+
+    def describe(self) -> str:
+        return f"{self.host} ({self.addr}, pid {self.pid}, joined {time.monotonic() - self.joined:.0f}s ago)"
+
+
+class ParameterServer:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg, self.t, self.p = cfg, cfg.train, cfg.ps
+        self.replica: Replica = build_replica(cfg, torch.device("cpu"))
+        check_shard_size(self.replica.data, self.p.workers, self.t.batch_size * self.t.grad_accum)
+        self.fingerprint = fingerprint(cfg, cfg.data.path)
+        self.wire_dtype = wire.WIRE_DTYPES[self.p.wire_dtype]
+        self.optimizer = make_optimizer(self.replica.model, self.t)
+        self.scheduler = make_scheduler(self.optimizer, self.t, self.t.max_steps)
+        self.lock = threading.Lock()
+        self.version = 0
+        self.tokens = 0
+        self.positions: dict[int, int] = {}
+        self.best_eval: float | None = None
+        self.hist: Counter[str] = Counter()
+        self.seats: dict[int, Seat] = {}
+        self.threads: list[threading.Thread] = []
+        self.stopping = False  # no more updates: training is over, or Ctrl+C
+        self.finished = threading.Event()
+        self.interval = ledger.Interval()
+        self.interval_start = time.perf_counter()
+        self.saved_version = -1
+        self.stats = ProcessStats("ps", 0)
+        self.left: list[dict[str, Any]] = []
+        self.closed_links: list[wire.Link] = []
+
+    # ---- start -----------------------------------------------------------------------------
+    def resume(self) -> None:
+        r = ledger.resume(self.cfg, self.replica, self.optimizer, self.scheduler)
+        if r is None:
+            return
+        self.version, self.tokens, self.positions, self.best_eval = r.version, r.tokens, r.positions, r.best_eval
+        self.hist.update(r.staleness)
+        self.saved_version = r.version
+        log.info("resumed from %s: version %d, %d tokens applied, best eval loss %s", r.path.name, r.version, r.tokens, r.best_eval)
+
+    def serve(self, port: int) -> int:
+        """Accept workers until training is over or a stop signal; returns the exit status."""
+        self.store = wire.host_store(port, self.p.join_timeout_s)
+        self.tickets = Tickets(self.store)
+        self.metrics = MetricsWriter(self.cfg.run_dir, self.version)
+        stop = StopRequest()
+        stop.install()
+        if self.version >= self.t.max_steps:
+            log.info("nothing to do: the run is already at version %d of %d", self.version, self.t.max_steps)
+            self.stopping = True
+        last_note = time.monotonic()
+        while not self.stopping:
+            polled = self.tickets.poll()
+            if polled is not None:
+                self._admit(*polled)
+                continue
+            if stop.requested:
+                log.info("%s received: saving a checkpoint and telling the workers to stop", stop.signal_name)
+                with self.lock:
+                    self.stopping = True
+                break
+            if not self.seats and time.monotonic() - last_note > 30:
+                log.info("no worker connected; waiting for workers (Ctrl+C saves and stops)")
+                last_note = time.monotonic()
+            time.sleep(0.05)
+        return self._finish(interrupted=stop.requested and self.version < self.t.max_steps)
+
+    # ---- joining ---------------------------------------------------------------------------
+    def _admit(self, ticket: int, req: dict[str, Any]) -> None:
+        with self.lock:
+            taken = {rank: seat.describe() for rank, seat in self.seats.items()}
+        reply = decide(req, self.fingerprint, self.p.workers, taken, self.stopping)
+        if not reply["ok"]:
+            log.warning("refused a worker from %s: %s", req.get("host", "?"), reply["error"])
+            self.tickets.reply(ticket, reply)
+            return
+        prefix = f"pair/{ticket}"
+        reply.update(prefix=prefix, workers=self.p.workers, wire_dtype=self.p.wire_dtype, version=self.version)
+        if req.get("probe"):
+            self.tickets.reply(ticket, reply)
+            self._start_thread(self._echo, prefix, str(req.get("addr", "")))
+            return
+        rank = int(reply["rank"])
+        seat = Seat(rank, str(req.get("host", "?")), str(req.get("addr", "?")), int(req.get("pid", 0)), ticket)
+        reply["position"] = self.positions.get(rank, 0)
+        with self.lock:
+            if not self.seats:  # throughput counts from when someone trains, not from an idle wait
+                self.interval_start = time.perf_counter()
+            self.seats[rank] = seat
+        self.tickets.reply(ticket, reply)
+        self._start_thread(self._serve_worker, seat, prefix)
+
+    def _start_thread(self, target: Any, *args: Any) -> None:
+        th = threading.Thread(target=target, args=args, daemon=True)
+        th.start()
+        self.threads.append(th)
+
+    def _pair(self, prefix: str, peer_addr: str) -> wire.Link:
+        own, _ = route_to(peer_addr) if peer_addr else (None, None)
+        return wire.Link(wire.pair_group(self.store, prefix, 0, own or "127.0.0.1", self.p.worker_timeout_s), 0)
+
+    def _echo(self, prefix: str, addr: str) -> None:
+        """`check --server`: one tensor sent back doubled, through the same path as gradients."""
+        try:
+            link = self._pair(prefix, addr)
+            header = link.recv_header()
+            buf = torch.empty(int(header[1]), dtype=torch.float32)
+            link.recv_payload(buf)
+            link.send([wire.PROBE, header[1]], buf * 2)
+        except RuntimeError as exc:
+            log.warning("a connectivity check from %s did not complete (%s)", addr, wire.failure(exc))
+
+    # ---- one worker ------------------------------------------------------------------------
+    def _serve_worker(self, seat: Seat, prefix: str) -> None:
+        reason = "left"
+        try:
+            link = seat.link = self._pair(prefix, seat.addr)
+            log.info("worker %d joined from %s (%s); %d connected", seat.rank, seat.host, seat.addr, len(self.seats))
+            self._send_weights(link)
+            grads = torch.empty(self.replica.numel, dtype=self.wire_dtype)
+            while True:
+                header = link.recv_header()
+                if header[0] == wire.BYE:
+                    reason = "left (stopped by its user)"
+                    break
+                started = time.perf_counter()
+                link.recv_payload(grads)
+                if self._apply(seat, header, grads):
+                    link.send([wire.STOP, self.version, float(self.version >= self.t.max_steps)])
+                    reason = "stopped by the server"
+                    break
+                self._send_weights(link)
+                link.timed_round_trip(started)
+        except RuntimeError as exc:
+            first = wire.failure(exc)
+            reason = "timed out (no message for ps.worker_timeout_s)" if "imed out" in first else f"lost ({first})"
+        finally:
+            self._leave(seat, reason)
+
+    def _send_weights(self, link: wire.Link) -> None:
+        with self.lock:
+            flat = self.replica.flat_weights(self.wire_dtype)
+            version, lr = self.version, self.optimizer.param_groups[0]["lr"]
+        link.send([wire.WEIGHTS, version, lr], flat)
+
+    def _leave(self, seat: Seat, reason: str) -> None:
+        with self.lock:
+            if self.seats.get(seat.rank) is seat:
+                del self.seats[seat.rank]
+            left = len(self.seats)
+            if seat.link is not None:
+                self.closed_links.append(seat.link)
+        self._copy_worker_stats(seat, final_within_s=3.0 if reason == "stopped by the server" else 0.0)
+        self.left.append({"rank": seat.rank, "host": seat.host, "reason": reason, "version": self.version})
+        if reason != "stopped by the server":
+            log.warning("worker %d (%s) %s at version %d; %d still connected", seat.rank, seat.host, reason, self.version, left)
+
+    def _copy_worker_stats(self, seat: Seat, final_within_s: float = 0.0) -> None:
+        problem = copy_worker_stats(self.store, seat.ticket, self.cfg.run_dir, final_within_s)
+        if problem:
+            log.warning("could not copy the stats of worker %d: %s", seat.rank, problem)
+
+    # ---- updates ---------------------------------------------------------------------------
+    def _apply(self, seat: Seat, header: list[float], grads: torch.Tensor) -> bool:
+        """Apply one gradient; True when the worker must stop (training over, or the server stopping)."""
+        _, based_on, loss, position, tokens = header[:5]
+        with self.lock:
+            if self.stopping:
+                return True
+            self.positions[seat.rank] = int(position)
+            staleness = self.version - int(based_on)
+            if not torch.isfinite(grads).all() or not math.isfinite(loss):
+                log.warning("worker %d sent a non-finite gradient (loss %s): dropped", seat.rank, loss)
+                self.hist["nonfinite"] += 1
+                return False
+            if staleness > self.p.max_staleness:
+                self.hist["dropped"] += 1
+                self.interval.dropped += 1
+                return False
+            weight = 1.0 / (1 + staleness) if self.p.staleness_weight == "inverse" else 1.0
+            self.replica.set_grads(grads.float(), weight)
+            if self.t.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.replica.params, self.t.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.version += 1
+            self.tokens += int(tokens)
+            self.interval.tokens += int(tokens)
+            seat.updates += 1
+            seat.tokens += int(tokens)
+            self.hist[str(staleness)] += 1
+            self.interval.losses.append(loss)
+            self.interval.staleness.append(staleness)
+            self.interval.contributions[seat.rank] += 1
+            self._after_update()
+            if self.version >= self.t.max_steps:
+                self.stopping = True
+                self.finished.set()
+            return self.stopping
+
+    def _after_update(self) -> None:
+        """Logging, evaluation and checkpoints at their cadence, counted in versions (under the lock)."""
+        t, v = self.t, self.version
+        last = v >= t.max_steps
+        eval_loss = None
+        if (t.eval_every and v % t.eval_every == 0) or last:
+            eval_loss = self._evaluate()
+        if (t.log_every and v % t.log_every == 0) or last or eval_loss is not None:
+            self._log_row(eval_loss)
+        if (t.checkpoint_every and v % t.checkpoint_every == 0) or last:
+            self._save(eval_loss)
+
+    def _parts(self) -> Parts:
+        r = self.replica
+        return Parts(r.data, r.order, r.model, r.loss_model, r.numel, self.optimizer, self.scheduler, None)
+
+    def _evaluate(self) -> float | None:
+        loss = evaluate(self._parts(), self.t, 0, 1, self.replica.rt)
+        if loss is not None and (self.best_eval is None or loss < self.best_eval):
+            self.best_eval = loss
+        return loss
+
+    def _log_row(self, eval_loss: float | None) -> None:
+        now = time.perf_counter()
+        row = ledger.metrics_row(
+            self.version, self.optimizer.param_groups[0]["lr"], self.interval, now - self.interval_start, len(self.seats), self.hist
+        )
+        if eval_loss is not None:
+            row["eval_loss"] = eval_loss
+        self.metrics.write(row)
+        loss = row["loss"]
+        log.info(
+            "version %d/%d loss %s%s | %.0f tokens/s | workers %d | staleness %s",
+            self.version,
+            self.t.max_steps,
+            f"{loss:.4f}" if loss is not None else "-",
+            f" eval {eval_loss:.4f}" if eval_loss is not None else "",
+            row["tokens_per_s"],
+            len(self.seats),
+            ledger.staleness_text(self.hist),
+        )
+        self.interval = ledger.Interval()
+        self.interval_start = now
+
+    def _save(self, eval_loss: float | None) -> None:
+        meta = {
+            "tokens_seen": self.tokens,
+            "positions": {str(k): v for k, v in self.positions.items()},
+            "best_eval": self.best_eval,
+            "staleness": dict(self.hist),
+            "max_steps": self.t.max_steps,
+            "world_size": self.p.workers,
+        }
+        if eval_loss is not None:
+            meta["eval_loss"] = eval_loss
+        path = ledger.save(self.cfg, self.replica, self.optimizer, self.scheduler, self.version, meta)
+        self.saved_version = self.version
+        self._write_own_stats()
+        log.info("checkpoint %s (last%s)", path.name, ", best" if eval_loss is not None and eval_loss == self.best_eval else "")
+
+    def _write_own_stats(self) -> None:
+        s = self.stats
+        s.steps, s.tokens = self.version, self.tokens
+        links = self.closed_links + [seat.link for seat in self.seats.values() if seat.link is not None]
+        s.extra = {"staleness": dict(self.hist), "workers_left": self.left[-20:], "max_staleness": self.p.max_staleness}
+        s.bytes_sent = sum(link.bytes_sent for link in links)
+        s.bytes_received = sum(link.bytes_received for link in links)
+        s.round_trips = sum(link.round_trips for link in links)
+        # The server's side of a round trip: gradient received -> new weights sent.
+        s.mean_round_trip_ms = 1000.0 * sum(link.round_trip_s for link in links) / s.round_trips if s.round_trips else 0.0
+        write_stats(self.cfg.run_dir, s.to_json(), s.file_name)
+
+    # ---- the end ---------------------------------------------------------------------------
+    def _finish(self, interrupted: bool) -> int:
+        with self.lock:
+            self.stopping = True
+            if self.version != self.saved_version:
+                self._save(self._evaluate() if not interrupted else None)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for th in self.threads:
+            th.join(timeout=max(0.0, deadline - time.monotonic()))
+        if any(th.is_alive() for th in self.threads):
+            log.warning("some workers did not come for their stop message within %.0fs; they will see the server go away", STOP_GRACE_S)
+        for seat in list(self.seats.values()):
+            self._copy_worker_stats(seat)
+        text = sample(self._parts(), self.t, self.version, self.replica.rt) if not interrupted else ""
+        self.stats.end_time = time.time()
+        self._write_own_stats()
+        self.metrics.close()
+        ledger.summary(self.cfg.run_dir, self.version, self.t.max_steps, self.tokens, self.best_eval, self.hist, text)
+        if interrupted:
+            log.info(
+                "stopped at version %d of %d; checkpoint saved (checkpoints/last). Re-run the same command to resume.",
+                self.version,
+                self.t.max_steps,
+            )
+            return EXIT_RESUMABLE
+        log.info("training finished at version %d; best eval loss %s", self.version, self.best_eval)
+        return 0

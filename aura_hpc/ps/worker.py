@@ -1,0 +1,187 @@
+"""`python -m aura_hpc worker`: one worker PC of a parameter-server run.
+
+It joins the server (which checks that both run the same model, data and train settings), reads
+its own shard of the prepared data, and loops: gradient of one batch on the weights it has ->
+send (with the weights' version) -> receive the newest weights. Ctrl+C tells the server it leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+
+from aura_hpc.config import RunConfig
+from aura_hpc.errors import LaunchError, TrainingFailed
+from aura_hpc.ops.network import route_to
+from aura_hpc.ps import wire
+from aura_hpc.ps.join import request_join
+from aura_hpc.ps.replica import Replica, build_replica, fingerprint
+from aura_hpc.ps.stats import ProcessStats, write_stats
+from aura_hpc.train import faults
+from aura_hpc.train.stop import StopRequest
+
+log = logging.getLogger("aura_hpc")
+
+STATS_EVERY = 20  # gradients between two stats updates (local file and the server's copy)
+
+
+def parse_server(text: str, default_port: int) -> tuple[str, int]:
+    """'ADDR' or 'ADDR:PORT'."""
+    addr, _, port = text.rpartition(":") if ":" in text else (text, "", "")
+    if not addr or (port and not port.isdigit()):
+        raise LaunchError(f"--server {text!r} is not ADDR or ADDR:PORT (fix: --server 192.168.1.10:{default_port})")
+    return addr, int(port) if port else default_port
+
+
+def connect(cfg: RunConfig, addr: str, port: int, progress: Any) -> tuple[Any, str]:
+    """The server's store, once its port answers; (store, this PC's address towards it)."""
+    from aura_hpc.launch.local import wait_for_master
+
+    wait_for_master(
+        addr,
+        port,
+        cfg.ps.join_timeout_s,
+        progress,
+        who="the parameter server",
+        peer="the server PC",
+        fix=f"start `python -m aura_hpc ps` on the server PC first, use the address it prints in --server, and allow TCP port "
+        f"{port} (and python's other ports) in its firewall",
+    )
+    own, _ = route_to(addr)
+    return wire.connect_store(addr, port, cfg.ps.join_timeout_s), own or "127.0.0.1"
+
+
+class PsWorker:
+    def __init__(self, cfg: RunConfig, addr: str, port: int, wanted_rank: int) -> None:
+        self.cfg, self.addr, self.port, self.wanted_rank = cfg, addr, port, wanted_rank
+        device = torch.device("cuda") if torch.cuda.is_available() and cfg.dist.backend != "gloo" else torch.device("cpu")
+        self.replica: Replica = build_replica(cfg, device)
+
+    def run(self, progress: Any, on_rank: Any = None) -> int:
+        cfg = self.cfg
+        store, own = connect(cfg, self.addr, self.port, progress)
+        request = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "addr": own,
+            "rank": self.wanted_rank,
+            "fingerprint": fingerprint(cfg, cfg.data.path),
+        }
+        ticket, reply = request_join(store, request, f"{self.addr}:{self.port}", cfg.ps.join_timeout_s)
+        self.rank, self.shards = int(reply["rank"]), int(reply["workers"])
+        self.wire_dtype = wire.WIRE_DTYPES[str(reply["wire_dtype"])]
+        self.store, self.ticket = store, ticket
+        self.stats = ProcessStats("worker", self.rank)
+        if on_rank is not None:
+            on_rank(self.rank)
+        link = wire.Link(wire.pair_group(store, str(reply["prefix"]), 1, own, cfg.ps.worker_timeout_s), 1)
+        log.info(
+            "joined the parameter server at %s:%d as worker %d of %d (version %d); reading shard %d of the data from sequence %d",
+            self.addr,
+            self.port,
+            self.rank,
+            self.shards,
+            int(reply["version"]),
+            self.rank,
+            int(reply["position"]),
+        )
+        stop = StopRequest()
+        stop.install()
+        try:
+            return self._train(link, int(reply["position"]), stop)
+        except RuntimeError as exc:
+            first = wire.failure(exc)
+            raise TrainingFailed(
+                f"lost the parameter server at {self.addr}:{self.port} after {self.stats.steps} gradients ({first}) "
+                "(fix: re-run this worker command once the server runs again; the server resumes from its last checkpoint)"
+            ) from None
+        finally:
+            if self.stats.end_time is None:
+                self._publish_stats(link, final=True)
+
+    def _train(self, link: wire.Link, position: int, stop: StopRequest) -> int:
+        weights = torch.empty(self.replica.numel, dtype=self.wire_dtype)
+        header = link.recv_header()
+        link.recv_payload(weights)
+        self.replica.load_flat_weights(weights)
+        version = int(header[1])
+        t = self.cfg.train
+        per_gradient = t.batch_size * t.grad_accum
+        window_start, window_tokens = time.perf_counter(), 0
+        while True:
+            if stop.requested:
+                self._publish_stats(link, final=True)
+                link.send([wire.BYE, version])
+                log.info("%s: left the run after %d gradients; the server goes on with the others", stop.signal_name, self.stats.steps)
+                return 0
+            loss = self._gradient(position)
+            position += per_gradient
+            tokens = per_gradient * self.cfg.data.seq_len
+            faults.slow_down(self.rank)
+            sent = time.perf_counter()
+            link.send([wire.GRAD, version, loss, position, tokens], self.replica.flat_grads(self.wire_dtype))
+            header = link.recv_header()
+            if header[0] == wire.STOP:
+                link.timed_round_trip(sent)
+                self.stats.steps += 1
+                self.stats.tokens += tokens
+                self._publish_stats(link, final=True)
+                how = "ended training" if header[2] else "is stopping (Ctrl+C there; it saved a checkpoint)"
+                log.info("the server %s at version %d; this worker sent %d gradients", how, int(header[1]), self.stats.steps)
+                return 0
+            link.recv_payload(weights)
+            link.timed_round_trip(sent)
+            self.replica.load_flat_weights(weights)
+            stale_by = int(header[1]) - version - 1
+            version = int(header[1])
+            self.stats.steps += 1
+            self.stats.tokens += tokens
+            window_tokens += tokens
+            if t.log_every and self.stats.steps % t.log_every == 0:
+                now = time.perf_counter()
+                log.info(
+                    "gradient %d: loss %.4f on version %d (%d other updates meanwhile) | %.0f tokens/s | round trip %.1f ms",
+                    self.stats.steps,
+                    loss,
+                    version,
+                    stale_by,
+                    window_tokens / max(now - window_start, 1e-9),
+                    link.mean_round_trip_ms,
+                )
+                window_start, window_tokens = now, 0
+            if self.stats.steps % STATS_EVERY == 0:
+                self._publish_stats(link)
+
+    def _gradient(self, position: int) -> float:
+        r, t = self.replica, self.cfg.train
+        r.model.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in range(t.grad_accum):
+            batch = r.shard_batch(self.rank - 1, self.shards, position + micro * t.batch_size, t.batch_size)
+            with r.rt.autocast():
+                loss = r.loss_model(batch) / t.grad_accum
+            loss.backward()
+            total += float(loss.detach())
+        return total
+
+    def _publish_stats(self, link: wire.Link, final: bool = False) -> None:
+        s = self.stats
+        s.bytes_sent, s.bytes_received = link.bytes_sent, link.bytes_received
+        s.round_trips, s.mean_round_trip_ms = link.round_trips, link.mean_round_trip_ms
+        s.extra = {"server": f"{self.addr}:{self.port}", "wire_dtype": str(self.wire_dtype).removeprefix("torch.")}
+        if final:
+            s.end_time = time.time()
+        text = s.to_json()
+        write_stats(self.cfg.run_dir, text, s.file_name)
+        try:
+            self.store.set(f"stats/{self.ticket}/name", s.file_name)
+            self.store.set(f"stats/{self.ticket}", text)
+            if final:
+                self.store.set(f"stats/{self.ticket}/final", "1")
+        except (RuntimeError, OSError):
+            pass  # the server is gone: the local file is all there is

@@ -1,0 +1,294 @@
+"""Asynchronous parameter-server training (`ps` + `worker`): real processes on 127.0.0.1 and in
+network namespaces, the tiny model on the built-in corpus, gloo pair groups over TCP."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cli_env, free_port, run_cli, run_cli_together
+
+MODEL = [
+    "--set",
+    "model.n_layer=2",
+    "--set",
+    "model.n_embd=64",
+    "--set",
+    "model.n_head=2",
+    "--set",
+    "data.seq_len=64",
+    "--set",
+    "train.warmup_steps=10",
+    "--set",
+    "train.lr=3e-3",
+]
+
+
+class Proc:
+    """A `python -m aura_hpc` process whose output goes to a file (readable while it runs)."""
+
+    def __init__(self, args: list[str], log: Path, netns: str | None = None, **env: str) -> None:
+        cmd = [sys.executable, "-m", "aura_hpc", *args]
+        if netns:
+            cmd = ["nsenter", f"--net=/run/netns/{netns}", *cmd]
+        self.log = log
+        self._f = open(log, "w", encoding="utf-8")
+        self.p = subprocess.Popen(cmd, stdout=self._f, stderr=subprocess.STDOUT, text=True, env=cli_env(**env))
+
+    @property
+    def text(self) -> str:
+        return self.log.read_text(encoding="utf-8")
+
+    def wait_for(self, needle: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while needle not in self.text:
+            if self.p.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{needle!r} never appeared (exit {self.p.poll()}):\n{self.text}")
+            time.sleep(0.1)
+
+    def finish(self, timeout: float = 120) -> int:
+        try:
+            code = self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+            raise AssertionError(f"still running after {timeout}s:\n{self.text}") from None
+        finally:
+            self._f.close()
+        return code
+
+    def signal(self, sig: int) -> None:
+        self.p.send_signal(sig)
+
+
+def _version(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return max((r["version"] for r in rows), default=0)
+
+
+def _wait_version(run_dir: Path, at_least: int, server: Proc, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while _version(run_dir) < at_least:
+        if server.p.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"the server never reached version {at_least}:\n{server.text}")
+        time.sleep(0.1)
+
+
+def _listening(port: int, server: Proc, host: str = "127.0.0.1", timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            if server.p.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the server never listened on {port}:\n{server.text}") from None
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def base(tmp_path: Path, prepared: Path) -> list[str]:
+    return ["--output-dir", str(tmp_path / "runs"), "--run-name", "ps", "--set", f"data.path={prepared}", *MODEL]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, base: list[str]) -> None:
+    port = free_port()
+    run_dir = tmp_path / "runs" / "ps"
+    common = [*base, "--set", "train.max_steps=500", "--set", "train.log_every=20", "--set", "train.eval_every=100"]
+    common += ["--set", "train.checkpoint_every=100"]
+    server = Proc(["ps", "--workers", "3", "--port", str(port), *common], tmp_path / "ps.log")
+    _listening(port, server)
+    assert "worker --server" in server.text and f":{port}" in server.text  # the exact command for the workers
+    w1 = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / "w1.log")
+    w2 = Proc(["worker", "--server", f"127.0.0.1:{port}", "--worker-rank", "3", *common], tmp_path / "w2.log")
+    _wait_version(run_dir, 60, server)
+    w2.p.kill()  # a crash (or the PC switched off)
+    assert w2.finish() < 0
+    server.wait_for("worker 3 (", timeout=30)
+    version_at_kill = _version(run_dir)
+    late = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / "late.log")
+    assert server.finish() == 0, server.text
+    assert w1.finish() == 0 and late.finish() == 0, w1.text + late.text
+
+    log = server.text
+    assert "worker 3 (" in log and "lost" in log and "still connected" in log, log
+    assert "joined from" in log and log.count("joined from") == 3
+    assert "training finished at version 500" in log
+    assert "the server ended training at version 500" in w1.text and "as worker 2 of 3" in late.text, late.text
+    rows = _rows(run_dir)
+    assert rows[-1]["version"] == 500
+    first_loss = next(r["loss"] for r in rows if r["loss"] is not None)
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert len(evals) == 5 and evals[-1] < first_loss - 1.0, (first_loss, evals)
+    # The late worker contributed after the kill; the killed one's rank never again.
+    after = [r for r in rows if r["version"] > version_at_kill + 40]
+    assert sum(r["contributions"].get("2", 0) for r in after) > 0, after
+    assert all(r["contributions"].get("3", 0) == 0 for r in after)
+    hist = rows[-1]["staleness_hist"]
+    assert sum(v for k, v in hist.items() if k.isdigit()) == 500  # every applied gradient's staleness counted
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["finished"] and summary["step"] == 500
+    assert os.readlink(run_dir / "checkpoints" / "last") == "step_00000500"
+    assert (run_dir / "checkpoints" / "best").resolve().name.startswith("step_")
+    stats = {p.name.split("_")[1]: json.loads(p.read_text()) for p in (run_dir / "stats").glob("*.json")}
+    assert {"ps", "worker1", "worker2", "worker3"} <= set(stats), sorted(stats)
+    assert stats["ps"]["steps"] == 500 and stats["ps"]["bytes_received"] > 0 and stats["ps"]["end_time"]
+    for name in ("worker1", "worker2"):
+        s = stats[name]
+        assert s["steps"] > 0 and s["bytes_sent"] > 0 and s["mean_round_trip_ms"] > 0 and s["end_time"], s
+    assert stats["worker3"]["end_time"] is None  # killed: its last periodic stats, not a final one
+
+
+def test_ctrl_c_on_the_server_saves_and_resumes_then_a_killed_server_stops_the_workers(tmp_path: Path, base: list[str]) -> None:
+    port = free_port()
+    run_dir = tmp_path / "runs" / "ps"
+    common = [*base, "--set", "train.max_steps=5000", "--set", "train.log_every=10", "--set", "train.checkpoint_every=0"]
+    common += ["--set", "train.eval_every=0"]
+    server = Proc(["ps", "--port", str(port), *common], tmp_path / "ps.log")
+    _listening(port, server)
+    workers = [Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / f"w{i}.log") for i in (1, 2)]
+    _wait_version(run_dir, 40, server)
+    server.signal(signal.SIGINT)
+    assert server.finish() == 75, server.text
+    for w in workers:
+        assert w.finish(timeout=60) == 0, w.text
+        assert "the server is stopping" in w.text
+    stopped = json.loads((run_dir / "summary.json").read_text())
+    assert not stopped["finished"] and stopped["step"] >= 40
+    assert os.readlink(run_dir / "checkpoints" / "last") == f"step_{stopped['step']:08d}"
+    assert "Re-run the same command to resume" in server.text
+
+    server = Proc(["ps", "--port", str(port), *common], tmp_path / "ps2.log")
+    server.wait_for(f"resumed from step_{stopped['step']:08d}: version {stopped['step']}")
+    _listening(port, server)
+    workers = [Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / f"v{i}.log") for i in (1, 2)]
+    _wait_version(run_dir, stopped["step"] + 20, server)
+    for w in workers:
+        w.wait_for("joined the parameter server")
+    assert "from sequence 0" not in workers[0].text + workers[1].text  # each shard goes on where it stopped
+    killed_at = time.monotonic()
+    server.p.kill()
+    server.finish()
+    for w in workers:
+        code = w.finish(timeout=45)
+        assert code == 1 and "lost the parameter server at 127.0.0.1" in w.text and "fix: re-run this worker" in w.text, w.text
+    assert time.monotonic() - killed_at < 30
+
+
+def test_bad_inputs_of_a_parameter_server_run(tmp_path: Path, base: list[str]) -> None:
+    """Each refused in one line naming the problem and the fix; all run at once against one server."""
+    port = free_port()
+    common = [*base, "--set", "train.max_steps=100000", "--set", "train.log_every=1000", "--set", "train.checkpoint_every=0"]
+    common += ["--set", "train.eval_every=0"]
+    server = Proc(["ps", "--port", str(port), *common], tmp_path / "ps.log")
+    _listening(port, server)
+    # Slowed down (idle 90% of each step): it only has to hold rank 1 while the others start.
+    first = Proc(["worker", "--server", f"127.0.0.1:{port}", "--worker-rank", "1", *common], tmp_path / "w1.log", AURA_FAULT_SLOW="1:0.9")
+    try:
+        first.wait_for("joined the parameter server")
+        worker = ["worker", "--server", f"127.0.0.1:{port}", *common]
+        cases = [
+            ([*worker, "--worker-rank", "1"], "worker rank 1 is already taken by", "omit --worker-rank"),
+            ([*worker, "--set", "model.n_embd=32"], "another model (shape or data.seq_len) than the server", "the same --config/--set"),
+            ([*worker, "--set", "train.batch_size=4"], "another train settings than the server", "the same --config/--set"),
+            ([*worker, "--worker-rank", "7"], "--worker-rank 7 is outside 1..2", "omit --worker-rank"),
+            (["ps", "--port", str(port), *common, "--run-name", "ps2"], f"port {port} is already in use", f"--port {port + 1}"),
+            (
+                ["worker", "--server", f"127.0.0.1:{free_port()}", *common, "--set", "ps.join_timeout_s=3"],
+                "cannot reach the parameter server",
+                "start `python -m aura_hpc ps`",
+            ),
+        ]
+        t0 = time.monotonic()
+        results = run_cli_together([c[0] for c in cases], timeout=120)
+        assert time.monotonic() - t0 < 60
+        for (args, problem, fix), r in zip(cases, results, strict=True):
+            assert r.returncode == 2 and problem in r.stderr and fix in r.stderr, (args[-2:], r.stdout, r.stderr)
+            assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "worker 1 joined" in server.text and "refused a worker" in server.text
+        probe = run_cli(["check", "--server", f"127.0.0.1:{port}", "--json"], timeout=120)
+        findings = {f["name"]: f for f in json.loads(probe.stdout)["findings"]}
+        assert probe.returncode == 0 and findings["round trip"]["ok"] and "MB there and back" in findings["round trip"]["detail"]
+    finally:
+        server.signal(signal.SIGINT)
+        assert server.finish() == 75, server.text
+        first.finish()
+    assert "the server is stopping" in first.text
+
+
+# ---- three PCs: a server and two workers in network namespaces on one bridge ---------------
+
+
+@pytest.fixture(scope="module")
+def lan() -> Iterator[list[str]]:
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None:
+        pytest.skip("network namespaces need root and iproute2 (CI runs as root)")
+    tag = uuid.uuid4().hex[:5]
+    hub = f"aura-hub-{tag}"
+    names = [f"aura-pc{i}-{tag}" for i in range(3)]
+    cmds = [["ip", "netns", "add", hub], ["nsenter", f"--net=/run/netns/{hub}", "ip", "link", "add", "br0", "type", "bridge"]]
+    cmds.append(["nsenter", f"--net=/run/netns/{hub}", "ip", "link", "set", "br0", "up"])
+    for i, ns in enumerate(names):
+        pc, port_dev = f"p{i}{tag}", f"h{i}{tag}"
+        cmds += [
+            ["ip", "netns", "add", ns],
+            ["ip", "link", "add", pc, "type", "veth", "peer", "name", port_dev],
+            ["ip", "link", "set", pc, "netns", ns],
+            ["ip", "link", "set", port_dev, "netns", hub],
+            ["nsenter", f"--net=/run/netns/{hub}", "ip", "link", "set", port_dev, "master", "br0", "up"],
+            ["nsenter", f"--net=/run/netns/{ns}", "ip", "addr", "add", f"10.78.1.{i + 1}/24", "dev", pc],
+            ["nsenter", f"--net=/run/netns/{ns}", "ip", "link", "set", pc, "up"],
+            ["nsenter", f"--net=/run/netns/{ns}", "ip", "link", "set", "lo", "up"],
+        ]
+    try:
+        for c in cmds:
+            subprocess.run(c, check=True, capture_output=True, timeout=20)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        for ns in [hub, *names]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pytest.skip(f"cannot create network namespaces here: {exc}")
+    yield names
+    for ns in [hub, *names]:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_server_and_workers_on_three_lan_addresses(tmp_path: Path, base: list[str], lan: list[str]) -> None:
+    port = 30005  # the default: every namespace has its own ports
+    run_dir = tmp_path / "runs" / "ps"
+    common = [*base, "--set", "train.max_steps=120", "--set", "train.log_every=20", "--set", "train.eval_every=60"]
+    server = Proc(["ps", *common], tmp_path / "ps.log", netns=lan[0])
+    server.wait_for("worker --server 10.78.1.1:30005")  # its LAN address, in the command it prints
+    probe = subprocess.run(
+        ["nsenter", f"--net=/run/netns/{lan[1]}", sys.executable, "-m", "aura_hpc", "check", "--server", "10.78.1.1", "--json"],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=120,
+    )
+    assert probe.returncode == 0, probe.stdout + probe.stderr
+    workers = [Proc(["worker", "--server", "10.78.1.1", *common], tmp_path / f"w{i}.log", netns=lan[i]) for i in (1, 2)]
+    assert server.finish() == 0, server.text
+    for w in workers:
+        assert w.finish() == 0, w.text
+    assert "joined from" in server.text and "(10.78.1.2)" in server.text and "(10.78.1.3)" in server.text, server.text
+    rows = _rows(run_dir)
+    assert rows[-1]["version"] == 120 and {"1", "2"} <= {k for r in rows for k in r["contributions"]}
+    assert port == 30005
