@@ -58,9 +58,10 @@ def _eval(run_dir: Path) -> float:
     return [r["eval_loss"] for r in _rows(run_dir) if "eval_loss" in r][-1]
 
 
-def run_ps(out: Path, name: str, versions: int, slow: str) -> dict:
+def run_ps(out: Path, name: str, versions: int, slow: str, wire: str = "bf16") -> dict:
     port = _free_port()
     common = ["--output-dir", str(out), "--run-name", name, *_sets([*MODEL, f"train.max_steps={versions}", "train.log_every=20"])]
+    common += _sets([f"ps.wire_dtype={wire}"])
     common += _sets([f"train.eval_every={versions}", "train.checkpoint_every=0", "train.eval_sequences=64"])
     server = subprocess.Popen(
         [sys.executable, "-m", "aura_hpc", "ps", "--port", str(port), *common], env=_env(), stdout=subprocess.PIPE, text=True
@@ -119,10 +120,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--versions", type=int, default=400, help="server updates (DDP runs half as many steps of twice the batch)")
     p.add_argument("--slow-fraction", type=float, default=0.5, help="share of each step the slow PC idles")
+    p.add_argument("--wire", action="store_true", help="only compare ps with fp32 and bf16 on the wire")
     a = p.parse_args()
     if a.versions % 2:
         raise SystemExit("--versions must be even")
     out = Path(tempfile.mkdtemp(prefix="bench-ps-"))
+    if a.wire:
+        for wire in ("fp32", "bf16"):
+            r = run_ps(out, f"wire-{wire}", a.versions, "", wire)
+            print(
+                f"ps, {wire} on the wire: {r['mb_per_gradient']:.2f} MB per gradient, {r['tokens_per_s']:,.0f} tokens/s, "
+                f"eval loss {r['eval_loss']:.4f}, round trip {r['round_trip_ms']:.1f} ms",
+                flush=True,
+            )
+        return
     slow = f"2:{a.slow_fraction}"
     results = {}
     for label, fn, n, s in (

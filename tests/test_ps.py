@@ -119,12 +119,15 @@ def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, ba
     assert "worker --server" in server.text and f":{port}" in server.text  # the exact command for the workers
     w1 = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / "w1.log")
     w2 = Proc(["worker", "--server", f"127.0.0.1:{port}", "--worker-rank", "3", *common], tmp_path / "w2.log")
-    _wait_version(run_dir, 60, server)
-    w2.p.kill()  # a crash (or the PC switched off)
+    _wait_version(run_dir, 40, server)
+    late = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / "late.log")  # joins a running run
+    server.wait_for("3 connected")
+    version_at_join = _version(run_dir)
+    _wait_version(run_dir, version_at_join + 40, server)
+    w2.p.kill()  # a crash (or the PC switched off) with three workers training
     assert w2.finish() < 0
     server.wait_for("worker 3 (", timeout=30)
     version_at_kill = _version(run_dir)
-    late = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / "late.log")
     assert server.finish() == 0, server.text
     assert w1.finish() == 0 and late.finish() == 0, w1.text + late.text
 
@@ -138,7 +141,9 @@ def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, ba
     first_loss = next(r["loss"] for r in rows if r["loss"] is not None)
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert len(evals) == 5 and evals[-1] < first_loss - 1.0, (first_loss, evals)
-    # The late worker contributed after the kill; the killed one's rank never again.
+    # Three contributed together; after the kill, the killed one's rank never again.
+    together = [r for r in rows if version_at_join + 20 < r["version"] <= version_at_kill]
+    assert together and all(len(r["contributions"]) == 3 for r in together[1:]), together
     after = [r for r in rows if r["version"] > version_at_kill + 40]
     assert sum(r["contributions"].get("2", 0) for r in after) > 0, after
     assert all(r["contributions"].get("3", 0) == 0 for r in after)
