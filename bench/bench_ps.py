@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -120,14 +121,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--versions", type=int, default=400, help="server updates (DDP runs half as many steps of twice the batch)")
     p.add_argument("--slow-fraction", type=float, default=0.5, help="share of each step the slow PC idles")
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--wire", action="store_true", help="only compare ps with fp32 and bf16 on the wire")
     a = p.parse_args()
     if a.versions % 2:
         raise SystemExit("--versions must be even")
     out = Path(tempfile.mkdtemp(prefix="bench-ps-"))
     if a.wire:
-        for wire in ("fp32", "bf16"):
-            r = run_ps(out, f"wire-{wire}", a.versions, "", wire)
+        for wire in [w for _ in range(a.repeats) for w in ("fp32", "bf16")]:
+            r = run_ps(out, f"wire-{wire}-{time.monotonic_ns()}", a.versions, "", wire)
             print(
                 f"ps, {wire} on the wire: {r['mb_per_gradient']:.2f} MB per gradient, {r['tokens_per_s']:,.0f} tokens/s, "
                 f"eval loss {r['eval_loss']:.4f}, round trip {r['round_trip_ms']:.1f} ms",
@@ -135,22 +137,28 @@ def main() -> None:
             )
         return
     slow = f"2:{a.slow_fraction}"
-    results = {}
-    for label, fn, n, s in (
+    configs = (
         ("ddp, both fast", run_ddp, a.versions // 2, ""),
         ("ps, both fast", run_ps, a.versions, ""),
         ("ddp, one slowed", run_ddp, a.versions // 2, slow),
         ("ps, one slowed", run_ps, a.versions, slow),
-    ):
-        t0 = time.perf_counter()
-        results[label] = fn(out, label.replace(", ", "-").replace(" ", "_"), n, s)
-        results[label]["wall_s"] = time.perf_counter() - t0
-        print(f"{label:16s} {json.dumps(results[label])}", flush=True)
+    )
+    results: dict[str, list[dict]] = {c[0]: [] for c in configs}
+    for repeat in range(a.repeats):  # interleaved: the configurations share the machine's noise
+        for label, fn, n, s in configs:
+            t0 = time.perf_counter()
+            r = fn(out, f"{label.replace(', ', '-').replace(' ', '_')}-{repeat}", n, s)
+            r["wall_s"] = time.perf_counter() - t0
+            results[label].append(r)
+            print(f"{label:16s} {json.dumps(r)}", flush=True)
     print(f"\nequal tokens: {a.versions} x batch 8 x seq 128 = {a.versions * 8 * 128:,}; slow PC idles {a.slow_fraction:.0%} of each step")
-    print(f"{'':16s} {'tokens/s':>9s} {'eval loss':>9s}")
-    for label, r in results.items():
-        print(f"{label:16s} {r['tokens_per_s']:9,.0f} {r['eval_loss']:9.4f}")
-    keep = {kind: results[f"{kind}, one slowed"]["tokens_per_s"] / results[f"{kind}, both fast"]["tokens_per_s"] for kind in ("ddp", "ps")}
+    print(f"median of {a.repeats}: {'':3s} {'tokens/s':>9s} {'eval loss (min..max)':>22s}")
+    speed = {}
+    for label, rs in results.items():
+        speed[label] = statistics.median(r["tokens_per_s"] for r in rs)
+        losses = [r["eval_loss"] for r in rs]
+        print(f"{label:16s} {speed[label]:12,.0f} {statistics.median(losses):9.4f} ({min(losses):.3f}..{max(losses):.3f})")
+    keep = {kind: speed[f"{kind}, one slowed"] / speed[f"{kind}, both fast"] for kind in ("ddp", "ps")}
     print(f"throughput kept with one PC slowed: ddp {keep['ddp']:.0%}, ps {keep['ps']:.0%}")
 
 

@@ -26,12 +26,28 @@ def _script(stdout: str) -> str:
     return stdout[stdout.index("#!/bin/bash") :]
 
 
-@pytest.mark.parametrize("profile", ["generic", "h100-ib", "h200-ib"])
+@pytest.mark.parametrize("profile", ["generic", "h100-ib", "h200-ib", "h100-pyxis"])
 def test_dry_run_script_matches_golden(profile: str, tmp_path: Path) -> None:
     out = tmp_path / "runs"
     gpus = "0" if profile == "generic" else "8"
+    # The pyxis profile mounts /shared; the test's output_dir lives elsewhere.
+    mounts = ["--container-mounts", f"{out}:{out}"] if "pyxis" in profile else []
     res = run_cli(
-        ["submit", "--cluster", profile, "--nodes", "4", "--gpus", gpus, "--output-dir", str(out), "--run-name", "gpt2", "--dry-run"]
+        [
+            "submit",
+            "--cluster",
+            profile,
+            "--nodes",
+            "4",
+            "--gpus",
+            gpus,
+            "--output-dir",
+            str(out),
+            "--run-name",
+            "gpt2",
+            "--dry-run",
+            *mounts,
+        ]
     )
     assert res.returncode == 0, res.stderr
     script = _normalised(_script(res.stdout), out)
@@ -138,3 +154,69 @@ def test_a_master_address_outside_private_ranges_is_warned_about(tmp_path: Path)
     assert public.returncode == 0 and "8.8.8.8 is neither private nor loopback" in public.stderr, public.stderr
     lan = run_cli(["local", "--nnodes", "2", "--node-rank", "1", "--master-addr", "192.168.1.10", "--dry-run"], cwd=tmp_path)
     assert lan.returncode == 0 and "neither private" not in lan.stderr
+
+
+def test_apptainer_wraps_the_jobs_python_and_matches_golden(tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    sif = tmp_path / "aura.sif"
+    sif.write_bytes(b"SIF")
+    container = [
+        "--container",
+        "apptainer",
+        "--container-image",
+        str(sif),
+        "--container-mounts",
+        f"{tmp_path}:{tmp_path},/datasets:/datasets:ro",
+    ]
+    res = run_cli(["submit", "--nodes", "2", "--gpus", "8", "--output-dir", str(out), "--run-name", "gpt2", "--dry-run", *container])
+    assert res.returncode == 0, res.stderr
+    script = _normalised(_script(res.stdout), out).replace(str(tmp_path), "/shared/aura")
+    golden = GOLDEN / "submit-apptainer.sh"
+    if os.environ.get("AURA_UPDATE_GOLDEN"):
+        golden.write_text(script)
+    assert script == golden.read_text(), f"the apptainer script changed: review and regenerate {golden}"
+    command = script.strip().splitlines()[-1]
+    assert command.startswith("srun ") and "apptainer exec --nv --bind /shared/aura:/shared/aura,/datasets:/datasets:ro" in command
+    assert command.endswith("/shared/aura/aura.sif python3 -u -m submitit.core._submit /shared/aura/runs/gpt2/slurm"), command
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem", "fix"),
+    [
+        (
+            ["--container", "apptainer", "--container-image", "/nowhere/aura.sif", "--container-mounts", "OUT:OUT"],
+            "apptainer image /nowhere/aura.sif does not exist",
+            "apptainer build",
+        ),
+        (
+            ["--container", "pyxis", "--container-image", "nvcr.io#nvidia/pytorch:24.05-py3", "--container-mounts", "/data:/data"],
+            "output_dir OUT is not in slurm.container_mounts",
+            "add OUT:OUT to --container-mounts",
+        ),
+        (
+            ["--container", "pyxis", "--container-image", "img:1", "--container-mounts", "OUT:/work"],
+            "is mounted at another path inside the container",
+            "mount it at the same path",
+        ),
+        (["--container", "pyxis", "--container-image", "img:1", "--container-mounts", "OUT:OUT:ro"], "is mounted read-only", "drop ':ro'"),
+        (["--container", "pyxis", "--container-mounts", "OUT:OUT"], "no image is given", "--container-image"),
+        (
+            ["--container", "pyxis", "--container-image", "/images/missing.sqsh", "--container-mounts", "OUT:OUT"],
+            "pyxis image file /images/missing.sqsh does not exist",
+            "enroot import",
+        ),
+        (
+            ["--container", "pyxis", "--container-image", "img $(id)", "--container-mounts", "OUT:OUT"],
+            "holds spaces or shell characters",
+            "a plain path or image name",
+        ),
+        (["--container-image", "img:1"], "slurm.container is none", "--container pyxis or apptainer"),
+    ],
+)
+def test_bad_container_combinations_are_refused_with_the_fix(flags: list[str], problem: str, fix: str, tmp_path: Path) -> None:
+    out = str(tmp_path / "runs")
+    flags = [f.replace("OUT", out) for f in flags]
+    res = run_cli(["submit", "--nodes", "1", "--gpus", "0", "--output-dir", out, "--dry-run", *flags])
+    assert res.returncode == 2, res.stdout + res.stderr
+    problem, fix = problem.replace("OUT", out), fix.replace("OUT", out)
+    assert problem in res.stderr and fix in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr

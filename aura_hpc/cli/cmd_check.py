@@ -10,6 +10,9 @@ def cmd_check(a: argparse.Namespace) -> int:
 
     if a.server:
         return _check_ps_server(a)
+    from aura_hpc.cli.common import flags_from_env
+
+    flags_from_env(a, {"nnodes": 1, "node_rank": 0, "master_port": 29500})
 
     cluster = check.cluster_args(
         a.nnodes, a.node_rank, a.master_addr, a.master_port, a.backend, a.shared_dir, a.timeout, a.sizes_mb, a.ifname
@@ -91,10 +94,10 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Alone: Python, torch, CUDA/NCCL, GPUs, backends, disk. With --nnodes N on every machine: "
         "reachability, rendezvous, a verified all_reduce, bus bandwidth, clock skew, addresses and --shared-dir.",
     )
-    p.add_argument("--nnodes", type=int, default=1, help="number of machines taking part (default 1)")
-    p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 on the master")
+    p.add_argument("--nnodes", type=int, help="number of machines taking part (default 1)")
+    p.add_argument("--node-rank", type=int, help="this machine's index, 0 on the master")
     p.add_argument("--master-addr", help="IP address of node 0")
-    p.add_argument("--master-port", type=int, default=29500, help="TCP port on node 0 (default 29500)")
+    p.add_argument("--master-port", type=int, help="TCP port on node 0 (default 29500)")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="process-group backend to test")
     p.add_argument("--server", help="from a worker PC: check the parameter server at ADDR[:PORT] (`ps`), with a tensor round trip")
     p.add_argument("--shared-dir", help="a directory that should be the same (NFS) on every node: write-then-read test")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from aura_hpc.cli.common import add_run_options, show_plan
+from aura_hpc.cli.common import add_run_options, flags_from_env, show_plan
 
 
 def cmd_local(a: argparse.Namespace) -> int:
     from aura_hpc import console
     from aura_hpc.launch.local import launch, plan_local, summary
+
+    flags_from_env(a, {"nnodes": 1, "node_rank": 0})
 
     plan = plan_local(
         a.config,
@@ -63,8 +65,8 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "built-in Spanish corpus, 2 CPU processes (or one per GPU).",
     )
     add_run_options(p)
-    p.add_argument("--nnodes", "--nodes", dest="nnodes", type=int, default=1, help="number of machines (default 1)")
-    p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 on the master (default 0)")
+    p.add_argument("--nnodes", "--nodes", dest="nnodes", type=int, help="number of machines (default 1)")
+    p.add_argument("--node-rank", type=int, help="this machine's index, 0 on the master (default 0)")
     p.add_argument(
         "--nproc-per-node", "--gpus", dest="nproc_per_node", type=int, help="processes on this machine (default: one per GPU, or 2 on CPU)"
     )

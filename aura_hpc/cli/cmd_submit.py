@@ -26,6 +26,10 @@ def cmd_submit(a: argparse.Namespace) -> int:
         "cluster": a.cluster,
         "nccl_debug": a.nccl_debug,
         "array_parallelism": a.array_parallelism,
+        "container": a.container,
+        "container_image": a.container_image,
+        "container_mounts": a.container_mounts,
+        "container_workdir": a.container_workdir,
     }
     plan = plan_submit(a.config, a.overrides, a.output_dir, a.run_name, flags, a.sweep, a.after, check=a.check)
     for w in plan.warnings:
@@ -91,6 +95,10 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--exclusive", action="store_true", default=None, help="whole nodes only")
     p.add_argument("--job-name", help="Slurm job name (default: aura-<run name>)")
     p.add_argument("--nccl-debug", action="store_true", default=None, help="NCCL_DEBUG=INFO (INIT,NET), one file per host in the run dir")
+    p.add_argument("--container", choices=["none", "pyxis", "apptainer"], help="run the job in a container (default: the profile's)")
+    p.add_argument("--container-image", help="pyxis: registry image or .sqsh; apptainer: .sif file or docker:// URI")
+    p.add_argument("--container-mounts", help="/host:/container[:ro],... (output_dir and data.path at their own paths)")
+    p.add_argument("--container-workdir", help="working directory inside the container")
     p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2", help="a job array over these values (repeatable: a grid)")
     p.add_argument("--array-parallelism", type=int, help="sweep elements running at once (default: all)")
     p.add_argument("--after", metavar="JOBID", help="start only after this job completed successfully (afterok)")

@@ -35,3 +35,32 @@ def show_plan(cfg: Any, world: int, memory: Any, limit_gib: float | None) -> Non
     where = f" of {limit_gib:g} GiB" if limit_gib else ""
     title = f"memory plan per device{where}: dist.strategy={memory.strategy} on {memory.world} ranks (estimate)"
     console.grid(title, ["", "estimate"], [list(r) for r in memory.rows()])
+
+
+# Launch variables of torchrun-style guides (and of compose.yaml) -> the flag each one fills.
+ENV_FLAGS = (
+    ("NNODES", "nnodes"),
+    ("NODE_RANK", "node_rank"),
+    ("MASTER_ADDR", "master_addr"),
+    ("MASTER_PORT", "master_port"),
+    ("GPUS_PER_NODE", "nproc_per_node"),
+)
+
+
+def flags_from_env(a: argparse.Namespace, defaults: dict[str, Any]) -> None:
+    """Fill the launch flags not given on the command line: from the environment when
+    AURA_LOCAL_FROM_ENV=1 (the Docker image sets it), else from `defaults`. A flag always wins."""
+    import os
+
+    from aura_hpc.errors import LaunchError
+
+    use_env = os.environ.get("AURA_LOCAL_FROM_ENV") == "1"
+    for var, dest in ENV_FLAGS:
+        if not hasattr(a, dest) or getattr(a, dest) is not None:
+            continue
+        value: Any = os.environ.get(var, "").strip() if use_env else ""
+        if value and dest != "master_addr":
+            if not value.isdigit():
+                raise LaunchError(f"{var}={value!r} is not a whole number (fix: e.g. {var}=1, or pass --{dest.replace('_', '-')})")
+            value = int(value)
+        setattr(a, dest, value if value not in ("", None) else defaults.get(dest))

@@ -144,6 +144,11 @@ class SlurmConfig:
     max_requeues: int = 10  # automatic requeues after the pre-timeout signal, then stop
     array_parallelism: int = 0  # sweeps: array elements running at once; 0 = all
     nccl_debug: bool = False  # NCCL_DEBUG=INFO with INIT,NET subsystems, one file per host and pid
+    container: str = "none"  # none | pyxis (srun --container-image, Pyxis/Enroot) | apptainer (apptainer exec wrapper)
+    container_image: str = ""  # pyxis: nvcr.io#nvidia/pytorch:24.05-py3 or a .sqsh file; apptainer: a .sif file or docker:// URI
+    container_mounts: str = ""  # /host:/container[:ro],...: output_dir and data.path must be mounted at their own paths
+    container_workdir: str = ""  # working directory inside the container ("": output_dir for pyxis, apptainer's default)
+    container_python: str = "python3"  # the image's Python, which has aura_hpc installed
 
 
 @dataclass
@@ -207,6 +212,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.strategy": ("ddp", "fsdp", "zero1", "zero2", "zero3"),
     "slurm.signal": ("USR2", "USR1", "TERM", "INT", "HUP"),
+    "slurm.container": ("none", "pyxis", "apptainer"),
     "health.webhook_type": ("generic", "discord", "slack"),
     "ps.staleness_weight": ("inverse", "none"),
     "ps.wire_dtype": ("bf16", "fp16", "fp32"),

@@ -22,6 +22,7 @@ from aura_hpc.errors import ConfigError
 from aura_hpc.launch.memory import MemoryPlan, check_fits, tokenizer_vocab
 from aura_hpc.launch.memory import plan as plan_memory
 from aura_hpc.slurm import profiles, script_safety
+from aura_hpc.slurm.containers import ContainerPlan, plan_container
 
 # Filesystems every node of a cluster sees alike.
 NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "cephfs", "glusterfs", "panfs", "wekafs", "9p", "virtiofs"}
@@ -55,6 +56,12 @@ class SubmitPlan:
     check: bool = False  # `submit --check`: run `check` on every node instead of training
     memory: MemoryPlan | None = None  # per GPU (per task for a CPU job), for the first point
     data_problem: str | None = None  # why `submit` would refuse data.path (shown by --dry-run)
+    container: ContainerPlan | None = None  # the image the job runs in (slurm.container), if any
+
+    @property
+    def python(self) -> str:
+        """The command that runs the job's Python (submitit's `python`): the image's, or this interpreter."""
+        return self.container.python_command() if self.container is not None else shlex.quote(sys.executable)
 
     @property
     def tasks_per_node(self) -> int:
@@ -308,11 +315,17 @@ def plan_submit(
             refusal = check_fits(first, vocab, world, limit)
             if refusal:
                 raise ConfigError(refusal.replace("this cluster's GPUs", f"cluster profile '{prof.name}'s GPUs"))
+    builtin = str(prepare_builtin) if prepare_builtin else ""
+    container = plan_container(slurm, cfg.output_dir, points[0].cfg.data.path or builtin, gpus=slurm.gpus_per_node > 0)
+    if container is not None:
+        params["srun_args"] = [*params["srun_args"], *container.srun_args]
     _check_script_values(params, folder, env, prof)
-    script = sbatch_script(folder, params, len(points))
+    python = container.python_command() if container is not None else shlex.quote(sys.executable)
+    script = sbatch_script(folder, params, len(points), python)
     script_safety.assert_directives_intact(script, _planned_directives(params, len(points)))
     plan = SubmitPlan(points, prof, slurm, sources, params, folder, script, env, warnings, prepare_builtin, check, memory)
     plan.data_problem = data_problem
+    plan.container = container
     return plan
 
 
@@ -344,17 +357,17 @@ def _planned_directives(params: dict[str, Any], n_points: int) -> set[str]:
     return keys
 
 
-def submitit_command(folder: Path) -> str:
-    """The job's command line, as submitit's SlurmExecutor writes it."""
-    return " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+def submitit_command(folder: Path, python: str | None = None) -> str:
+    """The job's command line, as submitit's SlurmExecutor writes it (`python`: a container's)."""
+    return " ".join([python or shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder))])
 
 
-def sbatch_script(folder: Path, params: dict[str, Any], n_points: int) -> str:
+def sbatch_script(folder: Path, params: dict[str, Any], n_points: int, python: str | None = None) -> str:
     """The script submitit will submit, produced by submitit's own generator."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     extra = {"map_count": n_points} if n_points > 1 else {}
-    return str(_make_sbatch_string(command=submitit_command(folder), folder=folder, **params, **extra))
+    return str(_make_sbatch_string(command=submitit_command(folder, python), folder=folder, **params, **extra))
 
 
 def describe(plan: SubmitPlan) -> list[tuple[str, str, str]]:

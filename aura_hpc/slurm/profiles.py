@@ -31,7 +31,9 @@ SBATCH_TO_KEY = {
 }
 # Options aura_hpc decides itself; a profile setting them would break the task layout.
 RESERVED = {"ntasks", "ntasks-per-node", "output", "error", "array", "signal", "open-mode", "dependency", "wckey"}
-AURA_KEYS = {"output_dir", "max_gpus_per_node", "gpu_mem_gib"}
+# #AURA keys that set slurm.* values (containers), and the ones that are the profile's own.
+CONTAINER_KEYS = {"container", "container_image", "container_mounts", "container_workdir", "container_python"}
+AURA_KEYS = {"output_dir", "max_gpus_per_node", "gpu_mem_gib"} | CONTAINER_KEYS
 
 
 @dataclass
@@ -125,7 +127,10 @@ def load(name_or_path: str) -> Profile:
             key = key.strip()
             if not sep or key not in AURA_KEYS:
                 raise ConfigError(f"{where}: '{line}' is not one of #AURA {', #AURA '.join(f'{k}=...' for k in sorted(AURA_KEYS))}")
-            prof.aura[key] = value.strip()
+            if key in CONTAINER_KEYS:
+                prof.values[key] = os.path.expandvars(value.strip())
+            else:
+                prof.aura[key] = value.strip()
         elif line.startswith("#") or not line:
             continue
         else:

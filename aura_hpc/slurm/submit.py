@@ -31,7 +31,7 @@ def submit(plan: SubmitPlan) -> list[str]:
         prepare_run_dir(p.cfg, plan.world_size)
     import submitit
 
-    executor = submitit.SlurmExecutor(folder=plan.folder, max_num_timeout=plan.slurm.max_requeues)
+    executor = submitit.SlurmExecutor(folder=plan.folder, max_num_timeout=plan.slurm.max_requeues, python=plan.python)
     executor.update_parameters(**plan.params)
     jobs: list[Any] = []
     # submitit echoes sbatch's stderr when sbatch fails; it is reported once, below, with the fix.

@@ -1,0 +1,37 @@
+# aura_hpc in a container: the same `python -m aura_hpc` commands, on LAN GPU machines (Docker +
+# NVIDIA Container Toolkit) and on Slurm clusters (Pyxis/Enroot or Apptainer run this image).
+#
+#   docker compose build                      # BASE_IMAGE: a CUDA PyTorch image (torch >= 2.6, Python >= 3.11)
+#   docker compose run --rm trainer check     # GPUs, NCCL, disk, network as the container sees them
+#   docker compose run --rm trainer local     # train (see compose.yaml for the multi-node variables)
+#
+# BASE_IMAGE must already hold CUDA PyTorch >= 2.6 and Python >= 3.11 (its torch is used, not
+# replaced). Without a registry (an air-gapped cluster, CI): docker/build-cpu-image.sh builds a
+# Debian base and installs everything from local wheels through PIP_INSTALL_ARGS.
+ARG BASE_IMAGE=pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime
+
+# Stage 1: install into a venv that sees the base image's packages (its CUDA torch stays; pip adds
+# the rest; Debian's "externally managed" Python is left alone). Local wheels stay in this stage.
+FROM ${BASE_IMAGE} AS build
+ARG PIP_INSTALL_ARGS=""
+COPY . /opt/aura_hpc/src
+RUN python3 -m venv --system-site-packages /opt/aura_hpc/venv \
+ && /opt/aura_hpc/venv/bin/python -m pip install --no-cache-dir ${PIP_INSTALL_ARGS} /opt/aura_hpc/src
+
+# Stage 2: the same base, the venv, a non-root user.
+FROM ${BASE_IMAGE}
+ARG AURA_UID=1000
+COPY --from=build /opt/aura_hpc/venv /opt/aura_hpc/venv
+RUN (id -u aura >/dev/null 2>&1 || useradd --create-home --uid ${AURA_UID} --shell /bin/bash aura) \
+ && mkdir -p /work && chown aura /work
+
+ENV PATH=/opt/aura_hpc/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    AURA_LOCAL_FROM_ENV=1 \
+    HF_HOME=/tmp/huggingface \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor
+
+USER aura
+WORKDIR /work
+ENTRYPOINT ["python", "-m", "aura_hpc"]
+CMD ["--help"]

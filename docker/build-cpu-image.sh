@@ -1,0 +1,41 @@
+#!/bin/bash
+# Build the aura_hpc image without any image registry or index in the build: a Debian base made
+# with debootstrap, and every Python package from wheels downloaded here first (the pip index
+# this machine is configured with). Used by CI; also the way to build on an air-gapped machine.
+#
+#   docker/build-cpu-image.sh [TAG]        (default aura-hpc:cpu; needs root, docker, debootstrap)
+#
+# The GPU image is built from a CUDA PyTorch base instead: `docker compose build` (see Dockerfile).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TAG=${1:-aura-hpc:cpu}
+BASE=${AURA_CPU_BASE:-aura-base:bookworm}
+TORCH=${AURA_TORCH:-torch==2.13.0}
+
+if ! docker image inspect "$BASE" >/dev/null 2>&1; then
+  t0=$(date +%s)
+  root=$(mktemp -d /tmp/aura-rootfs.XXXXXX)
+  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$root" >/dev/null
+  tar -C "$root" -c . | docker import - "$BASE" >/dev/null
+  rm -rf "$root"
+  echo "base image $BASE: $(( $(date +%s) - t0 ))s"
+fi
+
+t0=$(date +%s)
+wheels=docker/wheels
+mkdir -p "$wheels"
+# torch (the CPU build this machine's index serves), the package's dependencies, and the build backend.
+python3 -m pip download -q -d "$wheels" "$TORCH" . "setuptools>=77" wheel 2>&1 | grep -v "is ignored" || true
+# An sdist (deepspeed) would need torch to build inside the image: build its wheel here.
+for sdist in "$wheels"/*.tar.gz; do
+  [ -e "$sdist" ] || continue
+  python3 -m pip wheel -q --no-deps --no-build-isolation -w "$wheels" "$sdist"
+  rm -f "$sdist"
+done
+echo "wheels: $(ls "$wheels" | wc -l) files, $(du -sh "$wheels" | cut -f1), $(( $(date +%s) - t0 ))s"
+
+t0=$(date +%s)
+docker build -q --network host -t "$TAG" \
+  --build-arg BASE_IMAGE="$BASE" \
+  --build-arg PIP_INSTALL_ARGS="--no-index --find-links /opt/aura_hpc/src/docker/wheels" . >/dev/null
+echo "image $TAG: $(( $(date +%s) - t0 ))s, $(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.2f GB", $1/1e9}')"

@@ -1,0 +1,35 @@
+#!/bin/bash
+# aura_hpc cluster profile "h100-pyxis": 8x H100 nodes with InfiniBand where Slurm starts each
+# task in a container (NVIDIA Pyxis + Enroot: srun --container-image). The image is the
+# repository's Dockerfile built on a CUDA PyTorch base and pushed to your registry (or imported
+# with `enroot import -o /shared/images/aura.sqsh dockerd://aura-hpc:latest`).
+#
+# Lines read by aura_hpc:
+#   #SBATCH --option=value   defaults for the job (the config's slurm section and CLI flags win)
+#   #AURA key=value          aura_hpc settings: output_dir, max_gpus_per_node, gpu_mem_gib, and the
+#                            container: container (pyxis | apptainer), container_image,
+#                            container_mounts (output_dir and data.path at their own paths),
+#                            container_workdir, container_python
+#   anything else            runs in the job script on the host, before srun starts the containers
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=16
+#SBATCH --mem=0
+#SBATCH --time=24:00:00
+#SBATCH --exclusive
+#AURA max_gpus_per_node=8
+#AURA gpu_mem_gib=79
+#AURA output_dir=/shared/$USER/aura_runs
+#AURA container=pyxis
+#AURA container_image=registry.example.org#aura/aura-hpc:latest
+#AURA container_mounts=/shared:/shared
+
+# Exported here, inherited by the containers (Pyxis passes the job's environment in).
+export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
+export NCCL_SOCKET_IFNAME=^lo,docker
+export NCCL_IB_HCA=mlx5
+export NCCL_DEBUG=WARN
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+export TORCH_NCCL_DUMP_ON_TIMEOUT=1
+export TORCH_NCCL_TRACE_BUFFER_SIZE=2000
+export TORCH_FR_DUMP_TEMP_FILE=${AURA_RUN_DIR:-.}/nccl_trace/rank_
+mkdir -p "${AURA_RUN_DIR:-.}/nccl_trace"

@@ -1,0 +1,157 @@
+"""Containers: the compose file (validated by docker-compose itself, and golden), the launch
+variables the Docker guide uses, and real containers of the CPU image (docker/build-cpu-image.sh,
+built by CI before the tests): `check`, a short `local`, and two containers as two LAN nodes.
+The GPU service (NVIDIA Container Toolkit) cannot run without a GPU: only its configuration is
+checked here."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, cli_env, free_port, run_cli
+
+IMAGE = os.environ.get("AURA_TEST_IMAGE", "aura-hpc:cpu")
+GOLDEN = REPO / "tests" / "golden" / "compose-config.yaml"
+TINY = [
+    "--set",
+    "model.n_layer=2",
+    "--set",
+    "model.n_embd=64",
+    "--set",
+    "model.n_head=2",
+    "--set",
+    "data.seq_len=64",
+    "--set",
+    "data.vocab_size=1024",
+    "--set",
+    "train.max_steps=12",
+    "--set",
+    "train.log_every=4",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.checkpoint_every=6",
+    "--set",
+    "train.sample_tokens=4",
+]
+
+
+def _compose_config(**env: str) -> str:
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose is not installed (CI installs Debian's docker-compose)")
+    r = subprocess.run(
+        ["docker-compose", "-f", str(REPO / "compose.yaml"), "config"],
+        cwd=REPO,
+        env={**cli_env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_compose_file_is_valid_and_reserves_the_gpus_on_the_host_network() -> None:
+    env = {"AURA_RUNS": "/srv/runs", "AURA_DATA": "/srv/Data", "MASTER_ADDR": "192.168.1.10", "NNODES": "5", "NODE_RANK": "2"}
+    text = _compose_config(**env).replace(str(REPO), "REPO")
+    if os.environ.get("AURA_UPDATE_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), f"compose.yaml renders differently: review and regenerate {GOLDEN}"
+    services = yaml.safe_load(text)["services"]
+    gpu = services["trainer"]
+    assert gpu["deploy"]["resources"]["reservations"]["devices"] == [{"capabilities": ["gpu"], "count": "all", "driver": "nvidia"}]
+    assert gpu["network_mode"] == "host" and gpu["ipc"] == "host"
+    assert gpu["environment"]["MASTER_ADDR"] == "192.168.1.10" and gpu["environment"]["NNODES"] == "5"
+    assert gpu["environment"]["MASTER_PORT"] is None  # unset stays unset (not an empty string)
+    assert "/srv/runs:/work/runs:rw" in gpu["volumes"] and "/srv/Data:/work/Data:rw" in gpu["volumes"]
+    assert "deploy" not in services["trainer-cpu"]
+    assert {k: v for k, v in services["trainer-cpu"].items() if k != "deploy"} == {k: v for k, v in gpu.items() if k != "deploy"}
+
+
+def test_dockerignore_keeps_runs_and_data_out_of_the_build_context() -> None:
+    ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")}
+    assert {"runs", "data", "Data", "checkpoints", ".git"} <= ignored
+    text = (REPO / "Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=" in text and "USER aura" in text and 'ENTRYPOINT ["python", "-m", "aura_hpc"]' in text
+
+
+def test_the_guides_launch_variables_fill_locals_flags(tmp_path: Path) -> None:
+    env = {"AURA_LOCAL_FROM_ENV": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "12355", "NNODES": "2", "NODE_RANK": "1"}
+    r = run_cli(
+        ["local", "--output-dir", str(tmp_path), "--dry-run", "--set", "dist.backend=gloo", "--set", "train.allow_oversubscription=true"],
+        **env,
+        GPUS_PER_NODE="1",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "node 1/2, 1 processes, master 127.0.0.1:12355" in r.stdout, r.stdout
+    flag_wins = run_cli(["local", "--output-dir", str(tmp_path), "--dry-run", "--nnodes", "1", "--node-rank", "0"], **env)
+    assert "node 0/1" in flag_wins.stdout, flag_wins.stdout + flag_wins.stderr
+    bad = run_cli(["local", "--output-dir", str(tmp_path), "--dry-run"], **{**env, "NNODES": "two"})
+    assert bad.returncode == 2 and "NNODES='two' is not a whole number" in bad.stderr, bad.stderr
+    outside = run_cli(["local", "--output-dir", str(tmp_path), "--dry-run"], MASTER_ADDR="10.9.9.9", NNODES="2")
+    assert "node 0/1" in outside.stdout  # without the image's AURA_LOCAL_FROM_ENV, a shell's variables change nothing
+
+
+# ---- real containers -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    if shutil.which("docker") is None or shutil.which("docker-compose") is None:
+        pytest.skip("docker and docker-compose are not installed (CI installs docker.io and docker-compose)")
+    if subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("no Docker daemon is running (CI starts dockerd)")
+    if subprocess.run(["docker", "image", "inspect", IMAGE], capture_output=True, timeout=30).returncode != 0:
+        pytest.skip(f"image {IMAGE} is not built (docker/build-cpu-image.sh builds it; CI does)")
+    return IMAGE
+
+
+def _runs_dir(path: Path) -> Path:
+    path.mkdir(parents=True)
+    os.chown(path, 1000, 1000)  # the image's non-root user writes there, as the compose file's default uid
+    return path
+
+
+def _compose_run(args: list[str], runs: Path, image: str, **env: str) -> subprocess.Popen[str]:
+    cmd = ["docker-compose", "-f", str(REPO / "compose.yaml"), "run", "--rm", "-T", "trainer-cpu", *args]
+    full = {**cli_env(), "AURA_IMAGE": image, "AURA_RUNS": str(runs), "AURA_DATA": str(runs), **env}
+    return subprocess.Popen(cmd, cwd=REPO, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(p: subprocess.Popen[str], timeout: float = 300) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def test_check_and_a_short_local_run_inside_a_container(tmp_path: Path, image: str) -> None:
+    runs = _runs_dir(tmp_path / "runs")
+    code, out, err = _finish(_compose_run(["check", "--json"], runs, image))
+    assert code == 0, out + err
+    findings = {f["name"]: f for f in json.loads(out)["findings"]}
+    assert findings["backend gloo"]["ok"], findings
+    code, out, err = _finish(_compose_run(["local", *TINY], runs, image, GPUS_PER_NODE="1"))
+    assert code == 0, out + err
+    summary = json.loads((runs / "tiny" / "summary.json").read_text())
+    assert summary["step"] == 12 and summary["finished"]
+    assert (runs / "tiny" / "checkpoints" / "step_00000012" / "COMPLETE.json").is_file()
+    assert (runs / "tiny" / "config.yaml").stat().st_uid == 1000  # written by the non-root user
+
+
+def test_two_containers_train_together_as_two_lan_nodes(tmp_path: Path, image: str) -> None:
+    port = str(free_port())
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NNODES": "2", "GPUS_PER_NODE": "1"}
+    nodes = [_compose_run(["local", *TINY], _runs_dir(tmp_path / f"node{k}"), image, NODE_RANK=str(k), **launch) for k in (0, 1)]
+    results = [_finish(p) for p in nodes]
+    for code, out, err in results:
+        assert code == 0, out + err
+    logs = "".join(out + err for _, out, err in results)
+    assert "world_size=2" in logs and "node_rank=1" in logs, logs
+    assert json.loads((tmp_path / "node0" / "tiny" / "summary.json").read_text())["step"] == 12
+    assert not (tmp_path / "node1" / "tiny" / "checkpoints").exists()  # rank 0 on node 0 writes the checkpoints
