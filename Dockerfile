@@ -22,6 +22,7 @@ RUN python3 -m venv --system-site-packages /opt/aura_hpc/venv \
 FROM ${BASE_IMAGE}
 ARG AURA_UID=1000
 COPY --from=build /opt/aura_hpc/venv /opt/aura_hpc/venv
+COPY docker/entrypoint.sh /opt/aura_hpc/entrypoint.sh
 RUN (id -u aura >/dev/null 2>&1 || useradd --create-home --uid ${AURA_UID} --shell /bin/bash aura) \
  && mkdir -p /work && chown aura /work
 
@@ -33,5 +34,6 @@ ENV PATH=/opt/aura_hpc/venv/bin:$PATH \
 
 USER aura
 WORKDIR /work
-ENTRYPOINT ["python", "-m", "aura_hpc"]
+# aura_hpc's commands go to `python -m aura_hpc`; other programs (nvidia-smi, bash) run as given.
+ENTRYPOINT ["/opt/aura_hpc/entrypoint.sh"]
 CMD ["--help"]

@@ -35,7 +35,9 @@ done
 echo "wheels: $(ls "$wheels" | wc -l) files, $(du -sh "$wheels" | cut -f1), $(( $(date +%s) - t0 ))s"
 
 t0=$(date +%s)
-docker build -q --network host -t "$TAG" \
+log=$(mktemp /tmp/aura-docker-build.XXXXXX)
+docker build --network host -t "$TAG" \
   --build-arg BASE_IMAGE="$BASE" \
-  --build-arg PIP_INSTALL_ARGS="--no-index --find-links /opt/aura_hpc/src/docker/wheels" . >/dev/null
+  --build-arg PIP_INSTALL_ARGS="--no-index --find-links /opt/aura_hpc/src/docker/wheels" . >"$log" 2>&1 \
+  || { tail -40 "$log"; echo "docker build failed (whole log: $log)" >&2; exit 1; }
 echo "image $TAG: $(( $(date +%s) - t0 ))s, $(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.2f GB", $1/1e9}')"

@@ -79,7 +79,18 @@ def test_dockerignore_keeps_runs_and_data_out_of_the_build_context() -> None:
     ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")}
     assert {"runs", "data", "Data", "checkpoints", ".git"} <= ignored
     text = (REPO / "Dockerfile").read_text()
-    assert "ARG BASE_IMAGE=" in text and "USER aura" in text and 'ENTRYPOINT ["python", "-m", "aura_hpc"]' in text
+    assert "ARG BASE_IMAGE=" in text and "USER aura" in text and 'ENTRYPOINT ["/opt/aura_hpc/entrypoint.sh"]' in text
+
+
+def test_the_entry_point_knows_every_command_of_the_cli() -> None:
+    import argparse
+    import re
+
+    from aura_hpc.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    listed = re.search(r'""\|-\*\|([a-z|]+)\)', (REPO / "docker" / "entrypoint.sh").read_text())
+    assert listed is not None and set(listed.group(1).split("|")) == set(sub.choices)
 
 
 def test_the_guides_launch_variables_fill_locals_flags(tmp_path: Path) -> None:
@@ -136,6 +147,8 @@ def test_check_and_a_short_local_run_inside_a_container(tmp_path: Path, image: s
     assert code == 0, out + err
     findings = {f["name"]: f for f in json.loads(out)["findings"]}
     assert findings["backend gloo"]["ok"], findings
+    code, out, err = _finish(_compose_run(["python", "-c", "import torch; print('torch', torch.__version__)"], runs, image))
+    assert code == 0 and out.startswith("torch "), out + err  # other programs run as given (nvidia-smi on GPU hosts)
     code, out, err = _finish(_compose_run(["local", *TINY], runs, image, GPUS_PER_NODE="1"))
     assert code == 0, out + err
     summary = json.loads((runs / "tiny" / "summary.json").read_text())
@@ -155,3 +168,33 @@ def test_two_containers_train_together_as_two_lan_nodes(tmp_path: Path, image: s
     assert "world_size=2" in logs and "node_rank=1" in logs, logs
     assert json.loads((tmp_path / "node0" / "tiny" / "summary.json").read_text())["step"] == 12
     assert not (tmp_path / "node1" / "tiny" / "checkpoints").exists()  # rank 0 on node 0 writes the checkpoints
+
+
+def test_a_slurm_job_runs_inside_an_apptainer_image(slurm_cluster: Path, prepared: Path, tmp_path: Path, image: str) -> None:
+    """A real 2-node Slurm job whose tasks run `apptainer exec ... python3` as the plan renders it.
+    Apptainer itself cannot be installed here: tests/containers/apptainer stands in for it (it runs
+    the same command in a Docker container of the image named by the .sif file)."""
+    sif = tmp_path / "aura.sif"
+    sif.write_text(image + "\n")
+    out = tmp_path / "runs"
+    mounts = f"{tmp_path}:{tmp_path},{prepared.parent}:{prepared.parent}:ro"
+    args = ["submit", "--nodes", "2", "--gpus", "0", "--time", "10", "--output-dir", str(out), "--run-name", "boxed"]
+    args += ["--set", f"data.path={prepared}", *TINY[: TINY.index("data.vocab_size=1024") - 1]]
+    args += ["--set", "train.max_steps=8", "--container", "apptainer", "--container-image", str(sif), "--container-mounts", mounts]
+    stand_in = str(REPO / "tests" / "containers")
+    r = run_cli([*args, "--wait"], timeout=300, PATH=f"{stand_in}:{os.environ['PATH']}", AURA_HPC_HOME=str(tmp_path / "home"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    run_dir = out / "boxed"
+    assert "apptainer exec --bind" in (run_dir / "submission.sh").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step"] == 8 and summary["world_size"] == 2 and summary["finished"]
+    errs = "".join(p.read_text() for p in (run_dir / "slurm").glob("*_log.err"))
+    assert errs.count(f"apptainer stand-in: docker run {image} python3 -u -m submitit.core._submit") == 2, errs
+
+
+def test_the_first_host_of_a_slurm_nodelist_without_scontrol() -> None:
+    from aura_hpc.slurm.job import first_host_of
+
+    cases = {"n1": "n1", "n[1-4]": "n1", "gpu[007-012,020],cpu3": "gpu007", "a-b[01-02]-ib": "a-b01-ib", "r[1-2]-n[3-4]": "r1-n3"}
+    for nodelist, first in cases.items():
+        assert first_host_of(nodelist) == first, nodelist

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -28,9 +29,30 @@ def rendezvous_port(job_id: int, restart_count: int) -> int:
 
 
 def first_node(nodelist: str) -> str:
-    """The allocation's first hostname: the rendezvous host (never localhost, never the submit host)."""
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True).stdout
-    return out.split()[0]
+    """The allocation's first hostname: the rendezvous host (never localhost, never the submit host).
+    Slurm's own expansion where scontrol exists; inside a container image (Pyxis, Apptainer) there is
+    usually no Slurm client, and the first host of the list is read from the expression itself."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True).stdout
+        return out.split()[0]
+    except (FileNotFoundError, subprocess.CalledProcessError):
+        return first_host_of(nodelist)
+
+
+def first_host_of(nodelist: str) -> str:
+    """'gpu[007-012,020],cpu3' -> 'gpu007': the first name of a Slurm hostlist expression."""
+    depth, first = 0, nodelist
+    for i, c in enumerate(nodelist):
+        depth += (c == "[") - (c == "]")
+        if c == "," and depth == 0:
+            first = nodelist[:i]
+            break
+    m = re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", first)
+    if m is None:
+        return first
+    prefix, ranges, suffix = m.groups()
+    start = ranges.split(",")[0].split("-")[0]
+    return prefix + start + (first_host_of(suffix) if "[" in suffix else suffix)
 
 
 class TrainJob:
