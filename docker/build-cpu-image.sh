@@ -15,7 +15,8 @@ TORCH=${AURA_TORCH:-torch==2.13.0}
 if ! docker image inspect "$BASE" >/dev/null 2>&1; then
   t0=$(date +%s)
   root=$(mktemp -d /tmp/aura-rootfs.XXXXXX)
-  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$root" >/dev/null
+  # AURA_DEBIAN_MIRROR: another Debian mirror (default: debootstrap's, deb.debian.org).
+  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$root" ${AURA_DEBIAN_MIRROR:-} >/dev/null
   tar -C "$root" -c . | docker import - "$BASE" >/dev/null
   rm -rf "$root"
   echo "base image $BASE: $(( $(date +%s) - t0 ))s"

@@ -232,11 +232,17 @@ def test_bad_inputs_of_a_parameter_server_run(tmp_path: Path, base: list[str]) -
         probe = run_cli(["check", "--server", f"127.0.0.1:{port}", "--json"], timeout=120)
         findings = {f["name"]: f for f in json.loads(probe.stdout)["findings"]}
         assert probe.returncode == 0 and findings["round trip"]["ok"] and "MB there and back" in findings["round trip"]["detail"]
+        first.signal(signal.SIGINT)  # Ctrl+C on a worker: it says goodbye, the server goes on
+        assert first.finish() == 0, first.text
+        assert "left the run after" in first.text
+        server.wait_for("worker 1 (")
+        assert "left (stopped by its user)" in server.text and "0 still connected" in server.text
     finally:
         server.signal(signal.SIGINT)
         assert server.finish() == 75, server.text
-        first.finish()
-    assert "the server is stopping" in first.text
+        if first.p.poll() is None:
+            first.p.kill()
+            first.finish()
 
 
 # ---- three PCs: a server and two workers in network namespaces on one bridge ---------------
