@@ -15,32 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, cli_env, free_port, run_cli
+from tests.conftest import REPO, SMALL_MODEL, cli_env, free_port, run_cli
 
 IMAGE = os.environ.get("AURA_TEST_IMAGE", "aura-hpc:cpu")
 GOLDEN = REPO / "tests" / "golden" / "compose-config.yaml"
-TINY = [
-    "--set",
-    "model.n_layer=2",
-    "--set",
-    "model.n_embd=64",
-    "--set",
-    "model.n_head=2",
-    "--set",
-    "data.seq_len=64",
-    "--set",
-    "data.vocab_size=1024",
-    "--set",
-    "train.max_steps=12",
-    "--set",
-    "train.log_every=4",
-    "--set",
-    "train.eval_every=0",
-    "--set",
-    "train.checkpoint_every=6",
-    "--set",
-    "train.sample_tokens=4",
-]
+TINY = [*SMALL_MODEL, *[x for kv in ("data.vocab_size=1024", "train.max_steps=12", "train.checkpoint_every=6") for x in ("--set", kv)]]
+TINY += ["--set", "train.log_every=4", "--set", "train.sample_tokens=4"]
 
 
 def _compose_config(**env: str) -> str:
@@ -179,7 +159,7 @@ def test_a_slurm_job_runs_inside_an_apptainer_image(slurm_cluster: Path, prepare
     out = tmp_path / "runs"
     mounts = f"{tmp_path}:{tmp_path},{prepared.parent}:{prepared.parent}:ro"
     args = ["submit", "--nodes", "2", "--gpus", "0", "--time", "10", "--output-dir", str(out), "--run-name", "boxed"]
-    args += ["--set", f"data.path={prepared}", *TINY[: TINY.index("data.vocab_size=1024") - 1]]
+    args += ["--set", f"data.path={prepared}", *SMALL_MODEL]
     args += ["--set", "train.max_steps=8", "--container", "apptainer", "--container-image", str(sif), "--container-mounts", mounts]
     stand_in = str(REPO / "tests" / "containers")
     r = run_cli([*args, "--wait"], timeout=300, PATH=f"{stand_in}:{os.environ['PATH']}", AURA_HPC_HOME=str(tmp_path / "home"))

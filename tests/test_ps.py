@@ -17,22 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_env, free_port, run_cli, run_cli_together
+from tests.conftest import SMALL_MODEL, cli_env, free_port, run_cli, run_cli_together
 
-MODEL = [
-    "--set",
-    "model.n_layer=2",
-    "--set",
-    "model.n_embd=64",
-    "--set",
-    "model.n_head=2",
-    "--set",
-    "data.seq_len=64",
-    "--set",
-    "train.warmup_steps=10",
-    "--set",
-    "train.lr=3e-3",
-]
+# conftest's small model, learning fast enough that 500 updates show the loss falling.
+MODEL = [*SMALL_MODEL, "--set", "train.warmup_steps=10", "--set", "train.lr=3e-3"]
 
 
 class Proc:
