@@ -111,7 +111,8 @@ def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, ba
     w2 = Proc(["worker", "--server", f"127.0.0.1:{port}", "--worker-rank", "3", *common], tmp_path / "w2.log")
     _wait_version(run_dir, 40, server)
     late = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / "late.log")  # joins a running run
-    server.wait_for("3 connected")
+    late.wait_for("gradient 20:")  # it joined, built its model and trains
+    assert "3 connected" in server.text
     version_at_join = _version(run_dir)
     _wait_version(run_dir, version_at_join + 40, server)
     w2.p.kill()  # a crash (or the PC switched off) with three workers training
@@ -160,14 +161,15 @@ def test_ctrl_c_on_the_server_saves_and_resumes_then_a_killed_server_stops_the_w
     server = Proc(["ps", "--port", str(port), *common], tmp_path / "ps.log")
     _listening(port, server)
     workers = [Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / f"w{i}.log") for i in (1, 2)]
-    _wait_version(run_dir, 40, server)
+    for w in workers:
+        w.wait_for("gradient 10:")  # both have trained: both shards have a position to resume
     server.signal(signal.SIGINT)
     assert server.finish() == 75, server.text
     for w in workers:
         assert w.finish(timeout=60) == 0, w.text
         assert "the server is stopping" in w.text
     stopped = json.loads((run_dir / "summary.json").read_text())
-    assert not stopped["finished"] and stopped["step"] >= 40
+    assert not stopped["finished"] and stopped["step"] >= 20
     assert os.readlink(run_dir / "checkpoints" / "last") == f"step_{stopped['step']:08d}"
     assert "Re-run the same command to resume" in server.text
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from aura_hpc.config import RunConfig
 from aura_hpc.errors import ConfigError, LaunchError
 
 COUNTER = "join/count"
@@ -70,6 +72,17 @@ class Tickets:
 
 def refusal(message: str, kind: str = "launch") -> dict[str, Any]:
     return {"ok": False, "kind": kind, "error": message}
+
+
+def fingerprint(cfg: RunConfig, data_path: str) -> dict[str, str]:
+    """What the server and every worker must agree on, by part, so a mismatch can be named."""
+    manifest = json.loads((Path(data_path) / "manifest.json").read_text(encoding="utf-8"))
+    t = cfg.train
+    return {
+        "model": cfg.model_fingerprint(),
+        "data": str(manifest.get("data_sha256", "")),
+        "train": f"batch_size={t.batch_size} grad_accum={t.grad_accum} precision={t.precision} seed={t.seed} loss={t.loss}",
+    }
 
 
 # The parts of the fingerprint, what each is called in a refusal, and the fix.

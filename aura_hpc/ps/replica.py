@@ -3,9 +3,7 @@ loss as `local`, with its parameters (and their gradients) as one flat tensor fo
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,17 +67,6 @@ def build_replica(cfg: RunConfig, device: torch.device) -> Replica:
     rt = Runtime(device, "none", param_dtype, autocast_dtype)
     loss_model = LanguageModelLoss(model, chunked=cfg.train.loss == "chunked", compute_dtype=autocast_dtype)
     return Replica(data, GlobalOrder(max(data.num_sequences("train"), 1), cfg.train.seed), model, loss_model, rt)
-
-
-def fingerprint(cfg: RunConfig, data_path: str) -> dict[str, str]:
-    """What the server and every worker must agree on, by part, so a mismatch can be named."""
-    manifest = json.loads((Path(data_path) / "manifest.json").read_text(encoding="utf-8"))
-    t = cfg.train
-    return {
-        "model": cfg.model_fingerprint(),
-        "data": str(manifest.get("data_sha256", "")),
-        "train": f"batch_size={t.batch_size} grad_accum={t.grad_accum} precision={t.precision} seed={t.seed} loss={t.loss}",
-    }
 
 
 def check_shard_size(data: PackedTokens, shards: int, per_gradient: int) -> None:

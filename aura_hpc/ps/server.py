@@ -23,8 +23,8 @@ from aura_hpc.config import RunConfig
 from aura_hpc.errors import EXIT_RESUMABLE
 from aura_hpc.ops.network import route_to
 from aura_hpc.ps import ledger, wire
-from aura_hpc.ps.join import Tickets, decide
-from aura_hpc.ps.replica import Replica, build_replica, check_shard_size, fingerprint
+from aura_hpc.ps.join import Tickets, decide, fingerprint
+from aura_hpc.ps.replica import Replica, build_replica, check_shard_size
 from aura_hpc.ps.stats import ProcessStats, copy_worker_stats, write_stats
 from aura_hpc.train.evaluation import evaluate, sample
 from aura_hpc.train.metrics import MetricsWriter

@@ -19,8 +19,8 @@ from aura_hpc.config import RunConfig
 from aura_hpc.errors import LaunchError, TrainingFailed
 from aura_hpc.ops.network import route_to
 from aura_hpc.ps import wire
-from aura_hpc.ps.join import request_join
-from aura_hpc.ps.replica import Replica, build_replica, fingerprint
+from aura_hpc.ps.join import fingerprint, request_join
+from aura_hpc.ps.replica import Replica, build_replica
 from aura_hpc.ps.stats import ProcessStats, write_stats
 from aura_hpc.train import faults
 from aura_hpc.train.stop import StopRequest
@@ -59,6 +59,8 @@ def connect(cfg: RunConfig, addr: str, port: int, progress: Any) -> tuple[Any, s
 class PsWorker:
     def __init__(self, cfg: RunConfig, addr: str, port: int, wanted_rank: int) -> None:
         self.cfg, self.addr, self.port, self.wanted_rank = cfg, addr, port, wanted_rank
+        # Built before joining: the server starts counting a worker's time (and its pair group's
+        # timeout) from the join, and a worker that joins ready trains at once.
         device = torch.device("cuda") if torch.cuda.is_available() and cfg.dist.backend != "gloo" else torch.device("cpu")
         self.replica: Replica = build_replica(cfg, device)
 
@@ -96,6 +98,7 @@ class PsWorker:
             return self._train(link, int(reply["position"]), stop)
         except RuntimeError as exc:
             first = wire.failure(exc)
+            self.server_gone = True
             raise TrainingFailed(
                 f"lost the parameter server at {self.addr}:{self.port} after {self.stats.steps} gradients ({first}) "
                 "(fix: re-run this worker command once the server runs again; the server resumes from its last checkpoint)"
@@ -178,6 +181,8 @@ class PsWorker:
             s.end_time = time.time()
         text = s.to_json()
         write_stats(self.cfg.run_dir, text, s.file_name)
+        if getattr(self, "server_gone", False):
+            return
         try:
             self.store.set(f"stats/{self.ticket}/name", s.file_name)
             self.store.set(f"stats/{self.ticket}", text)
