@@ -100,7 +100,7 @@ class PsWorker:
             first = wire.failure(exc)
             self.server_gone = True
             raise TrainingFailed(
-                f"lost the parameter server at {self.addr}:{self.port} after {self.stats.steps} gradients ({first}) "
+                f"lost the parameter server at {self.addr}:{self.port} after {self.stats.steps} gradient(s) ({first}) "
                 "(fix: re-run this worker command once the server runs again; the server resumes from its last checkpoint)"
             ) from None
         finally:
