@@ -237,6 +237,22 @@ def test_bad_inputs_of_a_parameter_server_run(tmp_path: Path, base: list[str]) -
             first.finish()
 
 
+def test_a_full_disk_on_the_server_stops_the_run_with_the_fix_and_keeps_nothing_broken(tmp_path: Path, base: list[str]) -> None:
+    port = free_port()
+    run_dir = tmp_path / "runs" / "ps"
+    common = [*base, "--set", "train.max_steps=400", "--set", "train.log_every=10", "--set", "train.checkpoint_every=20"]
+    common += ["--set", "train.eval_every=0"]
+    # The first checkpoint's save fails as a full disk would (train/faults.py).
+    server = Proc(["ps", "--port", str(port), *common], tmp_path / "ps.log", AURA_FAULT_CKPT="enospc:model")
+    _listening(port, server)
+    worker = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / "w.log")
+    assert server.finish() == 1, server.text
+    assert worker.finish() == 0, worker.text
+    assert "error: could not write checkpoint step_00000020" in server.text and "fix: free disk space" in server.text, server.text
+    assert "the server stopped on an error" in worker.text
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp")]  # no half-written folder left
+
+
 # ---- three PCs: a server and two workers in network namespaces on one bridge ---------------
 
 

@@ -134,6 +134,15 @@ def metrics_row(version: int, lr: float, interval: Interval, seconds: float, wor
     return row
 
 
+def progress_line(row: dict[str, Any], max_steps: int, hist: Counter[str]) -> str:
+    loss, eval_loss = row["loss"], row.get("eval_loss")
+    return (
+        f"version {row['version']}/{max_steps} loss {f'{loss:.4f}' if loss is not None else '-'}"
+        + (f" eval {eval_loss:.4f}" if eval_loss is not None else "")
+        + f" | {row['tokens_per_s']:.0f} tokens/s | workers {row['workers']} | staleness {staleness_text(hist)}"
+    )
+
+
 def summary(run_dir: Path, version: int, max_steps: int, tokens: int, best_eval: float | None, hist: Counter[str], text: str) -> None:
     data = {
         "mode": MODE,

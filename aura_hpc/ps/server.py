@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from aura_hpc.config import RunConfig
-from aura_hpc.errors import EXIT_RESUMABLE
+from aura_hpc.errors import EXIT_RESUMABLE, AuraError
 from aura_hpc.ops.network import route_to
 from aura_hpc.ps import ledger, wire
 from aura_hpc.ps.join import Tickets, decide, fingerprint
 from aura_hpc.ps.replica import Replica, build_replica, check_shard_size
-from aura_hpc.ps.stats import ProcessStats, copy_worker_stats, write_stats
+from aura_hpc.ps.stats import ProcessStats, add_link_totals, copy_worker_stats, write_stats
 from aura_hpc.train.evaluation import evaluate, sample
 from aura_hpc.train.metrics import MetricsWriter
 from aura_hpc.train.schedule import make_optimizer, make_scheduler
@@ -81,6 +81,7 @@ class ParameterServer:
         self.stats = ProcessStats("ps", 0)
         self.left: list[dict[str, Any]] = []
         self.closed_links: list[wire.Link] = []
+        self.fatal: AuraError | None = None  # what stopped the server from inside a worker's thread (a full disk)
 
     # ---- start -----------------------------------------------------------------------------
     def resume(self) -> None:
@@ -117,6 +118,10 @@ class ParameterServer:
                 log.info("no worker connected; waiting for workers (Ctrl+C saves and stops)")
                 last_note = time.monotonic()
             time.sleep(0.05)
+        if self.fatal is not None:
+            self._join_threads()
+            self.metrics.close()
+            raise self.fatal
         return self._finish(interrupted=stop.requested and self.version < self.t.max_steps)
 
     # ---- joining ---------------------------------------------------------------------------
@@ -179,8 +184,12 @@ class ParameterServer:
                     break
                 started = time.perf_counter()
                 link.recv_payload(grads)
-                if self._apply(seat, header, grads):
-                    link.send([wire.STOP, self.version, float(self.version >= self.t.max_steps)])
+                try:
+                    stop = self._apply(seat, header, grads)
+                except AuraError as exc:  # e.g. a checkpoint that cannot be written: the server stops
+                    self.fatal, self.stopping, stop = exc, True, True
+                if stop:
+                    link.send([wire.STOP, self.version, self._stop_code()])
                     reason = "stopped by the server"
                     break
                 self._send_weights(link)
@@ -190,6 +199,10 @@ class ParameterServer:
             reason = "timed out (no message for ps.worker_timeout_s)" if "imed out" in first else f"lost ({first})"
         finally:
             self._leave(seat, reason)
+
+    def _stop_code(self) -> float:
+        """What a STOP tells the worker: 1 training is over, 2 the server failed, 0 it was stopped (Ctrl+C)."""
+        return 1.0 if self.version >= self.t.max_steps else 2.0 if self.fatal is not None else 0.0
 
     def _send_weights(self, link: wire.Link) -> None:
         with self.lock:
@@ -283,17 +296,7 @@ class ParameterServer:
         if eval_loss is not None:
             row["eval_loss"] = eval_loss
         self.metrics.write(row)
-        loss = row["loss"]
-        log.info(
-            "version %d/%d loss %s%s | %.0f tokens/s | workers %d | staleness %s",
-            self.version,
-            self.t.max_steps,
-            f"{loss:.4f}" if loss is not None else "-",
-            f" eval {eval_loss:.4f}" if eval_loss is not None else "",
-            row["tokens_per_s"],
-            len(self.seats),
-            ledger.staleness_text(self.hist),
-        )
+        log.info("%s", ledger.progress_line(row, self.t.max_steps, self.hist))
         self.interval = ledger.Interval()
         self.interval_start = now
 
@@ -318,24 +321,24 @@ class ParameterServer:
         s.steps, s.tokens = self.version, self.tokens
         links = self.closed_links + [seat.link for seat in self.seats.values() if seat.link is not None]
         s.extra = {"staleness": dict(self.hist), "workers_left": self.left[-20:], "max_staleness": self.p.max_staleness}
-        s.bytes_sent = sum(link.bytes_sent for link in links)
-        s.bytes_received = sum(link.bytes_received for link in links)
-        s.round_trips = sum(link.round_trips for link in links)
-        # The server's side of a round trip: gradient received -> new weights sent.
-        s.mean_round_trip_ms = 1000.0 * sum(link.round_trip_s for link in links) / s.round_trips if s.round_trips else 0.0
+        add_link_totals(s, links)
         write_stats(self.cfg.run_dir, s.to_json(), s.file_name)
 
     # ---- the end ---------------------------------------------------------------------------
-    def _finish(self, interrupted: bool) -> int:
-        with self.lock:
-            self.stopping = True
-            if self.version != self.saved_version:
-                self._save(self._evaluate() if not interrupted else None)
+    def _join_threads(self) -> None:
+        """Each connected worker gets its STOP at its next message; wait for them a while."""
         deadline = time.monotonic() + STOP_GRACE_S
         for th in self.threads:
             th.join(timeout=max(0.0, deadline - time.monotonic()))
         if any(th.is_alive() for th in self.threads):
             log.warning("some workers did not come for their stop message within %.0fs; they will see the server go away", STOP_GRACE_S)
+
+    def _finish(self, interrupted: bool) -> int:
+        with self.lock:
+            self.stopping = True
+            if self.version != self.saved_version:
+                self._save(self._evaluate() if not interrupted else None)
+        self._join_threads()
         for seat in list(self.seats.values()):
             self._copy_worker_stats(seat)
         text = sample(self._parts(), self.t, self.version, self.replica.rt) if not interrupted else ""

@@ -64,3 +64,12 @@ def copy_worker_stats(store: Any, ticket: int, run_dir: Path, final_within_s: fl
     except (RuntimeError, OSError) as exc:
         return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return None
+
+
+def add_link_totals(s: ProcessStats, links: list[Any]) -> None:
+    """The server's traffic over every worker link it has had (ps/wire.py Link)."""
+    s.bytes_sent = sum(link.bytes_sent for link in links)
+    s.bytes_received = sum(link.bytes_received for link in links)
+    s.round_trips = sum(link.round_trips for link in links)
+    # The server's side of a round trip: gradient received -> new weights sent.
+    s.mean_round_trip_ms = 1000.0 * sum(link.round_trip_s for link in links) / s.round_trips if s.round_trips else 0.0

@@ -134,7 +134,9 @@ class PsWorker:
                 self.stats.steps += 1
                 self.stats.tokens += tokens
                 self._publish_stats(link, final=True)
-                how = "ended training" if header[2] else "is stopping (Ctrl+C there; it saved a checkpoint)"
+                how = {1: "ended training", 2: "stopped on an error (see its terminal)"}.get(
+                    int(header[2]), "is stopping (Ctrl+C there; it saved a checkpoint)"
+                )
                 log.info("the server %s at version %d; this worker sent %d gradients", how, int(header[1]), self.stats.steps)
                 return 0
             link.recv_payload(weights)
