@@ -359,8 +359,9 @@ def test_a_killed_launcher_takes_its_workers_along_and_a_run_dir_admits_one_trai
     finally:
         if proc.poll() is None:
             proc.kill()
-    log0 = (run / "logs" / "rank_0.log").read_text()
-    assert f"the launcher (PID {proc.pid}) is gone" in log0, log0[-2000:]
+    # Whichever worker notices first says so; the other stops on the shared stop flag.
+    logs = "".join((run / "logs" / f"rank_{r}.log").read_text() for r in (0, 1))
+    assert f"the launcher (PID {proc.pid}) is gone" in logs, logs[-3000:]
     step = checkpoint.list_complete(run / "checkpoints")[0].step
     # The dead launcher's lock is taken over; the same command resumes and ends as if never stopped.
     again = run_cli(args)
