@@ -97,6 +97,27 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def test_a_worker_back_from_a_drop_replaces_its_own_old_seat_only() -> None:
+    """A rejoin that arrives before the server's side of the old connection timed out."""
+    from aura_hpc.ps.server import Seat, release_returning_seat
+
+    def seats() -> dict:
+        return {2: Seat(2, "pc-salon", "10.0.0.3", 4242, 7), 1: Seat(1, "pc-cocina", "10.0.0.2", 99, 3)}
+
+    same = seats()
+    old = same[2]
+    release_returning_seat(same, {"rank": 2, "host": "pc-salon", "pid": 4242, "rejoin": True})
+    assert 2 not in same and old.replaced and 1 in same
+    for req in (
+        {"rank": 2, "host": "pc-salon", "pid": 4243, "rejoin": True},  # another process on that PC
+        {"rank": 2, "host": "pc-patio", "pid": 4242, "rejoin": True},  # another PC
+        {"rank": 2, "host": "pc-salon", "pid": 4242},  # a first join asking for a taken rank
+    ):
+        kept = seats()
+        release_returning_seat(kept, req)
+        assert set(kept) == {1, 2} and not kept[2].replaced, req
+
+
 def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, base: list[str]) -> None:
     port = free_port()
     run_dir = tmp_path / "runs" / "ps"
@@ -289,10 +310,11 @@ def lan() -> Iterator[list[str]]:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def test_server_and_workers_on_three_lan_addresses(tmp_path: Path, base: list[str], lan: list[str]) -> None:
+def test_server_and_workers_on_three_lan_addresses_and_a_wifi_drop(tmp_path: Path, base: list[str], lan: list[str]) -> None:
     port = 30005  # the default: every namespace has its own ports
     run_dir = tmp_path / "runs" / "ps"
-    common = [*base, "--set", "train.max_steps=120", "--set", "train.log_every=20", "--set", "train.eval_every=60"]
+    common = [*base, "--set", "train.max_steps=700", "--set", "train.log_every=20", "--set", "train.eval_every=350"]
+    common += ["--set", "ps.worker_timeout_s=4"]
     server = Proc(["ps", *common], tmp_path / "ps.log", netns=lan[0])
     server.wait_for("worker --server 10.78.1.1:30005")  # its LAN address, in the command it prints
     probe = subprocess.run(
@@ -304,10 +326,33 @@ def test_server_and_workers_on_three_lan_addresses(tmp_path: Path, base: list[st
     )
     assert probe.returncode == 0, probe.stdout + probe.stderr
     workers = [Proc(["worker", "--server", "10.78.1.1", *common], tmp_path / f"w{i}.log", netns=lan[i]) for i in (1, 2)]
-    assert server.finish() == 0, server.text
-    for w in workers:
-        assert w.finish() == 0, w.text
+    try:
+        _wait_version(run_dir, 40, server)
+        server.wait_for("joined from")
+        # Worker 2's PC drops off the network (its switch port goes down) for longer than
+        # ps.worker_timeout_s: the server lets it go and trains on with worker 1.
+        dropped = workers[1]  # the PC at 10.78.1.3
+        switch_port = f"h2{lan[2].rsplit('-', 1)[1]}"
+        hub = f"/run/netns/aura-hub-{lan[2].rsplit('-', 1)[1]}"
+        subprocess.run(["nsenter", f"--net={hub}", "ip", "link", "set", switch_port, "down"], check=True, timeout=20)
+        server.wait_for("timed out (no message for ps.worker_timeout_s)", timeout=30)
+        dropped.wait_for("the network may have dropped", timeout=30)
+        at_drop = _version(run_dir)
+        _wait_version(run_dir, at_drop + 40, server)  # the other worker keeps the run going
+        subprocess.run(["nsenter", f"--net={hub}", "ip", "link", "set", switch_port, "up"], check=True, timeout=20)
+        dropped.wait_for("rejoined the parameter server at 10.78.1.1:30005 as worker", timeout=60)
+        assert server.finish() == 0, server.text
+        for w in workers:
+            assert w.finish() == 0, w.text
+    finally:
+        for proc in (server, *workers):
+            if proc.p.poll() is None:
+                proc.p.kill()
     assert "joined from" in server.text and "(10.78.1.2)" in server.text and "(10.78.1.3)" in server.text, server.text
+    assert "rejoined from" in server.text, server.text
     rows = _rows(run_dir)
-    assert rows[-1]["version"] == 120 and {"1", "2"} <= {k for r in rows for k in r["contributions"]}
+    assert rows[-1]["version"] == 700 and {"1", "2"} <= {k for r in rows for k in r["contributions"]}
+    rank = dropped.text.split("rejoined the parameter server at 10.78.1.1:30005 as worker ")[1][0]
+    after = [r for r in rows if r["version"] > at_drop + 40]
+    assert any(int(r["contributions"].get(rank, 0)) > 0 for r in after), "the dropped worker never contributed again"
     assert port == 30005

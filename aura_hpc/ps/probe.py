@@ -74,3 +74,11 @@ def check_server(report: Report, addr: str, port: int, timeout: float) -> None:
         f"{mb:.1f} MB there and back in {seconds * 1000:.0f} ms ({mb / seconds:.0f} MB/s)" if ok else "the tensor came back changed",
         "" if ok else "a network device corrupts data: try another network",
     )
+
+
+def echo(link: wire.Link) -> None:
+    """The server's side of the round trip: the tensor sent back doubled, through the same path as gradients."""
+    header = link.recv_header()
+    buf = torch.empty(int(header[1]), dtype=torch.float32)
+    link.recv_payload(buf)
+    link.send([wire.PROBE, header[1]], buf * 2)

@@ -24,6 +24,7 @@ from aura_hpc.errors import EXIT_RESUMABLE, AuraError
 from aura_hpc.ops.network import route_to
 from aura_hpc.ps import ledger, wire
 from aura_hpc.ps.join import Tickets, decide, fingerprint
+from aura_hpc.ps.probe import echo
 from aura_hpc.ps.replica import Replica, build_replica, check_shard_size
 from aura_hpc.ps.stats import ProcessStats, add_link_totals, copy_worker_stats, write_stats
 from aura_hpc.train.evaluation import evaluate, sample
@@ -47,13 +48,25 @@ class Seat:
     addr: str
     pid: int
     ticket: int
+    rejoined: bool = False  # came back after a network drop (same rank, same process)
     joined: float = field(default_factory=time.monotonic)
     updates: int = 0
     tokens: int = 0
     link: wire.Link | None = None
+    replaced: bool = False  # by the same worker rejoining after a network drop
 
     def describe(self) -> str:
         return f"{self.host} ({self.addr}, pid {self.pid}, joined {time.monotonic() - self.joined:.0f}s ago)"
+
+
+def release_returning_seat(seats: dict[int, Seat], req: dict[str, Any]) -> None:
+    """The same worker process back after a network drop, before its old connection timed out here:
+    its old seat goes (that seat's thread ends quietly when the old connection fails)."""
+    old = seats.get(int(req.get("rank") or 0))
+    if req.get("rejoin") and old is not None and (old.host, old.pid) == (req.get("host"), req.get("pid")):
+        old.replaced = True
+        del seats[old.rank]
+        log.warning("worker %d (%s) reconnected before its old connection timed out; dropping the old one", old.rank, old.host)
 
 
 class ParameterServer:
@@ -127,6 +140,7 @@ class ParameterServer:
     # ---- joining ---------------------------------------------------------------------------
     def _admit(self, ticket: int, req: dict[str, Any]) -> None:
         with self.lock:
+            release_returning_seat(self.seats, req)
             taken = {rank: seat.describe() for rank, seat in self.seats.items()}
         reply = decide(req, self.fingerprint, self.p.workers, taken, self.stopping)
         if not reply["ok"]:
@@ -140,7 +154,7 @@ class ParameterServer:
             self._start_thread(self._echo, prefix, str(req.get("addr", "")))
             return
         rank = int(reply["rank"])
-        seat = Seat(rank, str(req.get("host", "?")), str(req.get("addr", "?")), int(req.get("pid", 0)), ticket)
+        seat = Seat(rank, str(req.get("host", "?")), str(req.get("addr", "?")), int(req.get("pid", 0)), ticket, bool(req.get("rejoin")))
         reply["position"] = self.positions.get(rank, 0)
         with self.lock:
             if not self.seats:  # throughput counts from when someone trains, not from an idle wait
@@ -159,13 +173,8 @@ class ParameterServer:
         return wire.Link(wire.pair_group(self.store, prefix, 0, own or "127.0.0.1", self.p.worker_timeout_s), 0)
 
     def _echo(self, prefix: str, addr: str) -> None:
-        """`check --server`: one tensor sent back doubled, through the same path as gradients."""
         try:
-            link = self._pair(prefix, addr)
-            header = link.recv_header()
-            buf = torch.empty(int(header[1]), dtype=torch.float32)
-            link.recv_payload(buf)
-            link.send([wire.PROBE, header[1]], buf * 2)
+            echo(self._pair(prefix, addr))
         except RuntimeError as exc:
             log.warning("a connectivity check from %s did not complete (%s)", addr, wire.failure(exc))
 
@@ -174,7 +183,8 @@ class ParameterServer:
         reason = "left"
         try:
             link = seat.link = self._pair(prefix, seat.addr)
-            log.info("worker %d joined from %s (%s); %d connected", seat.rank, seat.host, seat.addr, len(self.seats))
+            how = "rejoined" if seat.rejoined else "joined"
+            log.info("worker %d %s from %s (%s); %d connected", seat.rank, how, seat.host, seat.addr, len(self.seats))
             self._send_weights(link)
             grads = torch.empty(self.replica.numel, dtype=self.wire_dtype)
             while True:
@@ -196,7 +206,7 @@ class ParameterServer:
                 link.timed_round_trip(started)
         except RuntimeError as exc:
             first = wire.failure(exc)
-            reason = "timed out (no message for ps.worker_timeout_s)" if "imed out" in first else f"lost ({first})"
+            reason = "timed out (no message for ps.worker_timeout_s)" if wire.timed_out(first) else f"lost ({first})"
         finally:
             self._leave(seat, reason)
 
@@ -217,6 +227,9 @@ class ParameterServer:
             left = len(self.seats)
             if seat.link is not None:
                 self.closed_links.append(seat.link)
+        if seat.replaced:
+            log.info("the old connection of worker %d closed (%s)", seat.rank, reason)
+            return
         self._copy_worker_stats(seat, final_within_s=3.0 if reason == "stopped by the server" else 0.0)
         self.left.append({"rank": seat.rank, "host": seat.host, "reason": reason, "version": self.version})
         if reason != "stopped by the server":

@@ -119,3 +119,8 @@ def failure(exc: BaseException) -> str:
     first = text.splitlines()[0] if text else type(exc).__name__
     first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first)
     return first.split(". This is typically")[0][:160]
+
+
+def timed_out(first_line: str) -> bool:
+    """A silent peer (a Wi-Fi drop, a frozen PC) rather than a closed connection (a process gone)."""
+    return "imed out" in first_line

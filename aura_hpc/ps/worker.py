@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from aura_hpc.config import RunConfig
-from aura_hpc.errors import LaunchError, TrainingFailed
+from aura_hpc.errors import AuraError, LaunchError, TrainingFailed
 from aura_hpc.ops.network import route_to
 from aura_hpc.ps import wire
 from aura_hpc.ps.join import fingerprint, request_join
@@ -63,27 +63,65 @@ class PsWorker:
         # timeout) from the join, and a worker that joins ready trains at once.
         device = torch.device("cuda") if torch.cuda.is_available() and cfg.dist.backend != "gloo" else torch.device("cpu")
         self.replica: Replica = build_replica(cfg, device)
+        self.rank = 0  # given by the server at the first join, kept when rejoining after a drop
+        self.dropped_links: list[wire.Link] = []  # kept alive: destroying a gloo pair mid-wait can abort
 
     def run(self, progress: Any, on_rank: Any = None) -> int:
-        cfg = self.cfg
+        link, position = self._join(progress)
+        if on_rank is not None:
+            on_rank(self.rank)
+        stop = StopRequest()
+        stop.install()
+        try:
+            while True:
+                try:
+                    return self._train(link, position, stop)
+                except RuntimeError as exc:
+                    first = wire.failure(exc)
+                    if not wire.timed_out(first) or stop.requested:
+                        raise self._lost(first) from None
+                # A silent server is a network that dropped (Wi-Fi) more often than a server that
+                # died (that closes the connection): come back as the same worker when it answers.
+                log.warning(
+                    "no answer from the parameter server for ps.worker_timeout_s (%ss): the network may have dropped; "
+                    "rejoining as worker %d when %s:%d answers again (up to ps.join_timeout_s, %ss)",
+                    self.cfg.ps.worker_timeout_s,
+                    self.rank,
+                    self.addr,
+                    self.port,
+                    self.cfg.ps.join_timeout_s,
+                )
+                self.dropped_links.append(link)
+                try:
+                    link, position = self._join(progress)
+                except AuraError as again:
+                    raise self._lost(first, again) from None
+        finally:
+            if self.stats.end_time is None:
+                self._publish_stats(link, final=True)
+
+    def _join(self, progress: Any) -> tuple[wire.Link, int]:
+        """Join (or, after a drop, rejoin as the same rank): the pair link and the shard position."""
+        cfg, rejoin = self.cfg, self.rank > 0
         store, own = connect(cfg, self.addr, self.port, progress)
         request = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "addr": own,
-            "rank": self.wanted_rank,
+            "rank": self.rank if rejoin else self.wanted_rank,
+            "rejoin": rejoin,
             "fingerprint": fingerprint(cfg, cfg.data.path),
         }
         ticket, reply = request_join(store, request, f"{self.addr}:{self.port}", cfg.ps.join_timeout_s)
-        self.rank, self.shards = int(reply["rank"]), int(reply["workers"])
-        self.wire_dtype = wire.WIRE_DTYPES[str(reply["wire_dtype"])]
-        self.store, self.ticket = store, ticket
-        self.stats = ProcessStats("worker", self.rank)
-        if on_rank is not None:
-            on_rank(self.rank)
+        if not rejoin:
+            self.rank, self.shards = int(reply["rank"]), int(reply["workers"])
+            self.wire_dtype = wire.WIRE_DTYPES[str(reply["wire_dtype"])]
+            self.stats = ProcessStats("worker", self.rank)
+        self.store, self.ticket, self.server_gone = store, ticket, False
         link = wire.Link(wire.pair_group(store, str(reply["prefix"]), 1, own, cfg.ps.worker_timeout_s), 1)
         log.info(
-            "joined the parameter server at %s:%d as worker %d of %d (version %d); reading shard %d of the data from sequence %d",
+            "%s the parameter server at %s:%d as worker %d of %d (version %d); reading shard %d of the data from sequence %d",
+            "rejoined" if rejoin else "joined",
             self.addr,
             self.port,
             self.rank,
@@ -92,20 +130,15 @@ class PsWorker:
             self.rank,
             int(reply["position"]),
         )
-        stop = StopRequest()
-        stop.install()
-        try:
-            return self._train(link, int(reply["position"]), stop)
-        except RuntimeError as exc:
-            first = wire.failure(exc)
-            self.server_gone = True
-            raise TrainingFailed(
-                f"lost the parameter server at {self.addr}:{self.port} after {self.stats.steps} gradient(s) ({first}) "
-                "(fix: re-run this worker command once the server runs again; the server resumes from its last checkpoint)"
-            ) from None
-        finally:
-            if self.stats.end_time is None:
-                self._publish_stats(link, final=True)
+        return link, int(reply["position"])
+
+    def _lost(self, first: str, rejoin_error: AuraError | None = None) -> TrainingFailed:
+        self.server_gone = True
+        why = f"; rejoining failed: {rejoin_error}" if rejoin_error is not None else ""
+        return TrainingFailed(
+            f"lost the parameter server at {self.addr}:{self.port} after {self.stats.steps} gradient(s) ({first}){why} "
+            "(fix: re-run this worker command once the server runs again; the server resumes from its last checkpoint)"
+        )
 
     def _train(self, link: wire.Link, position: int, stop: StopRequest) -> int:
         weights = torch.empty(self.replica.numel, dtype=self.wire_dtype)
