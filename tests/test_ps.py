@@ -313,8 +313,8 @@ def lan() -> Iterator[list[str]]:
 def test_server_and_workers_on_three_lan_addresses_and_a_wifi_drop(tmp_path: Path, base: list[str], lan: list[str]) -> None:
     port = 30005  # the default: every namespace has its own ports
     run_dir = tmp_path / "runs" / "ps"
-    common = [*base, "--set", "train.max_steps=700", "--set", "train.log_every=20", "--set", "train.eval_every=350"]
-    common += ["--set", "ps.worker_timeout_s=4"]
+    common = [*base, "--set", "train.max_steps=1000", "--set", "train.log_every=20", "--set", "train.eval_every=500"]
+    common += ["--set", "ps.worker_timeout_s=4", "--set", "ps.join_timeout_s=8"]
     server = Proc(["ps", *common], tmp_path / "ps.log", netns=lan[0])
     server.wait_for("worker --server 10.78.1.1:30005")  # its LAN address, in the command it prints
     probe = subprocess.run(
@@ -341,9 +341,15 @@ def test_server_and_workers_on_three_lan_addresses_and_a_wifi_drop(tmp_path: Pat
         _wait_version(run_dir, at_drop + 40, server)  # the other worker keeps the run going
         subprocess.run(["nsenter", f"--net={hub}", "ip", "link", "set", switch_port, "up"], check=True, timeout=20)
         dropped.wait_for("rejoined the parameter server at 10.78.1.1:30005 as worker", timeout=60)
+        _wait_version(run_dir, _version(run_dir) + 40, server)
+        # Off the network for good: after ps.worker_timeout_s + ps.join_timeout_s it gives up in one line.
+        rejoined_at = _version(run_dir)
+        subprocess.run(["nsenter", f"--net={hub}", "ip", "link", "set", switch_port, "down"], check=True, timeout=20)
+        assert dropped.finish(timeout=60) == 1, dropped.text
+        last = dropped.text.strip().splitlines()[-1]
+        assert "lost the parameter server at 10.78.1.1:30005" in last and "could not rejoin" in last and "fix:" in last, last
         assert server.finish() == 0, server.text
-        for w in workers:
-            assert w.finish() == 0, w.text
+        assert workers[0].finish() == 0, workers[0].text
     finally:
         for proc in (server, *workers):
             if proc.p.poll() is None:
@@ -351,8 +357,8 @@ def test_server_and_workers_on_three_lan_addresses_and_a_wifi_drop(tmp_path: Pat
     assert "joined from" in server.text and "(10.78.1.2)" in server.text and "(10.78.1.3)" in server.text, server.text
     assert "rejoined from" in server.text, server.text
     rows = _rows(run_dir)
-    assert rows[-1]["version"] == 700 and {"1", "2"} <= {k for r in rows for k in r["contributions"]}
+    assert rows[-1]["version"] == 1000 and {"1", "2"} <= {k for r in rows for k in r["contributions"]}
     rank = dropped.text.split("rejoined the parameter server at 10.78.1.1:30005 as worker ")[1][0]
-    after = [r for r in rows if r["version"] > at_drop + 40]
+    after = [r for r in rows if at_drop + 40 < r["version"] <= rejoined_at]
     assert any(int(r["contributions"].get(rank, 0)) > 0 for r in after), "the dropped worker never contributed again"
     assert port == 30005

@@ -95,7 +95,9 @@ class PsWorker:
                 try:
                     link, position = self._join(progress)
                 except AuraError as again:
-                    raise self._lost(first, again) from None
+                    raise self._lost(first, str(again)) from None
+                except RuntimeError as again:  # the new pair group could not be set up
+                    raise self._lost(first, wire.failure(again)) from None
         finally:
             if self.stats.end_time is None:
                 self._publish_stats(link, final=True)
@@ -132,12 +134,13 @@ class PsWorker:
         )
         return link, int(reply["position"])
 
-    def _lost(self, first: str, rejoin_error: AuraError | None = None) -> TrainingFailed:
+    def _lost(self, first: str, rejoin_error: str = "") -> TrainingFailed:
         self.server_gone = True
-        why = f"; rejoining failed: {rejoin_error}" if rejoin_error is not None else ""
+        lost = f"lost the parameter server at {self.addr}:{self.port} after {self.stats.steps} gradient(s) ({first})"
+        if rejoin_error:  # its own message names the fix
+            return TrainingFailed(f"{lost}, and could not rejoin: {rejoin_error}")
         return TrainingFailed(
-            f"lost the parameter server at {self.addr}:{self.port} after {self.stats.steps} gradient(s) ({first}){why} "
-            "(fix: re-run this worker command once the server runs again; the server resumes from its last checkpoint)"
+            f"{lost} (fix: re-run this worker command once the server runs again; the server resumes from its last checkpoint)"
         )
 
     def _train(self, link: wire.Link, position: int, stop: StopRequest) -> int:
