@@ -204,8 +204,8 @@ class ParameterServer:
                     break
                 self._send_weights(link)
                 link.timed_round_trip(started)
-        except RuntimeError as exc:
-            first = wire.failure(exc)
+        except wire.LinkLost as exc:
+            first = str(exc)
             reason = "timed out (no message for ps.worker_timeout_s)" if wire.timed_out(first) else f"lost ({first})"
         finally:
             self._leave(seat, reason)

@@ -18,6 +18,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,11 @@ def pair_group(store: dist.Store, prefix: str, rank: int, my_addr: str, timeout_
     return dist.ProcessGroupGloo(prefixed, rank, 2, options)
 
 
+class LinkLost(RuntimeError):
+    """The other end of a pair closed or fell silent (gloo's first line), told apart from errors of the
+    model or the optimizer, which are not a lost peer."""
+
+
 @dataclass
 class Link:
     """One end of a worker's pair group, counting what crosses it."""
@@ -85,23 +91,26 @@ class Link:
     def peer(self) -> int:
         return 1 - self.rank
 
+    def _p2p(self, op: Any, tensor: torch.Tensor, tag: int) -> int:
+        try:
+            op([tensor], self.peer, tag).wait()
+        except RuntimeError as exc:
+            raise LinkLost(failure(exc)) from None
+        return tensor.numel() * tensor.element_size()
+
     def send(self, header: list[float], payload: torch.Tensor | None = None) -> None:
         h = torch.zeros(HEADER_LEN, dtype=torch.float64)
         h[: len(header)] = torch.tensor(header, dtype=torch.float64)
-        self.group.send([h], self.peer, 0).wait()
-        self.bytes_sent += h.numel() * h.element_size()
+        self.bytes_sent += self._p2p(self.group.send, h, 0)
         if payload is not None:
-            self.group.send([payload], self.peer, 1).wait()
-            self.bytes_sent += payload.numel() * payload.element_size()
+            self.bytes_sent += self._p2p(self.group.send, payload, 1)
 
     def recv_header(self) -> list[float]:
-        self.group.recv([self._header], self.peer, 0).wait()
-        self.bytes_received += self._header.numel() * self._header.element_size()
+        self.bytes_received += self._p2p(self.group.recv, self._header, 0)
         return [float(x) for x in self._header.tolist()]
 
     def recv_payload(self, into: torch.Tensor) -> None:
-        self.group.recv([into], self.peer, 1).wait()
-        self.bytes_received += into.numel() * into.element_size()
+        self.bytes_received += self._p2p(self.group.recv, into, 1)
 
     def timed_round_trip(self, started: float) -> None:
         self.round_trips += 1

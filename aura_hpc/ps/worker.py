@@ -65,6 +65,7 @@ class PsWorker:
         self.replica: Replica = build_replica(cfg, device)
         self.rank = 0  # given by the server at the first join, kept when rejoining after a drop
         self.dropped_links: list[wire.Link] = []  # kept alive: destroying a gloo pair mid-wait can abort
+        self.server_gone = False  # then the store is not written to any more
 
     def run(self, progress: Any, on_rank: Any = None) -> int:
         link, position = self._join(progress)
@@ -76,8 +77,8 @@ class PsWorker:
             while True:
                 try:
                     return self._train(link, position, stop)
-                except RuntimeError as exc:
-                    first = wire.failure(exc)
+                except wire.LinkLost as exc:
+                    first = str(exc)
                     if not wire.timed_out(first) or stop.requested:
                         raise self._lost(first) from None
                 # A silent server is a network that dropped (Wi-Fi) more often than a server that
@@ -219,7 +220,7 @@ class PsWorker:
             s.end_time = time.time()
         text = s.to_json()
         write_stats(self.cfg.run_dir, text, s.file_name)
-        if getattr(self, "server_gone", False):
+        if self.server_gone:
             return
         try:
             self.store.set(f"stats/{self.ticket}/name", s.file_name)
