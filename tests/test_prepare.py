@@ -16,7 +16,7 @@ import pytest
 from aura_hpc.data.packed import PackedTokens
 from aura_hpc.data.prepare import PrepareSpec, _split_paragraphs, prepare, read_manifest
 from aura_hpc.errors import DataError
-from tests.conftest import cli_env, run_cli
+from tests.conftest import cli_env, run_cli, run_cli_together
 
 DOCS = [
     "En un pueblo pequeño vivía una panadera que madrugaba cada día.",
@@ -81,8 +81,15 @@ def test_rerun_is_a_noop_and_changed_input_is_not(tmp_path: Path) -> None:
     again = prepare(spec)
     assert again["up_to_date"] is True and (out / "train.bin").stat().st_mtime_ns == mtime
     files["txt"].write_text("Otra cosa distinta.\n\n" * 30, encoding="utf-8")
+    before = _snapshot(out)
+    # Other inputs would replace data that runs may be trained on: only with --force.
+    with pytest.raises(DataError, match=r"already holds data prepared from other inputs .*--force"):
+        prepare(spec)
+    assert _snapshot(out) == before
+    spec.force = True
     changed = prepare(spec)
     assert changed["up_to_date"] is False and changed["input_key"] != first["input_key"]
+    assert not list(tmp_path.glob(".p.*")), "no temporary or old sibling is left behind"
 
 
 def test_globs_and_max_tokens(tmp_path: Path) -> None:
@@ -167,18 +174,86 @@ def test_killed_prepare_is_not_taken_as_complete(tmp_path: Path) -> None:
     assert read_manifest(out) is None
     with pytest.raises(DataError, match="not a prepared directory"):
         PackedTokens(out, 16)
-    # A later run is not fooled by the leftover temp dir, and completes.
+    # A later run is not fooled by the leftover temp dir, removes it (it is ours: its marker names
+    # a dead process of this host), and completes.
     m = prepare(PrepareSpec(out_dir=out, inputs=[str(big)], vocab_size=512))
     assert m["up_to_date"] is False and read_manifest(out) is not None
+    assert not list(tmp_path.glob(".p.*")), "the killed prepare's temporary folder is cleaned up"
 
 
-def test_directory_without_manifest_is_redone(tmp_path: Path) -> None:
+def _snapshot(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_prepare_never_writes_over_what_it_did_not_write(tmp_path: Path, prepared: Path) -> None:
+    """The reproduced data loss: `prepare docs/a.txt --out docs` wiped docs/. Each case below is
+    refused in one line naming the fix, and every byte of the user's files is still there."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("\n\n".join(DOCS[:40]), encoding="utf-8")
+    (docs / "tesis.md").write_text("# Mi tesis\n\nTres años de trabajo.\n", encoding="utf-8")
+    (docs / "foto.jpg").write_bytes(bytes(range(256)) * 40)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notas.txt").write_text("no tocar\n", encoding="utf-8")
+    theirs = tmp_path / "theirs"  # a prepared directory of another tokenizer
+    import shutil
+
+    shutil.copytree(prepared, theirs)
+    cases = [
+        ([str(docs / "a.txt"), "--out", str(docs)], "contains the input"),
+        ([str(docs / "a.txt"), "--out", str(docs / "a.txt")], "is the input"),
+        ([str(docs), "--out", str(docs / "prepared")], "is inside the input folder"),
+        ([str(docs / "a.txt"), "--out", str(other)], "is not empty and is not a prepared directory (it holds notas.txt)"),
+        ([str(docs / "a.txt"), "--out", str(theirs)], "already holds data prepared from other inputs"),
+    ]
+    before = {d: _snapshot(d) for d in (docs, other, theirs)}
+    results = run_cli_together([["prepare", *args, "--vocab-size", "300"] for args, _ in cases], timeout=180)
+    for (args, expected), r in zip(cases, results, strict=True):
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and expected in lines[0] and "(fix: " in lines[0], (args, r.stderr)
+        assert "Traceback" not in r.stderr
+    for d, snap in before.items():
+        assert _snapshot(d) == snap, f"{d} changed"
+    assert not (docs / "prepared").exists() and not list(tmp_path.glob(".*.tmp-*"))
+    # The fix named for a folder of text works: a sibling folder.
+    ok = run_cli(["prepare", str(docs), "--out", str(tmp_path / "docs-prepared"), "--vocab-size", "300"], timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert _snapshot(docs) == before[docs]
+
+
+def test_text_with_nul_bytes_is_refused_at_once(tmp_path: Path) -> None:
+    blob = tmp_path / "disk.txt"
+    blob.write_bytes(b"\0" * 3_000_000)  # ran for more than 10 minutes in BPE training before
+    t0 = time.perf_counter()
+    r = run_cli(["prepare", str(blob), "--out", str(tmp_path / "p")], timeout=60)
+    assert r.returncode == 2 and "holds NUL bytes" in r.stderr and "(fix: " in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert time.perf_counter() - t0 < 30 and not (tmp_path / "p").exists()
+
+
+def test_an_interrupted_replacement_is_put_back(tmp_path: Path) -> None:
+    """Killed between moving the old data aside and moving the new data in: the old data comes back."""
     files = _write_inputs(tmp_path / "in")
     out = tmp_path / "p"
-    out.mkdir()
-    (out / "train.bin").write_bytes(b"\0" * 10)  # a half-copied directory
+    prepare(PrepareSpec(out_dir=out, inputs=[str(files["txt"])], vocab_size=300))
+    snap = _snapshot(out)
+    aside = tmp_path / f".p.old-{_dead_pid()}"
+    out.rename(aside)
+    import socket
+
+    (aside / ".aura-prepare").write_text(json.dumps({"host": socket.gethostname(), "pid": int(aside.name.rsplit("-", 1)[1])}))
+    foreign = tmp_path / ".p.tmp-1"  # no marker: not ours, never touched
+    foreign.mkdir()
     m = prepare(PrepareSpec(out_dir=out, inputs=[str(files["txt"])], vocab_size=300))
-    assert m["up_to_date"] is False and (out / "train.bin").stat().st_size == 2 * m["train_tokens"]
+    assert m["up_to_date"] is True and _snapshot(out) == snap and foreign.is_dir()
 
 
 def test_truncated_token_file_is_detected(tmp_path: Path) -> None:

@@ -70,7 +70,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--tokenizer", help="a tokenizer folder or name; default: train a byte-level BPE on the input")
     p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size of a trained tokenizer (default 8192)")
     p.add_argument("--val-fraction", type=float, default=0.01, help="share of text kept for validation (default 0.01)")
-    p.add_argument("--force", action="store_true", help="prepare again even if the inputs did not change")
+    p.add_argument("--force", action="store_true", help="prepare again, also over prepared data of other inputs (never over other files)")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser(

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from aura_hpc.data.prepare import read_manifest
+from aura_hpc.data.prepare import prepare_hint, read_manifest
 from aura_hpc.errors import DataError
 
 
@@ -18,10 +18,7 @@ class PackedTokens:
         self.path = Path(path)
         manifest = read_manifest(self.path)
         if manifest is None:
-            raise DataError(
-                f"data.path {str(self.path)!r} is not a prepared directory (no manifest.json) "
-                f"(fix: python -m aura_hpc prepare FILES --out {self.path})"
-            )
+            raise DataError(f"data.path {str(self.path)!r} is not a prepared directory (no manifest.json) (fix: {prepare_hint(self.path)})")
         self.manifest: dict[str, Any] = manifest
         self.seq_len = seq_len
         dtype = np.dtype(manifest["dtype"])

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from aura_hpc.data import out_dir
 from aura_hpc.errors import DataError
 
 log = logging.getLogger("aura_hpc")
@@ -55,6 +56,15 @@ class PrepareSpec:
 class _Unit:
     text: str
     end_of_doc: bool
+
+
+def input_folders(inputs: list[str]) -> list[Path]:
+    """The folders among the inputs (given or matched by a glob), resolved."""
+    found = []
+    for item in inputs:
+        matches = [Path(m) for m in sorted(glob.glob(item, recursive=True))] if glob.has_magic(item) else [Path(item)]
+        found += [m.resolve() for m in matches if m.is_dir()]
+    return found
 
 
 def resolve_inputs(inputs: list[str]) -> list[Path]:
@@ -110,6 +120,7 @@ def _records(
             first = False
         text = row[column]
         if isinstance(text, str) and text.strip():
+            check_text(source, text)
             yield text
 
 
@@ -133,12 +144,24 @@ def iter_units(spec: PrepareSpec, files: list[Path]) -> Iterator[_Unit]:
                 text = f.read_text(encoding="utf-8")
             except UnicodeDecodeError as exc:
                 raise DataError(f"{f} is not UTF-8 text ({exc.reason} at byte {exc.start}) (fix: convert it with iconv -t utf-8)") from None
+            check_text(f, text)
             paras = _split_paragraphs(text)
             for i, para in enumerate(paras):
                 yield _Unit(para, i == len(paras) - 1)
         else:
             for text in _records(kind, [str(f)], None, None, "train", spec.text_column, str(f)):
                 yield _Unit(text, True)
+
+
+def check_text(source: Path | str, text: str) -> None:
+    """Refuse what is not text before the tokenizer trainer sees it: NUL bytes (a binary file, or a
+    disk image) make one giant pre-token, and byte-level BPE training then runs for hours."""
+    at = text.find("\0")
+    if at >= 0:
+        raise DataError(
+            f"{source} holds NUL bytes (first at character {at}): it is binary, not text (fix: remove it from the inputs, "
+            "or strip the NULs with tr -d '\\000')"
+        )
 
 
 def input_key(spec: PrepareSpec, files: list[Path]) -> str:
@@ -256,6 +279,15 @@ def _load_tokenizer(name_or_path: str, out: Path) -> _Tok:
     return _Tok(tok.backend_tokenizer, len(tok), int(tok.eos_token_id))
 
 
+def prepare_hint(path: Path) -> str:
+    """The prepare command for a data.path that is not prepared: a folder of text is an input,
+    never the output (prepare refuses to write over files it did not write)."""
+    if path.is_dir() and any(path.iterdir()):
+        out = path.with_name(f"{path.name}-prepared")
+        return f"python -m aura_hpc prepare {path} --out {out}, then --set data.path={out}"
+    return f"python -m aura_hpc prepare YOUR_TEXT_FILES --out {path}"
+
+
 def read_manifest(prepared: Path) -> dict[str, Any] | None:
     try:
         return json.loads((prepared / "manifest.json").read_text())
@@ -274,34 +306,33 @@ def prepare(spec: PrepareSpec) -> dict[str, Any]:
     if not spec.builtin and not spec.dataset and not spec.inputs:
         raise DataError("nothing to prepare (fix: pass input files/folders/globs, or --dataset NAME)")
     files = [] if (spec.builtin or spec.dataset) else resolve_inputs(spec.inputs)
-    out = Path(spec.out_dir)
+    out = Path(spec.out_dir).expanduser().absolute()
+    if out.parent.is_dir():
+        for note in out_dir.clean_leftovers(out):
+            log.info("%s", note)
     key = input_key(spec, files)
     existing = read_manifest(out)
     if existing and existing.get("input_key") == key and not spec.force:
         existing["up_to_date"] = True
         return existing
-    if out.exists() and not out.is_dir():
-        raise DataError(f"output {out} exists and is not a directory (fix: choose another --out)")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out_dir.check_out_dir(out, files, [] if spec.builtin or spec.dataset else input_folders(spec.inputs), existing, spec.force)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"cannot create {out.parent} ({exc.strerror}) (fix: choose a writable --out)") from None
     if not os.access(out.parent, os.W_OK):
         raise DataError(f"cannot write to {out.parent} (fix: choose a writable --out, or fix its permissions)")
 
     t0 = time.perf_counter()
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = out_dir.start_build(out)
     try:
         manifest = _build(spec, files, tmp, key)
         manifest["elapsed_s"] = round(time.perf_counter() - t0, 3)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
         _fsync_tree(tmp)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-            shutil.rmtree(old, ignore_errors=True)
-        tmp.rename(out)
+        out_dir.finish_build(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        out_dir.abandon_build(tmp)
         raise
     manifest["up_to_date"] = False
     return manifest

@@ -63,7 +63,7 @@ def _check_resume_compatible(cfg: RunConfig) -> None:
 
 def preflight_data(cfg: RunConfig, world_size: int) -> None:
     """Data checks that need no GPU: refuse before any worker starts."""
-    from aura_hpc.data.prepare import read_manifest
+    from aura_hpc.data.prepare import prepare_hint, read_manifest
 
     path = Path(cfg.data.path)
     if path.is_file():
@@ -74,10 +74,7 @@ def preflight_data(cfg: RunConfig, world_size: int) -> None:
         )
     m = read_manifest(path)
     if m is None:
-        raise DataError(
-            f"data.path {path} is not a prepared directory (no manifest.json) "
-            f"(fix: python -m aura_hpc prepare YOUR_TEXT_FILES --out {path})"
-        )
+        raise DataError(f"data.path {path} is not a prepared directory (no manifest.json) (fix: {prepare_hint(path)})")
     vocab = int(m["tokenizer"]["vocab_size"])
     if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
         raise ConfigError(

@@ -1,0 +1,147 @@
+"""Where `prepare` writes: what it may replace, the temporary sibling it builds in, and the swap.
+
+The rule is that prepare deletes nothing it did not write. An `--out` folder is replaced only when
+it is a prepared directory of ours (a manifest and nothing but our files); any other non-empty
+folder is refused with what it holds. The new data is built in a hidden sibling marked as ours
+and renamed into place only when complete, so an interrupted prepare leaves the old data or
+nothing. A sibling left by a killed prepare is recognised by its marker and removed (or, for the
+old data moved aside just before a crash, put back) by the next prepare into the same --out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from aura_hpc.errors import DataError
+
+# What a prepared directory holds; anything else in --out is somebody else's.
+MARKER = ".aura-prepare"  # inside a temporary sibling: who is building it (removed once it is in place)
+OUR_ENTRIES = frozenset({"manifest.json", "train.bin", "val.bin", "tokenizer", "shards", MARKER})
+
+
+def _listing(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_out_dir(out: Path, inputs: list[Path], input_dirs: list[Path], manifest: dict[str, Any] | None, force: bool) -> None:
+    """Refuse an --out that is an input, holds an input, lies inside an input folder, or holds files
+    that are not ours; refuse to replace prepared data of other inputs without --force."""
+    out_abs = out.expanduser().resolve()
+    for f in inputs:
+        if f == out_abs or out_abs in f.parents:
+            raise DataError(
+                f"--out {out} {'is' if f == out_abs else 'contains'} the input {f}: prepare would replace what it reads "
+                f"(fix: --out {out_abs.parent / (out_abs.name + '-prepared')})"
+            )
+    for d in input_dirs:
+        if d == out_abs or d in out_abs.parents:
+            raise DataError(
+                f"--out {out} is inside the input folder {d}: its token files would be read as input the next time "
+                f"(fix: --out {d.parent / (d.name + '-prepared')})"
+            )
+    if out_abs.exists() and not out_abs.is_dir():
+        raise DataError(f"--out {out} exists and is not a folder (fix: choose another --out; prepare replaces only its own folders)")
+    if not out_abs.is_dir():
+        return
+    entries = sorted(p.name for p in out_abs.iterdir())
+    if not entries:
+        return
+    foreign = [n for n in entries if n not in OUR_ENTRIES]
+    if manifest is None or foreign:
+        what = _listing(foreign or entries)
+        raise DataError(
+            f"--out {out} is not empty and is not a prepared directory (it holds {what}); prepare never replaces "
+            f"files it did not write (fix: choose a new or empty folder, e.g. --out {out_abs.parent / (out_abs.name + '-prepared')})"
+        )
+    if not force:
+        tok = manifest.get("tokenizer") or {}
+        sources = manifest.get("sources") or []
+        raise DataError(
+            f"--out {out} already holds data prepared from other inputs or settings ({len(sources)} source(s), tokenizer "
+            f"vocab {tok.get('vocab_size', '?')}, created {manifest.get('created', '?')}); runs trained on it need it "
+            "(fix: choose another --out, or add --force to replace it)"
+        )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is not alive (PID 1 may reap late)
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _owner(folder: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def clean_leftovers(out: Path) -> list[str]:
+    """Siblings of `out` left by a killed prepare on this host: temporary builds are removed, the
+    old data moved aside before a crash is put back when `out` is missing. Returns what was done."""
+    done: list[str] = []
+    host = socket.gethostname()
+    for kind in ("tmp", "old"):
+        for sib in sorted(out.parent.glob(f".{out.name}.{kind}-*")):
+            owner = _owner(sib)
+            if owner is None or owner.get("host") != host or _alive(int(owner.get("pid", 0))):
+                continue  # not ours, another machine's, or a prepare still running
+            if kind == "old" and not out.exists():
+                (sib / MARKER).unlink()
+                sib.rename(out)
+                done.append(f"restored {out} from an interrupted replacement")
+            else:
+                shutil.rmtree(sib, ignore_errors=True)
+                done.append(f"removed {sib.name} left by an interrupted prepare (pid {owner.get('pid')})")
+    return done
+
+
+def start_build(out: Path) -> Path:
+    """A fresh hidden sibling of `out`, marked as ours."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists() and _owner(tmp) is not None:
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    _mark(tmp)
+    return tmp
+
+
+def _mark(folder: Path) -> None:
+    (folder / MARKER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "created": time.time()}))
+
+
+def finish_build(tmp: Path, out: Path) -> None:
+    """Move the complete build into place. An existing `out` (already checked to be ours) is moved
+    aside first and removed after the new one is in place."""
+    if out.exists():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in OUR_ENTRIES)
+        if foreign:  # added while we were building
+            raise DataError(f"--out {out} now holds {_listing(foreign)}, which prepare did not write (fix: move them, then run again)")
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+        _mark(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+    (out / MARKER).unlink(missing_ok=True)
+
+
+def abandon_build(tmp: Path) -> None:
+    if tmp.exists() and _owner(tmp) is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
