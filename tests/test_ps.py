@@ -21,12 +21,16 @@ from tests.conftest import SMALL_MODEL, cli_env, free_port, run_cli, run_cli_tog
 
 # conftest's small model, learning fast enough that a few hundred updates show the loss falling.
 MODEL = [*SMALL_MODEL, "--set", "train.warmup_steps=10", "--set", "train.lr=3e-3"]
+# The run's secret, handed to the server and every worker as `ps` tells users to (AURA_PS_SECRET).
+SECRET = "test-secret-" + uuid.uuid4().hex
+WITH_SECRET = {"AURA_PS_SECRET": SECRET}
 
 
 class Proc:
     """A `python -m aura_hpc` process whose output goes to a file (readable while it runs)."""
 
     def __init__(self, args: list[str], log: Path, netns: str | None = None, **env: str) -> None:
+        env = {**WITH_SECRET, **env}
         cmd = [sys.executable, "-m", "aura_hpc", *args]
         if netns:
             cmd = ["nsenter", f"--net=/run/netns/{netns}", *cmd]
@@ -99,23 +103,27 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def test_a_worker_back_from_a_drop_replaces_its_own_old_seat_only() -> None:
     """A rejoin that arrives before the server's side of the old connection timed out."""
+    from aura_hpc.ps.join import Request
     from aura_hpc.ps.server import Seat, release_returning_seat
 
     def seats() -> dict:
-        return {2: Seat(2, "pc-salon", "10.0.0.3", 4242, 7), 1: Seat(1, "pc-cocina", "10.0.0.2", 99, 3)}
+        return {2: Seat(2, "pc-salon", "10.0.0.3", 4242, "a" * 32), 1: Seat(1, "pc-cocina", "10.0.0.2", 99, "b" * 32)}
+
+    def req(host: str, pid: int, rejoin: bool = True) -> Request:
+        return Request("c" * 32, host, "10.0.0.3", pid, 2, rejoin, False, {})
 
     same = seats()
     old = same[2]
-    release_returning_seat(same, {"rank": 2, "host": "pc-salon", "pid": 4242, "rejoin": True})
+    release_returning_seat(same, req("pc-salon", 4242))
     assert 2 not in same and old.replaced and 1 in same
-    for req in (
-        {"rank": 2, "host": "pc-salon", "pid": 4243, "rejoin": True},  # another process on that PC
-        {"rank": 2, "host": "pc-patio", "pid": 4242, "rejoin": True},  # another PC
-        {"rank": 2, "host": "pc-salon", "pid": 4242},  # a first join asking for a taken rank
+    for other in (
+        req("pc-salon", 4243),  # another process on that PC
+        req("pc-patio", 4242),  # another PC
+        req("pc-salon", 4242, rejoin=False),  # a first join asking for a taken rank
     ):
         kept = seats()
-        release_returning_seat(kept, req)
-        assert set(kept) == {1, 2} and not kept[2].replaced, req
+        release_returning_seat(kept, other)
+        assert set(kept) == {1, 2} and not kept[2].replaced, other
 
 
 def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, base: list[str]) -> None:
@@ -225,8 +233,13 @@ def test_bad_inputs_of_a_parameter_server_run(tmp_path: Path, base: list[str]) -
         worker = ["worker", "--server", f"127.0.0.1:{port}", *common]
         cases = [
             ([*worker, "--worker-rank", "1"], "worker rank 1 is already taken by", "omit --worker-rank"),
-            ([*worker, "--set", "model.n_embd=32"], "another model (shape or data.seq_len) than the server", "the same --config/--set"),
-            ([*worker, "--set", "train.batch_size=4"], "another train settings than the server", "the same --config/--set"),
+            ([*worker, "--set", "model.n_embd=32"], "has model.n_embd=32 but the server has model.n_embd=64", "the same --config/--set"),
+            (
+                [*worker, "--set", "train.batch_size=4"],
+                "has train.batch_size=4 but the server has train.batch_size=8",
+                "the same --config/--set",
+            ),
+            ([*worker, "--set", "train.lr=0.01"], "has train.lr=0.01 but the server has train.lr=0.003", "the same --config/--set"),
             ([*worker, "--worker-rank", "7"], "--worker-rank 7 is outside 1..2", "omit --worker-rank"),
             (["ps", "--port", str(port), *common, "--run-name", "ps2"], f"port {port} is already in use", f"--port {port + 1}"),
             (
@@ -236,13 +249,13 @@ def test_bad_inputs_of_a_parameter_server_run(tmp_path: Path, base: list[str]) -
             ),
         ]
         t0 = time.monotonic()
-        results = run_cli_together([c[0] for c in cases], timeout=120)
+        results = run_cli_together([c[0] for c in cases], timeout=120, **WITH_SECRET)
         assert time.monotonic() - t0 < 60
         for (args, problem, fix), r in zip(cases, results, strict=True):
             assert r.returncode == 2 and problem in r.stderr and fix in r.stderr, (args[-2:], r.stdout, r.stderr)
             assert len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "worker 1 joined" in server.text and "refused a worker" in server.text
-        probe = run_cli(["check", "--server", f"127.0.0.1:{port}", "--json"], timeout=120)
+        probe = run_cli(["check", "--server", f"127.0.0.1:{port}", "--json"], timeout=120, **WITH_SECRET)
         findings = {f["name"]: f for f in json.loads(probe.stdout)["findings"]}
         assert probe.returncode == 0 and findings["round trip"]["ok"] and "MB there and back" in findings["round trip"]["detail"]
         first.signal(signal.SIGINT)  # Ctrl+C on a worker: it says goodbye, the server goes on
@@ -321,7 +334,7 @@ def test_server_and_workers_on_three_lan_addresses_and_a_wifi_drop(tmp_path: Pat
         ["nsenter", f"--net=/run/netns/{lan[1]}", sys.executable, "-m", "aura_hpc", "check", "--server", "10.78.1.1", "--json"],
         capture_output=True,
         text=True,
-        env=cli_env(),
+        env=cli_env(**WITH_SECRET),
         timeout=120,
     )
     assert probe.returncode == 0, probe.stdout + probe.stderr

@@ -36,6 +36,7 @@ def _check_ps_server(a: argparse.Namespace) -> int:
     from aura_hpc.ops.check import show
     from aura_hpc.ops.check_local import local_checks
     from aura_hpc.ops.check_report import Report
+    from aura_hpc.ps.auth import given_secret
     from aura_hpc.ps.probe import check_server
     from aura_hpc.ps.worker import parse_server
 
@@ -43,7 +44,7 @@ def _check_ps_server(a: argparse.Namespace) -> int:
     report = Report()
     t0 = time.perf_counter()
     local_checks(report, a.output_dir)
-    check_server(report, addr, port, a.timeout)
+    check_server(report, addr, port, a.timeout, given_secret(a.secret_file))
     report.elapsed_s = time.perf_counter() - t0
     show(report, a.json, a.timeout)
     return 0 if report.ok else 1
@@ -99,6 +100,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--master-addr", help="IP address of node 0")
     p.add_argument("--master-port", type=int, help="TCP port on node 0 (default 29500)")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="process-group backend to test")
+    p.add_argument("--secret-file", help="with --server: a file holding the run's secret (default: the AURA_PS_SECRET variable)")
     p.add_argument("--server", help="from a worker PC: check the parameter server at ADDR[:PORT] (`ps`), with a tensor round trip")
     p.add_argument("--shared-dir", help="a directory that should be the same (NFS) on every node: write-then-read test")
     p.add_argument("--ifname", help="network interface for gloo/NCCL (default: the one that routes to the master)")

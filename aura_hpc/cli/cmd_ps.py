@@ -10,25 +10,35 @@ from aura_hpc.cli.common import add_run_options
 def cmd_ps(a: argparse.Namespace) -> int:
     from aura_hpc import console
     from aura_hpc.launch.run_setup import prepare_run_dir
+    from aura_hpc.ps import auth
     from aura_hpc.ps.commands import lan_addresses, load_ps_config, worker_command
     from aura_hpc.train import worker_log
 
     cfg = load_ps_config(a.config, a.overrides, a.output_dir, a.run_name, a.port, a.workers)
+    auth.given_secret(a.secret_file)  # a bad secret is refused before the run directory is touched
     lock = prepare_run_dir(cfg, 1, lock=True)
     assert lock is not None
     try:
         from aura_hpc.ps.server import ParameterServer
 
+        secret, origin = auth.server_secret(cfg.run_dir, a.secret_file)
         addrs = lan_addresses()
         console.heading(
             f"aura_hpc ps: run {cfg.run_name!r}, parameter server on port {cfg.ps.port} for {cfg.ps.workers} workers "
             f"(this PC: {', '.join(addrs)})"
         )
-        console.info("on each worker PC, from any folder (add --worker-rank K to choose its shard, 1..N):")
-        console.plain("  " + worker_command(addrs[0], cfg.ps.port, a.config, a.overrides, a.run_name))
+        console.info(
+            "on each worker PC, from any folder (add --worker-rank K to choose its shard, 1..N); the run's secret "
+            f"({origin}) proves every join and message, so keep this line private:"
+        )
+        command = worker_command(addrs[0], cfg.ps.port, a.config, a.overrides, a.run_name)
+        if a.secret_file:
+            console.plain(f"  {command} --secret-file {a.secret_file}   (copy that file to each worker PC)")
+        else:
+            console.plain(f"  {auth.SECRET_ENV}={secret} {command}")
         console.info(f"open TCP port {cfg.ps.port} on this PC's firewall for the workers; Ctrl+C here saves and stops them all")
         worker_log.setup(cfg.run_dir / "logs", 0, label="ps")
-        server = ParameterServer(cfg)
+        server = ParameterServer(cfg, auth.key_of(secret))
         server.resume()
         return server.serve(cfg.ps.port)
     finally:
@@ -38,11 +48,13 @@ def cmd_ps(a: argparse.Namespace) -> int:
 def cmd_worker(a: argparse.Namespace) -> int:
     from aura_hpc import console
     from aura_hpc.launch.run_setup import ensure_data
+    from aura_hpc.ps import auth
     from aura_hpc.ps.commands import load_ps_config
     from aura_hpc.ps.worker import PsWorker, parse_server
     from aura_hpc.train import worker_log
 
     cfg = load_ps_config(a.config, a.overrides, a.output_dir, a.run_name, None, None)
+    key = auth.key_of(auth.worker_secret(a.secret_file))
     addr, port = parse_server(a.server, cfg.ps.port)
     if a.worker_rank is not None and a.worker_rank < 1:
         from aura_hpc.errors import LaunchError
@@ -51,7 +63,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
     ensure_data(cfg, 1)
     console.heading(f"aura_hpc worker: run {cfg.run_name!r}, parameter server {addr}:{port}")
     worker_log.setup(None, 0, label="worker")
-    w = PsWorker(cfg, addr, port, a.worker_rank or 0)
+    w = PsWorker(cfg, addr, port, a.worker_rank or 0, key)
     return w.run(console.info, lambda rank: worker_log.setup(cfg.run_dir / "logs", rank, label=f"worker{rank}"))
 
 
@@ -65,6 +77,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_run_options(p)
     p.add_argument("--workers", type=int, help="how many worker PCs the data is split for (default: ps.workers, 2)")
     p.add_argument("--port", type=int, help="TCP port the workers connect to (default: ps.port, 30005)")
+    p.add_argument("--secret-file", help="a file holding the run's secret (default: AURA_PS_SECRET, else RUN_DIR/ps.secret, made once)")
     p.set_defaults(func=cmd_ps)
 
     p = sub.add_parser(
@@ -76,4 +89,5 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_run_options(p)
     p.add_argument("--server", required=True, help="the server's ADDR or ADDR:PORT (printed by `ps`)")
     p.add_argument("--worker-rank", type=int, help="this worker's rank 1..N (default: the server gives a free one)")
+    p.add_argument("--secret-file", help="a file holding the run's secret (default: the AURA_PS_SECRET variable, as `ps` prints)")
     p.set_defaults(func=cmd_worker)

@@ -1,14 +1,22 @@
 """Joining a parameter-server run through the server's TCPStore.
 
-A worker takes a ticket (an atomic counter in the store), writes its request (host, address,
-wanted rank, fingerprint) under it and waits for the server's reply under the same ticket.
-The server reads tickets in order, so exactly one place decides ranks: two workers asking for
-the same rank cannot both get it.
+A worker picks a random nonce, writes its request (host, address, wanted rank, settings) with an
+HMAC under the run's secret to `join/req/<nonce>`, announces the nonce on the `join/queue` list
+and waits for `join/reply/<nonce>`, which it believes only with the server's HMAC over that nonce.
+It announces again every few seconds while it waits, so a request someone overwrote or a queue
+someone reset costs a retry, not the join. The server reads the queue in order (one place decides
+ranks) and treats every byte of it as hostile: sizes are bounded, types checked, requests without
+a valid HMAC refused with a logged line, and nothing read there ever names a file.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import json
+import logging
+import re
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -16,99 +24,276 @@ from typing import Any
 import torch.distributed as dist
 
 from aura_hpc.config import RunConfig
-from aura_hpc.errors import ConfigError, LaunchError
+from aura_hpc.errors import ConfigError, LaunchError, one_line
+from aura_hpc.ps import auth
 
-COUNTER = "join/count"
-# A ticket whose request never arrives (its worker died between the two writes) is skipped after this.
-ABANDONED_TICKET_S = 5.0
+log = logging.getLogger("aura_hpc")
+
+QUEUE = "join/queue"
+ANNOUNCE_EVERY_S = 3.0
+MAX_QUEUE_BYTES = 256 * 1024  # a flooded queue is dropped (legitimate workers announce again)
+MAX_REQUEST_BYTES = 64 * 1024
+NOTE_WINDOW_S, NOTES_PER_WINDOW = 10.0, 20
+_NONCE = re.compile(r"^[0-9a-f]{32}$")
 
 
-def request_join(store: dist.Store, request: dict[str, Any], server: str, timeout_s: float) -> tuple[int, dict[str, Any]]:
-    """(ticket, the server's reply); a refusal is raised with the server's one-line reason."""
-    ticket = int(store.add(COUNTER, 1))
-    store.set(f"join/{ticket}", json.dumps(request))
-    key = f"join/{ticket}/reply"
+def request_join(store: dist.Store, key: bytes, request: dict[str, Any], server: str, timeout_s: float) -> tuple[str, dict[str, Any]]:
+    """(nonce, the server's reply); a refusal is raised with the server's one-line reason."""
+    nonce = secrets.token_hex(16)
+    body = json.dumps({**request, "nonce": nonce}, sort_keys=True)
+    signed = json.dumps({"body": body, "mac": auth.tag(key, "join", body)})
+    reply_key = f"join/reply/{nonce}"
     deadline = time.monotonic() + timeout_s
-    while not store.check([key]):
-        if time.monotonic() > deadline:
+    announced = 0.0
+    while True:
+        now = time.monotonic()
+        if now - announced > ANNOUNCE_EVERY_S:
+            store.set(f"join/req/{nonce}", signed)
+            store.append(QUEUE, nonce + "\n")
+            announced = now
+        if store.check([reply_key]):
+            reply = _believed_reply(store.get(reply_key), key, nonce)
+            if reply is not None:
+                break
+        if now > deadline:
             raise LaunchError(
                 f"the parameter server at {server} took the join request but did not answer within {timeout_s:.0f}s "
                 "(fix: look at the server's terminal; it may be saving or stopping — start the worker again)"
             )
         time.sleep(0.1)
-    reply: dict[str, Any] = json.loads(store.get(key))
     if not reply.get("ok"):
         error = ConfigError if reply.get("kind") == "config" else LaunchError
         raise error(str(reply.get("error")))
-    return ticket, reply
+    return nonce, reply
 
 
-class Tickets:
-    """The server's side: join requests in ticket order."""
-
-    def __init__(self, store: dist.Store) -> None:
-        self.store = store
-        self.next = 1
-        self._waiting_since: float | None = None
-
-    def poll(self) -> tuple[int, dict[str, Any]] | None:
-        key = f"join/{self.next}"
-        if self.store.check([key]):
-            ticket = self.next
-            self.next += 1
-            self._waiting_since = None
-            return ticket, json.loads(self.store.get(key))
-        if self.store.check([COUNTER]) and int(self.store.add(COUNTER, 0)) >= self.next:
-            now = time.monotonic()
-            self._waiting_since = self._waiting_since or now
-            if now - self._waiting_since > ABANDONED_TICKET_S:
-                self.next += 1
-                self._waiting_since = None
+def _believed_reply(raw: bytes, key: bytes, nonce: str) -> dict[str, Any] | None:
+    """The server's signed reply, a refusal for a missing secret, or None (not from the server)."""
+    try:
+        outer = json.loads(raw[:MAX_REQUEST_BYTES])
+        if outer.get("unauthenticated") is True:
+            # Unsigned: the server cannot sign for a worker that does not share its secret.
+            return refusal(
+                f"the parameter server refused this worker: it does not hold the run's secret (fix: start the worker with "
+                f"{auth.SECRET_ENV}=... exactly as `ps` printed it, or --secret-file with the server's secret)"
+            )
+        body = outer["body"]
+        if not auth.valid(key, outer.get("mac"), "reply", nonce, body):
+            return None
+        reply = json.loads(body)
+        return reply if isinstance(reply, dict) else None
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
-    def reply(self, ticket: int, reply: dict[str, Any]) -> None:
-        self.store.set(f"join/{ticket}/reply", json.dumps(reply))
+
+# ---- the server's side ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Request:
+    nonce: str
+    host: str
+    addr: str
+    pid: int
+    rank: int
+    rejoin: bool
+    probe: bool
+    settings: dict[str, Any]
+
+
+def _fail(what: str) -> ValueError:
+    return ValueError(what)
+
+
+def parse_request(nonce: str, body: str) -> Request:
+    """A verified request's fields, type- and range-checked (a ValueError names the first bad one)."""
+    d = json.loads(body, parse_constant=lambda c: (_ for _ in ()).throw(_fail(f"{c} is not a number here")))
+    if not isinstance(d, dict) or d.get("nonce") != nonce:
+        raise _fail("not a request object for this nonce")
+    host, addr, pid, rank = d.get("host"), d.get("addr"), d.get("pid"), d.get("rank", 0)
+    if not isinstance(host, str) or not 0 < len(host) <= 64 or not host.isprintable():
+        raise _fail("host is not a short printable string")
+    if not isinstance(addr, str) or len(addr) > 64:
+        raise _fail("addr is not a string")
+    try:
+        ipaddress.ip_address(addr)
+    except ValueError:
+        raise _fail(f"addr {addr[:40]!r} is not an IP address") from None
+    for name, value, top in (("pid", pid, 2**31), ("rank", rank, 1 << 20)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
+            raise _fail(f"{name} is not a whole number in range")
+    flags = {k: d.get(k, False) for k in ("rejoin", "probe")}
+    if not all(isinstance(v, bool) for v in flags.values()):
+        raise _fail("rejoin/probe are not true/false")
+    settings = d.get("settings", {})
+    if not isinstance(settings, dict) or len(settings) > 400:
+        raise _fail("settings is not a mapping")
+    for k, v in settings.items():
+        if not isinstance(k, str) or len(k) > 80 or not (v is None or isinstance(v, (str, int, float, bool))):
+            raise _fail("settings holds something other than plain values")
+        if isinstance(v, str) and len(v) > 1000:
+            raise _fail(f"setting {k[:40]} is too long")
+    return Request(nonce, host, addr, pid, rank, flags["rejoin"], flags["probe"], settings)
+
+
+class JoinQueue:
+    """The server's view of the join queue: verified requests in order, everything else refused."""
+
+    def __init__(self, store: dist.Store, key: bytes) -> None:
+        self.store, self.key = store, key
+        self.offset = 0
+        self.answered: dict[str, str] = {}  # nonce -> the signed reply (written again when announced again)
+        self.refused_unauth: set[str] = set()
+        self._window_start = 0.0
+        self._notes = 0
+        self._quiet = 0
+
+    def _note(self, message: str) -> None:
+        """Each refusal of hostile or broken traffic is logged, up to NOTES_PER_WINDOW lines per
+        window (a flood then becomes one count, so it cannot fill the disk through the log)."""
+        now = time.monotonic()
+        if now - self._window_start > NOTE_WINDOW_S:
+            if self._quiet:
+                log.warning("... and %d more refused join attempts in the last %.0fs", self._quiet, NOTE_WINDOW_S)
+            self._window_start, self._notes, self._quiet = now, 0, 0
+        if self._notes >= NOTES_PER_WINDOW:
+            self._quiet += 1
+            return
+        self._notes += 1
+        log.warning("%s", one_line(message)[:300])
+
+    def poll(self) -> list[Request]:
+        if not self.store.check([QUEUE]):
+            self.offset = 0
+            return []
+        raw = self.store.get(QUEUE)
+        if len(raw) < self.offset:
+            self._note("the join queue was reset by someone; reading it afresh (workers announce themselves again)")
+            self.offset = 0
+        flooded = len(raw) > MAX_QUEUE_BYTES
+        if flooded:  # what fits is still read; the rest is dropped, and legitimate workers announce again
+            self._note(f"the join queue was flooded ({len(raw)} bytes); starting it afresh (workers announce themselves again)")
+            raw = raw[:MAX_QUEUE_BYTES]
+            self.store.delete_key(QUEUE)
+        end = raw.rfind(b"\n", self.offset) + 1
+        lines, self.offset = raw[self.offset : end].split(b"\n"), 0 if flooded else max(end, self.offset)
+        found = []
+        for line in lines:
+            nonce = line.decode("ascii", "replace").strip()
+            if not nonce:
+                continue
+            req = self._read(nonce)
+            if req is not None:
+                found.append(req)
+        return found
+
+    def _read(self, nonce: str) -> Request | None:
+        if not _NONCE.match(nonce):
+            self._note(f"refused a join announcement that is not a nonce ({nonce[:40]!r})")
+            return None
+        if nonce in self.answered:  # announced again: its reply may have been overwritten
+            self.store.set(f"join/reply/{nonce}", self.answered[nonce])
+            return None
+        key = f"join/req/{nonce}"
+        if not self.store.check([key]):
+            return None
+        raw = self.store.get(key)
+        try:
+            if len(raw) > MAX_REQUEST_BYTES:
+                raise ValueError(f"{len(raw)} bytes")
+            outer = json.loads(raw)
+            body, mac = outer["body"], outer["mac"]
+            if not isinstance(body, str):
+                raise ValueError("no body")
+        except (ValueError, KeyError, TypeError):
+            self._note(f"refused a malformed join request {nonce[:8]}… (not the protocol of this aura_hpc)")
+            return None
+        if not auth.valid(self.key, mac, "join", body):
+            if nonce not in self.refused_unauth:
+                self.refused_unauth.add(nonce)
+                self._note(f"refused a join {nonce[:8]}… that does not prove the run's secret")
+                self.store.set(f"join/reply/{nonce}", json.dumps({"unauthenticated": True}))
+            return None
+        try:
+            return parse_request(nonce, body)
+        except (ValueError, TypeError, RecursionError) as exc:
+            self._note(f"refused a join {nonce[:8]}… with the secret but a malformed request: {exc}")
+            self.reply(
+                nonce, refusal(f"the server could not read this worker's request ({exc}) (fix: the same aura_hpc version on every PC)")
+            )
+            return None
+
+    def reply(self, nonce: str, reply: dict[str, Any]) -> None:
+        body = json.dumps(reply)
+        signed = json.dumps({"body": body, "mac": auth.tag(self.key, "reply", nonce, body)})
+        self.answered[nonce] = signed
+        if len(self.answered) > 4096:
+            self.answered.pop(next(iter(self.answered)))
+        self.store.set(f"join/reply/{nonce}", signed)
 
 
 def refusal(message: str, kind: str = "launch") -> dict[str, Any]:
     return {"ok": False, "kind": kind, "error": message}
 
 
-def fingerprint(cfg: RunConfig, data_path: str) -> dict[str, str]:
-    """What the server and every worker must agree on, by part, so a mismatch can be named."""
-    manifest = json.loads((Path(data_path) / "manifest.json").read_text(encoding="utf-8"))
-    t = cfg.train
-    return {
-        "model": cfg.model_fingerprint(),
-        "data": str(manifest.get("data_sha256", "")),
-        "train": f"batch_size={t.batch_size} grad_accum={t.grad_accum} precision={t.precision} seed={t.seed} loss={t.loss}",
+# Settings a worker may hold differently from the server: they change how this PC runs, not the
+# gradient it computes nor the update the server makes of it.
+PER_MACHINE = frozenset(
+    {
+        "train.threads",
+        "train.tune_malloc",
+        "train.log_every",
+        "train.compile",
+        "train.fused_optimizer",
+        "train.async_checkpoint",
+        "train.activation_checkpointing",
     }
-
-
-# The parts of the fingerprint, what each is called in a refusal, and the fix.
-_PARTS = (
-    ("model", "model (shape or data.seq_len)", "the same --config/--set as the server"),
-    ("data", "prepared data", "the same data: copy the server's prepared directory (data.path) to the worker"),
-    ("train", "train settings", "the same --config/--set as the server"),
 )
 
 
-def decide(req: dict[str, Any], ours: dict[str, str], workers: int, taken: dict[int, str], stopping: bool) -> dict[str, Any]:
-    """The server's answer to one join request; `taken` describes the connected worker of each rank."""
-    if req.get("probe"):  # `check --server`: no rank, no training
+def settings(cfg: RunConfig, data_path: str) -> dict[str, Any]:
+    """What the server and every worker must agree on, key by key, so a mismatch is named."""
+    manifest = json.loads((Path(data_path) / "manifest.json").read_text(encoding="utf-8"))
+    out: dict[str, Any] = {"data.sha256": str(manifest.get("data_sha256", "")), "data.seq_len": cfg.data.seq_len}
+    for section in ("model", "train"):
+        for name, value in dataclasses.asdict(getattr(cfg, section)).items():
+            dotted = f"{section}.{name}"
+            if dotted not in PER_MACHINE and dotted != "model.preset":
+                out[dotted] = value
+    for name in ("wire_dtype", "max_staleness", "staleness_weight", "push_every"):
+        if hasattr(cfg.ps, name):
+            out[f"ps.{name}"] = getattr(cfg.ps, name)
+    return out
+
+
+def _shown(value: Any) -> str:
+    text = one_line(repr(value) if isinstance(value, str) else str(value))
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def decide(req: Request, ours: dict[str, Any], workers: int, taken: dict[int, str], stopping: bool) -> dict[str, Any]:
+    """The server's answer to one verified join request; `taken` describes the connected worker of each rank."""
+    if req.probe:  # `check --server`: no rank, no training
         return {"ok": True, "rank": -1}
-    host = req.get("host", "?")
-    theirs = req.get("fingerprint", {})
-    for part, what, fix in _PARTS:
-        if theirs.get(part) != ours[part]:
+    host = one_line(req.host)
+    theirs = req.settings
+    for name in sorted(set(ours) | set(theirs)):
+        if name in PER_MACHINE or theirs.get(name) == ours.get(name):
+            continue
+        if name == "data.sha256":
             return refusal(
-                f"worker {host} has another {what} than the server ({theirs.get(part)} vs {ours[part]}) "
-                f"(fix: start the worker with {fix}; the server prints the exact command)",
+                f"worker {host} has other prepared data than the server (fix: copy the server's prepared directory "
+                "(data.path) to the worker)",
                 "config",
             )
+        return refusal(
+            f"worker {host} has {name}={_shown(theirs.get(name, '(not set)'))} but the server has {name}={_shown(ours.get(name))} "
+            "(fix: start the worker with the same --config/--set as the server; the server prints the exact command)",
+            "config",
+        )
     if stopping:
         return refusal("the parameter server is stopping (fix: start the worker again after the server restarts)")
-    wanted = int(req.get("rank") or 0)
+    wanted = req.rank
     if wanted:
         if not 1 <= wanted <= workers:
             return refusal(

@@ -12,13 +12,13 @@ import torch
 from aura_hpc.errors import AuraError, LaunchError
 from aura_hpc.ops.check_report import Report
 from aura_hpc.ops.network import route_to
-from aura_hpc.ps import wire
+from aura_hpc.ps import auth, wire
 from aura_hpc.ps.join import request_join
 
 PROBE_FLOATS = 1 << 20  # 4 MB: the size of a small model's gradient
 
 
-def check_server(report: Report, addr: str, port: int, timeout: float) -> None:
+def check_server(report: Report, addr: str, port: int, timeout: float, secret: str | None) -> None:
     from aura_hpc.launch.local import wait_for_master
 
     try:
@@ -36,11 +36,20 @@ def check_server(report: Report, addr: str, port: int, timeout: float) -> None:
         report.add("server port", False, detail, fix.rstrip(")"))
         return
     report.add("server port", True, f"{addr}:{port} answers")
+    if not secret:
+        report.add(
+            "join",
+            False,
+            "no secret for the run: the join and the round trip are not tried",
+            f"set {auth.SECRET_ENV} (or --secret-file) as `ps` printed it",
+        )
+        return
     own, _ = route_to(addr)
+    key = auth.key_of(secret)
     try:
         store = wire.connect_store(addr, port, timeout)
         request = {"probe": True, "host": socket.gethostname(), "pid": os.getpid(), "addr": own or "127.0.0.1"}
-        _, reply = request_join(store, request, f"{addr}:{port}", timeout)
+        nonce, reply = request_join(store, key, request, f"{addr}:{port}", timeout)
     except AuraError as exc:
         detail, _, fix = str(exc).partition(" (fix: ")
         report.add("join", False, detail, fix.rstrip(")"))
@@ -48,13 +57,13 @@ def check_server(report: Report, addr: str, port: int, timeout: float) -> None:
     answer = f"version {reply['version']}, {reply['workers']} worker ranks, wire {reply['wire_dtype']}"
     report.add("join", True, f"the server answered ({answer})")
     try:
-        link = wire.Link(wire.pair_group(store, str(reply["prefix"]), 1, own or "127.0.0.1", timeout), 1)
+        link = wire.Link(wire.pair_group(store, auth.pair_prefix(key, nonce), 1, own or "127.0.0.1", timeout), 1)
+        wire.handshake(link, key, nonce)
         sent = torch.arange(PROBE_FLOATS, dtype=torch.float32)
         started = time.perf_counter()
         link.send([wire.PROBE, PROBE_FLOATS], sent)
-        link.recv_header()
         back = torch.empty_like(sent)
-        link.recv_payload(back)
+        link.recv({wire.PROBE: back})
         seconds = time.perf_counter() - started
     except RuntimeError as exc:
         first = wire.failure(exc)
@@ -78,7 +87,6 @@ def check_server(report: Report, addr: str, port: int, timeout: float) -> None:
 
 def echo(link: wire.Link) -> None:
     """The server's side of the round trip: the tensor sent back doubled, through the same path as gradients."""
-    header = link.recv_header()
-    buf = torch.empty(int(header[1]), dtype=torch.float32)
-    link.recv_payload(buf)
-    link.send([wire.PROBE, header[1]], buf * 2)
+    buf = torch.empty(PROBE_FLOATS, dtype=torch.float32)
+    link.recv({wire.PROBE: buf})
+    link.send([wire.PROBE, PROBE_FLOATS], buf * 2)

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 
 from aura_hpc.config import RunConfig
-from aura_hpc.errors import EXIT_RESUMABLE, AuraError
+from aura_hpc.errors import EXIT_RESUMABLE, AuraError, one_line
 from aura_hpc.ops.network import route_to
 from aura_hpc.ps import ledger, wire
-from aura_hpc.ps.join import Tickets, decide, fingerprint
+from aura_hpc.ps.auth import pair_prefix
+from aura_hpc.ps.join import JoinQueue, Request, decide, settings
 from aura_hpc.ps.probe import echo
 from aura_hpc.ps.replica import Replica, build_replica, check_shard_size
 from aura_hpc.ps.stats import ProcessStats, add_link_totals, copy_worker_stats, write_stats
@@ -32,6 +33,7 @@ from aura_hpc.train.metrics import MetricsWriter
 from aura_hpc.train.schedule import make_optimizer, make_scheduler
 from aura_hpc.train.state import Parts
 from aura_hpc.train.stop import StopRequest
+from aura_hpc.train.worker_log import to_file_only
 
 log = logging.getLogger("aura_hpc")
 
@@ -47,7 +49,7 @@ class Seat:
     host: str
     addr: str
     pid: int
-    ticket: int
+    nonce: str
     rejoined: bool = False  # came back after a network drop (same rank, same process)
     joined: float = field(default_factory=time.monotonic)
     updates: int = 0
@@ -59,22 +61,23 @@ class Seat:
         return f"{self.host} ({self.addr}, pid {self.pid}, joined {time.monotonic() - self.joined:.0f}s ago)"
 
 
-def release_returning_seat(seats: dict[int, Seat], req: dict[str, Any]) -> None:
+def release_returning_seat(seats: dict[int, Seat], req: Request) -> None:
     """The same worker process back after a network drop, before its old connection timed out here:
     its old seat goes (that seat's thread ends quietly when the old connection fails)."""
-    old = seats.get(int(req.get("rank") or 0))
-    if req.get("rejoin") and old is not None and (old.host, old.pid) == (req.get("host"), req.get("pid")):
+    old = seats.get(req.rank)
+    if req.rejoin and old is not None and (old.host, old.pid) == (req.host, req.pid):
         old.replaced = True
         del seats[old.rank]
         log.warning("worker %d (%s) reconnected before its old connection timed out; dropping the old one", old.rank, old.host)
 
 
 class ParameterServer:
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, key: bytes) -> None:
         self.cfg, self.t, self.p = cfg, cfg.train, cfg.ps
+        self.key = key  # the HMAC key of the run's secret (ps/auth.py)
         self.replica: Replica = build_replica(cfg, torch.device("cpu"))
         check_shard_size(self.replica.data, self.p.workers, self.t.batch_size * self.t.grad_accum)
-        self.fingerprint = fingerprint(cfg, cfg.data.path)
+        self.settings = settings(cfg, cfg.data.path)
         self.wire_dtype = wire.WIRE_DTYPES[self.p.wire_dtype]
         self.optimizer = make_optimizer(self.replica.model, self.t)
         self.scheduler = make_scheduler(self.optimizer, self.t, self.t.max_steps)
@@ -86,6 +89,7 @@ class ParameterServer:
         self.hist: Counter[str] = Counter()
         self.seats: dict[int, Seat] = {}
         self.threads: list[threading.Thread] = []
+        self.pairing: set[threading.Thread] = set()  # still setting up their pair: nothing to stop there
         self.stopping = False  # no more updates: training is over, or Ctrl+C
         self.finished = threading.Event()
         self.interval = ledger.Interval()
@@ -107,10 +111,30 @@ class ParameterServer:
         log.info("resumed from %s: version %d, %d tokens applied, best eval loss %s", r.path.name, r.version, r.tokens, r.best_eval)
 
     def serve(self, port: int) -> int:
-        """Accept workers until training is over or a stop signal; returns the exit status."""
+        """Accept workers until training is over or a stop signal; returns the exit status.
+        Whatever ends it, the updates applied since the last checkpoint are saved first."""
+        self.port = port
         self.store = wire.host_store(port, self.p.join_timeout_s)
-        self.tickets = Tickets(self.store)
+        self.joins = JoinQueue(self.store, self.key)
         self.metrics = MetricsWriter(self.cfg.run_dir, self.version)
+        try:
+            return self._serve()
+        except BaseException:
+            self._save_on_the_way_out()
+            raise
+
+    def _save_on_the_way_out(self) -> None:
+        with self.lock:
+            self.stopping = True
+            if self.version == self.saved_version or self.fatal is not None:
+                return
+            try:
+                self._save(None)
+                log.info("saved checkpoint step_%08d before stopping", self.version)
+            except Exception as exc:  # the original error is what the user sees; this is a note
+                log.error("could not save a checkpoint while stopping on an error: %s", str(exc).splitlines()[0][:200] if str(exc) else exc)
+
+    def _serve(self) -> int:
         stop = StopRequest()
         stop.install()
         if self.version >= self.t.max_steps:
@@ -118,9 +142,10 @@ class ParameterServer:
             self.stopping = True
         last_note = time.monotonic()
         while not self.stopping:
-            polled = self.tickets.poll()
-            if polled is not None:
-                self._admit(*polled)
+            requests = self.joins.poll()
+            for req in requests:
+                self._admit(req)
+            if requests:
                 continue
             if stop.requested:
                 log.info("%s received: saving a checkpoint and telling the workers to stop", stop.signal_name)
@@ -138,29 +163,30 @@ class ParameterServer:
         return self._finish(interrupted=stop.requested and self.version < self.t.max_steps)
 
     # ---- joining ---------------------------------------------------------------------------
-    def _admit(self, ticket: int, req: dict[str, Any]) -> None:
+    def _admit(self, req: Request) -> None:
         with self.lock:
             release_returning_seat(self.seats, req)
             taken = {rank: seat.describe() for rank, seat in self.seats.items()}
-        reply = decide(req, self.fingerprint, self.p.workers, taken, self.stopping)
+        reply = decide(req, self.settings, self.p.workers, taken, self.stopping)
         if not reply["ok"]:
-            log.warning("refused a worker from %s: %s", req.get("host", "?"), reply["error"])
-            self.tickets.reply(ticket, reply)
+            log.warning("refused a worker from %s: %s", one_line(req.host), reply["error"])
+            self.joins.reply(req.nonce, reply)
             return
-        prefix = f"pair/{ticket}"
-        reply.update(prefix=prefix, workers=self.p.workers, wire_dtype=self.p.wire_dtype, version=self.version)
-        if req.get("probe"):
-            self.tickets.reply(ticket, reply)
-            self._start_thread(self._echo, prefix, str(req.get("addr", "")))
+        # Both ends derive the pair's store prefix from the secret: it is never written in the store.
+        prefix = pair_prefix(self.key, req.nonce)
+        reply.update(workers=self.p.workers, wire_dtype=self.p.wire_dtype, version=self.version)
+        if req.probe:
+            self.joins.reply(req.nonce, reply)
+            self._start_thread(self._echo, prefix, req)
             return
         rank = int(reply["rank"])
-        seat = Seat(rank, str(req.get("host", "?")), str(req.get("addr", "?")), int(req.get("pid", 0)), ticket, bool(req.get("rejoin")))
+        seat = Seat(rank, req.host, req.addr, req.pid, req.nonce, req.rejoin)
         reply["position"] = self.positions.get(rank, 0)
         with self.lock:
             if not self.seats:  # throughput counts from when someone trains, not from an idle wait
                 self.interval_start = time.perf_counter()
             self.seats[rank] = seat
-        self.tickets.reply(ticket, reply)
+        self.joins.reply(req.nonce, reply)
         self._start_thread(self._serve_worker, seat, prefix)
 
     def _start_thread(self, target: Any, *args: Any) -> None:
@@ -168,32 +194,48 @@ class ParameterServer:
         th.start()
         self.threads.append(th)
 
-    def _pair(self, prefix: str, peer_addr: str) -> wire.Link:
-        own, _ = route_to(peer_addr) if peer_addr else (None, None)
-        return wire.Link(wire.pair_group(self.store, prefix, 0, own or "127.0.0.1", self.p.worker_timeout_s), 0)
-
-    def _echo(self, prefix: str, addr: str) -> None:
+    def _pair(self, prefix: str, peer_addr: str, nonce: str) -> wire.Link:
+        """The pair group on its own store connection (a peer that never completes it holds only
+        that one), then both ends prove the run's secret over it."""
+        own, _ = route_to(peer_addr)
+        me = threading.current_thread()
+        self.pairing.add(me)
         try:
-            echo(self._pair(prefix, addr))
+            client = wire.another_client(self.store, "127.0.0.1", self.port, self.p.worker_timeout_s)
+            link = wire.Link(wire.pair_group(client, prefix, 0, own or "127.0.0.1", self.p.worker_timeout_s), 0)
+            wire.handshake(link, self.key, nonce)
+        finally:
+            self.pairing.discard(me)
+        return link
+
+    def _echo(self, prefix: str, req: Request) -> None:
+        try:
+            echo(self._pair(prefix, req.addr, req.nonce))
         except RuntimeError as exc:
-            log.warning("a connectivity check from %s did not complete (%s)", addr, wire.failure(exc))
+            log.warning("a connectivity check from %s did not complete (%s)", req.addr, wire.failure(exc))
 
     # ---- one worker ------------------------------------------------------------------------
     def _serve_worker(self, seat: Seat, prefix: str) -> None:
         reason = "left"
         try:
-            link = seat.link = self._pair(prefix, seat.addr)
+            try:
+                link = seat.link = self._pair(prefix, seat.addr, seat.nonce)
+            except wire.LinkLost:
+                raise
+            except RuntimeError as exc:  # the peer never completed its pair group (DistStoreError, a gloo timeout)
+                raise wire.LinkLost(f"its data connection was never set up: {wire.failure(exc)}") from None
             how = "rejoined" if seat.rejoined else "joined"
-            log.info("worker %d %s from %s (%s); %d connected", seat.rank, how, seat.host, seat.addr, len(self.seats))
+            log.info("worker %d %s from %s (%s); %d connected", seat.rank, how, one_line(seat.host), seat.addr, len(self.seats))
             self._send_weights(link)
             grads = torch.empty(self.replica.numel, dtype=self.wire_dtype)
             while True:
-                header = link.recv_header()
+                header, _ = link.recv({wire.GRAD: grads})
                 if header[0] == wire.BYE:
                     reason = "left (stopped by its user)"
                     break
+                if header[0] != wire.GRAD:
+                    raise wire.LinkLost(f"an unexpected message kind {header[0]:g}")
                 started = time.perf_counter()
-                link.recv_payload(grads)
                 try:
                     stop = self._apply(seat, header, grads)
                 except AuraError as exc:  # e.g. a checkpoint that cannot be written: the server stops
@@ -207,6 +249,9 @@ class ParameterServer:
         except wire.LinkLost as exc:
             first = str(exc)
             reason = "timed out (no message for ps.worker_timeout_s)" if wire.timed_out(first) else f"lost ({first})"
+        except Exception as exc:  # a bug or a bad message must end this worker's seat, not the server
+            reason = f"dropped after an error in its thread ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})"
+            to_file_only(f"worker {seat.rank}'s thread failed")
         finally:
             self._leave(seat, reason)
 
@@ -233,10 +278,11 @@ class ParameterServer:
         self._copy_worker_stats(seat, final_within_s=3.0 if reason == "stopped by the server" else 0.0)
         self.left.append({"rank": seat.rank, "host": seat.host, "reason": reason, "version": self.version})
         if reason != "stopped by the server":
-            log.warning("worker %d (%s) %s at version %d; %d still connected", seat.rank, seat.host, reason, self.version, left)
+            log.warning("worker %d (%s) %s at version %d; %d still connected", seat.rank, one_line(seat.host), reason, self.version, left)
 
     def _copy_worker_stats(self, seat: Seat, final_within_s: float = 0.0) -> None:
-        problem = copy_worker_stats(self.store, seat.ticket, self.cfg.run_dir, final_within_s)
+        started = time.time() - (time.monotonic() - seat.joined)
+        problem = copy_worker_stats(self.store, self.key, seat.nonce, seat.host, seat.rank, started, self.cfg.run_dir, final_within_s)
         if problem:
             log.warning("could not copy the stats of worker %d: %s", seat.rank, problem)
 
@@ -244,6 +290,8 @@ class ParameterServer:
     def _apply(self, seat: Seat, header: list[float], grads: torch.Tensor) -> bool:
         """Apply one gradient; True when the worker must stop (training over, or the server stopping)."""
         _, based_on, loss, position, tokens = header[:5]
+        if not (0 <= based_on <= self.version and 0 <= position < 2**53 and 0 < tokens <= 2**40):
+            raise wire.LinkLost(f"a gradient header out of range (version {based_on:g}, position {position:g}, tokens {tokens:g})")
         with self.lock:
             if self.stopping:
                 return True
@@ -341,9 +389,10 @@ class ParameterServer:
     def _join_threads(self) -> None:
         """Each connected worker gets its STOP at its next message; wait for them a while."""
         deadline = time.monotonic() + STOP_GRACE_S
-        for th in self.threads:
+        waited = [th for th in self.threads if th not in self.pairing]
+        for th in waited:
             th.join(timeout=max(0.0, deadline - time.monotonic()))
-        if any(th.is_alive() for th in self.threads):
+        if any(th.is_alive() for th in waited):
             log.warning("some workers did not come for their stop message within %.0fs; they will see the server go away", STOP_GRACE_S)
 
     def _finish(self, interrupted: bool) -> int:

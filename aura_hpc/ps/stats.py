@@ -1,18 +1,23 @@
 """Per-process statistics of a parameter-server run: RUN_DIR/stats/<host>_<role>_<start time>.json.
 
 Rewritten atomically as the process goes (a crash leaves the last complete one); workers also put
-theirs in the server's store, and the server copies them into its own run directory.
+theirs in the server's store, signed with the run's secret, and the server copies them into its own
+run directory under a name it makes itself from values it checked (never a name from the store).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from aura_hpc.ps import auth
 
 
 @dataclass
@@ -33,15 +38,25 @@ class ProcessStats:
 
     @property
     def file_name(self) -> str:
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.start_time))
-        who = "ps" if self.role == "ps" else f"worker{self.rank}"
-        return f"{self.host}_{who}_{stamp}.json"
+        return stats_name(self.host, "ps" if self.role == "ps" else f"worker{self.rank}", self.start_time)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
 
+def stats_name(host: str, who: str, start_time: float) -> str:
+    """A file name from a host name (anything but letters, digits, '.' and '-' becomes '-'), a role and a time."""
+    safe = re.sub(r"[^A-Za-z0-9.-]", "-", host)[:64].strip(".") or "host"
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(start_time))
+    return f"{safe}_{who}_{stamp}.json"
+
+
+MAX_STATS_BYTES = 64 * 1024
+
+
 def write_stats(run_dir: Path, text: str, name: str) -> Path:
+    if "/" in name or name.startswith(".") or not name.endswith(".json"):
+        raise ValueError(f"not a stats file name: {name[:40]!r}")
     folder = run_dir / "stats"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
@@ -51,18 +66,57 @@ def write_stats(run_dir: Path, text: str, name: str) -> Path:
     return path
 
 
-def copy_worker_stats(store: Any, ticket: int, run_dir: Path, final_within_s: float = 0.0) -> str | None:
-    """Copy a worker's newest stats from the server's store into the run directory; None, or what failed.
-    A worker that leaves in order publishes its final ones around its last message: those are waited for."""
-    key = f"stats/{ticket}"
+def publish(store: Any, key: bytes, nonce: str, text: str, final: bool) -> None:
+    """A worker's stats into the server's store, signed (the server believes nothing unsigned there)."""
+    store.set(f"stats/{nonce}", json.dumps({"body": text, "mac": auth.tag(key, "stats", nonce, text)}))
+    if final:
+        store.set(f"stats/{nonce}/final", auth.tag(key, "stats-final", nonce))
+
+
+def _checked_stats(raw: bytes, key: bytes, nonce: str, rank: int) -> dict[str, Any]:
+    if len(raw) > MAX_STATS_BYTES:
+        raise ValueError(f"{len(raw)} bytes")
+    outer = json.loads(raw)
+    body = outer["body"]
+    if not auth.valid(key, outer.get("mac"), "stats", nonce, body):
+        raise ValueError("not signed with the run's secret")
+    d = json.loads(body)
+    if not isinstance(d, dict):
+        raise ValueError("not an object")
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(ProcessStats):
+        v = d.get(f.name)
+        if f.name == "extra":
+            out[f.name] = v if isinstance(v, dict) else {}
+        elif v is None or (isinstance(v, (int, float, str)) and not isinstance(v, bool)):
+            out[f.name] = v[:200] if isinstance(v, str) else v
+    out["role"], out["rank"] = "worker", rank  # what the server knows, not what the worker says
+    return out
+
+
+def copy_worker_stats(
+    store: Any, key: bytes, nonce: str, seat_host: str, rank: int, joined: float, run_dir: Path, final_within_s: float = 0.0
+) -> str | None:
+    """Copy a worker's newest signed stats from the server's store into the run directory, under a
+    name made here from the seat (checked host, rank, join time); None, or what failed. A worker
+    that leaves in order publishes its final ones around its last message: those are waited for."""
+    base = f"stats/{nonce}"
     deadline = time.monotonic() + final_within_s
     try:
-        while not store.check([f"{key}/final"]) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            if store.check([f"{base}/final"]) and auth.valid(
+                key, store.get(f"{base}/final").decode("ascii", "replace"), "stats-final", nonce
+            ):
+                break
             time.sleep(0.05)
-        if store.check([key]):
-            write_stats(run_dir, store.get(key).decode(), store.get(f"{key}/name").decode())
-    except (RuntimeError, OSError) as exc:
-        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if store.check([base]):
+            stats = _checked_stats(store.get(base), key, nonce, rank)
+            start = stats.get("start_time")
+            # The worker's start time names the file (as the worker names its own copy) when it is plausible.
+            plausible = isinstance(start, (int, float)) and time.time() - 366 * 86400 < start < time.time() + 86400
+            write_stats(run_dir, json.dumps(stats, indent=1), stats_name(seat_host, f"worker{rank}", start if plausible else joined))
+    except (RuntimeError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
     return None
 
 

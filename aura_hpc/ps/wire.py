@@ -7,14 +7,19 @@ late, and one lost member breaks every collective. Why not torch RPC: it is in m
 #780). A pair group per worker is torch's own point-to-point send/recv over gloo; a worker that
 dies breaks only its own pair, and a new pair is made for each one that joins.
 
-A message is a float64 header (HEADER_LEN numbers: kind, version, ...) and, where the kind
-says so, one flat tensor of every parameter in the wire dtype.
+A message is a float64 header (HEADER_LEN numbers: kind, version, ...), where the kind says so
+one flat tensor of every parameter in the wire dtype, and an HMAC of both under the session key
+the two ends derived when they proved the run's secret to each other (ps/auth.py, `handshake`).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
+import hmac
+import math
 import re
+import secrets
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -24,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from aura_hpc.errors import LaunchError
+from aura_hpc.ps import auth
 
 HEADER_LEN = 8
 # Header kinds. Worker -> server: GRAD (a gradient follows), BYE (leaving). Server -> worker:
@@ -57,6 +63,17 @@ def connect_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
         ) from None
 
 
+def another_client(store: dist.TCPStore, host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A second connection to the same store. A pair group's rendezvous waits on its store for the
+    peer's keys, and a TCPStore client serves one request at a time: on the shared client, one peer
+    that never completes its pair would hold every other store call (the join queue) for the whole
+    timeout."""
+    clone = getattr(store, "clone", None)
+    if clone is not None:
+        return clone()  # type: ignore[no-any-return]
+    return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
+
+
 def pair_group(store: dist.Store, prefix: str, rank: int, my_addr: str, timeout_s: float) -> dist.ProcessGroup:
     """The two-member gloo group of one worker and the server, on the interface of `my_addr`."""
     timeout = timedelta(seconds=timeout_s)
@@ -71,8 +88,11 @@ def pair_group(store: dist.Store, prefix: str, rank: int, my_addr: str, timeout_
 
 
 class LinkLost(RuntimeError):
-    """The other end of a pair closed or fell silent (gloo's first line), told apart from errors of the
-    model or the optimizer, which are not a lost peer."""
+    """The other end of a pair closed or fell silent (gloo's first line), or failed to prove the run's
+    secret; told apart from errors of the model or the optimizer, which are not a lost peer."""
+
+
+CHALLENGE, WORKER_PROOF, SERVER_PROOF, MAC_TAG = 10, 11, 12, 2
 
 
 @dataclass
@@ -81,6 +101,9 @@ class Link:
 
     group: dist.ProcessGroup
     rank: int
+    session: bytes = b""  # set by handshake(); every message after it carries an HMAC under it
+    sent_seq: int = 0
+    received_seq: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     round_trips: int = 0
@@ -98,19 +121,40 @@ class Link:
             raise LinkLost(failure(exc)) from None
         return tensor.numel() * tensor.element_size()
 
+    def _mac(self, direction: int, seq: int, header: torch.Tensor, payload: torch.Tensor | None) -> torch.Tensor:
+        mac = hmac.new(self.session, digestmod=hashlib.sha256)
+        mac.update(f"msg|{direction}|{seq}|".encode())
+        mac.update(header.numpy().tobytes())
+        if payload is not None:
+            mac.update(memoryview(payload.contiguous().view(torch.uint8).numpy()))
+        return torch.frombuffer(bytearray(mac.digest()), dtype=torch.uint8)
+
     def send(self, header: list[float], payload: torch.Tensor | None = None) -> None:
         h = torch.zeros(HEADER_LEN, dtype=torch.float64)
         h[: len(header)] = torch.tensor(header, dtype=torch.float64)
         self.bytes_sent += self._p2p(self.group.send, h, 0)
         if payload is not None:
             self.bytes_sent += self._p2p(self.group.send, payload, 1)
+        self.bytes_sent += self._p2p(self.group.send, self._mac(self.rank, self.sent_seq, h, payload), MAC_TAG)
+        self.sent_seq += 1
 
-    def recv_header(self) -> list[float]:
+    def recv(self, buffers: dict[float, torch.Tensor]) -> tuple[list[float], torch.Tensor | None]:
+        """One message: its header, and its tensor received into buffers[kind] when the kind has one.
+        A message whose HMAC does not check out (or a header that is not numbers) loses the link."""
         self.bytes_received += self._p2p(self.group.recv, self._header, 0)
-        return [float(x) for x in self._header.tolist()]
-
-    def recv_payload(self, into: torch.Tensor) -> None:
-        self.bytes_received += self._p2p(self.group.recv, into, 1)
+        header = [float(x) for x in self._header.tolist()]
+        if not all(math.isfinite(x) for x in header):
+            raise LinkLost("a message header that is not finite numbers")
+        payload = buffers.get(header[0])
+        if payload is not None:
+            self.bytes_received += self._p2p(self.group.recv, payload, 1)
+        got = torch.empty(auth.TAG_BYTES, dtype=torch.uint8)
+        self.bytes_received += self._p2p(self.group.recv, got, MAC_TAG)
+        expected = self._mac(self.peer, self.received_seq, self._header, payload)
+        if not hmac.compare_digest(got.numpy().tobytes(), expected.numpy().tobytes()):
+            raise LinkLost("a message failed its HMAC check (not from the run's peer, altered, or replayed)")
+        self.received_seq += 1
+        return header, payload
 
     def timed_round_trip(self, started: float) -> None:
         self.round_trips += 1
@@ -119,6 +163,34 @@ class Link:
     @property
     def mean_round_trip_ms(self) -> float:
         return 1000.0 * self.round_trip_s / self.round_trips if self.round_trips else 0.0
+
+
+def handshake(link: Link, key: bytes, nonce: str) -> None:
+    """Both ends prove the run's secret over the new pair (the server challenges, the worker answers,
+    the server answers back), then share a session key for the messages' HMACs."""
+
+    def raw(data: bytes) -> torch.Tensor:
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    def proof(who: str, challenge: bytes) -> bytes:
+        return hmac.new(key, f"{who}|{nonce}|".encode() + challenge, hashlib.sha256).digest()
+
+    buf = torch.empty(32, dtype=torch.uint8)
+    if link.rank == 0:
+        challenge = secrets.token_bytes(32)
+        link._p2p(link.group.send, raw(challenge), CHALLENGE)
+        link._p2p(link.group.recv, buf, WORKER_PROOF)
+        if not hmac.compare_digest(buf.numpy().tobytes(), proof("worker", challenge)):
+            raise LinkLost("the peer on this pair did not prove the run's secret")
+        link._p2p(link.group.send, raw(proof("server", challenge)), SERVER_PROOF)
+    else:
+        link._p2p(link.group.recv, buf, CHALLENGE)
+        challenge = buf.numpy().tobytes()
+        link._p2p(link.group.send, raw(proof("worker", challenge)), WORKER_PROOF)
+        link._p2p(link.group.recv, buf, SERVER_PROOF)
+        if not hmac.compare_digest(buf.numpy().tobytes(), proof("server", challenge)):
+            raise LinkLost("the peer on this pair did not prove the run's secret (not the parameter server)")
+    link.session = proof("session", challenge)
 
 
 def failure(exc: BaseException) -> str:

@@ -7,6 +7,7 @@ send (with the weights' version) -> receive the newest weights. Ctrl+C tells the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -18,10 +19,10 @@ import torch
 from aura_hpc.config import RunConfig
 from aura_hpc.errors import AuraError, LaunchError, TrainingFailed
 from aura_hpc.ops.network import route_to
-from aura_hpc.ps import wire
-from aura_hpc.ps.join import fingerprint, request_join
+from aura_hpc.ps import auth, wire
+from aura_hpc.ps.join import request_join, settings
 from aura_hpc.ps.replica import Replica, build_replica
-from aura_hpc.ps.stats import ProcessStats, write_stats
+from aura_hpc.ps.stats import ProcessStats, publish, write_stats
 from aura_hpc.train import faults
 from aura_hpc.train.stop import StopRequest
 
@@ -57,8 +58,9 @@ def connect(cfg: RunConfig, addr: str, port: int, progress: Any) -> tuple[Any, s
 
 
 class PsWorker:
-    def __init__(self, cfg: RunConfig, addr: str, port: int, wanted_rank: int) -> None:
+    def __init__(self, cfg: RunConfig, addr: str, port: int, wanted_rank: int, key: bytes) -> None:
         self.cfg, self.addr, self.port, self.wanted_rank = cfg, addr, port, wanted_rank
+        self.key = key  # the HMAC key of the run's secret (ps/auth.py)
         # Built before joining: the server starts counting a worker's time (and its pair group's
         # timeout) from the join, and a worker that joins ready trains at once.
         device = torch.device("cuda") if torch.cuda.is_available() and cfg.dist.backend != "gloo" else torch.device("cpu")
@@ -113,15 +115,17 @@ class PsWorker:
             "addr": own,
             "rank": self.rank if rejoin else self.wanted_rank,
             "rejoin": rejoin,
-            "fingerprint": fingerprint(cfg, cfg.data.path),
+            "settings": settings(cfg, cfg.data.path),
         }
-        ticket, reply = request_join(store, request, f"{self.addr}:{self.port}", cfg.ps.join_timeout_s)
+        nonce, reply = request_join(store, self.key, request, f"{self.addr}:{self.port}", cfg.ps.join_timeout_s)
         if not rejoin:
             self.rank, self.shards = int(reply["rank"]), int(reply["workers"])
             self.wire_dtype = wire.WIRE_DTYPES[str(reply["wire_dtype"])]
             self.stats = ProcessStats("worker", self.rank)
-        self.store, self.ticket, self.server_gone = store, ticket, False
-        link = wire.Link(wire.pair_group(store, str(reply["prefix"]), 1, own, cfg.ps.worker_timeout_s), 1)
+        self.store, self.nonce, self.server_gone = store, nonce, False
+        prefix = auth.pair_prefix(self.key, nonce)
+        link = wire.Link(wire.pair_group(store, prefix, 1, own, cfg.ps.worker_timeout_s), 1)
+        wire.handshake(link, self.key, nonce)
         log.info(
             "%s the parameter server at %s:%d as worker %d of %d (version %d); reading shard %d of the data from sequence %d",
             "rejoined" if rejoin else "joined",
@@ -146,8 +150,9 @@ class PsWorker:
 
     def _train(self, link: wire.Link, position: int, stop: StopRequest) -> int:
         weights = torch.empty(self.replica.numel, dtype=self.wire_dtype)
-        header = link.recv_header()
-        link.recv_payload(weights)
+        header, got = link.recv({wire.WEIGHTS: weights})
+        if got is None:
+            raise wire.LinkLost(f"the server's first message was not weights (kind {header[0]:g})")
         self.replica.load_flat_weights(weights)
         version = int(header[1])
         t = self.cfg.train
@@ -165,7 +170,7 @@ class PsWorker:
             faults.slow_down(self.rank)
             sent = time.perf_counter()
             link.send([wire.GRAD, version, loss, position, tokens], self.replica.flat_grads(self.wire_dtype))
-            header = link.recv_header()
+            header, got = link.recv({wire.WEIGHTS: weights})
             if header[0] == wire.STOP:
                 link.timed_round_trip(sent)
                 self.stats.steps += 1
@@ -176,7 +181,8 @@ class PsWorker:
                 )
                 log.info("the server %s at version %d; this worker sent %d gradients", how, int(header[1]), self.stats.steps)
                 return 0
-            link.recv_payload(weights)
+            if got is None:
+                raise wire.LinkLost(f"an unexpected message kind {header[0]:g} from the server")
             link.timed_round_trip(sent)
             self.replica.load_flat_weights(weights)
             stale_by = int(header[1]) - version - 1
@@ -222,10 +228,5 @@ class PsWorker:
         write_stats(self.cfg.run_dir, text, s.file_name)
         if self.server_gone:
             return
-        try:
-            self.store.set(f"stats/{self.ticket}/name", s.file_name)
-            self.store.set(f"stats/{self.ticket}", text)
-            if final:
-                self.store.set(f"stats/{self.ticket}/final", "1")
-        except (RuntimeError, OSError):
-            pass  # the server is gone: the local file is all there is
+        with contextlib.suppress(RuntimeError, OSError):  # the server is gone: the local file is all there is
+            publish(self.store, self.key, self.nonce, text, final)

@@ -1,0 +1,153 @@
+"""A hostile peer on the parameter server's port: it speaks the TCPStore protocol by hand (torch's own
+client, as anyone on the LAN could) and tries what issue 19 reproduced against the old server —
+path-traversal and absolute file names, malformed joins, joins without the secret, the old join
+counter raised by 10**12, a flooded queue, a peer that joins and never completes its pair group.
+The server must write nothing outside its run directory, log each attempt, and keep serving:
+a real worker that comes afterwards joins and trains."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port, run_cli
+from tests.test_ps import SECRET, Proc, _listening
+
+
+@pytest.fixture
+def base(tmp_path: Path, prepared: Path) -> list[str]:
+    from tests.test_ps import MODEL
+
+    return ["--output-dir", str(tmp_path / "runs"), "--run-name", "ps", "--set", f"data.path={prepared}", *MODEL]
+
+
+def _files(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_hostile_peer_writes_nothing_outside_the_run_and_cannot_stop_or_block_the_server(tmp_path: Path, base: list[str]) -> None:
+    import torch.distributed as dist
+
+    from aura_hpc.errors import LaunchError
+    from aura_hpc.ps import auth
+    from aura_hpc.ps.join import request_join
+
+    port = free_port()
+    run_dir = tmp_path / "runs" / "ps"
+    common = [*base, "--set", "train.max_steps=100000", "--set", "train.log_every=20", "--set", "train.checkpoint_every=0"]
+    common += ["--set", "train.eval_every=0"]  # ps.worker_timeout_s stays 120 s: a blocked join would show
+    server = Proc(["ps", "--port", str(port), *common], tmp_path / "ps.log")
+    _listening(port, server)
+    server.wait_for("keep this line private")
+    outside_before = _files(tmp_path) - _files(run_dir)
+    store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))
+    pwned = Path(f"/tmp/aura-pwned-{uuid.uuid4().hex}.pth")
+
+    # 1. The old stats hole: a file name from the store (traversal, absolute) for any ticket.
+    for i, name in enumerate(["../../../escape.json", str(pwned), "../../.bashrc"]):
+        store.set(f"stats/{i + 1}/name", name)
+        store.set(f"stats/{i + 1}", json.dumps({"role": "worker", "steps": 1}))
+        store.set(f"stats/{i + 1}/final", "1")
+    store.add("join/count", 10**12)  # the old ticket counter: it held every later join
+
+    # 2. Malformed traffic on the join queue, without the secret.
+    def announce(payload: bytes | str) -> str:
+        nonce = uuid.uuid4().hex
+        store.set(f"join/req/{nonce}", payload)
+        store.append("join/queue", nonce + "\n")
+        return nonce
+
+    for payload in (b"not json", b"[1, 2]", json.dumps({"body": "{}", "mac": "00"}), b"\xff\xfe"):
+        announce(payload)
+    store.append("join/queue", "../../etc/passwd\n")
+    wrong_key = auth.key_of("not-the-secret-" + uuid.uuid4().hex)
+    with pytest.raises(LaunchError, match="does not hold the run's secret"):
+        request_join(store, wrong_key, {"host": "intruso", "pid": 1, "addr": "127.0.0.1"}, f"127.0.0.1:{port}", 20)
+
+    # 3. With the secret (a buggy or hostile client): values of the wrong type or out of range.
+    key = auth.key_of(SECRET)
+    for bad in ({"rank": "abc"}, {"rank": 1e400}, {"rank": [1]}, {"pid": -5}, {"addr": "; rm -rf /"}, {"settings": [1, 2]}):
+        nonce = uuid.uuid4().hex
+        body = json.dumps({"nonce": nonce, "host": "pc", "pid": 1, "addr": "127.0.0.1", "rank": 0, **bad})
+        store.set(f"join/req/{nonce}", json.dumps({"body": body, "mac": auth.tag(key, "join", body)}))
+        store.append("join/queue", nonce + "\n")
+
+    # 4. A flood of the queue.
+    store.append("join/queue", "x" * 300_000)
+    time.sleep(2)
+
+    # 5. A peer with the secret that joins and never sets up its pair group: it holds its own seat
+    # until ps.worker_timeout_s, never the joins of the others.
+    from aura_hpc.ps.commands import load_ps_config
+    from aura_hpc.ps.join import settings
+
+    sets = [common[i + 1] for i, a in enumerate(common) if a == "--set"]
+    cfg = load_ps_config(None, sets, None, None, port, None)
+    slow = {"host": "pc-lento", "pid": 77, "addr": "127.0.0.1", "rank": 1, "settings": settings(cfg, cfg.data.path)}
+    _, reply = request_join(store, key, slow, f"127.0.0.1:{port}", 30)
+    assert reply["ok"] and reply["rank"] == 1
+    t0 = time.monotonic()
+    worker = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / "w.log")
+    try:
+        worker.wait_for("gradient 20:", timeout=90)
+        assert time.monotonic() - t0 < 90
+        # 6. A worker without the secret is refused in one line; the server goes on.
+        r = run_cli(["worker", "--server", f"127.0.0.1:{port}", *common], timeout=120, AURA_PS_SECRET="")
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "no secret for the run" in r.stderr and "AURA_PS_SECRET" in r.stderr
+        r = run_cli(["worker", "--server", f"127.0.0.1:{port}", *common], timeout=120, AURA_PS_SECRET="x" * 24)
+        assert r.returncode == 2 and "does not hold the run's secret" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert SECRET not in r.stderr + r.stdout
+        assert worker.p.poll() is None and server.p.poll() is None
+    finally:
+        server.signal(signal.SIGINT)
+        code = server.finish()
+        worker.finish(timeout=60)
+    assert code == 75, server.text
+    log = server.text
+    assert "Traceback" not in log
+    for seen in (
+        "refused a malformed join request",
+        "refused a join announcement that is not a nonce",
+        "does not prove the run's secret",
+        "with the secret but a malformed request: rank is not a whole number",
+        "addr",
+        "the join queue was flooded",
+    ):
+        assert seen in log, (seen, log)
+    assert "checkpoint step_" in log  # Ctrl+C after the attacks: the run saved as always
+    # Nothing was written outside the run directory, and inside it the server named every file itself.
+    assert not pwned.exists()
+    logs = {tmp_path / "ps.log", tmp_path / "w.log"}
+    assert _files(tmp_path) - _files(run_dir) - logs == outside_before - logs
+    stats = sorted(p.name for p in (run_dir / "stats").iterdir())
+    assert stats and all(n.endswith(".json") and ("_ps_" in n or "_worker2_" in n) for n in stats), stats
+    # The secret is on the terminal once, in the worker command the user copies, and in no file of the run.
+    assert log.count(SECRET) == 1 and f"AURA_PS_SECRET={SECRET} python -m aura_hpc worker" in log
+    assert (run_dir / "logs" / "ps.log").exists() and all(SECRET not in p.read_text(errors="replace") for p in _files(run_dir))
+
+
+def test_the_server_keeps_a_secret_of_its_own_for_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aura_hpc.errors import ConfigError
+    from aura_hpc.ps import auth
+
+    monkeypatch.delenv("AURA_PS_SECRET", raising=False)
+    first, origin = auth.server_secret(tmp_path, None)
+    assert origin.endswith("ps.secret (new)") and len(first) >= auth.MIN_LEN
+    assert (tmp_path / "ps.secret").stat().st_mode & 0o777 == 0o600  # the owner's alone
+    assert auth.server_secret(tmp_path, None)[0] == first  # a resumed server keeps the workers' command valid
+    monkeypatch.setenv("AURA_PS_SECRET", "short")
+    with pytest.raises(ConfigError, match="too short"):
+        auth.server_secret(tmp_path, None)
+    given = tmp_path / "secret.txt"
+    given.write_text("a-secret-from-a-file-0123\n")
+    assert auth.server_secret(tmp_path, str(given))[0] == "a-secret-from-a-file-0123"
+    with pytest.raises(ConfigError, match="no secret for the run"):
+        monkeypatch.delenv("AURA_PS_SECRET")
+        auth.worker_secret(None)
