@@ -31,6 +31,13 @@ def one_line(text: str) -> str:
     return "".join(repr(c)[1:-1] if unicodedata.category(c) in BREAKING_CATEGORIES else c for c in text)
 
 
+def shown(value: object, limit: int = 40) -> str:
+    """A value as quoted in a message: repr, on one line, cut to about `limit` characters (a value
+    from a file can be megabytes; the message must stay one readable line)."""
+    text = one_line(repr(value))
+    return text if len(text) <= limit else f"{text[: limit - 3]}... ({len(text)} characters)"
+
+
 class AuraError(Exception):
     """An error whose message is meant for the user as-is (no traceback), always one line."""
 

@@ -175,8 +175,8 @@ def test_disk_full_while_saving_is_a_clear_error_and_keeps_the_previous(
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_00000010")
     r = run_cli(_args(tmp_path, "run", prepared), AURA_FAULT_CKPT="enospc:model")
     assert r.returncode != 0
-    assert "could not write checkpoint step_00000010" in r.stdout and "No space left on device" in r.stdout
-    assert "the previous checkpoints are intact (fix: free disk space" in r.stdout
+    assert "no space left on" in r.stdout and "while writing checkpoint step 10 (previous checkpoint step 5 is intact" in r.stdout
+    assert "the partial write was removed) (fix: free space there" in r.stdout
     ckpts = checkpoint.list_complete(tmp_path / "run" / "checkpoints")
     assert [c.step for c in ckpts] == [5] and checkpoint.verify(ckpts[0].path) is None
     again = run_cli(_args(tmp_path, "run", prepared))

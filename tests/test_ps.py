@@ -282,7 +282,8 @@ def test_a_full_disk_on_the_server_stops_the_run_with_the_fix_and_keeps_nothing_
     worker = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / "w.log")
     assert server.finish() == 1, server.text
     assert worker.finish() == 0, worker.text
-    assert "error: could not write checkpoint step_00000020" in server.text and "fix: free disk space" in server.text, server.text
+    assert "error: no space left on" in server.text and "while writing checkpoint step 20" in server.text, server.text
+    assert "(fix: free space there" in server.text, server.text
     assert "the server stopped on an error" in worker.text
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp")]  # no half-written folder left
 

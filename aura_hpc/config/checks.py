@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import unicodedata
 
@@ -17,7 +18,7 @@ from aura_hpc.config.tree import (
     RunConfig,
     SlurmConfig,
 )
-from aura_hpc.errors import BREAKING_CATEGORIES, ConfigError
+from aura_hpc.errors import BREAKING_CATEGORIES, ConfigError, shown
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -57,14 +58,60 @@ def _check_text_values(cfg: RunConfig) -> None:
             check_text_value(key, value)
 
 
+# Upper bounds far above any real run: a value past one is a typo (1e300 for 3e-4) that would
+# otherwise surface as an overflow inside a worker, or as the kernel's OOM killer.
+LIMITS: dict[str, tuple[float, str]] = {
+    "train.lr": (10.0, "3e-4"),
+    "train.weight_decay": (10.0, "0.1"),
+    "train.grad_clip": (1e6, "1.0"),
+    "train.max_steps": (1e10, "1000"),
+    "train.max_tokens": (1e15, "1000000000"),
+    "train.warmup_steps": (1e9, "100"),
+    "train.batch_size": (1e6, "8"),
+    "train.grad_accum": (1e6, "1"),
+    "train.eval_batches": (1e6, "4"),
+    "train.eval_sequences": (1e8, "0"),
+    "train.sample_tokens": (1e6, "40"),
+    "train.threads": (4096, "0"),
+    "model.n_layer": (1024, "12"),
+    "model.n_embd": (65536, "768"),
+    "model.n_head": (1024, "12"),
+    "model.n_positions": (1 << 20, "1024"),
+    "model.vocab_size": (1 << 24, "0"),
+    "model.padded_vocab_size": (1 << 24, "0"),
+    "data.seq_len": (1 << 20, "1024"),
+}
+MAX_ANY_INT = 10**12  # every other whole-number setting
+
+
+def _check_ranges(cfg: RunConfig) -> None:
+    """Every number finite, and none absurdly large."""
+    for name in SECTIONS:
+        section = getattr(cfg, name)
+        for f in dataclasses.fields(section):
+            key, value = f"{name}.{f.name}", getattr(section, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{key} must be a finite number, got {value} (fix: --set {key}=<number>)")
+            top, example = LIMITS.get(key, (MAX_ANY_INT, "<smaller number>"))
+            if abs(value) > top:
+                raise ConfigError(f"{key} = {value:g} is beyond any real run (at most {top:g}) (fix: --set {key}={example})")
+    t = cfg.train
+    for key, value in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{key} must be in [0, 1), got {value} (fix: --set {key}={0.9 if key.endswith('1') else 0.95})")
+
+
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks; each error names the fix."""
     _check_text_values(cfg)
+    _check_ranges(cfg)
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value not in allowed:
-            raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r} (fix: --set {key}={allowed[0]})")
+            raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {shown(value)} (fix: --set {key}={allowed[0]})")
     m, d, t = cfg.model, cfg.data, cfg.train
     positive = {
         "model.n_layer": m.n_layer,
@@ -131,7 +178,7 @@ def validate(cfg: RunConfig) -> None:
     if t.max_tokens <= 0 and t.stop_at > t.max_steps:
         raise ConfigError(f"train.stop_at ({t.stop_at}) is after train.max_steps ({t.max_steps}) (fix: lower train.stop_at)")
     if not _RUN_NAME.match(cfg.run_name):
-        raise ConfigError(f"run_name {cfg.run_name!r} must be letters, digits, '.', '_' or '-' (fix: --run-name my-run)")
+        raise ConfigError(f"run_name {shown(cfg.run_name)} must be letters, digits, '.', '_' or '-' (fix: --run-name my-run)")
     if not cfg.output_dir:
         raise ConfigError("output_dir is empty (fix: --output-dir runs)")
     validate_strategy(cfg)
@@ -157,7 +204,9 @@ def validate(cfg: RunConfig) -> None:
             "(fix: keep only health.webhook_url_env or health.webhook_url_file)"
         )
     if h.webhook_url_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", h.webhook_url_env):
-        raise ConfigError(f"health.webhook_url_env {h.webhook_url_env!r} is not an environment variable name (fix: e.g. AURA_GPU_WEBHOOK)")
+        raise ConfigError(
+            f"health.webhook_url_env {shown(h.webhook_url_env)} is not an environment variable name (fix: e.g. AURA_GPU_WEBHOOK)"
+        )
 
 
 def validate_ps(cfg: RunConfig) -> None:
@@ -179,7 +228,7 @@ def slurm_minutes(value: str) -> int:
     """Slurm's --time formats (minutes, M:S, H:M:S, D-H, D-H:M, D-H:M:S) to whole minutes, rounded up."""
     m = _SLURM_TIME.match(value.strip())
     if not m:
-        raise ConfigError(f"slurm.time {value!r} is not a Slurm time (fix: --time 04:00:00, or minutes like --time 240)")
+        raise ConfigError(f"slurm.time {shown(value)} is not a Slurm time (fix: --time 04:00:00, or minutes like --time 240)")
     days, a, b, c = (int(x) if x is not None else None for x in m.groups())
     assert a is not None
     if days is not None:  # D-H, D-H:M, D-H:M:S
@@ -202,7 +251,7 @@ def validate_slurm(s: SlurmConfig) -> None:
         raise ConfigError(f"slurm.cpus_per_task must be 0 (Slurm's default) or more, got {s.cpus_per_task} (fix: --cpus-per-task 8)")
     minutes = slurm_minutes(s.time)
     if minutes < 1:
-        raise ConfigError(f"slurm.time {s.time!r} is zero (fix: --time 01:00:00)")
+        raise ConfigError(f"slurm.time {shown(s.time)} is zero (fix: --time 01:00:00)")
     if s.signal_lead_s < 0 or s.signal_lead_s >= minutes * 60:
         raise ConfigError(
             f"slurm.signal_lead_s ({s.signal_lead_s}) must be between 0 and the time limit ({minutes * 60}s) "
@@ -213,7 +262,7 @@ def validate_slurm(s: SlurmConfig) -> None:
     if s.array_parallelism < 0:
         raise ConfigError(f"slurm.array_parallelism must be 0 (all) or more, got {s.array_parallelism} (fix: --array-parallelism 4)")
     if s.mem and not re.match(r"^\d+[KMGT]?B?$", s.mem, re.IGNORECASE):
-        raise ConfigError(f"slurm.mem {s.mem!r} is not a Slurm memory size (fix: --mem 64G, or --mem 0 for all of a node's memory)")
+        raise ConfigError(f"slurm.mem {shown(s.mem)} is not a Slurm memory size (fix: --mem 64G, or --mem 0 for all of a node's memory)")
 
 
 def _divisor_near(n: int, k: int) -> int:

@@ -13,7 +13,7 @@ import yaml
 
 from aura_hpc.config.checks import check_text_value, line_breaking, validate
 from aura_hpc.config.tree import SECTIONS, TOP_LEVEL, RunConfig
-from aura_hpc.errors import ConfigError
+from aura_hpc.errors import ConfigError, one_line, shown
 
 # Keys resolved relative to the config file they appear in.
 _PATH_KEYS = {("data", "path"), ("dist", "deepspeed_config"), ("health", "webhook_url_file")}
@@ -45,19 +45,19 @@ LIST_KEYS = "python -m aura_hpc config --keys"
 
 
 def _unknown_key(key: str, valid: list[str]) -> ConfigError:
-    """The closest key and the keys of that section only; all ~90 keys are one command away."""
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    section = key.partition(".")[0] if "." in key else ""
-    if section not in SECTIONS:
-        near = difflib.get_close_matches(section or key, list(SECTIONS), n=1, cutoff=0.5)
-        section = near[0] if near and "." in key else ""
-    if section:
-        keys = ", ".join(f.name for f in dataclasses.fields(SECTIONS[section]))
-        where = f"the {section} section has {keys}"
+    """One short line: the closest key when there is a close one, and the command that lists them all."""
+    if len(key) > 60 or not key.isprintable():
+        return ConfigError(f"unknown config key {shown(key)} (fix: see every key with `{LIST_KEYS}`)")
+    section, _, name = key.rpartition(".")
+    if section in SECTIONS:  # a known section: compare the name with that section's names only
+        names = [f.name for f in dataclasses.fields(SECTIONS[section])]
+        near = difflib.get_close_matches(name, names, n=1, cutoff=0.75)
+        close = [f"{section}.{near[0]}"] if near else []
     else:
-        where = f"top-level keys are {', '.join(TOP_LEVEL)}; sections are {', '.join(SECTIONS)}"
-    return ConfigError(f"unknown config key '{key}': {hint}{where} (fix: see every key with `{LIST_KEYS}`)")
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
+    if close:
+        return ConfigError(f"unknown config key '{key}': did you mean '{close[0]}'? (fix: use that, or see every key with `{LIST_KEYS}`)")
+    return ConfigError(f"unknown config key '{key}' (fix: see every key with `{LIST_KEYS}`)")
 
 
 def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
@@ -70,31 +70,31 @@ def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
             return value.lower() in ("true", "yes", "on", "1")
         if isinstance(value, int) and value in (0, 1):
             return bool(value)
-        raise ConfigError(f"{key} must be true or false, got {value!r} {fix}")
+        raise ConfigError(f"{key} must be true or false, got {shown(value)} {fix}")
     if typ == "int":
         if isinstance(value, bool):
-            raise ConfigError(f"{key} must be a whole number, got {value!r} {fix}")
+            raise ConfigError(f"{key} must be a whole number, got {shown(value)} {fix}")
         if isinstance(value, int):
             return value
         try:
             f = float(str(value).replace("_", ""))
         except ValueError:
-            raise ConfigError(f"{key} must be a whole number, got {value!r} {fix}") from None
+            raise ConfigError(f"{key} must be a whole number, got {shown(value)} {fix}") from None
         if not f.is_integer():
-            raise ConfigError(f"{key} must be a whole number, got {value!r} {fix}")
+            raise ConfigError(f"{key} must be a whole number, got {shown(value)} {fix}")
         return int(f)
     if typ == "float":
         if isinstance(value, bool):
-            raise ConfigError(f"{key} must be a number, got {value!r} {fix}")
+            raise ConfigError(f"{key} must be a number, got {shown(value)} {fix}")
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{key} must be a number, got {value!r} {fix}") from None
+            raise ConfigError(f"{key} must be a number, got {shown(value)} {fix}") from None
     if typ == "str":
         if value is None:
             return ""
         if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key} must be a string, got {value!r} {fix}")
+            raise ConfigError(f"{key} must be a string, got {shown(value)} {fix}")
         if isinstance(value, bool):  # YAML reads `compile: true` as a boolean
             return "true" if value else "false"
         check_text_value(key, str(value))  # before the value is used as a path or anything else
@@ -123,7 +123,7 @@ def _merge(
         if value is None:
             continue
         if not isinstance(value, dict):
-            raise ConfigError(f"{origin}: section '{top}' must be a mapping of keys, got {value!r}")
+            raise ConfigError(f"{origin}: section '{top}' must be a mapping of keys, got {shown(value)}")
         types = {f.name: f.type for f in dataclasses.fields(SECTIONS[top])}
         for k, v in value.items():
             dotted = f"{top}.{k}"
@@ -142,7 +142,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"--set {item!r} is not KEY=VALUE (fix: e.g. --set train.lr=3e-4)")
+            raise ConfigError(f"--set {shown(item)} is not KEY=VALUE (fix: e.g. --set train.lr=3e-4)")
         key, _, text = item.partition("=")
         key = key.strip()
         # A line break or control character is kept as typed (YAML would fold it away silently) and
@@ -165,18 +165,53 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+# A config is a few hundred values; YAML aliases can make a few hundred bytes stand for billions of
+# them ("billion laughs"). Both limits are far above any real config.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_VALUES = 10_000
+
+
+def _count_values(data: Any, budget: int) -> int:
+    """Values in `data` as if every alias were expanded, counting down from `budget` (stops below 0)."""
+    stack = [data]
+    while stack and budget >= 0:
+        item = stack.pop()
+        budget -= 1
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return budget
+
+
 def _load_yaml(path: Path) -> dict[str, Any]:
     try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {path} is {size:,} bytes, not a config (fix: pass the YAML config, under 1 MB)")
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at position {exc.start}) "
+            "(fix: save it as UTF-8, e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError(f"config {path} is a folder (fix: pass a .yaml file inside it, or a preset name)") from None
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found (fix: pass an existing file or a preset name)") from None
     except yaml.YAMLError as exc:
         line = getattr(getattr(exc, "problem_mark", None), "line", None)
         where = f" line {line + 1}" if line is not None else ""
         raise ConfigError(
-            f"config file {path}{where} is not valid YAML: {getattr(exc, 'problem', exc)} "
+            f"config file {path}{where} is not valid YAML: {one_line(str(getattr(exc, 'problem', exc)))[:80]} "
             "(fix: check the brackets, quotes and indentation there)"
         ) from None
+    if _count_values(data, MAX_CONFIG_VALUES) < 0:
+        raise ConfigError(
+            f"config file {path} expands to more than {MAX_CONFIG_VALUES:,} values through YAML aliases (&/*) "
+            "(fix: write the values out; a config holds a few hundred)"
+        )
     return data or {}
 
 

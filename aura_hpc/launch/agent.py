@@ -182,6 +182,8 @@ def _failure(plan: LocalPlan, failures: dict[int, Any]) -> TrainingFailed:
     if codes == {EXIT_USER_ERROR} and said:
         # A worker refused its input (e.g. a checkpoint that does not fit): nothing was trained.
         return TrainingFailed(f"{said} (see {log_dir})", EXIT_USER_ERROR)
+    if said and said.startswith(("no space left on", "could not write checkpoint")):
+        return TrainingFailed(f"training failed: {said}", EXIT_TRAIN_FAILED)  # it names what is intact and the fix
     killed = [f for f in failures.values() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
     if said and said.startswith("lost the connection to the rank(s) at") and not killed:
         # A peer on another node went away (a rank of this node killed by a signal is named below instead).

@@ -14,6 +14,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from aura_hpc.config import fit_to_horizon, load_config
 from aura_hpc.errors import ConfigError, LaunchError
@@ -200,6 +201,34 @@ def _plan_memory(plan: LocalPlan, gpu: bool) -> None:
         refusal = check_fits(plan.cfg, vocab, world, plan.gpu_mem_gib)
         if refusal:
             raise ConfigError(refusal.replace("this cluster's GPUs", "this machine's GPUs"))
+    else:
+        note = check_ram(plan.memory, plan.nproc)
+        if note:
+            plan.warnings.append(note)
+
+
+def check_ram(memory: Any, nproc: int) -> str | None:
+    """On CPU the plan is compared with this machine's RAM: a run that cannot fit is refused before
+    any worker allocates (the kernel's OOM killer would end it, maybe with other programs); one
+    that fits only in RAM now in use by other programs is warned about."""
+    import psutil
+
+    from aura_hpc.launch.memory import CPU_PROCESS_BYTES, GIB
+
+    need = nproc * (memory.total + CPU_PROCESS_BYTES)
+    vm = psutil.virtual_memory()
+    if need > vm.total:
+        raise ConfigError(
+            f"the memory plan needs ~{need / GIB:,.1f} GiB of RAM for {nproc} process(es) on this CPU machine, more than its "
+            f"{vm.total / GIB:.1f} GiB (fix: a smaller model, train.batch_size or data.seq_len, fewer --nproc-per-node, or "
+            "--set train.activation_checkpointing=true)"
+        )
+    if need > vm.available:
+        return (
+            f"the memory plan needs ~{need / GIB:,.1f} GiB of RAM for {nproc} process(es); {vm.available / GIB:.1f} GiB is free "
+            "now (other programs hold the rest): the run may swap or be killed"
+        )
+    return None
 
 
 def launch(plan: LocalPlan) -> int:

@@ -28,6 +28,7 @@ ACT_BYTES_PER_TOKEN_LAYER_FP32 = 122  # x d
 ACT_DROPOUT_PER_TOKEN_LAYER = 25  # x d: the dropout masks kept when model.dropout > 0 (measured on CPU)
 ACT_CHECKPOINTED_PER_TOKEN_LAYER = 4  # x d: only each block's fp32 input is kept
 CONTEXT_BYTES = 1 * GIB  # CUDA context, NCCL buffers, cuBLAS workspaces
+CPU_PROCESS_BYTES = int(0.5 * GIB)  # a CPU worker before its model: Python, torch, transformers (RSS 0.33 GiB measured)
 FRAGMENTATION = 0.05  # the caching allocator's slack on top of live tensors
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "zero3")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from pathlib import Path
@@ -165,10 +166,31 @@ def prepare_run_dir(cfg: RunConfig, world_size: int, lock: bool = False, check_l
     ensure_data(cfg, world_size)
     _check_resume_compatible(cfg)
     export_webhook_secret(cfg)
-    make_run_dir(cfg.run_dir)
-    held = RunLock(cfg.run_dir).acquire() if lock else None
-    config_path = cfg.run_dir / "config.yaml"
-    tmp = config_path.with_suffix(".yaml.tmp")
-    tmp.write_text(cfg.to_yaml(), encoding="utf-8")
-    tmp.replace(config_path)
+    try:
+        make_run_dir(cfg.run_dir)
+        held = RunLock(cfg.run_dir).acquire() if lock else None
+        if held is not None:
+            _remove_partial_checkpoints(cfg.run_dir / "checkpoints")
+        config_path = cfg.run_dir / "config.yaml"
+        tmp = config_path.with_suffix(".yaml.tmp")
+        tmp.write_text(cfg.to_yaml(), encoding="utf-8")
+        tmp.replace(config_path)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise LaunchError(
+            f"no space left on the disk of {cfg.run_dir} ({exc.strerror}) before training started "
+            "(fix: free space there, lower train.keep_last, or use an output_dir on a larger disk)"
+        ) from None
     return held
+
+
+def _remove_partial_checkpoints(root: Path) -> None:
+    """Checkpoint folders a crash left half-written (the trainer writes `.tmp-step_*` and renames it
+    when complete): removed first, so a disk they filled has room again. Only the lock holder is here."""
+    import shutil
+
+    for p in [*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]:
+        if p.is_dir():
+            logging.getLogger("aura_hpc").info("removing partial checkpoint %s left by an interrupted save", p.name)
+            shutil.rmtree(p, ignore_errors=True)

@@ -193,6 +193,8 @@ def save(
         faults.checkpoint_stage(name, run_dir)
 
     try:
+        # Room first: a lowered train.keep_last takes effect before this write, not after it.
+        prune(root, keep_last)
         if tmp is None:
             tmp = begin(root, step)
         hashes = dict(known_hashes or {})
@@ -237,17 +239,63 @@ def save(
         else:
             tmp.rename(final)
         _fsync(root)
-    except OSError as exc:
+    except Exception as exc:  # torch.save reports a full disk as RuntimeError("... unexpected pos ...")
         if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        reason = exc.strerror or str(exc)
-        fix = "free disk space" if exc.errno == errno.ENOSPC else "check the permissions and the filesystem"
-        raise CheckpointWriteError(
-            f"could not write checkpoint {final.name} in {root} ({reason}); the previous checkpoints are intact "
-            f"(fix: {fix}, then re-run the same command to resume)"
-        ) from None
+            shutil.rmtree(tmp, ignore_errors=True)  # the partial write would keep the disk full
+        raise write_failure(exc, root, step) from None
     prune(root, keep_last)
     return final
+
+
+def disk_of(path: Path) -> str:
+    """'MOUNT POINT (DEVICE)' of the filesystem holding `path`."""
+    p = path.resolve()
+    while not p.exists() or not os.path.ismount(p):
+        if p.parent == p:
+            break
+        p = p.parent
+    device = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 1 and fields[1] == str(p):
+                device = fields[0]
+    return f"{p} ({device})" if device else str(p)
+
+
+def disk_full(exc: BaseException, path: Path) -> bool:
+    """A write that failed because the disk is full: ENOSPC/EDQUOT, or torch's and DCP's wrapped
+    errors about it, or any write error with (almost) no free space left where it wrote."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left" in str(seen) or "unexpected pos" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    with contextlib.suppress(OSError):
+        existing = path
+        while not existing.exists() and existing.parent != existing:
+            existing = existing.parent
+        return shutil.disk_usage(existing).free < 4 * 2**20
+    return False
+
+
+def write_failure(exc: BaseException, root: Path, step: int) -> CheckpointWriteError:
+    """The one line for a checkpoint that could not be written, after its partial files are gone."""
+    previous = next((c.step for c in list_complete(root) if c.step != step), None)
+    kept = f"previous checkpoint step {previous} is intact" if previous is not None else "no earlier checkpoint exists"
+    if disk_full(exc, root):
+        return CheckpointWriteError(
+            f"no space left on {disk_of(root)} while writing checkpoint step {step} ({kept}; the partial write was removed) "
+            "(fix: free space there, lower train.keep_last, or use an output_dir on a larger disk; then re-run the same command)"
+        )
+    first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+    reason = getattr(exc, "strerror", None) or first
+    return CheckpointWriteError(
+        f"could not write checkpoint step {step} in {root} ({type(exc).__name__}: {reason}; {kept}) "
+        "(fix: check the permissions and the filesystem, then re-run the same command to resume)"
+    )
 
 
 def _clean_stale_temps(root: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -214,16 +215,26 @@ class Checkpointer:
             try:
                 tmp = checkpoint.begin(self.root, pos.step)
             except OSError as exc:
-                error = f"could not start checkpoint step {pos.step} in {self.root} ({exc.strerror or exc}) (fix: check the disk)"
+                error = str(checkpoint.write_failure(exc, self.root, pos.step))
         where, error = distributed.broadcast_object((str(tmp) if tmp else "", error))
         if error:
             raise CheckpointWriteError(error)
         folder = Path(where)
-        self.wrapped.save_sharded(folder / SHARDS, p.optimizer)  # type: ignore[attr-defined]
+        failed: str | None = None
+        try:
+            self.wrapped.save_sharded(folder / SHARDS, p.optimizer)  # type: ignore[attr-defined]
+            # Each rank hashes the files it wrote; rank 0 hashes the rest while committing.
+            own = self.wrapped.own_shard_files(folder / SHARDS, self.env.rank)  # type: ignore[attr-defined]
+            mine = {str(f.relative_to(folder)): checkpoint.sha256_of(f) for f in own}
+        except (Exception, *_dcp_errors()) as exc:  # DCP wraps a full disk in its CheckpointException (a BaseException)
+            failed, mine = str(checkpoint.write_failure(exc, self.root, pos.step)), {}
+        # Every rank learns whether any rank's shard failed, so all stop together.
+        failures = [f for f in distributed.all_gather_object(failed) if f]
+        if failures:
+            if self.env.is_main:
+                shutil.rmtree(folder, ignore_errors=True)  # the partial shards would keep the disk full
+            raise CheckpointWriteError(failures[0])
         weights = self.wrapped.full_weights()  # type: ignore[attr-defined]
-        # Each rank hashes the files it wrote; rank 0 hashes the rest while committing.
-        own = self.wrapped.own_shard_files(folder / SHARDS, self.env.rank)  # type: ignore[attr-defined]
-        mine = {str(f.relative_to(folder)): checkpoint.sha256_of(f) for f in own}
         hashes = {k: v for part in distributed.all_gather_object(mine) for k, v in part.items()}
         if self.env.is_main:
             snap = checkpoint.ModelSnapshot(weights, *checkpoint.model_configs(p.model))
@@ -285,6 +296,14 @@ class Checkpointer:
             )
 
 
+def _dcp_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return ()
+    return (CheckpointException,)
+
+
 class _Writer(threading.Thread):
     """Writes one checkpoint from host memory (rank 0), in the background or in place."""
 
@@ -305,4 +324,4 @@ class _Writer(threading.Thread):
         except CheckpointError as exc:
             self.error = str(exc)
         except Exception as exc:  # reported like a failed write: the previous checkpoints stay intact
-            self.error = f"could not write the checkpoint ({type(exc).__name__}: {str(exc)[:200]}); the previous checkpoints are intact"
+            self.error = str(checkpoint.write_failure(exc, self.args[0], self.args[1]))
