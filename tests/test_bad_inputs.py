@@ -49,6 +49,16 @@ def _files(tmp: Path, _prepared: Path) -> None:
     (tmp / "norun").mkdir()
 
 
+def _hostile_configs(tmp: Path, _prepared: Path) -> None:
+    # "Billion laughs": 272 bytes that expand to 10**9 values (a 39 MB error line, 6 GB at nine levels, before).
+    lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"{chr(98 + i)}: &{chr(98 + i)} [{','.join(['*' + chr(97 + i)] * 9)}]" for i in range(8)]
+    (tmp / "laughs.yaml").write_text("\n".join(lines) + "\ntrain:\n  lr: *i\n")
+    (tmp / "latin1.yaml").write_bytes("run_name: año\n".encode("latin-1"))
+    (tmp / "docs").mkdir()
+    (tmp / "docs" / "a.txt").write_text("Mi tesis.\n\nOtro párrafo.\n" * 50, encoding="utf-8")
+
+
 def _incompatible_run(tmp: Path, _prepared: Path) -> None:
     from aura_hpc.config import load_config
 
@@ -187,6 +197,20 @@ ROWS = [
     ),
     # generate
     Row("generate: no checkpoint", ["generate", "--run", "{tmp}/norun"], "no complete checkpoint", _files),
+    # hostile or absurd input (issue 19)
+    Row("yaml alias bomb", ["local", "--config", "{tmp}/laughs.yaml"], "expands to more than 10,000 values", _hostile_configs),
+    Row("config not UTF-8", ["local", "--config", "{tmp}/latin1.yaml"], "is not UTF-8 text", _hostile_configs),
+    Row("lr overflows", ["local", "--set", "train.lr=1e300", D], "train.lr = 1e+300 is beyond any real run"),
+    Row("lr infinite", ["local", "--set", "train.lr=inf", D], "train.lr must be a finite number"),
+    Row("absurd warmup", ["local", "--set", "train.warmup_steps=1e18", D], "train.warmup_steps = 1e+18 is beyond"),
+    Row("absurd depth", ["local", "--set", "model.n_layer=10000", D], "model.n_layer = 10000 is beyond"),
+    Row(
+        "more RAM than the machine has",
+        ["local", "--set", "model.n_layer=200", "--set", "model.n_embd=4096", "--set", "model.n_head=32", D],
+        "GiB of RAM for 2 process(es) on this CPU machine, more than its",
+    ),
+    Row("sample prompt longer than the context", ["local", "--set", "train.sample_prompt=" + "hola " * 300, D], "train.sample_prompt is"),
+    Row("prepare into the input's folder", ["prepare", "{tmp}/docs/a.txt", "--out", "{tmp}/docs"], "contains the input", _hostile_configs),
 ]
 
 
@@ -212,9 +236,31 @@ def test_bad_input(row: Row, tmp_path: Path, prepared: Path) -> None:
     assert len(lines) == 1, r.stderr  # one readable line, no traceback
     line = lines[0]
     assert line.startswith("error: ") and row.expect in line, line
+    assert len(line) < 500, f"{len(line)} characters: {line[:300]}"
     assert "fix" in line or "did you mean" in line, f"no fix named: {line}"
     # Nothing was trained: no worker started, no checkpoint or metrics.
     assert "start rank=" not in r.stdout
     assert not list(tmp_path.rglob("metrics.jsonl")) and not [p for p in tmp_path.rglob("step_*") if (p / "COMPLETE.json") not in before]
     # Nothing that was there changed (a refused resume keeps the run's config.yaml).
     assert all(p.read_bytes() == data for p, data in before.items() if p.exists() and p.name != "port")
+
+
+def test_two_lan_nodes_with_different_dist_sections_are_refused_before_the_first_step(tmp_path: Path, prepared: Path) -> None:
+    """Before: node 1 with dist.strategy=fsdp and node 0 with ddp hung for dist.timeout_s (600 s) in silence."""
+    from tests.conftest import SMALL_MODEL, run_cli_together
+
+    port = str(free_port())
+
+    def node(rank: int, *extra: str) -> list[str]:
+        return [
+            "local", "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port,
+            "--nproc-per-node", "1", "--output-dir", str(tmp_path / f"node{rank}"), "--set", f"data.path={prepared}",
+            *SMALL_MODEL, *extra,
+        ]  # fmt: skip
+
+    r0, r1 = run_cli_together([node(0), node(1, "--set", "dist.strategy=fsdp")], timeout=120)
+    for r in (r0, r1):
+        assert r.returncode == 2, r.stdout[-1500:] + r.stderr[-1500:]
+        line = r.stderr.strip().splitlines()[-1]
+        assert "runs a different config than rank" in line and "dist.strategy is" in line and "(fix: pass the same" in line, line
+        assert "step 1" not in r.stdout

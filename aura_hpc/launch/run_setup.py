@@ -86,6 +86,7 @@ def preflight_data(cfg: RunConfig, world_size: int) -> None:
     from aura_hpc.data.packed import PackedTokens
 
     PackedTokens(cfg.data.path, cfg.data.seq_len)  # token files present and as long as the manifest says
+    check_sample_prompt(cfg, path / "tokenizer")
     t = cfg.train
     sequences = max(0, (int(m["train_tokens"]) - 1) // cfg.data.seq_len)
     effective = t.batch_size * world_size * t.grad_accum
@@ -95,6 +96,28 @@ def preflight_data(cfg: RunConfig, world_size: int) -> None:
             f"batch of {effective} (= {t.batch_size} per device x {world_size} processes x {t.grad_accum} accumulation) "
             "(fix: more data, a smaller train.batch_size/data.seq_len, fewer processes, or "
             "--set train.allow_oversubscription=true to repeat the data)"
+        )
+
+
+def prompt_tokens(tokenizer_dir: Path, prompt: str) -> int:
+    """How many tokens `prompt` is with the prepared tokenizer (the `tokenizers` library alone: fast to import)."""
+    from tokenizers import Tokenizer
+
+    return len(Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).encode(prompt, add_special_tokens=False).ids)
+
+
+def check_sample_prompt(cfg: RunConfig, tokenizer_dir: Path) -> None:
+    """The samples fit the model's context: refused before training, not after it (a crash at the
+    final sample used to leave no summary, and every re-run then said 'nothing to do')."""
+    t, room = cfg.train, cfg.model.n_positions
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        return
+    n = prompt_tokens(tokenizer_dir, t.sample_prompt)
+    if n + t.sample_tokens > room:
+        fix = f"--set train.sample_tokens={room - n}" if n < room else "a shorter train.sample_prompt"
+        raise ConfigError(
+            f"train.sample_prompt is {n} tokens and train.sample_tokens {t.sample_tokens}: more than model.n_positions "
+            f"({room}) (fix: {fix})"
         )
 
 

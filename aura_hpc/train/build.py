@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -117,13 +118,26 @@ def seed_dropout(seed: int, rank: int) -> None:
         torch.manual_seed(seed + 1_000_003 * rank)
 
 
+# Settings every rank must share: a difference in any of them makes the ranks run different collectives
+# (dist.strategy fsdp on one node, ddp on the other, hung for dist.timeout_s) or train different models.
+# train.threads and train.tune_malloc are per machine.
+_PER_MACHINE = {"train.threads", "train.tune_malloc"}
+
+
+def _shared_settings(cfg: RunConfig) -> dict[str, str]:
+    out = {"model.fingerprint": cfg.model_fingerprint()}
+    for section in ("model", "train", "dist"):
+        for name, value in dataclasses.asdict(getattr(cfg, section)).items():
+            key = f"{section}.{name}"
+            if key not in _PER_MACHINE:
+                out[key] = json.dumps(value, default=str)
+    return out
+
+
 def check_same_everywhere(cfg: RunConfig, env: DistEnv, data: PackedTokens) -> None:
-    """Nodes prepared their data and wrote their config separately: they must agree."""
-    mine = (
-        data.manifest.get("data_sha256"),
-        cfg.model_fingerprint(),
-        json.dumps(cfg.train.__dict__, sort_keys=True, default=str),
-    )
+    """Nodes prepared their data and wrote their config separately: they must agree, before any
+    collective that depends on the config (the first one is this gather)."""
+    mine = (data.manifest.get("data_sha256"), _shared_settings(cfg))
     every = distributed.all_gather_object(mine)
     for r, theirs in enumerate(every):
         if theirs[0] != mine[0]:
@@ -131,8 +145,13 @@ def check_same_everywhere(cfg: RunConfig, env: DistEnv, data: PackedTokens) -> N
                 f"rank {r} has different prepared data than rank {env.rank} "
                 "(fix: use the same data.path contents on every node, e.g. copy the prepared directory)"
             )
-        if theirs[1:] != mine[1:]:
-            raise ConfigError(f"rank {r} runs a different config than rank {env.rank} (fix: pass the same --config/--set on every node)")
+        differ = sorted(k for k in set(mine[1]) | set(theirs[1]) if mine[1].get(k) != theirs[1].get(k))
+        if differ:
+            key = next((k for k in differ if k != "model.fingerprint"), differ[0])
+            raise ConfigError(
+                f"rank {r} runs a different config than rank {env.rank}: {key} is {theirs[1].get(key)} there and "
+                f"{mine[1].get(key)} here (fix: pass the same --config/--set on every node)"
+            )
 
 
 def describe(cfg: RunConfig, parts: Parts, layout: Layout, rt: Runtime, start_step: int, run_dir: str) -> list[str]:

@@ -36,6 +36,13 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
     model.eval()
     torch.manual_seed(seed)
     ids = tok(prompt, return_tensors="pt").input_ids
+    room = int(model.config.n_positions)
+    if ids.shape[1] + max_new_tokens > room:
+        fix = f"--max-new-tokens {room - ids.shape[1]}" if ids.shape[1] < room else "a shorter --prompt"
+        raise CheckpointError(
+            f"the prompt is {ids.shape[1]} tokens and --max-new-tokens {max_new_tokens}: more than the model's "
+            f"{room} positions (fix: {fix})"
+        )
     out = []
     with torch.no_grad():
         for _ in range(num):
