@@ -9,6 +9,7 @@ ZeRO-2 does with gradient accumulation (it reduces each micro-step, then accumul
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,10 @@ def test_a_killed_rank_resumes_from_the_sharded_checkpoint_bit_identical(tmp_pat
     _run(tmp_path, "straight", prepared, strategy, "--set", "model.dropout=0.1")
     out = _run(tmp_path, "killed", prepared, strategy, "--set", "model.dropout=0.1", "--max-restarts", "1", env={"AURA_FAULT_KILL": "1:12"})
     assert "restart=1" in out and "resumed from checkpoint step_00000010 at step 10" in out
+    counted = re.search(r"([\d,]+) parameters", out)
+    assert counted and int(counted.group(1).replace(",", "")) > 1000, out  # zero3 empties each rank's parameters: counted before
+    summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert all(v != 0 for k, v in summary.items() if "param" in k), summary
     assert _diff(final_weights(tmp_path / "killed"), final_weights(tmp_path / "straight")) == 0.0
 
 
@@ -99,6 +104,8 @@ def test_fsdp_resumes_at_another_world_size_and_zero_says_it_cannot(tmp_path: Pa
     args = ["local", "--nproc-per-node", "1", "--output-dir", str(tmp_path), "--run-name", "zero", "--set", f"data.path={prepared}"]
     r = run_cli([*args, *BASE, "--set", "dist.strategy=zero2", "--set", "train.max_steps=20"], timeout=600)
     assert r.returncode == 2 and "resume at the world size they were written at (fix: resume on 2 processes" in r.stderr, r.stderr
+    # Refused once, by the launcher, before any worker started (it was printed by every rank and again by the launcher).
+    assert (r.stdout + r.stderr).count("ZeRO partitions for 2 ranks") == 1 and "start rank=" not in r.stdout, r.stdout + r.stderr
 
 
 def test_non_finite_loss_is_skipped_by_every_strategy_alike(tmp_path: Path, prepared: Path) -> None:

@@ -46,8 +46,29 @@ def _check_same_tokenizer(cfg: RunConfig) -> None:
         )
 
 
-def _check_resume_compatible(cfg: RunConfig) -> None:
+def _check_zero_world_size(cfg: RunConfig, world_size: int) -> None:
+    """ZeRO partitions resume only at the world size that wrote them: refused here, once, before any worker."""
+    import json
+
+    ckpt = _newest_complete_checkpoint(cfg.run_dir)
+    if ckpt is None or not cfg.dist.strategy.startswith("zero"):
+        return
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # the workers verify the checkpoint and say what is wrong with it
+    written_on = meta.get("world_size")
+    if str(meta.get("strategy", "")).startswith("zero") and isinstance(written_on, int) and written_on != world_size:
+        raise ConfigError(
+            f"checkpoint {ckpt.name} holds DeepSpeed ZeRO partitions for {written_on} ranks and this run has {world_size}: "
+            f"ZeRO checkpoints resume at the world size they were written at (fix: resume on {written_on} processes, or convert "
+            "it with DeepSpeed's ds_to_universal; fsdp checkpoints reshard to any world size)"
+        )
+
+
+def _check_resume_compatible(cfg: RunConfig, world_size: int) -> None:
     _check_same_tokenizer(cfg)
+    _check_zero_world_size(cfg, world_size)
     old = cfg.run_dir / "config.yaml"
     if not old.exists() or not (cfg.run_dir / "checkpoints").is_dir():
         return
@@ -187,7 +208,7 @@ def prepare_run_dir(cfg: RunConfig, world_size: int, lock: bool = False, check_l
     if check_lock:
         check_free(cfg.run_dir)
     ensure_data(cfg, world_size)
-    _check_resume_compatible(cfg)
+    _check_resume_compatible(cfg, world_size)
     export_webhook_secret(cfg)
     try:
         make_run_dir(cfg.run_dir)

@@ -64,6 +64,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
             )
         if env.is_main:
             log.warning("%s; train.allow_oversubscription=true: repeating the data to fill each batch", msg)
+    n_params = count_parameters(model)  # before the strategy: ZeRO-3 leaves each rank empty parameters
     fused = t.fused_optimizer == "true" or (t.fused_optimizer == "auto" and cuda and cfg.dist.strategy == "ddp")
     wrapped, optimizer = wrap(loss_model, model, cfg, rt, world, lambda m: make_optimizer(m, t, fused=fused))
     seed_dropout(t.seed, env.rank)
@@ -72,7 +73,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
         order=GlobalOrder(max(n_train, 1), t.seed),
         model=model,
         loss_model=loss_model,
-        n_params=count_parameters(model),
+        n_params=n_params,
         optimizer=optimizer,
         scheduler=make_scheduler(optimizer, t, max_steps),
         scaler=torch.amp.GradScaler("cuda", enabled=rt.autocast_dtype == torch.float16),
