@@ -286,10 +286,10 @@ def test_sigkill_at_random_moments_of_a_save_never_breaks_the_previous(tmp_path:
     script.write_text(
         "import sys, torch\n"
         "from pathlib import Path\n"
-        "from transformers import GPT2Config, GPT2LMHeadModel\n"
+        "from aura_hpc.train.gpt import GPT, GPTConfig\n"
         "from aura_hpc.train import checkpoint\n"
         "root = Path(sys.argv[1])\n"
-        "model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64))\n"
+        "model = GPT(GPTConfig(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=2))\n"
         "opt = torch.optim.AdamW(model.parameters())\n"
         "print('ready', flush=True)\n"
         "for step in range(1, 10000):\n"
@@ -318,9 +318,9 @@ def test_sigkill_at_random_moments_of_a_save_never_breaks_the_previous(tmp_path:
 
 
 def test_keep_last_plus_best_by_validation_loss(tmp_path: Path) -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from aura_hpc.train.gpt import GPT, GPTConfig
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300, n_positions=32))
+    model = GPT(GPTConfig(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2))
     losses = {1: 3.0, 2: 1.5, 3: 2.5, 4: 2.8, 5: 2.9}
     for step, loss in losses.items():
         checkpoint.save(tmp_path, step, model, {}, {"step": step, "eval_loss": loss}, None, "", keep_last=2)

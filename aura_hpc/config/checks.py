@@ -307,6 +307,17 @@ def embedding_rows(m: ModelConfig, tokenizer_vocab: int) -> int:
     return m.padded_vocab_size or tokenizer_vocab
 
 
+def validate_for_device(cfg: RunConfig, gpu: bool) -> None:
+    """What needs GPUs, refused for a CPU run (called by the launch plans, which know the device)."""
+    if cfg.dist.fsdp_cpu_offload and not gpu:
+        raise ConfigError(
+            "dist.fsdp_cpu_offload keeps parameters in host memory between uses; a CPU run has them there already "
+            "(and torch pins that memory through CUDA) (fix: --set dist.fsdp_cpu_offload=false)"
+        )
+    if cfg.train.precision == "fp16" and not gpu:
+        raise ConfigError("train.precision fp16 needs a CUDA GPU (fix: --set train.precision=auto)")
+
+
 def validate_strategy(cfg: RunConfig) -> None:
     """What each dist.strategy does not support is refused here, with the reason."""
     d, t = cfg.dist, cfg.train
@@ -315,6 +326,12 @@ def validate_strategy(cfg: RunConfig) -> None:
         raise ConfigError(
             f"train.precision fp16 is not supported with dist.strategy={d.strategy} (its loss scaling is DDP's GradScaler) "
             "(fix: --set train.precision=bf16)"
+        )
+    if t.precision == "fp16" and t.loss == "chunked":
+        raise ConfigError(
+            "train.loss=chunked with fp16: the chunked loss computes its gradients in the forward pass, before fp16's loss "
+            "scaling, and small probabilities underflow to zero (fix: --set train.loss=auto, which uses the full logits under "
+            "fp16, or train.precision=bf16 on a GPU that has it)"
         )
     if zero and t.precision == "fp64":
         raise ConfigError(f"DeepSpeed ({d.strategy}) does not train in fp64 (fix: --set train.precision=fp32, or dist.strategy=fsdp)")

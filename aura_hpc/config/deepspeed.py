@@ -23,6 +23,10 @@ def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool) -> dict[str, A
         "gradient_clipping": t.grad_clip,
         "bf16": {"enabled": bf16},
         "fp16": {"enabled": False},
+        # Gradients accumulated and reduced in fp32, as FSDP's MixedPrecisionPolicy(reduce_dtype=fp32)
+        # does (DeepSpeed defaults both to the model dtype, bf16).
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "communication_data_type": "fp32",
         "zero_allow_untested_optimizer": True,  # our torch AdamW, partitioned by ZeRO
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -30,6 +34,9 @@ def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool) -> dict[str, A
     zero: dict[str, Any] = {"stage": int(d.strategy[-1])}
     if d.zero_offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
+        # Our torch AdamW steps the offloaded fp32 partitions on the CPU (DeepSpeed would otherwise
+        # refuse it at initialize and ask for its own DeepSpeedCPUAdam, a C++ op built on first use).
+        ours["zero_force_ds_cpu_optimizer"] = False
     user = load_user_config(d.deepspeed_config) if d.deepspeed_config else {}
     conflicts = [f"{k} ({user[k]!r} vs {v!r})" for k, v in ours.items() if k in user and user[k] != v]
     user_zero = user.get("zero_optimization") or {}

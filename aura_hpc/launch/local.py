@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.config import fit_to_horizon, load_config
+from aura_hpc.config.checks import validate_for_device
 from aura_hpc.errors import ConfigError, LaunchError
 from aura_hpc.launch.agent import run_workers
 from aura_hpc.launch.plan import LocalPlan
@@ -191,6 +192,7 @@ def _plan_memory(plan: LocalPlan, gpu: bool) -> None:
     from aura_hpc.launch.memory import check_fits, tokenizer_vocab
     from aura_hpc.launch.memory import plan as plan_memory
 
+    validate_for_device(plan.cfg, gpu)
     world = plan.nproc * plan.nnodes
     vocab = tokenizer_vocab(plan.cfg)
     plan.memory = plan_memory(plan.cfg, vocab, world, gpu=gpu)

@@ -119,7 +119,7 @@ def plan(cfg: RunConfig, tokenizer_vocab: int, world: int, gpu: bool = True, str
     checkpointed = tokens * layers * ACT_CHECKPOINTED_PER_TOKEN_LAYER * d + tokens * per_layer + tokens * d * 8
     activations = checkpointed if t.activation_checkpointing else full
     vocab = embedding_rows(m, tokenizer_vocab)
-    chunked = t.loss == "chunked" or (t.loss == "auto" and gpu)
+    chunked = t.loss == "chunked" or (t.loss == "auto" and gpu and t.precision != "fp16")
     logits = 2 * 256 * 2**20 if chunked else tokens * vocab * (10 if bf16 else 8)
     live = params + grads + optim + activations + logits
     return MemoryPlan(s, n, params, grads, optim, activations, logits, CONTEXT_BYTES * gpu + FRAGMENTATION * live, checkpointed)

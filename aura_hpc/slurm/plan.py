@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.config import RunConfig, SlurmConfig, coerce, fit_to_horizon, load_config, slurm_minutes, validate_slurm
+from aura_hpc.config.checks import validate_for_device
 from aura_hpc.errors import ConfigError
 from aura_hpc.launch.memory import MemoryPlan, check_fits, tokenizer_vocab
 from aura_hpc.launch.memory import plan as plan_memory
@@ -308,6 +309,7 @@ def plan_submit(
     memory = None
     if not check:
         first = points[0].cfg
+        validate_for_device(first, slurm.gpus_per_node > 0)
         vocab = tokenizer_vocab(first)
         memory = plan_memory(first, vocab, world, gpu=slurm.gpus_per_node > 0)
         limit = prof.gpu_mem_gib

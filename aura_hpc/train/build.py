@@ -14,7 +14,14 @@ from aura_hpc.data.packed import GlobalOrder, PackedTokens
 from aura_hpc.errors import ConfigError, DataError
 from aura_hpc.train import distributed
 from aura_hpc.train.dist_env import DistEnv
-from aura_hpc.train.model import LanguageModelLoss, build_model, compile_blocks, count_parameters, enable_activation_checkpointing
+from aura_hpc.train.model import (
+    LanguageModelLoss,
+    build_model,
+    compile_blocks,
+    count_parameters,
+    enable_activation_checkpointing,
+    uses_chunked_loss,
+)
 from aura_hpc.train.runtime import Runtime
 from aura_hpc.train.schedule import make_optimizer, make_scheduler
 from aura_hpc.train.state import Layout, Parts
@@ -42,7 +49,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
     cuda = rt.device.type == "cuda"
     if t.activation_checkpointing:
         enable_activation_checkpointing(model)
-    loss_model = LanguageModelLoss(model, chunked=t.loss == "chunked" or (t.loss == "auto" and cuda), compute_dtype=rt.autocast_dtype)
+    loss_model = LanguageModelLoss(model, chunked=uses_chunked_loss(t.loss, t.precision, cuda), compute_dtype=rt.autocast_dtype)
     if t.compile == "true" or (t.compile == "auto" and cuda and not cfg.dist.strategy.startswith("zero")):
         compile_blocks(model)
 
@@ -65,7 +72,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
         if env.is_main:
             log.warning("%s; train.allow_oversubscription=true: repeating the data to fill each batch", msg)
     n_params = count_parameters(model)  # before the strategy: ZeRO-3 leaves each rank empty parameters
-    fused = t.fused_optimizer == "true" or (t.fused_optimizer == "auto" and cuda and cfg.dist.strategy == "ddp")
+    fused = t.fused_optimizer == "true" or (t.fused_optimizer == "auto" and cuda)
     wrapped, optimizer = wrap(loss_model, model, cfg, rt, world, lambda m: make_optimizer(m, t, fused=fused))
     seed_dropout(t.seed, env.rank)
     parts = Parts(

@@ -105,8 +105,8 @@ class ModelSnapshot:
     """A model's weights (tied copies once) and configuration in host memory, detached from training."""
 
     weights: dict[str, torch.Tensor]
-    config: Any
-    generation_config: Any
+    config: dict[str, Any]  # transformers' GPT-2 config.json
+    generation_config: dict[str, Any]
 
 
 def host_copy(obj: Any) -> Any:
@@ -124,11 +124,11 @@ def sha256_of(path: Path) -> str:
     return _sha256(path)
 
 
-def model_configs(model: Any) -> tuple[Any, Any]:
-    """Copies of the model's config (naming its class, as save_pretrained does) and generation config."""
-    config = copy.deepcopy(model.config)
-    config.architectures = [type(model).__name__]
-    return config, copy.deepcopy(getattr(model, "generation_config", None))
+def model_configs(model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The config.json and generation_config.json transformers' GPT2LMHeadModel reads for `model`."""
+    from aura_hpc.train.gpt import generation_config, hf_config
+
+    return hf_config(model.config), generation_config(model.config)
 
 
 def snapshot_model(model: Any) -> ModelSnapshot:
@@ -144,15 +144,20 @@ def snapshot_model(model: Any) -> ModelSnapshot:
 
 
 def _write_model(folder: Path, snap: ModelSnapshot) -> dict[str, str]:
-    """config.json, generation_config.json and model.safetensors, as `save_pretrained` lays them out."""
+    """config.json, generation_config.json and model.safetensors, as `save_pretrained` lays them out
+    (GPT2LMHeadModel.from_pretrained loads the folder)."""
     from safetensors.torch import save_file
 
     folder.mkdir()
-    snap.config.save_pretrained(str(folder))
-    if snap.generation_config is not None:
-        snap.generation_config.save_pretrained(str(folder))
+    hashes = {
+        "model/config.json": _write(folder / "config.json", (json.dumps(snap.config, indent=2, sort_keys=True) + "\n").encode()),
+        "model/generation_config.json": _write(
+            folder / "generation_config.json", (json.dumps(snap.generation_config, indent=2) + "\n").encode()
+        ),
+    }
     save_file(snap.weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return {str(p.relative_to(folder.parent)): _sha256(p) for p in sorted(folder.iterdir()) if p.is_file()}
+    hashes["model/model.safetensors"] = _sha256(folder / "model.safetensors")
+    return hashes
 
 
 def begin(root: Path, step: int) -> Path:

@@ -10,7 +10,6 @@ import torch
 
 from aura_hpc.config import TrainConfig
 from aura_hpc.train import distributed
-from aura_hpc.train.model import padding_suppressed
 from aura_hpc.train.runtime import Runtime
 from aura_hpc.train.state import Parts
 
@@ -28,12 +27,15 @@ def evaluate(parts: Parts, t: TrainConfig, rank: int, world: int, rt: Runtime) -
     mine = list(range(rank, n, world))
     model.eval()
     loss_sum, count = 0.0, 0
-    for i in range(0, len(mine), t.batch_size):
-        idx = mine[i : i + t.batch_size]
-        x = torch.from_numpy(data.sequences("val", idx)).to(rt.device)
-        with rt.autocast():
-            loss_sum += float(model(x)) * len(idx)
-        count += len(idx)
+    # Eagerly: evaluation mode and a short last batch would each be one more compiled graph of every
+    # block (a recompilation the training loop must never see); it is a small share of the time.
+    with _eager():
+        for i in range(0, len(mine), t.batch_size):
+            idx = mine[i : i + t.batch_size]
+            x = torch.from_numpy(data.sequences("val", idx)).to(rt.device)
+            with rt.autocast():
+                loss_sum += float(model(x)) * len(idx)
+            count += len(idx)
     model.train()
     total, cnt = distributed.all_reduce_sum([loss_sum, float(count)], rt.device)
     return total / cnt if cnt else None
@@ -47,31 +49,22 @@ def _eager() -> contextlib.AbstractContextManager[Any]:
 @torch.no_grad()
 def sample(parts: Parts, t: TrainConfig, step: int, rt: Runtime, model: Any = None) -> str:
     """A short continuation of train.sample_prompt (rank 0 only), from `model` or the live one."""
-    from transformers import AutoTokenizer
+    from tokenizers import Tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(parts.data.tokenizer_dir))
+    tok = Tokenizer.from_file(str(parts.data.tokenizer_dir / "tokenizer.json"))
     live = model is None
     model = parts.model if live else model
     device = rt.device if live else torch.device("cpu")
-    ids = tok(t.sample_prompt, return_tensors="pt").input_ids.to(device)
+    ids = torch.tensor([tok.encode(t.sample_prompt, add_special_tokens=False).ids], device=device)
     model.eval()
     # Sampling must not disturb the training RNG stream (resume would diverge). Compiled blocks run
     # eagerly here: every generated token has another length, each would be one more compilation.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _eager():
         torch.manual_seed(t.seed + step)
         with rt.autocast() if live else contextlib.nullcontext():
-            out = model.generate(
-                ids,
-                max_new_tokens=t.sample_tokens,
-                do_sample=True,
-                top_k=40,
-                temperature=0.8,
-                pad_token_id=parts.data.eos_id,
-                attention_mask=torch.ones_like(ids),
-                **padding_suppressed(model, parts.data.vocab_size),
-            )
+            out = model.sample(ids, t.sample_tokens, temperature=0.8, top_k=40, allowed=parts.data.vocab_size)
     model.train()
-    return str(tok.decode(out[0], skip_special_tokens=True))
+    return str(tok.decode(out[0].tolist(), skip_special_tokens=True))
 
 
 def host_model(like: Any, weights: dict[str, torch.Tensor], cached: Any = None) -> Any:

@@ -1,7 +1,7 @@
-"""The GPT-2 model, built from config and trained from scratch, and the loss the loop trains on.
-
-Knows nothing of distribution: strategies/ wraps `LanguageModelLoss` (the module whose forward
-is the training loss), and checkpoints save the transformers model inside it.
+"""The GPT-2 model (ours, train/gpt.py), built from config and trained from scratch, and the loss
+the loop trains on. Knows nothing of distribution: strategies/ wraps `LanguageModelLoss` (the
+module whose forward is the training loss); checkpoints save the model inside it in transformers'
+GPT-2 layout, which `generate` loads with transformers itself (`load_pretrained`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from aura_hpc.config import ModelConfig
+from aura_hpc.train.gpt import GPT, GPTConfig
 from aura_hpc.train.loss import chunked_cross_entropy
 
 
@@ -22,24 +23,9 @@ def quiet_deepspeed_probe() -> None:
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, eos_id: int) -> Any:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    hf_cfg = GPT2Config(
-        vocab_size=vocab_size,
-        n_positions=cfg.n_positions,
-        n_embd=cfg.n_embd,
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        resid_pdrop=cfg.dropout,
-        embd_pdrop=cfg.dropout,
-        attn_pdrop=cfg.dropout,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-    )
-    hf_cfg._attn_implementation = "sdpa"
-    return GPT2LMHeadModel(hf_cfg)
+def build_model(cfg: ModelConfig, vocab_size: int, eos_id: int) -> GPT:
+    """Our GPT-2 (train/gpt.py): GPT2LMHeadModel's names and numerics, none of its per-step host work."""
+    return GPT(GPTConfig(vocab_size, cfg.n_positions, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.dropout, eos_id))
 
 
 def load_pretrained(path: str, dtype: torch.dtype = torch.float32) -> Any:
@@ -63,10 +49,15 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def uses_chunked_loss(loss: str, precision: str, gpu: bool) -> bool:
+    """train.loss: chunked on GPUs by default, never under fp16 (its gradients would be formed before loss scaling)."""
+    return loss == "chunked" or (loss == "auto" and gpu and precision != "fp16")
+
+
 def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of a (B, T+1) token batch, through the full logits."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    logits = model(input_ids=inputs).logits
+    logits = model(inputs)
     # At least fp32 for the softmax (bf16 logits lose the loss), and fp64 stays fp64.
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
@@ -79,7 +70,7 @@ class LanguageModelLoss(torch.nn.Module):
     (train/loss.py) instead of materialising the whole batch's fp32 logits.
     """
 
-    def __init__(self, lm: torch.nn.Module, chunked: bool, compute_dtype: torch.dtype | None) -> None:
+    def __init__(self, lm: GPT, chunked: bool, compute_dtype: torch.dtype | None) -> None:
         super().__init__()
         self.lm = lm
         self.chunked = chunked
@@ -89,24 +80,24 @@ class LanguageModelLoss(torch.nn.Module):
         if not self.chunked:
             return lm_loss(self.lm, batch)
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        hidden = self.lm.transformer(input_ids=inputs).last_hidden_state  # type: ignore[union-attr,operator]
-        weight = self.lm.lm_head.weight  # type: ignore[union-attr]
-        return chunked_cross_entropy(hidden.reshape(-1, hidden.size(-1)), weight, targets.reshape(-1), self.compute_dtype)
+        hidden = self.lm.hidden(inputs)
+        return chunked_cross_entropy(hidden.reshape(-1, hidden.size(-1)), self.lm.lm_head.weight, targets.reshape(-1), self.compute_dtype)
 
 
-def enable_activation_checkpointing(lm: Any) -> None:
+def enable_activation_checkpointing(lm: GPT) -> None:
     """Recompute each block's activations in the backward pass (non-reentrant: works with DDP and compile)."""
-    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lm.checkpoint_blocks = True
 
 
-def compile_blocks(lm: Any) -> int:
-    """torch.compile each transformer block in place; returns how many.
+def compile_blocks(lm: GPT) -> int:
+    """torch.compile each transformer block in place, whole (fullgraph: a graph break is an error); returns how many.
 
     Per block, as torchtitan does: each block's backward still ends on its own, so DDP's
     bucketed all-reduce overlaps the rest of the backward pass, and FSDP2 can shard per block.
-    State-dict keys do not change (Module.compile keeps the module).
+    The blocks share one code path, so the first compilation serves them all (dynamo guards on
+    the code, the parameters are inputs). State-dict keys do not change (Module.compile keeps the module).
     """
     blocks = list(lm.transformer.h)
     for block in blocks:
-        block.compile()
+        block.compile(fullgraph=True)
     return len(blocks)

@@ -82,13 +82,19 @@ def precision_dtypes(precision: str, device: torch.device) -> tuple[torch.dtype,
         return torch.float64, None
     if precision == "fp32":
         return torch.float32, None
-    if precision == "bf16" or (precision == "auto" and cuda and torch.cuda.is_bf16_supported()):
+    if precision == "bf16" or (precision == "auto" and cuda and native_bf16(device)):
         return torch.float32, torch.bfloat16
     if precision == "fp16":
         if not cuda:
             raise ConfigError("train.precision fp16 needs a CUDA GPU (fix: --set train.precision=auto)")
         return torch.float32, torch.float16
     return torch.float32, None
+
+
+def native_bf16(device: torch.device) -> bool:
+    """bf16 in hardware: compute capability 8.0 and up (A100, H100, RTX 30xx+). torch's
+    is_bf16_supported() also says yes where bf16 is only emulated (T4, V100, RTX 20xx), and slow."""
+    return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def device_name(device: torch.device) -> str:

@@ -90,9 +90,10 @@ class Stepper:
                     loss = loss * float("nan")
             total += loss.detach().to(torch.float64)
             if last:
-                flags[0] = 1.0 if stop.requested else 0.0
-                flags[1] = 1.0 if gpu_fault_seen() else 0.0
-                flags[2 + self.rank] = (~torch.isfinite(total)).to(torch.float64)
+                # fill_ with a Python number is a kernel argument; `flags[0] = 1.0` would copy a host tensor.
+                flags[0:1].fill_(1.0 if stop.requested else 0.0)
+                flags[1:2].fill_(1.0 if gpu_fault_seen() else 0.0)
+                flags[2 + self.rank : 3 + self.rank].copy_((~torch.isfinite(total)).to(torch.float64).view(1))
                 riding = wrapped.send_flags(flags)
             wrapped.backward(loss, p.scaler)
         if riding:

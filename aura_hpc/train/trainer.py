@@ -7,6 +7,7 @@ health.py (monitor and GPU breaker), strategies/ (DDP).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -23,6 +24,7 @@ from aura_hpc.train.dist_env import DistEnv
 from aura_hpc.train.evaluation import evaluate, host_model, sample
 from aura_hpc.train.health import HealthWatch
 from aura_hpc.train.metrics import Interval, MetricsWriter
+from aura_hpc.train.probes import StepProbe
 from aura_hpc.train.state import Position
 from aura_hpc.train.step import StepOutcome, Stepper, StepResult
 from aura_hpc.train.stop import StopRequest
@@ -59,7 +61,12 @@ class Trainer:
         stop = StopRequest()
         stop.install()
         self.health.start(self._resources_to_tensorboard)
-        status = self._train(stepper, batches, stop)
+        self.probe = StepProbe.from_env()
+        try:
+            status = self._train(stepper, batches, stop)
+        finally:
+            if self.probe is not None:
+                self.probe.write(self.run_dir, env.rank)
         if status is not None:
             return status
         return self._finish()
@@ -92,15 +99,18 @@ class Trainer:
         pending: StepOutcome | None = None
         first = True
         while pos.step < lay.end_step:
+            nxt = pos.step + 1
+            watched = self.probe is not None and not first and not self._due(nxt) and self.probe.wants(nxt)
             try:
-                outcome = stepper.step(pos, stop, self.health.fault_seen)
+                with self.probe.watch(nxt) if watched else contextlib.nullcontext():  # type: ignore[union-attr]
+                    outcome = stepper.step(pos, stop, self.health.fault_seen)
+                    pos.step += 1
+                    pos.tokens_seen += lay.tokens_per_step
+                    batches.prefetch(pos)
             except RuntimeError as exc:
                 if not is_gpu_error(exc):
                     raise
                 return self._gpu_error(exc)
-            pos.step += 1
-            pos.tokens_seen += lay.tokens_per_step
-            batches.prefetch(pos)
             faults.after_step(self.env.rank, pos.step, self.run_dir)
             due = first or self._due(pos.step)
             reports = [pending] if pending is not None else []

@@ -69,19 +69,24 @@ class Wrapped:
     device_skip = True  # whether found_inf may be handed to a fused optimizer over these parameters
 
 
-def clip_to_total_norm(grads: list[torch.Tensor], max_norm: float, group: Any = None, sharded: bool = False) -> torch.Tensor:
+def clip_to_total_norm(
+    grads: list[torch.Tensor], max_norm: float, group: Any = None, sharded: bool = False, device: torch.device | None = None
+) -> torch.Tensor:
     """clip_grad_norm_, with the squares summed in fp64 (and over the ranks' shards when `sharded`).
 
     In fp64 the total no longer depends on how the elements were split and summed, so DDP (whole
-    gradients) and FSDP (shards) compute the same clipping factor and train to the same bits.
+    gradients) and FSDP (shards) compute the same clipping factor and train to the same bits. One
+    foreach norm over all gradients (a few kernel launches, not one per parameter). `device` is where
+    the process group reduces (gradients offloaded to the host are reduced on the GPU's group there).
     """
     if not grads:
-        return torch.zeros(())
-    squares = torch.stack([torch.linalg.vector_norm(g, 2, dtype=torch.float64).square() for g in grads]).sum()
+        return torch.zeros((), device=device)
+    squares = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum()
     if sharded:
+        squares = squares.to(device or squares.device)
         torch.distributed.all_reduce(squares, group=group)
     norm = squares.sqrt()
     if max_norm > 0 and math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        torch._foreach_mul_(grads, coef.to(grads[0].device, grads[0].dtype))
     return norm

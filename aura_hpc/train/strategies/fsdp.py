@@ -24,8 +24,10 @@ from aura_hpc.train.strategies.base import Wrapped, clip_to_total_norm
 class FsdpWrapped(Wrapped):
     name = "fsdp"
     sharded = True
-    # found_inf with DTensor parameters is not exercised on our CPU test machine: the skip reads `bad`.
-    device_skip = False
+
+    def __init__(self, module: torch.nn.Module, model: torch.nn.Module, device: torch.device) -> None:
+        super().__init__(module, model)
+        self.device = device  # where the process group reduces (gradients may be offloaded to the host)
 
     @contextlib.contextmanager
     def accumulating(self, sync: bool) -> Iterator[None]:
@@ -35,7 +37,8 @@ class FsdpWrapped(Wrapped):
 
     def grad_norm(self, optimizer: torch.optim.Optimizer, scaler: Any, max_norm: float) -> torch.Tensor:
         """The norm over every rank's gradient shards, then clipping of this rank's shards."""
-        return clip_to_total_norm([_local(p.grad) for p in self.model.parameters() if p.grad is not None], max_norm, sharded=True)
+        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        return clip_to_total_norm(grads, max_norm, sharded=True, device=self.device)
 
     def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
         """Model and optimizer shards, one file per rank (collective)."""
@@ -84,4 +87,4 @@ def wrap_fsdp(loss_model: torch.nn.Module, model: Any, cfg: DistConfig, rt: Runt
     for block in model.transformer.h:
         fully_shard(block, **kw)
     fully_shard(loss_model, **kw)
-    return FsdpWrapped(loss_model, model)
+    return FsdpWrapped(loss_model, model, rt.device)

@@ -26,9 +26,9 @@ class ZeroWrapped(Wrapped):
     sharded = True
     device_skip = False
 
-    def __init__(self, engine: Any, model: torch.nn.Module, stage: int) -> None:
+    def __init__(self, engine: Any, model: torch.nn.Module, stage: int, device: torch.device) -> None:
         super().__init__(engine, model)
-        self.engine, self.stage = engine, stage
+        self.engine, self.stage, self.device = engine, stage, device
         self.name = f"zero{stage}"
 
     def backward(self, loss: torch.Tensor, scaler: Any) -> None:
@@ -37,10 +37,13 @@ class ZeroWrapped(Wrapped):
         self.engine.step()
 
     def grad_norm(self, optimizer: torch.optim.Optimizer, scaler: Any, max_norm: float) -> torch.Tensor:
+        """DeepSpeed's norm, on this rank's device. After a skipped (non-finite) step DeepSpeed holds it
+        as a Python float: it is made on the device with a fill, never as a host tensor (torch.tensor(x)
+        here was a CPU tensor that the step report then concatenated with CUDA tensors)."""
         norm = self.engine.get_global_grad_norm()
-        if norm is None:
-            norm = float("nan")
-        return norm.detach().float() if isinstance(norm, torch.Tensor) else torch.tensor(float(norm))
+        if isinstance(norm, torch.Tensor):
+            return norm.detach().to(self.device, torch.float32)
+        return torch.full((), float("nan") if norm is None else float(norm), dtype=torch.float32, device=self.device)
 
     def update(self, optimizer: torch.optim.Optimizer, scaler: Any, bad: torch.Tensor) -> None:
         """Done by the engine at its accumulation boundary (a non-finite step skipped there)."""
@@ -93,4 +96,4 @@ def wrap_zero(
 
     config = deepspeed_config(cfg, world_size, bf16=rt.autocast_dtype == torch.bfloat16)
     engine, *_ = deepspeed.initialize(model=loss_model, optimizer=optimizer, config=config, dist_init_required=False)
-    return ZeroWrapped(engine, model, int(cfg.dist.strategy[-1]))
+    return ZeroWrapped(engine, model, int(cfg.dist.strategy[-1]), rt.device)

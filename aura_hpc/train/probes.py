@@ -1,0 +1,187 @@
+"""CPU proxies for the GPU contract: what a step would make a GPU wait for, and tensors it puts on the
+wrong device, counted while the real trainer runs (tests/test_gpu_contract.py; `selftest`).
+
+A step that does not log, evaluate, sample or checkpoint must not read anything back to the host:
+on a GPU each `.item()`, `bool(t)`, `.tolist()`, `.cpu()` or `nonzero` waits for every kernel queued
+so far, and the GPU idles while Python catches up. Two modes watch a step:
+- `SyncCounter` sees Python-level reads of tensor values (a TorchFunctionMode over `Tensor.item`,
+  `__bool__`, `tolist`, `cpu`, `numpy`, ...) and the aten operators that read device memory on the
+  host or have data-dependent output shapes (a TorchDispatchMode: `_local_scalar_dense`, `nonzero`,
+  `equal`, ...), each with the first stack frame outside torch that caused it;
+- `PlacementCheck` flags what becomes a mixed-device error only on a GPU: a tensor made from
+  host data (`torch.tensor(x)`, `lift_fresh`) or a factory call without a device, inside a step
+  (on CPU both land on the right device by luck), and any operator whose tensor arguments already
+  span two devices.
+
+Enabled in a worker by AURA_PROBE_STEPS (e.g. "3-8", or "all"): the steps in that range that are not
+logged, evaluated, sampled or checkpointed are watched, and RUN_DIR/probes/rank<R>.json says what
+was seen where. Off, it costs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ENV = "AURA_PROBE_STEPS"
+
+_aten = torch.ops.aten
+# Operators that read a device value on the host, or whose output shape depends on the data.
+SYNC_OPS = {
+    _aten._local_scalar_dense.default,
+    _aten.nonzero.default,
+    _aten.nonzero_static.default,
+    _aten.equal.default,
+    _aten.is_nonzero.default,
+    _aten.masked_select.default,
+    _aten.unique_consecutive.default,
+    _aten._unique2.default,
+    _aten.repeat_interleave.Tensor,
+}
+# Python-level reads of tensor values (each one a device sync on a GPU).
+SYNC_METHODS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+}
+# Tensors from host data (torch.tensor(x) becomes lift_fresh of a host tensor) and factories.
+HOST_DATA_OPS = {_aten.lift_fresh.default, _aten.lift_fresh_copy.default, _aten.scalar_tensor.default}
+FACTORY_OPS = {
+    _aten.empty.memory_format,
+    _aten.zeros.default,
+    _aten.ones.default,
+    _aten.full.default,
+    _aten.arange.default,
+    _aten.arange.start,
+    _aten.arange.start_step,
+    _aten.rand.default,
+    _aten.randn.default,
+    _aten.empty_strided.default,
+}
+# The one place host data enters a step by design: the batch, pinned and copied without blocking.
+HOST_DATA_ENTRY = "aura_hpc/train/batches.py"
+_OUR_ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def site() -> str:
+    """The innermost frame outside torch's own code: who asked for the operation."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        name = frame.filename
+        if f"{os.sep}torch{os.sep}" in name and not name.startswith(_OUR_ROOT):
+            continue
+        if name.endswith(("probes.py", "contextlib.py")):
+            continue
+        where = name if not name.startswith(_OUR_ROOT) else "aura_hpc" + name[len(_OUR_ROOT) :]
+        short = where.split("site-packages" + os.sep, 1)[-1]
+        return f"{short}:{frame.lineno}"
+    return "?"
+
+
+class _SyncFunctions(TorchFunctionMode):
+    def __init__(self, seen: Counter[str]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in SYNC_METHODS:
+            is_host = func is torch.Tensor.cpu and args and getattr(args[0], "device", None) is not None and args[0].device.type == "cpu"
+            name = getattr(func, "__name__", str(func))
+            if not (func in (torch.Tensor.cpu, torch.Tensor.numpy) and is_host):
+                self.seen[f"{name} at {site()}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _DispatchWatch(TorchDispatchMode):
+    def __init__(self, syncs: Counter[str], placement: Counter[str]) -> None:
+        super().__init__()
+        self.syncs, self.placement = syncs, placement
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in SYNC_OPS:
+            self.syncs[f"{func.__name__} at {site()}"] += 1
+        if func in HOST_DATA_OPS:
+            where = site()
+            if not where.startswith(HOST_DATA_ENTRY):
+                self.placement[f"tensor from host data ({func.__name__}) at {where}"] += 1
+        elif func in FACTORY_OPS and kwargs.get("device") is None:
+            self.placement[f"{func.__name__} without a device at {site()}"] += 1
+        devices = {a.device for a in _tensors(args, kwargs) if a.dim() > 0 or a.device.type != "cpu"}
+        if len(devices) > 1:
+            self.placement[f"{func.__name__} on {sorted(map(str, devices))} at {site()}"] += 1
+        return func(*args, **kwargs)
+
+
+def _tensors(args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    stack = [*args, *kwargs.values()]
+    while stack:
+        a = stack.pop()
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            stack.extend(a)
+    return out
+
+
+class StepProbe:
+    """Watches chosen steps; `report()` says what it saw."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec.strip()
+        self.syncs: Counter[str] = Counter()
+        self.placement: Counter[str] = Counter()
+        self.steps: list[int] = []
+
+    @classmethod
+    def from_env(cls) -> StepProbe | None:
+        spec = os.environ.get(ENV, "")
+        return cls(spec) if spec else None
+
+    def wants(self, step: int) -> bool:
+        if self.spec == "all":
+            return True
+        lo, _, hi = self.spec.partition("-")
+        return int(lo) <= step <= int(hi or lo)
+
+    def watch(self, step: int) -> Any:
+        self.steps.append(step)
+        return _Watch(self)
+
+    def report(self) -> dict[str, Any]:
+        return {"steps": self.steps, "syncs": dict(self.syncs), "placement": dict(self.placement)}
+
+    def write(self, run_dir: Path, rank: int) -> Path:
+        folder = run_dir / "probes"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"rank{rank}.json"
+        path.write_text(json.dumps(self.report(), indent=1, sort_keys=True))
+        return path
+
+
+class _Watch:
+    def __init__(self, probe: StepProbe) -> None:
+        self.functions = _SyncFunctions(probe.syncs)
+        self.dispatch = _DispatchWatch(probe.syncs, probe.placement)
+
+    def __enter__(self) -> None:
+        self.functions.__enter__()
+        self.dispatch.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.dispatch.__exit__(*sys.exc_info())
+        self.functions.__exit__(*sys.exc_info())
