@@ -179,12 +179,12 @@ def describe(cfg: RunConfig, parts: Parts, layout: Layout, rt: Runtime, start_st
         f"(params {str(rt.param_dtype).removeprefix('torch.')}, autocast "
         f"{str(rt.autocast_dtype).removeprefix('torch.') if rt.autocast_dtype else 'off'})",
         f"strategy: {cfg.dist.strategy}" + (" (parameters, gradients and optimizer state sharded)" if cfg.dist.strategy != "ddp" else ""),
-        f"compute: torch.compile {'on (per block)' if _compiled(parts.model) else 'off'}, loss "
+        f"compute: torch.compile {'on (per block)' if compiled(parts.model) else 'off'}, loss "
         f"{'chunked' if getattr(parts.loss_model, 'chunked', False) else 'full logits'}, activation checkpointing "
         f"{'on' if t.activation_checkpointing else 'off'}, optimizer {type(parts.optimizer).__name__}"
         f"{' (fused)' if getattr(parts.optimizer, '_step_supports_amp_scaling', False) else ''}",
     ]
 
 
-def _compiled(model: torch.nn.Module) -> bool:
+def compiled(model: torch.nn.Module) -> bool:
     return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())

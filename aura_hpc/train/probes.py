@@ -8,10 +8,10 @@ so far, and the GPU idles while Python catches up. Two modes watch a step:
   `__bool__`, `tolist`, `cpu`, `numpy`, ...) and the aten operators that read device memory on the
   host or have data-dependent output shapes (a TorchDispatchMode: `_local_scalar_dense`, `nonzero`,
   `equal`, ...), each with the first stack frame outside torch that caused it;
-- `PlacementCheck` flags what becomes a mixed-device error only on a GPU: a tensor made from
-  host data (`torch.tensor(x)`, `lift_fresh`) or a factory call without a device, inside a step
-  (on CPU both land on the right device by luck), and any operator whose tensor arguments already
-  span two devices.
+- the placement check flags what becomes a mixed-device error only on a GPU: a tensor made from
+  host data (`torch.tensor(x)`, `lift_fresh`) or a factory function called without a device, inside
+  a step (on CPU both land on the right device by luck), and any operator whose tensor arguments
+  already span two devices.
 
 Enabled in a worker by AURA_PROBE_STEPS (e.g. "3-8", or "all"): the steps in that range that are not
 logged, evaluated, sampled or checkpointed are watched, and RUN_DIR/probes/rank<R>.json says what
@@ -20,6 +20,7 @@ was seen where. Off, it costs nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -60,18 +61,8 @@ SYNC_METHODS = {
 }
 # Tensors from host data (torch.tensor(x) becomes lift_fresh of a host tensor) and factories.
 HOST_DATA_OPS = {_aten.lift_fresh.default, _aten.lift_fresh_copy.default, _aten.scalar_tensor.default}
-FACTORY_OPS = {
-    _aten.empty.memory_format,
-    _aten.zeros.default,
-    _aten.ones.default,
-    _aten.full.default,
-    _aten.arange.default,
-    _aten.arange.start,
-    _aten.arange.start_step,
-    _aten.rand.default,
-    _aten.randn.default,
-    _aten.empty_strided.default,
-}
+# Factory functions: on a GPU, one called without a device makes a host tensor.
+FACTORY_FUNCTIONS = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.rand, torch.randn, torch.randint, torch.eye}
 # The one place host data enters a step by design: the batch, pinned and copied without blocking.
 HOST_DATA_ENTRY = "aura_hpc/train/batches.py"
 _OUR_ROOT = str(Path(__file__).resolve().parents[1])
@@ -92,11 +83,13 @@ def site() -> str:
 
 
 class _SyncFunctions(TorchFunctionMode):
-    def __init__(self, seen: Counter[str]) -> None:
+    def __init__(self, seen: Counter[str], placement: Counter[str]) -> None:
         super().__init__()
-        self.seen = seen
+        self.seen, self.placement = seen, placement
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in FACTORY_FUNCTIONS and (kwargs or {}).get("device") is None:
+            self.placement[f"{getattr(func, '__name__', func)} without a device at {site()}"] += 1
         if func in SYNC_METHODS:
             is_host = func is torch.Tensor.cpu and args and getattr(args[0], "device", None) is not None and args[0].device.type == "cpu"
             name = getattr(func, "__name__", str(func))
@@ -118,8 +111,6 @@ class _DispatchWatch(TorchDispatchMode):
             where = site()
             if not where.startswith(HOST_DATA_ENTRY):
                 self.placement[f"tensor from host data ({func.__name__}) at {where}"] += 1
-        elif func in FACTORY_OPS and kwargs.get("device") is None:
-            self.placement[f"{func.__name__} without a device at {site()}"] += 1
         devices = {a.device for a in _tensors(args, kwargs) if a.dim() > 0 or a.device.type != "cpu"}
         if len(devices) > 1:
             self.placement[f"{func.__name__} on {sorted(map(str, devices))} at {site()}"] += 1
@@ -146,6 +137,7 @@ class StepProbe:
         self.syncs: Counter[str] = Counter()
         self.placement: Counter[str] = Counter()
         self.steps: list[int] = []
+        self.syncs_counted = True
 
     @classmethod
     def from_env(cls) -> StepProbe | None:
@@ -158,12 +150,33 @@ class StepProbe:
         lo, _, hi = self.spec.partition("-")
         return int(lo) <= step <= int(hi or lo)
 
-    def watch(self, step: int) -> Any:
+    def watch(self, step: int, compiled: bool) -> Any:
+        """The modes around step `step`. torch.compile does not run under a dispatch mode, so a
+        compiled run's steps are only recorded: its blocks compile with fullgraph=True, where a read
+        of a device value would be a graph break, and a graph break is an error."""
         self.steps.append(step)
+        if compiled:
+            self.syncs_counted = False
+            return contextlib.nullcontext()
         return _Watch(self)
 
+    def after_first_step(self) -> None:
+        """From here on a recompilation is an error, as it would be a stall on a GPU (every block
+        would wait for the compiler); the first step compiled what training needs."""
+        torch._dynamo.config.error_on_recompile = True
+
     def report(self) -> dict[str, Any]:
-        return {"steps": self.steps, "syncs": dict(self.syncs), "placement": dict(self.placement)}
+        from torch._dynamo.utils import counters
+
+        return {
+            "steps": self.steps,
+            "syncs_counted": self.syncs_counted,
+            "syncs": dict(self.syncs),
+            "placement": dict(self.placement),
+            "compiled_graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": {str(k): int(v) for k, v in counters["graph_break"].items()},
+            "recompile_limit_hits": {str(k): int(v) for k, v in counters["frames"].items() if "limit" in str(k)},
+        }
 
     def write(self, run_dir: Path, rank: int) -> Path:
         folder = run_dir / "probes"
@@ -175,7 +188,7 @@ class StepProbe:
 
 class _Watch:
     def __init__(self, probe: StepProbe) -> None:
-        self.functions = _SyncFunctions(probe.syncs)
+        self.functions = _SyncFunctions(probe.syncs, probe.placement)
         self.dispatch = _DispatchWatch(probe.syncs, probe.placement)
 
     def __enter__(self) -> None:

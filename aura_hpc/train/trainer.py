@@ -18,7 +18,7 @@ from aura_hpc.errors import EXIT_RESUMABLE
 from aura_hpc.ops.gpu_health import is_gpu_error
 from aura_hpc.train import checkpoint, distributed, faults, runtime
 from aura_hpc.train.batches import Batches
-from aura_hpc.train.build import build, describe
+from aura_hpc.train.build import build, compiled, describe
 from aura_hpc.train.checkpointing import Checkpointer
 from aura_hpc.train.dist_env import DistEnv
 from aura_hpc.train.evaluation import evaluate, host_model, sample
@@ -62,6 +62,7 @@ class Trainer:
         stop.install()
         self.health.start(self._resources_to_tensorboard)
         self.probe = StepProbe.from_env()
+        self.compiled = compiled(self.parts.model)
         try:
             status = self._train(stepper, batches, stop)
         finally:
@@ -102,7 +103,7 @@ class Trainer:
             nxt = pos.step + 1
             watched = self.probe is not None and not first and not self._due(nxt) and self.probe.wants(nxt)
             try:
-                with self.probe.watch(nxt) if watched else contextlib.nullcontext():  # type: ignore[union-attr]
+                with self.probe.watch(nxt, self.compiled) if watched else contextlib.nullcontext():  # type: ignore[union-attr]
                     outcome = stepper.step(pos, stop, self.health.fault_seen)
                     pos.step += 1
                     pos.tokens_seen += lay.tokens_per_step
@@ -127,6 +128,8 @@ class Trainer:
             if first:
                 first = False
                 self._first_step_done()
+                if self.probe is not None:
+                    self.probe.after_first_step()
             if due:
                 self._after_step(results[-1])
         return None

@@ -1,0 +1,138 @@
+"""The GPU contract, proven on CPU (issue 20): our GPT-2 equals transformers', a step that does not log,
+evaluate, sample or checkpoint reads nothing back to the host and makes no tensor that would land on
+the wrong device, and a compiled model compiles once.
+
+The probes (aura_hpc/train/probes.py) watch the real trainer in real `local` runs. What a CPU test
+cannot see: a CUDA kernel's own placement or stream behaviour, and syncs inside compiled graphs
+(there, fullgraph=True makes any host read a graph break, and a graph break an error)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_cli_together
+
+STRATEGIES = {
+    "single": ("ddp", 1),
+    "ddp": ("ddp", 2),
+    "fsdp": ("fsdp", 2),
+    "zero1": ("zero1", 2),
+    "zero2": ("zero2", 2),
+    "zero3": ("zero3", 2),
+}
+
+# DeepSpeed's own host reads in its step, which no config turns off (named, with the reason): its
+# ZeRO optimizers decide on the host whether a step overflowed (`is_invalid_grad_norm` reads the
+# norm with bool(); with gradient_clipping > 0 once more for the clipping factor; bf16 with
+# check_grad_overflow=false skips only the first), and they make a -1 sentinel with
+# torch.tensor(-1.0, device=...) (mask_nan_or_inf_with_val_inplace, stage3's norm).
+DEEPSPEED_SITES = ("deepspeed/runtime/utils.py", "deepspeed/runtime/zero/stage3.py", "deepspeed/runtime/zero/stage_1_and_2.py")
+
+
+def _args(tmp: Path, name: str, prepared: Path, strategy: str, nproc: int, *extra: str) -> list[str]:
+    return [
+        "local", "--nproc-per-node", str(nproc), "--output-dir", str(tmp), "--run-name", name, "--set", f"data.path={prepared}",
+        "--set", "model.n_layer=2", "--set", "model.n_embd=64", "--set", "model.n_head=2", "--set", "data.seq_len=64",
+        "--set", f"dist.strategy={strategy}", "--set", "train.max_steps=20", "--set", "train.log_every=10",
+        "--set", "train.eval_every=10", "--set", "train.checkpoint_every=10", "--set", "train.sample_every=10", *extra,
+    ]  # fmt: skip
+
+
+def _probe(run: Path, rank: int) -> dict:
+    return json.loads((run / "probes" / f"rank{rank}.json").read_text())
+
+
+def test_our_gpt2_equals_transformers_and_checkpoints_convert_both_ways(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from aura_hpc.train import checkpoint
+    from aura_hpc.train.gpt import GPT, GPTConfig, hf_config, import_weights
+    from aura_hpc.train.model import load_pretrained
+
+    torch.manual_seed(0)
+    ours = GPT(GPTConfig(vocab_size=500, n_positions=64, n_embd=48, n_layer=3, n_head=4, eos_id=3)).eval()
+    x = torch.randint(0, 500, (2, 40))
+    # Our weights, saved as a checkpoint's model/ folder, loaded by transformers itself.
+    path = checkpoint.save(tmp_path, 1, ours, {}, {"step": 1}, None, "", keep_last=1)
+    theirs = load_pretrained(str(path / "model")).eval()
+    assert isinstance(theirs, GPT2LMHeadModel)
+    assert (ours(x) - theirs(input_ids=x).logits).abs().max() < 1e-5
+    assert theirs.config.eos_token_id == 3 and theirs.lm_head.weight.data_ptr() == theirs.transformer.wte.weight.data_ptr()
+    # transformers' weights imported into ours.
+    hf = GPT2LMHeadModel(GPT2Config(**{k: v for k, v in hf_config(ours.config).items() if k != "architectures"})).eval()
+    fresh = GPT(ours.config).eval()
+    import_weights(fresh, hf.state_dict())
+    assert (fresh(x) - hf(input_ids=x).logits).abs().max() < 1e-5
+    # The same gradients, not only the same forward pass.
+    ours.train()
+    theirs.train()
+    ours(x).square().mean().backward()
+    theirs(input_ids=x).logits.square().mean().backward()
+    grads = dict(theirs.named_parameters())
+    assert max((p.grad - grads[n].grad).abs().max().item() for n, p in ours.named_parameters()) < 1e-5
+
+
+def test_the_probes_see_what_they_are_for() -> None:
+    """Each kind of host read and of misplaced tensor is counted, with the line that made it."""
+    from aura_hpc.train.probes import StepProbe
+
+    probe = StepProbe("all")
+    t = torch.ones(3)
+    with probe.watch(1, compiled=False):
+        t.sum().item()
+        bool(t.sum() > 0)
+        t.tolist()
+        torch.nonzero(t)
+        norm = torch.tensor(float("inf"))  # what ZeroWrapped.grad_norm did after a skipped step
+        torch.zeros(2)  # a factory without a device
+        torch.zeros(2, device=t.device)  # with one: fine
+    report = probe.report()
+    kinds = {k.split(" at ")[0] for k in report["syncs"]}
+    assert {"item", "__bool__", "tolist", "nonzero.default"} <= kinds, report
+    placement = " | ".join(report["placement"])
+    assert "tensor from host data" in placement and "zeros without a device" in placement, report
+    assert all("test_gpu_contract.py" in k for k in [*report["syncs"], *report["placement"]]), report
+    assert norm.isinf()
+
+
+def test_no_host_read_and_no_misplaced_tensor_in_a_quiet_step_under_every_strategy(tmp_path: Path, prepared: Path) -> None:
+    """Steps 3-18 except the ones that log/evaluate/sample/checkpoint (10), with a NaN injected at step 7
+    on the last rank (the skipped step is where ZeRO's norm used to become a host tensor). Fused AdamW,
+    as CUDA runs use it."""
+    runs = {
+        name: _args(tmp_path, name, prepared, strategy, nproc, "--set", "train.fused_optimizer=true")
+        for name, (strategy, nproc) in STRATEGIES.items()
+    }
+    env = {"AURA_PROBE_STEPS": "3-18", "AURA_FAULT_NAN": "1:7:1"}
+    single = run_cli_together([runs.pop("single")], timeout=600, **{**env, "AURA_FAULT_NAN": "0:7:1"})
+    done = dict(zip(["single", *runs], [*single, *run_cli_together(list(runs.values()), timeout=900, **env)], strict=True))
+    for name, r in done.items():
+        assert r.returncode == 0, (name, r.stdout[-3000:], r.stderr[-3000:])
+        assert "at step 7: update skipped" in r.stdout, (name, r.stdout[-2000:])
+        for rank in range(STRATEGIES[name][1]):
+            report = _probe(tmp_path / name, rank)
+            assert report["syncs_counted"] and len(report["steps"]) == 15, (name, report["steps"])  # 3..18 but 10
+            sites = [*report["syncs"], *report["placement"]]
+            ours = [s for s in sites if not any(d in s for d in DEEPSPEED_SITES)]
+            assert not ours, (name, rank, ours)  # nothing of ours reads the device or misplaces a tensor
+            if not name.startswith("zero"):
+                assert not sites, (name, rank, sites)
+
+
+@pytest.mark.parametrize("layers", [12, 36])
+def test_a_compiled_model_compiles_once_with_eval_and_samples_between_steps(tmp_path: Path, prepared: Path, layers: int) -> None:
+    """The blocks share one graph; after step 1 a recompilation is an error (torch._dynamo's
+    error_on_recompile), also across the evaluation and the samples at step 10 (they run eagerly)."""
+    extra = ("--set", f"model.n_layer={layers}", "--set", "model.n_embd=32", "--set", "train.compile=true")
+    runs = {"single": _args(tmp_path, "single", prepared, "ddp", 1, *extra)}
+    if layers == 12:  # FSDP2 shards each compiled block
+        runs["fsdp"] = _args(tmp_path, "fsdp", prepared, "fsdp", 2, *extra)
+    for name, r in zip(runs, run_cli_together(list(runs.values()), timeout=900, AURA_PROBE_STEPS="2-20"), strict=True):
+        assert r.returncode == 0, (name, r.stdout[-3000:], r.stderr[-3000:])
+        assert "torch.compile on (per block)" in r.stdout
+        report = _probe(tmp_path / name, 0)
+        assert report["compiled_graphs"] == 1 and not report["graph_breaks"] and not report["recompile_limit_hits"], report
