@@ -132,3 +132,18 @@ def test_unsupported_combinations_are_refused_before_launch(tmp_path: Path) -> N
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0] and "fix" in lines[0], r.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_zero3_with_a_partitioned_embedding_evaluates_samples_and_checkpoints(tmp_path: Path, prepared: Path) -> None:
+    """DeepSpeed keeps a parameter whole below stage3_param_persistence_threshold (1e5 elements); the
+    small test model's embedding is below it. 983 tokens x 128 is above: partitioned, so eval, the
+    samples (gathered full weights) and the checkpoint's model/ folder all go through the gather."""
+    out = _run(
+        tmp_path, "z3", prepared, "zero3", "--set", "model.n_embd=128", "--set", "train.eval_every=5", "--set", "train.sample_every=10"
+    )
+    assert out.count("eval_loss") >= 4 and "sample at step 10" in out, out[-3000:]
+    newest = checkpoint.list_complete(tmp_path / "z3" / "checkpoints")[0]
+    from safetensors.torch import load_file
+
+    weights = load_file(str(newest.path / "model" / "model.safetensors"))
+    assert weights["transformer.wte.weight"].shape == (983, 128) and torch.isfinite(weights["transformer.wte.weight"]).all()

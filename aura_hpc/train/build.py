@@ -52,6 +52,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
     loss_model = LanguageModelLoss(model, chunked=uses_chunked_loss(t.loss, t.precision, cuda), compute_dtype=rt.autocast_dtype)
     if t.compile == "true" or (t.compile == "auto" and cuda and not cfg.dist.strategy.startswith("zero")):
         compile_blocks(model)
+        loss_model.compiled = True
 
     world = env.world_size
     max_steps = _horizon(cfg, world, env)

@@ -75,13 +75,16 @@ class LanguageModelLoss(torch.nn.Module):
         self.lm = lm
         self.chunked = chunked
         self.compute_dtype = compute_dtype
+        self.compiled = False  # set with the blocks' compilation: the chunked loss compiles too
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         if not self.chunked:
             return lm_loss(self.lm, batch)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         hidden = self.lm.hidden(inputs)
-        return chunked_cross_entropy(hidden.reshape(-1, hidden.size(-1)), self.lm.lm_head.weight, targets.reshape(-1), self.compute_dtype)
+        return chunked_cross_entropy(
+            hidden.reshape(-1, hidden.size(-1)), self.lm.lm_head.weight, targets.reshape(-1), self.compute_dtype, compiled=self.compiled
+        )
 
 
 def enable_activation_checkpointing(lm: GPT) -> None:
