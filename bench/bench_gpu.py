@@ -2,8 +2,9 @@
 
 For each shape, in one run: the real trainer (`python -m aura_hpc local`, one process on one
 GPU, its defaults for CUDA: bf16 autocast, torch.compile per block, chunked loss, fused AdamW,
-prefetched batches) and bench/reference_gpu.py (transformers' GPT2LMHeadModel with SDPA, bf16
-autocast, fused AdamW, torch.compile of model and loss, data already on the GPU). Both exclude
+prefetched batches) and bench/reference_gpu.py (a minimal GPT-2 loop written independently of the
+trainer's model: SDPA, bf16 autocast, fused AdamW, torch.compile of model and loss, data already on
+the GPU). Both exclude
 their first --warmup-steps steps (compilation) from the timing. MFU = achieved model FLOP/s /
 the GPU's dense bf16 peak, with 6·N + 12·L·d·T FLOPs per token (N parameters including the
 embedding, L layers, width d, sequence length T; recomputation not counted).
@@ -35,15 +36,7 @@ from bench_trainer import run_trainer, trainer_run_dir
 REPO = Path(__file__).resolve().parent.parent
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "quijote.txt"
 
-# Dense bf16 tensor-core peak per GPU, TFLOP/s (NVIDIA data sheets; sparsity not counted).
-PEAK_BF16_TFLOPS = {
-    "H200": 989.4,
-    "H100 PCIe": 756.0,
-    "H100": 989.4,  # SXM / HBM3
-    "A100": 312.0,
-    "L40S": 362.05,
-    "L4": 121.0,
-}
+from aura_hpc.ops.reference_loop import flops_per_token, peak_for  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -64,17 +57,6 @@ SHAPES = {
     "1b-4": Shape("gpt2-1b 4x2048", "gpt2-1b", 4, 2048, 50304, 36, 1536, 12),
 }
 CPU_SMOKE = Shape("tiny on CPU", "tiny", 4, 64, 1024, 2, 64, 2)
-
-
-def peak_for(device_name: str) -> float | None:
-    for key, tflops in PEAK_BF16_TFLOPS.items():  # the more specific names come first
-        if key in device_name:
-            return tflops
-    return None
-
-
-def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int) -> float:
-    return 6.0 * n_params + 12.0 * n_layer * n_embd * seq_len
 
 
 def prepare_data(tmp: Path, data: str, cpu: bool) -> Path:

@@ -137,3 +137,16 @@ def test_a_compiled_model_and_its_loss_compile_once_with_eval_and_samples_betwee
         report = _probe(tmp_path / name, 0)
         # One graph for every block, one for the chunked loss's arithmetic.
         assert report["compiled_graphs"] == 2 and not report["graph_breaks"] and not report["recompile_limit_hits"], report
+
+
+def test_selftest_runs_its_sequence_and_writes_its_report(tmp_path: Path) -> None:
+    """On a GPU node it is the check of a new image; here its CPU variant keeps the command working."""
+    from tests.conftest import run_cli
+
+    refused = run_cli(["selftest", "--out", str(tmp_path / "none")], timeout=60)
+    assert refused.returncode == 2 and "selftest needs a CUDA GPU" in refused.stderr and "--cpu" in refused.stderr
+    r = run_cli(["selftest", "--cpu", "--strategies", "zero2", "--out", str(tmp_path / "st")], timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads((tmp_path / "st" / "selftest.json").read_text())
+    assert [c["ok"] for c in report["checks"]] == [True] and "resumed" in report["checks"][0]["detail"]
+    assert report["throughput"]["trainer_tokens_per_s"] > 0 and report["throughput"]["reference_tokens_per_s"] > 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from aura_hpc.cli import cmd_check, cmd_config, cmd_data, cmd_jobs, cmd_local, cmd_ps, cmd_submit
+from aura_hpc.cli import cmd_check, cmd_config, cmd_data, cmd_jobs, cmd_local, cmd_ps, cmd_selftest, cmd_submit
 from aura_hpc.errors import AuraError
 
 
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     # The order of `--help`: train, follow jobs, check machines, data, configs.
-    for command in (cmd_local, cmd_submit, cmd_ps, cmd_jobs, cmd_check, cmd_data, cmd_config):
+    for command in (cmd_local, cmd_submit, cmd_ps, cmd_jobs, cmd_check, cmd_selftest, cmd_data, cmd_config):
         command.add(sub)
     return parser
 

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,12 +25,12 @@ from typing import Any
 import numpy as np
 
 from aura_hpc.data import out_dir
+from aura_hpc.data.tokenizer import load_tokenizer, train_tokenizer
 from aura_hpc.errors import DataError
 
 log = logging.getLogger("aura_hpc")
 
 FORMAT_VERSION = 1
-EOS_TOKEN = "<|endoftext|>"
 TEXT_SUFFIXES = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _BATCH_CHARS = 1 << 20  # text per encode_batch call: big enough for the Rust thread pool to pay off
 
@@ -195,90 +194,6 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-@dataclass
-class _Tok:
-    backend: Any  # a tokenizers.Tokenizer: encode_batch runs on Rust threads
-    vocab_size: int
-    eos_id: int
-
-
-def _train_tokenizer(spec: PrepareSpec, files: list[Path], out: Path) -> _Tok:
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(
-        (u.text for u in iter_units(spec, files) if u.text),
-        vocab_size=spec.vocab_size,
-        min_frequency=2,
-        special_tokens=[EOS_TOKEN],
-        show_progress=False,
-    )
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, unk_token=EOS_TOKEN, pad_token=EOS_TOKEN)
-    tok.save_pretrained(str(out))
-    _portable_tokenizer_class(out)
-    return _Tok(tok.backend_tokenizer, len(tok), int(tok.eos_token_id))
-
-
-def _portable_tokenizer_class(folder: Path) -> None:
-    """transformers 5 names the class `TokenizersBackend`, which 4.x cannot load; the name both
-    releases load the same tokenizer.json with is `PreTrainedTokenizerFast` (data prepared with
-    one release must train and sample with the other, e.g. laptop vs cluster image)."""
-    path = folder / "tokenizer_config.json"
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return
-    if cfg.get("tokenizer_class") == "TokenizersBackend":
-        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-        path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _special_token(folder: Path, name: str) -> str | None:
-    for f in ("tokenizer_config.json", "special_tokens_map.json"):
-        try:
-            value = json.loads((folder / f).read_text(encoding="utf-8")).get(name)
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(value, dict):
-            value = value.get("content")
-        if isinstance(value, str):
-            return value
-    return None
-
-
-def _load_tokenizer(name_or_path: str, out: Path) -> _Tok:
-    folder = Path(name_or_path)
-    if (folder / "tokenizer.json").is_file():
-        # A local transformers tokenizer folder: load it with `tokenizers` alone (importing
-        # transformers' AutoTokenizer costs ~2.7 s here) and copy the folder unchanged.
-        from tokenizers import Tokenizer
-
-        backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        eos = _special_token(folder, "eos_token")
-        eos_id = backend.token_to_id(eos) if eos else None
-        if eos_id is None:
-            raise DataError(f"tokenizer {name_or_path!r} has no eos token (fix: use a tokenizer that defines eos_token)")
-        shutil.copytree(folder, out, ignore=shutil.ignore_patterns("*.bin", "*.safetensors", "*.pt"))
-        return _Tok(backend, backend.get_vocab_size(with_added_tokens=True), int(eos_id))
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(name_or_path)
-    except (OSError, ValueError) as exc:
-        raise DataError(
-            f"tokenizer {name_or_path!r} could not be loaded ({str(exc).splitlines()[0]}) "
-            "(fix: pass a folder with tokenizer.json, or omit --tokenizer to train one)"
-        ) from None
-    if not getattr(tok, "is_fast", False):
-        raise DataError(f"tokenizer {name_or_path!r} is not a fast tokenizer (fix: use one with a tokenizer.json)")
-    if tok.eos_token_id is None:
-        raise DataError(f"tokenizer {name_or_path!r} has no eos token (fix: use a tokenizer that defines eos_token)")
-    tok.save_pretrained(str(out))
-    _portable_tokenizer_class(out)
-    return _Tok(tok.backend_tokenizer, len(tok), int(tok.eos_token_id))
-
-
 def prepare_hint(path: Path) -> str:
     """The prepare command for a data.path that is not prepared: a folder of text is an input,
     never the output (prepare refuses to write over files it did not write)."""
@@ -343,10 +258,10 @@ def _build(spec: PrepareSpec, files: list[Path], tmp: Path, key: str) -> dict[st
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
     tok_dir = tmp / "tokenizer"
     if spec.tokenizer:
-        tok = _load_tokenizer(spec.tokenizer, tok_dir)
+        tok = load_tokenizer(spec.tokenizer, tok_dir)
         tok_source = spec.tokenizer
     else:
-        tok = _train_tokenizer(spec, files, tok_dir)
+        tok = train_tokenizer((u.text for u in iter_units(spec, files) if u.text), spec.vocab_size, tok_dir)
         tok_source = f"byte-level BPE trained here (vocab {spec.vocab_size})"
     backend, vocab, eos = tok.backend, tok.vocab_size, tok.eos_id
     dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32

@@ -38,6 +38,14 @@ class Interval:
     dropped: int = 0
     contributions: Counter[int] = field(default_factory=Counter)
 
+    def count(self, hist: Counter[str], rank: int, staleness: int, loss: float, tokens: int) -> None:
+        """One applied update, in this interval and in the run's staleness histogram."""
+        self.tokens += tokens
+        self.losses.append(loss)
+        self.staleness.append(staleness)
+        self.contributions[rank] += 1
+        hist[str(staleness)] += 1
+
 
 @dataclass
 class Resumed:
@@ -54,6 +62,29 @@ def _link(root: Path, name: str, target: Path) -> None:
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(target.name)
     tmp.replace(root / name)
+
+
+def meta(
+    tokens: int,
+    positions: dict[int, int],
+    best_eval: float | None,
+    hist: Counter[str],
+    max_steps: int,
+    workers: int,
+    eval_loss: float | None,
+) -> dict[str, Any]:
+    """What a parameter-server checkpoint records beside the weights (meta.json)."""
+    out: dict[str, Any] = {
+        "tokens_seen": tokens,
+        "positions": {str(k): v for k, v in positions.items()},
+        "best_eval": best_eval,
+        "staleness": dict(hist),
+        "max_steps": max_steps,
+        "world_size": workers,
+    }
+    if eval_loss is not None:
+        out["eval_loss"] = eval_loss
+    return out
 
 
 def save(

@@ -13,6 +13,7 @@ from aura_hpc.data.packed import GlobalOrder, PackedTokens
 from aura_hpc.errors import DataError
 from aura_hpc.train.model import LanguageModelLoss, build_model
 from aura_hpc.train.runtime import Runtime, precision_dtypes
+from aura_hpc.train.state import Parts
 
 
 @dataclass
@@ -49,6 +50,19 @@ class Replica:
             n = p.numel()
             p.grad = flat[offset : offset + n].view_as(p).to(p.dtype) * scale
             offset += n
+
+    def parts(self, optimizer: Any, scheduler: Any) -> Parts:
+        """The view of this replica that evaluation and samples take (train/state.py)."""
+        return Parts(self.data, self.order, self.model, self.loss_model, self.numel, optimizer, scheduler, None)
+
+    def apply(self, flat: torch.Tensor, scale: float, optimizer: Any, scheduler: Any, clip: float) -> None:
+        """One optimizer step with `flat` (scaled) as the gradient: the parameter server's update."""
+        self.set_grads(flat.float(), scale)
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
 
     def shard_batch(self, shard: int, shards: int, position: int, count: int) -> torch.Tensor:
         """`count` sequences of worker shard `shard` (0-based) of `shards`, from its `position`-th one:

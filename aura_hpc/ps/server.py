@@ -21,13 +21,12 @@ import torch
 
 from aura_hpc.config import RunConfig
 from aura_hpc.errors import EXIT_RESUMABLE, AuraError, one_line
-from aura_hpc.ops.network import route_to
 from aura_hpc.ps import ledger, wire
 from aura_hpc.ps.auth import pair_prefix
 from aura_hpc.ps.join import JoinQueue, Request, decide, settings
-from aura_hpc.ps.probe import echo
+from aura_hpc.ps.pairing import Pairing
 from aura_hpc.ps.replica import Replica, build_replica, check_shard_size
-from aura_hpc.ps.stats import ProcessStats, add_link_totals, copy_worker_stats, write_stats
+from aura_hpc.ps.stats import ProcessStats, copy_worker_stats, write_server_stats
 from aura_hpc.train.evaluation import evaluate, sample
 from aura_hpc.train.metrics import MetricsWriter
 from aura_hpc.train.schedule import make_optimizer, make_scheduler
@@ -89,7 +88,6 @@ class ParameterServer:
         self.hist: Counter[str] = Counter()
         self.seats: dict[int, Seat] = {}
         self.threads: list[threading.Thread] = []
-        self.pairing: set[threading.Thread] = set()  # still setting up their pair: nothing to stop there
         self.stopping = False  # no more updates: training is over, or Ctrl+C
         self.finished = threading.Event()
         self.interval = ledger.Interval()
@@ -116,6 +114,7 @@ class ParameterServer:
         self.port = port
         self.store = wire.host_store(port, self.p.join_timeout_s)
         self.joins = JoinQueue(self.store, self.key)
+        self.pairing = Pairing(self.store, port, self.key, self.p.worker_timeout_s)
         self.metrics = MetricsWriter(self.cfg.run_dir, self.version)
         try:
             return self._serve()
@@ -126,13 +125,11 @@ class ParameterServer:
     def _save_on_the_way_out(self) -> None:
         with self.lock:
             self.stopping = True
-            if self.version == self.saved_version or self.fatal is not None:
-                return
-            try:
-                self._save(None)
-                log.info("saved checkpoint step_%08d before stopping", self.version)
-            except Exception as exc:  # the original error is what the user sees; this is a note
-                log.error("could not save a checkpoint while stopping on an error: %s", str(exc).splitlines()[0][:200] if str(exc) else exc)
+            if self.version != self.saved_version and self.fatal is None:
+                try:
+                    self._save(None)
+                except Exception as exc:  # the original error is what the user sees; this is a note
+                    log.error("could not save a checkpoint while stopping on an error: %s", str(exc)[:200])
 
     def _serve(self) -> int:
         stop = StopRequest()
@@ -177,7 +174,7 @@ class ParameterServer:
         reply.update(workers=self.p.workers, wire_dtype=self.p.wire_dtype, version=self.version)
         if req.probe:
             self.joins.reply(req.nonce, reply)
-            self._start_thread(self._echo, prefix, req)
+            self._start_thread(self.pairing.echo, prefix, req.addr, req.nonce)
             return
         rank = int(reply["rank"])
         seat = Seat(rank, req.host, req.addr, req.pid, req.nonce, req.rejoin)
@@ -194,32 +191,12 @@ class ParameterServer:
         th.start()
         self.threads.append(th)
 
-    def _pair(self, prefix: str, peer_addr: str, nonce: str) -> wire.Link:
-        """The pair group on its own store connection (a peer that never completes it holds only
-        that one), then both ends prove the run's secret over it."""
-        own, _ = route_to(peer_addr)
-        me = threading.current_thread()
-        self.pairing.add(me)
-        try:
-            client = wire.another_client(self.store, "127.0.0.1", self.port, self.p.worker_timeout_s)
-            link = wire.Link(wire.pair_group(client, prefix, 0, own or "127.0.0.1", self.p.worker_timeout_s), 0)
-            wire.handshake(link, self.key, nonce)
-        finally:
-            self.pairing.discard(me)
-        return link
-
-    def _echo(self, prefix: str, req: Request) -> None:
-        try:
-            echo(self._pair(prefix, req.addr, req.nonce))
-        except RuntimeError as exc:
-            log.warning("a connectivity check from %s did not complete (%s)", req.addr, wire.failure(exc))
-
     # ---- one worker ------------------------------------------------------------------------
     def _serve_worker(self, seat: Seat, prefix: str) -> None:
         reason = "left"
         try:
             try:
-                link = seat.link = self._pair(prefix, seat.addr, seat.nonce)
+                link = seat.link = self.pairing.link(prefix, seat.addr, seat.nonce)
             except wire.LinkLost:
                 raise
             except RuntimeError as exc:  # the peer never completed its pair group (DistStoreError, a gloo timeout)
@@ -289,14 +266,12 @@ class ParameterServer:
     # ---- updates ---------------------------------------------------------------------------
     def _apply(self, seat: Seat, header: list[float], grads: torch.Tensor) -> bool:
         """Apply one gradient; True when the worker must stop (training over, or the server stopping)."""
-        _, based_on, loss, position, tokens = header[:5]
-        if not (0 <= based_on <= self.version and 0 <= position < 2**53 and 0 < tokens <= 2**40):
-            raise wire.LinkLost(f"a gradient header out of range (version {based_on:g}, position {position:g}, tokens {tokens:g})")
+        based_on, loss, position, tokens = wire.grad_header(header, self.version)
         with self.lock:
             if self.stopping:
                 return True
-            self.positions[seat.rank] = int(position)
-            staleness = self.version - int(based_on)
+            self.positions[seat.rank] = position
+            staleness = self.version - based_on
             if not torch.isfinite(grads).all() or not math.isfinite(loss):
                 log.warning("worker %d sent a non-finite gradient (loss %s): dropped", seat.rank, loss)
                 self.hist["nonfinite"] += 1
@@ -306,21 +281,12 @@ class ParameterServer:
                 self.interval.dropped += 1
                 return False
             weight = 1.0 / (1 + staleness) if self.p.staleness_weight == "inverse" else 1.0
-            self.replica.set_grads(grads.float(), weight)
-            if self.t.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.replica.params, self.t.grad_clip)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.replica.apply(grads, weight, self.optimizer, self.scheduler, self.t.grad_clip)
             self.version += 1
-            self.tokens += int(tokens)
-            self.interval.tokens += int(tokens)
+            self.tokens += tokens
             seat.updates += 1
-            seat.tokens += int(tokens)
-            self.hist[str(staleness)] += 1
-            self.interval.losses.append(loss)
-            self.interval.staleness.append(staleness)
-            self.interval.contributions[seat.rank] += 1
+            seat.tokens += tokens
+            self.interval.count(self.hist, seat.rank, staleness, loss, tokens)
             self._after_update()
             if self.version >= self.t.max_steps:
                 self.stopping = True
@@ -340,8 +306,7 @@ class ParameterServer:
             self._save(eval_loss)
 
     def _parts(self) -> Parts:
-        r = self.replica
-        return Parts(r.data, r.order, r.model, r.loss_model, r.numel, self.optimizer, self.scheduler, None)
+        return self.replica.parts(self.optimizer, self.scheduler)
 
     def _evaluate(self) -> float | None:
         loss = evaluate(self._parts(), self.t, 0, 1, self.replica.rt)
@@ -362,34 +327,22 @@ class ParameterServer:
         self.interval_start = now
 
     def _save(self, eval_loss: float | None) -> None:
-        meta = {
-            "tokens_seen": self.tokens,
-            "positions": {str(k): v for k, v in self.positions.items()},
-            "best_eval": self.best_eval,
-            "staleness": dict(self.hist),
-            "max_steps": self.t.max_steps,
-            "world_size": self.p.workers,
-        }
-        if eval_loss is not None:
-            meta["eval_loss"] = eval_loss
+        meta = ledger.meta(self.tokens, self.positions, self.best_eval, self.hist, self.t.max_steps, self.p.workers, eval_loss)
         path = ledger.save(self.cfg, self.replica, self.optimizer, self.scheduler, self.version, meta)
         self.saved_version = self.version
         self._write_own_stats()
         log.info("checkpoint %s (last%s)", path.name, ", best" if eval_loss is not None and eval_loss == self.best_eval else "")
 
     def _write_own_stats(self) -> None:
-        s = self.stats
-        s.steps, s.tokens = self.version, self.tokens
         links = self.closed_links + [seat.link for seat in self.seats.values() if seat.link is not None]
-        s.extra = {"staleness": dict(self.hist), "workers_left": self.left[-20:], "max_staleness": self.p.max_staleness}
-        add_link_totals(s, links)
-        write_stats(self.cfg.run_dir, s.to_json(), s.file_name)
+        extra = {"staleness": dict(self.hist), "workers_left": self.left[-20:], "max_staleness": self.p.max_staleness}
+        write_server_stats(self.stats, self.cfg.run_dir, self.version, self.tokens, links, extra)
 
     # ---- the end ---------------------------------------------------------------------------
     def _join_threads(self) -> None:
         """Each connected worker gets its STOP at its next message; wait for them a while."""
         deadline = time.monotonic() + STOP_GRACE_S
-        waited = [th for th in self.threads if th not in self.pairing]
+        waited = [th for th in self.threads if th not in self.pairing.setting_up]
         for th in waited:
             th.join(timeout=max(0.0, deadline - time.monotonic()))
         if any(th.is_alive() for th in waited):

@@ -127,3 +127,9 @@ def add_link_totals(s: ProcessStats, links: list[Any]) -> None:
     s.round_trips = sum(link.round_trips for link in links)
     # The server's side of a round trip: gradient received -> new weights sent.
     s.mean_round_trip_ms = 1000.0 * sum(link.round_trip_s for link in links) / s.round_trips if s.round_trips else 0.0
+
+
+def write_server_stats(s: ProcessStats, run_dir: Path, version: int, tokens: int, links: list[Any], extra: dict[str, Any]) -> None:
+    s.steps, s.tokens, s.extra = version, tokens, extra
+    add_link_totals(s, links)
+    write_stats(run_dir, s.to_json(), s.file_name)

@@ -193,6 +193,15 @@ def handshake(link: Link, key: bytes, nonce: str) -> None:
     link.session = proof("session", challenge)
 
 
+def grad_header(header: list[float], version: int) -> tuple[int, float, int, int]:
+    """(based on version, loss, shard position, tokens) of a GRAD message, each in range (else the
+    peer is dropped: these numbers index the server's state)."""
+    _, based_on, loss, position, tokens = header[:5]
+    if not (0 <= based_on <= version and 0 <= position < 2**53 and 0 < tokens <= 2**40):
+        raise LinkLost(f"a gradient header out of range (version {based_on:g}, position {position:g}, tokens {tokens:g})")
+    return int(based_on), loss, int(position), int(tokens)
+
+
 def failure(exc: BaseException) -> str:
     """The first line of a gloo error without its source-file prefix: '[.../pair.cc:537] Connection closed
     by peer [10.0.0.2]:4011' -> 'Connection closed by peer [10.0.0.2]:4011'."""

@@ -150,11 +150,15 @@ class StepProbe:
         lo, _, hi = self.spec.partition("-")
         return int(lo) <= step <= int(hi or lo)
 
-    def watch(self, step: int, compiled: bool) -> Any:
-        """The modes around step `step`. torch.compile does not run under a dispatch mode, so a
-        compiled run's steps are only recorded: its blocks compile with fullgraph=True, where a read
-        of a device value would be a graph break, and a graph break is an error."""
+    def watch(self, step: int, compiled: bool, cuda: bool = False) -> Any:
+        """What watches step `step`. On a GPU, CUDA itself: torch.cuda.set_sync_debug_mode("error")
+        makes any synchronising call in the step raise. On CPU, the modes above; torch.compile does
+        not run under a dispatch mode, so a compiled CPU run's steps are only recorded (its blocks
+        compile with fullgraph=True, where a read of a device value would be a graph break, and a
+        graph break is an error)."""
         self.steps.append(step)
+        if cuda:
+            return _CudaSyncErrors()
         if compiled:
             self.syncs_counted = False
             return contextlib.nullcontext()
@@ -198,3 +202,28 @@ class _Watch:
     def __exit__(self, *exc: object) -> None:
         self.dispatch.__exit__(*sys.exc_info())
         self.functions.__exit__(*sys.exc_info())
+
+
+class _CudaSyncErrors:
+    def __enter__(self) -> None:
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def watching(probe: StepProbe | None, step: int, quiet: bool, compiled: bool, cuda: bool) -> Any:
+    """The probe around step `step` when there is one and the step is quiet and in its range."""
+    if probe is None or not quiet or not probe.wants(step):
+        return contextlib.nullcontext()
+    return probe.watch(step, compiled, cuda)
+
+
+@contextlib.contextmanager
+def reporting(probe: StepProbe | None, run_dir: Path, rank: int) -> Any:
+    """Writes the probe's report however training ends."""
+    try:
+        yield
+    finally:
+        if probe is not None:
+            probe.write(run_dir, rank)

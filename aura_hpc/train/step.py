@@ -38,11 +38,11 @@ class StepResult:
 class StepOutcome:
     """A step's report, on its way to host memory; `read()` waits for it (usually already there)."""
 
-    def __init__(self, step: int, report: torch.Tensor, world: int, scaler_enabled: bool) -> None:
+    def __init__(self, step: int, report: torch.Tensor, world: int, scaler_enabled: bool, host: torch.Tensor | None = None) -> None:
         self.step, self.world, self.scaler_enabled = step, world, scaler_enabled
         self.event = None
         if report.device.type == "cuda":
-            host = torch.empty(report.shape, dtype=report.dtype, pin_memory=True)
+            assert host is not None  # a pinned buffer of the stepper's ring: no host allocation in a step
             host.copy_(report, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
@@ -68,6 +68,10 @@ class Stepper:
     def __init__(self, t: TrainConfig, rank: int, world: int, rt: Runtime, parts: Parts, wrapped: Wrapped, batches: Batches) -> None:
         self.t, self.rank, self.world, self.rt = t, rank, world, rt
         self.parts, self.wrapped, self.batches = parts, wrapped, batches
+        # Pinned host buffers for the steps' reports, reused in turn (a report is read one step late,
+        # so three never overlap): allocating pinned memory inside a step would synchronise.
+        self._ring: list[torch.Tensor] = []
+        self._turn = 0
 
     def step(self, pos: Position, stop: StopRequest, gpu_fault_seen: Callable[[], bool]) -> StepOutcome:
         """Queue step pos.step + 1. Whether to stop and whether the step is usable is decided by all
@@ -107,4 +111,9 @@ class Stepper:
         wrapped.update(p.optimizer, p.scaler, bad)
         p.scheduler.step()
         report = torch.cat([total.view(1), grad_norm.detach().to(torch.float64).view(1), flags])
-        return StepOutcome(pos.step + 1, report, self.world, p.scaler.is_enabled())
+        host = None
+        if report.device.type == "cuda":
+            if not self._ring:
+                self._ring = [torch.empty(report.shape, dtype=report.dtype, pin_memory=True) for _ in range(3)]
+            host, self._turn = self._ring[self._turn % 3], self._turn + 1
+        return StepOutcome(pos.step + 1, report, self.world, p.scaler.is_enabled(), host)

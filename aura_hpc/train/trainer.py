@@ -7,7 +7,6 @@ health.py (monitor and GPU breaker), strategies/ (DDP).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -16,7 +15,7 @@ from typing import Any
 from aura_hpc.config import RunConfig
 from aura_hpc.errors import EXIT_RESUMABLE
 from aura_hpc.ops.gpu_health import is_gpu_error
-from aura_hpc.train import checkpoint, distributed, faults, runtime
+from aura_hpc.train import checkpoint, distributed, faults, probes, runtime
 from aura_hpc.train.batches import Batches
 from aura_hpc.train.build import build, compiled, describe
 from aura_hpc.train.checkpointing import Checkpointer
@@ -61,13 +60,9 @@ class Trainer:
         stop = StopRequest()
         stop.install()
         self.health.start(self._resources_to_tensorboard)
-        self.probe = StepProbe.from_env()
-        self.compiled = compiled(self.parts.model)
-        try:
+        self.probe, self.compiled = StepProbe.from_env(), compiled(self.parts.model)
+        with probes.reporting(self.probe, self.run_dir, env.rank):
             status = self._train(stepper, batches, stop)
-        finally:
-            if self.probe is not None:
-                self.probe.write(self.run_dir, env.rank)
         if status is not None:
             return status
         return self._finish()
@@ -100,10 +95,9 @@ class Trainer:
         pending: StepOutcome | None = None
         first = True
         while pos.step < lay.end_step:
-            nxt = pos.step + 1
-            watched = self.probe is not None and not first and not self._due(nxt) and self.probe.wants(nxt)
+            quiet = not first and not self._due(pos.step + 1)
             try:
-                with self.probe.watch(nxt, self.compiled) if watched else contextlib.nullcontext():  # type: ignore[union-attr]
+                with probes.watching(self.probe, pos.step + 1, quiet, self.compiled, self.rt.device.type == "cuda"):
                     outcome = stepper.step(pos, stop, self.health.fault_seen)
                     pos.step += 1
                     pos.tokens_seen += lay.tokens_per_step

@@ -21,7 +21,8 @@ from collections.abc import Iterator
 
 from aura_hpc.config import load_run_file
 from aura_hpc.errors import EXIT_TRAIN_FAILED, AuraError
-from aura_hpc.train import checkpoint, distributed, worker_log
+from aura_hpc.ops.disk import disk_full, disk_of
+from aura_hpc.train import distributed, worker_log
 from aura_hpc.train.dist_env import DistEnv
 
 log = logging.getLogger("aura_hpc")
@@ -93,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             peer = lost_peer(exc) if isinstance(exc, RuntimeError) else None
             if peer is None:
-                if checkpoint.disk_full(exc, cfg.run_dir):
+                if disk_full(exc, cfg.run_dir):
                     # The native stderr log sits on that disk too: the reason goes out as one line.
                     worker_log.to_file_only("the failure, in full:")
                     log.error(
                         "no space left on %s during step %d (fix: free space there, then re-run the same command)",
-                        checkpoint.disk_of(cfg.run_dir),
+                        disk_of(cfg.run_dir),
                         trainer.pos.step + 1,
                     )
                     return EXIT_TRAIN_FAILED

@@ -1,0 +1,100 @@
+"""The tokenizer of a prepared directory: a byte-level BPE trained on the input, or an existing one
+loaded (a local folder with `tokenizers` alone, a hub name through transformers), saved as a
+transformers-loadable folder that both transformers 4.x and 5 read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aura_hpc.errors import DataError
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+@dataclass
+class _Tok:
+    backend: Any  # a tokenizers.Tokenizer: encode_batch runs on Rust threads
+    vocab_size: int
+    eos_id: int
+
+
+def train_tokenizer(texts: Iterator[str], vocab_size: int, out: Path) -> _Tok:
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(
+        texts,
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS_TOKEN],
+        show_progress=False,
+    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, unk_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    tok.save_pretrained(str(out))
+    _portable_tokenizer_class(out)
+    return _Tok(tok.backend_tokenizer, len(tok), int(tok.eos_token_id))
+
+
+def _portable_tokenizer_class(folder: Path) -> None:
+    """transformers 5 names the class `TokenizersBackend`, which 4.x cannot load; the name both
+    releases load the same tokenizer.json with is `PreTrainedTokenizerFast` (data prepared with
+    one release must train and sample with the other, e.g. laptop vs cluster image)."""
+    path = folder / "tokenizer_config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return
+    if cfg.get("tokenizer_class") == "TokenizersBackend":
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _special_token(folder: Path, name: str) -> str | None:
+    for f in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            value = json.loads((folder / f).read_text(encoding="utf-8")).get(name)
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def load_tokenizer(name_or_path: str, out: Path) -> _Tok:
+    folder = Path(name_or_path)
+    if (folder / "tokenizer.json").is_file():
+        # A local transformers tokenizer folder: load it with `tokenizers` alone (importing
+        # transformers' AutoTokenizer costs ~2.7 s here) and copy the folder unchanged.
+        from tokenizers import Tokenizer
+
+        backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        eos = _special_token(folder, "eos_token")
+        eos_id = backend.token_to_id(eos) if eos else None
+        if eos_id is None:
+            raise DataError(f"tokenizer {name_or_path!r} has no eos token (fix: use a tokenizer that defines eos_token)")
+        shutil.copytree(folder, out, ignore=shutil.ignore_patterns("*.bin", "*.safetensors", "*.pt"))
+        return _Tok(backend, backend.get_vocab_size(with_added_tokens=True), int(eos_id))
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as exc:
+        raise DataError(
+            f"tokenizer {name_or_path!r} could not be loaded ({str(exc).splitlines()[0]}) "
+            "(fix: pass a folder with tokenizer.json, or omit --tokenizer to train one)"
+        ) from None
+    if not getattr(tok, "is_fast", False):
+        raise DataError(f"tokenizer {name_or_path!r} is not a fast tokenizer (fix: use one with a tokenizer.json)")
+    if tok.eos_token_id is None:
+        raise DataError(f"tokenizer {name_or_path!r} has no eos token (fix: use a tokenizer that defines eos_token)")
+    tok.save_pretrained(str(out))
+    _portable_tokenizer_class(out)
+    return _Tok(tok.backend_tokenizer, len(tok), int(tok.eos_token_id))
