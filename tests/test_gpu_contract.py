@@ -124,7 +124,9 @@ def test_no_host_read_and_no_misplaced_tensor_in_a_quiet_step_under_every_strate
 
 
 @pytest.mark.parametrize("layers", [12, 36])
-def test_a_compiled_model_and_its_loss_compile_once_with_eval_and_samples_between_steps(tmp_path: Path, prepared: Path, layers: int) -> None:
+def test_a_compiled_model_and_its_loss_compile_once_with_eval_and_samples_between_steps(
+    tmp_path: Path, prepared: Path, layers: int
+) -> None:
     """The blocks share one graph; after step 1 a recompilation is an error (torch._dynamo's
     error_on_recompile), also across the evaluation and the samples at step 10 (they run eagerly)."""
     extra = ("--set", f"model.n_layer={layers}", "--set", "model.n_embd=32", "--set", "train.compile=true", "--set", "train.loss=chunked")

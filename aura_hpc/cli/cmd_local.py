@@ -27,6 +27,7 @@ def cmd_local(a: argparse.Namespace) -> int:
         rdzv_timeout=a.rdzv_timeout,
         backend=a.backend,
         ifname=a.ifname,
+        force=a.force,
     )
     for w in plan.warnings:
         console.warn(w)
@@ -77,4 +78,5 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], help="process-group backend (default: auto)")
     p.add_argument("--ifname", help="network interface for gloo/NCCL (default: the one that routes to the master)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (batch, memory per GPU) and start nothing")
+    p.add_argument("--force", action="store_true", help="start even when the memory plan says it will not fit")
     p.set_defaults(func=cmd_local)

@@ -31,7 +31,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
         "container_mounts": a.container_mounts,
         "container_workdir": a.container_workdir,
     }
-    plan = plan_submit(a.config, a.overrides, a.output_dir, a.run_name, flags, a.sweep, a.after, check=a.check)
+    plan = plan_submit(a.config, a.overrides, a.output_dir, a.run_name, flags, a.sweep, a.after, check=a.check, force=a.force)
     for w in plan.warnings:
         console.warn(w)
     if a.dry_run:
@@ -103,6 +103,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--array-parallelism", type=int, help="sweep elements running at once (default: all)")
     p.add_argument("--after", metavar="JOBID", help="start only after this job completed successfully (afterok)")
     p.add_argument("--dry-run", action="store_true", help="print the settings and the exact sbatch script; submit nothing")
+    p.add_argument("--force", action="store_true", help="submit even when the memory plan says it will not fit the GPUs")
     p.add_argument("--check", action="store_true", help="run `check` on every node of such an allocation instead of training")
     p.add_argument("--wait", action="store_true", help="block until the job ends; the exit status is the job's")
     p.add_argument("--follow", action="store_true", help="like --wait, streaming rank 0's log")

@@ -123,6 +123,7 @@ def plan_local(
     rdzv_timeout: int = 120,
     backend: str | None = None,
     ifname: str | None = None,
+    force: bool = False,
 ) -> LocalPlan:
     """Everything `local` will do, decided and checked up front; nothing is written."""
     if backend:
@@ -183,11 +184,11 @@ def plan_local(
     warnings += fit_to_horizon(cfg, nproc * nnodes)
     plan = LocalPlan(cfg, nnodes, node_rank, nproc, master_addr, master_port, max_restarts, rdzv_timeout, local_addr, env)
     plan.warnings = warnings
-    _plan_memory(plan, gpus > 0 and wanted != "gloo")
+    _plan_memory(plan, gpus > 0 and wanted != "gloo", force)
     return plan
 
 
-def _plan_memory(plan: LocalPlan, gpu: bool) -> None:
+def _plan_memory(plan: LocalPlan, gpu: bool, force: bool) -> None:
     """The memory plan per GPU; refused here, before any worker starts, when it cannot fit."""
     from aura_hpc.launch.memory import check_fits, tokenizer_vocab
     from aura_hpc.launch.memory import plan as plan_memory
@@ -200,9 +201,11 @@ def _plan_memory(plan: LocalPlan, gpu: bool) -> None:
         import torch
 
         plan.gpu_mem_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-        refusal = check_fits(plan.cfg, vocab, world, plan.gpu_mem_gib)
+        refusal, warning = check_fits(plan.cfg, vocab, world, plan.gpu_mem_gib, force)
         if refusal:
             raise ConfigError(refusal.replace("this cluster's GPUs", "this machine's GPUs"))
+        if warning:
+            plan.warnings.append(warning.replace("their", "this machine's"))
     else:
         note = check_ram(plan.memory, plan.nproc)
         if note:

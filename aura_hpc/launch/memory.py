@@ -1,18 +1,20 @@
 """The memory plan: what one GPU will hold under each strategy, decided before any GPU is used.
 
 Per GPU, in bytes: parameters + gradients + optimizer state (AdamW: two fp32 moments) for the
-strategy over N data-parallel ranks, activations of one micro-batch (with and without activation
-checkpointing), the logits of the loss, and an allowance for the CUDA context and the caching
-allocator. Pure arithmetic on the config (no torch): `submit --dry-run` prints it and `submit`
-and `local` refuse a plan that cannot fit, naming a strategy that does.
+strategy over N data-parallel ranks, the bf16 weight copies autocast keeps for the backward pass,
+activations of one micro-batch (with and without activation checkpointing), the loss's buffers
+(the full logits, or the chunked loss's chunk and its gradient accumulators), DeepSpeed's bucket
+buffers, and an allowance for the CUDA context and the caching allocator. Pure arithmetic on the
+config (no torch): both dry runs print it; `local` and `submit` refuse only a plan that is beyond
+any doubt too big (more than PLAN_MARGIN over the memory), warn when it is close, and `--force`
+goes on anyway.
 
-Activations of a transformers GPT-2 block kept for the backward pass, eager: about 92·d bytes per
-token per layer under bf16 autocast (the residual stream and layer-norm inputs in fp32, matmul
-inputs and the GELU's intermediates in bf16), and 122·d in fp32. The bf16 figure reproduces the
-one GPU peak we have (gpt2-1b, 4×2048 tokens, DDP, eager: 56.7 GiB on an H100, from the issue
-that asked for this plan); the fp32 one was measured on CPU with glibc's allocator statistics
-(tests/test_memory_plan.py). torch.compile fuses the GELU and keeps less, so compiled runs land
-below the estimate.
+Activations are our GPT-2 block's (train/gpt.py), in bytes per token per layer per unit of width,
+measured on CPU with glibc's allocator statistics (tests/test_memory_plan.py re-measures them):
+fp32 66 (eager and compiled), bf16 autocast 44 eager and 42 compiled; dropout adds the masks
+(and, on CPU, the attention probabilities of SDPA's math path). On a GPU, flash attention saves
+no T x T matrix and inductor may recompute more; these are upper bounds there, and the GPU
+measurement is still to be made (README, Speed).
 """
 
 from __future__ import annotations
@@ -23,13 +25,19 @@ from dataclasses import dataclass
 from aura_hpc.config import RunConfig, embedding_rows
 
 GIB = 2**30
-ACT_BYTES_PER_TOKEN_LAYER_BF16 = 92  # x d, see above
-ACT_BYTES_PER_TOKEN_LAYER_FP32 = 122  # x d
-ACT_DROPOUT_PER_TOKEN_LAYER = 25  # x d: the dropout masks kept when model.dropout > 0 (measured on CPU)
+# (precision, compiled) -> bytes per token per layer per d (measured for our module; see above)
+ACT_BYTES = {("fp32", False): 66, ("fp32", True): 66, ("bf16", False): 44, ("bf16", True): 42}
+ACT_DROPOUT = {("fp32", False): 33, ("fp32", True): 21, ("bf16", False): 35, ("bf16", True): 13}
+ACT_BYTES_PER_TOKEN_LAYER_FP32 = ACT_BYTES[("fp32", False)]  # the CPU measurement's coefficient
+ACT_DROPOUT_PER_TOKEN_LAYER = ACT_DROPOUT[("fp32", False)]
 ACT_CHECKPOINTED_PER_TOKEN_LAYER = 4  # x d: only each block's fp32 input is kept
+CHUNK_BYTES = 256 * 2**20  # train/loss.py: one chunk's fp32 logits at most
 CONTEXT_BYTES = 1 * GIB  # CUDA context, NCCL buffers, cuBLAS workspaces
-CPU_PROCESS_BYTES = int(0.5 * GIB)  # a CPU worker before its model: Python, torch, transformers (RSS 0.33 GiB measured)
+CPU_PROCESS_BYTES = int(0.5 * GIB)  # a CPU worker before its model: Python, torch (RSS 0.33 GiB measured)
 FRAGMENTATION = 0.05  # the caching allocator's slack on top of live tensors
+PLAN_MARGIN = 0.15  # how far the plan may be off: refused only beyond it
+DEEPSPEED_BUCKET = int(5e8)  # reduce_bucket_size and allgather_bucket_size defaults, elements
+DEEPSPEED_PREFETCH = int(5e7)  # stage3_prefetch_bucket_size default, elements
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "zero3")
 
 
@@ -64,24 +72,36 @@ class MemoryPlan:
     logits: float
     overhead: float
     activations_checkpointed: float  # what `activations` would be with train.activation_checkpointing
+    weight_copies: float = 0.0  # bf16 casts of the weights autocast keeps for the backward pass
+    buffers: float = 0.0  # DeepSpeed's gradient/parameter buckets
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.logits + self.overhead
+        return (
+            self.params + self.grads + self.optimizer + self.weight_copies + self.activations + self.logits + self.buffers + self.overhead
+        )
 
     def rows(self) -> list[tuple[str, str]]:
         def g(x: float) -> str:
             return f"{x / GIB:,.1f} GiB"
 
-        return [
+        rows = [
             ("parameters", g(self.params)),
             ("gradients", g(self.grads)),
             ("optimizer state", g(self.optimizer)),
             ("activations", f"{g(self.activations)} (with activation checkpointing {g(self.activations_checkpointed)})"),
-            ("loss logits", g(self.logits)),
-            ("context + allocator", g(self.overhead)),
-            ("total per GPU", g(self.total)),
+            ("loss buffers", g(self.logits)),
         ]
+        if self.weight_copies:
+            rows.append(("bf16 weight copies (autocast)", g(self.weight_copies)))
+        if self.buffers:
+            rows.append(("DeepSpeed buckets", g(self.buffers)))
+        return [*rows, ("context + allocator", g(self.overhead)), ("total per GPU", g(self.total))]
+
+
+def _compiled(cfg: RunConfig, gpu: bool) -> bool:
+    t = cfg.train
+    return t.compile == "true" or (t.compile == "auto" and gpu and not cfg.dist.strategy.startswith("zero"))
 
 
 def plan(cfg: RunConfig, tokenizer_vocab: int, world: int, gpu: bool = True, strategy: str | None = None) -> MemoryPlan:
@@ -93,6 +113,7 @@ def plan(cfg: RunConfig, tokenizer_vocab: int, world: int, gpu: bool = True, str
     n = max(1, world)
     d, layers = m.n_embd, m.n_layer
     block = 12 * d * d + 13 * d
+    buffers = 0.0
     if s == "ddp":
         params, grads, optim = 4 * p, 4 * p, 8 * p
     elif s == "fsdp":
@@ -101,28 +122,40 @@ def plan(cfg: RunConfig, tokenizer_vocab: int, world: int, gpu: bool = True, str
         params, grads, optim = 4 * p / n + unsharded, 4 * p / n + 4 * block, 8 * p / n
     elif bf16:  # DeepSpeed bf16: bf16 weights and gradients, fp32 master + moments in the optimizer
         params = 2 * p / n if s == "zero3" else 2 * p
-        grads = 2 * p / n if s in ("zero2", "zero3") else 2 * p
+        grads = 4 * p / n if s in ("zero2", "zero3") else 4 * p  # accumulated in fp32 (config/deepspeed.py)
         optim = 12 * p / n
     else:
         params = 4 * p / n if s == "zero3" else 4 * p
         grads = 4 * p / n if s in ("zero2", "zero3") else 4 * p
         optim = 8 * p / n
+    if s.startswith("zero") and gpu:
+        # fp32 reduce bucket (communication_data_type fp32) and, below stage 3, the all-gather bucket;
+        # stage 3 prefetches parameters instead. Capped by the model's size.
+        buffers = 4 * min(DEEPSPEED_BUCKET, p) + (2 * min(DEEPSPEED_PREFETCH, p) if s == "zero3" else 2 * min(DEEPSPEED_BUCKET, p))
     if s.startswith("zero") and cfg.dist.zero_offload_optimizer:
         optim = 0.0
     if s == "fsdp" and cfg.dist.fsdp_cpu_offload:
         params, grads, optim = params - 4 * p / n, grads - 4 * p / n, 0.0
+    # autocast keeps a bf16 copy of every matmul weight for the backward pass (FSDP's bf16 parameters need none).
+    weight_copies = 2.0 * p if bf16 and s in ("ddp", "zero1", "zero2") else 0.0
     tokens = t.batch_size * cfg.data.seq_len
-    per_layer = (ACT_BYTES_PER_TOKEN_LAYER_BF16 if bf16 else ACT_BYTES_PER_TOKEN_LAYER_FP32) * d
-    if m.dropout > 0:
-        per_layer += ACT_DROPOUT_PER_TOKEN_LAYER * d
+    key = ("bf16" if bf16 else "fp32", _compiled(cfg, gpu))
+    per_layer = (ACT_BYTES[key] + (ACT_DROPOUT[key] if m.dropout > 0 else 0)) * d
     full = tokens * layers * per_layer + tokens * d * 8  # + embeddings and the final norm
     checkpointed = tokens * layers * ACT_CHECKPOINTED_PER_TOKEN_LAYER * d + tokens * per_layer + tokens * d * 8
     activations = checkpointed if t.activation_checkpointing else full
     vocab = embedding_rows(m, tokenizer_vocab)
     chunked = t.loss == "chunked" or (t.loss == "auto" and gpu and t.precision != "fp16")
-    logits = 2 * 256 * 2**20 if chunked else tokens * vocab * (10 if bf16 else 8)
-    live = params + grads + optim + activations + logits
-    return MemoryPlan(s, n, params, grads, optim, activations, logits, CONTEXT_BYTES * gpu + FRAGMENTATION * live, checkpointed)
+    if chunked:
+        # a chunk's fp32 logits (computed in place), its bf16 gradient, the fp32 accumulator of the output
+        # matrix's gradient, the gradient of the hidden states, and the compute-dtype copy of the matrix.
+        logits = CHUNK_BYTES * 1.5 + 4 * vocab * d + tokens * d * 4 + (2 if bf16 else 0) * vocab * d
+    else:
+        logits = tokens * vocab * (10 if bf16 else 8)
+    live = params + grads + optim + weight_copies + activations + logits + buffers
+    return MemoryPlan(
+        s, n, params, grads, optim, activations, logits, CONTEXT_BYTES * gpu + FRAGMENTATION * live, checkpointed, weight_copies, buffers
+    )
 
 
 def fitting_alternative(cfg: RunConfig, tokenizer_vocab: int, world: int, limit_gib: float) -> str | None:
@@ -142,14 +175,23 @@ def fitting_alternative(cfg: RunConfig, tokenizer_vocab: int, world: int, limit_
     return None
 
 
-def check_fits(cfg: RunConfig, tokenizer_vocab: int, world: int, limit_gib: float) -> str | None:
-    """None when the plan fits `limit_gib` per GPU; else the one-line refusal, naming the fix."""
+def check_fits(cfg: RunConfig, tokenizer_vocab: int, world: int, limit_gib: float, force: bool = False) -> tuple[str | None, str | None]:
+    """(refusal, warning): a refusal when the plan is beyond PLAN_MARGIN over `limit_gib` per GPU
+    (unless `force`), a warning with the margin when it is over, or within PLAN_MARGIN of it."""
     mine = plan(cfg, tokenizer_vocab, world)
-    if mine.total <= limit_gib * GIB:
-        return None
-    fix = fitting_alternative(cfg, tokenizer_vocab, world, limit_gib)
+    total, limit = mine.total, limit_gib * GIB
+    if total <= limit * (1 - PLAN_MARGIN):
+        return None, None
+    fix = fitting_alternative(cfg, tokenizer_vocab, world, limit_gib * (1 - PLAN_MARGIN))
     fix = fix or "a smaller train.batch_size or data.seq_len, more GPUs, or a smaller model"
-    return (
-        f"the memory plan needs ~{mine.total / GIB:.0f} GiB per GPU with {mine.strategy} on {world} GPU(s), more than the "
-        f"{limit_gib:g} GiB of this cluster's GPUs (fix: {fix})"
+    what = f"the memory plan needs ~{total / GIB:.0f} GiB per GPU with {mine.strategy} on {world} GPU(s)"
+    if total > limit * (1 + PLAN_MARGIN) and not force:
+        return (
+            f"{what}, more than the {limit_gib:g} GiB of this cluster's GPUs even allowing for the plan's "
+            f"{100 * PLAN_MARGIN:.0f}% error (fix: {fix}; or --force to try anyway)"
+        ), None
+    margin = 100 * (limit - total) / limit
+    return None, (
+        f"{what} of their {limit_gib:g} GiB ({margin:+.0f}% margin; the plan is good to ~{100 * PLAN_MARGIN:.0f}%): it may not fit "
+        f"(if it runs out of memory: {fix})"
     )

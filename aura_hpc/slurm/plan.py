@@ -204,6 +204,7 @@ def plan_submit(
     sweeps: list[str] | None = None,
     after: str | None = None,
     check: bool = False,
+    force: bool = False,
 ) -> SubmitPlan:
     """Everything `submit` will do, decided and checked up front; nothing is written or submitted."""
     base_overrides = [*overrides, *_slurm_cli_overrides(slurm_flags)]
@@ -314,9 +315,11 @@ def plan_submit(
         memory = plan_memory(first, vocab, world, gpu=slurm.gpus_per_node > 0)
         limit = prof.gpu_mem_gib
         if limit and slurm.gpus_per_node > 0:
-            refusal = check_fits(first, vocab, world, limit)
+            refusal, warning = check_fits(first, vocab, world, limit, force)
             if refusal:
                 raise ConfigError(refusal.replace("this cluster's GPUs", f"cluster profile '{prof.name}'s GPUs"))
+            if warning:
+                warnings.append(warning.replace("their", f"cluster profile '{prof.name}'s"))
     builtin = str(prepare_builtin) if prepare_builtin else ""
     container = plan_container(slurm, cfg.output_dir, points[0].cfg.data.path or builtin, gpus=slurm.gpus_per_node > 0)
     if container is not None:

@@ -227,3 +227,44 @@ def reporting(probe: StepProbe | None, run_dir: Path, rank: int) -> Any:
     finally:
         if probe is not None:
             probe.write(run_dir, rank)
+
+
+class HeapSampler:
+    """The peak of glibc's in-use heap (mallinfo2: what torch's CPU tensors and Python hold, not
+    freed-but-kept pages) over a run, sampled every ~0.5 ms by a thread, above the level at start.
+    Enabled with AURA_PROBE_HEAP=1 on Linux; the memory plan's CPU figures are checked against it."""
+
+    def __init__(self) -> None:
+        import ctypes
+        import threading
+
+        names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+
+        class Mallinfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in names]
+
+        self._libc = ctypes.CDLL("libc.so.6")
+        self._libc.mallinfo2.restype = Mallinfo2
+        self.base = self.in_use()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="aura-heap-sampler", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_env(cls) -> HeapSampler | None:
+        return cls() if os.environ.get("AURA_PROBE_HEAP") == "1" and sys.platform.startswith("linux") else None
+
+    def in_use(self) -> int:
+        m = self._libc.mallinfo2()
+        return int(m.uordblks + m.hblkhd)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.0005):
+            self.peak = max(self.peak, self.in_use())
+
+    def stop(self) -> int:
+        """Bytes above the starting level at the peak."""
+        self._stop.set()
+        self._thread.join()
+        return max(0, self.peak - self.base)

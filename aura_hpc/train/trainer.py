@@ -46,6 +46,7 @@ class Trainer:
         cfg, env = self.cfg, self.env
         self.rt = runtime.start(cfg, env)
         self.memory_base = runtime.host_memory_peak()  # what the process held before the model existed
+        self.heap = probes.HeapSampler.from_env()
         self.parts, self.layout, wrapped = build(cfg, env, self.rt)
         self.wrapped = wrapped
         self.ckpt = Checkpointer(cfg, env, self.rt, self.parts, self.layout, self.pos, wrapped)
@@ -294,6 +295,7 @@ class Trainer:
                 "backend": self.rt.backend,
                 "strategy": self.wrapped.name,
                 "peak_memory_gib": round(runtime.peak_memory(self.rt.device, self.memory_base) / 2**30, 3),
+                **({"peak_heap_gib": round(self.heap.stop() / 2**30, 4)} if self.heap is not None else {}),
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
         try:
