@@ -131,15 +131,20 @@ def model_configs(model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return hf_config(model.config), generation_config(model.config)
 
 
-def snapshot_model(model: Any) -> ModelSnapshot:
+def unique_weights(model: Any) -> dict[str, torch.Tensor]:
+    """The model's state dict with a tied weight (lm_head = wte) once, as transformers stores it."""
     weights: dict[str, torch.Tensor] = {}
     seen: set[tuple[str, int]] = set()
     for name, t in model.state_dict().items():
         key = (str(t.device), t.data_ptr())
-        if key in seen:  # a tied weight (lm_head = wte): stored once, as transformers does
-            continue
-        seen.add(key)
-        weights[name] = t.detach().to("cpu", copy=True).contiguous()
+        if key not in seen:
+            seen.add(key)
+            weights[name] = t
+    return weights
+
+
+def snapshot_model(model: Any) -> ModelSnapshot:
+    weights = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in unique_weights(model).items()}
     return ModelSnapshot(weights, *model_configs(model))
 
 
@@ -310,25 +315,35 @@ def prune(root: Path, keep_last: int) -> None:
             shutil.rmtree(ckpt.path, ignore_errors=True)
 
 
-def verify(ckpt: Path) -> str | None:
-    """None when every file matches its marker entry; otherwise what is wrong."""
+def verify(ckpt: Path, share: tuple[int, int] = (0, 1)) -> str | None:
+    """None when every file matches its marker entry; otherwise what is wrong. `share` (rank, world):
+    every file's size is checked, and the checksums of this rank's share of the files (every
+    world-th one): the ranks of a resume hash a checkpoint together, each file once."""
     try:
         marker = json.loads((ckpt / MARKER).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         return f"unreadable commit marker ({exc})"
-    for rel, want in marker.get("files", {}).items():
+    rank, world = share
+    for i, (rel, want) in enumerate(sorted(marker.get("files", {}).items())):
         p = ckpt / rel
         if not p.is_file():
             return f"missing file {rel}"
         if p.stat().st_size != want["size"]:
             return f"{rel} has {p.stat().st_size} bytes, expected {want['size']}"
-        if _sha256(p) != want["sha256"]:
+        if i % world == rank and _sha256(p) != want["sha256"]:
             return f"{rel} does not match its checksum"
     return None
 
 
-def newest_valid(root: Path) -> Checkpoint | None:
-    """The newest checkpoint that verifies; corrupt newer ones are reported and set aside."""
+def set_aside(ckpt: Checkpoint, root: Path, problem: str) -> None:
+    aside = root / f"corrupt-{ckpt.path.name}-{int(time.time())}"
+    with contextlib.suppress(OSError):
+        ckpt.path.rename(aside)
+    log.warning("checkpoint %s is corrupt (%s); moved it to %s and using the previous one", ckpt.path.name, problem, aside.name)
+
+
+def note_interrupted(root: Path) -> None:
+    """Say which step folders lack a commit marker (their save was interrupted)."""
     complete = list_complete(root)
     newest_complete = complete[0].step if complete else -1
     if root.is_dir():
@@ -336,14 +351,17 @@ def newest_valid(root: Path) -> Checkpoint | None:
             m = _NAME.match(p.name)
             if m and p.is_dir() and not (p / MARKER).exists() and int(m.group(1)) > newest_complete:
                 log.warning("checkpoint %s has no %s (its save was interrupted): ignored", p.name, MARKER)
-    for ckpt in complete:
+
+
+def newest_valid(root: Path) -> Checkpoint | None:
+    """The newest checkpoint that verifies (one process hashes every file); corrupt newer ones are
+    reported and set aside."""
+    note_interrupted(root)
+    for ckpt in list_complete(root):
         problem = verify(ckpt.path)
         if problem is None:
             return ckpt
-        aside = root / f"corrupt-{ckpt.path.name}-{int(time.time())}"
-        with contextlib.suppress(OSError):
-            ckpt.path.rename(aside)
-        log.warning("checkpoint %s is corrupt (%s); moved it to %s and using the previous one", ckpt.path.name, problem, aside.name)
+        set_aside(ckpt, root, problem)
     return None
 
 

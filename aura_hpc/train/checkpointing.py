@@ -15,6 +15,7 @@ from aura_hpc.config import RunConfig
 from aura_hpc.errors import CheckpointError, CheckpointWriteError, TrainingError
 from aura_hpc.train import checkpoint, distributed
 from aura_hpc.train.dist_env import DistEnv
+from aura_hpc.train.host_mirror import HostMirror
 from aura_hpc.train.runtime import Runtime, rng_state, set_rng_state
 from aura_hpc.train.schedule import scale_learning_rate
 from aura_hpc.train.state import Layout, Parts, Position
@@ -31,6 +32,7 @@ class Checkpointer:
         self.parts, self.layout, self.pos, self.wrapped = parts, layout, pos, wrapped
         self.root = cfg.run_dir / "checkpoints"
         self.writer: _Writer | None = None
+        self.mirror = HostMirror()  # rank 0's host copies of what it saves, reused from save to save
 
     # ---- resume -------------------------------------------------------------------------
     def resume(self) -> None:
@@ -49,12 +51,26 @@ class Checkpointer:
         log.info("resumed from checkpoint %s at step %d", chosen, self.pos.step)
 
     def newest_name(self) -> str | None:
-        """The newest valid checkpoint as rank 0 sees it, agreed by every rank."""
-        chosen = None
-        if self.env.is_main:
-            found = checkpoint.newest_valid(self.root)
-            chosen = found.path.name if found else None
-        return distributed.broadcast_object(chosen)
+        """The newest valid checkpoint, agreed by every rank. Rank 0 lists the complete ones; where
+        every rank sees the files (shared storage), the ranks hash each checkpoint together, each
+        file once (rank 0 alone used to hash all of it while the others waited: ~50 GB for gpt2-3b);
+        the writer's own checksums in COMPLETE.json are what they are compared with."""
+        env = self.env
+        if env.is_main:
+            checkpoint.note_interrupted(self.root)
+        names = distributed.broadcast_object([c.path.name for c in checkpoint.list_complete(self.root)] if env.is_main else None)
+        for name in names:
+            local = self.root / name
+            shared = all(distributed.all_gather_object((local / checkpoint.MARKER).exists()))
+            share = (env.rank, self.layout.world) if shared else (0, 1)
+            mine = checkpoint.verify(local, share) if shared or env.is_main else None
+            problems = [p for p in distributed.all_gather_object(mine) if p]
+            if not problems:
+                return name
+            if env.is_main:
+                checkpoint.set_aside(checkpoint.Checkpoint(local, int(name.split("_")[1])), self.root, problems[0])
+            distributed.barrier()
+        return None
 
     def load(self, chosen: str) -> int:
         """Load checkpoint `chosen` (a directory name) on every rank; returns its data position."""
@@ -166,15 +182,18 @@ class Checkpointer:
         if self.env.is_main:
             t0 = time.perf_counter()
             meta = self._meta()
-            state = checkpoint.host_copy(
+            state = self.mirror.copy(
                 {
                     "optimizer": p.optimizer.state_dict(),
                     "scheduler": p.scheduler.state_dict(),
                     "scaler": p.scaler.state_dict() if p.scaler.is_enabled() else {},
                     "rng": rngs,
-                }
+                },
+                "state",
             )
-            snap = checkpoint.snapshot_model(p.model)
+            weights = self.mirror.copy(checkpoint.unique_weights(p.model), "model")
+            self.mirror.ready()
+            snap = checkpoint.ModelSnapshot(weights, *checkpoint.model_configs(p.model))
             paused = time.perf_counter() - t0
             args = (self.root, pos.step, snap, state, meta, p.data.tokenizer_dir, self.cfg.to_yaml(), self.cfg.train.keep_last)
             self.writer = _Writer(args, t0, paused)
