@@ -268,3 +268,7 @@ class HeapSampler:
         self._stop.set()
         self._thread.join()
         return max(0, self.peak - self.base)
+
+
+def heap_summary(heap: HeapSampler | None) -> dict[str, float]:
+    return {"peak_heap_gib": round(heap.stop() / 2**30, 4)} if heap is not None else {}

@@ -295,7 +295,7 @@ class Trainer:
                 "backend": self.rt.backend,
                 "strategy": self.wrapped.name,
                 "peak_memory_gib": round(runtime.peak_memory(self.rt.device, self.memory_base) / 2**30, 3),
-                **({"peak_heap_gib": round(self.heap.stop() / 2**30, 4)} if self.heap is not None else {}),
+                **probes.heap_summary(self.heap),
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
         try:
@@ -307,12 +307,8 @@ class Trainer:
         if env.is_main:
             if pos.step < self.layout.max_steps:
                 log.info("stopped at step %d of %d (train.stop_at); re-run the same command to continue", pos.step, self.layout.max_steps)
-            log.info(
-                "all %d ranks finished at step %d (peak memory of rank 0: %.2f GiB)",
-                self.layout.world,
-                pos.step,
-                runtime.peak_memory(self.rt.device, self.memory_base) / 2**30,
-            )
+            peak = runtime.peak_memory(self.rt.device, self.memory_base) / 2**30
+            log.info("all %d ranks finished at step %d (peak memory of rank 0: %.2f GiB)", self.layout.world, pos.step, peak)
         return 0
 
     def _stop_on_signal(self, stop: StopRequest) -> int:
