@@ -321,6 +321,20 @@ def validate_for_device(cfg: RunConfig, gpu: bool) -> None:
 def validate_strategy(cfg: RunConfig) -> None:
     """What each dist.strategy does not support is refused here, with the reason."""
     d, t = cfg.dist, cfg.train
+    if d.compress != "none" and d.strategy != "ddp":
+        raise ConfigError(
+            f"dist.compress={d.compress} compresses DDP's gradient all-reduce; dist.strategy is {d.strategy} "
+            "(fix: --set dist.strategy=ddp, or dist.compress=none)"
+        )
+    if not 1 <= d.powersgd_rank <= 1024:
+        raise ConfigError(f"dist.powersgd_rank must be between 1 and 1024, got {d.powersgd_rank} (fix: --set dist.powersgd_rank=4)")
+    if d.sync_every < 1 or d.diloco_replicas < 0:
+        raise ConfigError("dist.sync_every must be at least 1 and dist.diloco_replicas 0 or more (fix: --set dist.sync_every=50)")
+    if not 0 < d.outer_lr <= 10 or not 0 <= d.outer_momentum < 1:
+        raise ConfigError(
+            f"dist.outer_lr must be in (0, 10] and dist.outer_momentum in [0, 1), got {d.outer_lr} and {d.outer_momentum} "
+            "(fix: the paper's --set dist.outer_lr=0.7 --set dist.outer_momentum=0.9)"
+        )
     zero = d.strategy.startswith("zero")
     if d.strategy != "ddp" and t.precision == "fp16":
         raise ConfigError(

@@ -96,10 +96,17 @@ class TrainConfig:
 @dataclass
 class DistConfig:
     backend: str = "auto"
-    strategy: str = "ddp"  # ddp | fsdp (FSDP2) | zero1 | zero2 | zero3 (DeepSpeed): what is sharded over the ranks
+    strategy: str = "ddp"  # ddp | fsdp (FSDP2) | zero1 | zero2 | zero3 (DeepSpeed) | diloco (replicas that meet every sync_every steps)
     fsdp_cpu_offload: bool = False  # fsdp: parameters, gradients and optimizer state in host memory between uses
     zero_offload_optimizer: bool = False  # zero1-3: DeepSpeed keeps the optimizer state (and its step) in host memory
     deepspeed_config: str = ""  # zero1-3: your DeepSpeed JSON, merged under what the trainer sets (conflicts refused)
+    compress: str = "none"  # ddp over a slow link: none | bf16 (gradients halved on the wire) | powersgd (low-rank, error feedback)
+    powersgd_rank: int = 4  # dist.compress=powersgd: the rank of the gradient approximation (higher: closer, more bytes)
+    sync_every: int = 50  # diloco: inner steps each replica trains alone between two meetings
+    outer_lr: float = 0.7  # diloco: the outer Nesterov SGD's learning rate (the paper's 0.7)
+    outer_momentum: float = 0.9  # diloco: its momentum (the paper's 0.9)
+    diloco_replicas: int = 0  # diloco: replicas training apart; 0 = one per node (a node's GPUs train one with DDP)
+    diloco_wire: str = "bf16"  # diloco: the deltas' dtype on the wire: bf16 | fp32
     timeout_s: int = 600  # collective (all_reduce, barrier) timeout
     init_timeout_s: int = 120  # process-group initialisation timeout
 
@@ -210,7 +217,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.loss": ("auto", "chunked", "full"),
     "train.fused_optimizer": ("auto", "true", "false"),
     "dist.backend": ("auto", "nccl", "gloo"),
-    "dist.strategy": ("ddp", "fsdp", "zero1", "zero2", "zero3"),
+    "dist.strategy": ("ddp", "fsdp", "zero1", "zero2", "zero3", "diloco"),
+    "dist.compress": ("none", "bf16", "powersgd"),
+    "dist.diloco_wire": ("bf16", "fp32"),
     "slurm.signal": ("USR2", "USR1", "TERM", "INT", "HUP"),
     "slurm.container": ("none", "pyxis", "apptainer"),
     "health.webhook_type": ("generic", "discord", "slack"),

@@ -38,7 +38,7 @@ FRAGMENTATION = 0.05  # the caching allocator's slack on top of live tensors
 PLAN_MARGIN = 0.15  # how far the plan may be off: refused only beyond it
 DEEPSPEED_BUCKET = int(5e8)  # reduce_bucket_size and allgather_bucket_size defaults, elements
 DEEPSPEED_PREFETCH = int(5e7)  # stage3_prefetch_bucket_size default, elements
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "zero3")
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "zero3")  # what a plan that does not fit may suggest
 
 
 def tokenizer_vocab(cfg: RunConfig) -> int:
@@ -116,6 +116,9 @@ def plan(cfg: RunConfig, tokenizer_vocab: int, world: int, gpu: bool = True, str
     buffers = 0.0
     if s == "ddp":
         params, grads, optim = 4 * p, 4 * p, 8 * p
+    elif s == "diloco":
+        # the inner AdamW, plus the anchor and the outer momentum (fp32) and the flat wire buffer
+        params, grads, optim = 4 * p, 4 * p, 8 * p + 8 * p + (2 if cfg.dist.diloco_wire == "bf16" else 4) * p
     elif s == "fsdp":
         # fp32 shards, plus the gathered bf16 (or fp32) copy of the root and two blocks in flight.
         unsharded = (2 if bf16 else 4) * (p - layers * block + 2 * block)
@@ -137,7 +140,7 @@ def plan(cfg: RunConfig, tokenizer_vocab: int, world: int, gpu: bool = True, str
     if s == "fsdp" and cfg.dist.fsdp_cpu_offload:
         params, grads, optim = params - 4 * p / n, grads - 4 * p / n, 0.0
     # autocast keeps a bf16 copy of every matmul weight for the backward pass (FSDP's bf16 parameters need none).
-    weight_copies = 2.0 * p if bf16 and s in ("ddp", "zero1", "zero2") else 0.0
+    weight_copies = 2.0 * p if bf16 and s in ("ddp", "zero1", "zero2", "diloco") else 0.0
     tokens = t.batch_size * cfg.data.seq_len
     key = ("bf16" if bf16 else "fp32", _compiled(cfg, gpu))
     per_layer = (ACT_BYTES[key] + (ACT_DROPOUT[key] if m.dropout > 0 else 0)) * d

@@ -74,7 +74,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
             log.warning("%s; train.allow_oversubscription=true: repeating the data to fill each batch", msg)
     n_params = count_parameters(model)  # before the strategy: ZeRO-3 leaves each rank empty parameters
     fused = t.fused_optimizer == "true" or (t.fused_optimizer == "auto" and cuda)
-    wrapped, optimizer = wrap(loss_model, model, cfg, rt, world, lambda m: make_optimizer(m, t, fused=fused))
+    wrapped, optimizer = wrap(loss_model, model, cfg, rt, world, lambda m: make_optimizer(m, t, fused=fused), env)
     seed_dropout(t.seed, env.rank)
     parts = Parts(
         data=data,
@@ -179,12 +179,28 @@ def describe(cfg: RunConfig, parts: Parts, layout: Layout, rt: Runtime, start_st
         f"{t.schedule} with {t.warmup_steps} warmup, precision {t.precision} "
         f"(params {str(rt.param_dtype).removeprefix('torch.')}, autocast "
         f"{str(rt.autocast_dtype).removeprefix('torch.') if rt.autocast_dtype else 'off'})",
-        f"strategy: {cfg.dist.strategy}" + (" (parameters, gradients and optimizer state sharded)" if cfg.dist.strategy != "ddp" else ""),
+        f"strategy: {strategy_line(cfg)}",
         f"compute: torch.compile {'on (per block)' if compiled(parts.model) else 'off'}, loss "
         f"{'chunked' if getattr(parts.loss_model, 'chunked', False) else 'full logits'}, activation checkpointing "
         f"{'on' if t.activation_checkpointing else 'off'}, optimizer {type(parts.optimizer).__name__}"
         f"{' (fused)' if getattr(parts.optimizer, '_step_supports_amp_scaling', False) else ''}",
     ]
+
+
+def strategy_line(cfg: RunConfig) -> str:
+    d = cfg.dist
+    if d.strategy == "diloco":
+        wire = f"deltas in {d.diloco_wire}"
+        return (
+            f"diloco (replicas meet every {d.sync_every} steps, outer Nesterov SGD lr {d.outer_lr:g} momentum {d.outer_momentum:g}, {wire})"
+        )
+    if d.strategy == "ddp":
+        return "ddp" + (
+            f" (gradients compressed: {d.compress}" + (f", rank {d.powersgd_rank})" if d.compress == "powersgd" else ")")
+            if d.compress != "none"
+            else ""
+        )
+    return f"{d.strategy} (parameters, gradients and optimizer state sharded)"
 
 
 def compiled(model: torch.nn.Module) -> bool:

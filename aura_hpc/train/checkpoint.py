@@ -74,7 +74,7 @@ def _write(path: Path, data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-class _HashingFile:
+class HashingFile:
     """A write-only file that hashes what passes through it (torch.save streams into it)."""
 
     def __init__(self, f: Any) -> None:
@@ -211,7 +211,7 @@ def save(
         hashes.update(_write_model(tmp / "model", snap))
         stage("model")
         with open(tmp / "trainer_state.pt", "wb") as f:
-            hashing = _HashingFile(f)
+            hashing = HashingFile(f)
             torch.save(trainer_state, hashing)
             f.flush()
             os.fsync(f.fileno())

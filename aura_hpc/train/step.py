@@ -110,6 +110,7 @@ class Stepper:
             bad = bad | ~torch.isfinite(grad_norm)
         wrapped.update(p.optimizer, p.scaler, bad)
         p.scheduler.step()
+        wrapped.after_update(pos.step + 1)
         report = torch.cat([total.view(1), grad_norm.detach().to(torch.float64).view(1), flags])
         host = None
         if report.device.type == "cuda":

@@ -9,6 +9,7 @@ the loop.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -20,7 +21,13 @@ MakeOptimizer = Callable[[torch.nn.Module], torch.optim.Optimizer]
 
 
 def wrap(
-    loss_model: torch.nn.Module, model: torch.nn.Module, cfg: RunConfig, rt: Runtime, world_size: int, make_optimizer: MakeOptimizer
+    loss_model: torch.nn.Module,
+    model: torch.nn.Module,
+    cfg: RunConfig,
+    rt: Runtime,
+    world_size: int,
+    make_optimizer: MakeOptimizer,
+    env: Any = None,
 ) -> tuple[Wrapped, torch.optim.Optimizer]:
     """`loss_model` (forward(batch) = loss, holding `model`) spread over the ranks by dist.strategy,
     and the optimizer over what the strategy made of the parameters (FSDP replaces them by shards;
@@ -31,6 +38,10 @@ def wrap(
 
         optimizer = make_optimizer(model)
         return wrap_zero(loss_model, model, cfg, rt, world_size, optimizer), optimizer
+    if strategy == "diloco":
+        from aura_hpc.train.strategies.diloco import wrap_diloco
+
+        return wrap_diloco(loss_model, model, cfg.dist, rt.device, env), make_optimizer(model)
     if strategy == "fsdp":
         from aura_hpc.train.strategies.fsdp import wrap_fsdp
 
@@ -40,7 +51,7 @@ def wrap(
     else:
         from aura_hpc.train.strategies.ddp import wrap_ddp
 
-        wrapped = wrap_ddp(loss_model, model, rt.device, world_size)
+        wrapped = wrap_ddp(loss_model, model, rt.device, world_size, cfg.dist.compress, cfg.dist.powersgd_rank)
     return wrapped, make_optimizer(model)
 
 

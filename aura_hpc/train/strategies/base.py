@@ -68,6 +68,27 @@ class Wrapped:
 
     device_skip = True  # whether found_inf may be handed to a fused optimizer over these parameters
 
+    def after_update(self, step: int) -> None:
+        """After step `step`'s update (DiLoCo meets its peers here)."""
+
+    def outer_state(self) -> dict[str, Any] | None:
+        """State every rank holds alike beyond the model and optimizer (DiLoCo's anchor and momentum)."""
+        return None
+
+    def load_outer_state(self, state: dict[str, Any]) -> None:
+        raise RuntimeError("this strategy has no outer state")
+
+    def replica_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """This rank's own state, when ranks hold state of their own (DiLoCo's replicas, PowerSGD's error
+        feedback): saved by each rank, in its own run directory."""
+        return None
+
+    def load_replica_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        raise RuntimeError("this strategy has no per-rank state")
+
+    def restart_replica(self) -> None:
+        """When some rank's saved state is missing: every rank starts that state afresh, alike."""
+
 
 def clip_to_total_norm(
     grads: list[torch.Tensor], max_norm: float, group: Any = None, sharded: bool = False, device: torch.device | None = None

@@ -46,6 +46,21 @@ class FlagRide:
         return fut.then(split)
 
 
+def _bf16_gloo_hook(world_size, bucket):  # type: ignore[no-untyped-def]
+    """torch's bf16_compress_hook for gloo: the bucket divided by the world size, in bf16 on the wire."""
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    wire = buffer.to(torch.bfloat16).div_(world_size)
+    fut = dist.all_reduce(wire, async_op=True).get_future()
+
+    def back(f):  # type: ignore[no-untyped-def]
+        buffer.copy_(f.value()[0])
+        return buffer
+
+    return fut.then(back)
+
+
 def _ride_hook(ride, bucket):  # type: ignore[no-untyped-def]
     # No annotations: DDP checks them against its own types, and string annotations
     # (from __future__ import annotations) fail that check.
@@ -55,13 +70,48 @@ def _ride_hook(ride, bucket):  # type: ignore[no-untyped-def]
 class DdpWrapped(Wrapped):
     name = "ddp"
 
-    def __init__(self, ddp: DistributedDataParallel, model: torch.nn.Module, ride: FlagRide) -> None:
+    def __init__(self, ddp: DistributedDataParallel, model: torch.nn.Module, ride: FlagRide | None, powersgd: Any = None) -> None:
         super().__init__(ddp, model)
-        self.ride = ride
+        self.ride, self.powersgd = ride, powersgd
 
     def send_flags(self, flags: torch.Tensor) -> bool:
+        if self.ride is None:  # a compression hook carries the gradients: the step reduces the flags itself
+            return False
         self.ride.outgoing, self.ride.incoming = flags, None
         return True
+
+    def replica_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """PowerSGD's error feedback is this rank's own compression residual, and its warm-start factors
+        and random stream go with it: saved per rank, so a resume continues the compressed trajectory.
+        Not to the bit: torch's PowerSGD keys that state by DDP bucket, and DDP puts every gradient in
+        one bucket on a process's first step before regrouping them (a resumed process's first step
+        is grouped otherwise than the same step of the run it continues; tests/test_slow_links.py)."""
+        if self.powersgd is None:
+            return None
+        st = self.powersgd
+        _, keys, pos, has_gauss, cached = st.rng.get_state()
+        return {
+            "iter": st.iter,
+            "error_dict": dict(st.error_dict),
+            "p_memory_dict": dict(st.p_memory_dict),
+            "q_memory_dict": dict(st.q_memory_dict),
+            "rng": {"keys": torch.from_numpy(keys.copy()), "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
+        }
+
+    def load_replica_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        st = self.powersgd
+        st.iter = int(state["iter"])
+        st.error_dict = {int(k): v.to(_device_of(self.model)) for k, v in state["error_dict"].items()}
+        st.p_memory_dict = {int(k): v.to(_device_of(self.model)) for k, v in state["p_memory_dict"].items()}
+        st.q_memory_dict = {int(k): v.to(_device_of(self.model)) for k, v in state["q_memory_dict"].items()}
+        r = state["rng"]
+        st.rng.set_state(("MT19937", r["keys"].numpy(), r["pos"], r["has_gauss"], r["cached"]))
+
+    def restart_replica(self) -> None:
+        """Without a rank's saved residual, every rank starts PowerSGD's error feedback afresh (alike)."""
+        st = self.powersgd
+        if st is not None:
+            st.error_dict, st.p_memory_dict, st.q_memory_dict = {}, {}, {}
 
     def received_flags(self) -> torch.Tensor:
         if self.ride.incoming is None:
@@ -80,11 +130,42 @@ class DdpWrapped(Wrapped):
             yield
 
 
-def wrap_ddp(loss_model: torch.nn.Module, model: torch.nn.Module, device: torch.device, world_size: int) -> DdpWrapped:
+# PowerSGD all-reduces uncompressed for its first steps (the gradients change fast there, and its
+# low-rank factors need a start); torch's default (1,000) is longer than many short runs.
+POWERSGD_START_STEP = 10
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def wrap_ddp(
+    loss_model: torch.nn.Module, model: torch.nn.Module, device: torch.device, world_size: int, compress: str = "none", rank: int = 4
+) -> DdpWrapped:
+    """DDP with the flags riding on its all-reduce, or with torch's own compression hooks
+    (`dist.compress`): bf16 halves the bytes; PowerSGD sends rank-`rank` factors with error feedback."""
     ids = [device.index] if device.type == "cuda" else None
     # Gradients as views into DDP's buckets: no copy into the buckets before the all-reduce,
     # and no second copy of every gradient in memory.
     ddp = DistributedDataParallel(loss_model, device_ids=ids, gradient_as_bucket_view=True)
+    if compress == "bf16":
+        import torch.distributed as dist
+
+        if dist.get_backend() == "nccl":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+            ddp.register_comm_hook(None, bf16_compress_hook)
+        else:  # torch's hook asks for NCCL; gloo reduces bf16 too (LAN CPUs): the same arithmetic
+            ddp.register_comm_hook(world_size, _bf16_gloo_hook)
+        return DdpWrapped(ddp, model, None)
+    if compress == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=POWERSGD_START_STEP, random_seed=0
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return DdpWrapped(ddp, model, None, state)
     ride = FlagRide(world_size)
     ddp.register_comm_hook(ride, _ride_hook)
     return DdpWrapped(ddp, model, ride)

@@ -1,0 +1,145 @@
+"""DiLoCo (Douillard et al. 2023): replicas train apart and meet every `dist.sync_every` steps.
+
+Each replica (by default one per node; the GPUs of a node train it together with DDP) runs its
+own AdamW on its own slice of the global sample order. Every `sync_every` steps the replicas
+average their parameter deltas since the last meeting (one all-reduce, in `dist.diloco_wire`
+on the wire) and apply the average with an outer Nesterov SGD (`dist.outer_lr`,
+`dist.outer_momentum`; the paper's 0.7 and 0.9): anchor <- anchor - lr * nesterov(mean(anchor - theta)),
+and every replica starts the next interval from the new anchor. Between meetings only a few
+bytes cross the network each step (the flags every rank agrees on: stop, GPU fault, bad loss),
+so a slow link costs one all-reduce per interval instead of one per step.
+
+State beyond DDP's: the anchor (the global model at the last meeting) and the outer momentum,
+the same on every rank (saved by rank 0), and each replica's inner weights and AdamW moments
+(saved by each rank in its own run directory, train/checkpointing.py), so a resume between
+meetings continues exactly, also on LAN machines without shared storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from aura_hpc.config import DistConfig
+from aura_hpc.errors import ConfigError
+from aura_hpc.train.strategies.base import Wrapped
+
+WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def replica_groups(world: int, local_world: int, replicas: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(inner groups, outer groups): ranks that train one replica together, and the ranks (one per
+    replica, same position) whose deltas are averaged. Ranks are numbered node by node."""
+    per = world // replicas if replicas else local_world
+    inner = [list(range(start, start + per)) for start in range(0, world, per)]
+    outer = [list(range(i, world, per)) for i in range(per)]
+    return inner, outer
+
+
+class DilocoWrapped(Wrapped):
+    name = "diloco"
+
+    def __init__(self, module: torch.nn.Module, model: torch.nn.Module, cfg: DistConfig, outer_group: Any, inner_size: int) -> None:
+        super().__init__(module, model)
+        self.sync_every, self.outer_group, self.inner_size = cfg.sync_every, outer_group, inner_size
+        self.replicas = dist.get_world_size(outer_group) if outer_group is not None else 1
+        self.wire = WIRE[cfg.diloco_wire]
+        self.params = [p for p in model.parameters()]
+        self.anchor = [p.detach().to(torch.float32, copy=True) for p in self.params]
+        for a in self.anchor:
+            a.grad = torch.zeros_like(a)
+        self.outer = torch.optim.SGD(self.anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
+        self._flat = torch.empty(sum(p.numel() for p in self.params), dtype=self.wire, device=self.params[0].device)
+        self.syncs = 0
+
+    @contextlib.contextmanager
+    def accumulating(self, sync: bool) -> Iterator[None]:
+        """Within a replica of several GPUs, no gradient all-reduce on micro-steps that are not the last."""
+        no_sync = getattr(self.module, "no_sync", None)
+        if sync or no_sync is None:
+            yield
+            return
+        with no_sync():
+            yield
+
+    def replica_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        return {"model": {k: v for k, v in self.model.state_dict().items()}, "optimizer": optimizer.state_dict()}
+
+    def after_update(self, step: int) -> None:
+        """At every sync_every-th step: average the deltas over the replicas, take the outer step,
+        and restart every replica from the new anchor."""
+        if step % self.sync_every:
+            return
+        with torch.no_grad():
+            deltas = torch._foreach_sub(self.anchor, [p.to(torch.float32) for p in self.params])
+            offset = 0
+            for d in deltas:  # one flat buffer: one all-reduce, in the wire dtype
+                n = d.numel()
+                self._flat[offset : offset + n].copy_(d.view(-1))
+                offset += n
+            if self.replicas > 1:
+                dist.all_reduce(self._flat, group=self.outer_group)
+            offset = 0
+            for a in self.anchor:
+                n = a.numel()
+                a.grad.copy_(self._flat[offset : offset + n].view_as(a))
+                offset += n
+            if self.replicas > 1:
+                torch._foreach_div_([a.grad for a in self.anchor], float(self.replicas))
+            self.outer.step()
+            for p, a in zip(self.params, self.anchor, strict=True):
+                p.copy_(a)
+        self.syncs += 1
+
+    def load_replica_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    def restart_replica(self) -> None:
+        """Every replica from the last meeting's weights (with rank 0's optimizer state, loaded before)."""
+        with torch.no_grad():
+            for p, a in zip(self.params, self.anchor, strict=True):
+                p.copy_(a)
+
+    def outer_state(self) -> dict[str, Any]:
+        """What every rank holds alike: the anchor and the outer optimizer's momentum (host copies by the caller)."""
+        return {"anchor": list(self.anchor), "outer": self.outer.state_dict()}
+
+    def load_outer_state(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for a, saved in zip(self.anchor, state["anchor"], strict=True):
+                a.copy_(saved)
+        self.outer.load_state_dict(state["outer"])
+
+
+def wrap_diloco(loss_model: torch.nn.Module, model: torch.nn.Module, cfg: DistConfig, device: torch.device, env: Any) -> DilocoWrapped:
+    """Groups are made by every rank in the same order (torch.distributed requires it)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if cfg.diloco_replicas and world % cfg.diloco_replicas:
+        raise ConfigError(
+            f"dist.diloco_replicas={cfg.diloco_replicas} does not divide the {world} ranks into equal replicas "
+            f"(fix: a divisor of {world}, or 0 for one replica per node)"
+        )
+    inner_groups, outer_groups = replica_groups(world, env.local_world_size, cfg.diloco_replicas)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    inner, outer = None, None
+    for ranks in inner_groups:
+        g = dist.new_group(ranks) if world > 1 and len(ranks) > 1 else None
+        if rank in ranks:
+            inner, inner_size = g, len(ranks)
+    for ranks in outer_groups:
+        g = dist.new_group(ranks) if world > 1 else None
+        if rank in ranks:
+            outer = g
+    module: torch.nn.Module = loss_model
+    if inner is not None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        module = DistributedDataParallel(loss_model, device_ids=ids, process_group=inner, gradient_as_bucket_view=True)
+    return DilocoWrapped(module, model, cfg, outer, inner_size)
