@@ -376,3 +376,26 @@ def test_server_and_workers_on_three_lan_addresses_and_a_wifi_drop(tmp_path: Pat
     after = [r for r in rows if at_drop + 40 < r["version"] <= rejoined_at]
     assert any(int(r["contributions"].get(rank, 0)) > 0 for r in after), "the dropped worker never contributed again"
     assert port == 30005
+
+
+def test_push_every_cuts_the_traffic_per_token_by_its_factor(tmp_path: Path, prepared: Path) -> None:
+    """ps.push_every=4: each push carries four local steps' mean gradient (issue 21): a quarter of the
+    bytes per trained token, the same staleness rules, and the loss still falls."""
+    sent = {}
+    for k in (1, 4):
+        port = free_port()
+        common = ["--output-dir", str(tmp_path / f"k{k}"), "--run-name", "ps", "--set", f"data.path={prepared}", *MODEL]
+        common += ["--set", "train.max_steps=40", "--set", "train.log_every=10", "--set", "train.eval_every=40"]
+        common += ["--set", "train.checkpoint_every=0", "--set", f"ps.push_every={k}"]
+        server = Proc(["ps", "--workers", "1", "--port", str(port), *common], tmp_path / f"ps{k}.log")
+        _listening(port, server)
+        worker = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / f"w{k}.log")
+        assert server.finish() == 0, server.text
+        assert worker.finish() == 0, worker.text
+        run_dir = tmp_path / f"k{k}" / "ps"
+        stats = [json.loads(p.read_text()) for p in (run_dir / "stats").glob("*_worker1_*.json")]
+        assert stats, list((run_dir / "stats").iterdir())
+        sent[k] = stats[0]["bytes_sent"] / stats[0]["tokens"]
+        rows = _rows(run_dir)
+        assert rows[-1]["version"] == 40 and rows[-1]["tokens_per_s"] > 0
+    assert 0.2 < sent[4] / sent[1] < 0.3, sent

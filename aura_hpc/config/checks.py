@@ -215,6 +215,8 @@ def validate_ps(cfg: RunConfig) -> None:
         raise ConfigError(f"ps.port must be a TCP port (1-65535), got {p.port} (fix: --port 30005)")
     if not 1 <= p.workers <= 1024:
         raise ConfigError(f"ps.workers must be between 1 and 1024, got {p.workers} (fix: --workers 2)")
+    if not 1 <= p.push_every <= 10_000:
+        raise ConfigError(f"ps.push_every must be between 1 and 10000, got {p.push_every} (fix: --set ps.push_every=1)")
     if p.max_staleness < 0:
         raise ConfigError(f"ps.max_staleness must be >= 0, got {p.max_staleness} (fix: --set ps.max_staleness=4)")
     if p.join_timeout_s <= 0 or p.worker_timeout_s <= 0:

@@ -167,6 +167,7 @@ class PsConfig:
     max_staleness: int = 4  # a gradient computed on weights more than this many versions old is dropped
     staleness_weight: str = "inverse"  # inverse: a gradient s versions old is scaled by 1/(1+s) | none: full weight
     wire_dtype: str = "bf16"  # gradients and weights on the network: bf16 | fp16 | fp32 (the server keeps fp32)
+    push_every: int = 1  # a worker takes this many local steps (plain SGD between them) and pushes their mean gradient
     join_timeout_s: int = 60  # a worker gives up when no server answers within this
     worker_timeout_s: int = 120  # the server declares a silent worker gone after this (a Wi-Fi drop)
 

@@ -11,9 +11,10 @@ import torch
 from aura_hpc.config import RunConfig, embedding_rows
 from aura_hpc.data.packed import GlobalOrder, PackedTokens
 from aura_hpc.errors import DataError
-from aura_hpc.train.model import LanguageModelLoss, build_model
+from aura_hpc.train.model import LanguageModelLoss, build_model, uses_chunked_loss
 from aura_hpc.train.runtime import Runtime, precision_dtypes
 from aura_hpc.train.state import Parts
+from aura_hpc.train.strategies.base import clip_to_total_norm
 
 
 @dataclass
@@ -58,8 +59,8 @@ class Replica:
     def apply(self, flat: torch.Tensor, scale: float, optimizer: Any, scheduler: Any, clip: float) -> None:
         """One optimizer step with `flat` (scaled) as the gradient: the parameter server's update."""
         self.set_grads(flat.float(), scale)
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, clip)
+        if clip > 0:  # the clipping `local` does (fp64 norm over every gradient)
+            clip_to_total_norm([p.grad for p in self.params if p.grad is not None], clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -79,7 +80,9 @@ def build_replica(cfg: RunConfig, device: torch.device) -> Replica:
     param_dtype, autocast_dtype = precision_dtypes(cfg.train.precision, device)
     model.to(device=device, dtype=param_dtype)
     rt = Runtime(device, "none", param_dtype, autocast_dtype)
-    loss_model = LanguageModelLoss(model, chunked=cfg.train.loss == "chunked", compute_dtype=autocast_dtype)
+    loss_model = LanguageModelLoss(
+        model, chunked=uses_chunked_loss(cfg.train.loss, cfg.train.precision, device.type == "cuda"), compute_dtype=autocast_dtype
+    )
     return Replica(data, GlobalOrder(max(data.num_sequences("train"), 1), cfg.train.seed), model, loss_model, rt)
 
 

@@ -75,7 +75,7 @@ class ParameterServer:
         self.cfg, self.t, self.p = cfg, cfg.train, cfg.ps
         self.key = key  # the HMAC key of the run's secret (ps/auth.py)
         self.replica: Replica = build_replica(cfg, torch.device("cpu"))
-        check_shard_size(self.replica.data, self.p.workers, self.t.batch_size * self.t.grad_accum)
+        check_shard_size(self.replica.data, self.p.workers, self.t.batch_size * self.t.grad_accum * self.p.push_every)
         self.settings = settings(cfg, cfg.data.path)
         self.wire_dtype = wire.WIRE_DTYPES[self.p.wire_dtype]
         self.optimizer = make_optimizer(self.replica.model, self.t)

@@ -24,6 +24,7 @@ from aura_hpc.ps.join import request_join, settings
 from aura_hpc.ps.replica import Replica, build_replica
 from aura_hpc.ps.stats import ProcessStats, publish, write_stats
 from aura_hpc.train import faults
+from aura_hpc.train.step import micro_step_loss
 from aura_hpc.train.stop import StopRequest
 
 log = logging.getLogger("aura_hpc")
@@ -156,7 +157,8 @@ class PsWorker:
         self.replica.load_flat_weights(weights)
         version = int(header[1])
         t = self.cfg.train
-        per_gradient = t.batch_size * t.grad_accum
+        lr = float(header[2])
+        per_gradient = t.batch_size * t.grad_accum * self.cfg.ps.push_every
         window_start, window_tokens = time.perf_counter(), 0
         while True:
             if stop.requested:
@@ -164,12 +166,12 @@ class PsWorker:
                 link.send([wire.BYE, version])
                 log.info("%s: left the run after %d gradients; the server goes on with the others", stop.signal_name, self.stats.steps)
                 return 0
-            loss = self._gradient(position)
+            loss, flat = self._gradient(position, lr)
             position += per_gradient
             tokens = per_gradient * self.cfg.data.seq_len
             faults.slow_down(self.rank)
             sent = time.perf_counter()
-            link.send([wire.GRAD, version, loss, position, tokens], self.replica.flat_grads(self.wire_dtype))
+            link.send([wire.GRAD, version, loss, position, tokens], flat)
             header, got = link.recv({wire.WEIGHTS: weights})
             if header[0] == wire.STOP:
                 link.timed_round_trip(sent)
@@ -186,7 +188,7 @@ class PsWorker:
             link.timed_round_trip(sent)
             self.replica.load_flat_weights(weights)
             stale_by = int(header[1]) - version - 1
-            version = int(header[1])
+            version, lr = int(header[1]), float(header[2])
             self.stats.steps += 1
             self.stats.tokens += tokens
             window_tokens += tokens
@@ -205,17 +207,30 @@ class PsWorker:
             if self.stats.steps % STATS_EVERY == 0:
                 self._publish_stats(link)
 
-    def _gradient(self, position: int) -> float:
-        r, t = self.replica, self.cfg.train
-        r.model.zero_grad(set_to_none=True)
-        total = 0.0
-        for micro in range(t.grad_accum):
-            batch = r.shard_batch(self.rank - 1, self.shards, position + micro * t.batch_size, t.batch_size)
-            with r.rt.autocast():
-                loss = r.loss_model(batch) / t.grad_accum
-            loss.backward()
-            total += float(loss.detach())
-        return total
+    def _gradient(self, position: int, lr: float) -> tuple[float, torch.Tensor]:
+        """(loss, the flat gradient to push) of ps.push_every local steps from `position`. With
+        push_every K > 1, the worker takes K-1 plain SGD steps at the server's learning rate between
+        its K gradients and pushes their mean: K batches of learning for one message (K = 1 is one
+        gradient on the server's weights, as before)."""
+        r, t, k = self.replica, self.cfg.train, self.cfg.ps.push_every
+        total, pushed = 0.0, None
+        for local in range(k):
+            r.model.zero_grad(set_to_none=True)
+            for micro in range(t.grad_accum):
+                start = position + (local * t.grad_accum + micro) * t.batch_size
+                batch = r.shard_batch(self.rank - 1, self.shards, start, t.batch_size)
+                loss = micro_step_loss(r.loss_model, batch, r.rt, t.grad_accum)
+                loss.backward()
+                total += float(loss.detach())
+            grads = r.flat_grads(torch.float32)
+            pushed = grads if pushed is None else pushed.add_(grads)
+            if local < k - 1:
+                with torch.no_grad():
+                    for p in r.params:
+                        if p.grad is not None:
+                            p.add_(p.grad, alpha=-lr)
+        assert pushed is not None
+        return total / k, pushed.div_(k).to(self.wire_dtype)
 
     def _publish_stats(self, link: wire.Link, final: bool = False) -> None:
         s = self.stats

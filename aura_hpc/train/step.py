@@ -64,6 +64,13 @@ class StepOutcome:
         return StepResult(self.step, loss, norm, v[2] > 0, bad, v[3] > 0)
 
 
+def micro_step_loss(module: torch.nn.Module, batch: torch.Tensor, rt: Runtime, grad_accum: int) -> torch.Tensor:
+    """One micro-step's share of the step's loss, under the run's autocast: what `local`'s steps and
+    the parameter server's workers both call, so the two cannot drift apart."""
+    with rt.autocast():
+        return module(batch) / grad_accum
+
+
 class Stepper:
     def __init__(self, t: TrainConfig, rank: int, world: int, rt: Runtime, parts: Parts, wrapped: Wrapped, batches: Batches) -> None:
         self.t, self.rank, self.world, self.rt = t, rank, world, rt
@@ -88,8 +95,8 @@ class Stepper:
         for micro in range(t.grad_accum):
             batch = self.batches.get(pos, micro)
             last = micro == t.grad_accum - 1
-            with wrapped.accumulating(sync=last), rt.autocast():
-                loss = wrapped.module(batch) / t.grad_accum
+            with wrapped.accumulating(sync=last):
+                loss = micro_step_loss(wrapped.module, batch, rt, t.grad_accum)
                 if poison:
                     loss = loss * float("nan")
             total += loss.detach().to(torch.float64)
