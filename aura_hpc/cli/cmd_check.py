@@ -18,6 +18,11 @@ def cmd_check(a: argparse.Namespace) -> int:
         a.nnodes, a.node_rank, a.master_addr, a.master_port, a.backend, a.shared_dir, a.timeout, a.sizes_mb, a.ifname
     )
     if cluster is not None and cluster.nnodes > 1:
+        from aura_hpc.config import load_config
+
+        # The model and batch the link advice is for: what the user will train.
+        cluster.run_config = load_config(a.config, a.overrides)
+    if cluster is not None and cluster.nnodes > 1:
         from aura_hpc import console
         from aura_hpc.ops.network import is_trusted_range
 
@@ -100,6 +105,8 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--master-addr", help="IP address of node 0")
     p.add_argument("--master-port", type=int, help="TCP port on node 0 (default 29500)")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="process-group backend to test")
+    p.add_argument("--config", help="between nodes: the config the link advice is for (default: the defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config value")
     p.add_argument("--secret-file", help="with --server: a file holding the run's secret (default: the AURA_PS_SECRET variable)")
     p.add_argument("--server", help="from a worker PC: check the parameter server at ADDR[:PORT] (`ps`), with a tensor round trip")
     p.add_argument("--shared-dir", help="a directory that should be the same (NFS) on every node: write-then-read test")

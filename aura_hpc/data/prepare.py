@@ -203,6 +203,16 @@ def prepare_hint(path: Path) -> str:
     return f"python -m aura_hpc prepare YOUR_TEXT_FILES --out {path}"
 
 
+def tokenizer_vocab(cfg: Any) -> int:
+    """The prepared data's vocabulary; for data not prepared yet (the built-in corpus) data.vocab_size, an upper bound."""
+    if cfg.data.path:
+        try:
+            return int(json.loads((Path(cfg.data.path) / "manifest.json").read_text())["tokenizer"]["vocab_size"])
+        except (OSError, ValueError, KeyError):
+            pass
+    return cfg.model.vocab_size or cfg.data.vocab_size
+
+
 def read_manifest(prepared: Path) -> dict[str, Any] | None:
     try:
         return json.loads((prepared / "manifest.json").read_text())

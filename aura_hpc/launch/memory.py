@@ -41,19 +41,6 @@ DEEPSPEED_PREFETCH = int(5e7)  # stage3_prefetch_bucket_size default, elements
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "zero3")  # what a plan that does not fit may suggest
 
 
-def tokenizer_vocab(cfg: RunConfig) -> int:
-    """The prepared data's vocabulary; for data not prepared yet (the built-in corpus) data.vocab_size, an upper bound."""
-    import json
-    from pathlib import Path
-
-    if cfg.data.path:
-        try:
-            return int(json.loads((Path(cfg.data.path) / "manifest.json").read_text())["tokenizer"]["vocab_size"])
-        except (OSError, ValueError, KeyError):
-            pass
-    return cfg.model.vocab_size or cfg.data.vocab_size
-
-
 def parameter_count(cfg: RunConfig, tokenizer_vocab: int) -> int:
     m = cfg.model
     d, vocab = m.n_embd, embedding_rows(m, tokenizer_vocab)

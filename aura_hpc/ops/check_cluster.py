@@ -32,6 +32,7 @@ class ClusterArgs:
     sizes_mb: tuple[float, ...] = (1.0, 8.0, 32.0)
     ifname: str | None = None
     deadline: float = 0.0  # monotonic; set when the check starts
+    run_config: Any = None  # a RunConfig: the model and batch the link advice is for (None: the defaults)
 
 
 def reach_master(report: Report, a: ClusterArgs, deadline: float) -> None:
@@ -202,6 +203,9 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
         _clock_skew(report, a)
         stage[0] = "bandwidth"
         _bandwidth(report, a, device)
+        if a.nnodes > 1:
+            stage[0] = "link advice"
+            _advice(report, a, device)
         if a.shared_dir:
             stage[0] = "shared directory"
             _shared_dir(report, a, store, nodes)
@@ -292,6 +296,8 @@ def _bandwidth(report: Report, a: ClusterArgs, device: Any) -> None:
 
     n = a.nnodes
     for mb in a.sizes_mb:
+        if report.bandwidth and report.bandwidth[-1]["time_ms"] > 1500:
+            break  # a slow link (Wi-Fi, a rate-limited LAN): larger sizes would only take longer
         numel = int(mb * 2**20 / 4)
         t = torch.ones(numel, dtype=torch.float32, device=device)
         dist.all_reduce(t)  # warm-up: connections and buffers
@@ -314,6 +320,32 @@ def _bandwidth(report: Report, a: ClusterArgs, device: Any) -> None:
     best = max(b["busbw_gbps"] for b in report.bandwidth)
     sizes = ", ".join(f"{b['size_mb']:g} MB: {b['busbw_gbps']:.2f}" for b in report.bandwidth)
     report.add("bandwidth", True, f"all_reduce bus bandwidth up to {best:.2f} GB/s ({sizes})")
+
+
+def _advice(report: Report, a: ClusterArgs, device: Any) -> None:
+    """Which strategy this link calls for, for the configured model and batch (ops/link_advice.py)."""
+    from aura_hpc.config import RunConfig
+    from aura_hpc.data.prepare import tokenizer_vocab
+    from aura_hpc.ops import link_advice
+
+    cfg = a.run_config or RunConfig()
+    best = max(report.bandwidth, key=lambda b: b["busbw_gbps"])
+    latency = link_advice.measure_link(a.nnodes, probe_mb=0.0).latency
+    link = link_advice.Link(a.nnodes, best["busbw_gbps"] * 1e9, latency)
+    vocab = tokenizer_vocab(cfg)
+    opts = link_advice.options(cfg, vocab, link, link_advice.compute_seconds(cfg, vocab, device))
+    report.advice = [
+        {
+            "option": o.name,
+            "set": o.setting,
+            "compute_s": round(o.compute_s, 4),
+            "comm_s": round(o.comm_s, 4),
+            "speedup": round(o.speedup, 2),
+        }
+        for o in opts
+    ]
+    rows = "; ".join(f"{o.name} {o.compute_s:.2f}s compute + {o.comm_s:.2f}s network = {o.speedup:.2f}x" for o in opts)
+    report.add("link advice", True, f"{link_advice.advice(opts, link)} [per step: {rows}]")
 
 
 def _shared_dir(report: Report, a: ClusterArgs, store: Any, nodes: list[dict[str, Any]]) -> None:

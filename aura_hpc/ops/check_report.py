@@ -24,6 +24,7 @@ class Report:
     nnodes: int = 1
     findings: list[Finding] = field(default_factory=list)
     bandwidth: list[dict[str, float]] = field(default_factory=list)
+    advice: list[dict[str, Any]] = field(default_factory=list)  # the link advice's options, between nodes
     nodes: list[dict[str, Any]] = field(default_factory=list)
     elapsed_s: float = 0.0
 
@@ -44,6 +45,7 @@ class Report:
             "elapsed_s": round(self.elapsed_s, 3),
             "findings": [asdict(f) for f in self.findings],
             "bandwidth": self.bandwidth,
+            "advice": self.advice,
             "nodes": self.nodes,
         }
 

@@ -187,6 +187,22 @@ def describe(cfg: RunConfig, parts: Parts, layout: Layout, rt: Runtime, start_st
     ]
 
 
+def lan_advice(cfg: RunConfig, vocab: int, device: torch.device, env: DistEnv) -> None:
+    """`local` across LAN machines: the link measured (a small all-reduce) and, on rank 0, one line
+    saying whether this strategy suits it (ops/link_advice.py)."""
+    import os
+
+    nodes = int(os.environ.get("AURA_NNODES", "1") or 1)
+    if nodes < 2 or not distributed.active():
+        return
+    from aura_hpc.ops import link_advice
+
+    link = link_advice.measure_link(nodes, probe_mb=0.25)
+    if env.is_main:
+        opts = link_advice.options(cfg, vocab, link, link_advice.compute_seconds(cfg, vocab, device))
+        log.info("%s", link_advice.advice(opts, link))
+
+
 def strategy_line(cfg: RunConfig) -> str:
     d = cfg.dist
     if d.strategy == "diloco":

@@ -100,7 +100,7 @@ class Checkpointer:
             raise CheckpointError(str(exc) if str(exc).startswith(f"checkpoint {chosen} ") else f"{chosen}: {exc}") from None
         if "optimizer" in state:  # sharded checkpoints keep it with the model shards
             p.optimizer.load_state_dict(state["optimizer"])
-        self._load_replica(chosen, meta, state)
+        replica_files.load_all(self.wrapped, self.parts.optimizer, self.root, chosen, meta, state, self.env.rank, self.layout.world)
         p.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             p.scaler.load_state_dict(state["scaler"])
@@ -180,7 +180,7 @@ class Checkpointer:
             self._save_sharded(rngs)
             pos.saved_step = pos.step
             return path
-        replicas = self._save_replica(pos.step)
+        replicas = replica_files.save_all(self.wrapped, self.parts.optimizer, self.root, pos.step, self.env.rank, self.cfg.train.keep_last)
         if self.env.is_main:
             t0 = time.perf_counter()
             meta = self._meta()
@@ -211,48 +211,6 @@ class Checkpointer:
             self.wait()
         pos.saved_step = pos.step
         return path
-
-    def _save_replica(self, step: int) -> dict[str, Any] | None:
-        """Each rank's own state where ranks train apart (DiLoCo), in its own run directory; the
-        files' checksums go into rank 0's meta.json, so a resume checks each rank's against it."""
-        state = self.wrapped.replica_state(self.parts.optimizer)
-        if state is None:
-            return None
-        try:
-            info: dict[str, Any] | str = replica_files.write_replica(self.root, step, self.env.rank, checkpoint.host_copy(state))
-        except OSError as exc:
-            info = str(checkpoint.write_failure(exc, self.root, step))
-        infos = distributed.all_gather_object(info)
-        failed = [i for i in infos if isinstance(i, str)]
-        if failed:
-            raise CheckpointWriteError(failed[0])
-        replica_files.prune_replicas(self.root, self.env.rank, self.cfg.train.keep_last + 2)
-        return {str(r): i for r, i in enumerate(infos)}
-
-    def _load_replica(self, chosen: str, meta: dict[str, Any], state: dict[str, Any]) -> None:
-        """DiLoCo's anchor and momentum (rank 0's, the same everywhere), then this rank's own state
-        (DiLoCo: weights and AdamW moments; PowerSGD: error feedback); if any rank lacks its file
-        (another world size, a node's disk lost), every rank starts it afresh (said so)."""
-        if "outer" in state and self.wrapped.outer_state() is not None:
-            self.wrapped.load_outer_state(state["outer"])
-        files = meta.get("replica_files")
-        if self.wrapped.replica_state(self.parts.optimizer) is None or not files:
-            return
-        mine = files.get(str(self.env.rank)) if len(files) == self.layout.world else None
-        own = replica_files.read_replica(self.root, mine) if mine else None
-        have = distributed.all_gather_object(own is not None)
-        if all(have) and own is not None:
-            self.wrapped.load_replica_state(own, self.parts.optimizer)
-            return
-        if self.env.is_main:
-            missing = [r for r, ok in enumerate(have) if not ok]
-            log.warning(
-                "checkpoint %s: the per-rank state of rank(s) %s is missing or does not match (another world size?): every "
-                "rank starts it afresh (DiLoCo: from the last meeting's weights; PowerSGD: no error feedback) (not bit-identical)",
-                chosen,
-                missing,
-            )
-        self.wrapped.restart_replica()
 
     def _meta(self) -> dict[str, Any]:
         pos = self.pos

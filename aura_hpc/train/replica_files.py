@@ -4,13 +4,18 @@ rank 0 recorded in the checkpoint's meta.json."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from aura_hpc.train.checkpoint import HashingFile, sha256_of, step_dir_name
+from aura_hpc.errors import CheckpointWriteError
+from aura_hpc.train import distributed
+from aura_hpc.train.checkpoint import HashingFile, host_copy, sha256_of, step_dir_name, write_failure
+
+log = logging.getLogger("aura_hpc")
 
 REPLICAS = "replicas"  # DiLoCo: each rank's own state, beside the step folders of its run directory
 
@@ -46,3 +51,49 @@ def prune_replicas(root: Path, rank: int, keep: int) -> None:
     files = sorted((root / REPLICAS).glob(f"step_*.rank{rank}.pt"))
     for f in files[:-keep] if keep else []:
         f.unlink(missing_ok=True)
+
+
+def save_all(wrapped: Any, optimizer: Any, root: Path, step: int, rank: int, keep_last: int) -> dict[str, Any] | None:
+    """Each rank's own state (None when the strategy has none); the files' checksums, gathered for
+    rank 0's meta.json. Collective."""
+    state = wrapped.replica_state(optimizer)
+    if state is None:
+        return None
+    try:
+        info: dict[str, Any] | str = write_replica(root, step, rank, host_copy(state))
+    except OSError as exc:
+        info = str(write_failure(exc, root, step))
+    infos = distributed.all_gather_object(info)
+    failed = [i for i in infos if isinstance(i, str)]
+    if failed:
+        raise CheckpointWriteError(failed[0])
+    prune_replicas(root, rank, keep_last + 2)
+    return {str(r): i for r, i in enumerate(infos)}
+
+
+def load_all(
+    wrapped: Any, optimizer: Any, root: Path, chosen: str, meta: dict[str, Any], state: dict[str, Any], rank: int, world: int
+) -> None:
+    """DiLoCo's anchor and momentum (rank 0's, the same everywhere), then this rank's own state
+    (DiLoCo: weights and AdamW moments; PowerSGD: error feedback); if any rank lacks its file
+    (another world size, a node's disk lost), every rank starts it afresh (said so). Collective."""
+    if "outer" in state and wrapped.outer_state() is not None:
+        wrapped.load_outer_state(state["outer"])
+    files = meta.get("replica_files")
+    if wrapped.replica_state(optimizer) is None or not files:
+        return
+    mine = files.get(str(rank)) if len(files) == world else None
+    own = read_replica(root, mine) if mine else None
+    have = distributed.all_gather_object(own is not None)
+    if all(have) and own is not None:
+        wrapped.load_replica_state(own, optimizer)
+        return
+    if rank == 0:
+        missing = [r for r, ok in enumerate(have) if not ok]
+        log.warning(
+            "checkpoint %s: the per-rank state of rank(s) %s is missing or does not match (another world size?): every "
+            "rank starts it afresh (DiLoCo: from the last meeting's weights; PowerSGD: no error feedback) (not bit-identical)",
+            chosen,
+            missing,
+        )
+    wrapped.restart_replica()

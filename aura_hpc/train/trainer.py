@@ -17,7 +17,7 @@ from aura_hpc.errors import EXIT_RESUMABLE
 from aura_hpc.ops.gpu_health import is_gpu_error
 from aura_hpc.train import checkpoint, distributed, faults, probes, runtime
 from aura_hpc.train.batches import Batches
-from aura_hpc.train.build import build, compiled, describe
+from aura_hpc.train.build import build, compiled, describe, lan_advice
 from aura_hpc.train.checkpointing import Checkpointer
 from aura_hpc.train.dist_env import DistEnv
 from aura_hpc.train.evaluation import evaluate, host_model, sample
@@ -56,6 +56,7 @@ class Trainer:
         if env.is_main:
             for line in describe(cfg, self.parts, self.layout, self.rt, self.pos.step, str(self.run_dir)):
                 log.info("%s", line)
+        lan_advice(cfg, self.parts.data.vocab_size, self.rt.device, env)
         distributed.barrier()
         self._open_outputs()
         stop = StopRequest()

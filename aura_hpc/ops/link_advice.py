@@ -1,0 +1,160 @@
+"""Which way of training over this link: the expected time of a step, split into compute and
+communication, for DDP, DDP with bf16 or PowerSGD compression, and DiLoCo, from the link's measured
+bandwidth and latency and the configured model and batch. `check` prints it between nodes, and
+`local` says it in one line when its nodes are on a LAN.
+
+The arithmetic (an estimate; nothing overlaps in it, which is pessimistic for DDP on fast links):
+a ring all-reduce of S bytes on n nodes takes 2(n-1)/n * S / bandwidth + 2(n-1) * latency; DDP
+sends every fp32 gradient each step (4 bytes a parameter, 2 with bf16); PowerSGD of rank r sends
+(rows + columns) * r numbers for each matrix worth compressing (torch's min_compression_rate 2) and
+the rest whole, in three rounds; DiLoCo sends every parameter once per dist.sync_every steps (in
+dist.diloco_wire) and a few bytes each step. The compute of a step comes from this machine: a
+matmul of the model's width timed here, at 6 N + 12 L d T FLOPs per token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aura_hpc.config import RunConfig, embedding_rows
+
+
+@dataclass(frozen=True)
+class Link:
+    nodes: int
+    bandwidth: float  # bytes/s one all-reduce moves (bus bandwidth)
+    latency: float  # seconds, one hop of a tiny all-reduce
+
+    @property
+    def mbit(self) -> float:
+        return self.bandwidth * 8 / 1e6
+
+    def all_reduce_s(self, size: float, rounds: int = 1) -> float:
+        n = self.nodes
+        if n < 2:
+            return 0.0
+        return 2 * (n - 1) / n * size / self.bandwidth + rounds * 2 * (n - 1) * self.latency
+
+
+@dataclass
+class Option:
+    name: str
+    setting: str  # what to --set
+    comm_s: float  # per step
+    compute_s: float
+    nodes: int
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    @property
+    def speedup(self) -> float:
+        """Tokens/s of all the nodes over one node's (which does no communication)."""
+        return self.nodes * self.compute_s / self.step_s
+
+    @property
+    def comm_share(self) -> float:
+        return self.comm_s / self.step_s
+
+
+def shapes(cfg: RunConfig, tokenizer_vocab: int) -> tuple[int, list[tuple[int, int]], int]:
+    """(parameters, the 2-D matrices as (rows, columns), the numbers in vectors)."""
+    m = cfg.model
+    d, vocab = m.n_embd, embedding_rows(m, tokenizer_vocab)
+    mats = [(vocab, d), (m.n_positions, d)]
+    for _ in range(m.n_layer):
+        mats += [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)]
+    vectors = m.n_layer * (4 * d + 3 * d + d + 4 * d + d) + 2 * d  # 2 layer norms (w, b), 4 biases per block; ln_f
+    return sum(r * c for r, c in mats) + vectors, mats, vectors
+
+
+def options(cfg: RunConfig, tokenizer_vocab: int, link: Link, compute_s: float) -> list[Option]:
+    n_params, mats, _ = shapes(cfg, tokenizer_vocab)
+    d = cfg.dist
+    r = d.powersgd_rank
+    compressed = [(a, b) for a, b in mats if a * b >= 2 * (a + b) * r]  # PowerSGD's min_compression_rate of 2
+    whole = n_params - sum(a * b for a, b in compressed)
+    psgd = 4 * (sum((a + b) * r for a, b in compressed) + whole)
+    flags = link.all_reduce_s(64)
+    wire = 2 if d.diloco_wire == "bf16" else 4
+    h = d.sync_every
+    diloco = link.all_reduce_s(wire * n_params) / h + flags
+    return [
+        Option("ddp", "dist.strategy=ddp", link.all_reduce_s(4 * n_params), compute_s, link.nodes),
+        Option("ddp + bf16", "dist.compress=bf16", link.all_reduce_s(2 * n_params) + flags, compute_s, link.nodes),
+        Option(f"ddp + powersgd (rank {r})", "dist.compress=powersgd", link.all_reduce_s(psgd, rounds=3) + flags, compute_s, link.nodes),
+        Option(f"diloco (every {h} steps)", f"dist.strategy=diloco --set dist.sync_every={h}", diloco, compute_s, link.nodes),
+    ]
+
+
+def recommend(opts: list[Option]) -> Option:
+    """The fastest, except that exact DDP (or bf16 DDP, nearly exact) wins when within 10% of it."""
+    best = max(opts, key=lambda o: o.speedup)
+    for o in opts[:2]:
+        if o.speedup >= 0.9 * best.speedup:
+            return o
+    return best
+
+
+def advice(opts: list[Option], link: Link) -> str:
+    ddp, pick = opts[0], recommend(opts)
+    where = f"link {link.mbit:,.0f} Mbit/s, {1000 * link.latency:.1f} ms"
+    if pick is ddp:
+        return (
+            f"{where}: DDP would spend {ddp.comm_share:.0%} of each step sending gradients; keep dist.strategy=ddp "
+            f"(expected {ddp.speedup:.1f}x one node)"
+        )
+    return (
+        f"{where}: DDP would spend {ddp.comm_share:.0%} of each step sending gradients ({ddp.speedup:.2f}x one node); "
+        f"use --set {pick.setting} (expected {pick.speedup:.1f}x one node)"
+    )
+
+
+def compute_seconds(cfg: RunConfig, tokenizer_vocab: int, device: Any) -> float:
+    """One rank's compute for one optimizer step, from a matmul of the model's width timed on `device`."""
+    import torch
+
+    t, m = cfg.train, cfg.model
+    n_params, _, _ = shapes(cfg, tokenizer_vocab)
+    tokens = t.batch_size * t.grad_accum * cfg.data.seq_len
+    flops = (6 * n_params + 12 * m.n_layer * m.n_embd * cfg.data.seq_len) * tokens
+    rows = min(tokens, 4096)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(rows, m.n_embd, device=device, dtype=dtype)
+    b = torch.randn(m.n_embd, 4 * m.n_embd, device=device, dtype=dtype)
+    a @ b  # warm-up
+    reps = 5
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    rate = reps * 2 * rows * m.n_embd * 4 * m.n_embd / max(time.perf_counter() - t0, 1e-9)
+    # A training step reaches about half of a plain matmul's rate (layer norms, attention, the optimizer).
+    return flops / (0.5 * rate)
+
+
+def measure_link(nodes: int, group: Any = None, probe_mb: float = 1.0) -> Link:
+    """Bandwidth and latency of the process group's link (every rank calls it)."""
+    import torch
+    import torch.distributed as dist
+
+    tiny = torch.zeros(2)
+    dist.all_reduce(tiny, group=group)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dist.all_reduce(tiny, group=group)
+    per = (time.perf_counter() - t0) / 10
+    latency = per / max(1, 2 * (nodes - 1))
+    big = torch.zeros(int(probe_mb * 2**20 / 4))
+    dist.all_reduce(big, group=group)
+    t0 = time.perf_counter()
+    dist.all_reduce(big, group=group)
+    secs = max(time.perf_counter() - t0 - 2 * (nodes - 1) * latency, 1e-9)
+    bandwidth = 2 * (nodes - 1) / nodes * big.numel() * 4 / secs
+    return Link(nodes, bandwidth, latency)
