@@ -1,0 +1,195 @@
+"""Training over a rate-limited LAN: one node against two (or three) `local` nodes, each in its own
+network namespace on a bridge, every link shaped with `tc ... tbf` (netem is not available on this
+machine kind), for each strategy: ddp, ddp + bf16, ddp + PowerSGD, DiLoCo.
+
+    sudo python bench/bench_lan.py --rates 10,100,1000 --nodes 2 --steps 150
+
+Model and batch as the issue measured them: 4 layers x 256, batch 8 x 128 per node, one process per
+node and one thread each (OMP_NUM_THREADS=1; this 2-core machine gives two nodes at most ~2x one).
+The one-node baseline runs `nodes` times the steps of a multi-node run: the same tokens. A run that
+has not finished after --max-seconds is stopped (Ctrl+C: a checkpoint, exit 75) and measured so far.
+Reported per run, from rank 0's metrics.jsonl: tokens/s (trained tokens over the wall time of the
+timed steps, the first 10 excluded), the speed-up over one node, the eval loss at equal tokens (the
+multi-node run's last evaluation against the one-node run's at the same token count) and at equal
+wall time (the same evaluation against the one-node run's last one at that elapsed time).
+Needs root (namespaces, tc) and iproute2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_CORPUS = REPO.parent / "shared" / "data" / "quijote.txt"
+MODEL = ["model.n_layer=4", "model.n_embd=256", "model.n_head=4", "data.seq_len=128", "train.batch_size=8", "train.lr=2e-3"]
+STRATEGIES = {
+    "ddp": [],
+    "ddp+bf16": ["dist.compress=bf16"],
+    "ddp+powersgd": ["dist.compress=powersgd", "dist.powersgd_rank=4"],
+    "diloco": ["dist.strategy=diloco"],
+}
+
+
+def sh(*cmd: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    full = ["nsenter", f"--net=/run/netns/{ns}", *cmd] if ns else list(cmd)
+    return subprocess.run(full, check=check, capture_output=True, text=True, timeout=60)
+
+
+class Lan:
+    """A bridge in a hub namespace and `n` PCs on it (10.79.1.1..n), each link rate-limited."""
+
+    def __init__(self, n: int) -> None:
+        self.tag = uuid.uuid4().hex[:5]
+        self.hub = f"aura-lanhub-{self.tag}"
+        self.pcs = [f"aura-lan{i}-{self.tag}" for i in range(n)]
+        sh("ip", "netns", "add", self.hub)
+        sh("ip", "link", "add", "br0", "type", "bridge", ns=self.hub)
+        sh("ip", "link", "set", "br0", "up", ns=self.hub)
+        for i, pc in enumerate(self.pcs):
+            sh("ip", "netns", "add", pc)
+            sh("ip", "link", "add", f"p{i}{self.tag}", "type", "veth", "peer", "name", f"h{i}{self.tag}")
+            sh("ip", "link", "set", f"p{i}{self.tag}", "netns", pc)
+            sh("ip", "link", "set", f"h{i}{self.tag}", "netns", self.hub)
+            sh("ip", "link", "set", f"h{i}{self.tag}", "master", "br0", "up", ns=self.hub)
+            sh("ip", "addr", "add", f"10.79.1.{i + 1}/24", "dev", f"p{i}{self.tag}", ns=pc)
+            sh("ip", "link", "set", f"p{i}{self.tag}", "up", ns=pc)
+            sh("ip", "link", "set", "lo", "up", ns=pc)
+
+    def rate(self, mbit: int) -> None:
+        """Both ends of every PC's link shaped to `mbit` (tbf, as PLATFORM.md measured it)."""
+        for i, pc in enumerate(self.pcs):
+            for dev, ns in ((f"p{i}{self.tag}", pc), (f"h{i}{self.tag}", self.hub)):
+                sh("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit", "burst", "64kbit", "latency", "400ms", ns=ns)
+
+    def close(self) -> None:
+        for ns in [self.hub, *self.pcs]:
+            sh("ip", "netns", "del", ns, check=False)
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    return e
+
+
+def sets(pairs: list[str]) -> list[str]:
+    return [x for p in pairs for x in ("--set", p)]
+
+
+def run(
+    lan: Lan | None, nodes: int, name: str, extra: list[str], steps: int, out: Path, data: Path, eval_every: int, max_seconds: float
+) -> dict:
+    common = [*MODEL, f"data.path={data}", f"train.max_steps={steps}", "train.warmup_steps=10", "train.log_every=5"]
+    common += [f"train.eval_every={eval_every}", "train.eval_sequences=64", "train.checkpoint_every=0", "train.sample_every=0"]
+    common += ["train.allow_oversubscription=true", *extra]
+    procs = []
+    for i in range(nodes):
+        args = [sys.executable, "-m", "aura_hpc", "local", "--output-dir", str(out / f"{name}-node{i}"), "--run-name", "r"]
+        args += ["--nproc-per-node", "1", *sets(common)]
+        if nodes > 1:
+            args += ["--nnodes", str(nodes), "--node-rank", str(i), "--master-addr", "10.79.1.1", "--master-port", "29600"]
+        cmd = ["nsenter", f"--net=/run/netns/{lan.pcs[i]}", *args] if lan else args
+        procs.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + max_seconds
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(1)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)  # stop at the next step (a checkpoint, exit 75): measured so far
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    if any(p.returncode not in (0, 75) for p in procs):
+        raise RuntimeError(f"{name} failed:\n{outs[0][-3000:]}\n{outs[-1][-2000:]}")
+    rows = [json.loads(line) for line in (out / f"{name}-node0" / "r" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    advice = next((line for line in outs[0].splitlines() if "DDP would spend" in line), "")
+    return {"rows": rows, "advice": advice.split(" INFO ", 1)[-1]}
+
+
+def tokens_per_s(rows: list[dict], skip_steps: int = 10) -> float:
+    timed = [r for r in rows if "elapsed_s" in r and r["step"] > skip_steps]
+    first = next(r for r in rows if "elapsed_s" in r and r["step"] >= skip_steps)
+    last = timed[-1]
+    return (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
+
+
+def eval_at(rows: list[dict], seconds: float | None = None, tokens: int | None = None) -> float | None:
+    """The last evaluation by wall time `seconds`, or at `tokens` trained, or the last one."""
+    evals = [r for r in rows if "eval_loss" in r and "elapsed_s" in r]
+    if seconds is not None:
+        evals = [r for r in evals if r["elapsed_s"] <= seconds]
+    if tokens is not None:
+        evals = [r for r in evals if r["tokens"] <= tokens]
+    return evals[-1]["eval_loss"] if evals else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="10,100,1000", help="link rates in Mbit/s")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--steps", type=int, default=150, help="steps of a multi-node run (one node runs nodes x steps)")
+    p.add_argument("--sync-every", type=int, default=25, help="DiLoCo's dist.sync_every")
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--max-seconds", type=float, default=300, help="stop a multi-node run after this long (measured so far)")
+    a = p.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("needs root: network namespaces and tc")
+    rates = [int(x) for x in a.rates.split(",")]
+    names = [s for s in a.strategies.split(",") if s]
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d)
+        from aura_hpc.data.prepare import PrepareSpec, prepare
+
+        data = out / "data"
+        spec = PrepareSpec(out_dir=data, inputs=[str(SHARED_CORPUS)], vocab_size=8192) if SHARED_CORPUS.exists() else None
+        prepare(spec or PrepareSpec(out_dir=data, builtin=True, vocab_size=4096, val_fraction=0.05))
+        print(f"bench_lan: {a.nodes} nodes, {a.steps} steps each ({a.nodes * a.steps} for one node), model {' '.join(MODEL)}", flush=True)
+        t0 = time.perf_counter()
+        one = run(None, 1, "one", [], a.nodes * a.steps, out, data, a.eval_every, 1e9)
+        base = tokens_per_s(one["rows"])
+        print(f"one node: {base:,.0f} tokens/s, eval loss {eval_at(one['rows']):.4f} after {a.nodes * a.steps} steps", flush=True)
+        lan = Lan(a.nodes)
+        results = []
+        try:
+            for mbit in rates:
+                lan.rate(mbit)
+                for name in names:
+                    extra = list(STRATEGIES[name]) + ([f"dist.sync_every={a.sync_every}"] if name == "diloco" else [])
+                    r = run(lan, a.nodes, f"{name}-{mbit}", extra, a.steps, out, data, a.eval_every, a.max_seconds)
+                    last = [row for row in r["rows"] if "eval_loss" in row][-1]
+                    tps = tokens_per_s(r["rows"])
+                    row = {
+                        "mbit": mbit,
+                        "strategy": name,
+                        "steps": r["rows"][-1]["step"],
+                        "tokens_per_s": round(tps),
+                        "speedup": round(tps / base, 2),
+                        "eval": last["eval_loss"],
+                        "one_node_eval_equal_tokens": eval_at(one["rows"], tokens=last["tokens"]),
+                        "one_node_eval_equal_time": eval_at(one["rows"], seconds=last["elapsed_s"]),
+                        "advice": r["advice"],
+                    }
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
+        finally:
+            lan.close()
+        print(f"one node: {base:,.0f} tokens/s; total {time.perf_counter() - t0:.0f}s")
+        print("| link | strategy | steps | tokens/s | vs one node | eval loss | one node, equal tokens | one node, equal time |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in results:
+            print(
+                f"| {r['mbit']} Mbit/s | {r['strategy']} | {r['steps']} | {r['tokens_per_s']:,} | {r['speedup']:.2f}x | {r['eval']:.4f} | "
+                f"{r['one_node_eval_equal_tokens']} | {r['one_node_eval_equal_time']} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
