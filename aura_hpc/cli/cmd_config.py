@@ -12,32 +12,35 @@ def cmd_config(a: argparse.Namespace) -> int:
     if a.list:
         rows = []
         for name, path in shipped_configs().items():
-            first = next((ln.lstrip("# ").strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.startswith("#")), "")
-            rows.append([name, first.removeprefix(f"{name}:").strip()])
+            rows.append([name, preset_summary(path.read_text(encoding="utf-8"), name)])
         console.grid("shipped configs (--config NAME)", ["name", "what"], rows)
         return 0
     if a.keys:
-        console.grid("config keys (--set SECTION.KEY=VALUE)", ["key", "type", "default", "allowed"], key_rows())
+        from aura_hpc.config.reference import keys
+
+        rows = [[k.key, k.type, k.default, k.allowed, k.meaning] for k in keys()]
+        console.grid("config keys (--set SECTION.KEY=VALUE)", ["key", "type", "default", "allowed", "meaning"], rows)
+        return 0
+    if a.markdown:
+        from aura_hpc.config.reference import markdown
+
+        console.plain(markdown().rstrip())
         return 0
     cfg = load_config(a.config, a.overrides, a.output_dir, a.run_name)
     console.plain(cfg.to_yaml().rstrip())  # as stored in the run directory: secrets redacted
     return 0
 
 
-def key_rows() -> list[list[str]]:
-    import dataclasses
-
-    from aura_hpc.config import RunConfig
-    from aura_hpc.config.tree import CHOICES, SECTIONS, TOP_LEVEL
-
-    defaults = RunConfig()
-    rows = [[k, "str", str(getattr(defaults, k)), ""] for k in TOP_LEVEL]
-    for name, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            key = f"{name}.{f.name}"
-            value = getattr(getattr(defaults, name), f.name)
-            rows.append([key, str(f.type), repr(value) if value == "" else str(value), ", ".join(CHOICES.get(key, ()))])
-    return rows
+def preset_summary(text: str, name: str) -> str:
+    """The preset's leading comment, whole (its first sentence or two lines, not cut mid-sentence)."""
+    comment = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        comment.append(line.lstrip("# ").strip())
+    joined = " ".join(comment).removeprefix(f"{name}:").strip()
+    first = joined.split(". ")[0].rstrip(".")
+    return first + "."
 
 
 def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -51,4 +54,5 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_run_options(p)
     p.add_argument("--keys", action="store_true", help="list every config key with its type, default and allowed values")
     p.add_argument("--list", action="store_true", help="list the shipped presets")
+    p.add_argument("--markdown", action="store_true", help="print the config reference as Markdown (docs/config.md)")
     p.set_defaults(func=cmd_config)

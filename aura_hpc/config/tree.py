@@ -36,51 +36,51 @@ def redacted_url(url: str) -> str:
 
 @dataclass
 class ModelConfig:
-    preset: str = "tiny"
-    n_layer: int = 2
-    n_embd: int = 128
-    n_head: int = 4
-    n_positions: int = 256
+    preset: str = "tiny"  # a shipped config whose model section is the base of this one (tiny, gpt2-small, gpt2-medium, gpt2-1b, gpt2-3b)
+    n_layer: int = 2  # transformer blocks
+    n_embd: int = 128  # the model width (hidden size)
+    n_head: int = 4  # attention heads (must divide n_embd)
+    n_positions: int = 256  # the longest sequence the model takes (at least data.seq_len)
     vocab_size: int = 0  # 0: take the vocabulary size of the prepared data's tokenizer
     padded_vocab_size: int = 0  # > 0: embedding rows, at least the tokenizer's (e.g. 50304: multiples of 64/128 run faster)
-    dropout: float = 0.0
+    dropout: float = 0.0  # dropout of embeddings, attention and residual outputs
 
 
 @dataclass
 class DataConfig:
     path: str = ""  # prepared directory; "" = the package's own Spanish corpus
-    seq_len: int = 128
+    seq_len: int = 128  # tokens per training sequence
     vocab_size: int = 4096  # used only when `local` prepares the built-in corpus
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 150
+    max_steps: int = 150  # optimizer steps to train (the schedule horizon)
     max_tokens: int = 0  # > 0: derive max_steps from a token budget instead
     stop_at: int = 0  # > 0: checkpoint and stop at this step; re-run to continue
     batch_size: int = 8  # sequences per device per micro-step
-    grad_accum: int = 1
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 15
-    schedule: str = "cosine"
-    optimizer: str = "adamw"
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    precision: str = "auto"
-    seed: int = 1234
-    log_every: int = 10
-    eval_every: int = 50
-    eval_batches: int = 4
+    grad_accum: int = 1  # micro-steps accumulated into one optimizer step
+    lr: float = 1e-3  # AdamW's peak learning rate
+    min_lr_ratio: float = 0.1  # the learning rate at the end of the schedule, as a share of train.lr
+    warmup_steps: int = 15  # steps of linear warmup (clamped to the run, with a warning)
+    schedule: str = "cosine"  # the decay after warmup
+    optimizer: str = "adamw"  # adamw (decoupled weight decay) or sgd
+    weight_decay: float = 0.1  # AdamW's weight decay (matrices only; biases and norms get none)
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    grad_clip: float = 1.0  # clip the total gradient norm to this (0: no clipping)
+    precision: str = "auto"  # auto: bf16 autocast on GPUs with native bf16 (compute capability 8.0+), fp32 elsewhere
+    seed: int = 1234  # the seed of the weights, the data order and dropout
+    log_every: int = 10  # steps between two log lines and metrics rows
+    eval_every: int = 50  # steps between two evaluations (0: only at the end)
+    eval_batches: int = 4  # validation batches per evaluation (train.eval_sequences = this x batch_size when 0)
     eval_sequences: int = 0  # the first N validation sequences, whatever the world size; 0 = eval_batches x batch_size
-    checkpoint_every: int = 50
-    keep_last: int = 3
+    checkpoint_every: int = 50  # steps between two checkpoints (0: only at the end and on signals)
+    keep_last: int = 3  # checkpoints kept (plus the best by validation loss)
     sample_every: int = 0  # 0: only a final sample
-    sample_prompt: str = "En un lugar de la Mancha"
-    sample_tokens: int = 40
-    allow_oversubscription: bool = False
+    sample_prompt: str = "En un lugar de la Mancha"  # the text samples continue (with sample_tokens it must fit model.n_positions)
+    sample_tokens: int = 40  # tokens generated per sample
+    allow_oversubscription: bool = False  # repeat the data when it holds fewer sequences than one effective batch
     threads: int = 0  # torch intra-op threads per process; 0 = launcher's OMP_NUM_THREADS
     tune_malloc: bool = True  # CPU training: fixed glibc mmap/trim thresholds (see aura_hpc/train/malloc_tuning.py)
     compile: str = "auto"  # torch.compile of the transformer blocks: auto (on for CUDA, off for CPU) | true | false
@@ -95,7 +95,7 @@ class TrainConfig:
 
 @dataclass
 class DistConfig:
-    backend: str = "auto"
+    backend: str = "auto"  # the process group: auto (nccl on GPUs, gloo on CPU, gloo if NCCL fails everywhere), nccl, gloo
     strategy: str = "ddp"  # ddp | fsdp (FSDP2) | zero1 | zero2 | zero3 (DeepSpeed) | diloco (replicas that meet every sync_every steps)
     fsdp_cpu_offload: bool = False  # fsdp: parameters, gradients and optimizer state in host memory between uses
     zero_offload_optimizer: bool = False  # zero1-3: DeepSpeed keeps the optimizer state (and its step) in host memory
@@ -117,16 +117,16 @@ class HealthConfig:
 
     monitor_interval_s: float = 0.0  # > 0: sample CPU/RAM/disk/net/GPUs to RUN_DIR/resources/node<N>.jsonl and TensorBoard
     breaker: bool = True  # GPU circuit breaker (acts only where NVML sees GPUs, or with nvml_replay)
-    breaker_interval_s: float = 5.0
+    breaker_interval_s: float = 5.0  # seconds between two NVML readings of the breaker
     temp_margin_c: float = 3.0  # open when a GPU is this close to its slowdown temperature
-    throttle_reasons: str = "hw_slowdown,hw_thermal,sw_thermal,hw_power_brake"
+    throttle_reasons: str = "hw_slowdown,hw_thermal,sw_thermal,hw_power_brake"  # NVML throttle reasons that open the breaker when sustained
     throttle_samples: int = 3  # consecutive throttled samples before opening
     webhook_url: str = ""  # a secret: stored redacted, never logged (prefer webhook_url_env or webhook_url_file)
     webhook_url_env: str = ""  # the name of an environment variable holding the URL (read where the trainer runs)
     webhook_url_file: str = ""  # a file holding the URL (chmod 600; on a shared filesystem for Slurm jobs)
     webhook_type: str = "generic"  # generic JSON | discord | slack
-    webhook_timeout_s: float = 5.0
-    webhook_retries: int = 2
+    webhook_timeout_s: float = 5.0  # seconds before a webhook call gives up
+    webhook_retries: int = 2  # retries of a failed webhook call
     nvml_replay: str = ""  # recorded readings (JSON lines) replayed instead of NVML: tests, incident replays
 
 
@@ -135,19 +135,19 @@ class SlurmConfig:
     """What `submit` asks Slurm for. Precedence: CLI flags > this section > cluster profile > these defaults."""
 
     cluster: str = "generic"  # a profile in sbatch_templates/ (name or path)
-    nodes: int = 1
+    nodes: int = 1  # nodes of the job (--nodes)
     gpus_per_node: int = 0  # 0: a CPU job (gloo); one task per GPU otherwise
     cpus_per_task: int = 0  # 0: Slurm's default
     mem: str = ""  # per node, e.g. 64G; "0" = all of it; "": Slurm's default
     time: str = "01:00:00"  # minutes, HH:MM:SS or D-HH:MM:SS
-    partition: str = ""
-    account: str = ""
-    qos: str = ""
-    constraint: str = ""
-    exclusive: bool = False
+    partition: str = ""  # Slurm partition ("": the cluster's default)
+    account: str = ""  # Slurm account to charge
+    qos: str = ""  # Slurm quality of service
+    constraint: str = ""  # Slurm node features (--constraint)
+    exclusive: bool = False  # whole nodes only (--exclusive)
     job_name: str = ""  # "": aura-<run_name>
     signal: str = "USR2"  # sent signal_lead_s before the time limit: checkpoint, then requeue
-    signal_lead_s: int = 120
+    signal_lead_s: int = 120  # seconds before the time limit that slurm.signal is sent
     max_requeues: int = 10  # automatic requeues after the pre-timeout signal, then stop
     array_parallelism: int = 0  # sweeps: array elements running at once; 0 = all
     nccl_debug: bool = False  # NCCL_DEBUG=INFO with INIT,NET subsystems, one file per host and pid
@@ -174,8 +174,8 @@ class PsConfig:
 
 @dataclass
 class RunConfig:
-    run_name: str = "tiny"
-    output_dir: str = "runs"
+    run_name: str = "tiny"  # the run directory's name under output_dir (re-using it resumes)
+    output_dir: str = "runs"  # where run directories go (absolute and shared by every node for Slurm)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
