@@ -25,6 +25,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Flags users bring from torchrun, accelerate and our own other commands, and what they are here.
+ALIASES = {
+    ("local", "--profile"): "cluster profiles are for `submit`; on this machine pick a config with --config",
+    ("local", "--cluster"): "cluster profiles are for `submit`; on this machine pick a config with --config",
+    ("", "--num-processes"): "did you mean --nproc-per-node?",
+    ("", "--num_processes"): "did you mean --nproc-per-node?",
+    ("", "--nproc_per_node"): "did you mean --nproc-per-node?",
+    ("", "--num-machines"): "did you mean --nnodes?",
+    ("", "--machine-rank"): "did you mean --node-rank?",
+    ("", "--node_rank"): "did you mean --node-rank?",
+    ("", "--main-process-ip"): "did you mean --master-addr?",
+    ("", "--master_addr"): "did you mean --master-addr?",
+    ("", "--main-process-port"): "did you mean --master-port?",
+    ("", "--master_port"): "did you mean --master-port?",
+}
+
+
 def _refuse_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> None:
     """argparse's own error, plus the closest flag of that command for each unknown one."""
     import difflib
@@ -35,7 +52,12 @@ def _refuse_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, u
     flags = [o for a in target._actions for o in a.option_strings if o.startswith("--")]
     hints = []
     for u in unknown:
-        close = difflib.get_close_matches(u.split("=", 1)[0], flags, n=1, cutoff=0.6) if u.startswith("--") else []
+        flag = u.split("=", 1)[0]
+        known = ALIASES.get((command or "", flag)) or ALIASES.get(("", flag))
+        if known:
+            hints.append(f"{u}: {known}")
+            continue
+        close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6) if u.startswith("--") else []
         if close:
             hints.append(f"{u}: did you mean {close[0]}?")
     target.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else ""))

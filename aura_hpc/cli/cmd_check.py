@@ -117,7 +117,12 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("monitor", help="CPU, RAM, disk, network and per-GPU readings at an interval")
+    p = sub.add_parser(
+        "monitor",
+        help="CPU, RAM, disk, network and per-GPU readings at an interval",
+        description="A live table of CPU, RAM, disk, network and per-GPU utilisation, memory, temperature, power and clocks "
+        "(NVML); --json FILE writes JSON lines instead.",
+    )
     p.add_argument("--interval", type=float, default=5.0, help="seconds between samples (default 5)")
     p.add_argument("--json", metavar="FILE", help="append JSON lines to FILE ('-' for stdout) instead of the live table")
     p.add_argument("--count", type=int, default=0, help="stop after this many samples (default: until Ctrl+C)")

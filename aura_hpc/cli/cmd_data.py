@@ -36,9 +36,37 @@ def cmd_prepare(a: argparse.Namespace) -> int:
             ("tokenizer", f"{m['tokenizer']['source']}, vocab {m['tokenizer']['vocab_size']}"),
             ("speed", f"{m.get('encode_tokens_per_s') or 0:,} tokens/s encoding, {m.get('elapsed_s')}s in all"),
             ("use it", f"--set data.path={Path(a.out).resolve()}"),
+            *guidance(m, a.vocab_size if not a.tokenizer else 0),
         ],
     )
     return 0
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:,.1f}B" if n >= 1e9 else f"{n / 1e6:,.1f}M" if n >= 1e6 else f"{n / 1e3:,.0f}K"
+
+
+def guidance(m: dict, asked_vocab: int) -> list[tuple[str, str]]:
+    """What this much data is good for: a vocabulary that fits it, a model size by the usual
+    ~20 tokens per parameter (Hoffmann et al. 2022), and what an epoch is in steps of the tiny preset."""
+    tokens = int(m["train_tokens"])
+    vocab = int(m["tokenizer"]["vocab_size"])
+    rows = []
+    if asked_vocab and vocab < 0.9 * asked_vocab:
+        rows.append(
+            ("vocabulary", f"{vocab:,} tokens, fewer than --vocab-size {asked_vocab:,}: this text has no more frequent pieces to merge")
+        )
+    params = tokens / 20
+    fits = "tiny (0.6M)" if params < 5e6 else "gpt2-small (124M)" if params < 3e8 else "gpt2-medium (350M) or larger"
+    steps = tokens // (16 * 128) or 1
+    rows.append(
+        (
+            "fits",
+            f"{tokens:,} training tokens: a model of ~{_count(params)} parameters at 20 tokens each ({fits}); one epoch is "
+            f"~{steps:,} steps of the tiny preset (2 x 8 x 128 tokens); a vocabulary of {min(32768, max(1024, tokens // 200)):,} suits it",
+        )
+    )
+    return rows
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -41,8 +41,21 @@ def cmd_status(a: argparse.Namespace) -> int:
     if a.target and is_local_run(a.target):  # started with `local`: no Slurm involved
         run_dir = Path(a.target)
         rows, notes = [local_status(run_dir, latest_metrics(run_dir.resolve()))], []
-    else:
+    elif a.target:
         rows, notes = status(a.target, a.all)
+    else:  # the local runs here, and the Slurm jobs when a Slurm answers
+        from aura_hpc.errors import AuraError
+
+        here = Path("runs")
+        local_runs = sorted(d for d in here.iterdir() if d.is_dir() and is_local_run(d)) if here.is_dir() else []
+        rows = [local_status(d, latest_metrics(d.resolve())) for d in local_runs]
+        try:
+            slurm_rows, notes = status(None, a.all)
+            rows += slurm_rows
+        except AuraError as exc:
+            notes = [f"no Slurm jobs: {str(exc).split(' (fix:')[0]}"]
+            if not rows:
+                notes.insert(0, "no runs under ./runs (fix: `python -m aura_hpc status RUN_DIR` for a run elsewhere)")
     if a.json:
         print(json.dumps({"jobs": rows, "notes": notes}, indent=2))
         return 0
@@ -129,24 +142,41 @@ def cmd_history(a: argparse.Namespace) -> int:
 
 
 def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("status", help="your aura_hpc jobs (squeue; sacct for finished ones)")
+    p = sub.add_parser(
+        "status",
+        help="your aura_hpc jobs (squeue; sacct for finished ones), or the local runs under ./runs",
+        description="Without a target: the local runs under ./runs (RUNNING, COMPLETED, STOPPED), and your aura_hpc Slurm jobs "
+        "when a Slurm is reachable. With a job id or a run directory: that one's state, step, loss and tokens/s.",
+    )
     p.add_argument("target", nargs="?", help="a job id or a run directory (default: all your aura_hpc jobs)")
     p.add_argument("--all", action="store_true", help="also your jobs not started by aura_hpc")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("logs", help="a job's per-rank log")
+    p = sub.add_parser(
+        "logs",
+        help="a job's per-rank log",
+        description="Print (or follow with -f) one rank's log of a Slurm job or of a local run directory.",
+    )
     p.add_argument("target", help="a job id or a run directory")
     p.add_argument("--rank", type=int, default=0, help="which rank (default 0)")
     p.add_argument("--stderr", action="store_true", help="the rank's stderr instead of stdout")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
     p.set_defaults(func=cmd_logs)
 
-    p = sub.add_parser("cancel", help="cancel a job (scancel)")
+    p = sub.add_parser(
+        "cancel",
+        help="cancel a job (scancel)",
+        description="Cancel a Slurm job by id or run directory (scancel); for a local run it says how to stop it (Ctrl+C, or the PID).",
+    )
     p.add_argument("target", help="a job id or a run directory")
     p.set_defaults(func=cmd_cancel)
 
-    p = sub.add_parser("history", help="your past jobs (sacct)")
+    p = sub.add_parser(
+        "history",
+        help="your past jobs (sacct)",
+        description="Your aura_hpc Slurm jobs since --since (sacct): state, elapsed, nodes, requeues, run directory.",
+    )
     p.add_argument("--since", default="now-7days", help="sacct start time, e.g. 2026-11-01 or now-2days (default now-7days)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_history)

@@ -73,7 +73,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--master-addr", help="IP address of node 0 (needed with --nnodes > 1)")
     p.add_argument("--master-port", type=int, help="TCP port on node 0 (default 29500; a free one on a single machine)")
-    p.add_argument("--max-restarts", type=int, default=0, help="restart all workers this many times after a failure")
+    p.add_argument("--max-restarts", type=int, default=0, help="restart all workers this many times after a failure (default 0)")
     p.add_argument("--rdzv-timeout", type=int, default=120, help="seconds to wait for all nodes to join (default 120)")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], help="process-group backend (default: auto)")
     p.add_argument("--ifname", help="network interface for gloo/NCCL (default: the one that routes to the master)")

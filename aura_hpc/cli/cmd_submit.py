@@ -74,6 +74,16 @@ def cmd_submit(a: argparse.Namespace) -> int:
     return status
 
 
+def _profiles() -> list[str]:
+    """The shipped cluster profiles' names (the folder's listing: no import of the Slurm code)."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parents[2] / "sbatch_templates"
+    if not here.is_dir():
+        here = Path(__file__).resolve().parents[1] / "sbatch_templates"
+    return sorted(p.stem for p in here.glob("*.sh")) or ["generic"]
+
+
 def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "submit",
@@ -82,7 +92,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "Slurm values: CLI > the config's slurm section > the cluster profile > defaults (shown by --dry-run).",
     )
     add_run_options(p)
-    p.add_argument("--cluster", "--profile", dest="cluster", help="a profile from sbatch_templates/ (generic, h100-ib, h200-ib) or a file")
+    p.add_argument("--cluster", "--profile", dest="cluster", help=f"a profile from sbatch_templates/ ({', '.join(_profiles())}) or a file")
     p.add_argument("--nodes", "--nnodes", dest="nodes", type=int, help="number of nodes")
     p.add_argument("--gpus", "--nproc-per-node", dest="gpus", type=int, help="GPUs per node; one task per GPU (0: a CPU job with gloo)")
     p.add_argument("--cpus-per-task", type=int, help="CPUs per task (rank)")

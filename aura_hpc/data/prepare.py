@@ -272,7 +272,7 @@ def _build(spec: PrepareSpec, files: list[Path], tmp: Path, key: str) -> dict[st
         tok_source = spec.tokenizer
     else:
         tok = train_tokenizer((u.text for u in iter_units(spec, files) if u.text), spec.vocab_size, tok_dir)
-        tok_source = f"byte-level BPE trained here (vocab {spec.vocab_size})"
+        tok_source = f"byte-level BPE trained here (--vocab-size {spec.vocab_size})"
     backend, vocab, eos = tok.backend, tok.vocab_size, tok.eos_id
     dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
 

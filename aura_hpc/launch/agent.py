@@ -124,6 +124,11 @@ def run_workers(plan: LocalPlan) -> int:
                 f"re-run resumes from node 0's newest checkpoint (fix: start node 0 again, then this command on every node)",
                 EXIT_TRAIN_FAILED,
             ) from None
+        if plan.nnodes == 1:
+            raise LaunchError(
+                f"this machine's workers did not join at {plan.master_addr}:{plan.master_port} within {plan.rdzv_timeout}s "
+                f"({type(exc).__name__}) (fix: another --master-port, or omit it so a free one is picked)"
+            ) from None
         raise LaunchError(
             f"the {plan.nnodes} nodes did not all join at {plan.master_addr}:{plan.master_port} within "
             f"{plan.rdzv_timeout}s ({type(exc).__name__}) (fix: start every node with the same --nnodes, "

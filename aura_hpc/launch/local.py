@@ -239,10 +239,11 @@ def check_ram(memory: Any, nproc: int) -> str | None:
 
 def launch(plan: LocalPlan) -> int:
     """Run the plan through the elastic agent; returns the exit status for the CLI."""
-    if plan.nnodes > 1 and plan.node_rank == 0 and _port_in_use(plan.master_port):
+    if plan.node_rank == 0 and _port_in_use(plan.master_port):
+        where = " on every node" if plan.nnodes > 1 else " (or omit --master-port: a free one is picked)"
         raise LaunchError(
-            f"port {plan.master_port} is already in use on this machine (fix: --master-port {plan.master_port + 1} "
-            "on every node, or stop the program using it)"
+            f"port {plan.master_port} is already in use on this machine (fix: --master-port {plan.master_port + 1}{where}, "
+            "or stop the program using it)"
         )
     if plan.node_rank > 0:
         from aura_hpc import console
