@@ -27,7 +27,7 @@ def show_plan(cfg: Any, world: int, memory: Any, limit_gib: float | None) -> Non
     t = cfg.train
     per_step = t.batch_size * world * t.grad_accum
     console.info(
-        f"batch: {t.batch_size} per device x {world} processes x {t.grad_accum} accumulation = effective batch "
+        f"batch: {t.batch_size} per device x {world} process{'es' if world != 1 else ''} x {t.grad_accum} accumulation = effective batch "
         f"{per_step} sequences = {per_step * cfg.data.seq_len:,} tokens per step"
     )
     if memory is None:

@@ -114,7 +114,8 @@ def preflight_data(cfg: RunConfig, world_size: int) -> None:
     if sequences < effective and not t.allow_oversubscription:
         raise DataError(
             f"the prepared data has {sequences} training sequences of {cfg.data.seq_len} tokens, fewer than one effective "
-            f"batch of {effective} (= {t.batch_size} per device x {world_size} processes x {t.grad_accum} accumulation) "
+            f"batch of {effective} (= {t.batch_size} per device x {world_size} process{'es' if world_size != 1 else ''} x "
+            f"{t.grad_accum} accumulation) "
             "(fix: more data, a smaller train.batch_size/data.seq_len, fewer processes, or "
             "--set train.allow_oversubscription=true to repeat the data)"
         )

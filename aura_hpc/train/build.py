@@ -62,7 +62,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
     if n_train < layout.per_step:
         msg = (
             f"the prepared data has {n_train} training sequences of {cfg.data.seq_len} tokens, fewer than one "
-            f"effective batch of {layout.per_step} (= {t.batch_size} per device x {world} processes x "
+            f"effective batch of {layout.per_step} (= {t.batch_size} per device x {world} process{'es' if world != 1 else ''} x "
             f"{t.grad_accum} accumulation)"
         )
         if not t.allow_oversubscription:
@@ -171,7 +171,7 @@ def describe(cfg: RunConfig, parts: Parts, layout: Layout, rt: Runtime, start_st
         f"model: GPT-2 {cfg.model.n_layer} layers x {cfg.model.n_embd} wide, {cfg.model.n_head} heads, "
         f"{parts.n_params:,} parameters ({parts.n_params / 1e6:.1f}M), vocab {data.vocab_size}"
         + (f" (embedding padded to {cfg.model.padded_vocab_size})" if cfg.model.padded_vocab_size > data.vocab_size else ""),
-        f"batch: {t.batch_size} per device x {layout.world} processes x {t.grad_accum} accumulation = "
+        f"batch: {t.batch_size} per device x {layout.world} process{'es' if layout.world != 1 else ''} x {t.grad_accum} accumulation = "
         f"effective batch {layout.per_step} sequences = {layout.tokens_per_step:,} tokens per step",
         f"data: {data.num_sequences('train'):,} train / {data.num_sequences('val'):,} val sequences "
         f"of {cfg.data.seq_len} tokens from {cfg.data.path}",
