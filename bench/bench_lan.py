@@ -114,9 +114,13 @@ def run(
 
 
 def tokens_per_s(rows: list[dict], skip_steps: int = 10) -> float:
-    timed = [r for r in rows if "elapsed_s" in r and r["step"] > skip_steps]
-    first = next(r for r in rows if "elapsed_s" in r and r["step"] >= skip_steps)
-    last = timed[-1]
+    """Trained tokens over wall time between the first row at or after `skip_steps` and the last row
+    (a run too slow to get past it: over all its rows)."""
+    logged = [r for r in rows if "elapsed_s" in r]
+    after = [r for r in logged if r["step"] >= skip_steps]
+    first, last = (after[0], after[-1]) if len(after) > 1 else (None, logged[-1])
+    if first is None:
+        return last["tokens"] / last["elapsed_s"]
     return (last["tokens"] - first["tokens"]) / (last["elapsed_s"] - first["elapsed_s"])
 
 
@@ -164,7 +168,8 @@ def main() -> None:
                 for name in names:
                     extra = list(STRATEGIES[name]) + ([f"dist.sync_every={a.sync_every}"] if name == "diloco" else [])
                     r = run(lan, a.nodes, f"{name}-{mbit}", extra, a.steps, out, data, a.eval_every, a.max_seconds)
-                    last = [row for row in r["rows"] if "eval_loss" in row][-1]
+                    evals = [row for row in r["rows"] if "eval_loss" in row]
+                    last = evals[-1] if evals else {"eval_loss": None, "tokens": 0, "elapsed_s": 0.0}
                     tps = tokens_per_s(r["rows"])
                     row = {
                         "mbit": mbit,
@@ -173,8 +178,8 @@ def main() -> None:
                         "tokens_per_s": round(tps),
                         "speedup": round(tps / base, 2),
                         "eval": last["eval_loss"],
-                        "one_node_eval_equal_tokens": eval_at(one["rows"], tokens=last["tokens"]),
-                        "one_node_eval_equal_time": eval_at(one["rows"], seconds=last["elapsed_s"]),
+                        "one_node_eval_equal_tokens": eval_at(one["rows"], tokens=last["tokens"]) if evals else None,
+                        "one_node_eval_equal_time": eval_at(one["rows"], seconds=last["elapsed_s"]) if evals else None,
                         "advice": r["advice"],
                     }
                     results.append(row)
@@ -186,7 +191,7 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|")
         for r in results:
             print(
-                f"| {r['mbit']} Mbit/s | {r['strategy']} | {r['steps']} | {r['tokens_per_s']:,} | {r['speedup']:.2f}x | {r['eval']:.4f} | "
+                f"| {r['mbit']} Mbit/s | {r['strategy']} | {r['steps']} | {r['tokens_per_s']:,} | {r['speedup']:.2f}x | {r['eval']} | "
                 f"{r['one_node_eval_equal_tokens']} | {r['one_node_eval_equal_time']} |"
             )
 

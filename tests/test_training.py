@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -27,6 +28,26 @@ def _train(out: Path, name: str, prepared: Path, nproc: int, extra: list[str], t
     r = run_cli(_args(out, name, prepared, nproc, extra), timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
+
+
+def _readme_lines() -> list[str]:
+    """The README's "What you see" lines as patterns: numbers, host names and ports vary."""
+    from tests.conftest import REPO
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    block = text[text.index("What you see") :].split("```text\n", 1)[1].split("```", 1)[0]
+    patterns = []
+    for line in block.strip().splitlines():
+        words = []
+        for word in line.split():
+            if word == "...":
+                words.append(".*")
+            elif any(c.isdigit() for c in word) or word.startswith("host="):
+                words.append(r"\S+")
+            else:
+                words.append(re.escape(word))
+        patterns.append(".*" + r"\s+".join(words) + ".*")
+    return patterns
 
 
 def test_default_local_runs_to_completion(tmp_path: Path) -> None:
@@ -57,6 +78,11 @@ def test_default_local_runs_to_completion(tmp_path: Path) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert summary["sample"].startswith("En un lugar de la Mancha") and summary["finished"]
 
+    # The README's quick start says what you see: each of its lines, numbers and names aside, is printed.
+    for pattern in _readme_lines():
+        assert any(re.fullmatch(pattern, line) for line in out.splitlines()), f"README line not printed: {pattern}\n{out[-3000:]}"
+    readme = run_cli(["generate", "--run", "runs/tiny", "--prompt", "En un lugar de la Mancha"], cwd=tmp_path, timeout=120)
+    assert readme.returncode == 0 and readme.stdout.startswith("En un lugar de la Mancha"), readme.stderr
     g = run_cli(["generate", "--run", str(run), "--prompt", "La panadera", "--max-new-tokens", "20"], timeout=120)
     assert g.returncode == 0, g.stderr
     assert g.stdout.strip().startswith("La panadera") and len(g.stdout.split()) > 4
