@@ -14,6 +14,9 @@ EXIT_DIVERGED = 3  # the loss stayed non-finite after every rollback
 # Stopped on a signal (SIGTERM, SIGINT, SIGUSR2) after writing a checkpoint: re-run to resume.
 # 75 is EX_TEMPFAIL in sysexits.h: "temporary failure, try again".
 EXIT_RESUMABLE = 75
+# Data in object storage could not be read after its retries: every rank stopped together after a
+# checkpoint; re-run once the storage answers. 74 is EX_IOERR in sysexits.h.
+EXIT_DATA_UNAVAILABLE = 74
 # The GPU circuit breaker opened: a hardware fault; orchestrators should drain the node, not retry on it.
 EXIT_GPU_FAULT = 76
 

@@ -31,7 +31,8 @@ def main() -> None:
         dist.init_process_group("gloo")
     torch.manual_seed(0)
     manifest = json.load(open(os.path.join(a.data, "manifest.json")))
-    tokens = np.memmap(os.path.join(a.data, "train.bin"), dtype=manifest["dtype"], mode="r")
+    files = [s["file"] for s in manifest["shards"] if s["split"] == "train"] if "shards" in manifest else ["train.bin"]
+    tokens = np.concatenate([np.memmap(os.path.join(a.data, f), dtype=manifest["dtype"], mode="r") for f in files])
     vocab, eos = manifest["tokenizer"]["vocab_size"], manifest["tokenizer"]["eos_id"]
     cfg = GPT2Config(
         vocab_size=vocab,

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,3 +131,15 @@ def run_cli_together(runs: list[list[str]], timeout: float = 600, **env: str) ->
         out, err = p.communicate(timeout=timeout)
         done.append(subprocess.CompletedProcess(args, p.returncode, out, err))
     return done
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[Any]:
+    """A real S3-compatible server (moto's server mode) on a local port, signing checked."""
+    pytest.importorskip("moto", reason="needs moto[server] (the dev extra)")
+    pytest.importorskip("s3fs", reason="needs s3fs (the s3 and dev extras)")
+    from tests.s3_server import start
+
+    server = start(free_port())
+    yield server
+    server.stop()

@@ -34,7 +34,7 @@ def _small_data(tmp: Path, _prepared: Path) -> None:
 
 def _truncated(tmp: Path, prepared: Path) -> None:
     shutil.copytree(prepared, tmp / "trunc")
-    with open(tmp / "trunc" / "train.bin", "r+b") as f:
+    with open(tmp / "trunc" / "shards" / "train-00000.bin", "r+b") as f:
         f.truncate(1000)
 
 

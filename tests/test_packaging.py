@@ -9,7 +9,8 @@ from tests.conftest import REPO
 
 
 def _floors() -> dict[str, str]:
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    deps = [*project["dependencies"], *project["optional-dependencies"]["s3"]]
     return {m.group(1): m.group(2) for d in deps if (m := re.match(r"^([A-Za-z0-9_.-]+)>=([0-9.]+)", d))}
 
 
@@ -20,7 +21,7 @@ def _pins() -> dict[str, str]:
 
 def test_the_floor_venv_installs_the_declared_floors() -> None:
     floors, pins = _floors(), _pins()
-    assert set(pins) == {"torch", "transformers"}, pins
+    assert set(pins) == {"torch", "transformers", "s3fs"}, pins
     for name, pinned in pins.items():
         declared = floors[name].split(".")
         assert pinned.split(".")[: len(declared)] == declared, f"{name}: pyproject says >={floors[name]}, CI tests {pinned}"

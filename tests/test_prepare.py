@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from aura_hpc.data.packed import PackedTokens
-from aura_hpc.data.prepare import PrepareSpec, _split_paragraphs, prepare, read_manifest
+from aura_hpc.data.prepare import PrepareSpec, prepare, read_manifest, split_paragraphs
 from aura_hpc.errors import DataError
 from tests.conftest import cli_env, run_cli, run_cli_together
 
@@ -47,7 +47,7 @@ def _expected_tokens(out: Path, files: dict[str, Path]) -> int:
     tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
     n = 0
     text = files["txt"].read_text(encoding="utf-8")
-    n += sum(len(tok.encode(p, add_special_tokens=False)) for p in _split_paragraphs(text)) + 1
+    n += sum(len(tok.encode(p, add_special_tokens=False)) for p in split_paragraphs(text)) + 1
     for line in files["jsonl"].read_text(encoding="utf-8").splitlines():
         n += len(tok.encode(json.loads(line)["text"], add_special_tokens=False)) + 1
     n += sum(len(tok.encode(d, add_special_tokens=False)) + 1 for d in DOCS[:30])
@@ -77,9 +77,9 @@ def test_rerun_is_a_noop_and_changed_input_is_not(tmp_path: Path) -> None:
     out = tmp_path / "p"
     spec = PrepareSpec(out_dir=out, inputs=[str(files["txt"])], vocab_size=300)
     first = prepare(spec)
-    mtime = (out / "train.bin").stat().st_mtime_ns
+    mtime = (out / "manifest.json").stat().st_mtime_ns
     again = prepare(spec)
-    assert again["up_to_date"] is True and (out / "train.bin").stat().st_mtime_ns == mtime
+    assert again["up_to_date"] is True and (out / "manifest.json").stat().st_mtime_ns == mtime
     files["txt"].write_text("Otra cosa distinta.\n\n" * 30, encoding="utf-8")
     before = _snapshot(out)
     # Other inputs would replace data that runs may be trained on: only with --force.
@@ -147,10 +147,16 @@ def test_failed_prepare_leaves_nothing_that_looks_complete(tmp_path: Path, monke
 
     monkeypatch.setattr(prep, "_move_tail_to_val", boom)
     monkeypatch.setattr(prep, "_fsync_tree", boom)
+    spec = PrepareSpec(out_dir=out, inputs=[str(files["txt"])], vocab_size=300)
     with pytest.raises(RuntimeError):
-        prepare(PrepareSpec(out_dir=out, inputs=[str(files["txt"])], vocab_size=300))
+        prepare(spec)
     assert not out.exists()
-    assert not list(tmp_path.glob(".p.tmp-*"))
+    # What it finished is kept, in a hidden build folder without a manifest, for the next run to resume.
+    builds = list(tmp_path.glob(".p.build-*"))
+    assert len(builds) == 1 and not (builds[0] / "manifest.json").exists()
+    monkeypatch.undo()
+    assert prepare(spec)["up_to_date"] is False and read_manifest(out) is not None
+    assert not list(tmp_path.glob(".p.*"))
 
 
 def test_killed_prepare_is_not_taken_as_complete(tmp_path: Path) -> None:
@@ -166,9 +172,9 @@ def test_killed_prepare_is_not_taken_as_complete(tmp_path: Path) -> None:
         stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + 60
-    while time.time() < deadline and not list(tmp_path.glob(".p.tmp-*")):
+    while time.time() < deadline and not list(tmp_path.glob(".p.build-*")):
         time.sleep(0.01)
-    assert list(tmp_path.glob(".p.tmp-*")), "prepare never started writing"
+    assert list(tmp_path.glob(".p.build-*")), "prepare never started writing"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert read_manifest(out) is None
@@ -223,7 +229,7 @@ def test_prepare_never_writes_over_what_it_did_not_write(tmp_path: Path, prepare
         assert "Traceback" not in r.stderr
     for d, snap in before.items():
         assert _snapshot(d) == snap, f"{d} changed"
-    assert not (docs / "prepared").exists() and not list(tmp_path.glob(".*.tmp-*"))
+    assert not (docs / "prepared").exists() and not list(tmp_path.glob(".*.build-*"))
     # The fix named for a folder of text works: a sibling folder.
     ok = run_cli(["prepare", str(docs), "--out", str(tmp_path / "docs-prepared"), "--vocab-size", "300"], timeout=120)
     assert ok.returncode == 0, ok.stderr
@@ -260,7 +266,7 @@ def test_truncated_token_file_is_detected(tmp_path: Path) -> None:
     files = _write_inputs(tmp_path / "in")
     out = tmp_path / "p"
     prepare(PrepareSpec(out_dir=out, inputs=[str(files["txt"])], vocab_size=300))
-    with open(out / "train.bin", "r+b") as f:
+    with open(out / "shards" / "train-00000.bin", "r+b") as f:
         f.truncate(10)
     with pytest.raises(DataError, match="re-run prepare with --force"):
         PackedTokens(out, 16)
@@ -311,3 +317,87 @@ def test_the_tokenizer_folder_loads_with_transformers_4_and_5(prepared: Path) ->
     assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
     tok = AutoTokenizer.from_pretrained(str(prepared / "tokenizer"))
     assert tok.eos_token == "<|endoftext|>" and tok("hola").input_ids
+
+
+def _multi_piece_corpus(root: Path) -> Path:
+    from aura_hpc.data.corpus import generate
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "uno.txt").write_text(generate(900, seed=1), encoding="utf-8")
+    (root / "dos.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in generate(500, seed=2).split("\n\n")), encoding="utf-8")
+    return root
+
+
+def test_the_same_input_gives_the_same_shards_with_one_or_two_workers(tmp_path: Path) -> None:
+    corpus = _multi_piece_corpus(tmp_path / "in")
+    one = prepare(PrepareSpec(out_dir=tmp_path / "w1", inputs=[str(corpus)], vocab_size=400, shard_mb=0.02, workers=1))
+    two = prepare(PrepareSpec(out_dir=tmp_path / "w2", inputs=[str(corpus)], vocab_size=400, shard_mb=0.02, workers=2))
+    assert one["pieces"] >= 4 and len(one["shards"]) >= 8
+    assert one["data_sha256"] == two["data_sha256"] and one["shards"] == two["shards"]
+    for s in one["shards"]:
+        assert (tmp_path / "w1" / s["file"]).read_bytes() == (tmp_path / "w2" / s["file"]).read_bytes()
+    # Every piece gives validation text, and the tokens of the pieces add up to the whole.
+    assert sum(s["tokens"] for s in one["shards"] if s["split"] == "val") == one["val_tokens"] > 0
+
+
+def test_an_interrupted_build_redoes_only_the_unfinished_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aura_hpc.data import shards
+
+    corpus = _multi_piece_corpus(tmp_path / "in")
+    spec = PrepareSpec(out_dir=tmp_path / "p", inputs=[str(corpus)], vocab_size=400, shard_mb=0.02)
+    real = shards.encode
+    encoded: list[int] = []
+
+    def failing_at_piece_3(job: shards.Job) -> dict:
+        if job.piece.index == 3:
+            raise OSError("node lost")
+        encoded.append(job.piece.index)
+        return real(job)
+
+    monkeypatch.setattr(shards, "encode", failing_at_piece_3)
+    with pytest.raises(OSError):
+        prepare(spec)
+    assert encoded == [0, 1, 2] and read_manifest(tmp_path / "p") is None
+
+    def counting(job: shards.Job) -> dict:
+        encoded.append(job.piece.index)
+        return real(job)
+
+    encoded.clear()
+    monkeypatch.setattr(shards, "encode", counting)
+    m = prepare(spec)
+    assert encoded == list(range(3, m["pieces"])), "pieces 0-2 were finished and are not encoded again"
+    fresh = prepare(PrepareSpec(out_dir=tmp_path / "fresh", inputs=[str(corpus)], vocab_size=400, shard_mb=0.02))
+    assert m["data_sha256"] == fresh["data_sha256"]
+
+
+def test_a_vocabulary_above_65535_is_stored_as_uint32(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted({w for d in DOCS for w in d.replace(",", " ").replace(".", " ").split()})
+    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{f"relleno{i}": i + 2 for i in range(70_000)}}
+    vocab.update({w: 70_002 + i for i, w in enumerate(words)})  # every real word above 65,535
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    folder = tmp_path / "big-tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", unk_token="<unk>").save_pretrained(str(folder))
+    files = _write_inputs(tmp_path / "in")
+    m = prepare(PrepareSpec(out_dir=tmp_path / "p", inputs=[str(files["txt"])], tokenizer=str(folder)))
+    assert m["dtype"] == "uint32" and m["tokenizer"]["vocab_size"] > 65_536
+    data = PackedTokens(tmp_path / "p", seq_len=8)
+    ids = data.sequences("train", list(range(data.num_sequences("train"))))
+    assert ids.max() >= 70_002 and set(ids.ravel().tolist()) <= set(vocab.values())
+
+
+def test_dry_run_says_what_it_would_read_and_write(tmp_path: Path) -> None:
+    corpus = _multi_piece_corpus(tmp_path / "in")
+    out = tmp_path / "p"
+    r = run_cli(["prepare", str(corpus), "--out", str(out), "--dry-run", "--workers", "2", "--shard-mb", "0.02"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    for row in ("read", "tokens", "shards", "disk", "time"):
+        assert f"{row}:" in r.stdout, r.stdout
+    assert "2 file(s)" in r.stdout and "with 2 worker(s)" in r.stdout and "uint16" in r.stdout
+    assert not out.exists() and not list(tmp_path.glob(".p.*"))

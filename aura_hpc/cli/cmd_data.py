@@ -11,8 +11,9 @@ def cmd_prepare(a: argparse.Namespace) -> int:
     from aura_hpc import console
     from aura_hpc.data.prepare import PrepareSpec, prepare
 
+    remote_out = a.out.startswith("s3://")
     spec = PrepareSpec(
-        out_dir=Path(a.out),
+        out_dir=a.out if remote_out else Path(a.out),
         inputs=a.inputs,
         dataset=a.dataset,
         subset=a.subset,
@@ -23,19 +24,34 @@ def cmd_prepare(a: argparse.Namespace) -> int:
         vocab_size=a.vocab_size,
         val_fraction=a.val_fraction,
         force=a.force,
+        workers=a.workers,
+        shard_mb=a.shard_mb,
+        tokenizer_sample_mb=a.tokenizer_sample_mb,
     )
+    if a.workers < 1 or a.shard_mb <= 0 or a.tokenizer_sample_mb <= 0:
+        from aura_hpc.errors import DataError
+
+        raise DataError("--workers must be 1 or more, --shard-mb and --tokenizer-sample-mb above 0 (fix: --workers 2 --shard-mb 64)")
+    if a.dry_run:
+        from aura_hpc.data.plan import describe
+
+        console.table("prepare would", describe(spec))
+        return 0
     m = prepare(spec)
     if m.get("up_to_date"):
         console.info(f"{a.out} is already prepared from these inputs (nothing to do; --force to redo)")
     console.table(
         "prepared" if not m.get("up_to_date") else "up to date",
         [
-            ("directory", str(Path(a.out).resolve())),
+            ("directory", a.out if remote_out else str(Path(a.out).resolve())),
             ("sources", ", ".join(m["sources"][:3]) + (f" (+{len(m['sources']) - 3} more)" if len(m["sources"]) > 3 else "")),
-            ("tokens", f"{m['train_tokens']:,} train / {m['val_tokens']:,} validation ({m['dtype']})"),
+            (
+                "tokens",
+                f"{m['train_tokens']:,} train / {m['val_tokens']:,} validation ({m['dtype']}), in {len(m.get('shards') or [])} shards",
+            ),
             ("tokenizer", f"{m['tokenizer']['source']}, vocab {m['tokenizer']['vocab_size']}"),
             ("speed", f"{m.get('encode_tokens_per_s') or 0:,} tokens/s encoding, {m.get('elapsed_s')}s in all"),
-            ("use it", f"--set data.path={Path(a.out).resolve()}"),
+            ("use it", f"--set data.path={a.out if remote_out else Path(a.out).resolve()}"),
             *guidance(m, a.vocab_size if not a.tokenizer else 0),
         ],
     )
@@ -85,11 +101,12 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "prepare",
         help="tokenize and pack text into a prepared data directory",
-        description="Local .txt/.jsonl/.parquet files, folders or globs, or a Hugging Face dataset "
-        "(streamed) -> packed token files + tokenizer + manifest.",
+        description=".txt/.jsonl/.parquet files, folders, globs or s3:// prefixes, or a Hugging Face dataset "
+        "(streamed) -> token shards + tokenizer + manifest, in a folder or under s3://bucket/prefix. Credentials for "
+        "s3:// come from the standard AWS variables or profile (AWS_ENDPOINT_URL for R2/MinIO).",
     )
-    p.add_argument("inputs", nargs="*", help="files, folders or globs")
-    p.add_argument("--out", required=True, help="the prepared directory to create")
+    p.add_argument("inputs", nargs="*", help="files, folders, globs or s3://bucket/prefix")
+    p.add_argument("--out", required=True, help="the prepared directory to create (a folder, or s3://bucket/prefix)")
     p.add_argument("--dataset", help="a Hugging Face dataset name (or a local dataset folder)")
     p.add_argument("--subset", help="the dataset's configuration/subset name")
     p.add_argument("--split", default="train", help="dataset split (default: train)")
@@ -99,6 +116,15 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary size of a trained tokenizer (default 8192)")
     p.add_argument("--val-fraction", type=float, default=0.01, help="share of text kept for validation (default 0.01)")
     p.add_argument("--force", action="store_true", help="prepare again, also over prepared data of other inputs (never over other files)")
+    p.add_argument("--workers", type=int, default=1, help="processes encoding at once; the output does not depend on it (default 1)")
+    p.add_argument("--shard-mb", type=float, default=64.0, help="text per piece, one train and one validation shard each (default 64)")
+    p.add_argument(
+        "--tokenizer-sample-mb",
+        type=float,
+        default=256.0,
+        help="text the tokenizer is trained on, taken evenly from the pieces (default 256)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="say what it would read and write (files, tokens, shards, disk, time)")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser(

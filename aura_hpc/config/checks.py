@@ -124,6 +124,9 @@ def validate(cfg: RunConfig) -> None:
         "train.keep_last": t.keep_last,
         "train.log_every": t.log_every,
         "train.eval_batches": t.eval_batches,
+        "data.cache_gb": d.cache_gb,
+        "data.read_tries": d.read_tries,
+        "data.read_timeout_s": d.read_timeout_s,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -141,6 +144,7 @@ def validate(cfg: RunConfig) -> None:
         "model.vocab_size": m.vocab_size,
         "model.padded_vocab_size": m.padded_vocab_size,
         "train.sample_tokens": t.sample_tokens,
+        "data.shuffle_window": d.shuffle_window,
     }
     for key, value in non_negative.items():
         if value < 0:
@@ -171,6 +175,10 @@ def validate(cfg: RunConfig) -> None:
             f"data.seq_len ({d.seq_len}) is longer than model.n_positions ({m.n_positions}) "
             f"(fix: --set data.seq_len={m.n_positions} or raise model.n_positions)"
         )
+    if d.path:
+        from aura_hpc.data.storage import check_url
+
+        check_url(d.path)
     if m.vocab_size and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size {m.vocab_size} is too small for a byte-level tokenizer (fix: 0 = from data)")
     if not 256 <= d.vocab_size <= 1_000_000:

@@ -16,7 +16,7 @@ from aura_hpc.config.tree import SECTIONS, TOP_LEVEL, RunConfig
 from aura_hpc.errors import ConfigError, one_line, shown
 
 # Keys resolved relative to the config file they appear in.
-_PATH_KEYS = {("data", "path"), ("dist", "deepspeed_config"), ("health", "webhook_url_file")}
+_PATH_KEYS = {("data", "path"), ("data", "cache_dir"), ("dist", "deepspeed_config"), ("health", "webhook_url_file")}
 
 
 def configs_dir() -> Path:
@@ -130,7 +130,7 @@ def _merge(
             if k not in types:
                 raise _unknown_key(dotted, valid)
             v = coerce(dotted, v, types[k], False)
-            if (top, k) in _PATH_KEYS and v and base_dir is not None and not os.path.isabs(v):
+            if (top, k) in _PATH_KEYS and v and base_dir is not None and not os.path.isabs(v) and "://" not in str(v):
                 v = str((base_dir / v).resolve())
             base[top][k] = v
             if given is not None:

@@ -48,9 +48,14 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = ""  # prepared directory; "" = the package's own Spanish corpus
+    path: str = ""  # prepared directory, local or s3://bucket/prefix; "" = the package's own Spanish corpus
     seq_len: int = 128  # tokens per training sequence
     vocab_size: int = 4096  # used only when `local` prepares the built-in corpus
+    shuffle_window: int = 0  # shards shuffled together: 0 = all (a full shuffle); N = a node needs only about 2N shards at a time
+    cache_dir: str = ""  # where each node keeps shards read from s3:// or streamed; "" = /tmp/aura_hpc-cache-USER
+    cache_gb: float = 100.0  # the bound on that cache; least recently used shards go first
+    read_tries: int = 5  # attempts per object-storage read, with exponential backoff between them
+    read_timeout_s: float = 60.0  # the limit on one attempt (connecting, then reading)
 
 
 @dataclass

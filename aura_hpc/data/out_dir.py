@@ -3,9 +3,10 @@
 The rule is that prepare deletes nothing it did not write. An `--out` folder is replaced only when
 it is a prepared directory of ours (a manifest and nothing but our files); any other non-empty
 folder is refused with what it holds. The new data is built in a hidden sibling marked as ours
-and renamed into place only when complete, so an interrupted prepare leaves the old data or
-nothing. A sibling left by a killed prepare is recognised by its marker and removed (or, for the
-old data moved aside just before a crash, put back) by the next prepare into the same --out.
+(`.NAME.build-KEY`, KEY from the inputs) and renamed into place only when complete, so an
+interrupted prepare leaves the old data or nothing, and the next prepare of the same inputs resumes
+its finished pieces. A build of other inputs left by a killed prepare is recognised by its marker
+and removed (and the old data moved aside just before a crash is put back).
 """
 
 from __future__ import annotations
@@ -91,16 +92,25 @@ def _owner(folder: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def clean_leftovers(out: Path) -> list[str]:
-    """Siblings of `out` left by a killed prepare on this host: temporary builds are removed, the
-    old data moved aside before a crash is put back when `out` is missing. Returns what was done."""
+def build_name(out: Path, key: str) -> Path:
+    """Where the prepare of these inputs builds: the same name again after an interruption, so a
+    re-run (or another task of a Slurm array) finds the finished pieces."""
+    return out.parent / f".{out.name}.build-{key[:16]}"
+
+
+def clean_leftovers(out: Path, key: str = "") -> list[str]:
+    """Siblings of `out` left by a killed prepare on this host: builds of other inputs are removed (a
+    build of these inputs is resumed), the old data moved aside before a crash is put back when
+    `out` is missing. Returns what was done."""
     done: list[str] = []
     host = socket.gethostname()
-    for kind in ("tmp", "old"):
+    for kind in ("tmp", "build", "old"):
         for sib in sorted(out.parent.glob(f".{out.name}.{kind}-*")):
             owner = _owner(sib)
             if owner is None or owner.get("host") != host or _alive(int(owner.get("pid", 0))):
                 continue  # not ours, another machine's, or a prepare still running
+            if kind == "build" and sib == build_name(out, key):
+                continue  # resumed below
             if kind == "old" and not out.exists():
                 (sib / MARKER).unlink()
                 sib.rename(out)
@@ -111,14 +121,23 @@ def clean_leftovers(out: Path) -> list[str]:
     return done
 
 
-def start_build(out: Path) -> Path:
-    """A fresh hidden sibling of `out`, marked as ours."""
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists() and _owner(tmp) is not None:
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    _mark(tmp)
-    return tmp
+def start_build(out: Path, key: str) -> Path:
+    """The hidden sibling of `out` this build writes into, marked as ours; an unfinished build of the
+    same inputs is taken over with what it finished."""
+    build = build_name(out, key)
+    owner = _owner(build) if build.exists() else None
+    if build.exists() and owner is None:
+        raise DataError(f"{build} exists and is not a build of prepare's (fix: move it away)")
+    if (
+        owner is not None
+        and owner.get("host") == socket.gethostname()
+        and _alive(int(owner.get("pid", 0)))
+        and owner.get("pid") != os.getpid()
+    ):
+        raise DataError(f"another prepare (pid {owner.get('pid')}) is building {out} from the same inputs (fix: wait for it)")
+    build.mkdir(exist_ok=True)
+    _mark(build)
+    return build
 
 
 def _mark(folder: Path) -> None:
@@ -140,8 +159,3 @@ def finish_build(tmp: Path, out: Path) -> None:
     else:
         tmp.rename(out)
     (out / MARKER).unlink(missing_ok=True)
-
-
-def abandon_build(tmp: Path) -> None:
-    if tmp.exists() and _owner(tmp) is not None:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,37 +1,144 @@
-"""Reading a prepared directory, and the deterministic global order of training sequences."""
+"""Reading a prepared directory (a local folder or `s3://bucket/prefix`), and the deterministic
+global order of training sequences."""
 
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from aura_hpc.data import storage
 from aura_hpc.data.prepare import prepare_hint, read_manifest
 from aura_hpc.errors import DataError
 
+# The only token files a manifest may name: a name from a manifest (perhaps downloaded) never
+# leads outside the prepared directory.
+_TOKEN_FILE = re.compile(r"(shards/(train|val)-\d{5,}|train|val)\.bin")
+_TOKENIZER_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+@dataclass(frozen=True)
+class Shard:
+    split: str
+    file: str
+    tokens: int
+    sha256: str
+
+    def sequences(self, seq_len: int) -> int:
+        return max(0, (self.tokens - 1) // seq_len)
+
+
+def remote_manifest(url: str, policy: storage.Policy) -> dict[str, Any] | None:
+    try:
+        raw = storage.read_bytes(storage.join(url, "manifest.json"), policy)
+    except DataError as exc:
+        if "does not exist" in str(exc):
+            return None
+        raise
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise DataError(f"{storage.join(url, 'manifest.json')} is not JSON (fix: prepare the data there again with --force)") from None
+    return value if isinstance(value, dict) else None
+
 
 class PackedTokens:
-    """Memory-mapped train/val token streams cut into sequences of seq_len+1 tokens."""
+    """Train/val token streams cut into sequences of seq_len+1 tokens.
 
-    def __init__(self, path: str | Path, seq_len: int) -> None:
-        self.path = Path(path)
-        manifest = read_manifest(self.path)
+    A prepared directory holds shards (format 2: `shards/train-00000.bin`, ... listed in the
+    manifest) or one file per split (format 1: `train.bin`, `val.bin`). Each shard is cut into
+    sequences on its own (the few tokens at a shard's end that do not fill one are left out), and a
+    split's sequences are numbered shard after shard. A local shard is memory-mapped where it lies;
+    a shard in object storage is first fetched into the node's cache (`cache`), when first read.
+    """
+
+    def __init__(self, path: str | Path, seq_len: int, cache: Any = None) -> None:
+        self.location = str(path)
+        self.remote = storage.is_remote(self.location)
+        self.path = Path(path) if not self.remote else Path(storage.strip(self.location))
+        self.cache = cache
+        policy = cache.policy if cache is not None else storage.Policy()
+        if self.remote:
+            storage.check_url(self.location)
+            if cache is None:
+                raise DataError("reading s3:// data needs a cache (internal: pass a ShardCache)")
+            manifest = remote_manifest(self.location, policy)
+            hint = f"python -m aura_hpc prepare YOUR_TEXT --out {self.location}"
+        else:
+            manifest = read_manifest(self.path)
+            hint = prepare_hint(self.path)
         if manifest is None:
-            raise DataError(f"data.path {str(self.path)!r} is not a prepared directory (no manifest.json) (fix: {prepare_hint(self.path)})")
+            raise DataError(f"data.path {self.location!r} is not a prepared directory (no manifest.json) (fix: {hint})")
         self.manifest: dict[str, Any] = manifest
         self.seq_len = seq_len
-        dtype = np.dtype(manifest["dtype"])
-        self.splits: dict[str, np.ndarray] = {}
-        for split in ("train", "val"):
-            f = self.path / f"{split}.bin"
-            expected = int(manifest[f"{split}_tokens"])
-            size = f.stat().st_size if f.exists() else -1
-            if size != expected * dtype.itemsize:
-                raise DataError(
-                    f"{f} holds {max(size, 0) // dtype.itemsize} tokens but the manifest says {expected} (fix: re-run prepare with --force)"
-                )
-            self.splits[split] = np.memmap(f, dtype=dtype, mode="r") if expected else np.zeros(0, dtype=dtype)
+        self.dtype = np.dtype(manifest["dtype"])
+        listed = manifest.get("shards") or [
+            {"split": split, "file": f"{split}.bin", "tokens": int(manifest[f"{split}_tokens"]), "sha256": ""} for split in ("train", "val")
+        ]
+        self.shards: dict[str, list[Shard]] = {"train": [], "val": []}
+        for entry in listed:
+            shard = Shard(str(entry.get("split")), str(entry.get("file")), int(entry.get("tokens", 0)), str(entry.get("sha256", "")))
+            if shard.split not in self.shards or not _TOKEN_FILE.fullmatch(shard.file):
+                raise DataError(f"the manifest of {self.location} lists {shard.file!r}, not a token file (fix: prepare again with --force)")
+            if shard.tokens:
+                self.shards[shard.split].append(shard)
+        self._maps: dict[tuple[str, int], np.ndarray] = {}
+        if not self.remote:
+            for split, entries in self.shards.items():
+                for i, s in enumerate(entries):
+                    f = self.path / s.file
+                    size = f.stat().st_size if f.exists() else -1
+                    if size != s.tokens * self.dtype.itemsize:
+                        raise DataError(
+                            f"{f} holds {max(size, 0) // self.dtype.itemsize} tokens but the manifest says {s.tokens} "
+                            "(fix: re-run prepare with --force)"
+                        )
+                    self._maps[split, i] = np.memmap(f, dtype=self.dtype, mode="r")
+        self._starts = {split: np.concatenate([[0], np.cumsum(self.counts(split))]).astype(np.int64) for split in self.shards}
+        self._tokenizer_dir: Path | None = None
+        self._pinned: set[str] = set()
+
+    def counts(self, split: str) -> list[int]:
+        """Sequences per shard of `split`."""
+        return [s.sequences(self.seq_len) for s in self.shards[split]]
+
+    def url(self, shard: Shard) -> str:
+        return storage.join(self.location, shard.file)
+
+    def _map(self, split: str, i: int) -> np.ndarray:
+        m = self._maps.get((split, i))
+        if m is None:
+            s = self.shards[split][i]
+            local = self.cache.fetch(self.url(s), s.sha256, s.tokens * self.dtype.itemsize, keep=self._pinned)
+            m = self._maps[split, i] = np.memmap(local, dtype=self.dtype, mode="r")
+        return m
+
+    def fetch(self, split: str, shard_ids: list[int]) -> None:
+        """Make these shards local (a no-op for a local directory): the prefetch of what comes next."""
+        if self.remote:
+            for i in shard_ids:
+                self._map(split, i)
+
+    def pin(self, split: str, keep: set[int]) -> None:
+        """Only these shards of `split` are needed now: the others' mappings go, and the cache may
+        evict their files (never these) to make room."""
+        if self.remote:
+            self._pinned = {self.shards[split][i].sha256 for i in keep}
+            for key in [k for k in self._maps if k[0] == split and k[1] not in keep]:
+                del self._maps[key]
+
+    @property
+    def splits(self) -> dict[str, np.ndarray]:
+        """Each split's tokens as one array (a copy when there are several shards: for small data and tests)."""
+        out = {}
+        for s, entries in self.shards.items():
+            parts = [self._map(s, i) for i in range(len(entries))]
+            out[s] = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype)
+        return out
 
     @property
     def vocab_size(self) -> int:
@@ -43,45 +150,150 @@ class PackedTokens:
 
     @property
     def tokenizer_dir(self) -> Path:
-        return self.path / "tokenizer"
+        if not self.remote:
+            return self.path / "tokenizer"
+        if self._tokenizer_dir is None:
+            self._tokenizer_dir = self._fetch_tokenizer()
+        return self._tokenizer_dir
+
+    def _fetch_tokenizer(self) -> Path:
+        """The tokenizer folder, downloaded once into the cache (checked against the manifest's hash)."""
+        import os
+        import shutil
+
+        sha = str(self.manifest["tokenizer"].get("sha256", ""))
+        folder = self.cache.root / f"tokenizer-{sha[:16]}"
+        if (folder / "tokenizer.json").is_file():
+            return folder
+        policy = self.cache.policy
+        prefix = storage.join(self.location, "tokenizer")
+        tmp = folder.with_name(f".{folder.name}.{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            for url in storage.listing(prefix, policy):
+                name = url.rsplit("/", 1)[1]
+                if _TOKENIZER_FILE.fullmatch(name) and url == storage.join(prefix, name):
+                    storage.download(url, tmp / name, policy)
+            from aura_hpc.data.prepare import sha256_file
+
+            if not (tmp / "tokenizer.json").is_file() or sha256_file(tmp / "tokenizer.json") != sha:
+                raise DataError(
+                    f"{prefix}/tokenizer.json is missing or does not match the manifest (fix: prepare the data again with --force)"
+                )
+            try:
+                tmp.rename(folder)
+            except OSError:  # another rank of this node put it there first
+                shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return folder
 
     def num_sequences(self, split: str = "train") -> int:
-        return max(0, (len(self.splits[split]) - 1) // self.seq_len)
+        return int(self._starts[split][-1])
+
+    def locate(self, split: str, index: int) -> tuple[int, int]:
+        """(shard, sequence within the shard) of a split's sequence `index`."""
+        starts = self._starts[split]
+        shard = int(np.searchsorted(starts, index, side="right")) - 1
+        return shard, index - int(starts[shard])
 
     def sequences(self, split: str, indices: list[int]) -> np.ndarray:
         """A (len(indices), seq_len+1) int64 array: inputs are [:, :-1], targets [:, 1:]."""
-        data, t = self.splits[split], self.seq_len
-        return np.stack([np.asarray(data[i * t : i * t + t + 1], dtype=np.int64) for i in indices])
+        t = self.seq_len
+        out = np.empty((len(indices), t + 1), dtype=np.int64)
+        for row, i in enumerate(indices):
+            shard, local = self.locate(split, i)
+            out[row] = self._map(split, shard)[local * t : local * t + t + 1]
+        return out
 
 
 class GlobalOrder:
-    """Sample order: a fresh seeded permutation of all sequences per epoch.
+    """Sample order: global sample position p maps to one training sequence, the same for the same
+    (seed, p) at any world size, so a resumed run sees exactly the batches it would have seen.
 
-    Global sample position p maps to (epoch, offset); the same (seed, p) always gives the same
-    sequence, so a resumed run sees exactly the batches it would have seen.
+    Each epoch shuffles the sequences of `window` shards at a time: the shards in a seeded order,
+    cut into windows, and the sequences of each window in a seeded permutation. With one window
+    (window 0, or at least as many as there are shards) it is a permutation of all sequences; with
+    smaller windows a node needs only the current window's shards (data in object storage), and the
+    position is a window and an offset in it.
     """
 
-    def __init__(self, n: int, seed: int) -> None:
-        if n <= 0:
+    def __init__(self, counts: list[int] | int, seed: int, window: int = 0) -> None:
+        counts = [counts] if isinstance(counts, int) else list(counts)
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.n = int(self.counts.sum())
+        if self.n <= 0:
             raise DataError("the training split has no complete sequence (fix: more data or a smaller data.seq_len)")
-        self.n, self.seed = n, seed
-        self._cache: dict[int, np.ndarray] = {}
+        self.seed = seed
+        self.window = window if 0 < window < len(counts) else len(counts)
+        self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+        self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
 
-    def _perm(self, epoch: int) -> np.ndarray:
-        perm = self._cache.get(epoch)
-        if perm is None:
-            if len(self._cache) > 2:
-                self._cache.pop(min(self._cache))
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-            self._cache[epoch] = perm
-        return perm
+    @property
+    def single(self) -> bool:
+        return self.window >= len(self.counts)
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch's shard order and the first sequence position of each of its windows."""
+        got = self._epochs.get(epoch)
+        if got is None:
+            if len(self._epochs) > 2:
+                self._epochs.pop(min(self._epochs))
+            order = (
+                np.arange(len(self.counts)) if self.single else np.random.default_rng([self.seed, epoch, 0]).permutation(len(self.counts))
+            )
+            sizes = [int(self.counts[order[w : w + self.window]].sum()) for w in range(0, len(order), self.window)]
+            got = self._epochs[epoch] = (order, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
+        return got
+
+    def window_shards(self, epoch: int, w: int) -> list[int]:
+        order, _ = self._epoch(epoch)
+        return [int(s) for s in order[w * self.window : (w + 1) * self.window]]
+
+    def _perm(self, epoch: int, w: int) -> np.ndarray:
+        """Window w of the epoch, as the global sequence ids in their shuffled order."""
+        got = self._perms.get((epoch, w))
+        if got is None:
+            if len(self._perms) > 3:
+                self._perms.pop(min(self._perms))
+            if self.single:  # the order of format-1 data and of runs before windows: kept exactly
+                got = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+            else:
+                ids = np.concatenate([np.arange(self.starts[s], self.starts[s + 1]) for s in self.window_shards(epoch, w)])
+                got = ids[np.random.default_rng([self.seed, epoch, w + 1]).permutation(len(ids))]
+            self._perms[epoch, w] = got
+        return got
+
+    def where(self, position: int) -> tuple[int, int, int]:
+        """(epoch, window, offset in the window) of a global sample position."""
+        epoch, off = divmod(position, self.n)
+        _, bounds = self._epoch(epoch)
+        w = int(np.searchsorted(bounds, off, side="right")) - 1
+        return epoch, w, off - int(bounds[w])
 
     def indices(self, start: int, count: int) -> list[int]:
         out = []
         for p in range(start, start + count):
-            epoch, off = divmod(p, self.n)
-            out.append(int(self._perm(epoch)[off]))
+            epoch, w, off = self.where(p)
+            out.append(int(self._perm(epoch, w)[off]))
         return out
+
+    def windows_for(self, start: int, count: int) -> list[tuple[int, int]]:
+        """The (epoch, window) pairs positions [start, start+count) fall in, in order."""
+        out: list[tuple[int, int]] = []
+        p = start
+        while p < start + count:
+            epoch, w, off = self.where(p)
+            out.append((epoch, w))
+            _, bounds = self._epoch(epoch)
+            p += int(bounds[w + 1] - bounds[w]) - off
+        return out
+
+    def next_window(self, epoch: int, w: int) -> tuple[int, int]:
+        _, bounds = self._epoch(epoch)
+        return (epoch, w + 1) if w + 2 < len(bounds) else (epoch + 1, 0)
 
 
 def batch_start(step: int, micro: int, rank: int, world: int, batch: int, accum: int) -> int:

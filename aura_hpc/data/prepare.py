@@ -1,11 +1,13 @@
 """`python -m aura_hpc prepare`: text in, a shareable prepared directory out.
 
-Layout of a prepared directory (copy it, or put it on NFS for all nodes):
-    train.bin, val.bin   packed token ids (uint16 when the vocabulary fits, else uint32)
+Layout of a prepared directory (copy it, put it on NFS for all nodes, or in a bucket):
+    shards/train-NNNNN.bin, shards/val-NNNNN.bin   packed token ids of each piece of the input
+                                                   (uint16 when the vocabulary fits, else uint32)
     tokenizer/           a transformers-loadable tokenizer folder
-    manifest.json        written last: sources, token counts, dtype, tokenizer hash
-The directory is built under a temporary name and renamed into place, so a half-written
-prepare never looks complete.
+    manifest.json        written last: sources, shards with token counts and hashes, dtype, tokenizer hash
+The directory is built under a hidden name and renamed into place (uploaded, manifest last, for
+s3://), so a half-written prepare never looks complete; the pieces it finished are kept for the
+next run of the same inputs (shards.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,20 +27,19 @@ from typing import Any
 
 import numpy as np
 
-from aura_hpc.data import out_dir
+from aura_hpc.data import out_dir, shards, storage
 from aura_hpc.data.tokenizer import load_tokenizer, train_tokenizer
 from aura_hpc.errors import DataError
 
 log = logging.getLogger("aura_hpc")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: shards/ and a manifest listing them (1: train.bin and val.bin, still read)
 TEXT_SUFFIXES = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-_BATCH_CHARS = 1 << 20  # text per encode_batch call: big enough for the Rust thread pool to pay off
 
 
 @dataclass
 class PrepareSpec:
-    out_dir: Path
+    out_dir: Path | str  # a folder, or s3://bucket/prefix
     inputs: list[str] = field(default_factory=list)
     dataset: str | None = None  # a Hugging Face dataset name (or a local dataset folder), streamed
     subset: str | None = None
@@ -49,27 +51,39 @@ class PrepareSpec:
     val_fraction: float = 0.01
     builtin: bool = False  # the package's own corpus
     force: bool = False
-
-
-@dataclass
-class _Unit:
-    text: str
-    end_of_doc: bool
+    workers: int = 1  # processes encoding pieces at once (the output does not depend on it)
+    shard_mb: float = 64.0  # text per piece (one train and one validation shard each)
+    tokenizer_sample_mb: float = 256.0  # text the tokenizer is trained on, taken evenly from the pieces
+    cache_dir: str = ""  # where an --out in object storage is built before it is uploaded
 
 
 def input_folders(inputs: list[str]) -> list[Path]:
-    """The folders among the inputs (given or matched by a glob), resolved."""
+    """The local folders among the inputs (given or matched by a glob), resolved."""
     found = []
     for item in inputs:
+        if storage.is_remote(item):
+            continue
         matches = [Path(m) for m in sorted(glob.glob(item, recursive=True))] if glob.has_magic(item) else [Path(item)]
         found += [m.resolve() for m in matches if m.is_dir()]
     return found
 
 
-def resolve_inputs(inputs: list[str]) -> list[Path]:
-    """Files, folders (recursive) and globs to a sorted list of supported files."""
-    files: list[Path] = []
+def _suffix(name: str) -> str:
+    return os.path.splitext(name.rsplit("/", 1)[-1])[1].lower()
+
+
+def resolve_inputs(inputs: list[str]) -> list[Path | str]:
+    """Files, folders (recursive), globs and s3:// prefixes to a sorted list of supported files
+    (local ones as resolved Paths, objects as s3:// URLs)."""
+    files: list[Path | str] = []
     for item in inputs:
+        if storage.is_remote(item):
+            storage.check_url(item, "input")
+            found = [u for u in storage.objects(item.rstrip("/") if not glob.has_magic(item) else item) if _suffix(u) in TEXT_SUFFIXES]
+            if not found:
+                raise DataError(f"no .txt/.jsonl/.parquet objects at {item} (fix: check the bucket and prefix)")
+            files += found
+            continue
         matches = [Path(m) for m in sorted(glob.glob(item, recursive=True))] if glob.has_magic(item) else [Path(item)]
         if not matches or not all(m.exists() for m in matches):
             raise DataError(f"input {item!r} does not exist (fix: pass .txt/.jsonl/.parquet files, a folder or a glob)")
@@ -82,15 +96,17 @@ def resolve_inputs(inputs: list[str]) -> list[Path]:
                 raise DataError(f"input {str(m)!r} has an unsupported type {m.suffix!r} (fix: use {', '.join(TEXT_SUFFIXES)})")
     if not files:
         raise DataError(f"no .txt/.jsonl/.parquet files found in {inputs} (fix: point at the files or their folder)")
-    return sorted({f.resolve() for f in files})
+    local = sorted({f.resolve() for f in files if isinstance(f, Path)})
+    remote = sorted({f for f in files if isinstance(f, str)})
+    return [*local, *remote]
 
 
-def _split_paragraphs(text: str) -> list[str]:
+def split_paragraphs(text: str) -> list[str]:
     parts = [p for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
     return [p.strip("\n") + "\n\n" for p in parts]
 
 
-def _records(
+def records(
     builder: str, data_files: list[str] | None, name: str | None, subset: str | None, split: str, column: str, source: str
 ) -> Iterator[str]:
     """Stream the text column of a dataset through `datasets` (hub name or local files)."""
@@ -123,35 +139,6 @@ def _records(
             yield text
 
 
-def iter_units(spec: PrepareSpec, files: list[Path]) -> Iterator[_Unit]:
-    """Text units in a fixed order; a unit is what goes wholly to train or to validation."""
-    if spec.builtin:
-        from aura_hpc.data.corpus import generate
-
-        for para in _split_paragraphs(generate()):
-            yield _Unit(para, False)
-        yield _Unit("", True)
-        return
-    if spec.dataset:
-        for text in _records("", None, spec.dataset, spec.subset, spec.split, spec.text_column, spec.dataset):
-            yield _Unit(text, True)
-        return
-    for f in files:
-        kind = TEXT_SUFFIXES[f.suffix.lower()]
-        if kind == "text":
-            try:
-                text = f.read_text(encoding="utf-8")
-            except UnicodeDecodeError as exc:
-                raise DataError(f"{f} is not UTF-8 text ({exc.reason} at byte {exc.start}) (fix: convert it with iconv -t utf-8)") from None
-            check_text(f, text)
-            paras = _split_paragraphs(text)
-            for i, para in enumerate(paras):
-                yield _Unit(para, i == len(paras) - 1)
-        else:
-            for text in _records(kind, [str(f)], None, None, "train", spec.text_column, str(f)):
-                yield _Unit(text, True)
-
-
 def check_text(source: Path | str, text: str) -> None:
     """Refuse what is not text before the tokenizer trainer sees it: NUL bytes (a binary file, or a
     disk image) make one giant pre-token, and byte-level BPE training then runs for hours."""
@@ -163,7 +150,7 @@ def check_text(source: Path | str, text: str) -> None:
         )
 
 
-def input_key(spec: PrepareSpec, files: list[Path]) -> str:
+def input_key(spec: PrepareSpec, files: list[Path | str]) -> str:
     """What the output depends on; an equal key means re-running is a no-op."""
     key: dict[str, Any] = {
         "format": FORMAT_VERSION,
@@ -171,6 +158,8 @@ def input_key(spec: PrepareSpec, files: list[Path]) -> str:
         "vocab_size": spec.vocab_size,
         "val_fraction": spec.val_fraction,
         "text_column": spec.text_column,
+        "shard_mb": spec.shard_mb,
+        "tokenizer_sample_mb": spec.tokenizer_sample_mb,
     }
     if spec.builtin:
         from aura_hpc.data.corpus import CORPUS_VERSION
@@ -179,14 +168,21 @@ def input_key(spec: PrepareSpec, files: list[Path]) -> str:
     elif spec.dataset:
         key["dataset"] = [spec.dataset, spec.subset, spec.split]
     else:
-        key["files"] = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+        remote = storage.objects if any(isinstance(f, str) for f in files) else None
+        listed: dict[str, tuple[int, str]] = {}
+        for f in files:
+            if isinstance(f, str) and f not in listed and remote is not None:
+                listed.update(remote(f))
+        key["files"] = [
+            [str(f), f.stat().st_size, f.stat().st_mtime_ns] if isinstance(f, Path) else [f, *listed.get(f, (0, ""))] for f in files
+        ]
     if spec.tokenizer:
         tok_json = Path(spec.tokenizer) / "tokenizer.json"
-        key["tokenizer"] = _sha256_file(tok_json) if tok_json.exists() else spec.tokenizer
+        key["tokenizer"] = sha256_file(tok_json) if tok_json.exists() else spec.tokenizer
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -207,8 +203,15 @@ def tokenizer_vocab(cfg: Any) -> int:
     """The prepared data's vocabulary; for data not prepared yet (the built-in corpus) data.vocab_size, an upper bound."""
     if cfg.data.path:
         try:
-            return int(json.loads((Path(cfg.data.path) / "manifest.json").read_text())["tokenizer"]["vocab_size"])
-        except (OSError, ValueError, KeyError):
+            if cfg.data.path.startswith("s3://"):
+                from aura_hpc.data.packed import remote_manifest
+                from aura_hpc.data.storage import Policy
+
+                manifest = remote_manifest(cfg.data.path, Policy(tries=cfg.data.read_tries, timeout_s=cfg.data.read_timeout_s)) or {}
+            else:
+                manifest = json.loads((Path(cfg.data.path) / "manifest.json").read_text())
+            return int(manifest["tokenizer"]["vocab_size"])
+        except (OSError, ValueError, KeyError, DataError):
             pass
     return cfg.model.vocab_size or cfg.data.vocab_size
 
@@ -231,16 +234,29 @@ def prepare(spec: PrepareSpec) -> dict[str, Any]:
     if not spec.builtin and not spec.dataset and not spec.inputs:
         raise DataError("nothing to prepare (fix: pass input files/folders/globs, or --dataset NAME)")
     files = [] if (spec.builtin or spec.dataset) else resolve_inputs(spec.inputs)
+    key = input_key(spec, files)
+    if storage.is_remote(str(spec.out_dir)):
+        from aura_hpc.data.cache import default_dir
+        from aura_hpc.data.to_bucket import prepare_to_bucket
+
+        started = time.perf_counter()
+
+        def build_here(build: Path) -> dict[str, Any]:
+            manifest = _build(spec, files, build, key)
+            manifest["elapsed_s"] = round(time.perf_counter() - started, 3)
+            return manifest
+
+        return prepare_to_bucket(spec, key, build_here, Path(spec.cache_dir) if spec.cache_dir else default_dir())
     out = Path(spec.out_dir).expanduser().absolute()
     if out.parent.is_dir():
-        for note in out_dir.clean_leftovers(out):
+        for note in out_dir.clean_leftovers(out, key):
             log.info("%s", note)
-    key = input_key(spec, files)
     existing = read_manifest(out)
     if existing and existing.get("input_key") == key and not spec.force:
         existing["up_to_date"] = True
         return existing
-    out_dir.check_out_dir(out, files, [] if spec.builtin or spec.dataset else input_folders(spec.inputs), existing, spec.force)
+    local_files = [f for f in files if isinstance(f, Path)]
+    out_dir.check_out_dir(out, local_files, [] if spec.builtin or spec.dataset else input_folders(spec.inputs), existing, spec.force)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -249,88 +265,40 @@ def prepare(spec: PrepareSpec) -> dict[str, Any]:
         raise DataError(f"cannot write to {out.parent} (fix: choose a writable --out, or fix its permissions)")
 
     t0 = time.perf_counter()
-    tmp = out_dir.start_build(out)
-    try:
-        manifest = _build(spec, files, tmp, key)
-        manifest["elapsed_s"] = round(time.perf_counter() - t0, 3)
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
-        _fsync_tree(tmp)
-        out_dir.finish_build(tmp, out)
-    except BaseException:
-        out_dir.abandon_build(tmp)
-        raise
+    build = out_dir.start_build(out, key)  # the same inputs find their unfinished build again
+    manifest = _build(spec, files, build, key)
+    manifest["elapsed_s"] = round(time.perf_counter() - t0, 3)
+    (build / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
+    _fsync_tree(build)
+    out_dir.finish_build(build, out)
     manifest["up_to_date"] = False
     return manifest
 
 
-def _build(spec: PrepareSpec, files: list[Path], tmp: Path, key: str) -> dict[str, Any]:
-    # Tokenizer parallelism is what makes encode_batch fast; it must be on in this process.
-    os.environ["TOKENIZERS_PARALLELISM"] = "true"
-    tok_dir = tmp / "tokenizer"
-    if spec.tokenizer:
-        tok = load_tokenizer(spec.tokenizer, tok_dir)
-        tok_source = spec.tokenizer
-    else:
-        tok = train_tokenizer((u.text for u in iter_units(spec, files) if u.text), spec.vocab_size, tok_dir)
-        tok_source = f"byte-level BPE trained here (--vocab-size {spec.vocab_size})"
-    backend, vocab, eos = tok.backend, tok.vocab_size, tok.eos_id
-    dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
-
-    counts = {"train": 0, "val": 0}
-    hashes = {"train": hashlib.sha256(), "val": hashlib.sha256()}
-    units_total = 0
+def _build(spec: PrepareSpec, files: list[Path | str], build: Path, key: str) -> dict[str, Any]:
+    """The tokenizer (once), every piece's shards (in parallel, resumable), and the manifest."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"  # encode_batch's Rust threads are what makes it fast
+    pieces = shards.plan(files, TEXT_SUFFIXES, int(spec.shard_mb * 2**20), spec.dataset, spec.builtin)
+    tok_dir = build / "tokenizer"
+    tok, tok_source = _tokenizer(spec, pieces, tok_dir)
+    dtype = np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+    single = len(pieces) == 1  # one piece (a Hub dataset): its budget applies while it is read
+    jobs = [
+        shards.Job(p, str(build), str(tok_dir / "tokenizer.json"), tok.eos_id, np.dtype(dtype).name, spec.val_fraction,
+                   spec.text_column, spec.subset, spec.split, spec.max_tokens if single else 0)
+        for p in pieces
+    ]  # fmt: skip
     t_enc = time.perf_counter()
-    with open(tmp / "train.bin", "wb") as f_train, open(tmp / "val.bin", "wb") as f_val:
-        sinks = {"train": f_train, "val": f_val}
-        done = False
-        batch: list[_Unit] = []
-        chars = 0
-
-        def flush() -> bool:
-            """Encode a batch of units in parallel (Rust threads) and append them to their split."""
-            nonlocal units_total
-            encs = backend.encode_batch([u.text for u in batch], add_special_tokens=False)
-            out: dict[str, list[int]] = {"train": [], "val": []}
-            full = False
-            for u, enc in zip(batch, encs, strict=True):
-                ids = enc.ids
-                if u.end_of_doc:
-                    ids.append(eos)
-                split = "val" if _is_val(units_total, spec.val_fraction) else "train"
-                units_total += 1
-                if spec.max_tokens:
-                    room = spec.max_tokens - counts["train"] - counts["val"] - len(out["train"]) - len(out["val"])
-                    if room <= len(ids):
-                        ids, full = ids[:room], True
-                out[split].extend(ids)
-                if full:
-                    break
-            for split, ids in out.items():
-                if ids:
-                    data = np.array(ids, dtype=dtype).tobytes()
-                    sinks[split].write(data)
-                    hashes[split].update(data)
-                    counts[split] += len(ids)
-            return full
-
-        for unit in iter_units(spec, files):
-            batch.append(unit)
-            chars += len(unit.text)
-            if chars >= _BATCH_CHARS:
-                done = flush()
-                batch, chars = [], 0
-                if done:
-                    break
-        if batch and not done:
-            flush()
+    records = shards.encode_all(jobs, max(1, spec.workers), spec.max_tokens)
     encode_s = time.perf_counter() - t_enc
-    if counts["train"] + counts["val"] == 0:
+    listed = shards.shard_list(records)
+    if not listed:
         raise DataError("the inputs contain no text (fix: check the files or --text-column)")
-    if counts["val"] == 0:
-        # Too few units for a unit-level split (e.g. one paragraph): take the tail of train.
-        _move_tail_to_val(tmp, dtype, counts, hashes, spec.val_fraction)
+    if not any(s["split"] == "val" for s in listed):
+        listed = _move_tail_to_val(build, listed, np.dtype(dtype), spec.val_fraction)
+    _keep_only(build, listed)
+    counts = {split: sum(s["tokens"] for s in listed if s["split"] == split) for split in ("train", "val")}
     sources = [spec.dataset] if spec.dataset else (["builtin:aura-es-v1"] if spec.builtin else [str(f) for f in files])
-    total = counts["train"] + counts["val"]
     return {
         "format": FORMAT_VERSION,
         "input_key": key,
@@ -340,33 +308,78 @@ def _build(spec: PrepareSpec, files: list[Path], tmp: Path, key: str) -> dict[st
         else None,
         "tokenizer": {
             "source": tok_source,
-            "vocab_size": vocab,
-            "eos_id": eos,
-            "sha256": _sha256_file(tok_dir / "tokenizer.json"),
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+            "sha256": sha256_file(tok_dir / "tokenizer.json"),
         },
         "dtype": np.dtype(dtype).name,
         "train_tokens": counts["train"],
         "val_tokens": counts["val"],
-        "units": units_total,
-        "data_sha256": hashlib.sha256((hashes["train"].hexdigest() + hashes["val"].hexdigest()).encode()).hexdigest(),
-        "encode_tokens_per_s": round(total / encode_s) if encode_s > 0 else None,
+        "shards": listed,
+        "pieces": len(pieces),
+        "data_sha256": hashlib.sha256("".join(s["sha256"] for s in listed).encode()).hexdigest(),
+        "encode_tokens_per_s": round((counts["train"] + counts["val"]) / encode_s) if encode_s > 0 else None,
+        "workers": spec.workers,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
 
-def _is_val(i: int, fraction: float) -> bool:
-    """Every ~1/fraction-th unit, spread evenly through the corpus."""
-    return int((i + 1) * fraction) > int(i * fraction)
+def _tokenizer(spec: PrepareSpec, pieces: list[shards.Piece], tok_dir: Path) -> tuple[Any, str]:
+    """The tokenizer, made once per build: loaded, or trained on an even sample of the pieces
+    (--tokenizer-sample-mb spread over them; all of a small corpus). A resumed build keeps it."""
+    from aura_hpc.data.tokenizer import read_saved
+
+    done = tok_dir.parent / "tokenizer.done"
+    if done.is_file() and (tok_dir / "tokenizer.json").is_file():
+        return read_saved(tok_dir), done.read_text(encoding="utf-8")
+    if tok_dir.exists():
+        shutil.rmtree(tok_dir)
+    if spec.tokenizer:
+        tok, source = load_tokenizer(spec.tokenizer, tok_dir), spec.tokenizer
+    else:
+        share = spec.tokenizer_sample_mb * 2**20 / len(pieces)
+
+        def sample() -> Iterator[str]:
+            for p in pieces:
+                taken = 0
+                for text, _ in shards.piece_texts(
+                    shards.Job(p, str(tok_dir.parent), "", 0, "uint16", spec.val_fraction, spec.text_column, spec.subset, spec.split)
+                ):
+                    if text:
+                        yield text
+                        taken += len(text)
+                    if taken >= share:
+                        break
+
+        tok = train_tokenizer(sample(), spec.vocab_size, tok_dir)
+        source = f"byte-level BPE trained here (--vocab-size {spec.vocab_size}, on up to {spec.tokenizer_sample_mb:g} MB of the text)"
+    done.write_text(source, encoding="utf-8")
+    return tok, source
 
 
-def _move_tail_to_val(tmp: Path, dtype: Any, counts: dict[str, int], hashes: dict[str, Any], fraction: float) -> None:
-    train = np.fromfile(tmp / "train.bin", dtype=dtype)
+def _move_tail_to_val(build: Path, listed: list[dict[str, Any]], dtype: np.dtype, fraction: float) -> list[dict[str, Any]]:
+    """Too few units for a unit-level split (e.g. one paragraph): the tail of the last train shard."""
+    last = next(s for s in reversed(listed) if s["split"] == "train")
+    train = np.fromfile(build / last["file"], dtype=dtype)
     n_val = max(1, int(len(train) * fraction))
     keep, val = train[:-n_val], train[-n_val:]
-    keep.tofile(tmp / "train.bin")
-    val.tofile(tmp / "val.bin")
-    counts["train"], counts["val"] = len(keep), len(val)
-    hashes["train"], hashes["val"] = hashlib.sha256(keep.tobytes()), hashlib.sha256(val.tobytes())
+    keep.tofile(build / last["file"])
+    val_file = last["file"].replace("/train-", "/val-")
+    val.tofile(build / val_file)
+    last.update(tokens=len(keep), sha256=hashlib.sha256(keep.tobytes()).hexdigest())
+    return [*listed, {"split": "val", "file": val_file, "tokens": len(val), "sha256": hashlib.sha256(val.tobytes()).hexdigest()}]
+
+
+def _keep_only(build: Path, listed: list[dict[str, Any]]) -> None:
+    """The finished directory holds what the manifest lists: the build's records and the shards past
+    a token budget go."""
+    wanted = {s["file"] for s in listed}
+    for f in (build / shards.SHARDS).iterdir():
+        if f"{shards.SHARDS}/{f.name}" not in wanted:
+            f.unlink()
+    shutil.rmtree(build / shards.DONE, ignore_errors=True)
+    shutil.rmtree(build / "inputs", ignore_errors=True)  # local copies of Parquet/JSON objects
+    (build / "tokenizer.done").unlink(missing_ok=True)
 
 
 def _fsync_tree(root: Path) -> None:

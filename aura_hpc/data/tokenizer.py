@@ -98,3 +98,15 @@ def load_tokenizer(name_or_path: str, out: Path) -> _Tok:
     tok.save_pretrained(str(out))
     _portable_tokenizer_class(out)
     return _Tok(tok.backend_tokenizer, len(tok), int(tok.eos_token_id))
+
+
+def read_saved(folder: Path) -> _Tok:
+    """A tokenizer folder this package wrote (a resumed build's): `tokenizers` alone."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos = _special_token(folder, "eos_token") or EOS_TOKEN
+    eos_id = backend.token_to_id(eos)
+    if eos_id is None:
+        raise DataError(f"tokenizer in {folder} has no eos token (fix: prepare again with --force)")
+    return _Tok(backend, backend.get_vocab_size(with_added_tokens=True), int(eos_id))

@@ -19,7 +19,16 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from aura_hpc.errors import EXIT_DIVERGED, EXIT_GPU_FAULT, EXIT_RESUMABLE, EXIT_TRAIN_FAILED, EXIT_USER_ERROR, LaunchError, TrainingFailed
+from aura_hpc.errors import (
+    EXIT_DATA_UNAVAILABLE,
+    EXIT_DIVERGED,
+    EXIT_GPU_FAULT,
+    EXIT_RESUMABLE,
+    EXIT_TRAIN_FAILED,
+    EXIT_USER_ERROR,
+    LaunchError,
+    TrainingFailed,
+)
 from aura_hpc.launch.plan import LocalPlan
 
 RDZV_RUN_ID = "aura_hpc"
@@ -108,6 +117,9 @@ def run_workers(plan: LocalPlan) -> int:
         codes = [f.exitcode for f in exc.failures.values()]
         if EXIT_RESUMABLE in codes and all(c in (EXIT_RESUMABLE, -signal.SIGTERM) for c in codes):
             return _resumable(plan, "a stop signal to the workers")
+        if EXIT_DATA_UNAVAILABLE in codes and all(c in (EXIT_DATA_UNAVAILABLE, -signal.SIGTERM) for c in codes):
+            console.error(_data_unavailable_line(plan))
+            return EXIT_DATA_UNAVAILABLE
         if any(f.exitcode == EXIT_GPU_FAULT for f in exc.failures.values()):
             console.error(
                 f"the GPU circuit breaker stopped training (see {plan.cfg.run_dir / 'logs'}): take this machine's GPU out of "
@@ -233,6 +245,18 @@ def _resume_hint(plan: LocalPlan) -> str:
     ckpts = checkpoint.list_complete(plan.cfg.run_dir / "checkpoints")
     where = f"from {ckpts[0].path.name}" if ckpts else "(no checkpoint yet: it starts from step 0)"
     return f"to resume {where}, fix the cause and re-run the same command"
+
+
+def _data_unavailable_line(plan: LocalPlan) -> str:
+    """Rank 0's own line about the data that could not be read (its log holds it)."""
+    log = plan.cfg.run_dir / "logs" / "rank_0.log"
+    try:
+        lines = [ln for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if "data unavailable: " in ln]
+    except OSError:
+        lines = []
+    if lines:
+        return lines[-1].split("data unavailable: ", 1)[1]
+    return f"the training data could not be read (see {log}); re-run the same command to resume once it can be read"
 
 
 def _resumable(plan: LocalPlan, why: str) -> int:

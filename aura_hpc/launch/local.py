@@ -130,7 +130,7 @@ def plan_local(
         overrides = [*overrides, f"dist.backend={backend}"]
     cfg = load_config(config, overrides, output_dir, run_name)
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
-    if cfg.data.path:
+    if cfg.data.path and "://" not in cfg.data.path:
         cfg.data.path = str(Path(cfg.data.path).expanduser().resolve())
     if nnodes < 1:
         raise LaunchError(f"--nnodes must be at least 1, got {nnodes} (fix: --nnodes 1 for this machine alone)")

@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from aura_hpc.config import RunConfig, embedding_rows, load_run_file
 from aura_hpc.errors import ConfigError, DataError, LaunchError
@@ -38,7 +39,13 @@ def _check_same_tokenizer(cfg: RunConfig) -> None:
     if ckpt is None or not cfg.data.path:
         return
     theirs = _file_digest(ckpt / "tokenizer" / "tokenizer.json")
-    ours = _file_digest(Path(cfg.data.path) / "tokenizer" / "tokenizer.json")
+    if cfg.data.path.startswith("s3://"):  # the manifest holds the hash of its tokenizer.json
+        from aura_hpc.data.cache import for_data
+        from aura_hpc.data.packed import PackedTokens
+
+        ours = PackedTokens(cfg.data.path, cfg.data.seq_len, cache=for_data(cfg.data)).manifest["tokenizer"].get("sha256")
+    else:
+        ours = _file_digest(Path(cfg.data.path) / "tokenizer" / "tokenizer.json")
     if theirs is not None and ours is not None and theirs != ours:
         raise DataError(
             f"data.path {cfg.data.path} was prepared with another tokenizer than the one run {cfg.run_dir} was trained with "
@@ -85,31 +92,35 @@ def _check_resume_compatible(cfg: RunConfig, world_size: int) -> None:
 
 def preflight_data(cfg: RunConfig, world_size: int) -> None:
     """Data checks that need no GPU: refuse before any worker starts."""
-    from aura_hpc.data.prepare import prepare_hint, read_manifest
+    from aura_hpc.data import storage
+    from aura_hpc.data.cache import for_data
+    from aura_hpc.data.packed import PackedTokens
+    from aura_hpc.data.prepare import prepare_hint
 
+    remote = storage.is_remote(cfg.data.path)
     path = Path(cfg.data.path)
-    if path.is_file():
+    if not remote and path.is_file():
         out = path.with_name(f"{path.stem}-prepared")
         raise DataError(
             f"data.path {path} is a file; the trainer reads a prepared directory (tokenizer + packed tokens) "
             f"(fix: python -m aura_hpc prepare {path} --out {out}, then --set data.path={out})"
         )
-    m = read_manifest(path)
-    if m is None:
+    if not remote and not (path / "manifest.json").is_file():
         raise DataError(f"data.path {path} is not a prepared directory (no manifest.json) (fix: {prepare_hint(path)})")
-    vocab = int(m["tokenizer"]["vocab_size"])
+    cache = for_data(cfg.data)
+    data = PackedTokens(cfg.data.path, cfg.data.seq_len, cache=cache)  # local token files present and as long as the manifest says
+    vocab = data.vocab_size
     if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
         raise ConfigError(
             f"model.vocab_size {cfg.model.vocab_size} does not match the data's tokenizer ({vocab}) "
             "(fix: --set model.vocab_size=0 to take it from the data)"
         )
     embedding_rows(cfg.model, vocab)
-    from aura_hpc.data.packed import PackedTokens
-
-    PackedTokens(cfg.data.path, cfg.data.seq_len)  # token files present and as long as the manifest says
-    check_sample_prompt(cfg, path / "tokenizer")
+    if remote:
+        check_remote_shards(data, cfg)
+    check_sample_prompt(cfg, data.tokenizer_dir)
     t = cfg.train
-    sequences = max(0, (int(m["train_tokens"]) - 1) // cfg.data.seq_len)
+    sequences = data.num_sequences("train")
     effective = t.batch_size * world_size * t.grad_accum
     if sequences < effective and not t.allow_oversubscription:
         raise DataError(
@@ -118,6 +129,38 @@ def preflight_data(cfg: RunConfig, world_size: int) -> None:
             f"{t.grad_accum} accumulation) "
             "(fix: more data, a smaller train.batch_size/data.seq_len, fewer processes, or "
             "--set train.allow_oversubscription=true to repeat the data)"
+        )
+
+
+def check_remote_shards(data: Any, cfg: RunConfig) -> None:
+    """Every shard the manifest lists is in the bucket at its size (one listing, no download), and
+    what a node must hold at once fits its cache."""
+    from aura_hpc.data import storage
+
+    found = storage.listing(storage.join(data.location, "shards"), data.cache.policy)
+    width = data.dtype.itemsize
+    for split in ("train", "val"):
+        for shard in data.shards[split]:
+            url = data.url(shard)
+            if url not in found:
+                raise DataError(
+                    f"{url} is missing: the manifest lists it (fix: upload the prepared directory again, or prepare it again with --force)"
+                )
+            if found[url] != shard.tokens * width:
+                raise DataError(
+                    f"{url} is {found[url]} bytes, the manifest says {shard.tokens * width} "
+                    "(fix: upload it again, or prepare again with --force)"
+                )
+    train = sorted((s.tokens * width for s in data.shards["train"]), reverse=True)
+    window = cfg.data.shuffle_window if 0 < cfg.data.shuffle_window < len(train) else len(train)
+    need = sum(train[: 2 * window]) + sum(s.tokens * width for s in data.shards["val"])
+    if need > data.cache.max_bytes:
+        shards_fit = max(1, int(data.cache.max_bytes / 2 / max(train[0], 1)) - 1)
+        raise DataError(
+            f"each node must hold {need / 2**30:.2f} GB of shards at once "
+            f"({'all of them' if window == len(train) else f'2 windows of {window}'}) "
+            f"and data.cache_gb is {cfg.data.cache_gb:g} (fix: --set data.cache_gb={need / 2**30 * 1.1:.1f}, or "
+            f"--set data.shuffle_window={shards_fit} to shuffle fewer shards together)"
         )
 
 

@@ -17,6 +17,11 @@ def load_ps_config(
     extra += [f"ps.workers={workers}"] if workers is not None else []
     cfg = load_config(config, [*overrides, *extra], output_dir, run_name)
     cfg.output_dir = str(Path(cfg.output_dir).expanduser().resolve())
+    if cfg.data.path.startswith("s3://"):
+        raise ConfigError(
+            "the parameter server and its workers read a local prepared directory, not s3:// (fix: copy it to each machine, "
+            "e.g. aws s3 sync, and --set data.path=THAT_FOLDER)"
+        )
     if cfg.data.path:
         cfg.data.path = str(Path(cfg.data.path).expanduser().resolve())
     if cfg.train.stop_at:

@@ -83,7 +83,7 @@ def build_replica(cfg: RunConfig, device: torch.device) -> Replica:
     loss_model = LanguageModelLoss(
         model, chunked=uses_chunked_loss(cfg.train.loss, cfg.train.precision, device.type == "cuda"), compute_dtype=autocast_dtype
     )
-    return Replica(data, GlobalOrder(max(data.num_sequences("train"), 1), cfg.train.seed), model, loss_model, rt)
+    return Replica(data, GlobalOrder(data.counts("train"), cfg.train.seed, cfg.data.shuffle_window), model, loss_model, rt)
 
 
 def check_shard_size(data: PackedTokens, shards: int, per_gradient: int) -> None:

@@ -101,7 +101,7 @@ def plan_container(s: SlurmConfig, output_dir: str, data_path: str, gpus: bool) 
             raise ConfigError(f"slurm.{key} {value!r} holds spaces or shell characters (fix: a plain path or image name)")
     mounts = parse_mounts(s.container_mounts)
     _require_mounted("output_dir", output_dir, mounts, writable=True)
-    if data_path:
+    if data_path and "://" not in data_path:
         _require_mounted("data.path", data_path, mounts, writable=False)
     image = s.container_image
     if s.container == "apptainer":

@@ -161,7 +161,7 @@ def _check_data(cfg: RunConfig, world: int, nodes: int, warnings: list[str]) -> 
         preflight_data(cfg, world)
     except AuraError as exc:
         return str(exc)
-    if nodes > 1 and not is_network_fs(Path(cfg.data.path)):
+    if nodes > 1 and not cfg.data.path.startswith("s3://") and not is_network_fs(Path(cfg.data.path)):
         warnings.append(
             f"data.path {cfg.data.path} is on a local filesystem ({_filesystem_type(Path(cfg.data.path).resolve())}), not a "
             "network one: every node must read the same prepared data (use an NFS/Lustre/GPFS path, or copy it to each node)"
@@ -255,7 +255,7 @@ def plan_submit(
         folder = sweep_dir / "slurm"
         run_dir_env = str(sweep_dir)
     for p in points:
-        if p.cfg.data.path:
+        if p.cfg.data.path and "://" not in p.cfg.data.path:
             p.cfg.data.path = str(Path(p.cfg.data.path).expanduser().resolve())
     for p in points:
         for note in fit_to_horizon(p.cfg, slurm.nodes * max(1, slurm.gpus_per_node)):

@@ -8,18 +8,29 @@ moves the position, simply misses the prefetched ones.
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import torch
 
 from aura_hpc.data.packed import batch_start
+from aura_hpc.train.data_feed import DataFeed
 from aura_hpc.train.state import Layout, Parts, Position
 
 
 class Batches:
-    def __init__(self, parts: Parts, layout: Layout, rank: int, device: torch.device) -> None:
+    def __init__(self, parts: Parts, layout: Layout, rank: int, device: torch.device, feed: DataFeed | None = None) -> None:
         self.data, self.order = parts.data, parts.order
+        self.feed = feed
         self.layout, self.rank, self.device = layout, rank, device
         self.pin = device.type == "cuda"
         self._ready: dict[int, torch.Tensor] = {}
+        folder = os.environ.get("AURA_PROBE_SAMPLES")
+        self._record = None
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            self._record = open(Path(folder) / f"samples_rank{rank}_world{layout.world}.jsonl", "a", encoding="utf-8")
 
     def _start(self, pos: Position, micro: int) -> int:
         lay = self.layout
@@ -37,9 +48,17 @@ class Batches:
     def get(self, pos: Position, micro: int) -> torch.Tensor:
         """The (batch, seq_len+1) tokens this rank trains on at micro-step `micro` of the next step."""
         start = self._start(pos, micro)
+        if self.feed is not None:
+            self.feed.ensure(pos.samples_seen(self.layout.per_step), self.layout.per_step)
+        if self._record is not None:  # AURA_PROBE_SAMPLES: which global positions and sequences were trained on
+            idx = self.order.indices(start, self.layout.batch_size)
+            self._record.write(json.dumps({"step": pos.step + 1, "micro": micro, "start": start, "ids": idx}) + "\n")
+            self._record.flush()
         ready = self._ready.pop(start, None)
         return ready if ready is not None else self._load(start)
 
     def prefetch(self, pos: Position) -> None:
         """Start loading every micro-batch of the step after `pos`."""
+        if self.feed is not None:
+            self.feed.ensure(pos.samples_seen(self.layout.per_step), self.layout.per_step)
         self._ready = {s: self._load(s) for s in (self._start(pos, m) for m in range(self.layout.grad_accum))}

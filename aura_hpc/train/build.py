@@ -37,7 +37,9 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
     random.seed(t.seed)
     if not cfg.data.path:
         raise DataError("data.path is empty (fix: --set data.path=DIR from `python -m aura_hpc prepare`)")
-    data = PackedTokens(cfg.data.path, cfg.data.seq_len)
+    from aura_hpc.data.cache import for_data
+
+    data = PackedTokens(cfg.data.path, cfg.data.seq_len, cache=for_data(cfg.data))
     if cfg.model.vocab_size and cfg.model.vocab_size != data.vocab_size:
         raise ConfigError(
             f"model.vocab_size {cfg.model.vocab_size} does not match the data's tokenizer "
@@ -78,7 +80,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
     seed_dropout(t.seed, env.rank)
     parts = Parts(
         data=data,
-        order=GlobalOrder(max(n_train, 1), t.seed),
+        order=GlobalOrder(data.counts("train"), t.seed, cfg.data.shuffle_window),
         model=model,
         loss_model=loss_model,
         n_params=n_params,

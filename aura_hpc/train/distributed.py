@@ -53,6 +53,8 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, init_ti
     if backend == "auto":
         wanted = "nccl" if device.type == "cuda" else "gloo"
     tcp = _tcp_store(env, timedelta(seconds=init_timeout_s))
+    global _AGREE
+    _AGREE = (tcp, f"aura/attempt{env.restart_count}/agree", env.rank, env.world_size)
     # Under the elastic agent, workers share the agent's TCPStore across restarts. Without a
     # per-attempt prefix, restarted workers read the previous attempt's gloo addresses and fail
     # ("connectFullMesh ... Connection refused") or hang (measured 3/3 runs on this platform).
@@ -90,6 +92,31 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, init_ti
     fallback = dist.PrefixStore(f"{attempt}/gloo-fallback", tcp)
     dist.init_process_group("gloo", store=fallback, rank=env.rank, world_size=env.world_size, timeout=timeout)
     return "gloo"
+
+
+_AGREE: tuple[Any, str, int, int] | None = None  # the store, a per-attempt prefix, rank, world size
+
+
+def agree(topic: str, problem: str, patience_s: float, waiting: str = "") -> list[str]:
+    """Every rank's problem with `topic` ("" = none), once all ranks have said: the ranks decide
+    together without a collective, so a rank that takes long (fetching data) never runs another
+    into the collective timeout. Waits at most `patience_s` for the others (logging `waiting`)."""
+    if _AGREE is None or not active():
+        return [problem] if problem else []
+    store, prefix, rank, world = _AGREE
+    store.set(f"{prefix}/{topic}/{rank}", problem or "ok")
+    keys = [f"{prefix}/{topic}/{r}" for r in range(world)]
+    start = last_note = time.monotonic()
+    while not store.check(keys):
+        now = time.monotonic()
+        if now - start > patience_s:
+            return [f"ranks did not all report on {topic} within {patience_s:.0f} s"]
+        if waiting and now - last_note > 30:
+            log.info("%s (%.0f s so far)", waiting, now - start)
+            last_note = now
+        time.sleep(0.05)
+    answers = [store.get(k).decode() for k in keys]
+    return [f"rank {r}: {a}" for r, a in enumerate(answers) if a != "ok"]
 
 
 def active() -> bool:

@@ -13,12 +13,13 @@ import time
 from typing import Any
 
 from aura_hpc.config import RunConfig
-from aura_hpc.errors import EXIT_RESUMABLE
+from aura_hpc.errors import EXIT_DATA_UNAVAILABLE, EXIT_RESUMABLE
 from aura_hpc.ops.gpu_health import is_gpu_error
 from aura_hpc.train import checkpoint, distributed, faults, probes, runtime
 from aura_hpc.train.batches import Batches
 from aura_hpc.train.build import build, compiled, describe, lan_advice
 from aura_hpc.train.checkpointing import Checkpointer
+from aura_hpc.train.data_feed import DataFeed, DataUnavailable
 from aura_hpc.train.dist_env import DistEnv
 from aura_hpc.train.evaluation import evaluate, host_model, sample
 from aura_hpc.train.health import HealthWatch
@@ -51,7 +52,12 @@ class Trainer:
         self.wrapped = wrapped
         self.ckpt = Checkpointer(cfg, env, self.rt, self.parts, self.layout, self.pos, wrapped)
         self.ckpt.resume()
-        batches = Batches(self.parts, self.layout, env.rank, self.rt.device)
+        self.feed = DataFeed(self.parts.data, self.parts.order, patience_s=_patience(cfg))
+        try:
+            self.feed.setup(cfg.train.eval_sequences or cfg.train.eval_batches * cfg.train.batch_size)
+        except DataUnavailable as exc:
+            return self._data_unavailable(exc)
+        batches = Batches(self.parts, self.layout, env.rank, self.rt.device, self.feed)
         stepper = Stepper(cfg.train, env.rank, self.layout.world, self.rt, self.parts, wrapped, batches)
         if env.is_main:
             for line in describe(cfg, self.parts, self.layout, self.rt, self.pos.step, str(self.run_dir)):
@@ -64,7 +70,12 @@ class Trainer:
         self.health.start(self._resources_to_tensorboard)
         self.probe, self.compiled = StepProbe.from_env(), compiled(self.parts.model)
         with probes.reporting(self.probe, self.run_dir, env.rank):
-            status = self._train(stepper, batches, stop)
+            try:
+                status = self._train(stepper, batches, stop)
+            except DataUnavailable as exc:
+                status = self._data_unavailable(exc)
+            finally:
+                self.feed.close()
         if status is not None:
             return status
         return self._finish()
@@ -327,8 +338,29 @@ class Trainer:
         distributed.barrier()
         return EXIT_RESUMABLE
 
+    def _data_unavailable(self, exc: DataUnavailable) -> int:
+        """Every rank agreed the next steps' data cannot be read: one checkpoint, then stop together."""
+        if hasattr(self, "progress"):
+            self.progress.stop()
+        path = self.ckpt.save() if self.pos.step > max(self.pos.saved_step, 0) else None
+        self.ckpt.wait()
+        if self.env.is_main:
+            saved = f"checkpoint {path.name} written at step {self.pos.step}" if path else f"nothing new to save at step {self.pos.step}"
+            log.error("data unavailable: %s; %s; re-run the same command to resume once it can be read", exc, saved)
+        distributed.barrier()
+        return EXIT_DATA_UNAVAILABLE
+
     def _gpu_error(self, exc: RuntimeError) -> int:
         return self.health.gpu_error(exc, self.rt.device, self.pos.step)
 
     def _open_circuit(self) -> int:
         return self.health.open_circuit(self.ckpt, self.pos.step)
+
+
+def _patience(cfg: RunConfig) -> float:
+    """How long a rank waits for the others to have a window's shards: their reads' own worst case
+    (every try timing out, with backoff), with room; only a rank that died waits this long."""
+    from aura_hpc.data.storage import Policy
+
+    d = cfg.data
+    return 2 * Policy(tries=d.read_tries, timeout_s=d.read_timeout_s).worst_case_s() * max(1, d.shuffle_window or 1) + 60

@@ -1,0 +1,313 @@
+"""Sharded, parallel encoding for `prepare`: the input cut into pieces, each piece encoded on its own
+(by one of `--workers` processes, or one task of a Slurm array) into one train and one validation
+shard, and a manifest over all of them.
+
+The pieces depend only on the input and --shard-mb (a text or JSON-lines file is cut into byte
+ranges at blank lines or line ends; a Parquet or JSON file is one piece; a Hub dataset or the
+built-in corpus is one), and a piece's tokens depend only on the piece and the tokenizer, so the
+same input gives the same shards whatever the number of workers. A shard is written under a
+temporary name and renamed, and a piece counts as done only once both its shards and its record
+are in place: a build that stopped (a killed worker, a failed array task) keeps its finished pieces,
+and a re-run redoes only the others. Nothing is trained on before the manifest exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aura_hpc.data import storage
+from aura_hpc.errors import DataError
+
+SHARDS = "shards"
+DONE = "done"  # a piece's record, written after its shards: the piece is complete
+_BATCH_CHARS = 1 << 20  # text per encode_batch call: big enough for the Rust thread pool to pay off
+
+
+@dataclass(frozen=True)
+class Piece:
+    index: int
+    source: str  # a file path, a dataset name, or "builtin"
+    kind: str  # text | json | jsonl | parquet | dataset | builtin
+    start: int = 0  # byte range of a text or JSON-lines file
+    end: int = -1
+    last: bool = True  # the file's last piece: its last paragraph ends a document
+
+
+def _size(source: str) -> int:
+    return storage.size(source) if storage.is_remote(source) else Path(source).stat().st_size
+
+
+def read_range(source: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a local file or an object (one ranged GET, retried)."""
+    if storage.is_remote(source):
+        return storage.read_bytes(source, storage.Policy(), start, end) if end > start else b""
+    with open(source, "rb") as f:
+        f.seek(start)
+        return f.read(end - start)
+
+
+def _cut(source: str, piece_bytes: int, separator: bytes) -> list[tuple[int, int]]:
+    """Byte ranges of at most ~piece_bytes, each ending just after a separator (or at the end)."""
+    size = _size(source)
+    if size <= piece_bytes:
+        return [(0, size)]
+    ranges, start = [], 0
+    while start < size:
+        nominal = start + piece_bytes
+        if nominal >= size:
+            ranges.append((start, size))
+            break
+        end, at = size, nominal
+        while at < size:  # read on until a separator appears
+            window = read_range(source, at, min(size, at + (1 << 16) + len(separator)))
+            found = window.find(separator)
+            if found >= 0:
+                end = at + found + len(separator)
+                break
+            at += 1 << 16
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def plan(files: list[Any], kinds: dict[str, str], piece_bytes: int, dataset: str | None, builtin: bool) -> list[Piece]:
+    if builtin:
+        return [Piece(0, "builtin", "builtin")]
+    if dataset:
+        return [Piece(0, dataset, "dataset")]
+    pieces: list[Piece] = []
+    for f in map(str, files):
+        suffix = os.path.splitext(f.rsplit("/", 1)[-1])[1].lower()
+        kind = kinds[suffix]
+        if kind == "text" or (kind == "json" and suffix == ".jsonl"):
+            ranges = _cut(f, piece_bytes, b"\n\n" if kind == "text" else b"\n")
+            for i, (a, b) in enumerate(ranges):
+                pieces.append(Piece(len(pieces), f, "text" if kind == "text" else "jsonl", a, b, i == len(ranges) - 1))
+        else:
+            pieces.append(Piece(len(pieces), f, kind))
+    return pieces
+
+
+@dataclass
+class Job:
+    """What one encoder needs: picklable, for a worker process or a Slurm task."""
+
+    piece: Piece
+    build: str  # the build directory
+    tokenizer_json: str
+    eos_id: int
+    dtype: str
+    val_fraction: float
+    text_column: str
+    subset: str | None = None
+    split: str = "train"
+    max_tokens: int = 0  # > 0: stop this piece there (a token budget's last piece)
+
+
+def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
+    """(text, ends a document) of a piece, in order."""
+    from aura_hpc.data.prepare import check_text, records, split_paragraphs
+
+    p = job.piece
+    if p.kind == "builtin":
+        from aura_hpc.data.corpus import generate
+
+        for para in split_paragraphs(generate()):
+            yield para, False
+        yield "", True
+        return
+    if p.kind == "dataset":
+        for text in records("", None, p.source, job.subset, job.split, job.text_column, p.source):
+            yield text, True
+        return
+    if p.kind in ("text", "jsonl"):
+        raw = read_range(p.source, p.start, p.end)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(
+                f"{p.source} is not UTF-8 text ({exc.reason} at byte {p.start + exc.start}) (fix: convert it with iconv -t utf-8)"
+            ) from None
+        check_text(p.source, text)
+        if p.kind == "text":
+            paras = split_paragraphs(text)
+            for i, para in enumerate(paras):
+                yield para, p.last and i == len(paras) - 1
+            return
+        for n, line in enumerate(text.splitlines()):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(
+                        f"{p.source}: a line near byte {p.start} is not JSON ({exc.msg}) (fix: one JSON object per line)"
+                    ) from None
+                value = row.get(job.text_column) if isinstance(row, dict) else None
+                if value is None and n == 0 and p.index == 0:
+                    keys = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
+                    raise DataError(f"column {job.text_column!r} not in {p.source!r}; its columns are {keys} (fix: --text-column NAME)")
+                if isinstance(value, str) and value.strip():
+                    check_text(p.source, value)
+                    yield value, True
+        return
+    local = p.source
+    if storage.is_remote(p.source):  # a Parquet or JSON object: read whole, from a local copy
+        local = str(Path(job.build or ".") / "inputs" / f"{p.index:05d}{os.path.splitext(p.source)[1]}")
+        Path(local).parent.mkdir(parents=True, exist_ok=True)
+        storage.download(p.source, local)
+    for text in records(p.kind, [local], None, None, "train", job.text_column, p.source):
+        yield text, True
+
+
+def is_val(i: int, fraction: float) -> bool:
+    """Every ~1/fraction-th unit, spread evenly."""
+    return int((i + 1) * fraction) > int(i * fraction)
+
+
+def shard_path(build: Path, split: str, index: int) -> Path:
+    return build / SHARDS / f"{split}-{index:05d}.bin"
+
+
+def encode(job: Job) -> dict[str, Any]:
+    """Encode one piece into its two shards; returns (and records) their token counts and hashes."""
+    from tokenizers import Tokenizer
+
+    build, p = Path(job.build), job.piece
+    tok = Tokenizer.from_file(job.tokenizer_json)
+    dtype = np.dtype(job.dtype)
+    (build / SHARDS).mkdir(parents=True, exist_ok=True)
+    (build / DONE).mkdir(parents=True, exist_ok=True)
+    tmp = {s: shard_path(build, s, p.index).with_suffix(f".tmp{os.getpid()}") for s in ("train", "val")}
+    counts, hashes = {"train": 0, "val": 0}, {"train": hashlib.sha256(), "val": hashlib.sha256()}
+    unit = p.index * 7919  # a piece-dependent start: validation units spread over the pieces
+    full = False
+    with open(tmp["train"], "wb") as f_train, open(tmp["val"], "wb") as f_val:
+        sinks = {"train": f_train, "val": f_val}
+        batch: list[tuple[str, bool]] = []
+        chars = 0
+
+        def flush() -> bool:
+            nonlocal unit
+            encs = tok.encode_batch([t for t, _ in batch], add_special_tokens=False)
+            out: dict[str, list[int]] = {"train": [], "val": []}
+            for (_, ends), enc in zip(batch, encs, strict=True):
+                ids = list(enc.ids) + ([job.eos_id] if ends else [])
+                split = "val" if is_val(unit, job.val_fraction) else "train"
+                unit += 1
+                if job.max_tokens:
+                    room = job.max_tokens - counts["train"] - counts["val"] - len(out["train"]) - len(out["val"])
+                    if room <= len(ids):
+                        out[split].extend(ids[:room])
+                        _write(out, sinks, hashes, counts, dtype)
+                        return True
+                out[split].extend(ids)
+            _write(out, sinks, hashes, counts, dtype)
+            return False
+
+        for text, ends in piece_texts(job):
+            batch.append((text, ends))
+            chars += len(text)
+            if chars >= _BATCH_CHARS:
+                full = flush()
+                batch, chars = [], 0
+                if full:
+                    break
+        if batch and not full:
+            full = flush()
+    record: dict[str, Any] = {"piece": asdict(p), "max_tokens": job.max_tokens, "full": full}
+    for s in ("train", "val"):
+        with open(tmp[s], "rb") as f:
+            os.fsync(f.fileno())
+        tmp[s].replace(shard_path(build, s, p.index))
+        record[s] = {"file": f"{SHARDS}/{shard_path(build, s, p.index).name}", "tokens": counts[s], "sha256": hashes[s].hexdigest()}
+    done = build / DONE / f"{p.index:05d}.json"
+    done.with_suffix(".tmp").write_text(json.dumps(record))
+    done.with_suffix(".tmp").replace(done)
+    return record
+
+
+def _write(out: dict[str, list[int]], sinks: dict[str, Any], hashes: dict[str, Any], counts: dict[str, int], dtype: np.dtype) -> None:
+    for split, ids in out.items():
+        if ids:
+            data = np.array(ids, dtype=dtype).tobytes()
+            sinks[split].write(data)
+            hashes[split].update(data)
+            counts[split] += len(ids)
+        ids.clear()
+
+
+def finished(build: Path, piece: Piece, max_tokens: int) -> dict[str, Any] | None:
+    """A piece's record when its shards are complete (sizes as recorded), for the same piece and budget."""
+    try:
+        record: dict[str, Any] = json.loads((build / DONE / f"{piece.index:05d}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("piece") != asdict(piece) or record.get("max_tokens") != max_tokens:
+        return None
+    for s in ("train", "val"):
+        f = build / record[s]["file"]
+        if not f.is_file():
+            return None
+    return record
+
+
+def encode_all(jobs: list[Job], workers: int, budget: int) -> list[dict[str, Any]]:
+    """Every piece not already done, by `workers` processes. With a token budget the pieces go in
+    order, `workers` at a time, and encoding stops at the piece that reaches it (that one is
+    encoded again up to the budget): a small budget over a huge corpus reads only its start."""
+    out: list[dict[str, Any]] = []
+    used = 0
+    wave = max(1, workers) if budget else len(jobs)
+    for at in range(0, len(jobs), wave):
+        group = jobs[at : at + wave]
+        for job, record in zip(group, _encode_group(group, workers), strict=True):
+            n = record["train"]["tokens"] + record["val"]["tokens"]
+            if budget and used + n >= budget:
+                if used + n > budget or not record.get("full"):
+                    record = encode(Job(**{**asdict(job), "piece": job.piece, "max_tokens": budget - used}))
+                out.append(record)
+                return out
+            used += n
+            out.append(record)
+    return out
+
+
+def _encode_group(jobs: list[Job], workers: int) -> list[dict[str, Any]]:
+    """The records of these pieces: finished ones as found, the others encoded now."""
+    if not jobs:
+        return []
+    build = Path(jobs[0].build)
+    records: list[dict[str, Any] | None] = [finished(build, j.piece, j.max_tokens) for j in jobs]
+    todo = [j for j, r in zip(jobs, records, strict=True) if r is None]
+    if workers > 1 and len(todo) > 1:
+        import multiprocessing as mp
+
+        # Spawned, not forked: the tokenizer's Rust thread pool already ran in this process.
+        with mp.get_context("spawn").Pool(min(workers, len(todo)), initializer=_quiet_worker, initargs=(workers,)) as pool:
+            fresh = iter(pool.imap(encode, todo))
+            return [r if r is not None else next(fresh) for r in records]
+    return [r if r is not None else encode(j) for j, r in zip(jobs, records, strict=True)]
+
+
+def _quiet_worker(workers: int) -> None:
+    """Each worker's tokenizer threads: the cores shared out (the Rust pool would take them all)."""
+    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+
+
+def shard_list(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The manifest's shards, in piece order, empty ones left out."""
+    return [
+        {"split": s, "file": r[s]["file"], "tokens": r[s]["tokens"], "sha256": r[s]["sha256"]}
+        for r in records
+        for s in ("train", "val")
+        if r[s]["tokens"] > 0
+    ]

@@ -1,0 +1,228 @@
+"""Object storage (`s3://bucket/prefix`, any S3-compatible service: AWS, Cloudflare R2, MinIO, Ceph)
+behind fsspec + s3fs, with our own retries.
+
+Credentials come only from where the AWS tools look for them (AWS_ACCESS_KEY_ID /
+AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, AWS_PROFILE and ~/.aws/credentials, an instance role) and
+the endpoint from AWS_ENDPOINT_URL (or the profile's endpoint_url): never from a URL or a config
+value, so they cannot reach config.yaml, a checkpoint or a log. Every message here names the URL and
+the fix, never a key.
+
+botocore's and s3fs's own retries are turned off: a read is retried here, `tries` times with
+exponential backoff, each try bounded by `timeout_s`, and every retry is logged, so the total time a
+read can take is known (and kept below the collective timeout by the trainer).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aura_hpc.errors import DataError
+
+log = logging.getLogger("aura_hpc")
+T = TypeVar("T")
+
+SCHEME = "s3://"
+_OTHER_SCHEMES = ("gs://", "gcs://", "az://", "abfs://", "hf://", "http://", "https://", "r2://")
+
+
+def is_remote(path: str | object) -> bool:
+    return isinstance(path, str) and path.startswith(SCHEME)
+
+
+def check_url(url: str, what: str = "data.path") -> None:
+    """Refuse what would put a secret in a config file or a log, and schemes we do not read."""
+    low = url.lower()
+    for scheme in _OTHER_SCHEMES:
+        if low.startswith(scheme):
+            raise DataError(f"{what} {url.split('?')[0]!r}: {scheme} is not supported (fix: s3://bucket/prefix for object storage)")
+    if not is_remote(url):
+        return
+    rest = url[len(SCHEME) :]
+    bucket = rest.split("/", 1)[0]
+    if "@" in bucket or ":" in bucket or "?" in url:
+        raise DataError(
+            f"{what} holds credentials or options in the URL; they would be written to config.yaml and logs "
+            "(fix: s3://bucket/prefix, with the keys in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an AWS profile)"
+        )
+    if not bucket:
+        raise DataError(f"{what} {url!r} names no bucket (fix: s3://bucket/prefix)")
+
+
+def join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How hard a read tries: `tries` attempts, each bounded by `timeout_s`, with backoff between."""
+
+    tries: int = 5
+    timeout_s: float = 60.0
+    backoff_s: float = 1.0  # the first wait; doubled each retry, with jitter, at most 30 s
+
+    def worst_case_s(self) -> float:
+        waits = sum(min(30.0, self.backoff_s * 2**i) * 1.25 for i in range(self.tries - 1))
+        return self.tries * self.timeout_s * 2 + waits  # a try is a connect and a read
+
+
+_FS: dict[tuple[float], Any] = {}
+
+
+def filesystem(policy: Policy = Policy()) -> Any:
+    """The s3fs filesystem of this process (credentials and endpoint from the standard AWS places)."""
+    key = (policy.timeout_s,)
+    fs = _FS.get(key)
+    if fs is not None:
+        return fs
+    try:
+        import s3fs
+    except ImportError:
+        raise DataError("s3:// paths need s3fs (fix: pip install 'aura_hpc[s3]')") from None
+    fs = s3fs.S3FileSystem(
+        skip_instance_cache=True,
+        config_kwargs={
+            "retries": {"max_attempts": 1, "mode": "standard"},
+            "connect_timeout": policy.timeout_s,
+            "read_timeout": policy.timeout_s,
+        },
+    )
+    fs.retries = 1  # s3fs's own retry loop: off, ours below is the only one
+    _FS[key] = fs
+    return fs
+
+
+def strip(url: str) -> str:
+    return url[len(SCHEME) :] if is_remote(url) else url
+
+
+def _status(exc: BaseException) -> str:
+    """A short reason, without anything a server echoed back (it can quote a key id)."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        resp = getattr(e, "response", None)
+        if isinstance(resp, dict):
+            err = resp.get("Error") or {}
+            code = err.get("Code") or ""
+            status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            return " ".join(str(x) for x in (status, code) if x) or type(e).__name__
+    if isinstance(exc, PermissionError):
+        return "403 Forbidden"
+    if isinstance(exc, FileNotFoundError):
+        return "not found"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return type(exc).__name__
+
+
+def _permanent(exc: BaseException) -> bool:
+    """Errors a retry cannot fix: missing objects and refused credentials."""
+    if isinstance(exc, FileNotFoundError | PermissionError | DataError):
+        return True
+    reason = _status(exc)
+    return any(code in reason for code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "NoSuchBucket", "403"))
+
+
+def _transport_error(exc: BaseException) -> bool:
+    """Errors of the storage or the network (as opposed to a bug: TypeError, KeyError, ...)."""
+    if isinstance(exc, OSError | TimeoutError | DataError):  # ConnectionError, FileNotFoundError, PermissionError
+        return True
+    module = type(exc).__module__.split(".")[0]
+    return module in ("botocore", "aiobotocore", "aiohttp", "s3fs", "asyncio", "urllib3")
+
+
+def explain(exc: BaseException, url: str) -> DataError:
+    """The one-line error for a read that failed for good."""
+    reason = _status(exc)
+    if "NoSuchBucket" in reason or "bucket does not exist" in str(exc):
+        bucket = strip(url).split("/", 1)[0]
+        return DataError(f"the bucket of {url} does not exist (fix: create it first, e.g. aws s3 mb s3://{bucket}, or check the name)")
+    if isinstance(exc, FileNotFoundError) or "NoSuch" in reason or "404" in reason:
+        return DataError(f"{url} does not exist ({reason}) (fix: check the bucket and prefix, or prepare the data there first)")
+    if isinstance(exc, PermissionError) or any(c in reason for c in ("403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied")):
+        return DataError(
+            f"access to {url} was refused ({reason}) (fix: check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
+            "AWS_ENDPOINT_URL for R2/MinIO, and the bucket's permissions)"
+        )
+    if "NoCredentials" in reason or "NoCredentialsError" in type(exc).__name__:
+        return DataError(f"no credentials to read {url} (fix: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)")
+    return DataError(f"could not read {url} ({reason}) (fix: check AWS_ENDPOINT_URL and the network, then re-run to resume)")
+
+
+def retrying(what: str, fn: Callable[[], T], policy: Policy, sleep: Callable[[float], None] = time.sleep) -> T:
+    """fn(), retried on transient errors with exponential backoff; a DataError naming `what` when
+    it fails for good (or at once for a missing object or refused credentials)."""
+    for attempt in range(1, policy.tries + 1):
+        try:
+            return fn()
+        except Exception as exc:  # botocore, aiohttp and OS errors all end here
+            if not _transport_error(exc):
+                raise  # a bug of ours, not a storage problem: not retried, not disguised
+            if _permanent(exc) or attempt == policy.tries:
+                err = explain(exc, what)
+                if attempt > 1 and not _permanent(exc):
+                    err = DataError(str(err).replace(" (fix:", f" after {attempt} tries (fix:", 1))
+                raise err from None
+            wait = min(30.0, policy.backoff_s * 2 ** (attempt - 1)) * random.uniform(1.0, 1.25)
+            log.warning("reading %s failed (%s), try %d of %d; retrying in %.1f s", what, _status(exc), attempt, policy.tries, wait)
+            sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def read_bytes(url: str, policy: Policy = Policy(), start: int | None = None, end: int | None = None) -> bytes:
+    fs = filesystem(policy)
+    return retrying(url, lambda: fs.cat_file(strip(url), start=start, end=end), policy)
+
+
+def size(url: str, policy: Policy = Policy()) -> int:
+    fs = filesystem(policy)
+    return int(retrying(url, lambda: fs.info(strip(url))["size"], policy))
+
+
+def listing(prefix: str, policy: Policy = Policy()) -> dict[str, int]:
+    """Every object under `prefix` with its size, by full s3:// URL."""
+    return {url: size for url, (size, _) in objects(prefix, policy).items()}
+
+
+def objects(pattern: str, policy: Policy = Policy()) -> dict[str, tuple[int, str]]:
+    """Objects under a prefix, or matching a glob, or the object itself: URL -> (size, ETag)."""
+    fs = filesystem(policy)
+    path = strip(pattern)
+    if any(c in path for c in "*?["):
+        found = retrying(pattern, lambda: fs.glob(path, detail=True), policy)
+    else:
+        found = retrying(pattern, lambda: fs.find(path, detail=True), policy)
+        if not found:
+            try:
+                info = retrying(pattern, lambda: fs.info(path), policy)
+                found = {path: info} if info.get("type") == "file" else {}
+            except DataError:
+                found = {}
+    return {
+        SCHEME + k: (int(v.get("size", 0)), str(v.get("ETag", v.get("LastModified", ""))))
+        for k, v in found.items()
+        if v.get("type") != "directory"
+    }
+
+
+def delete(url: str, policy: Policy = Policy()) -> None:
+    fs = filesystem(policy)
+    retrying(url, lambda: fs.rm_file(strip(url)), policy)
+
+
+def download(url: str, dest: Any, policy: Policy = Policy()) -> None:
+    fs = filesystem(policy)
+    retrying(url, lambda: fs.get_file(strip(url), str(dest)), policy)
+
+
+def upload(local: Any, url: str, policy: Policy = Policy()) -> None:
+    fs = filesystem(policy)
+    retrying(url, lambda: fs.put_file(str(local), strip(url)), policy)
+
+
+def write_bytes(url: str, data: bytes, policy: Policy = Policy()) -> None:
+    fs = filesystem(policy)
+    retrying(url, lambda: fs.pipe_file(strip(url), data), policy)

@@ -1,0 +1,92 @@
+"""`prepare --out s3://bucket/prefix`: the data is built on local disk (resumable, as for a local
+--out) and uploaded; the manifest goes last, so until it is there the prefix is not prepared data
+and no run trains on half of it.
+
+The same rule as on disk: prepare writes only under a prefix that is empty or holds prepared data of
+its own (a manifest, or the marker of its unfinished upload), and replaces prepared data of other
+inputs only with --force. Replacing takes the old manifest away first, so a run that starts
+meanwhile is refused instead of mixing old and new shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aura_hpc.data import out_dir, storage
+from aura_hpc.errors import DataError
+
+log = logging.getLogger("aura_hpc")
+
+MARKER = ".aura-prepare"  # an upload under way: the input key it is for
+_OURS = ("manifest.json", MARKER)
+_OUR_FOLDERS = ("shards/", "tokenizer/")
+
+
+def _check_prefix(
+    url: str, present: dict[str, int], manifest: dict[str, Any] | None, key: str, marker: dict[str, Any] | None, force: bool
+) -> None:
+    names = [u[len(url) + 1 :] for u in present]
+    foreign = [n for n in names if n not in _OURS and not n.startswith(_OUR_FOLDERS)]
+    if present and (foreign or (manifest is None and marker is None)):
+        shown = ", ".join((foreign or names)[:3])
+        raise DataError(
+            f"--out {url} holds {len(present)} object(s) ({shown}) and no prepared data of ours; prepare never replaces what it "
+            f"did not write (fix: another prefix, e.g. --out {url}-prepared)"
+        )
+    if manifest is not None and manifest.get("input_key") != key and not force:
+        tok = manifest.get("tokenizer") or {}
+        raise DataError(
+            f"--out {url} already holds data prepared from other inputs or settings (tokenizer vocab {tok.get('vocab_size', '?')}, "
+            f"created {manifest.get('created', '?')}); runs trained on it need it (fix: another --out, or --force to replace it)"
+        )
+
+
+def prepare_to_bucket(spec: Any, key: str, build_here: Callable[[Path], dict[str, Any]], cache_root: Path) -> dict[str, Any]:
+    from aura_hpc.data.packed import remote_manifest
+
+    url = str(spec.out_dir).rstrip("/")
+    storage.check_url(url, "--out")
+    policy = storage.Policy()
+    existing = remote_manifest(url, policy)
+    if existing and existing.get("input_key") == key and not spec.force:
+        return {**existing, "up_to_date": True}
+    present = storage.listing(url, policy)
+    marker_url = storage.join(url, MARKER)
+    marker = json.loads(storage.read_bytes(marker_url, policy)) if marker_url in present else None
+    _check_prefix(url, present, existing, key, marker, spec.force)
+
+    # The local build: under the cache, named after the URL, resumable like a local one.
+    local_out = cache_root / "prepare" / hashlib.sha256(url.encode()).hexdigest()[:16] / "data"
+    local_out.parent.mkdir(parents=True, exist_ok=True)
+    for note in out_dir.clean_leftovers(local_out, key):
+        log.info("%s", note)
+    build = out_dir.start_build(local_out, key)
+    manifest = build_here(build)
+    (build / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
+
+    same_upload = marker is not None and marker.get("input_key") == key
+    storage.write_bytes(marker_url, json.dumps({"input_key": key}).encode(), policy)
+    if existing is not None:
+        storage.delete(storage.join(url, "manifest.json"), policy)  # from here on, no run takes this prefix for data
+    width = 4 if manifest["dtype"] == "uint32" else 2
+    for s in manifest["shards"]:
+        target = storage.join(url, s["file"])
+        if same_upload and present.get(target) == s["tokens"] * width:
+            continue  # uploaded before an interruption (the marker says: for these inputs)
+        storage.upload(build / s["file"], target, policy)
+    for f in sorted((build / "tokenizer").iterdir()):
+        storage.upload(f, storage.join(url, "tokenizer", f.name), policy)
+    storage.upload(build / "manifest.json", storage.join(url, "manifest.json"), policy)
+    listed = {storage.join(url, s["file"]) for s in manifest["shards"]}
+    for old in present:  # shards of the replaced data (ours: under our prefix's shards/)
+        if old.startswith(storage.join(url, "shards") + "/") and old not in listed:
+            storage.delete(old, policy)
+    storage.delete(marker_url, policy)
+    shutil.rmtree(build, ignore_errors=True)
+    return {**manifest, "up_to_date": False}

@@ -1,0 +1,87 @@
+"""Keeping the shards a rank reads on local disk, for data in object storage: the current shuffle
+window before its first step, the next one in the background while this one trains.
+
+Before the first step of each window every rank says whether it has the window's shards, and the
+ranks decide together (through the rendezvous store, not a collective): a read that is slow makes
+all ranks wait for it, and a read that failed after its retries makes all ranks stop together,
+with a checkpoint, instead of one rank leaving the others in a collective until it times out.
+For local data this is all a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from aura_hpc.data.packed import GlobalOrder, PackedTokens
+from aura_hpc.errors import DataError
+from aura_hpc.train import distributed
+
+log = logging.getLogger("aura_hpc")
+
+
+class DataUnavailable(DataError):
+    """The ranks agreed that the data of the next steps cannot be read: checkpoint and stop."""
+
+
+class DataFeed:
+    def __init__(self, data: PackedTokens, order: GlobalOrder, patience_s: float) -> None:
+        self.data, self.order = data, order
+        self.active = data.remote
+        self.patience_s = patience_s
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="aura-fetch") if self.active else None
+        self._fetching: dict[tuple[int, int], Future[None]] = {}
+        self._agreed: set[tuple[int, int]] = set()
+
+    def _fetch(self, window: tuple[int, int]) -> Future[None]:
+        f = self._fetching.get(window)
+        if f is None:
+            assert self._pool is not None
+            shards = self.order.window_shards(*window)
+            f = self._fetching[window] = self._pool.submit(self.data.fetch, "train", shards)
+        return f
+
+    def setup(self, eval_sequences: int) -> None:
+        """Before training: the validation shards evaluation reads, agreed like a window."""
+        if not self.active:
+            return
+        n = min(eval_sequences, self.data.num_sequences("val"))
+        needed = sorted({self.data.locate("val", i)[0] for i in range(n)}) if n else []
+        problem = ""
+        try:
+            self.data.fetch("val", needed)
+        except DataError as exc:
+            problem = str(exc)
+        self._decide("validation", problem)
+
+    def ensure(self, start: int, count: int) -> None:
+        """The shards of positions [start, start+count) are local on every rank, or every rank stops."""
+        if not self.active:
+            return
+        for window in self.order.windows_for(start, count):
+            if window in self._agreed:
+                continue
+            problem = ""
+            try:
+                self._fetch(window).result()
+            except DataError as exc:
+                problem = str(exc)
+            self._decide(f"window {window[0]}.{window[1]}", problem)
+            self._agreed.add(window)
+            upcoming = self.order.next_window(*window)
+            keep = {*self.order.window_shards(*window), *self.order.window_shards(*upcoming)}
+            self.data.pin("train", keep)
+            for old in [w for w in self._fetching if w not in (window, upcoming)]:
+                del self._fetching[old]
+            self._fetch(upcoming)  # downloads while this window trains
+
+    def _decide(self, topic: str, problem: str) -> None:
+        problems = distributed.agree(
+            topic.replace(" ", "-"), problem, self.patience_s, waiting=f"waiting for every rank to have the shards of {topic}"
+        )
+        if problems:
+            raise DataUnavailable(problems[0].split(": ", 1)[-1] if len(problems) == 1 else "; ".join(problems))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,194 @@
+"""Data in S3-compatible object storage, against a real server process reached over HTTP (moto's
+server mode, request signatures checked), through the same s3fs client users run: prepare from and
+to a bucket, train 2 ranks from its shards through injected faults, a missing shard, refused
+credentials, and storage that stops answering mid-run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from aura_hpc.data.corpus import generate
+from aura_hpc.data.packed import GlobalOrder
+from aura_hpc.data.prepare import PrepareSpec, prepare
+from tests.conftest import SMALL_MODEL, final_weights, run_cli
+
+pytestmark = pytest.mark.slow
+
+PREP = ["--vocab-size", "512", "--shard-mb", "0.04"]
+
+
+def _texts() -> dict[str, str]:
+    text = generate(1500, seed=11)
+    cut = text.index("\n\n", len(text) // 2) + 2
+    return {"a.txt": text[:cut], "b.txt": text[cut:]}
+
+
+@pytest.fixture(scope="module")
+def bucket_data(s3: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Raw text uploaded to s3://raw/es/, prepared by the CLI into s3://prep/es (2 workers)."""
+    fs = s3.fs()
+    for name, text in _texts().items():
+        fs.pipe(f"raw/es/{name}", text.encode())
+    r = run_cli(["prepare", "s3://raw/es", "--out", "s3://prep/es", *PREP, "--workers", "2"], timeout=300, **s3.env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    manifest = json.loads(fs.cat("prep/es/manifest.json"))
+    return {"manifest": manifest, "tmp": tmp_path_factory.mktemp("s3data")}
+
+
+def _train_args(out: Path, name: str, cache: Path, extra: list[str]) -> list[str]:
+    return [
+        "local", "--nproc-per-node", "2", "--output-dir", str(out), "--run-name", name,
+        "--set", "data.path=s3://prep/es", "--set", f"data.cache_dir={cache}", "--set", "data.shuffle_window=2",
+        "--set", "train.max_steps=14", "--set", "train.warmup_steps=2", "--set", "train.batch_size=4",
+        *SMALL_MODEL, *extra,
+    ]  # fmt: skip
+
+
+def _no_secret_anywhere(s3: Any, run_dir: Path, *outputs: str) -> None:
+    for text in outputs:
+        assert s3.secret not in text and s3.key not in text
+    for f in run_dir.rglob("*"):
+        if f.is_file():
+            data = f.read_bytes()
+            assert s3.secret.encode() not in data and s3.key.encode() not in data, f"a credential is in {f}"
+
+
+def test_prepare_from_a_bucket_gives_the_tokens_of_a_local_prepare(bucket_data: dict[str, Any], tmp_path: Path, s3: Any) -> None:
+    local_in = tmp_path / "es"
+    local_in.mkdir()
+    for name, text in _texts().items():
+        (local_in / name).write_text(text, encoding="utf-8")
+    local = prepare(PrepareSpec(out_dir=tmp_path / "p", inputs=[str(local_in)], vocab_size=512, shard_mb=0.04))
+    remote = bucket_data["manifest"]
+    assert len(remote["shards"]) >= 6 and remote["pieces"] >= 3
+    assert remote["data_sha256"] == local["data_sha256"] and remote["tokenizer"]["sha256"] == local["tokenizer"]["sha256"]
+    # Nothing but the prepared directory under the prefix; a re-run is a no-op.
+    names = sorted(p.split("/", 2)[2] for p in s3.fs().find("prep/es"))
+    assert names == sorted(
+        ["manifest.json", *(s["file"] for s in remote["shards"]), "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]
+    )
+    again = run_cli(["prepare", "s3://raw/es", "--out", "s3://prep/es", *PREP], timeout=120, **s3.env())
+    assert again.returncode == 0 and "already prepared" in again.stdout
+
+
+def test_two_ranks_train_from_bucket_shards_through_failing_reads(bucket_data: dict[str, Any], tmp_path: Path, s3: Any) -> None:
+    """The first two GETs of every training shard fail with 503 SlowDown: each is retried, downloaded
+    once for the node (the two ranks share the cache), and the run ends normally."""
+    endpoint, log = s3.proxy(tmp_path, fail=r"^/prep/es/shards/train-", times=2)
+    cache = tmp_path / "cache"
+    r = run_cli(_train_args(tmp_path, "s3run", cache, ["--set", "data.read_tries=4"]), timeout=300, **s3.env(endpoint=endpoint))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    gets: dict[str, list[str]] = {}
+    for line in log.read_text().splitlines():
+        method, path, status = line.split()
+        if method == "GET" and path.startswith("/prep/es/shards/train-"):
+            gets.setdefault(path, []).append(status)
+    assert gets, "no training shard was read through the proxy"
+    for path, statuses in gets.items():
+        assert statuses == ["injected-503", "injected-503", "200"], (path, statuses)
+    logs = (tmp_path / "s3run" / "logs" / "rank_0.log").read_text() + (tmp_path / "s3run" / "logs" / "rank_1.log").read_text()
+    assert "503 SlowDown), try 1 of 4; retrying" in logs
+    _no_secret_anywhere(s3, tmp_path / "s3run", r.stdout, r.stderr)
+    # A warm cache: a second run reads no shard from the bucket.
+    endpoint2, log2 = s3.proxy(tmp_path)
+    r2 = run_cli(_train_args(tmp_path, "s3warm", cache, []), timeout=300, **s3.env(endpoint=endpoint2))
+    assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
+    assert not [ln for ln in log2.read_text().splitlines() if ln.startswith("GET /prep/es/shards/")]
+    a, b = final_weights(tmp_path / "s3run"), final_weights(tmp_path / "s3warm")
+    assert all(torch.equal(a[k], b[k]) for k in a), "the same data read twice trained differently"
+
+
+def test_a_missing_shard_is_refused_before_training(bucket_data: dict[str, Any], tmp_path: Path, s3: Any) -> None:
+    fs = s3.fs()
+    fs.copy("prep/es", "prep/holed", recursive=True)
+    victim = bucket_data["manifest"]["shards"][2]["file"]
+    fs.rm(f"prep/holed/{victim}")
+    args = _train_args(tmp_path, "holed", tmp_path / "cache", ["--set", "data.path=s3://prep/holed"])
+    r = run_cli(args, timeout=120, **s3.env())
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stdout[-2000:] + r.stderr
+    assert f"s3://prep/holed/{victim} is missing" in lines[0] and "(fix: " in lines[0]
+    assert not (tmp_path / "holed" / "logs").exists(), "no worker started"
+
+
+@pytest.mark.parametrize("command", ["local", "prepare"])
+def test_wrong_credentials_get_one_line_and_no_secret(bucket_data: dict[str, Any], tmp_path: Path, s3: Any, command: str) -> None:
+    wrong = "WRONGsecretWRONGsecretWRONGsecret0123456"
+    if command == "local":
+        args = _train_args(tmp_path, "denied", tmp_path / "cache", [])
+    else:
+        args = ["prepare", "s3://raw/es", "--out", "s3://prep/denied", *PREP]
+    r = run_cli(args, timeout=120, **s3.env(secret=wrong))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stdout[-2000:] + r.stderr
+    assert "was refused (403" in lines[0] and "AWS_ACCESS_KEY_ID" in lines[0] and "Traceback" not in r.stderr
+    for text in (r.stdout, r.stderr):
+        assert wrong not in text and s3.secret not in text and s3.key not in text
+
+
+def test_storage_that_stops_answering_mid_run_stops_every_rank_with_a_checkpoint(
+    bucket_data: dict[str, Any], tmp_path: Path, s3: Any
+) -> None:
+    """The shards of the second shuffle window cannot be read: every rank stops together at the
+    window's edge with a checkpoint (exit 74), and the re-run resumes to the same weights as a run
+    that was never interrupted."""
+    manifest = bucket_data["manifest"]
+    counts = [max(0, (s["tokens"] - 1) // 64) for s in manifest["shards"] if s["split"] == "train"]
+    order = GlobalOrder(counts, seed=1234, window=2)
+    first, second = order.window_shards(0, 0), order.window_shards(0, 1)
+    lost = [s for s in second if s not in first]
+    train_files = [s["file"] for s in manifest["shards"] if s["split"] == "train"]
+    pattern = "|".join(f"/prep/es/{train_files[i]}$" for i in lost)
+    steps_in_first = sum(counts[i] for i in first) // 8  # 2 ranks x 4 sequences per step; the next one reads window 2
+    endpoint, _ = s3.proxy(tmp_path, fail=pattern, times=1000)
+    extra = ["--set", "data.read_tries=2", "--set", "data.read_timeout_s=5", "--set", "train.checkpoint_every=0"]
+    extra += ["--set", f"train.max_steps={steps_in_first + 4}"]
+    cut = run_cli(_train_args(tmp_path, "cut", tmp_path / "cache-cut", extra), timeout=300, **s3.env(endpoint=endpoint))
+    assert cut.returncode == 74, cut.stdout[-3000:] + cut.stderr[-3000:]
+    assert "SlowDown" in cut.stderr and "re-run the same command to resume" in cut.stderr
+    meta = json.loads(sorted((tmp_path / "cut" / "checkpoints").glob("step_*/meta.json"))[-1].read_text())
+    assert meta["step"] == steps_in_first
+    again = run_cli(_train_args(tmp_path, "cut", tmp_path / "cache-cut", extra), timeout=300, **s3.env())
+    assert again.returncode == 0 and f"resumed from checkpoint step_{steps_in_first:08d}" in again.stdout, again.stdout[-3000:]
+    straight = run_cli(_train_args(tmp_path, "straight", tmp_path / "cache-straight", extra), timeout=300, **s3.env())
+    assert straight.returncode == 0, straight.stdout[-3000:]
+    a, b = final_weights(tmp_path / "cut"), final_weights(tmp_path / "straight")
+    assert all(torch.equal(a[k], b[k]) for k in a), "the interrupted run differs from the uninterrupted one"
+
+
+def test_credentials_in_a_url_are_refused(tmp_path: Path) -> None:
+    r = run_cli(["local", "--dry-run", "--set", "data.path=s3://AKIAXXXX:secretvalue@bucket/p"], timeout=60)
+    assert r.returncode == 2 and "holds credentials" in r.stderr and "secretvalue" not in r.stderr + r.stdout
+
+
+def test_the_cache_is_bounded_and_evicts_only_its_own_least_recently_used_shards(
+    bucket_data: dict[str, Any], tmp_path: Path, s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aura_hpc.data import storage
+    from aura_hpc.data.cache import ShardCache
+    from aura_hpc.errors import DataError
+
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    storage._FS.clear()
+    train = [s for s in bucket_data["manifest"]["shards"] if s["split"] == "train"]
+    sizes = [s["tokens"] * 2 for s in train]
+    cache = ShardCache(tmp_path / "c", max_bytes=sizes[0] + sizes[1] + sizes[2] // 2, policy=storage.Policy(tries=2))
+    (cache.objects / "notes.txt").write_text("mine")  # not the cache's naming: never removed
+    paths = [cache.fetch(f"s3://prep/es/{s['file']}", s["sha256"], n) for s, n in zip(train[:2], sizes[:2], strict=True)]
+    assert all(p.is_file() for p in paths)
+    third = cache.fetch(f"s3://prep/es/{train[2]['file']}", train[2]["sha256"], sizes[2], keep={train[1]["sha256"]})
+    assert third.is_file() and not paths[0].exists() and paths[1].exists(), "the oldest shard not kept went"
+    assert (cache.objects / "notes.txt").read_text() == "mine"
+    with pytest.raises(DataError, match=r"do not fit in data.cache_gb.*\(fix: a larger data.cache_gb"):
+        cache.fetch(f"s3://prep/es/{train[3]['file']}", train[3]["sha256"], sizes[3], keep={train[1]["sha256"], train[2]["sha256"]})
+    # A shard whose bytes do not match the manifest's hash is never kept.
+    with pytest.raises(DataError, match="does not match the manifest"):
+        cache.fetch(f"s3://prep/es/{train[1]['file']}", train[0]["sha256"], sizes[1])
+    assert not list(cache.objects.glob(".*.part"))
+    storage._FS.clear()
