@@ -192,3 +192,16 @@ def test_the_cache_is_bounded_and_evicts_only_its_own_least_recently_used_shards
         cache.fetch(f"s3://prep/es/{train[1]['file']}", train[0]["sha256"], sizes[1])
     assert not list(cache.objects.glob(".*.part"))
     storage._FS.clear()
+
+
+def test_raw_text_in_a_bucket_streams_into_training_without_a_prepare_step(
+    bucket_data: dict[str, Any], tmp_path: Path, s3: Any, prepared: Path
+) -> None:
+    stream = ["--set", "data.stream=true", "--set", "data.path=s3://raw/es", "--set", f"data.tokenizer={prepared}"]
+    stream += ["--set", "data.shard_mb=0.04", "--set", "train.eval_every=6"]
+    r = run_cli(_train_args(tmp_path, "streamed", tmp_path / "cache", stream), timeout=300, **s3.env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "streaming s3://raw/es:" in r.stdout and "eval_loss" in r.stdout
+    done = list((tmp_path / "cache" / "stream").glob("*/done/*.json"))
+    assert done and all(json.loads(f.read_text())["piece"]["source"].startswith("s3://raw/es/") for f in done)
+    _no_secret_anywhere(s3, tmp_path / "streamed", r.stdout, r.stderr)

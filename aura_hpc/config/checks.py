@@ -14,6 +14,7 @@ from aura_hpc.config.tree import (
     THROTTLE_REASONS,
     TOP_LEVEL,
     WEBHOOK_SECRET_ENV,
+    DataConfig,
     ModelConfig,
     RunConfig,
     SlurmConfig,
@@ -103,6 +104,27 @@ def _check_ranges(cfg: RunConfig) -> None:
             raise ConfigError(f"{key} must be in [0, 1), got {value} (fix: --set {key}={0.9 if key.endswith('1') else 0.95})")
 
 
+def _check_stream(d: DataConfig) -> None:
+    if d.dataset and not d.stream:
+        raise ConfigError(
+            "data.dataset is streamed only with data.stream=true (fix: --set data.stream=true, or prepare it first: "
+            f"python -m aura_hpc prepare --dataset {d.dataset} --out DIR)"
+        )
+    if not d.stream:
+        return
+    if not d.tokenizer:
+        raise ConfigError(
+            "data.stream=true needs data.tokenizer, the tokenizer to encode the stream with (fix: --set data.tokenizer=DIR, "
+            "a prepared directory or a saved tokenizer folder)"
+        )
+    if d.dataset and d.path:
+        raise ConfigError("data.stream reads data.dataset or data.path, not both (fix: drop one of them)")
+    if not d.dataset and not d.path:
+        raise ConfigError("data.stream=true needs a source (fix: --set data.path=s3://bucket/raw-text, or data.dataset=NAME)")
+    if not 0 < d.val_fraction < 0.5 or d.shard_mb <= 0:
+        raise ConfigError("data.val_fraction must be in (0, 0.5) and data.shard_mb above 0 (fix: --set data.val_fraction=0.01)")
+
+
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks; each error names the fix."""
     _check_text_values(cfg)
@@ -179,6 +201,7 @@ def validate(cfg: RunConfig) -> None:
         from aura_hpc.data.storage import check_url
 
         check_url(d.path)
+    _check_stream(d)
     if m.vocab_size and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size {m.vocab_size} is too small for a byte-level tokenizer (fix: 0 = from data)")
     if not 256 <= d.vocab_size <= 1_000_000:

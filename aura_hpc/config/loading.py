@@ -16,7 +16,7 @@ from aura_hpc.config.tree import SECTIONS, TOP_LEVEL, RunConfig
 from aura_hpc.errors import ConfigError, one_line, shown
 
 # Keys resolved relative to the config file they appear in.
-_PATH_KEYS = {("data", "path"), ("data", "cache_dir"), ("dist", "deepspeed_config"), ("health", "webhook_url_file")}
+_PATH_KEYS = {("data", "path"), ("data", "cache_dir"), ("data", "tokenizer"), ("dist", "deepspeed_config"), ("health", "webhook_url_file")}
 
 
 def configs_dir() -> Path:

@@ -56,6 +56,14 @@ class DataConfig:
     cache_gb: float = 100.0  # the bound on that cache; least recently used shards go first
     read_tries: int = 5  # attempts per object-storage read, with exponential backoff between them
     read_timeout_s: float = 60.0  # the limit on one attempt (connecting, then reading)
+    stream: bool = False  # train from data.path's raw text (local or s3://) or data.dataset, tokenized on the fly
+    dataset: str = ""  # with data.stream: a Hugging Face dataset name (or local dataset folder) to stream
+    dataset_subset: str = ""  # that dataset's configuration/subset
+    dataset_split: str = "train"  # that dataset's split
+    text_column: str = "text"  # the text column of JSON lines, Parquet or a dataset
+    tokenizer: str = ""  # with data.stream: a tokenizer folder (or a prepared directory) to encode with
+    shard_mb: float = 64.0  # with data.stream: raw text per piece, each encoded when first needed
+    val_fraction: float = 0.01  # with data.stream: share of text kept for validation
 
 
 @dataclass

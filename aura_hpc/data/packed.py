@@ -208,6 +208,14 @@ class PackedTokens:
         return out
 
 
+class NeedWindow(Exception):
+    """A position lies in a window whose shards are not encoded yet (a stream): make it, then ask again."""
+
+    def __init__(self, window: tuple[int, int]) -> None:
+        super().__init__(f"window {window} is not known yet")
+        self.window = window
+
+
 class GlobalOrder:
     """Sample order: global sample position p maps to one training sequence, the same for the same
     (seed, p) at any world size, so a resumed run sees exactly the batches it would have seen.
@@ -216,18 +224,24 @@ class GlobalOrder:
     cut into windows, and the sequences of each window in a seeded permutation. With one window
     (window 0, or at least as many as there are shards) it is a permutation of all sequences; with
     smaller windows a node needs only the current window's shards (data in object storage), and the
-    position is a window and an offset in it.
+    position is a window and an offset in it. A stream learns its shards' sizes as it encodes them
+    (count -1 until then); a position in a window of unknown size raises NeedWindow.
     """
 
     def __init__(self, counts: list[int] | int, seed: int, window: int = 0) -> None:
         counts = [counts] if isinstance(counts, int) else list(counts)
-        self.counts = np.asarray(counts, dtype=np.int64)
-        self.n = int(self.counts.sum())
-        if self.n <= 0:
-            raise DataError("the training split has no complete sequence (fix: more data or a smaller data.seq_len)")
         self.seed = seed
         self.window = window if 0 < window < len(counts) else len(counts)
-        self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+        self.learn(counts)
+        if self.complete and self.n <= 0:
+            raise DataError("the training split has no complete sequence (fix: more data or a smaller data.seq_len)")
+
+    def learn(self, counts: list[int]) -> None:
+        """Shard sizes (sequences; -1 = not known yet); what was computed from them is dropped."""
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.complete = bool((self.counts >= 0).all())
+        self.n = int(self.counts.sum()) if self.complete else -1
+        self.starts = np.concatenate([[0], np.cumsum(np.maximum(self.counts, 0))]).astype(np.int64)
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._perms: dict[tuple[int, int], np.ndarray] = {}
 
@@ -235,16 +249,24 @@ class GlobalOrder:
     def single(self) -> bool:
         return self.window >= len(self.counts)
 
+    @property
+    def windows_per_epoch(self) -> int:
+        return -(-len(self.counts) // self.window)
+
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """The epoch's shard order and the first sequence position of each of its windows."""
+        """The epoch's shard order and the first position of each of its windows (as far as known)."""
         got = self._epochs.get(epoch)
         if got is None:
             if len(self._epochs) > 2:
                 self._epochs.pop(min(self._epochs))
-            order = (
-                np.arange(len(self.counts)) if self.single else np.random.default_rng([self.seed, epoch, 0]).permutation(len(self.counts))
-            )
-            sizes = [int(self.counts[order[w : w + self.window]].sum()) for w in range(0, len(order), self.window)]
+            n = len(self.counts)
+            order = np.arange(n) if self.single else np.random.default_rng([self.seed, epoch, 0]).permutation(n)
+            sizes = []
+            for w in range(0, n, self.window):
+                part = self.counts[order[w : w + self.window]]
+                if (part < 0).any():
+                    break  # this window and those after it: not known yet
+                sizes.append(int(part.sum()))
             got = self._epochs[epoch] = (order, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
         return got
 
@@ -252,24 +274,30 @@ class GlobalOrder:
         order, _ = self._epoch(epoch)
         return [int(s) for s in order[w * self.window : (w + 1) * self.window]]
 
+    def shard_ids(self, shard: int) -> np.ndarray:
+        """The global ids of a shard's sequences (what `PackedTokens.locate` reads back)."""
+        return np.arange(self.starts[shard], self.starts[shard + 1])
+
     def _perm(self, epoch: int, w: int) -> np.ndarray:
         """Window w of the epoch, as the global sequence ids in their shuffled order."""
         got = self._perms.get((epoch, w))
         if got is None:
             if len(self._perms) > 3:
                 self._perms.pop(min(self._perms))
-            if self.single:  # the order of format-1 data and of runs before windows: kept exactly
+            if self.single and self.complete:  # the order of format-1 data and of runs before windows: kept exactly
                 got = np.random.default_rng([self.seed, epoch]).permutation(self.n)
             else:
-                ids = np.concatenate([np.arange(self.starts[s], self.starts[s + 1]) for s in self.window_shards(epoch, w)])
+                ids = np.concatenate([self.shard_ids(s) for s in self.window_shards(epoch, w)])
                 got = ids[np.random.default_rng([self.seed, epoch, w + 1]).permutation(len(ids))]
             self._perms[epoch, w] = got
         return got
 
     def where(self, position: int) -> tuple[int, int, int]:
         """(epoch, window, offset in the window) of a global sample position."""
-        epoch, off = divmod(position, self.n)
+        epoch, off = divmod(position, self.n) if self.complete else (0, position)
         _, bounds = self._epoch(epoch)
+        if off >= bounds[-1]:
+            raise NeedWindow((epoch, len(bounds) - 1))
         w = int(np.searchsorted(bounds, off, side="right")) - 1
         return epoch, w, off - int(bounds[w])
 
@@ -292,8 +320,7 @@ class GlobalOrder:
         return out
 
     def next_window(self, epoch: int, w: int) -> tuple[int, int]:
-        _, bounds = self._epoch(epoch)
-        return (epoch, w + 1) if w + 2 < len(bounds) else (epoch + 1, 0)
+        return (epoch, w + 1) if w + 1 < self.windows_per_epoch else (epoch + 1, 0)
 
 
 def batch_start(step: int, micro: int, rank: int, world: int, batch: int, accum: int) -> int:

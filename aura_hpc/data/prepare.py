@@ -106,25 +106,43 @@ def split_paragraphs(text: str) -> list[str]:
     return [p.strip("\n") + "\n\n" for p in parts]
 
 
-def records(
-    builder: str, data_files: list[str] | None, name: str | None, subset: str | None, split: str, column: str, source: str
-) -> Iterator[str]:
-    """Stream the text column of a dataset through `datasets` (hub name or local files)."""
+def open_dataset(builder: str, data_files: list[str] | None, name: str | None, subset: str | None, split: str, source: str) -> Any:
+    """A streaming `datasets` dataset (hub name, local dataset folder, or local files of a builder)."""
     import datasets
 
     datasets.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     try:
         if data_files is not None:
-            ds = datasets.load_dataset(builder, data_files=data_files, split="train", streaming=True)
-        else:
-            ds = datasets.load_dataset(name, subset, split=split, streaming=True)
+            return datasets.load_dataset(builder, data_files=data_files, split="train", streaming=True)
+        return datasets.load_dataset(name, subset, split=split, streaming=True)
     except FileNotFoundError as exc:
         raise DataError(f"dataset {source!r} not found ({exc}) (fix: check the name/path, or --subset/--split)") from None
     except ValueError as exc:
         raise DataError(f"dataset {source!r} could not be loaded: {str(exc).splitlines()[0]} (fix: check --subset/--split)") from None
     except ConnectionError as exc:
         raise DataError(f"dataset {source!r} needs the network ({exc}) (fix: download it first, or use local files)") from None
+
+
+def dataset_shards(name: str, subset: str | None, split: str) -> int:
+    """How many shards (data files) a dataset streams from: its pieces."""
+    return max(1, int(getattr(open_dataset("", None, name, subset, split, name), "n_shards", 1) or 1))
+
+
+def records(
+    builder: str,
+    data_files: list[str] | None,
+    name: str | None,
+    subset: str | None,
+    split: str,
+    column: str,
+    source: str,
+    shard: tuple[int, int] | None = None,
+) -> Iterator[str]:
+    """Stream the text column of a dataset through `datasets`; `shard` = (index, of how many)."""
+    ds = open_dataset(builder, data_files, name, subset, split, source)
+    if shard is not None and shard[1] > 1:
+        ds = ds.shard(num_shards=shard[1], index=shard[0])
     first = True
     for row in ds:
         if first:
@@ -201,7 +219,15 @@ def prepare_hint(path: Path) -> str:
 
 def tokenizer_vocab(cfg: Any) -> int:
     """The prepared data's vocabulary; for data not prepared yet (the built-in corpus) data.vocab_size, an upper bound."""
-    if cfg.data.path:
+    if getattr(cfg.data, "stream", False) and cfg.data.tokenizer:
+        from aura_hpc.data.stream import tokenizer_folder
+        from aura_hpc.data.tokenizer import read_saved
+
+        try:
+            return read_saved(tokenizer_folder(cfg.data.tokenizer)).vocab_size
+        except DataError:
+            pass
+    elif cfg.data.path:
         try:
             if cfg.data.path.startswith("s3://"):
                 from aura_hpc.data.packed import remote_manifest
@@ -278,7 +304,8 @@ def prepare(spec: PrepareSpec) -> dict[str, Any]:
 def _build(spec: PrepareSpec, files: list[Path | str], build: Path, key: str) -> dict[str, Any]:
     """The tokenizer (once), every piece's shards (in parallel, resumable), and the manifest."""
     os.environ["TOKENIZERS_PARALLELISM"] = "true"  # encode_batch's Rust threads are what makes it fast
-    pieces = shards.plan(files, TEXT_SUFFIXES, int(spec.shard_mb * 2**20), spec.dataset, spec.builtin)
+    n_dataset = dataset_shards(spec.dataset, spec.subset, spec.split) if spec.dataset else 1
+    pieces = shards.plan(files, TEXT_SUFFIXES, int(spec.shard_mb * 2**20), spec.dataset, spec.builtin, n_dataset)
     tok_dir = build / "tokenizer"
     tok, tok_source = _tokenizer(spec, pieces, tok_dir)
     dtype = np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32

@@ -78,11 +78,14 @@ def _cut(source: str, piece_bytes: int, separator: bytes) -> list[tuple[int, int
     return ranges
 
 
-def plan(files: list[Any], kinds: dict[str, str], piece_bytes: int, dataset: str | None, builtin: bool) -> list[Piece]:
+def plan(
+    files: list[Any], kinds: dict[str, str], piece_bytes: int, dataset: str | None, builtin: bool, dataset_pieces: int = 1
+) -> list[Piece]:
     if builtin:
         return [Piece(0, "builtin", "builtin")]
-    if dataset:
-        return [Piece(0, dataset, "dataset")]
+    if dataset:  # one piece per data file of the dataset (what `datasets` calls its shards)
+        n = dataset_pieces or 1
+        return [Piece(i, dataset, "dataset", i, n, True) for i in range(n)]
     pieces: list[Piece] = []
     for f in map(str, files):
         suffix = os.path.splitext(f.rsplit("/", 1)[-1])[1].lower()
@@ -125,7 +128,7 @@ def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
         yield "", True
         return
     if p.kind == "dataset":
-        for text in records("", None, p.source, job.subset, job.split, job.text_column, p.source):
+        for text in records("", None, p.source, job.subset, job.split, job.text_column, p.source, shard=(p.start, p.end)):
             yield text, True
         return
     if p.kind in ("text", "jsonl"):
@@ -291,13 +294,13 @@ def _encode_group(jobs: list[Job], workers: int) -> list[dict[str, Any]]:
         import multiprocessing as mp
 
         # Spawned, not forked: the tokenizer's Rust thread pool already ran in this process.
-        with mp.get_context("spawn").Pool(min(workers, len(todo)), initializer=_quiet_worker, initargs=(workers,)) as pool:
+        with mp.get_context("spawn").Pool(min(workers, len(todo)), initializer=share_cores, initargs=(workers,)) as pool:
             fresh = iter(pool.imap(encode, todo))
             return [r if r is not None else next(fresh) for r in records]
     return [r if r is not None else encode(j) for j, r in zip(jobs, records, strict=True)]
 
 
-def _quiet_worker(workers: int) -> None:
+def share_cores(workers: int) -> None:
     """Each worker's tokenizer threads: the cores shared out (the Rust pool would take them all)."""
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
     os.environ["TOKENIZERS_PARALLELISM"] = "true"

@@ -36,7 +36,7 @@ def _file_digest(path: Path) -> str | None:
 def _check_same_tokenizer(cfg: RunConfig) -> None:
     """Resuming on data prepared with another tokenizer would load embeddings of another vocabulary."""
     ckpt = _newest_complete_checkpoint(cfg.run_dir)
-    if ckpt is None or not cfg.data.path:
+    if ckpt is None or not cfg.data.path or cfg.data.stream:
         return
     theirs = _file_digest(ckpt / "tokenizer" / "tokenizer.json")
     if cfg.data.path.startswith("s3://"):  # the manifest holds the hash of its tokenizer.json
@@ -90,8 +90,30 @@ def _check_resume_compatible(cfg: RunConfig, world_size: int) -> None:
         )
 
 
+def preflight_stream(cfg: RunConfig) -> None:
+    """A stream's source and tokenizer, checked before any worker starts (its size is not known)."""
+    from aura_hpc.data.stream import plan_pieces, tokenizer_folder
+    from aura_hpc.data.tokenizer import read_saved
+
+    folder = tokenizer_folder(cfg.data.tokenizer)
+    vocab = read_saved(folder).vocab_size
+    if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
+        raise ConfigError(
+            f"model.vocab_size {cfg.model.vocab_size} does not match data.tokenizer ({vocab}) (fix: --set model.vocab_size=0)"
+        )
+    embedding_rows(cfg.model, vocab)
+    pieces = plan_pieces(cfg.data)  # lists the source: a missing prefix or refused credentials show here
+    from aura_hpc import console
+
+    console.info(f"streaming {cfg.data.dataset or cfg.data.path}: {len(pieces)} piece(s), tokenized as training reaches them")
+    check_sample_prompt(cfg, folder)
+
+
 def preflight_data(cfg: RunConfig, world_size: int) -> None:
     """Data checks that need no GPU: refuse before any worker starts."""
+    if cfg.data.stream:
+        preflight_stream(cfg)
+        return
     from aura_hpc.data import storage
     from aura_hpc.data.cache import for_data
     from aura_hpc.data.packed import PackedTokens
@@ -229,7 +251,7 @@ def export_webhook_secret(cfg: RunConfig) -> None:
 
 def ensure_data(cfg: RunConfig, world_size: int) -> None:
     """The built-in corpus prepared when no data.path is given, then the data checks."""
-    if not cfg.data.path:
+    if not cfg.data.path and not cfg.data.stream:
         from aura_hpc.data.prepare import PrepareSpec, prepare
 
         target = builtin_data_dir(cfg)

@@ -161,7 +161,7 @@ def _check_data(cfg: RunConfig, world: int, nodes: int, warnings: list[str]) -> 
         preflight_data(cfg, world)
     except AuraError as exc:
         return str(exc)
-    if nodes > 1 and not cfg.data.path.startswith("s3://") and not is_network_fs(Path(cfg.data.path)):
+    if nodes > 1 and not cfg.data.stream and not cfg.data.path.startswith("s3://") and not is_network_fs(Path(cfg.data.path)):
         warnings.append(
             f"data.path {cfg.data.path} is on a local filesystem ({_filesystem_type(Path(cfg.data.path).resolve())}), not a "
             "network one: every node must read the same prepared data (use an NFS/Lustre/GPFS path, or copy it to each node)"
@@ -262,7 +262,7 @@ def plan_submit(
             if note not in warnings:
                 warnings.append(note)
     data_problem = None
-    if points[0].cfg.data.path and not check:
+    if (points[0].cfg.data.path or points[0].cfg.data.stream) and not check:
         data_problem = _check_data(points[0].cfg, slurm.nodes * max(1, slurm.gpus_per_node), slurm.nodes, warnings)
 
     env = {"AURA_RUN_DIR": run_dir_env, "PYTHONUNBUFFERED": "1"}
@@ -303,7 +303,7 @@ def plan_submit(
         params["array_parallelism"] = slurm.array_parallelism or len(points)
 
     prepare_builtin = None
-    if not cfg.data.path and not check:
+    if not cfg.data.path and not cfg.data.stream and not check:
         from aura_hpc.launch.run_setup import builtin_data_dir
 
         prepare_builtin = builtin_data_dir(cfg)

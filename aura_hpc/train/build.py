@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import random
+from typing import Any
 
 import torch
 
@@ -35,11 +36,17 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
     t = cfg.train
     torch.manual_seed(t.seed)
     random.seed(t.seed)
-    if not cfg.data.path:
-        raise DataError("data.path is empty (fix: --set data.path=DIR from `python -m aura_hpc prepare`)")
-    from aura_hpc.data.cache import for_data
+    data: Any
+    if cfg.data.stream:
+        from aura_hpc.data.stream import StreamTokens
 
-    data = PackedTokens(cfg.data.path, cfg.data.seq_len, cache=for_data(cfg.data))
+        data = StreamTokens(cfg.data, cfg.data.seq_len, env.local_rank, env.local_world_size)
+    elif not cfg.data.path:
+        raise DataError("data.path is empty (fix: --set data.path=DIR from `python -m aura_hpc prepare`)")
+    else:
+        from aura_hpc.data.cache import for_data
+
+        data = PackedTokens(cfg.data.path, cfg.data.seq_len, cache=for_data(cfg.data))
     if cfg.model.vocab_size and cfg.model.vocab_size != data.vocab_size:
         raise ConfigError(
             f"model.vocab_size {cfg.model.vocab_size} does not match the data's tokenizer "
@@ -61,7 +68,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
     end_step = min(t.stop_at, max_steps) if t.stop_at else max_steps
     layout = Layout(t.batch_size, t.grad_accum, world, cfg.data.seq_len, max_steps, end_step)
     n_train = data.num_sequences("train")
-    if n_train < layout.per_step:
+    if n_train < layout.per_step and not cfg.data.stream:  # a stream's size is known only once it is read
         msg = (
             f"the prepared data has {n_train} training sequences of {cfg.data.seq_len} tokens, fewer than one "
             f"effective batch of {layout.per_step} (= {t.batch_size} per device x {world} process{'es' if world != 1 else ''} x "
@@ -80,7 +87,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
     seed_dropout(t.seed, env.rank)
     parts = Parts(
         data=data,
-        order=GlobalOrder(data.counts("train"), t.seed, cfg.data.shuffle_window),
+        order=_order(data, cfg),
         model=model,
         loss_model=loss_model,
         n_params=n_params,
@@ -89,6 +96,14 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
         scaler=torch.amp.GradScaler("cuda", enabled=rt.autocast_dtype == torch.float16),
     )
     return parts, layout, wrapped
+
+
+def _order(data: Any, cfg: RunConfig) -> GlobalOrder:
+    if cfg.data.stream:
+        from aura_hpc.data.stream import StreamOrder
+
+        return StreamOrder(data, cfg.train.seed, cfg.data.shuffle_window)
+    return GlobalOrder(data.counts("train"), cfg.train.seed, cfg.data.shuffle_window)
 
 
 def _horizon(cfg: RunConfig, world: int, env: DistEnv) -> int:

@@ -109,6 +109,10 @@ class Checkpointer:
             set_rng_state(rngs[self.env.rank], self.rt.device)
         elif self.env.is_main:
             log.warning("world size changed (%d -> %d): RNG streams re-seeded", len(rngs), self.layout.world)
+        learned = (meta.get("data_order") or {}).get("piece_sequences")
+        if learned and hasattr(p.data, "learn_counts"):
+            p.data.learn_counts(learned)
+            p.order.refresh()  # type: ignore[attr-defined]
         self.pos.step = int(meta["step"])
         self.pos.saved_step = self.pos.step
         self.pos.tokens_seen = int(meta.get("tokens_seen", 0))
@@ -227,6 +231,8 @@ class Checkpointer:
             "n_params": self.parts.n_params,
             "strategy": self.wrapped.name,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            # A stream's piece sizes learned so far: a resumed run finds its position without encoding the past again.
+            **({"data_order": self.parts.order.state()} if hasattr(self.parts.order, "state") else {}),
         }
 
     def _save_sharded(self, rngs: list[Any]) -> None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
-from aura_hpc.data.packed import GlobalOrder, PackedTokens
+from aura_hpc.data.packed import GlobalOrder, NeedWindow, PackedTokens
 from aura_hpc.errors import DataError
 from aura_hpc.train import distributed
 
@@ -25,7 +26,7 @@ class DataUnavailable(DataError):
 
 
 class DataFeed:
-    def __init__(self, data: PackedTokens, order: GlobalOrder, patience_s: float) -> None:
+    def __init__(self, data: PackedTokens | Any, order: GlobalOrder, patience_s: float) -> None:
         self.data, self.order = data, order
         self.active = data.remote
         self.patience_s = patience_s
@@ -45,11 +46,14 @@ class DataFeed:
         """Before training: the validation shards evaluation reads, agreed like a window."""
         if not self.active:
             return
-        n = min(eval_sequences, self.data.num_sequences("val"))
-        needed = sorted({self.data.locate("val", i)[0] for i in range(n)}) if n else []
         problem = ""
         try:
-            self.data.fetch("val", needed)
+            fetch_validation = getattr(self.data, "fetch_validation", None)
+            if fetch_validation is not None:  # a stream: the first window's validation text
+                fetch_validation(self.order.window_shards(0, 0))
+            else:
+                n = min(eval_sequences, self.data.num_sequences("val"))
+                self.data.fetch("val", sorted({self.data.locate("val", i)[0] for i in range(n)}) if n else [])
         except DataError as exc:
             problem = str(exc)
         self._decide("validation", problem)
@@ -58,22 +62,32 @@ class DataFeed:
         """The shards of positions [start, start+count) are local on every rank, or every rank stops."""
         if not self.active:
             return
-        for window in self.order.windows_for(start, count):
-            if window in self._agreed:
-                continue
-            problem = ""
+        while True:
             try:
-                self._fetch(window).result()
-            except DataError as exc:
-                problem = str(exc)
-            self._decide(f"window {window[0]}.{window[1]}", problem)
-            self._agreed.add(window)
-            upcoming = self.order.next_window(*window)
-            keep = {*self.order.window_shards(*window), *self.order.window_shards(*upcoming)}
-            self.data.pin("train", keep)
-            for old in [w for w in self._fetching if w not in (window, upcoming)]:
-                del self._fetching[old]
-            self._fetch(upcoming)  # downloads while this window trains
+                windows = self.order.windows_for(start, count)
+                break
+            except NeedWindow as need:  # a stream's window not encoded yet: its sizes come with it
+                self._make_ready(need.window)
+        for window in windows:
+            if window not in self._agreed:
+                self._make_ready(window)
+
+    def _make_ready(self, window: tuple[int, int]) -> None:
+        problem = ""
+        try:
+            self._fetch(window).result()
+        except DataError as exc:
+            problem = str(exc)
+        self._decide(f"window {window[0]}.{window[1]}", problem)
+        self._agreed.add(window)
+        refresh = getattr(self.order, "refresh", None)
+        if refresh is not None:
+            refresh()  # the sizes the encoding learned (here, not in the background thread: the order is not shared)
+        upcoming = self.order.next_window(*window)
+        self.data.pin("train", {*self.order.window_shards(*window), *self.order.window_shards(*upcoming)})
+        for old in [w for w in self._fetching if w not in (window, upcoming)]:
+            del self._fetching[old]
+        self._fetch(upcoming)  # downloads (or encodes) while this window trains
 
     def _decide(self, topic: str, problem: str) -> None:
         problems = distributed.agree(
@@ -85,3 +99,6 @@ class DataFeed:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        close = getattr(self.data, "close", None)
+        if close is not None:
+            close()

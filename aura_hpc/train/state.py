@@ -58,7 +58,7 @@ class Position:
 class Parts:
     """The objects training updates: data, model, optimizer, schedule and loss scaler."""
 
-    data: PackedTokens
+    data: PackedTokens  # or a StreamTokens (data.stream), which reads the same way
     order: GlobalOrder
     model: torch.nn.Module  # the transformers model: what checkpoints save and samples come from
     loss_model: torch.nn.Module  # forward(batch) = the training loss; what the strategies wrap

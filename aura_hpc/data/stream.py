@@ -1,0 +1,264 @@
+"""`data.stream: true`: training straight from a source nobody prepared (a Hub dataset through
+`datasets`' streaming, or raw .txt/.jsonl/.parquet files, local or in s3://), tokenized on the fly.
+
+The source is cut into pieces exactly as `prepare` cuts it (a text file's byte ranges, a dataset's
+data files), and each piece is encoded, when a shuffle window first needs it, into the same shard
+format `prepare` writes, in the node's cache: by a background process of one of the node's ranks
+(the ranks take a window's pieces in turn; a lock makes one of them encode each piece and the
+others wait for it). The order is `GlobalOrder` over the pieces, whose sizes are learned as they
+are encoded and saved in every checkpoint, so the data position is a window and an offset in it:
+resuming, at any world size, encodes the current window again (or finds it in the cache), never
+the stream from its start, and never a shuffle buffer's guess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import shutil
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aura_hpc.data import shards, storage
+from aura_hpc.data.cache import default_dir
+from aura_hpc.data.packed import GlobalOrder
+from aura_hpc.errors import DataError
+
+log = logging.getLogger("aura_hpc")
+
+STRIDE = 1 << 32  # a stream's sequence id: piece * STRIDE + sequence in the piece (stable before all sizes are known)
+
+
+def tokenizer_folder(name: str) -> Path:
+    """data.tokenizer: a tokenizer folder, or a prepared directory (its tokenizer/)."""
+    p = Path(name).expanduser()
+    for folder in (p, p / "tokenizer"):
+        if (folder / "tokenizer.json").is_file():
+            return folder.resolve()
+    raise DataError(
+        f"data.tokenizer {name!r} is not a tokenizer folder (no tokenizer.json) (fix: a prepared directory's tokenizer/, or "
+        "a folder saved by transformers' save_pretrained)"
+    )
+
+
+def plan_pieces(d: Any) -> list[shards.Piece]:
+    from aura_hpc.data.prepare import TEXT_SUFFIXES, dataset_shards, resolve_inputs
+
+    if d.dataset:
+        return shards.plan([], TEXT_SUFFIXES, 0, d.dataset, False, dataset_shards(d.dataset, d.dataset_subset or None, d.dataset_split))
+    if not d.path:
+        raise DataError("data.stream needs a source (fix: --set data.path=s3://bucket/raw-text or local files, or data.dataset=NAME)")
+    return shards.plan(resolve_inputs([d.path]), TEXT_SUFFIXES, int(d.shard_mb * 2**20), None, False)
+
+
+class StreamTokens:
+    """The `PackedTokens` interface over a stream's pieces, encoded into the node's cache on demand."""
+
+    remote = True  # its shards are fetched (encoded) before use: DataFeed manages them
+
+    def __init__(self, d: Any, seq_len: int, local_rank: int = 0, local_world: int = 1) -> None:
+        from aura_hpc.data.prepare import sha256_file
+        from aura_hpc.data.tokenizer import read_saved
+
+        if not d.tokenizer:
+            raise DataError(
+                "data.stream needs data.tokenizer: the tokenizer the stream is encoded with (fix: --set data.tokenizer=DIR, "
+                "e.g. a prepared directory of the same kind of text)"
+            )
+        tok_src = tokenizer_folder(d.tokenizer)
+        tok = read_saved(tok_src)
+        self.seq_len, self.local_rank, self.local_world = seq_len, local_rank, local_world
+        self.location = d.dataset or d.path
+        self.pieces = plan_pieces(d)
+        self.dtype = np.dtype(np.uint16 if tok.vocab_size <= 65536 else np.uint32)
+        tok_sha = sha256_file(tok_src / "tokenizer.json")
+        key = {"pieces": [asdict(p) for p in self.pieces], "tokenizer": tok_sha, "val": d.val_fraction, "column": d.text_column}
+        if not d.dataset:
+            key["objects"] = _object_versions(self.pieces)
+        self.key = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+        root = Path(d.cache_dir).expanduser() if d.cache_dir else default_dir()
+        self.build = root / "stream" / self.key[:16]
+        (self.build / "locks").mkdir(parents=True, exist_ok=True)
+        self._tokenizer_dir = self.build / "tokenizer"
+        with self._locked("tokenizer"):
+            if not (self._tokenizer_dir / "tokenizer.json").is_file():
+                tmp = self.build / ".tokenizer.tmp"
+                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.copytree(tok_src, tmp, ignore=shutil.ignore_patterns("*.bin", "*.safetensors", "*.pt"))
+                tmp.rename(self._tokenizer_dir)
+        self.manifest: dict[str, Any] = {
+            "tokenizer": {"vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "sha256": tok_sha, "source": str(tok_src)},
+            "dtype": self.dtype.name,
+            "data_sha256": self.key,
+            "stream": True,
+        }
+        self._job = dict(build=str(self.build), tokenizer_json=str(self._tokenizer_dir / "tokenizer.json"), eos_id=tok.eos_id,
+                         dtype=self.dtype.name, val_fraction=d.val_fraction, text_column=d.text_column,
+                         subset=d.dataset_subset or None, split=d.dataset_split)  # fmt: skip
+        self.cache_policy = storage.Policy(tries=d.read_tries, timeout_s=d.read_timeout_s)
+        self._sizes: dict[str, list[int]] = {"train": [-1] * len(self.pieces), "val": [-1] * len(self.pieces)}
+        self.val_pieces: list[int] = []
+        self._maps: dict[tuple[str, int], np.ndarray] = {}
+        self._pool: Any = None
+        self._closed = False
+        for i, p in enumerate(self.pieces):  # pieces this node encoded before (an earlier attempt)
+            record = shards.finished(self.build, p, 0)
+            if record is not None:
+                self._learn(i, record)
+
+    # ---- what the order and the feed ask ------------------------------------------------------
+    def counts(self, split: str = "train") -> list[int]:
+        return list(self._sizes[split]) if split == "train" else [self._sizes["val"][i] for i in self.val_pieces]
+
+    def learn_counts(self, counts: list[int]) -> None:
+        """Sizes saved in a checkpoint: positions before the current window need no encoding again."""
+        for i, n in enumerate(counts[: len(self.pieces)]):
+            if n >= 0 and self._sizes["train"][i] < 0:
+                self._sizes["train"][i] = int(n)
+
+    def _learn(self, i: int, record: dict[str, Any]) -> None:
+        for split in ("train", "val"):
+            self._sizes[split][i] = max(0, (int(record[split]["tokens"]) - 1) // self.seq_len)
+
+    @contextlib.contextmanager
+    def _locked(self, name: str) -> Iterator[None]:
+        with open(self.build / "locks" / f"{name}.lock", "a+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _encode(self, i: int) -> None:
+        """Piece i's shards in the node cache: found, or encoded by a background process of this rank."""
+        piece = self.pieces[i]
+        record = shards.finished(self.build, piece, 0)
+        if record is None:
+            with self._locked(f"piece-{i}"):
+                record = shards.finished(self.build, piece, 0)  # another rank of this node made it meanwhile
+                if record is None:
+                    for stale in (self.build / shards.SHARDS).glob(f"*-{i:05d}.tmp*"):  # left by a killed encoder
+                        stale.unlink(missing_ok=True)
+                    if self._pool is None:
+                        # Each rank's encoder gets its share of the node's cores (the Rust pool would take them all).
+                        self._pool = mp.get_context("spawn").Pool(1, initializer=shards.share_cores, initargs=(self.local_world,))
+                    try:
+                        pending = self._pool.apply_async(shards.encode, (shards.Job(piece, **self._job),))
+                        while not pending.ready():  # not a blocking get: close() must be able to end this wait
+                            if self._closed:
+                                raise DataError(f"stopped while encoding piece {i} of {self.location}")
+                            pending.wait(0.2)
+                        record = pending.get()
+                    except DataError:
+                        raise
+                    except Exception as exc:  # the source's own errors (network, a bad file)
+                        raise DataError(
+                            f"could not encode piece {i} of {self.location} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}) "
+                            "(fix: check the source, then re-run to resume)"
+                        ) from None
+        self._learn(i, record)
+
+    def fetch(self, split: str, ids: list[int]) -> None:
+        """Encode (or find) these pieces; train ids are piece indices, val ids index val_pieces.
+        The node's ranks start at different pieces, so they encode a window side by side."""
+        pieces = ids if split == "train" else [self.val_pieces[i] for i in ids]
+        k = self.local_rank % max(1, len(pieces))
+        for i in [*pieces[k:], *pieces[:k]]:
+            self._encode(i)
+
+    def fetch_validation(self, pieces: list[int]) -> None:
+        """The validation set: the val shards of these pieces (the first window of the first epoch)."""
+        self.val_pieces = list(pieces)
+        self.fetch("val", list(range(len(pieces))))
+
+    def pin(self, split: str, keep: set[int]) -> None:
+        for key in [k for k in self._maps if k[0] == split and k[1] not in keep]:
+            del self._maps[key]
+
+    # ---- reading, as PackedTokens --------------------------------------------------------------
+    def _map(self, split: str, piece: int) -> np.ndarray:
+        m = self._maps.get((split, piece))
+        if m is None:
+            if self._sizes[split][piece] < 0:
+                self._encode(piece)
+            path = shards.shard_path(self.build, split, piece)
+            m = self._maps[split, piece] = np.memmap(path, dtype=self.dtype, mode="r") if path.stat().st_size else np.zeros(0, self.dtype)
+        return m
+
+    def locate(self, split: str, index: int) -> tuple[int, int]:
+        if split == "train":
+            return divmod(index, STRIDE)
+        starts = np.concatenate([[0], np.cumsum(self.counts("val"))])
+        j = int(np.searchsorted(starts, index, side="right")) - 1
+        return self.val_pieces[j], index - int(starts[j])
+
+    def num_sequences(self, split: str = "train") -> int:
+        return int(sum(max(0, c) for c in self.counts(split)))
+
+    def sequences(self, split: str, indices: list[int]) -> np.ndarray:
+        t = self.seq_len
+        out = np.empty((len(indices), t + 1), dtype=np.int64)
+        for row, i in enumerate(indices):
+            piece, local = self.locate(split, i)
+            out[row] = self._map(split, piece)[local * t : local * t + t + 1]
+        return out
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["tokenizer"]["vocab_size"])
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.manifest["tokenizer"]["eos_id"])
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self._tokenizer_dir
+
+    def close(self) -> None:
+        self._closed = True
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool = None
+
+
+class StreamOrder(GlobalOrder):
+    """The global order over a stream's pieces: ids stay the same as more sizes become known."""
+
+    def __init__(self, data: StreamTokens, seed: int, window: int) -> None:
+        self.data = data
+        super().__init__(data.counts("train"), seed, window or 4)
+
+    def refresh(self) -> None:
+        counts = self.data.counts("train")
+        if counts != self.counts.tolist():
+            self.learn(counts)
+
+    def shard_ids(self, shard: int) -> np.ndarray:
+        return shard * STRIDE + np.arange(max(0, int(self.counts[shard])))
+
+    def state(self) -> dict[str, Any]:
+        return {"piece_sequences": self.counts.tolist()}
+
+
+def _object_versions(pieces: list[shards.Piece]) -> list[list[Any]]:
+    """What a changed file or object changes: its size and modification time (or ETag)."""
+    out: list[list[Any]] = []
+    listed: dict[str, tuple[int, str]] = {}
+    for src in dict.fromkeys(p.source for p in pieces):
+        if storage.is_remote(src):
+            if src not in listed:
+                listed.update(storage.objects(src))
+            out.append([src, *listed.get(src, (0, ""))])
+        else:
+            st = Path(src).stat()
+            out.append([src, st.st_size, st.st_mtime_ns])
+    return out
