@@ -81,7 +81,7 @@ def test_the_guides_launch_variables_fill_locals_flags(tmp_path: Path) -> None:
         GPUS_PER_NODE="1",
     )
     assert r.returncode == 0, r.stderr
-    assert "node 1/2, 1 processes, master 127.0.0.1:12355" in r.stdout, r.stdout
+    assert "node 1/2, 1 process, master 127.0.0.1:12355" in r.stdout, r.stdout
     flag_wins = run_cli(["local", "--output-dir", str(tmp_path), "--dry-run", "--nnodes", "1", "--node-rank", "0"], **env)
     assert "node 0/1" in flag_wins.stdout, flag_wins.stdout + flag_wins.stderr
     bad = run_cli(["local", "--output-dir", str(tmp_path), "--dry-run"], **{**env, "NNODES": "two"})

@@ -7,6 +7,7 @@ AURA_UPDATE_GOLDEN=1 python -m pytest tests/test_submit_dryrun.py, and review th
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -119,7 +120,7 @@ def test_both_spellings_of_the_size_flags_and_close_flags_suggested(tmp_path: Pa
     assert "#SBATCH --nodes=2" in a.stdout and "#SBATCH --gpus-per-node=8" in a.stdout
     assert a.stdout.split("#!/bin/bash")[1] == b.stdout.split("#!/bin/bash")[1]
     loc = run_cli(["local", "--nodes", "1", "--gpus", "1", "--dry-run"], cwd=tmp_path)
-    assert loc.returncode == 0 and "node 0/1, 1 processes" in loc.stdout, loc.stderr
+    assert loc.returncode == 0 and "node 0/1, 1 process," in loc.stdout, loc.stderr
     typo = run_cli(["submit", "--clustr", "h100-ib", "--dry-run"])
     assert typo.returncode == 2 and "--clustr: did you mean --cluster?" in typo.stderr
 
@@ -220,3 +221,29 @@ def test_bad_container_combinations_are_refused_with_the_fix(flags: list[str], p
     assert res.returncode == 2, res.stdout + res.stderr
     problem, fix = problem.replace("OUT", out), fix.replace("OUT", out)
     assert problem in res.stderr and fix in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_dry_runs_say_how_many_epochs_the_data_covers_and_warn_of_a_tiny_validation_split(tmp_path: Path) -> None:
+    from aura_hpc.data.prepare import PrepareSpec, prepare
+
+    text = tmp_path / "poco.txt"
+    text.write_text("".join(f"Párrafo {i}: el molinero miró el camino largo y la maestra leyó una carta.\n\n" for i in range(300)))
+    prepare(PrepareSpec(out_dir=tmp_path / "poco", inputs=[str(text)], vocab_size=300, val_fraction=0.02))
+    args = [
+        "--set",
+        f"data.path={tmp_path / 'poco'}",
+        "--set",
+        "data.seq_len=32",
+        "--set",
+        "train.max_steps=100",
+        "--output-dir",
+        str(tmp_path),
+    ]
+    local = run_cli(["local", "--dry-run", "--nproc-per-node", "2", *args], timeout=120)
+    submit = run_cli(["submit", "--dry-run", "--nodes", "2", "--gpus", "0", *args], timeout=120)
+    for r in (local, submit):
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert re.search(
+            r"data: [\d,]+ training sequences of 32 tokens .*100 steps x 16 sequences = 1,600 sequences = [\d.]+ epochs", r.stdout
+        )
+        assert "validation: " in r.stdout and "the validation split is tiny" in r.stderr and "--val-fraction" in r.stderr

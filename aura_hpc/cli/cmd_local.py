@@ -37,6 +37,8 @@ def cmd_local(a: argparse.Namespace) -> int:
     )
     if a.dry_run:
         show_plan(plan.cfg, plan.nproc * plan.nnodes, plan.memory, plan.gpu_mem_gib or None)
+        for line in plan.data_lines:
+            console.info(line)
         console.info(f"run directory: {plan.cfg.run_dir} (nothing was written or started)")
         return 0
     status = launch(plan)

@@ -42,6 +42,8 @@ def cmd_submit(a: argparse.Namespace) -> int:
         console.info(f"tasks: {plan.slurm.nodes} node(s) x {plan.tasks_per_node} task(s) = world size {plan.world_size}")
         if not plan.check:
             show_plan(plan.points[0].cfg, plan.world_size, plan.memory, plan.profile.gpu_mem_gib if plan.slurm.gpus_per_node else None)
+            for line in plan.data_lines:
+                console.info(line)
         if plan.data_problem:
             console.warn(f"submit would refuse this: {plan.data_problem}")
         if plan.prepare_builtin:

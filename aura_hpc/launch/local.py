@@ -183,7 +183,10 @@ def plan_local(
         env["GLOO_SOCKET_IFNAME"] = ifname
     warnings += fit_to_horizon(cfg, nproc * nnodes)
     plan = LocalPlan(cfg, nnodes, node_rank, nproc, master_addr, master_port, max_restarts, rdzv_timeout, local_addr, env)
-    plan.warnings = warnings
+    from aura_hpc.launch.data_plan import coverage
+
+    plan.data_lines, data_warnings = coverage(cfg, nproc * nnodes)
+    plan.warnings = warnings + data_warnings
     _plan_memory(plan, gpus > 0 and wanted != "gloo", force)
     return plan
 

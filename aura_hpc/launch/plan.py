@@ -29,6 +29,7 @@ class LocalPlan:
     memory: MemoryPlan | None = None  # per GPU (per process on CPU)
     gpu_mem_gib: float = 0.0  # this machine's GPU memory (0: no GPU)
     warnings: list[str] = field(default_factory=list)
+    data_lines: list[str] = field(default_factory=list)  # how the data covers the run (launch/data_plan.py)
 
     @property
     def config_path(self) -> Path:

@@ -59,6 +59,7 @@ class SubmitPlan:
     memory: MemoryPlan | None = None  # per GPU (per task for a CPU job), for the first point
     data_problem: str | None = None  # why `submit` would refuse data.path (shown by --dry-run)
     container: ContainerPlan | None = None  # the image the job runs in (slurm.container), if any
+    data_lines: list[str] = field(default_factory=list)  # how the data covers the run (launch/data_plan.py)
 
     @property
     def python(self) -> str:
@@ -332,6 +333,11 @@ def plan_submit(
     plan = SubmitPlan(points, prof, slurm, sources, params, folder, script, env, warnings, prepare_builtin, check, memory)
     plan.data_problem = data_problem
     plan.container = container
+    if not check:
+        from aura_hpc.launch.data_plan import coverage
+
+        plan.data_lines, data_warnings = coverage(points[0].cfg, world)
+        plan.warnings += [w for w in data_warnings if w not in plan.warnings]
     return plan
 
 

@@ -1,0 +1,80 @@
+"""How the data covers a run, said before it starts (`local`/`submit` and their --dry-run): the
+sequences the run reads against those the data holds (epochs), and a validation split too small
+to measure anything. Reads the manifest only: nothing is downloaded or tokenized."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+TINY_VALIDATION = 32  # sequences: below this an eval_loss moves more with the batch than with the model
+
+
+def _manifest(cfg: Any) -> dict[str, Any] | None:
+    from aura_hpc.data import storage
+
+    path = cfg.data.path
+    if not path:
+        from aura_hpc.launch.run_setup import builtin_data_dir
+
+        path = str(builtin_data_dir(cfg))
+    try:
+        if storage.is_remote(path):
+            from aura_hpc.data.packed import remote_manifest
+
+            return remote_manifest(path, storage.Policy(tries=cfg.data.read_tries, timeout_s=cfg.data.read_timeout_s))
+        return json.loads((Path(path) / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    except Exception as exc:  # a DataError from storage: the preflight says it in full
+        if type(exc).__name__ == "DataError":
+            return None
+        raise
+
+
+def _sequences(manifest: dict[str, Any], split: str, seq_len: int) -> tuple[int, int]:
+    """(sequences, tokens) of a split, counted as the trainer cuts them (per shard)."""
+    shards = manifest.get("shards") or [{"split": s, "tokens": int(manifest.get(f"{s}_tokens", 0))} for s in ("train", "val")]
+    mine = [int(s["tokens"]) for s in shards if s["split"] == split]
+    return sum(max(0, (n - 1) // seq_len) for n in mine), sum(mine)
+
+
+def coverage(cfg: Any, world: int) -> tuple[list[str], list[str]]:
+    """(lines to show, warnings) about the data of a run at this world size."""
+    from aura_hpc.config import max_steps_for
+
+    t, d = cfg.train, cfg.data
+    per_step = t.batch_size * world * t.grad_accum
+    steps = max_steps_for(cfg, world)
+    needed = steps * per_step
+    if d.stream:
+        return [f"data: streamed from {d.dataset or d.path}; its size is known only as it is read ({needed:,} sequences needed)"], []
+    manifest = _manifest(cfg)
+    if manifest is None:
+        what = "the built-in Spanish corpus, prepared at the first run" if not d.path else f"{d.path} (not readable now)"
+        return [f"data: {what}; this run reads {needed:,} sequences of {d.seq_len} tokens"], []
+    n_train, train_tokens = _sequences(manifest, "train", d.seq_len)
+    n_val, _ = _sequences(manifest, "val", d.seq_len)
+    lines, warnings = [], []
+    if n_train:
+        epochs = needed / n_train
+        repeat = f" (each sequence is seen about {epochs:.1f} times)" if epochs > 1.05 else ""
+        lines.append(
+            f"data: {n_train:,} training sequences of {d.seq_len} tokens ({train_tokens:,} tokens); {steps:,} steps x {per_step} "
+            f"sequences = {needed:,} sequences = {epochs:.2f} epochs{repeat}"
+        )
+    wanted = t.eval_sequences or t.eval_batches * t.batch_size
+    used = min(wanted, n_val)
+    lines.append(f"validation: {n_val:,} sequence{'s' if n_val != 1 else ''}; each evaluation reads {used:,}")
+    if n_val == 0:
+        warnings.append(
+            f"the validation split holds no complete sequence of {d.seq_len} tokens: no eval_loss will be computed "
+            "(fix: prepare again with a larger --val-fraction, e.g. 0.05, or more text)"
+        )
+    elif n_val < TINY_VALIDATION:
+        warnings.append(
+            f"the validation split is tiny: {n_val} sequence{'s' if n_val != 1 else ''} of {d.seq_len} tokens, so eval_loss will be "
+            "noise (fix: prepare again with a larger --val-fraction, e.g. 0.05, or more text)"
+        )
+    return lines, warnings
