@@ -386,3 +386,26 @@ def test_a_job_whose_output_dir_is_gone_on_the_nodes_is_explained(slurm_cluster:
     assert any("output_dir is not mounted" in n for n in said["notes"]), said
     logs = run_cli(["logs", job])
     assert logs.returncode == 2 and "does not exist on this machine" in logs.stderr and "not mounted" in logs.stderr, logs.stderr
+
+
+def test_prepare_as_a_slurm_array_gives_the_tokens_of_a_local_prepare(slurm_cluster: Path, tmp_path: Path, home: Path) -> None:
+    """A tokenizer job, an array of 2 encode tasks and a finish job: the same shards as one machine
+    with one worker (that a stopped build redoes only its unfinished pieces: test_prepare.py)."""
+    from aura_hpc.data.corpus import generate
+    from aura_hpc.data.prepare import PrepareSpec, prepare, read_manifest
+
+    text = tmp_path / "corpus.txt"
+    text.write_text(generate(900, seed=1), encoding="utf-8")
+    args = ["prepare", str(text), "--vocab-size", "400", "--shard-mb", "0.02"]
+    out = tmp_path / "shared" / "es"
+    r = run_cli([*args, "--out", str(out), "--submit", "--nodes", "2", "--workers", "2", "--time", "10", "--wait"], timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "array job" in r.stdout and "prepared " in r.stdout
+    local = prepare(PrepareSpec(out_dir=tmp_path / "local", inputs=[str(text)], vocab_size=400, shard_mb=0.02))
+    m = read_manifest(out)
+    assert m is not None and m["pieces"] >= 4 and m["data_sha256"] == local["data_sha256"]
+    logs = out.parent / ".es.slurm"
+    tasks = [f.read_text() for f in logs.glob("*_*_0_log.out")]
+    assert len(tasks) == 2, "the array ran 2 encode tasks"
+    # Nothing of the build is left beside the prepared directory but the logs.
+    assert sorted(p.name for p in out.parent.iterdir()) == [".es.slurm", "es"]

@@ -35,7 +35,27 @@ def cmd_prepare(a: argparse.Namespace) -> int:
     if a.dry_run:
         from aura_hpc.data.plan import describe
 
-        console.table("prepare would", describe(spec))
+        console.table(
+            "prepare would",
+            describe(spec) + ([("slurm", f"a tokenizer job, an array of {a.nodes} encode tasks, a finish job")] if a.submit else []),
+        )
+        return 0
+    if a.submit:
+        from aura_hpc.data import prepare_slurm
+
+        jobs = prepare_slurm.submit(spec, a.nodes, a.partition, a.time, a.account)
+        console.table(
+            "submitted",
+            [
+                ("tokenizer", f"job {jobs.tokenizer}"),
+                ("encode", f"array job {jobs.encode} ({a.nodes} tasks x {a.workers} worker(s))"),
+                ("finish", f"job {jobs.finish}: writes {spec.out_dir}/manifest.json"),
+                ("logs", str(jobs.logs)),
+                ("follow", f"python -m aura_hpc status {jobs.finish}"),
+            ],
+        )
+        if a.wait:
+            console.info(prepare_slurm.wait(jobs))
         return 0
     m = prepare(spec)
     if m.get("up_to_date"):
@@ -125,6 +145,12 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="text the tokenizer is trained on, taken evenly from the pieces (default 256)",
     )
     p.add_argument("--dry-run", action="store_true", help="say what it would read and write (files, tokens, shards, disk, time)")
+    p.add_argument("--submit", action="store_true", help="run it as Slurm jobs: a tokenizer job, an array of encode tasks, a finish job")
+    p.add_argument("--nodes", type=int, default=2, help="with --submit: encode tasks in the array (default 2)")
+    p.add_argument("--partition", help="with --submit: the Slurm partition")
+    p.add_argument("--account", help="with --submit: the Slurm account")
+    p.add_argument("--time", type=int, default=120, help="with --submit: minutes each job may run (default 120)")
+    p.add_argument("--wait", action="store_true", help="with --submit: wait for the finish job and report it")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser(

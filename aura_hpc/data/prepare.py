@@ -301,20 +301,29 @@ def prepare(spec: PrepareSpec) -> dict[str, Any]:
     return manifest
 
 
-def _build(spec: PrepareSpec, files: list[Path | str], build: Path, key: str) -> dict[str, Any]:
-    """The tokenizer (once), every piece's shards (in parallel, resumable), and the manifest."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "true"  # encode_batch's Rust threads are what makes it fast
+def plan_pieces(spec: PrepareSpec, files: list[Path | str]) -> list[shards.Piece]:
     n_dataset = dataset_shards(spec.dataset, spec.subset, spec.split) if spec.dataset else 1
-    pieces = shards.plan(files, TEXT_SUFFIXES, int(spec.shard_mb * 2**20), spec.dataset, spec.builtin, n_dataset)
-    tok_dir = build / "tokenizer"
-    tok, tok_source = _tokenizer(spec, pieces, tok_dir)
+    return shards.plan(files, TEXT_SUFFIXES, int(spec.shard_mb * 2**20), spec.dataset, spec.builtin, n_dataset)
+
+
+def encode_jobs(spec: PrepareSpec, pieces: list[shards.Piece], build: Path, tok: Any) -> list[shards.Job]:
     dtype = np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
-    single = len(pieces) == 1  # one piece (a Hub dataset): its budget applies while it is read
-    jobs = [
-        shards.Job(p, str(build), str(tok_dir / "tokenizer.json"), tok.eos_id, np.dtype(dtype).name, spec.val_fraction,
+    single = len(pieces) == 1  # one piece (a Hub dataset of one file): its budget applies while it is read
+    tok_json = str(build / "tokenizer" / "tokenizer.json")
+    return [
+        shards.Job(p, str(build), tok_json, tok.eos_id, np.dtype(dtype).name, spec.val_fraction,
                    spec.text_column, spec.subset, spec.split, spec.max_tokens if single else 0)
         for p in pieces
     ]  # fmt: skip
+
+
+def _build(spec: PrepareSpec, files: list[Path | str], build: Path, key: str) -> dict[str, Any]:
+    """The tokenizer (once), every piece's shards (in parallel, resumable), and the manifest."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"  # encode_batch's Rust threads are what makes it fast
+    pieces = plan_pieces(spec, files)
+    tok, tok_source = make_tokenizer(spec, pieces, build / "tokenizer")
+    dtype = np.uint16 if tok.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+    jobs = encode_jobs(spec, pieces, build, tok)
     t_enc = time.perf_counter()
     records = shards.encode_all(jobs, max(1, spec.workers), spec.max_tokens)
     encode_s = time.perf_counter() - t_enc
@@ -337,7 +346,7 @@ def _build(spec: PrepareSpec, files: list[Path | str], build: Path, key: str) ->
             "source": tok_source,
             "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id,
-            "sha256": sha256_file(tok_dir / "tokenizer.json"),
+            "sha256": sha256_file(build / "tokenizer" / "tokenizer.json"),
         },
         "dtype": np.dtype(dtype).name,
         "train_tokens": counts["train"],
@@ -351,7 +360,7 @@ def _build(spec: PrepareSpec, files: list[Path | str], build: Path, key: str) ->
     }
 
 
-def _tokenizer(spec: PrepareSpec, pieces: list[shards.Piece], tok_dir: Path) -> tuple[Any, str]:
+def make_tokenizer(spec: PrepareSpec, pieces: list[shards.Piece], tok_dir: Path) -> tuple[Any, str]:
     """The tokenizer, made once per build: loaded, or trained on an even sample of the pieces
     (--tokenizer-sample-mb spread over them; all of a small corpus). A resumed build keeps it."""
     from aura_hpc.data.tokenizer import read_saved

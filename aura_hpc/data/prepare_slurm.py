@@ -1,0 +1,144 @@
+"""`prepare --submit`: the same prepare as a chain of Slurm jobs, for a corpus one machine would
+take hours over. Submitted with submitit from the login node:
+
+    1. tokenizer   one task: the tokenizer, trained once on the sample (or loaded)
+    2. encode      an array of --nodes tasks (after 1): task k encodes pieces k, k+N, k+2N, ...
+                   with --workers processes each, into the shared build folder
+    3. finish      one task (after every task of 2): the manifest, and the swap into place
+
+Every stage is the resumable local prepare restricted to its part, so a failed or cancelled task
+loses only its unfinished pieces: submitting again (or a plain `prepare` of the same inputs)
+redoes just those, and nothing is trained on before stage 3 wrote the manifest. --out must be on
+storage every node shares (NFS, Lustre); the build folder is its hidden sibling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aura_hpc.data import out_dir
+from aura_hpc.data.prepare import PrepareSpec, encode_jobs, input_key, make_tokenizer, plan_pieces, prepare, resolve_inputs
+from aura_hpc.errors import DataError, LaunchError
+
+
+@dataclass(frozen=True)
+class PrepareJobs:
+    tokenizer: str
+    encode: str  # the array's job id
+    finish: str
+    logs: Path
+
+
+def run_stage(spec: PrepareSpec, stage: str, task: int = 0, tasks: int = 1) -> str:
+    """One stage, on a compute node (what each submitted job runs)."""
+    from aura_hpc.data import shards
+    from aura_hpc.data.tokenizer import read_saved
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    files = [] if (spec.builtin or spec.dataset) else resolve_inputs(spec.inputs)
+    key = input_key(spec, files)
+    out = Path(spec.out_dir)
+    build = out_dir.build_name(out, key)
+    if stage == "finish":
+        m = prepare(spec)  # finds the tokenizer and every piece done: writes the manifest and swaps
+        return f"prepared {out}: {m['train_tokens']:,} train / {m['val_tokens']:,} validation tokens in {len(m['shards'])} shards"
+    if not build.is_dir():
+        raise DataError(f"the build folder {build} is missing: is --out on storage every node shares? (fix: an NFS/Lustre --out)")
+    pieces = plan_pieces(spec, files)
+    if stage == "tokenizer":
+        make_tokenizer(spec, pieces, build / "tokenizer")
+        return f"tokenizer ready in {build / 'tokenizer'} ({len(pieces)} pieces to encode)"
+    tok = read_saved(build / "tokenizer")
+    mine = encode_jobs(spec, pieces, build, tok)[task::tasks]
+    shards.encode_all(mine, max(1, spec.workers), 0)
+    return f"task {task} of {tasks}: encoded {len(mine)} piece(s)"
+
+
+def submit(spec: PrepareSpec, nodes: int, partition: str | None, time_min: int, account: str | None) -> PrepareJobs:
+    """Check on the login node (nothing is queued when the inputs or --out are refused), then submit the chain."""
+    from aura_hpc.slurm import query as slurm_query
+
+    if spec.max_tokens:
+        raise DataError(
+            "--max-tokens reads the pieces in order and cannot be split over an array (fix: drop it, or prepare without --submit)"
+        )
+    if str(spec.out_dir).startswith("s3://"):
+        raise DataError(
+            "--submit builds on storage the nodes share; s3:// is not (fix: --out on NFS, then upload, or prepare without --submit)"
+        )
+    if nodes < 1:
+        raise DataError(f"--nodes must be at least 1, got {nodes} (fix: --nodes 4)")
+    slurm_query.require("sbatch")
+    slurm_query.require_config()
+    files = [] if (spec.builtin or spec.dataset) else resolve_inputs(spec.inputs)
+    key = input_key(spec, files)
+    out = Path(spec.out_dir).expanduser().absolute()
+    spec.out_dir = out
+    from aura_hpc.data.prepare import input_folders, read_manifest
+
+    existing = read_manifest(out)
+    if existing and existing.get("input_key") == key and not spec.force:
+        raise DataError(f"{out} is already prepared from these inputs (fix: nothing to do; --force to redo)")
+    local = [f for f in files if isinstance(f, Path)]
+    out_dir.check_out_dir(out, local, [] if spec.builtin or spec.dataset else input_folders(spec.inputs), existing, spec.force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for note in out_dir.clean_leftovers(out, key):
+        print(note)
+    build = out_dir.build_name(out, key)
+    build.mkdir(exist_ok=True)
+    # Marked as built by Slurm jobs, not by this process: a later prepare on this host neither
+    # removes it as a dead build nor waits for this process; the finish job takes it over.
+    (build / out_dir.MARKER).write_text(json.dumps({"host": "slurm-jobs", "pid": os.getpid(), "created": time.time()}))
+    logs = out.parent / f".{out.name}.slurm"
+    import submitit
+
+    ex = submitit.SlurmExecutor(folder=logs, python=sys.executable)
+    params: dict[str, Any] = {"nodes": 1, "ntasks_per_node": 1, "cpus_per_task": max(1, spec.workers), "time": time_min}
+    params["job_name"] = "aura-prepare"
+    if partition:
+        params["partition"] = partition
+    if account:
+        params["account"] = account
+    quiet = contextlib.redirect_stderr(io.StringIO())
+    try:
+        with quiet:
+            ex.update_parameters(**params)
+            tok = ex.submit(run_stage, spec, "tokenizer")
+            ex.update_parameters(
+                **params,
+                additional_parameters={"dependency": f"afterok:{tok.job_id}", "kill_on_invalid_dep": "yes"},
+                array_parallelism=nodes,
+            )
+            array = ex.map_array(run_stage, [spec] * nodes, ["encode"] * nodes, list(range(nodes)), [nodes] * nodes)
+            array_id = str(array[0].job_id).split("_")[0]
+            ex.update_parameters(
+                **params, additional_parameters={"dependency": f"afterok:{array_id}", "kill_on_invalid_dep": "yes"}, array_parallelism=1
+            )
+            fin = ex.submit(run_stage, spec, "finish")
+    except (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError, OSError) as exc:
+        raise LaunchError(
+            f"sbatch refused the prepare jobs: {str(exc).strip().splitlines()[-1][:200]} (fix: check --partition/--time)"
+        ) from None
+    return PrepareJobs(str(tok.job_id), array_id, str(fin.job_id), logs)
+
+
+def wait(jobs: PrepareJobs) -> str:
+    """Block until the finish job ends; its result line, or a LaunchError naming the failed stage's log."""
+    import submitit
+
+    fin = submitit.SlurmJob(folder=jobs.logs, job_id=jobs.finish)
+    try:
+        return str(fin.result())
+    except Exception as exc:  # submitit raises the job's own error, with its log
+        raise LaunchError(
+            f"prepare job {jobs.finish} did not finish ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}) "
+            f"(fix: see the logs in {jobs.logs}; submitting again redoes only the unfinished pieces)"
+        ) from None
