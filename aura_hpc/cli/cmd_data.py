@@ -41,7 +41,7 @@ def cmd_prepare(a: argparse.Namespace) -> int:
         )
         return 0
     if a.submit:
-        from aura_hpc.data import prepare_slurm
+        from aura_hpc.slurm import prepare_jobs as prepare_slurm
 
         jobs = prepare_slurm.submit(spec, a.nodes, a.partition, a.time, a.account)
         console.table(

@@ -104,6 +104,29 @@ def _check_ranges(cfg: RunConfig) -> None:
             raise ConfigError(f"{key} must be in [0, 1), got {value} (fix: --set {key}={0.9 if key.endswith('1') else 0.95})")
 
 
+_OTHER_SCHEMES = ("gs://", "gcs://", "az://", "abfs://", "hf://", "http://", "https://", "r2://")
+
+
+def url_problem(url: str, what: str) -> str | None:
+    """What is wrong with a data location given as a URL: a secret in it (it would be written to
+    config.yaml and logs), or a scheme we do not read. None for s3://bucket/prefix and local paths."""
+    low = url.lower()
+    for scheme in _OTHER_SCHEMES:
+        if low.startswith(scheme):
+            return f"{what} {url.split('?')[0]!r}: {scheme} is not supported (fix: s3://bucket/prefix for object storage)"
+    if not url.startswith("s3://"):
+        return None
+    bucket = url[len("s3://") :].split("/", 1)[0]
+    if "@" in bucket or ":" in bucket or "?" in url:
+        return (
+            f"{what} holds credentials or options in the URL; they would be written to config.yaml and logs "
+            "(fix: s3://bucket/prefix, with the keys in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an AWS profile)"
+        )
+    if not bucket:
+        return f"{what} {url!r} names no bucket (fix: s3://bucket/prefix)"
+    return None
+
+
 def _check_stream(d: DataConfig) -> None:
     if d.dataset and not d.stream:
         raise ConfigError(
@@ -197,10 +220,9 @@ def validate(cfg: RunConfig) -> None:
             f"data.seq_len ({d.seq_len}) is longer than model.n_positions ({m.n_positions}) "
             f"(fix: --set data.seq_len={m.n_positions} or raise model.n_positions)"
         )
-    if d.path:
-        from aura_hpc.data.storage import check_url
-
-        check_url(d.path)
+    problem = url_problem(d.path, "data.path") if d.path else None
+    if problem:
+        raise ConfigError(problem)
     _check_stream(d)
     if m.vocab_size and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size {m.vocab_size} is too small for a byte-level tokenizer (fix: 0 = from data)")

@@ -3,7 +3,6 @@ global order of training sequences."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,20 +31,6 @@ class Shard:
         return max(0, (self.tokens - 1) // seq_len)
 
 
-def remote_manifest(url: str, policy: storage.Policy) -> dict[str, Any] | None:
-    try:
-        raw = storage.read_bytes(storage.join(url, "manifest.json"), policy)
-    except DataError as exc:
-        if "does not exist" in str(exc):
-            return None
-        raise
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        raise DataError(f"{storage.join(url, 'manifest.json')} is not JSON (fix: prepare the data there again with --force)") from None
-    return value if isinstance(value, dict) else None
-
-
 class PackedTokens:
     """Train/val token streams cut into sequences of seq_len+1 tokens.
 
@@ -66,7 +51,7 @@ class PackedTokens:
             storage.check_url(self.location)
             if cache is None:
                 raise DataError("reading s3:// data needs a cache (internal: pass a ShardCache)")
-            manifest = remote_manifest(self.location, policy)
+            manifest = storage.read_manifest(self.location, policy)
             hint = f"python -m aura_hpc prepare YOUR_TEXT --out {self.location}"
         else:
             manifest = read_manifest(self.path)

@@ -117,7 +117,7 @@ class Job:
 
 def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
     """(text, ends a document) of a piece, in order."""
-    from aura_hpc.data.prepare import check_text, records, split_paragraphs
+    from aura_hpc.data.sources import check_text, records, split_paragraphs
 
     p = job.piece
     if p.kind == "builtin":

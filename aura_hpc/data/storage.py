@@ -14,6 +14,7 @@ read can take is known (and kept below the collective timeout by the trainer).
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -27,7 +28,6 @@ log = logging.getLogger("aura_hpc")
 T = TypeVar("T")
 
 SCHEME = "s3://"
-_OTHER_SCHEMES = ("gs://", "gcs://", "az://", "abfs://", "hf://", "http://", "https://", "r2://")
 
 
 def is_remote(path: str | object) -> bool:
@@ -36,21 +36,11 @@ def is_remote(path: str | object) -> bool:
 
 def check_url(url: str, what: str = "data.path") -> None:
     """Refuse what would put a secret in a config file or a log, and schemes we do not read."""
-    low = url.lower()
-    for scheme in _OTHER_SCHEMES:
-        if low.startswith(scheme):
-            raise DataError(f"{what} {url.split('?')[0]!r}: {scheme} is not supported (fix: s3://bucket/prefix for object storage)")
-    if not is_remote(url):
-        return
-    rest = url[len(SCHEME) :]
-    bucket = rest.split("/", 1)[0]
-    if "@" in bucket or ":" in bucket or "?" in url:
-        raise DataError(
-            f"{what} holds credentials or options in the URL; they would be written to config.yaml and logs "
-            "(fix: s3://bucket/prefix, with the keys in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or an AWS profile)"
-        )
-    if not bucket:
-        raise DataError(f"{what} {url!r} names no bucket (fix: s3://bucket/prefix)")
+    from aura_hpc.config.checks import url_problem
+
+    problem = url_problem(url, what)
+    if problem:
+        raise DataError(problem)
 
 
 def join(base: str, *parts: str) -> str:
@@ -226,3 +216,17 @@ def upload(local: Any, url: str, policy: Policy = Policy()) -> None:
 def write_bytes(url: str, data: bytes, policy: Policy = Policy()) -> None:
     fs = filesystem(policy)
     retrying(url, lambda: fs.pipe_file(strip(url), data), policy)
+
+
+def read_manifest(url: str, policy: Policy) -> dict[str, Any] | None:
+    try:
+        raw = read_bytes(join(url, "manifest.json"), policy)
+    except DataError as exc:
+        if "does not exist" in str(exc):
+            return None
+        raise
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise DataError(f"{join(url, 'manifest.json')} is not JSON (fix: prepare the data there again with --force)") from None
+    return value if isinstance(value, dict) else None

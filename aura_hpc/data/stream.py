@@ -50,7 +50,7 @@ def tokenizer_folder(name: str) -> Path:
 
 
 def plan_pieces(d: Any) -> list[shards.Piece]:
-    from aura_hpc.data.prepare import TEXT_SUFFIXES, dataset_shards, resolve_inputs
+    from aura_hpc.data.sources import TEXT_SUFFIXES, dataset_shards, resolve_inputs
 
     if d.dataset:
         return shards.plan([], TEXT_SUFFIXES, 0, d.dataset, False, dataset_shards(d.dataset, d.dataset_subset or None, d.dataset_split))

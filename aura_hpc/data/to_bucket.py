@@ -48,12 +48,10 @@ def _check_prefix(
 
 
 def prepare_to_bucket(spec: Any, key: str, build_here: Callable[[Path], dict[str, Any]], cache_root: Path) -> dict[str, Any]:
-    from aura_hpc.data.packed import remote_manifest
-
     url = str(spec.out_dir).rstrip("/")
     storage.check_url(url, "--out")
     policy = storage.Policy()
-    existing = remote_manifest(url, policy)
+    existing = storage.read_manifest(url, policy)
     if existing and existing.get("input_key") == key and not spec.force:
         return {**existing, "up_to_date": True}
     present = storage.listing(url, policy)

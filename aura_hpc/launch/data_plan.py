@@ -21,9 +21,7 @@ def _manifest(cfg: Any) -> dict[str, Any] | None:
         path = str(builtin_data_dir(cfg))
     try:
         if storage.is_remote(path):
-            from aura_hpc.data.packed import remote_manifest
-
-            return remote_manifest(path, storage.Policy(tries=cfg.data.read_tries, timeout_s=cfg.data.read_timeout_s))
+            return storage.read_manifest(path, storage.Policy(tries=cfg.data.read_tries, timeout_s=cfg.data.read_timeout_s))
         return json.loads((Path(path) / "manifest.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None

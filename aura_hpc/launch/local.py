@@ -193,7 +193,7 @@ def plan_local(
 
 def _plan_memory(plan: LocalPlan, gpu: bool, force: bool) -> None:
     """The memory plan per GPU; refused here, before any worker starts, when it cannot fit."""
-    from aura_hpc.data.prepare import tokenizer_vocab
+    from aura_hpc.data.vocab import tokenizer_vocab
     from aura_hpc.launch.memory import check_fits
     from aura_hpc.launch.memory import plan as plan_memory
 

@@ -325,7 +325,7 @@ def _bandwidth(report: Report, a: ClusterArgs, device: Any) -> None:
 def _advice(report: Report, a: ClusterArgs, device: Any) -> None:
     """Which strategy this link calls for, for the configured model and batch (ops/link_advice.py)."""
     from aura_hpc.config import RunConfig
-    from aura_hpc.data.prepare import tokenizer_vocab
+    from aura_hpc.data.vocab import tokenizer_vocab
     from aura_hpc.ops import link_advice
 
     cfg = a.run_config or RunConfig()

@@ -19,7 +19,7 @@ from typing import Any
 
 from aura_hpc.config import RunConfig, SlurmConfig, coerce, fit_to_horizon, load_config, slurm_minutes, validate_slurm
 from aura_hpc.config.checks import validate_for_device
-from aura_hpc.data.prepare import tokenizer_vocab
+from aura_hpc.data.vocab import tokenizer_vocab
 from aura_hpc.errors import ConfigError
 from aura_hpc.launch.memory import MemoryPlan, check_fits
 from aura_hpc.launch.memory import plan as plan_memory

@@ -13,9 +13,8 @@ import time
 from typing import Any
 
 from aura_hpc.config import RunConfig
-from aura_hpc.errors import EXIT_DATA_UNAVAILABLE, EXIT_RESUMABLE
 from aura_hpc.ops.gpu_health import is_gpu_error
-from aura_hpc.train import checkpoint, distributed, faults, probes, runtime
+from aura_hpc.train import checkpoint, distributed, endings, faults, probes, runtime
 from aura_hpc.train.batches import Batches
 from aura_hpc.train.build import build, compiled, describe, lan_advice
 from aura_hpc.train.checkpointing import Checkpointer
@@ -56,7 +55,7 @@ class Trainer:
         try:
             self.feed.setup(cfg.train.eval_sequences or cfg.train.eval_batches * cfg.train.batch_size)
         except DataUnavailable as exc:
-            return self._data_unavailable(exc)
+            return endings.data_unavailable(exc, self.ckpt, self.pos, self.env, getattr(self, "progress", None))
         batches = Batches(self.parts, self.layout, env.rank, self.rt.device, self.feed)
         stepper = Stepper(cfg.train, env.rank, self.layout.world, self.rt, self.parts, wrapped, batches)
         if env.is_main:
@@ -73,7 +72,7 @@ class Trainer:
             try:
                 status = self._train(stepper, batches, stop)
             except DataUnavailable as exc:
-                status = self._data_unavailable(exc)
+                status = endings.data_unavailable(exc, self.ckpt, self.pos, self.env, self.progress)
             finally:
                 self.feed.close()
         if status is not None:
@@ -189,7 +188,7 @@ class Trainer:
                 self.progress.stop()
                 if self.metrics is not None:
                     self.metrics.close()
-                return self._stop_on_signal(stop)
+                return endings.stop_on_signal(stop, self.ckpt, self.pos, self.env)
         return None
 
     def _after_step(self, r: StepResult) -> None:
@@ -322,33 +321,6 @@ class Trainer:
             peak = runtime.peak_memory(self.rt.device, self.memory_base) / 2**30
             log.info("all %d ranks finished at step %d (peak memory of rank 0: %.2f GiB)", self.layout.world, pos.step, peak)
         return 0
-
-    def _stop_on_signal(self, stop: StopRequest) -> int:
-        path = self.ckpt.save()
-        self.ckpt.wait()
-        if self.env.is_main:
-            what = f"checkpoint {path.name} written" if path else "no checkpoint written (weights not finite)"
-            log.warning(
-                "stop requested (%s) at step %d: %s; exiting with status %d (resumable: re-run the same command, or Slurm requeues)",
-                stop.signal_name or "signal on another rank",
-                self.pos.step,
-                what,
-                EXIT_RESUMABLE,
-            )
-        distributed.barrier()
-        return EXIT_RESUMABLE
-
-    def _data_unavailable(self, exc: DataUnavailable) -> int:
-        """Every rank agreed the next steps' data cannot be read: one checkpoint, then stop together."""
-        if hasattr(self, "progress"):
-            self.progress.stop()
-        path = self.ckpt.save() if self.pos.step > max(self.pos.saved_step, 0) else None
-        self.ckpt.wait()
-        if self.env.is_main:
-            saved = f"checkpoint {path.name} written at step {self.pos.step}" if path else f"nothing new to save at step {self.pos.step}"
-            log.error("data unavailable: %s; %s; re-run the same command to resume once it can be read", exc, saved)
-        distributed.barrier()
-        return EXIT_DATA_UNAVAILABLE
 
     def _gpu_error(self, exc: RuntimeError) -> int:
         return self.health.gpu_error(exc, self.rt.device, self.pos.step)

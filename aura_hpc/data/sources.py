@@ -1,0 +1,127 @@
+"""What `prepare` and streams read: input files (local or s3://) resolved, paragraphs, JSON/Parquet
+records and Hub datasets through `datasets`, and the refusal of what is not text."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from aura_hpc.data import storage
+from aura_hpc.errors import DataError
+
+TEXT_SUFFIXES = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def input_folders(inputs: list[str]) -> list[Path]:
+    """The local folders among the inputs (given or matched by a glob), resolved."""
+    found = []
+    for item in inputs:
+        if storage.is_remote(item):
+            continue
+        matches = [Path(m) for m in sorted(glob.glob(item, recursive=True))] if glob.has_magic(item) else [Path(item)]
+        found += [m.resolve() for m in matches if m.is_dir()]
+    return found
+
+
+def _suffix(name: str) -> str:
+    return os.path.splitext(name.rsplit("/", 1)[-1])[1].lower()
+
+
+def resolve_inputs(inputs: list[str]) -> list[Path | str]:
+    """Files, folders (recursive), globs and s3:// prefixes to a sorted list of supported files
+    (local ones as resolved Paths, objects as s3:// URLs)."""
+    files: list[Path | str] = []
+    for item in inputs:
+        if storage.is_remote(item):
+            storage.check_url(item, "input")
+            found = [u for u in storage.objects(item.rstrip("/") if not glob.has_magic(item) else item) if _suffix(u) in TEXT_SUFFIXES]
+            if not found:
+                raise DataError(f"no .txt/.jsonl/.parquet objects at {item} (fix: check the bucket and prefix)")
+            files += found
+            continue
+        matches = [Path(m) for m in sorted(glob.glob(item, recursive=True))] if glob.has_magic(item) else [Path(item)]
+        if not matches or not all(m.exists() for m in matches):
+            raise DataError(f"input {item!r} does not exist (fix: pass .txt/.jsonl/.parquet files, a folder or a glob)")
+        for m in matches:
+            if m.is_dir():
+                files += sorted(p for p in m.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+            elif m.suffix.lower() in TEXT_SUFFIXES:
+                files.append(m)
+            else:
+                raise DataError(f"input {str(m)!r} has an unsupported type {m.suffix!r} (fix: use {', '.join(TEXT_SUFFIXES)})")
+    if not files:
+        raise DataError(f"no .txt/.jsonl/.parquet files found in {inputs} (fix: point at the files or their folder)")
+    local = sorted({f.resolve() for f in files if isinstance(f, Path)})
+    remote = sorted({f for f in files if isinstance(f, str)})
+    return [*local, *remote]
+
+
+def split_paragraphs(text: str) -> list[str]:
+    parts = [p for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
+    return [p.strip("\n") + "\n\n" for p in parts]
+
+
+def open_dataset(builder: str, data_files: list[str] | None, name: str | None, subset: str | None, split: str, source: str) -> Any:
+    """A streaming `datasets` dataset (hub name, local dataset folder, or local files of a builder)."""
+    import datasets
+
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    try:
+        if data_files is not None:
+            return datasets.load_dataset(builder, data_files=data_files, split="train", streaming=True)
+        return datasets.load_dataset(name, subset, split=split, streaming=True)
+    except FileNotFoundError as exc:
+        raise DataError(f"dataset {source!r} not found ({exc}) (fix: check the name/path, or --subset/--split)") from None
+    except ValueError as exc:
+        raise DataError(f"dataset {source!r} could not be loaded: {str(exc).splitlines()[0]} (fix: check --subset/--split)") from None
+    except ConnectionError as exc:
+        raise DataError(f"dataset {source!r} needs the network ({exc}) (fix: download it first, or use local files)") from None
+
+
+def dataset_shards(name: str, subset: str | None, split: str) -> int:
+    """How many shards (data files) a dataset streams from: its pieces."""
+    return max(1, int(getattr(open_dataset("", None, name, subset, split, name), "n_shards", 1) or 1))
+
+
+def records(
+    builder: str,
+    data_files: list[str] | None,
+    name: str | None,
+    subset: str | None,
+    split: str,
+    column: str,
+    source: str,
+    shard: tuple[int, int] | None = None,
+) -> Iterator[str]:
+    """Stream the text column of a dataset through `datasets`; `shard` = (index, of how many)."""
+    ds = open_dataset(builder, data_files, name, subset, split, source)
+    if shard is not None and shard[1] > 1:
+        ds = ds.shard(num_shards=shard[1], index=shard[0])
+    first = True
+    for row in ds:
+        if first:
+            if column not in row:
+                raise DataError(
+                    f"column {column!r} not in {source!r}; its columns are {', '.join(map(str, row))} (fix: --text-column NAME)"
+                )
+            first = False
+        text = row[column]
+        if isinstance(text, str) and text.strip():
+            check_text(source, text)
+            yield text
+
+
+def check_text(source: Path | str, text: str) -> None:
+    """Refuse what is not text before the tokenizer trainer sees it: NUL bytes (a binary file, or a
+    disk image) make one giant pre-token, and byte-level BPE training then runs for hours."""
+    at = text.find("\0")
+    if at >= 0:
+        raise DataError(
+            f"{source} holds NUL bytes (first at character {at}): it is binary, not text (fix: remove it from the inputs, "
+            "or strip the NULs with tr -d '\\000')"
+        )
