@@ -16,7 +16,7 @@ FROM ${BASE_IMAGE} AS build
 ARG PIP_INSTALL_ARGS=""
 COPY . /opt/aura_hpc/src
 RUN python3 -m venv --system-site-packages /opt/aura_hpc/venv \
- && /opt/aura_hpc/venv/bin/python -m pip install --no-cache-dir ${PIP_INSTALL_ARGS} /opt/aura_hpc/src
+ && /opt/aura_hpc/venv/bin/python -m pip install --no-cache-dir ${PIP_INSTALL_ARGS} "/opt/aura_hpc/src[s3]"
 
 # Stage 2: the same base, the venv, a non-root user.
 FROM ${BASE_IMAGE}

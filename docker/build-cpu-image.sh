@@ -25,8 +25,8 @@ fi
 t0=$(date +%s)
 wheels=docker/wheels
 mkdir -p "$wheels"
-# torch (the CPU build this machine's index serves), the package's dependencies, and the build backend.
-python3 -m pip download -q -d "$wheels" "$TORCH" . "setuptools>=77" wheel 2>&1 | grep -v "is ignored" || true
+# torch (the CPU build this machine's index serves), the package's dependencies (with s3fs), and the build backend.
+python3 -m pip download -q -d "$wheels" "$TORCH" ".[s3]" "setuptools>=77" wheel 2>&1 | grep -v "is ignored" || true
 # An sdist (deepspeed) would need torch to build inside the image: build its wheel here.
 for sdist in "$wheels"/*.tar.gz; do
   [ -e "$sdist" ] || continue

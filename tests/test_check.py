@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -173,3 +174,30 @@ def test_master_not_started_across_namespaces(two_hosts: tuple[str, str]) -> Non
         _check(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.77.1.1", "--master-port", str(free_port())], two_hosts[1])
     )
     assert code == 1 and "connection refused" in err and "open TCP port" in err, err
+
+
+def test_check_on_a_rate_limited_link_recommends_diloco(two_hosts: tuple[str, str]) -> None:
+    """Both ends of the pair's link shaped to 20 Mbit/s with tc tbf: `check` with the run's config
+    measures the link and names the strategy that suits it, with the expected speed-up."""
+    a, b = two_hosts
+    tag = a[-6:]
+    for ns, dev in ((a, f"va{tag}"), (b, f"vb{tag}")):
+        r = subprocess.run(
+            ["nsenter", f"--net=/run/netns/{ns}", "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", "20mbit",
+             "burst", "64kbit", "latency", "400ms"],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        if r.returncode:
+            pytest.skip(f"tc tbf is not available here: {r.stderr.strip()}")
+    try:
+        model = ["--set", "model.n_layer=4", "--set", "model.n_embd=256", "--set", "model.n_head=4", "--set", "train.batch_size=8"]
+        results = _pair(model, model, addr="10.77.1.1", ns=two_hosts)
+    finally:
+        for ns, dev in ((a, f"va{tag}"), (b, f"vb{tag}")):
+            subprocess.run(["nsenter", f"--net=/run/netns/{ns}", "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+    code, out, err = results[0]
+    assert code == 0, out + err
+    line = next((ln for ln in out.splitlines() if "link advice" in ln), "")
+    m = re.search(r"link (\d+) Mbit/s", line)
+    assert m and 8 <= int(m.group(1)) <= 25, line
+    assert "use --set dist.strategy=diloco" in line and "one node)" in line, line

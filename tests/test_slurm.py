@@ -409,3 +409,20 @@ def test_prepare_as_a_slurm_array_gives_the_tokens_of_a_local_prepare(slurm_clus
     assert len(tasks) == 2, "the array ran 2 encode tasks"
     # Nothing of the build is left beside the prepared directory but the logs.
     assert sorted(p.name for p in out.parent.iterdir()) == [".es.slurm", "es"]
+
+
+def test_diloco_requeues_and_ends_equal_to_an_uninterrupted_run(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
+    """Two Slurm nodes, one DiLoCo replica each: USR2 mid-interval, the requeued job resumes its
+    replicas' own weights and outer state and ends bit-identical to a run that was never stopped."""
+    out = tmp_path / "runs"
+    common = [*TINY, "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=150"]
+    common += ["--set", "train.checkpoint_every=100", "--set", "dist.strategy=diloco", "--set", "dist.sync_every=7"]
+    run_dir, job, _ = _requeued_beside_a_reference(common, out, timeout=180)
+    log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
+    assert "strategy: diloco" in log and "stop requested (SIGUSR2)" in log and f"requeued job {job}" in log, log[-3000:]
+    m = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", log)
+    assert m and 20 <= int(m.group(2)) < 150, log[-3000:]
+    _wait_gone(_job_id(out / "straight"))
+    assert json.loads((out / "straight" / "summary.json").read_text())["finished"]
+    a, b = final_weights(run_dir), final_weights(out / "straight")
+    assert all(torch.equal(a[k], b[k]) for k in a), "diloco: the requeued run differs from the uninterrupted one"
