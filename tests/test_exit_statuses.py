@@ -1,7 +1,8 @@
 """The exit statuses README.md documents for `local` are the ones the command produces.
 
 0 is every finished run in test_training.py; 75 (stopped by a signal, checkpointed) is
-test_faults.py::test_stop_signal_checkpoints_once_and_exits_resumable; 76 (GPU circuit breaker)
+test_faults.py::test_stop_signal_checkpoints_once_and_exits_resumable; 74 (data storage
+unreachable, checkpointed) is test_s3.py; 76 (GPU circuit breaker)
 is test_health.py. 1, 2 and 3 are produced here.
 """
 
@@ -32,6 +33,7 @@ def test_readme_lists_the_statuses_the_code_defines() -> None:
         errors.EXIT_USER_ERROR,
         errors.EXIT_DIVERGED,
         errors.EXIT_RESUMABLE,
+        errors.EXIT_DATA_UNAVAILABLE,
         errors.EXIT_GPU_FAULT,
     }, doc
     assert "failed" in doc[1] and "bad input" in doc[2] and "non-finite" in doc[3]

@@ -40,9 +40,9 @@ def bucket_data(s3: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     return {"manifest": manifest, "tmp": tmp_path_factory.mktemp("s3data")}
 
 
-def _train_args(out: Path, name: str, cache: Path, extra: list[str]) -> list[str]:
+def _train_args(out: Path, name: str, cache: Path, extra: list[str], nproc: int = 2) -> list[str]:
     return [
-        "local", "--nproc-per-node", "2", "--output-dir", str(out), "--run-name", name,
+        "local", "--nproc-per-node", str(nproc), "--output-dir", str(out), "--run-name", name,
         "--set", "data.path=s3://prep/es", "--set", f"data.cache_dir={cache}", "--set", "data.shuffle_window=2",
         "--set", "train.max_steps=14", "--set", "train.warmup_steps=2", "--set", "train.batch_size=4",
         *SMALL_MODEL, *extra,
@@ -135,8 +135,9 @@ def test_storage_that_stops_answering_mid_run_stops_every_rank_with_a_checkpoint
     bucket_data: dict[str, Any], tmp_path: Path, s3: Any
 ) -> None:
     """The shards of the second shuffle window cannot be read: every rank stops together at the
-    window's edge with a checkpoint (exit 74), and the re-run resumes to the same weights as a run
-    that was never interrupted."""
+    window's edge with a checkpoint (exit 74); the re-run, on one process instead of two (and an
+    accumulation of 2), resumes where the global order stopped and ends like a run that was never
+    interrupted: the same sample at every position, the same weights."""
     manifest = bucket_data["manifest"]
     counts = [max(0, (s["tokens"] - 1) // 64) for s in manifest["shards"] if s["split"] == "train"]
     order = GlobalOrder(counts, seed=1234, window=2)
@@ -148,17 +149,33 @@ def test_storage_that_stops_answering_mid_run_stops_every_rank_with_a_checkpoint
     endpoint, _ = s3.proxy(tmp_path, fail=pattern, times=1000)
     extra = ["--set", "data.read_tries=2", "--set", "data.read_timeout_s=5", "--set", "train.checkpoint_every=0"]
     extra += ["--set", f"train.max_steps={steps_in_first + 4}"]
-    cut = run_cli(_train_args(tmp_path, "cut", tmp_path / "cache-cut", extra), timeout=300, **s3.env(endpoint=endpoint))
+    probe = {"AURA_PROBE_SAMPLES": str(tmp_path / "samples-cut")}
+    cut = run_cli(_train_args(tmp_path, "cut", tmp_path / "cache-cut", extra), timeout=300, **s3.env(endpoint=endpoint), **probe)
     assert cut.returncode == 74, cut.stdout[-3000:] + cut.stderr[-3000:]
     assert "SlowDown" in cut.stderr and "re-run the same command to resume" in cut.stderr
     meta = json.loads(sorted((tmp_path / "cut" / "checkpoints").glob("step_*/meta.json"))[-1].read_text())
     assert meta["step"] == steps_in_first
-    again = run_cli(_train_args(tmp_path, "cut", tmp_path / "cache-cut", extra), timeout=300, **s3.env())
+    one = [*extra, "--set", "train.grad_accum=2"]
+    again = run_cli(_train_args(tmp_path, "cut", tmp_path / "cache-cut", one, nproc=1), timeout=300, **s3.env(), **probe)
     assert again.returncode == 0 and f"resumed from checkpoint step_{steps_in_first:08d}" in again.stdout, again.stdout[-3000:]
-    straight = run_cli(_train_args(tmp_path, "straight", tmp_path / "cache-straight", extra), timeout=300, **s3.env())
+    straight = run_cli(
+        _train_args(tmp_path, "straight", tmp_path / "cache-straight", extra), timeout=300, **s3.env(),
+        AURA_PROBE_SAMPLES=str(tmp_path / "samples-straight"),
+    )  # fmt: skip
     assert straight.returncode == 0, straight.stdout[-3000:]
+
+    def ids(folder: Path) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for f in folder.glob("*.jsonl"):
+            for row in map(json.loads, f.read_text().splitlines()):
+                for k, i in enumerate(row["ids"]):
+                    assert out.setdefault(row["start"] + k, i) == i, "a position read twice, differently"
+        return out
+
+    resumed, reference = ids(tmp_path / "samples-cut"), ids(tmp_path / "samples-straight")
+    assert sorted(resumed) == list(range((steps_in_first + 4) * 8)) and resumed == reference
     a, b = final_weights(tmp_path / "cut"), final_weights(tmp_path / "straight")
-    assert all(torch.equal(a[k], b[k]) for k in a), "the interrupted run differs from the uninterrupted one"
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a), "the interrupted run differs from the uninterrupted one"
 
 
 def test_credentials_in_a_url_are_refused(tmp_path: Path) -> None:

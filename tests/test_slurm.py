@@ -283,8 +283,11 @@ def test_missing_slurm_is_a_clear_error(tmp_path: Path, prepared: Path) -> None:
         PATH=str(bin_dir),
     )
     assert res.returncode == 2 and "not on PATH" in res.stderr and "fix:" in res.stderr, res.stderr
-    status = run_cli(["status"], PATH=str(bin_dir))
-    assert status.returncode == 2 and "not on PATH" in status.stderr
+    status = run_cli(["status", "123"], PATH=str(bin_dir))
+    assert status.returncode == 2 and "not on PATH" in status.stderr, status.stderr
+    # with no job named, status lists the local runs and says in one note why no Slurm jobs are shown
+    overview = run_cli(["status"], PATH=str(bin_dir), cwd=tmp_path)
+    assert overview.returncode == 0 and "no Slurm jobs" in overview.stdout and "not on PATH" in overview.stdout, overview.stdout
 
 
 def test_unknown_job_is_a_clear_error(slurm_cluster: Path, home: Path) -> None:
@@ -332,12 +335,14 @@ def test_unreachable_slurmctld_is_a_clear_error(slurm_cluster: Path, tmp_path: P
     conf = tmp_path / "slurm.conf"
     text = slurm_cluster.read_text()
     conf.write_text(re.sub(r"^SlurmctldPort=\d+", "SlurmctldPort=1", text, flags=re.M) + "MessageTimeout=2\n")
-    res = run_cli(["status"], SLURM_CONF=str(conf), timeout=120)
+    res = run_cli(["status", "123"], SLURM_CONF=str(conf), timeout=120)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "slurmctld is not reachable" in res.stderr and "fix:" in res.stderr, res.stderr
+    overview = run_cli(["status"], SLURM_CONF=str(conf), timeout=120, cwd=tmp_path)
+    assert overview.returncode == 0 and "slurmctld is not reachable" in overview.stdout, overview.stdout + overview.stderr
 
 
-@pytest.mark.parametrize("command", [["status"], ["history"], ["cancel", "123"]])
+@pytest.mark.parametrize("command", [["status", "123"], ["history"], ["cancel", "123"]])
 def test_no_slurm_configuration_is_named_at_once(command: list[str], tmp_path: Path, home: Path) -> None:
     if shutil.which("squeue") is None:
         pytest.skip("needs Slurm's client commands")

@@ -53,7 +53,7 @@ def cmd_status(a: argparse.Namespace) -> int:
             slurm_rows, notes = status(None, a.all)
             rows += slurm_rows
         except AuraError as exc:
-            notes = [f"no Slurm jobs: {str(exc).split(' (fix:')[0]}"]
+            notes = [f"no Slurm jobs: {exc}"]  # with its fix: on a laptop that says Slurm is not here
             if not rows:
                 notes.insert(0, "no runs under ./runs (fix: `python -m aura_hpc status RUN_DIR` for a run elsewhere)")
     if a.json:

@@ -29,8 +29,13 @@ def cmd_local(a: argparse.Namespace) -> int:
         ifname=a.ifname,
         force=a.force,
     )
-    for w in plan.warnings:
-        console.warn(w)
+
+    def warn() -> None:
+        for w in plan.warnings:
+            console.warn(w)
+
+    if a.dry_run:
+        warn()
     console.heading(
         f"aura_hpc local: run {plan.cfg.run_name!r}, node {plan.node_rank}/{plan.nnodes}, "
         f"{plan.nproc} process{'es' if plan.nproc != 1 else ''}, master {plan.master_addr}:{plan.master_port}"
@@ -41,7 +46,7 @@ def cmd_local(a: argparse.Namespace) -> int:
             console.info(line)
         console.info(f"run directory: {plan.cfg.run_dir} (nothing was written or started)")
         return 0
-    status = launch(plan)
+    status = launch(plan, ready=warn)  # warnings once the data and run directory passed their checks
     if status != 0:
         return status
     s = summary(plan)

@@ -32,6 +32,10 @@ def cmd_submit(a: argparse.Namespace) -> int:
         "container_workdir": a.container_workdir,
     }
     plan = plan_submit(a.config, a.overrides, a.output_dir, a.run_name, flags, a.sweep, a.after, check=a.check, force=a.force)
+    if plan.data_problem and not a.dry_run:  # refused in one line: warnings matter only for a run that goes on
+        from aura_hpc.errors import DataError
+
+        raise DataError(plan.data_problem)
     for w in plan.warnings:
         console.warn(w)
     if a.dry_run:
@@ -54,10 +58,6 @@ def cmd_submit(a: argparse.Namespace) -> int:
         console.info(f"sbatch script ({plan.folder / '<jobid>_submission.sh'}):")
         console.plain(plan.script)
         return 0
-    if plan.data_problem:
-        from aura_hpc.errors import DataError
-
-        raise DataError(plan.data_problem)
     from aura_hpc.slurm import submit as submitting
 
     ids = submitting.submit(plan)

@@ -422,3 +422,19 @@ def validate_strategy(cfg: RunConfig) -> None:
         from aura_hpc.config.deepspeed import deepspeed_config
 
         deepspeed_config(cfg, 1, bf16=False)  # conflicts with what the trainer sets are named before launch
+
+
+def too_few_sequences(cfg: RunConfig, sequences: int, world: int) -> str | None:
+    """The refusal of a run whose data holds less than one effective batch (None when it does, or
+    when the user asked to repeat the data)."""
+    t = cfg.train
+    effective = t.batch_size * world * t.grad_accum
+    if sequences >= effective or t.allow_oversubscription:
+        return None
+    return (
+        f"the prepared data has {sequences} training sequences of {cfg.data.seq_len} tokens, fewer than one effective "
+        f"batch of {effective} (= {t.batch_size} per device x {world} process{'es' if world != 1 else ''} x "
+        f"{t.grad_accum} accumulation) "
+        "(fix: more data, a smaller train.batch_size/data.seq_len, fewer processes, or "
+        "--set train.allow_oversubscription=true to repeat the data)"
+    )

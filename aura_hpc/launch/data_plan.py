@@ -39,7 +39,8 @@ def _sequences(manifest: dict[str, Any], split: str, seq_len: int) -> tuple[int,
 
 
 def coverage(cfg: Any, world: int) -> tuple[list[str], list[str]]:
-    """(lines to show, warnings) about the data of a run at this world size."""
+    """(lines to show, warnings) about the data of a run at this world size; a run the data cannot
+    fill one batch of is refused here, before its warnings are shown."""
     from aura_hpc.config import max_steps_for
 
     t, d = cfg.train, cfg.data
@@ -54,6 +55,13 @@ def coverage(cfg: Any, world: int) -> tuple[list[str], list[str]]:
         return [f"data: {what}; this run reads {needed:,} sequences of {d.seq_len} tokens"], []
     n_train, train_tokens = _sequences(manifest, "train", d.seq_len)
     n_val, _ = _sequences(manifest, "val", d.seq_len)
+    from aura_hpc.config.checks import too_few_sequences
+
+    refusal = too_few_sequences(cfg, n_train, world)
+    if refusal:
+        from aura_hpc.errors import DataError
+
+        raise DataError(refusal)
     lines, warnings = [], []
     if n_train:
         epochs = needed / n_train

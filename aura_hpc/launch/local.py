@@ -240,8 +240,10 @@ def check_ram(memory: Any, nproc: int) -> str | None:
     return None
 
 
-def launch(plan: LocalPlan) -> int:
-    """Run the plan through the elastic agent; returns the exit status for the CLI."""
+def launch(plan: LocalPlan, ready: Callable[[], None] | None = None) -> int:
+    """Run the plan through the elastic agent; returns the exit status for the CLI. `ready` is
+    called once the run directory is set up, just before the workers start: a refusal before it
+    is the only line the user sees."""
     if plan.node_rank == 0 and _port_in_use(plan.master_port):
         where = " on every node" if plan.nnodes > 1 else " (or omit --master-port: a free one is picked)"
         raise LaunchError(
@@ -259,6 +261,8 @@ def launch(plan: LocalPlan) -> int:
     # Workers stop (checkpoint, exit) when this process is gone, even after a SIGKILL.
     os.environ["AURA_LAUNCHER_PID"] = str(os.getpid())
     try:
+        if ready is not None:
+            ready()
         return run_workers(plan)
     finally:
         if lock is not None:

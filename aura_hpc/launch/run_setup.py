@@ -141,17 +141,11 @@ def preflight_data(cfg: RunConfig, world_size: int) -> None:
     if remote:
         check_remote_shards(data, cfg)
     check_sample_prompt(cfg, data.tokenizer_dir)
-    t = cfg.train
-    sequences = data.num_sequences("train")
-    effective = t.batch_size * world_size * t.grad_accum
-    if sequences < effective and not t.allow_oversubscription:
-        raise DataError(
-            f"the prepared data has {sequences} training sequences of {cfg.data.seq_len} tokens, fewer than one effective "
-            f"batch of {effective} (= {t.batch_size} per device x {world_size} process{'es' if world_size != 1 else ''} x "
-            f"{t.grad_accum} accumulation) "
-            "(fix: more data, a smaller train.batch_size/data.seq_len, fewer processes, or "
-            "--set train.allow_oversubscription=true to repeat the data)"
-        )
+    from aura_hpc.config.checks import too_few_sequences
+
+    refusal = too_few_sequences(cfg, data.num_sequences("train"), world_size)
+    if refusal:
+        raise DataError(refusal)
 
 
 def check_remote_shards(data: Any, cfg: RunConfig) -> None:

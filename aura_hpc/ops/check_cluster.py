@@ -290,18 +290,45 @@ def _clock_skew(report: Report, a: ClusterArgs) -> None:
     )
 
 
+PROBE_MB = 0.25  # the first, small all_reduce that predicts the others' time
+SIZE_BUDGET_S = 3.0  # the most one size's measurement may take
+
+
+def _agreed_seconds(seconds: float, device: Any) -> float:
+    """The slowest rank's time: every rank then takes the same decision about the next size (a rank
+    that skipped an all_reduce its peer still ran would hang both)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def _bandwidth(report: Report, a: ClusterArgs, device: Any) -> None:
     import torch
     import torch.distributed as dist
 
     n = a.nnodes
+    # A small probe first: on a slow link (Wi-Fi, a rate-limited LAN) it says which sizes fit the
+    # check's time, so a 10 Mbit/s link is measured rather than timed out.
+    probe = torch.ones(int(PROBE_MB * 2**20 / 4), dtype=torch.float32, device=device)
+    dist.all_reduce(probe)  # connections and buffers
+    t0 = time.perf_counter()
+    dist.all_reduce(probe)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    per_mb = _agreed_seconds(time.perf_counter() - t0, device) / PROBE_MB
+    budget = SIZE_BUDGET_S  # a constant, not the time left: every rank must decide alike
     for mb in a.sizes_mb:
-        if report.bandwidth and report.bandwidth[-1]["time_ms"] > 1500:
-            break  # a slow link (Wi-Fi, a rate-limited LAN): larger sizes would only take longer
+        one = per_mb * mb
+        iters = max(1, min(3, int(budget / max(one, 1e-6)) - 1))
+        if report.bandwidth and one * (iters + 1) > budget:
+            break  # larger sizes would only take longer on this link
         numel = int(mb * 2**20 / 4)
         t = torch.ones(numel, dtype=torch.float32, device=device)
-        dist.all_reduce(t)  # warm-up: connections and buffers
-        iters = 3
+        if one < budget / 4:
+            dist.all_reduce(t)  # warm-up at this size
         if device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier()
@@ -310,7 +337,8 @@ def _bandwidth(report: Report, a: ClusterArgs, device: Any) -> None:
             dist.all_reduce(t)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        secs = (time.perf_counter() - t0) / iters
+        secs = _agreed_seconds((time.perf_counter() - t0) / iters, device)
+        per_mb = secs / mb
         size = numel * 4
         algbw = size / secs / 1e9
         busbw = algbw * 2 * (n - 1) / n if n > 1 else algbw  # nccl-tests' bus bandwidth for all_reduce
