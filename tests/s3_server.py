@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -84,12 +83,18 @@ class S3Server:
 
 
 def start(port: int) -> S3Server:
-    exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
+    # This interpreter's moto (a moto_server found on PATH may belong to another Python whose
+    # botocore computes signatures differently).
     env = dict(os.environ)
     # The first 3 requests (making a user, its policy and its key) are unauthenticated; every
     # request after them must be signed with a key the server knows.
     env["INITIAL_NO_AUTH_ACTION_COUNT"] = "3"
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     _wait_http(endpoint + "/moto-api/")
     import boto3
