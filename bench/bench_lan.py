@@ -36,6 +36,7 @@ STRATEGIES = {
     "ddp+bf16": ["dist.compress=bf16"],
     "ddp+powersgd": ["dist.compress=powersgd", "dist.powersgd_rank=4"],
     "diloco": ["dist.strategy=diloco"],
+    "diloco+int8": ["dist.strategy=diloco", "dist.diloco_wire=int8"],
 }
 
 
@@ -138,7 +139,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="10,100,1000", help="link rates in Mbit/s")
     p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--strategies", default="ddp,ddp+bf16,ddp+powersgd,diloco", help=f"of {', '.join(STRATEGIES)}")
     p.add_argument("--steps", type=int, default=150, help="steps of a multi-node run (one node runs nodes x steps)")
     p.add_argument("--sync-every", type=int, default=25, help="DiLoCo's dist.sync_every")
     p.add_argument("--eval-every", type=int, default=25)
@@ -166,7 +167,7 @@ def main() -> None:
             for mbit in rates:
                 lan.rate(mbit)
                 for name in names:
-                    extra = list(STRATEGIES[name]) + ([f"dist.sync_every={a.sync_every}"] if name == "diloco" else [])
+                    extra = list(STRATEGIES[name]) + ([f"dist.sync_every={a.sync_every}"] if name.startswith("diloco") else [])
                     r = run(lan, a.nodes, f"{name}-{mbit}", extra, a.steps, out, data, a.eval_every, a.max_seconds)
                     evals = [row for row in r["rows"] if "eval_loss" in row]
                     last = evals[-1] if evals else {"eval_loss": None, "tokens": 0, "elapsed_s": 0.0}

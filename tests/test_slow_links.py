@@ -54,6 +54,10 @@ DILOCO = (
     "dist.sync_every=4",
     "--set",
     "train.checkpoint_every=6",
+    # Written before the next step: a kill two steps after a checkpoint must find it complete (in the
+    # background a slow write loses the race and the run rightly resumes from the one before).
+    "--set",
+    "train.async_checkpoint=false",
 )
 
 
@@ -92,6 +96,47 @@ def test_diloco_skips_a_nan_on_every_rank_and_its_replicas_differ_between_meetin
     assert all(s is not None for s in states)
     w0, w1 = (s["model"]["transformer.wte.weight"] for s in states if s is not None)
     assert not torch.equal(w0, w1)  # step 6 lies between the meetings at 4 and 8: each replica went its own way
+
+
+def test_int8_codes_decode_within_half_a_step_of_their_block() -> None:
+    from aura_hpc.train.strategies.diloco import INT8_BLOCK, dequantize_int8, quantize_int8
+
+    g = torch.Generator().manual_seed(0)
+    n = 3 * INT8_BLOCK + 17  # a partial last block
+    x = torch.randn(n, generator=g) * torch.logspace(-4, 1, n)  # blocks of very different magnitudes
+    x[:INT8_BLOCK] = 0.0  # an all-zero block decodes to zeros
+    buf = quantize_int8(x)
+    assert buf.dtype == torch.uint8 and buf.numel() == 4 * INT8_BLOCK + 4 * 4  # one byte a value, a scale a block
+    y = dequantize_int8(buf, n)
+    assert torch.equal(y[:INT8_BLOCK], torch.zeros(INT8_BLOCK))
+    for b in range(1, 4):
+        block = slice(b * INT8_BLOCK, min(n, (b + 1) * INT8_BLOCK))
+        step = x[block].abs().max() / 127
+        assert (y[block] - x[block]).abs().max() <= step / 2 * 1.0001
+    assert torch.equal(quantize_int8(x.clone()), buf), "the same values give the same bytes on every replica"
+
+
+def test_diloco_with_int8_deltas_meets_on_equal_weights_and_resumes_bit_identical(tmp_path: Path, prepared: Path) -> None:
+    int8 = (*DILOCO, "--set", "dist.diloco_wire=int8")
+    runs = {
+        "straight8": (_args(tmp_path, "straight8", prepared, *int8), {}),
+        "killed8": (_args(tmp_path, "killed8", prepared, *int8, "--max-restarts", "1"), {"AURA_FAULT_KILL": "1:14"}),
+    }
+    done = _together(runs)
+    for name, r in done.items():
+        assert r.returncode == 0, (name, r.stdout[-3000:], r.stderr[-3000:])
+    assert "deltas in int8" in done["straight8"].stdout
+    assert "resumed from checkpoint step_00000012 at step 12" in done["killed8"].stdout
+    assert _diff(final_weights(tmp_path / "killed8"), final_weights(tmp_path / "straight8")) == 0.0
+    # Step 12 is a meeting: both replicas restarted from the same decoded mean.
+    from aura_hpc.train.replica_files import read_replica
+
+    root = tmp_path / "straight8" / "checkpoints"
+    meta = json.loads((root / "step_00000012" / "meta.json").read_text())
+    states = [read_replica(root, meta["replica_files"][str(rank)]) for rank in (0, 1)]
+    assert all(s is not None for s in states)
+    w0, w1 = (s["model"] for s in states if s is not None)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
 @pytest.mark.parametrize("compress", ["bf16", "powersgd"])

@@ -119,7 +119,7 @@ class DistConfig:
     outer_lr: float = 0.7  # diloco: the outer Nesterov SGD's learning rate (the paper's 0.7)
     outer_momentum: float = 0.9  # diloco: its momentum (the paper's 0.9)
     diloco_replicas: int = 0  # diloco: replicas training apart; 0 = one per node (a node's GPUs train one with DDP)
-    diloco_wire: str = "bf16"  # diloco: the deltas' dtype on the wire: bf16 | fp32
+    diloco_wire: str = "bf16"  # diloco: the deltas on the wire: bf16 | fp32 | int8 (a scale per 4096 values; for 2-3 replicas)
     timeout_s: int = 600  # collective (all_reduce, barrier) timeout
     init_timeout_s: int = 120  # process-group initialisation timeout
 
@@ -233,7 +233,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dist.backend": ("auto", "nccl", "gloo"),
     "dist.strategy": ("ddp", "fsdp", "zero1", "zero2", "zero3", "diloco"),
     "dist.compress": ("none", "bf16", "powersgd"),
-    "dist.diloco_wire": ("bf16", "fp32"),
+    "dist.diloco_wire": ("bf16", "fp32", "int8"),
     "slurm.signal": ("USR2", "USR1", "TERM", "INT", "HUP"),
     "slurm.container": ("none", "pyxis", "apptainer"),
     "health.webhook_type": ("generic", "discord", "slack"),

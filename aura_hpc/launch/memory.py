@@ -105,7 +105,9 @@ def plan(cfg: RunConfig, tokenizer_vocab: int, world: int, gpu: bool = True, str
         params, grads, optim = 4 * p, 4 * p, 8 * p
     elif s == "diloco":
         # the inner AdamW, plus the anchor and the outer momentum (fp32) and the flat wire buffer
-        params, grads, optim = 4 * p, 4 * p, 8 * p + 8 * p + (2 if cfg.dist.diloco_wire == "bf16" else 4) * p
+        # int8: the fp32 flat buffer, the transient fp32 copies of encoding and decoding, every replica's codes
+        wire = {"bf16": 2, "fp32": 4, "int8": 20 + n}[cfg.dist.diloco_wire]
+        params, grads, optim = 4 * p, 4 * p, 8 * p + 8 * p + wire * p
     elif s == "fsdp":
         # fp32 shards, plus the gathered bf16 (or fp32) copy of the root and two blocks in flight.
         unsharded = (2 if bf16 else 4) * (p - layers * block + 2 * block)

@@ -79,9 +79,13 @@ def options(cfg: RunConfig, tokenizer_vocab: int, link: Link, compute_s: float) 
     whole = n_params - sum(a * b for a, b in compressed)
     psgd = 4 * (sum((a + b) * r for a, b in compressed) + whole)
     flags = link.all_reduce_s(64)
-    wire = 2 if d.diloco_wire == "bf16" else 4
     h = d.sync_every
-    diloco = link.all_reduce_s(wire * n_params) / h + flags
+    if d.diloco_wire == "int8":  # an all_gather: each node sends its codes and scales once around the ring
+        sent = (link.nodes - 1) * n_params * (1 + 4 / 4096)
+        meeting = sent / link.bandwidth + (link.nodes - 1) * link.latency if link.nodes > 1 else 0.0
+    else:
+        meeting = link.all_reduce_s((2 if d.diloco_wire == "bf16" else 4) * n_params)
+    diloco = meeting / h + flags
     return [
         Option("ddp", "dist.strategy=ddp", link.all_reduce_s(4 * n_params), compute_s, link.nodes),
         Option("ddp + bf16", "dist.compress=bf16", link.all_reduce_s(2 * n_params) + flags, compute_s, link.nodes),
