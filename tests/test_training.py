@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -313,6 +314,32 @@ def test_a_lan_node_lost_mid_run_is_named_in_one_line(tmp_path: Path, prepared: 
     native = logs / f"stderr_node{1 - lost}.log"  # removed when nothing was written to it
     kept = (native.read_text() if native.exists() else "") + (logs / f"rank_{1 - lost}.log").read_text()
     assert any(w in kept for w in ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "c10d")), kept[-3000:]
+
+
+def test_node_0_gone_is_named_also_when_the_workers_notice_before_the_agent(tmp_path: Path) -> None:
+    """The race the test above can lose either way: node 1's worker fails its collective before
+    its agent sees the rendezvous gone. With node 0's port closed, the line still names node 0."""
+    from types import SimpleNamespace
+
+    from aura_hpc.config import RunConfig
+    from aura_hpc.launch.agent import _failure
+    from aura_hpc.launch.plan import LocalPlan
+
+    cfg = RunConfig()
+    cfg.output_dir, cfg.run_name = str(tmp_path), "lan"
+    (cfg.run_dir / "logs").mkdir(parents=True)
+    (cfg.run_dir / "logs" / "rank_1.log").write_text(
+        "[rank1] 2026-11-24 05:00:00 ERROR lost the connection to the rank(s) at 127.0.0.1 during step 21: their process "
+        "or machine stopped\n"
+    )
+    failures = {1: SimpleNamespace(exitcode=1, timestamp=0.0)}
+    gone = LocalPlan(cfg, 2, 1, 1, "127.0.0.1", free_port(), 0, 60, None)  # nothing listens there
+    assert "lost node 0 (the master at 127.0.0.1" in str(_failure(gone, failures))
+    with socket.socket() as alive:  # node 0 still there: a peer's process stopped, named as such
+        alive.bind(("127.0.0.1", 0))
+        alive.listen()
+        there = LocalPlan(cfg, 2, 1, 1, "127.0.0.1", alive.getsockname()[1], 0, 60, None)
+        assert "training failed: lost the connection to the rank(s) at 127.0.0.1" in str(_failure(there, failures))
 
 
 def test_unreachable_master_fails_fast_with_a_clear_error(tmp_path: Path) -> None:

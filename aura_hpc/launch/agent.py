@@ -130,12 +130,7 @@ def run_workers(plan: LocalPlan) -> int:
     except RendezvousError as exc:
         if _trained_since(plan, started):
             # The rendezvous host (node 0's launcher) went away after the nodes had joined and trained.
-            raise TrainingFailed(
-                f"lost node 0 (the master at {plan.master_addr}:{plan.master_port}, which hosts the rendezvous) while "
-                f"training: its launcher or machine stopped (see {plan.cfg.run_dir / 'logs'}); rank 0 runs there, so the "
-                f"re-run resumes from node 0's newest checkpoint (fix: start node 0 again, then this command on every node)",
-                EXIT_TRAIN_FAILED,
-            ) from None
+            raise _lost_master(plan) from None
         if plan.nnodes == 1:
             raise LaunchError(
                 f"this machine's workers did not join at {plan.master_addr}:{plan.master_port} within {plan.rdzv_timeout}s "
@@ -187,6 +182,26 @@ def native_stderr_to(path: Path) -> Iterator[None]:
                 path.unlink()  # nothing was said: no empty file in the logs
 
 
+def _lost_master(plan: LocalPlan) -> TrainingFailed:
+    return TrainingFailed(
+        f"lost node 0 (the master at {plan.master_addr}:{plan.master_port}, which hosts the rendezvous) while "
+        f"training: its launcher or machine stopped (see {plan.cfg.run_dir / 'logs'}); rank 0 runs there, so the "
+        f"re-run resumes from node 0's newest checkpoint (fix: start node 0 again, then this command on every node)",
+        EXIT_TRAIN_FAILED,
+    )
+
+
+def _master_gone(plan: LocalPlan) -> bool:
+    """Node 0's rendezvous port no longer answers: its launcher (or machine) is gone."""
+    import socket
+
+    try:
+        with socket.create_connection((plan.master_addr, plan.master_port), timeout=2.0):
+            return False
+    except OSError:
+        return True
+
+
 def _failure(plan: LocalPlan, failures: dict[int, Any]) -> TrainingFailed:
     """The one-line verdict on failed workers, with the exit status README.md documents."""
     log_dir = plan.cfg.run_dir / "logs"
@@ -204,6 +219,10 @@ def _failure(plan: LocalPlan, failures: dict[int, Any]) -> TrainingFailed:
     killed = [f for f in failures.values() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
     if said and said.startswith("lost the connection to the rank(s) at") and not killed:
         # A peer on another node went away (a rank of this node killed by a signal is named below instead).
+        # When it was node 0 as a whole, the workers may notice before the agent does: say so
+        # (checkpoints are written there), not "no checkpoint yet" from this node's point of view.
+        if plan.node_rank > 0 and _master_gone(plan):
+            return _lost_master(plan)
         return TrainingFailed(f"training failed: {said} (see {log_dir}); {_resume_hint(plan)}", EXIT_TRAIN_FAILED)
     # A killed rank makes its peers fail too (broken collectives): name every failed rank,
     # the ones killed by a signal first, since they are usually the cause.
