@@ -31,7 +31,38 @@ class Shard:
         return max(0, (self.tokens - 1) // seq_len)
 
 
-class PackedTokens:
+class TokenReader:
+    """What the trainer reads, whatever holds the tokens: sequences by global index (via `locate`
+    and `_map`, which a subclass provides) and the tokenizer's facts from the manifest."""
+
+    seq_len: int
+    manifest: dict[str, Any]
+
+    def locate(self, split: str, index: int) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _map(self, split: str, shard: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def sequences(self, split: str, indices: list[int]) -> np.ndarray:
+        """A (len(indices), seq_len+1) int64 array: inputs are [:, :-1], targets [:, 1:]."""
+        t = self.seq_len
+        out = np.empty((len(indices), t + 1), dtype=np.int64)
+        for row, i in enumerate(indices):
+            shard, local = self.locate(split, i)
+            out[row] = self._map(split, shard)[local * t : local * t + t + 1]
+        return out
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["tokenizer"]["vocab_size"])
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.manifest["tokenizer"]["eos_id"])
+
+
+class PackedTokens(TokenReader):
     """Train/val token streams cut into sequences of seq_len+1 tokens.
 
     A prepared directory holds shards (format 2: `shards/train-00000.bin`, ... listed in the
@@ -126,14 +157,6 @@ class PackedTokens:
         return out
 
     @property
-    def vocab_size(self) -> int:
-        return int(self.manifest["tokenizer"]["vocab_size"])
-
-    @property
-    def eos_id(self) -> int:
-        return int(self.manifest["tokenizer"]["eos_id"])
-
-    @property
     def tokenizer_dir(self) -> Path:
         if not self.remote:
             return self.path / "tokenizer"
@@ -182,15 +205,6 @@ class PackedTokens:
         starts = self._starts[split]
         shard = int(np.searchsorted(starts, index, side="right")) - 1
         return shard, index - int(starts[shard])
-
-    def sequences(self, split: str, indices: list[int]) -> np.ndarray:
-        """A (len(indices), seq_len+1) int64 array: inputs are [:, :-1], targets [:, 1:]."""
-        t = self.seq_len
-        out = np.empty((len(indices), t + 1), dtype=np.int64)
-        for row, i in enumerate(indices):
-            shard, local = self.locate(split, i)
-            out[row] = self._map(split, shard)[local * t : local * t + t + 1]
-        return out
 
 
 class NeedWindow(Exception):

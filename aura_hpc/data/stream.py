@@ -29,7 +29,7 @@ import numpy as np
 
 from aura_hpc.data import shards, storage
 from aura_hpc.data.cache import default_dir
-from aura_hpc.data.packed import GlobalOrder
+from aura_hpc.data.packed import GlobalOrder, TokenReader
 from aura_hpc.errors import DataError
 
 log = logging.getLogger("aura_hpc")
@@ -59,7 +59,7 @@ def plan_pieces(d: Any) -> list[shards.Piece]:
     return shards.plan(resolve_inputs([d.path]), TEXT_SUFFIXES, int(d.shard_mb * 2**20), None, False)
 
 
-class StreamTokens:
+class StreamTokens(TokenReader):
     """The `PackedTokens` interface over a stream's pieces, encoded into the node's cache on demand."""
 
     remote = True  # its shards are fetched (encoded) before use: DataFeed manages them
@@ -202,22 +202,6 @@ class StreamTokens:
 
     def num_sequences(self, split: str = "train") -> int:
         return int(sum(max(0, c) for c in self.counts(split)))
-
-    def sequences(self, split: str, indices: list[int]) -> np.ndarray:
-        t = self.seq_len
-        out = np.empty((len(indices), t + 1), dtype=np.int64)
-        for row, i in enumerate(indices):
-            piece, local = self.locate(split, i)
-            out[row] = self._map(split, piece)[local * t : local * t + t + 1]
-        return out
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.manifest["tokenizer"]["vocab_size"])
-
-    @property
-    def eos_id(self) -> int:
-        return int(self.manifest["tokenizer"]["eos_id"])
 
     @property
     def tokenizer_dir(self) -> Path:
