@@ -36,6 +36,17 @@ def default_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"aura_hpc-cache-{user}"
 
 
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock between the processes of a node (ranks, their background encoders)."""
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 class ShardCache:
     def __init__(self, root: str | Path, max_bytes: int, policy: storage.Policy) -> None:
         self.root = Path(root).expanduser() if root else default_dir()
@@ -58,14 +69,8 @@ class ShardCache:
         p = self.path_for(sha256)
         return p.is_file() and p.stat().st_size == size
 
-    @contextlib.contextmanager
-    def _locked(self, sha256: str) -> Iterator[None]:
-        with open(self.root / "locks" / f"{sha256[:16]}.lock", "a+b") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+    def _locked(self, sha256: str) -> contextlib.AbstractContextManager[None]:
+        return file_lock(self.root / "locks" / f"{sha256[:16]}.lock")
 
     def fetch(self, url: str, sha256: str, size: int, keep: Iterable[str] = ()) -> Path:
         """The local copy of `url`, downloaded (once per node) if missing. `keep`: hashes not to evict."""

@@ -14,13 +14,11 @@ the stream from its start, and never a shuffle buffer's guess.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import multiprocessing as mp
 import shutil
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from aura_hpc.data import shards, storage
-from aura_hpc.data.cache import default_dir
+from aura_hpc.data.cache import default_dir, file_lock
 from aura_hpc.data.packed import GlobalOrder, TokenReader
 from aura_hpc.errors import DataError
 
@@ -128,14 +126,8 @@ class StreamTokens(TokenReader):
         for split in ("train", "val"):
             self._sizes[split][i] = max(0, (int(record[split]["tokens"]) - 1) // self.seq_len)
 
-    @contextlib.contextmanager
-    def _locked(self, name: str) -> Iterator[None]:
-        with open(self.build / "locks" / f"{name}.lock", "a+b") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+    def _locked(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return file_lock(self.build / "locks" / f"{name}.lock")
 
     def _encode(self, i: int) -> None:
         """Piece i's shards in the node cache: found, or encoded by a background process of this rank."""
