@@ -12,6 +12,9 @@ Reported per run, from rank 0's metrics.jsonl: tokens/s (trained tokens over the
 timed steps, the first 10 excluded), the speed-up over one node, the eval loss at equal tokens (the
 multi-node run's last evaluation against the one-node run's at the same token count) and at equal
 wall time (the same evaluation against the one-node run's last one at that elapsed time).
+With --ps, also the parameter server on PC 0 and two workers on PCs 1 and 2 (three shaped links), for
+each `ps.push_every` in --push-every: tokens/s (the server's rows after the first), the versions
+applied, and the eval loss against one node's at equal tokens.
 Needs root (namespaces, tc) and iproute2.
 """
 
@@ -114,6 +117,50 @@ def run(
     return {"rows": rows, "advice": advice.split(" INFO ", 1)[-1]}
 
 
+def run_ps(lan: Lan, push_every: int, mbit: int, out: Path, data: Path, versions: int, eval_every: int, max_seconds: float) -> dict:
+    """`ps` on PC 0, a `worker` on PCs 1 and 2, stopped (Ctrl+C on the server: it saves and stops the
+    workers) after max_seconds. One secret for all three through the environment, as a user would."""
+    run = out / f"ps-k{push_every}-{mbit}"
+    # A row per version: on a 10 Mbit/s link a run applies only a handful.
+    common = [*MODEL, f"data.path={data}", f"train.max_steps={versions}", "train.warmup_steps=10", "train.log_every=1"]
+    common += [f"train.eval_every={eval_every}", "train.eval_sequences=64", "train.checkpoint_every=0", f"ps.push_every={push_every}"]
+    e = env()
+    e["AURA_PS_SECRET"] = uuid.uuid4().hex
+    args = ["--output-dir", str(out), "--run-name", run.name, *sets(common)]
+    ns = [["nsenter", f"--net=/run/netns/{pc}"] for pc in lan.pcs]
+    aura = [sys.executable, "-m", "aura_hpc"]
+    server = subprocess.Popen(
+        [*ns[0], *aura, "ps", "--port", "30005", *args], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    time.sleep(2)
+    workers = [
+        subprocess.Popen(
+            [*ns[k], *aura, "worker", "--server", "10.79.1.1:30005", "--worker-rank", str(k), *args],
+            env=e,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for k in (1, 2)
+    ]
+    deadline = time.monotonic() + max_seconds
+    while server.poll() is None and time.monotonic() < deadline:
+        time.sleep(1)
+    if server.poll() is None:
+        server.send_signal(signal.SIGINT)
+    text = server.communicate(timeout=900)[0]
+    for w in workers:
+        try:
+            w.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            w.kill()
+    if server.returncode not in (0, 75, 130):
+        raise RuntimeError(f"ps k={push_every} failed:\n{text[-3000:]}")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    speeds = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")][1:]
+    evals = [r for r in rows if r.get("eval_loss") is not None]
+    return {"rows": rows, "tokens_per_s": sum(speeds) / len(speeds) if speeds else 0.0, "evals": evals}
+
+
 def tokens_per_s(rows: list[dict], skip_steps: int = 10) -> float:
     """Trained tokens over wall time between the first row at or after `skip_steps` and the last row
     (a run too slow to get past it: over all its rows)."""
@@ -144,6 +191,9 @@ def main() -> None:
     p.add_argument("--sync-every", type=int, default=25, help="DiLoCo's dist.sync_every")
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--max-seconds", type=float, default=300, help="stop a multi-node run after this long (measured so far)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting for the multi-node runs (repeatable)")
+    p.add_argument("--ps", action="store_true", help="also the parameter server and two workers (--strategies '' for only them)")
+    p.add_argument("--push-every", default="1,4", help="with --ps: the ps.push_every values to run")
     a = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root: network namespaces and tc")
@@ -161,13 +211,14 @@ def main() -> None:
         one = run(None, 1, "one", [], a.nodes * a.steps, out, data, a.eval_every, 1e9)
         base = tokens_per_s(one["rows"])
         print(f"one node: {base:,.0f} tokens/s, eval loss {eval_at(one['rows']):.4f} after {a.nodes * a.steps} steps", flush=True)
-        lan = Lan(a.nodes)
         results = []
+        lan = Lan(a.nodes)
         try:
-            for mbit in rates:
+            for mbit in rates if names else []:
                 lan.rate(mbit)
                 for name in names:
                     extra = list(STRATEGIES[name]) + ([f"dist.sync_every={a.sync_every}"] if name.startswith("diloco") else [])
+                    extra += a.set
                     r = run(lan, a.nodes, f"{name}-{mbit}", extra, a.steps, out, data, a.eval_every, a.max_seconds)
                     evals = [row for row in r["rows"] if "eval_loss" in row]
                     last = evals[-1] if evals else {"eval_loss": None, "tokens": 0, "elapsed_s": 0.0}
@@ -187,6 +238,8 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
         finally:
             lan.close()
+        if a.ps:
+            ps_bench(a, rates, out, data, base, one["rows"])
         print(f"one node: {base:,.0f} tokens/s; total {time.perf_counter() - t0:.0f}s")
         print("| link | strategy | steps | tokens/s | vs one node | eval loss | one node, equal tokens | one node, equal time |")
         print("|---|---|---|---|---|---|---|---|")
@@ -195,6 +248,26 @@ def main() -> None:
                 f"| {r['mbit']} Mbit/s | {r['strategy']} | {r['steps']} | {r['tokens_per_s']:,} | {r['speedup']:.2f}x | {r['eval']} | "
                 f"{r['one_node_eval_equal_tokens']} | {r['one_node_eval_equal_time']} |"
             )
+
+
+def ps_bench(a: argparse.Namespace, rates: list[int], out: Path, data: Path, base: float, one_rows: list[dict]) -> None:
+    lan = Lan(3)
+    tokens_per_version = 8 * 128  # MODEL's batch x seq_len: one worker step
+    print("| link | ps.push_every | versions | tokens/s | vs one node | eval loss | one node, equal tokens |")
+    print("|---|---|---|---|---|---|---|")
+    try:
+        for mbit in rates:
+            lan.rate(mbit)
+            for k in [int(x) for x in a.push_every.split(",")]:
+                r = run_ps(lan, k, mbit, out, data, a.nodes * a.steps // k, a.eval_every, a.max_seconds)  # one node's tokens
+                version = r["rows"][-1]["version"] if r["rows"] else 0
+                last = r["evals"][-1] if r["evals"] else None
+                equal = eval_at(one_rows, tokens=last["version"] * tokens_per_version * k) if last else None
+                loss = f"{last['eval_loss']:.3f} (version {last['version']})" if last else "none"
+                speed = f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.2f}x"
+                print(f"| {mbit} Mbit/s | {k} | {version} | {speed} | {loss} | {equal} |", flush=True)
+    finally:
+        lan.close()
 
 
 if __name__ == "__main__":

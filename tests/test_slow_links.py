@@ -117,7 +117,9 @@ def test_int8_codes_decode_within_half_a_step_of_their_block() -> None:
 
 
 def test_diloco_with_int8_deltas_meets_on_equal_weights_and_resumes_bit_identical(tmp_path: Path, prepared: Path) -> None:
-    int8 = (*DILOCO, "--set", "dist.diloco_wire=int8")
+    """Meetings every 6 steps (6, 12, 18) and at the last, 20, which sync_every does not divide: the
+    run ends on the replicas' common weights."""
+    int8 = (*DILOCO, "--set", "dist.diloco_wire=int8", "--set", "dist.sync_every=6")
     runs = {
         "straight8": (_args(tmp_path, "straight8", prepared, *int8), {}),
         "killed8": (_args(tmp_path, "killed8", prepared, *int8, "--max-restarts", "1"), {"AURA_FAULT_KILL": "1:14"}),
@@ -132,11 +134,12 @@ def test_diloco_with_int8_deltas_meets_on_equal_weights_and_resumes_bit_identica
     from aura_hpc.train.replica_files import read_replica
 
     root = tmp_path / "straight8" / "checkpoints"
-    meta = json.loads((root / "step_00000012" / "meta.json").read_text())
-    states = [read_replica(root, meta["replica_files"][str(rank)]) for rank in (0, 1)]
-    assert all(s is not None for s in states)
-    w0, w1 = (s["model"] for s in states if s is not None)
-    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    for step in (12, 20):
+        meta = json.loads((root / f"step_{step:08d}" / "meta.json").read_text())
+        states = [read_replica(root, meta["replica_files"][str(rank)]) for rank in (0, 1)]
+        assert all(s is not None for s in states)
+        w0, w1 = (s["model"] for s in states if s is not None)
+        assert all(torch.equal(w0[k], w1[k]) for k in w0), f"the replicas differ after the meeting at step {step}"
 
 
 @pytest.mark.parametrize("compress", ["bf16", "powersgd"])

@@ -68,24 +68,40 @@ def _latest_step(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def _requeued_beside_a_reference(common: list[str], out: Path, timeout: float) -> tuple[Path, str, float]:
-    """Submit an uninterrupted "straight" run and a "requeued" one side by side (the test cluster has
-    4 nodes: half the wall time), USR2 the second at step 20; (its run dir, job id, when signalled)."""
-    ref = run_cli(["submit", *common, "--run-name", "straight"])
-    assert ref.returncode == 0, ref.stderr
-    res = run_cli(["submit", *common, "--run-name", "requeued"])
-    assert res.returncode == 0, res.stderr
-    run_dir = out / "requeued"
-    job = _job_id(run_dir)
+def _requeued_beside_a_reference(runs: list[tuple[list[str], Path]], timeout: float) -> list[tuple[Path, str, float]]:
+    """For each (common args, output dir): submit an uninterrupted "straight" run and a "requeued" one
+    side by side, USR2 the second once it reaches step 20; [(its run dir, job id, when signalled)].
+    A job's tasks take one CPU each, so up to 4 two-node jobs share the test cluster's 4 two-CPU nodes:
+    two runs (4 jobs) take the wall time of one."""
+    assert len(runs) <= 2, "more than 4 jobs would queue behind each other"
+    pending = {}
+    for common, out in runs:
+        for name in ("straight", "requeued"):
+            res = run_cli(["submit", *common, "--run-name", name])
+            assert res.returncode == 0, res.stderr
+        pending[out / "requeued"] = _job_id(out / "requeued")
+    signalled: dict[Path, float] = {}
     deadline = time.monotonic() + timeout
-    while _latest_step(run_dir) < 20:
-        assert time.monotonic() < deadline, "the job never reached step 20"
+    while len(signalled) < len(pending):
+        assert time.monotonic() < deadline, f"never reached step 20: {sorted(str(r) for r in pending if r not in signalled)}"
+        for run_dir, job in pending.items():
+            if run_dir not in signalled and _latest_step(run_dir) >= 20:
+                # Preemption or the pre-timeout warning: the same signal Slurm sends before the time limit.
+                signalled[run_dir] = time.time()
+                subprocess.run(["scancel", "--signal=USR2", job], check=True)
         time.sleep(0.2)
-    # Preemption or the pre-timeout warning: the same signal Slurm sends before the time limit.
-    signalled = time.time()
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)
-    _wait_gone(job)
-    return run_dir, job, signalled
+    for job in pending.values():
+        _wait_gone(job)
+    return [(run_dir, job, signalled[run_dir]) for run_dir, job in pending.items()]
+
+
+def _ends_equal_to_the_straight_run(run_dir: Path, out: Path, what: str) -> None:
+    _wait_gone(_job_id(out / "straight"))
+    assert json.loads((out / "straight" / "summary.json").read_text())["finished"]
+    a, b = final_weights(run_dir), final_weights(out / "straight")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs after the requeue from the uninterrupted run"
 
 
 # ---- real submissions -------------------------------------------------------------------
@@ -143,10 +159,14 @@ def test_two_node_job_completes_and_status_logs_find_it(slurm_cluster: Path, pre
 def test_usr2_checkpoints_requeues_and_ends_equal_to_an_uninterrupted_run(
     slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path
 ) -> None:
-    out = tmp_path / "runs"
-    common = [*TINY, "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=150"]
-    common += ["--set", "train.checkpoint_every=100"]
-    run_dir, job, signalled = _requeued_beside_a_reference(common, out, timeout=120)
+    """DDP, and beside it DiLoCo (two Slurm nodes, one replica each, USR2 mid-interval: the requeued job
+    resumes its replicas' own weights and outer state): both end bit-identical to a run never stopped."""
+    out, dl_out = tmp_path / "runs", tmp_path / "diloco"
+    common = [*TINY, "--set", f"data.path={prepared}", "--set", "train.max_steps=150", "--set", "train.checkpoint_every=100"]
+    diloco = [*common, "--output-dir", str(dl_out), "--set", "dist.strategy=diloco", "--set", "dist.sync_every=7"]
+    (run_dir, job, signalled), (dl_dir, dl_job, _) = _requeued_beside_a_reference(
+        [([*common, "--output-dir", str(out)], out), (diloco, dl_out)], timeout=180
+    )
 
     log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
     assert "stop requested (SIGUSR2)" in log and f"requeued job {job}" in log
@@ -156,20 +176,19 @@ def test_usr2_checkpoints_requeues_and_ends_equal_to_an_uninterrupted_run(
     first = re.findall(r"first step of this attempt done: step (\d+) at unix time ([\d.]+)", log)
     assert len(first) == 2 and int(first[1][0]) == int(m.group(2)) + 1
     print(f"USR2 -> first resumed step: {float(first[1][1]) - signalled:.1f}s")
-    acct = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"], capture_output=True, text=True).stdout
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 150
     # Rank 1's interrupted attempt does not claim success; history counts the requeue.
     rank1 = (run_dir / "slurm" / f"{job}_1_log.out").read_text() + (run_dir / "slurm" / f"{job}_1_log.err").read_text()
     assert "this attempt stops here" in rank1 and rank1.count("Job completed successfully") == 1, rank1[-3000:]
     hist = [r for r in json.loads(run_cli(["history", "--json"]).stdout)["jobs"] if r["job_id"] == job]
     assert len(hist) == 1 and hist[0]["requeues"] == 1 and hist[0]["state"] == "COMPLETED", hist
+    _ends_equal_to_the_straight_run(run_dir, out, "ddp")
 
-    _wait_gone(_job_id(out / "straight"))
-    assert json.loads((out / "straight" / "summary.json").read_text())["finished"]
-    a, b = final_weights(run_dir), final_weights(out / "straight")
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs after requeue (accounting said: {acct.strip()})"
+    log = (dl_dir / "slurm" / f"{dl_job}_0_log.out").read_text()
+    assert "strategy: diloco" in log and "stop requested (SIGUSR2)" in log and f"requeued job {dl_job}" in log, log[-3000:]
+    m = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", log)
+    assert m and 20 <= int(m.group(2)) < 150, log[-3000:]
+    _ends_equal_to_the_straight_run(dl_dir, dl_out, "diloco")
 
 
 def test_sweep_is_an_array_and_after_waits(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
@@ -353,24 +372,24 @@ def test_no_slurm_configuration_is_named_at_once(command: list[str], tmp_path: P
     assert time.perf_counter() - t0 < 20, "Slurm's own 60 s retry loop was not waited out"
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
-def test_sharded_strategies_requeue_and_resume_from_their_shards(
-    slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path, strategy: str
-) -> None:
-    out = tmp_path / "runs"
-    common = [*TINY, "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=150"]
-    common += ["--set", "train.checkpoint_every=100", "--set", f"dist.strategy={strategy}", "--set", "train.precision=fp32"]
-    run_dir, job, _ = _requeued_beside_a_reference(common, out, timeout=180)
-    log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
-    assert f"strategy: {strategy}" in log and "stop requested (SIGUSR2)" in log and f"requeued job {job}" in log
-    m = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", log)
-    assert m and 20 <= int(m.group(2)) < 150, log[-3000:]
-    resumed_from = run_dir / "checkpoints" / f"step_{int(m.group(1)):08d}"
-    assert not resumed_from.exists() or (resumed_from / "sharded").is_dir()
-    _wait_gone(_job_id(out / "straight"))
-    assert json.loads((out / "straight" / "summary.json").read_text())["finished"]
-    a, b = final_weights(run_dir), final_weights(out / "straight")
-    assert all(torch.equal(a[k], b[k]) for k in a), f"{strategy}: the requeued run differs from the uninterrupted one"
+def test_sharded_strategies_requeue_and_resume_from_their_shards(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
+    """FSDP and ZeRO-2 side by side: each requeued job resumes from its own shards and ends equal to
+    its uninterrupted twin."""
+    runs = []
+    for strategy in ("fsdp", "zero2"):
+        out = tmp_path / strategy
+        common = [*TINY, "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=150"]
+        common += ["--set", "train.checkpoint_every=100", "--set", f"dist.strategy={strategy}", "--set", "train.precision=fp32"]
+        runs.append((common, out))
+    requeued = _requeued_beside_a_reference(runs, timeout=240)
+    for strategy, (run_dir, job, _), (_, out) in zip(("fsdp", "zero2"), requeued, runs, strict=True):
+        log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
+        assert f"strategy: {strategy}" in log and "stop requested (SIGUSR2)" in log and f"requeued job {job}" in log, log[-3000:]
+        m = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", log)
+        assert m and 20 <= int(m.group(2)) < 150, log[-3000:]
+        resumed_from = run_dir / "checkpoints" / f"step_{int(m.group(1)):08d}"
+        assert not resumed_from.exists() or (resumed_from / "sharded").is_dir()
+        _ends_equal_to_the_straight_run(run_dir, out, strategy)
 
 
 def test_a_job_whose_output_dir_is_gone_on_the_nodes_is_explained(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
@@ -414,20 +433,3 @@ def test_prepare_as_a_slurm_array_gives_the_tokens_of_a_local_prepare(slurm_clus
     assert len(tasks) == 2, "the array ran 2 encode tasks"
     # Nothing of the build is left beside the prepared directory but the logs.
     assert sorted(p.name for p in out.parent.iterdir()) == [".es.slurm", "es"]
-
-
-def test_diloco_requeues_and_ends_equal_to_an_uninterrupted_run(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
-    """Two Slurm nodes, one DiLoCo replica each: USR2 mid-interval, the requeued job resumes its
-    replicas' own weights and outer state and ends bit-identical to a run that was never stopped."""
-    out = tmp_path / "runs"
-    common = [*TINY, "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=150"]
-    common += ["--set", "train.checkpoint_every=100", "--set", "dist.strategy=diloco", "--set", "dist.sync_every=7"]
-    run_dir, job, _ = _requeued_beside_a_reference(common, out, timeout=180)
-    log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
-    assert "strategy: diloco" in log and "stop requested (SIGUSR2)" in log and f"requeued job {job}" in log, log[-3000:]
-    m = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", log)
-    assert m and 20 <= int(m.group(2)) < 150, log[-3000:]
-    _wait_gone(_job_id(out / "straight"))
-    assert json.loads((out / "straight" / "summary.json").read_text())["finished"]
-    a, b = final_weights(run_dir), final_weights(out / "straight")
-    assert all(torch.equal(a[k], b[k]) for k in a), "diloco: the requeued run differs from the uninterrupted one"

@@ -84,6 +84,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
     n_params = count_parameters(model)  # before the strategy: ZeRO-3 leaves each rank empty parameters
     fused = t.fused_optimizer == "true" or (t.fused_optimizer == "auto" and cuda)
     wrapped, optimizer = wrap(loss_model, model, cfg, rt, world, lambda m: make_optimizer(m, t, fused=fused), env)
+    wrapped.last_step = max_steps
     seed_dropout(t.seed, env.rank)
     parts = Parts(
         data=data,

@@ -67,6 +67,7 @@ class Wrapped:
         optimizer.zero_grad(set_to_none=True)
 
     device_skip = True  # whether found_inf may be handed to a fused optimizer over these parameters
+    last_step = 0  # the schedule's last step (set by build): DiLoCo's replicas meet there whatever sync_every
 
     def after_update(self, step: int) -> None:
         """After step `step`'s update (DiLoCo meets its peers here)."""
