@@ -169,7 +169,7 @@ def test_usr2_checkpoints_requeues_and_ends_equal_to_an_uninterrupted_run(
     )
 
     log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
-    assert "stop requested (SIGUSR2)" in log and f"requeued job {job}" in log
+    assert "stop requested (SIGUSR2)" in log and f"requeuing job {job}" in log and f"scontrol requeue {job} failed" not in log, log[-3000:]
     assert "restart=0" in log and "restart=1" in log, "the log must show both parts (appended, not truncated)"
     m = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", log)
     assert m and 20 <= int(m.group(2)) < 150
@@ -185,7 +185,7 @@ def test_usr2_checkpoints_requeues_and_ends_equal_to_an_uninterrupted_run(
     _ends_equal_to_the_straight_run(run_dir, out, "ddp")
 
     log = (dl_dir / "slurm" / f"{dl_job}_0_log.out").read_text()
-    assert "strategy: diloco" in log and "stop requested (SIGUSR2)" in log and f"requeued job {dl_job}" in log, log[-3000:]
+    assert "strategy: diloco" in log and "stop requested (SIGUSR2)" in log and f"requeuing job {dl_job}" in log, log[-3000:]
     m = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", log)
     assert m and 20 <= int(m.group(2)) < 150, log[-3000:]
     _ends_equal_to_the_straight_run(dl_dir, dl_out, "diloco")
@@ -258,7 +258,7 @@ def test_requeue_stops_at_max_requeues(slurm_cluster: Path, prepared: Path, tmp_
     assert waited.returncode == 0
     _wait_gone(job)
     log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
-    assert "not requeued" in log and "slurm.max_requeues=0" in log and "requeued job" not in log
+    assert "not requeued" in log and "slurm.max_requeues=0" in log and "requeuing job" not in log
     assert (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step_*"))
 
 
@@ -341,7 +341,7 @@ def test_cancel_stops_a_running_job(slurm_cluster: Path, prepared: Path, tmp_pat
     job = _job_id(run_dir)
     _wait_gone(job)
     log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
-    assert "requeued job" not in log, "a cancel must not requeue"
+    assert "requeuing job" not in log, "a cancel must not requeue"
 
 
 def test_submit_check_runs_check_on_every_node(slurm_cluster: Path, tmp_path: Path, home: Path) -> None:
@@ -384,7 +384,7 @@ def test_sharded_strategies_requeue_and_resume_from_their_shards(slurm_cluster: 
     requeued = _requeued_beside_a_reference(runs, timeout=240)
     for strategy, (run_dir, job, _), (_, out) in zip(("fsdp", "zero2"), requeued, runs, strict=True):
         log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
-        assert f"strategy: {strategy}" in log and "stop requested (SIGUSR2)" in log and f"requeued job {job}" in log, log[-3000:]
+        assert f"strategy: {strategy}" in log and "stop requested (SIGUSR2)" in log and f"requeuing job {job}" in log, log[-3000:]
         m = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", log)
         assert m and 20 <= int(m.group(2)) < 150, log[-3000:]
         resumed_from = run_dir / "checkpoints" / f"step_{int(m.group(1)):08d}"

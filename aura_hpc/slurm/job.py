@@ -114,12 +114,14 @@ class TrainJob:
                 "(fix: submit the same command again to resume from the checkpoint, or raise slurm.max_requeues)"
             )
             return
+        # Said before asking: a requeue kills the job's processes, scontrol and this one included, and
+        # may do so before scontrol has its answer (a negative return code, nothing on stderr).
+        say(f"requeuing job {job_id} (requeue {restarts + 1} of at most {self.max_requeues}); it resumes from the checkpoint")
+        sys.stdout.flush()
         done = subprocess.run(["scontrol", "requeue", str(job_id)], capture_output=True, text=True)
-        if done.returncode == 0:
-            say(f"requeued job {job_id} (requeue {restarts + 1} of at most {self.max_requeues}); it resumes from the checkpoint")
-            sys.stdout.flush()
-        else:
-            say(f"scontrol requeue {job_id} failed: {done.stderr.strip()} (fix: resubmit the same command to resume)")
+        if done.returncode > 0:
+            reason = (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
+            say(f"scontrol requeue {job_id} failed: {reason} (fix: resubmit the same command to resume)")
 
 
 class CheckJob:
