@@ -158,7 +158,10 @@ def run_ps(lan: Lan, push_every: int, mbit: int, out: Path, data: Path, versions
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     speeds = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")][1:]
     evals = [r for r in rows if r.get("eval_loss") is not None]
-    return {"rows": rows, "tokens_per_s": sum(speeds) / len(speeds) if speeds else 0.0, "evals": evals}
+    # Each row is one version (the same tokens): the rate over them is the harmonic mean. The two
+    # workers' versions arrive in bursts, and an arithmetic mean counts the short gaps as fast.
+    rate = len(speeds) / sum(1.0 / x for x in speeds) if speeds else 0.0
+    return {"rows": rows, "tokens_per_s": rate, "evals": evals}
 
 
 def tokens_per_s(rows: list[dict], skip_steps: int = 10) -> float:
