@@ -171,10 +171,18 @@ def test_killed_prepare_is_not_taken_as_complete(tmp_path: Path) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    # Killed once the build is marked as ours (a kill in the microseconds between creating the folder
+    # and marking it leaves an unmarked folder, which no later run may take for its own).
     deadline = time.time() + 60
-    while time.time() < deadline and not list(tmp_path.glob(".p.build-*")):
+    def marked() -> bool:
+        try:
+            return any(m.stat().st_size > 0 for m in tmp_path.glob(".p.build-*/.aura-prepare"))
+        except FileNotFoundError:  # the build finished and was renamed between the glob and the stat
+            return False
+
+    while time.time() < deadline and not marked():
         time.sleep(0.01)
-    assert list(tmp_path.glob(".p.build-*")), "prepare never started writing"
+    assert marked(), "prepare never started writing"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert read_manifest(out) is None
