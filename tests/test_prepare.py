@@ -174,6 +174,7 @@ def test_killed_prepare_is_not_taken_as_complete(tmp_path: Path) -> None:
     # Killed once the build is marked as ours (a kill in the microseconds between creating the folder
     # and marking it leaves an unmarked folder, which no later run may take for its own).
     deadline = time.time() + 60
+
     def marked() -> bool:
         try:
             return any(m.stat().st_size > 0 for m in tmp_path.glob(".p.build-*/.aura-prepare"))
