@@ -13,8 +13,8 @@ timed steps, the first 10 excluded), the speed-up over one node, the eval loss a
 multi-node run's last evaluation against the one-node run's at the same token count) and at equal
 wall time (the same evaluation against the one-node run's last one at that elapsed time).
 With --ps, also the parameter server on PC 0 and two workers on PCs 1 and 2 (three shaped links), for
-each `ps.push_every` in --push-every: tokens/s (the server's rows after the first), the versions
-applied, and the eval loss against one node's at equal tokens.
+each `ps.push_every` in --push-every: tokens/s (the harmonic mean of the server's per-version rows
+after the first), the versions applied, and the eval loss against one node's at equal tokens.
 Needs root (namespaces, tc) and iproute2.
 """
 
@@ -215,9 +215,9 @@ def main() -> None:
         base = tokens_per_s(one["rows"])
         print(f"one node: {base:,.0f} tokens/s, eval loss {eval_at(one['rows']):.4f} after {a.nodes * a.steps} steps", flush=True)
         results = []
-        lan = Lan(a.nodes)
+        lan = Lan(a.nodes) if names else None
         try:
-            for mbit in rates if names else []:
+            for mbit in rates if lan else []:
                 lan.rate(mbit)
                 for name in names:
                     extra = list(STRATEGIES[name]) + ([f"dist.sync_every={a.sync_every}"] if name.startswith("diloco") else [])
@@ -240,7 +240,8 @@ def main() -> None:
                     results.append(row)
                     print(json.dumps(row), flush=True)
         finally:
-            lan.close()
+            if lan:
+                lan.close()
         if a.ps:
             ps_bench(a, rates, out, data, base, one["rows"])
         print(f"one node: {base:,.0f} tokens/s; total {time.perf_counter() - t0:.0f}s")
@@ -255,7 +256,8 @@ def main() -> None:
 
 def ps_bench(a: argparse.Namespace, rates: list[int], out: Path, data: Path, base: float, one_rows: list[dict]) -> None:
     lan = Lan(3)
-    tokens_per_version = 8 * 128  # MODEL's batch x seq_len: one worker step
+    setting = dict(m.split("=", 1) for m in MODEL)
+    tokens_per_version = int(setting["train.batch_size"]) * int(setting["data.seq_len"])  # one worker step
     print("| link | ps.push_every | versions | tokens/s | vs one node | eval loss | one node, equal tokens |")
     print("|---|---|---|---|---|---|---|")
     try:
