@@ -126,6 +126,111 @@ def test_a_worker_back_from_a_drop_replaces_its_own_old_seat_only() -> None:
         assert set(kept) == {1, 2} and not kept[2].replaced, other
 
 
+# The worker's end of a pair, in a process of its own as on a worker PC: it echoes one message doubled.
+_WORKER_END = """
+import sys, torch, torch.distributed as dist
+from datetime import timedelta
+from aura_hpc.ps import wire
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, False, timedelta(seconds=30))
+link = wire.Link(wire.pair_group(store, "pair", 1, "127.0.0.1", 30), 1)
+print("paired", flush=True)
+buf = torch.zeros(6)
+link.recv({wire.GRAD: buf})
+link.send([wire.GRAD], buf * 2)
+print("echoed", flush=True)
+"""
+
+
+def test_pybind_objects_of_pairs_are_made_and_dropped_only_while_the_others_keep_still(tmp_path: Path) -> None:
+    """torch's TCPStore and ProcessGroupGloo constructors register their object with the GIL released
+    (pybind11 #5473): beside a thread making or dropping a p2p Work, the process aborts later ("Tried
+    to deallocate unregistered instance", once in CI on torch 2.6, a late worker pairing while two
+    trained). The server's end of a pair is constructed only under the server's lock and
+    REGISTRY_LOCK, and every message's Work is made and dropped under REGISTRY_LOCK."""
+    import threading
+    import weakref
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from aura_hpc.ps import wire
+
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False)
+    server_lock = threading.Lock()
+
+    def in_thread(fn, *args, **kw) -> tuple[threading.Event, dict]:  # type: ignore[no-untyped-def]
+        done, out = threading.Event(), {}
+
+        def run() -> None:
+            try:
+                out["value"] = fn(*args, **kw)
+            except BaseException as exc:  # shown by the assertions below
+                out["error"] = exc
+            done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        return done, out
+
+    def still_waits(done: threading.Event, lock, seconds: float = 1.0) -> None:  # type: ignore[no-untyped-def]
+        assert not done.wait(seconds), "went ahead while the lock was held"
+        lock.release()
+        assert done.wait(30), "never finished once the lock was free"
+
+    server_lock.acquire()
+    client, _ = in_thread(wire.another_client, master, "127.0.0.1", port, 30, (server_lock,))
+    still_waits(client, server_lock)
+
+    log = tmp_path / "worker.log"
+    with open(log, "w", encoding="utf-8") as out:
+        worker = subprocess.Popen([sys.executable, "-c", _WORKER_END, str(port)], stdout=out, stderr=subprocess.STDOUT, env=cli_env())
+    try:
+        # The worker's end is there, so ours waits only for the server's lock (no update, evaluation
+        # or checkpoint beside the constructor); the worker meanwhile waits in its constructor.
+        server_lock.acquire()
+        ours = in_thread(wire.pair_group, master, "pair", 0, "127.0.0.1", 30, (server_lock,))
+        deadline = time.monotonic() + 60
+        while not master.check(["pair/aura/here/1"]):
+            assert worker.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        still_waits(ours[0], server_lock, seconds=1.5)
+        assert "error" not in ours[1], ours[1]
+        link = wire.Link(ours[1]["value"], 0)
+
+        # A message's Work is made under REGISTRY_LOCK: nothing leaves while another thread holds it.
+        wire.REGISTRY_LOCK.acquire()
+        sending = in_thread(link.send, [wire.GRAD, 1.0], torch.arange(6, dtype=torch.float32))
+        still_waits(sending[0], wire.REGISTRY_LOCK)
+        back = torch.zeros(6)
+        header, _ = link.recv({wire.GRAD: back})
+        assert header[0] == wire.GRAD and torch.equal(back, torch.arange(6, dtype=torch.float32) * 2)
+        assert worker.wait(30) == 0 and "echoed" in log.read_text()
+    finally:
+        worker.kill()
+        worker.wait()
+
+    # A failed pair's objects, held by the frames of its error, go when drop_frames says so.
+    class Held:
+        pass
+
+    def fail(held: Held) -> None:
+        try:
+            raise RuntimeError("gloo: Connection closed by peer")
+        except RuntimeError as exc:
+            raise wire.LinkLost(wire.failure(exc)) from None
+
+    held = Held()
+    alive = weakref.ref(held)
+    try:
+        fail(held)
+    except wire.LinkLost as exc:
+        del held
+        assert alive() is not None  # the traceback's frame still holds it
+        wire.drop_frames(exc)
+        assert alive() is None
+
+
 def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, base: list[str]) -> None:
     port = free_port()
     run_dir = tmp_path / "runs" / "ps"

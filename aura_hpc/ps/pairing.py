@@ -1,12 +1,14 @@
 """The server's side of a worker's pair group: set up on its own store connection (a peer that never
 completes it holds only that one, never the joins of the others), then both ends prove the run's
 secret over it. Threads still setting up a pair are known, so a stopping server does not wait for
-peers that never came."""
+peers that never came. The group itself is constructed under the server's lock too (wire.py,
+REGISTRY_LOCK: no update, evaluation or checkpoint makes pybind objects meanwhile)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 from aura_hpc.ops.network import route_to
 from aura_hpc.ps import wire
@@ -16,25 +18,39 @@ log = logging.getLogger("aura_hpc")
 
 
 class Pairing:
-    def __init__(self, store: object, port: int, key: bytes, timeout_s: float) -> None:
+    def __init__(self, store: object, port: int, key: bytes, timeout_s: float, server_lock: Any) -> None:
         self.store, self.port, self.key, self.timeout_s = store, port, key, timeout_s
+        self.server_lock = server_lock
         self.setting_up: set[threading.Thread] = set()
 
     def link(self, prefix: str, peer_addr: str, nonce: str) -> wire.Link:
         own, _ = route_to(peer_addr)
         me = threading.current_thread()
         self.setting_up.add(me)
+        client = group = link = None
         try:
-            client = wire.another_client(self.store, "127.0.0.1", self.port, self.timeout_s)  # type: ignore[arg-type]
-            link = wire.Link(wire.pair_group(client, prefix, 0, own or "127.0.0.1", self.timeout_s), 0)
+            client = wire.another_client(self.store, "127.0.0.1", self.port, self.timeout_s, (self.server_lock,))  # type: ignore[arg-type]
+            group = wire.pair_group(client, prefix, 0, own or "127.0.0.1", self.timeout_s, quiet=(self.server_lock,))
+            link = wire.Link(group, 0)
             wire.handshake(link, self.key, nonce)
+            done, link = link, None
+            return done
+        except BaseException as exc:
+            wire.drop_frames(exc)
+            raise
         finally:
             self.setting_up.discard(me)
-        return link
+            with wire.REGISTRY_LOCK:
+                client = group = link = None
 
     def echo(self, prefix: str, addr: str, nonce: str) -> None:
         """`check --server`'s round trip, through the same path as gradients."""
+        link = None
         try:
-            echo(self.link(prefix, addr, nonce))
+            link = self.link(prefix, addr, nonce)
+            echo(link)
         except RuntimeError as exc:
             log.warning("a connectivity check from %s did not complete (%s)", addr, wire.failure(exc))
+        finally:
+            with wire.REGISTRY_LOCK:
+                link = None

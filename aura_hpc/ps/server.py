@@ -114,7 +114,7 @@ class ParameterServer:
         self.port = port
         self.store = wire.host_store(port, self.p.join_timeout_s)
         self.joins = JoinQueue(self.store, self.key)
-        self.pairing = Pairing(self.store, port, self.key, self.p.worker_timeout_s)
+        self.pairing = Pairing(self.store, port, self.key, self.p.worker_timeout_s, self.lock)
         self.metrics = MetricsWriter(self.cfg.run_dir, self.version)
         try:
             return self._serve()
@@ -356,7 +356,8 @@ class ParameterServer:
         self._join_threads()
         for seat in list(self.seats.values()):
             self._copy_worker_stats(seat)
-        text = sample(self._parts(), self.t, self.version, self.replica.rt) if not interrupted else ""
+        with self.lock:  # a worker's pair may still be being set up (wire.py, REGISTRY_LOCK)
+            text = sample(self._parts(), self.t, self.version, self.replica.rt) if not interrupted else ""
         self.stats.end_time = time.time()
         self._write_own_stats()
         self.metrics.close()

@@ -20,7 +20,10 @@ import hmac
 import math
 import re
 import secrets
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -37,6 +40,42 @@ HEADER_LEN = 8
 GRAD, BYE, WEIGHTS, STOP, PROBE = 1.0, 2.0, 3.0, 4.0, 5.0
 
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# pybind11 keeps every C++ object it hands to Python in one process-wide map that has no lock of its
+# own on GIL builds, and torch's TCPStore and ProcessGroupGloo constructors register their object
+# with the GIL released (pybind11 #5473, pytorch #143593). A thread that makes or drops any pybind
+# object at that moment (a p2p Work, a store clone) corrupts the map, and the process aborts later
+# with "Tried to deallocate unregistered instance": seen on torch 2.6 in a `ps` server pairing with
+# a late worker while two others trained. So the pybind objects the server's threads make or drop
+# are made and dropped under this lock, and a pair's constructor runs under it only once its peer
+# is known to be constructing too, so it holds the lock for milliseconds.
+REGISTRY_LOCK = threading.RLock()
+
+
+@contextmanager
+def registry_quiet(*also: Any) -> Iterator[None]:
+    """Hold REGISTRY_LOCK, after the locks in `also` (the server's own, so no update, evaluation or
+    checkpoint makes pybind objects meanwhile): the order is always theirs first."""
+    with ExitStack() as stack:
+        for lock in also:
+            stack.enter_context(lock)
+        stack.enter_context(REGISTRY_LOCK)
+        yield
+
+
+def drop_frames(exc: BaseException) -> None:
+    """Clear the tracebacks of `exc` and of the errors it chains, under REGISTRY_LOCK: the pybind
+    objects their frames hold (a failed pair's group, its Work) go now, not wherever the error is
+    finally dropped."""
+    with REGISTRY_LOCK:
+        todo, seen = [exc], set()
+        while todo:
+            e = todo.pop()
+            if e is None or id(e) in seen:
+                continue
+            seen.add(id(e))
+            e.__traceback__ = None
+            todo += [e.__cause__, e.__context__]
 
 
 def host_store(port: int, timeout_s: float) -> dist.TCPStore:
@@ -63,28 +102,42 @@ def connect_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
         ) from None
 
 
-def another_client(store: dist.TCPStore, host: str, port: int, timeout_s: float) -> dist.TCPStore:
+def another_client(store: dist.TCPStore, host: str, port: int, timeout_s: float, quiet: Any = ()) -> dist.TCPStore:
     """A second connection to the same store. A pair group's rendezvous waits on its store for the
     peer's keys, and a TCPStore client serves one request at a time: on the shared client, one peer
     that never completes its pair would hold every other store call (the join queue) for the whole
     timeout."""
     clone = getattr(store, "clone", None)
-    if clone is not None:
-        return clone()  # type: ignore[no-any-return]
-    return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
+    with registry_quiet(*quiet):  # the store is on this machine: this returns in milliseconds
+        if clone is not None:
+            return clone()  # type: ignore[no-any-return]
+        return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
 
 
-def pair_group(store: dist.Store, prefix: str, rank: int, my_addr: str, timeout_s: float) -> dist.ProcessGroup:
-    """The two-member gloo group of one worker and the server, on the interface of `my_addr`."""
+def pair_group(store: dist.Store, prefix: str, rank: int, my_addr: str, timeout_s: float, quiet: Any = ()) -> dist.ProcessGroup:
+    """The two-member gloo group of one worker and the server, on the interface of `my_addr`.
+    Both ends first say they are there, then construct under REGISTRY_LOCK (and the locks in
+    `quiet`): a peer that never comes costs this thread the timeout and nobody else anything; only
+    one that dies between saying so and constructing holds the others until the timeout."""
     timeout = timedelta(seconds=timeout_s)
-    prefixed = dist.PrefixStore(prefix, store)
-    options_type = getattr(dist.ProcessGroupGloo, "_Options", None)
-    if options_type is None:  # an older or newer torch without the options object: default device
-        return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
-    options = options_type()
-    options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=my_addr)]
-    return dist.ProcessGroupGloo(prefixed, rank, 2, options)
+    with REGISTRY_LOCK:
+        prefixed = dist.PrefixStore(prefix, store)
+    try:
+        prefixed.set(f"aura/here/{rank}", "1")
+        prefixed.wait([f"aura/here/{1 - rank}"], timeout)
+        with registry_quiet(*quiet):
+            options_type = getattr(dist.ProcessGroupGloo, "_Options", None)
+            if options_type is None:  # an older or newer torch without the options object: default device
+                return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+            options = options_type()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=my_addr)]
+            group = dist.ProcessGroupGloo(prefixed, rank, 2, options)
+            del options  # dropped here, under the lock
+            return group
+    finally:
+        with REGISTRY_LOCK:
+            del prefixed
 
 
 class LinkLost(RuntimeError):
@@ -115,10 +168,16 @@ class Link:
         return 1 - self.rank
 
     def _p2p(self, op: Any, tensor: torch.Tensor, tag: int) -> int:
+        work = None
         try:
-            op([tensor], self.peer, tag).wait()
+            with REGISTRY_LOCK:  # gloo's send/recv only queue the transfer: the wait is outside
+                work = op([tensor], self.peer, tag)
+            work.wait()
         except RuntimeError as exc:
             raise LinkLost(failure(exc)) from None
+        finally:
+            with REGISTRY_LOCK:
+                del work
         return tensor.numel() * tensor.element_size()
 
     def _mac(self, direction: int, seq: int, header: torch.Tensor, payload: torch.Tensor | None) -> torch.Tensor:
