@@ -349,15 +349,14 @@ class ParameterServer:
             log.warning("some workers did not come for their stop message within %.0fs; they will see the server go away", STOP_GRACE_S)
 
     def _finish(self, interrupted: bool) -> int:
-        with self.lock:
+        with self.lock:  # the sample too: a worker's pair may still be being set up (wire.py, REGISTRY_LOCK)
             self.stopping = True
             if self.version != self.saved_version:
                 self._save(self._evaluate() if not interrupted else None)
+            text = sample(self._parts(), self.t, self.version, self.replica.rt) if not interrupted else ""
         self._join_threads()
         for seat in list(self.seats.values()):
             self._copy_worker_stats(seat)
-        with self.lock:  # a worker's pair may still be being set up (wire.py, REGISTRY_LOCK)
-            text = sample(self._parts(), self.t, self.version, self.replica.rt) if not interrupted else ""
         self.stats.end_time = time.time()
         self._write_own_stats()
         self.metrics.close()
