@@ -33,8 +33,7 @@ class Pairing:
             group = wire.pair_group(client, prefix, 0, own or "127.0.0.1", self.timeout_s, quiet=(self.server_lock,))
             link = wire.Link(group, 0)
             wire.handshake(link, self.key, nonce)
-            done, link = link, None
-            return done
+            return link  # evaluated before `finally` clears the name
         except BaseException as exc:
             wire.drop_frames(exc)
             raise
