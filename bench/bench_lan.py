@@ -1,6 +1,7 @@
 """Training over a rate-limited LAN: one node against two (or three) `local` nodes, each in its own
 network namespace on a bridge, every link shaped with `tc ... tbf` (netem is not available on this
-machine kind), for each strategy: ddp, ddp + bf16, ddp + PowerSGD, DiLoCo.
+machine kind), for each strategy: ddp, ddp + bf16, ddp + PowerSGD, DiLoCo (bf16 or int8 deltas; with
+`diloco+int8+overlap` its meetings cross in the background for --overlap steps).
 
     sudo python bench/bench_lan.py --rates 10,100,1000 --nodes 2 --steps 150
 
@@ -11,7 +12,8 @@ has not finished after --max-seconds is stopped (Ctrl+C: a checkpoint, exit 75) 
 Reported per run, from rank 0's metrics.jsonl: tokens/s (trained tokens over the wall time of the
 timed steps, the first 10 excluded), the speed-up over one node, the eval loss at equal tokens (the
 multi-node run's last evaluation against the one-node run's at the same token count) and at equal
-wall time (the same evaluation against the one-node run's last one at that elapsed time).
+wall time (the same evaluation against the one-node run's, interpolated between the two around that
+elapsed time).
 With --ps, also the parameter server on PC 0 and two workers on PCs 1 and 2 (three shaped links), for
 each `ps.push_every` in --push-every: tokens/s (the harmonic mean of the server's per-version rows
 after the first), the versions applied, and the eval loss against one node's at equal tokens.
@@ -40,6 +42,7 @@ STRATEGIES = {
     "ddp+powersgd": ["dist.compress=powersgd", "dist.powersgd_rank=4"],
     "diloco": ["dist.strategy=diloco"],
     "diloco+int8": ["dist.strategy=diloco", "dist.diloco_wire=int8"],
+    "diloco+int8+overlap": ["dist.strategy=diloco", "dist.diloco_wire=int8"],  # + dist.diloco_overlap=--overlap
 }
 
 
@@ -176,10 +179,16 @@ def tokens_per_s(rows: list[dict], skip_steps: int = 10) -> float:
 
 
 def eval_at(rows: list[dict], seconds: float | None = None, tokens: int | None = None) -> float | None:
-    """The last evaluation by wall time `seconds`, or at `tokens` trained, or the last one."""
+    """The evaluation at wall time `seconds` (linear between the two around it: the one before alone
+    would flatter a run that ends just before the next), or the last one at `tokens` trained, or the last one."""
     evals = [r for r in rows if "eval_loss" in r and "elapsed_s" in r]
     if seconds is not None:
+        after = [r for r in evals if r["elapsed_s"] > seconds]
         evals = [r for r in evals if r["elapsed_s"] <= seconds]
+        if evals and after:
+            a, b = evals[-1], after[0]
+            f = (seconds - a["elapsed_s"]) / (b["elapsed_s"] - a["elapsed_s"])
+            return round(a["eval_loss"] + f * (b["eval_loss"] - a["eval_loss"]), 6)
     if tokens is not None:
         evals = [r for r in evals if r["tokens"] <= tokens]
     return evals[-1]["eval_loss"] if evals else None
@@ -192,6 +201,7 @@ def main() -> None:
     p.add_argument("--strategies", default="ddp,ddp+bf16,ddp+powersgd,diloco", help=f"of {', '.join(STRATEGIES)}")
     p.add_argument("--steps", type=int, default=150, help="steps of a multi-node run (one node runs nodes x steps)")
     p.add_argument("--sync-every", type=int, default=25, help="DiLoCo's dist.sync_every")
+    p.add_argument("--overlap", type=int, default=0, help="diloco+int8+overlap's dist.diloco_overlap (0: a tenth of --sync-every)")
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--max-seconds", type=float, default=300, help="stop a multi-node run after this long (measured so far)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting for the multi-node runs (repeatable)")
@@ -221,6 +231,8 @@ def main() -> None:
                 lan.rate(mbit)
                 for name in names:
                     extra = list(STRATEGIES[name]) + ([f"dist.sync_every={a.sync_every}"] if name.startswith("diloco") else [])
+                    if name.endswith("+overlap"):
+                        extra.append(f"dist.diloco_overlap={a.overlap or max(1, a.sync_every // 10)}")
                     extra += a.set
                     r = run(lan, a.nodes, f"{name}-{mbit}", extra, a.steps, out, data, a.eval_every, a.max_seconds)
                     evals = [row for row in r["rows"] if "eval_loss" in row]

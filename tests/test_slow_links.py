@@ -84,6 +84,51 @@ def test_diloco_resumes_bit_identical_between_meetings_and_at_one(tmp_path: Path
     assert (tmp_path / "straight" / "checkpoints" / "replicas" / meta["replica_files"]["1"]["file"]).is_file()
 
 
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_overlapped_meetings_resume_bit_identical_with_a_meeting_in_flight(tmp_path: Path, prepared: Path, wire: str) -> None:
+    """dist.diloco_overlap=3: the meetings begun at steps 4, 8, 12, 16 cross in 3 pieces and land at
+    7, 11, 15, 19 (the last, 20, is a plain meeting). The checkpoints at 6, 12 and 18 each hold a
+    meeting in flight (2, 0 and 2 pieces arrived). Killed after step 9 the run resumes from 6, after
+    step 14 from 12: each rank sends its piece in flight again, and the weights end bit-identical."""
+    overlap = (*DILOCO, "--set", "dist.diloco_overlap=3", "--set", f"dist.diloco_wire={wire}")
+    runs = {
+        f"ov-{wire}": (_args(tmp_path, f"ov-{wire}", prepared, *overlap, "--set", "train.keep_last=5"), {}),
+        f"ov-{wire}-mid": (_args(tmp_path, f"ov-{wire}-mid", prepared, *overlap, "--max-restarts", "1"), {"AURA_FAULT_KILL": "1:9"}),
+        f"ov-{wire}-meeting": (
+            _args(tmp_path, f"ov-{wire}-meeting", prepared, *overlap, "--max-restarts", "1"),
+            {"AURA_FAULT_KILL": "0:14"},
+        ),
+        f"blocking-{wire}": (_args(tmp_path, f"blocking-{wire}", prepared, *DILOCO, "--set", f"dist.diloco_wire={wire}"), {}),
+    }
+    done = _together(runs)
+    for name, r in done.items():
+        assert r.returncode == 0, (name, r.stdout[-3000:], r.stderr[-3000:])
+    assert "each meeting crossing during 3 steps" in done[f"ov-{wire}"].stdout
+    assert "resumed from checkpoint step_00000006 at step 6" in done[f"ov-{wire}-mid"].stdout
+    assert "resumed from checkpoint step_00000012 at step 12" in done[f"ov-{wire}-meeting"].stdout
+    straight = final_weights(tmp_path / f"ov-{wire}")
+    assert _diff(final_weights(tmp_path / f"ov-{wire}-mid"), straight) == 0.0
+    assert _diff(final_weights(tmp_path / f"ov-{wire}-meeting"), straight) == 0.0
+    # The overlap changes the training (the outer steps land 3 steps late), not whether it trains.
+    assert _diff(final_weights(tmp_path / f"blocking-{wire}"), straight) > 0.0
+    from aura_hpc.train.replica_files import read_replica
+
+    root = tmp_path / f"ov-{wire}" / "checkpoints"
+    for step, arrived in ((6, 2), (12, 0), (18, 2)):
+        meta = json.loads((root / f"step_{step:08d}" / "meta.json").read_text())
+        states = [read_replica(root, meta["replica_files"][str(rank)]) for rank in (0, 1)]
+        meetings = [s["meeting"] for s in states if s is not None]
+        assert len(meetings) == 2 and all(m["done"] == arrived and m["since"] == step - step % 4 for m in meetings), step
+        # What each rank sent differs (its own delta); what arrived of it is the same on both.
+        assert not torch.equal(meetings[0]["mine"], meetings[1]["mine"])
+        assert all(torch.equal(a, b) for a, b in zip(meetings[0]["arrived"], meetings[1]["arrived"], strict=True))
+    meta = json.loads((root / "step_00000020" / "meta.json").read_text())
+    final = [read_replica(root, meta["replica_files"][str(rank)]) for rank in (0, 1)]
+    assert all(s is not None and "meeting" not in s for s in final)
+    w0, w1 = (s["model"] for s in final if s is not None)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0), "the run ends on the replicas' common weights"
+
+
 def test_diloco_skips_a_nan_on_every_rank_and_its_replicas_differ_between_meetings(tmp_path: Path, prepared: Path) -> None:
     r = run_cli(_args(tmp_path, "nan", prepared, *DILOCO, "--set", "train.stop_at=6"), timeout=600, AURA_FAULT_NAN="1:3:1")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -176,8 +221,38 @@ def test_slow_link_settings_that_cannot_work_are_refused_before_launch(tmp_path:
         (["--set", "dist.strategy=diloco", "--set", "dist.outer_momentum=1.5"], "dist.outer_momentum in [0, 1)"),
         (["--set", "dist.strategy=diloco", "--set", "dist.sync_every=0"], "dist.sync_every must be at least 1"),
         (["--set", "dist.compress=powersgd", "--set", "dist.powersgd_rank=0"], "dist.powersgd_rank must be between 1 and 1024"),
+        (
+            ["--set", "dist.strategy=diloco", "--set", "dist.sync_every=40", "--set", "dist.diloco_overlap=40"],
+            "a meeting must land before the next begins (fix: --set dist.diloco_overlap=4)",
+        ),
     ]
     for extra, needle in cases:
         r = run_cli(["local", "--output-dir", str(tmp_path / "runs"), *extra], timeout=60)
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0] and "fix" in lines[0], r.stderr
+
+
+def test_link_advice_hides_a_slow_meeting_behind_a_tenth_of_the_interval() -> None:
+    """At 10 Mbit/s a 3.5M-parameter meeting (int8) takes ~3 s, ~11 steps of 0.26 s: the advice
+    overlaps it for a tenth of sync_every=80 (8 steps), expects fewer exposed seconds than a waited
+    meeting, and names the setting; a configured overlap is what the diloco row then assumes."""
+    from aura_hpc.config import RunConfig
+    from aura_hpc.ops import link_advice
+
+    def config(**dist: object) -> RunConfig:
+        cfg = RunConfig()
+        cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head = 4, 256, 4
+        cfg.data.seq_len, cfg.train.batch_size = 128, 8
+        cfg.dist.strategy, cfg.dist.sync_every, cfg.dist.diloco_wire = "diloco", 80, "int8"
+        for k, v in dist.items():
+            setattr(cfg.dist, k, v)
+        return cfg
+
+    link = link_advice.Link(nodes=2, bandwidth=10e6 / 8, latency=3e-4)
+    opts = link_advice.options(config(), 8192, link, compute_s=0.26)
+    waited, overlapped = opts[3], opts[4]
+    assert "dist.diloco_overlap" not in waited.setting and overlapped.setting.endswith("--set dist.diloco_overlap=8")
+    assert overlapped.comm_s < waited.comm_s and link_advice.recommend(opts) is overlapped
+    mine = link_advice.options(config(diloco_overlap=8), 8192, link, compute_s=0.26)
+    assert len(mine) == 4 and mine[3].setting.endswith("--set dist.diloco_overlap=8")
+    assert mine[3].comm_s == overlapped.comm_s

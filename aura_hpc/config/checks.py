@@ -385,6 +385,11 @@ def validate_strategy(cfg: RunConfig) -> None:
         raise ConfigError(f"dist.powersgd_rank must be between 1 and 1024, got {d.powersgd_rank} (fix: --set dist.powersgd_rank=4)")
     if d.sync_every < 1 or d.diloco_replicas < 0:
         raise ConfigError("dist.sync_every must be at least 1 and dist.diloco_replicas 0 or more (fix: --set dist.sync_every=50)")
+    if not 0 <= d.diloco_overlap < d.sync_every:
+        raise ConfigError(
+            f"dist.diloco_overlap={d.diloco_overlap} must be 0 or more and below dist.sync_every={d.sync_every}: a meeting must "
+            f"land before the next begins (fix: --set dist.diloco_overlap={d.sync_every // 10})"
+        )
     if not 0 < d.outer_lr <= 10 or not 0 <= d.outer_momentum < 1:
         raise ConfigError(
             f"dist.outer_lr must be in (0, 10] and dist.outer_momentum in [0, 1), got {d.outer_lr} and {d.outer_momentum} "

@@ -120,6 +120,7 @@ class DistConfig:
     outer_momentum: float = 0.9  # diloco: its momentum (the paper's 0.9)
     diloco_replicas: int = 0  # diloco: replicas training apart; 0 = one per node (a node's GPUs train one with DDP)
     diloco_wire: str = "bf16"  # diloco: the deltas on the wire: bf16 | fp32 | int8 (a scale per 4096 values; for 2-3 replicas)
+    diloco_overlap: int = 0  # diloco: steps a meeting crosses the link in the background (in as many pieces); 0 = replicas wait
     timeout_s: int = 600  # collective (all_reduce, barrier) timeout
     init_timeout_s: int = 120  # process-group initialisation timeout
 

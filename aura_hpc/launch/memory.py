@@ -107,6 +107,8 @@ def plan(cfg: RunConfig, tokenizer_vocab: int, world: int, gpu: bool = True, str
         # the inner AdamW, plus the anchor and the outer momentum (fp32) and the flat wire buffer
         # int8: the fp32 flat buffer, the transient fp32 copies of encoding and decoding, every replica's codes
         wire = {"bf16": 2, "fp32": 4, "int8": 20 + n}[cfg.dist.diloco_wire]
+        if cfg.dist.diloco_overlap:  # a meeting in flight: the weights it was sent from, what was sent, what arrives
+            wire += 4 + {"bf16": 4, "fp32": 8, "int8": 1 + n}[cfg.dist.diloco_wire]
         params, grads, optim = 4 * p, 4 * p, 8 * p + 8 * p + wire * p
     elif s == "fsdp":
         # fp32 shards, plus the gathered bf16 (or fp32) copy of the root and two blocks in flight.

@@ -224,7 +224,7 @@ def lan_advice(cfg: RunConfig, vocab: int, device: torch.device, env: DistEnv) -
 def strategy_line(cfg: RunConfig) -> str:
     d = cfg.dist
     if d.strategy == "diloco":
-        wire = f"deltas in {d.diloco_wire}"
+        wire = f"deltas in {d.diloco_wire}" + (f", each meeting crossing during {d.diloco_overlap} steps" if d.diloco_overlap else "")
         return (
             f"diloco (replicas meet every {d.sync_every} steps, outer Nesterov SGD lr {d.outer_lr:g} momentum {d.outer_momentum:g}, {wire})"
         )

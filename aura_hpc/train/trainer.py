@@ -71,6 +71,7 @@ class Trainer:
         with probes.reporting(self.probe, self.run_dir, env.rank):
             try:
                 status = self._train(stepper, batches, stop)
+                wrapped.drain()  # a piece of a meeting still crossing: no collective in flight as the group goes
             except DataUnavailable as exc:
                 status = endings.data_unavailable(exc, self.ckpt, self.pos, self.env, self.progress)
             finally:

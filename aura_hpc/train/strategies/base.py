@@ -72,6 +72,9 @@ class Wrapped:
     def after_update(self, step: int) -> None:
         """After step `step`'s update (DiLoCo meets its peers here)."""
 
+    def drain(self) -> None:
+        """Wait for communication still in flight between steps (DiLoCo's overlapped meeting)."""
+
     def outer_state(self) -> dict[str, Any] | None:
         """State every rank holds alike beyond the model and optimizer (DiLoCo's anchor and momentum)."""
         return None

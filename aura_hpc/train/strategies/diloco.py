@@ -9,10 +9,19 @@ and every replica starts the next interval from the new anchor. Between meetings
 bytes cross the network each step (the flags every rank agrees on: stop, GPU fault, bad loss),
 so a slow link costs one all-reduce per interval instead of one per step.
 
+With `dist.diloco_overlap=K` a meeting does not stop the replicas: its bytes go out in K pieces,
+one per inner step, while the replicas go on training (a piece a step keeps the link's queue short,
+so the per-step flags are not stuck behind a bulk transfer), and K steps later the outer step lands
+with each replica's progress since the meeting kept: theta <- new anchor + (theta - theta at the
+meeting). This is the overlapped variant of Streaming DiLoCo (Douillard et al. 2025) for the whole
+model at once.
+
 State beyond DDP's: the anchor (the global model at the last meeting) and the outer momentum,
 the same on every rank (saved by rank 0), and each replica's inner weights and AdamW moments
 (saved by each rank in its own run directory, train/checkpointing.py), so a resume between
-meetings continues exactly, also on LAN machines without shared storage.
+meetings continues exactly, also on LAN machines without shared storage. A meeting in flight is
+saved with them (what this rank sent, the pieces already received, the weights it was sent from),
+and a resume sends the missing pieces again: the results depend only on what every rank sent.
 """
 
 from __future__ import annotations
@@ -51,6 +60,75 @@ def dequantize_int8(buf: torch.Tensor, n: int) -> torch.Tensor:
     return (codes * scale[:, None]).view(-1)[:n]
 
 
+PIECE_BYTES = 256 * 1024  # a waited-for meeting crosses in pieces of this size: a slow link's queue never holds more
+MAX_PIECES = 64  # (on a fast link, few collectives: each costs a latency)
+
+
+def blocking_pieces(payload: torch.Tensor) -> int:
+    size = payload.numel() * payload.element_size()
+    return max(1, min(MAX_PIECES, -(-size // PIECE_BYTES)))
+
+
+class Meeting:
+    """A meeting in flight: this rank's payload (int8 codes and scales, or wire-dtype deltas) crossing
+    in `pieces` slices, one collective per step, into `out` (every replica's payload for int8's
+    all_gather; the sum for an all-reduce). Pieces before `done` have arrived."""
+
+    def __init__(
+        self, since: int, pieces: int, mine: torch.Tensor, sent_from: list[torch.Tensor], group: Any, replicas: int, int8: bool
+    ) -> None:
+        self.since, self.pieces, self.mine, self.sent_from = since, pieces, mine, sent_from
+        self.group, self.int8 = group, int8
+        self.out = [torch.empty_like(mine) for _ in range(replicas)] if int8 else [torch.empty_like(mine)]
+        self.piece = -(-mine.numel() // pieces)
+        self.done = 0
+        self.work: Any = None
+
+    def _slice(self, j: int) -> slice:
+        return slice(j * self.piece, min(self.mine.numel(), (j + 1) * self.piece))
+
+    def send_next(self) -> None:
+        sl = self._slice(self.done)
+        if self.int8:
+            self.work = dist.all_gather([o[sl] for o in self.out], self.mine[sl], group=self.group, async_op=True)
+        else:
+            self.out[0][sl].copy_(self.mine[sl])
+            self.work = dist.all_reduce(self.out[0][sl], group=self.group, async_op=True)
+
+    def arrived(self) -> bool:
+        """Wait for the piece in flight; True once every piece is here."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.done += 1
+        return self.done >= self.pieces
+
+    def finish(self) -> None:
+        """The remaining pieces, one after the other."""
+        while not self.arrived():
+            self.send_next()
+
+    def state(self) -> dict[str, Any]:
+        end = min(self.mine.numel(), self.done * self.piece)
+        return {
+            "since": self.since,
+            "pieces": self.pieces,
+            "done": self.done,
+            "mine": self.mine,
+            "sent_from": list(self.sent_from),
+            "arrived": [o[:end] for o in self.out],  # not the piece in flight: it is being written
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], group: Any, replicas: int, int8: bool, device: torch.device) -> Meeting:
+        sent_from = [t.to(device, copy=True) for t in state["sent_from"]]
+        m = cls(int(state["since"]), int(state["pieces"]), state["mine"].to(device, copy=True), sent_from, group, replicas, int8)
+        m.done = int(state["done"])
+        for o, saved in zip(m.out, state["arrived"], strict=True):
+            o[: saved.numel()].copy_(saved)
+        return m
+
+
 def replica_groups(world: int, local_world: int, replicas: int) -> tuple[list[list[int]], list[list[int]]]:
     """(inner groups, outer groups): ranks that train one replica together, and the ranks (one per
     replica, same position) whose deltas are averaged. Ranks are numbered node by node."""
@@ -76,6 +154,8 @@ class DilocoWrapped(Wrapped):
         self.outer = torch.optim.SGD(self.anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.outer_momentum > 0)
         self._flat = torch.empty(sum(p.numel() for p in self.params), dtype=self.wire, device=self.params[0].device)
         self.syncs = 0
+        self.overlap = cfg.diloco_overlap if self.replicas > 1 else 0
+        self.meeting: Meeting | None = None
 
     @contextlib.contextmanager
     def accumulating(self, sync: bool) -> Iterator[None]:
@@ -88,7 +168,10 @@ class DilocoWrapped(Wrapped):
             yield
 
     def replica_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        return {"model": {k: v for k, v in self.model.state_dict().items()}, "optimizer": optimizer.state_dict()}
+        state = {"model": {k: v for k, v in self.model.state_dict().items()}, "optimizer": optimizer.state_dict()}
+        if self.meeting is not None:
+            state["meeting"] = self.meeting.state()
+        return state
 
     def after_update(self, step: int) -> None:
         """At every sync_every-th step: average the deltas over the replicas, take the outer step, and
@@ -96,7 +179,13 @@ class DilocoWrapped(Wrapped):
         sync_every, and end on their mean: the final checkpoint holds every replica's work, not rank
         0's alone, and no outer momentum extrapolates past it once training is over (bench_lan's model,
         sync_every=60, int8, 200 steps: eval loss 1.569 on the mean, 1.664 after a Nesterov step, 1.576 on rank 0's replica)."""
-        if step % self.sync_every and step != self.last_step:
+        last = step == self.last_step
+        if self.meeting is not None and (self.meeting.arrived() or last):
+            self.meeting.finish()  # the last step: the rest of the pieces now
+            self._land(self.meeting)
+        elif self.meeting is not None:
+            self.meeting.send_next()
+        if step % self.sync_every and not last:
             return
         with torch.no_grad():
             deltas = torch._foreach_sub(self.anchor, [p.to(torch.float32) for p in self.params])
@@ -105,45 +194,78 @@ class DilocoWrapped(Wrapped):
                 n = d.numel()
                 self._flat[offset : offset + n].copy_(d.view(-1))
                 offset += n
-            if self.int8 and self.replicas > 1:
-                self._average_int8()
-            elif self.replicas > 1:
-                dist.all_reduce(self._flat, group=self.outer_group)
-            offset = 0
-            for a in self.anchor:
-                n = a.numel()
-                a.grad.copy_(self._flat[offset : offset + n].view_as(a))
-                offset += n
-            if self.replicas > 1 and not self.int8:
-                torch._foreach_div_([a.grad for a in self.anchor], float(self.replicas))
-            if step == self.last_step:
-                torch._foreach_sub_(self.anchor, [a.grad for a in self.anchor])
-            else:
-                self.outer.step()
+            if self.overlap and not last:
+                mine = quantize_int8(self._flat) if self.int8 else self._flat.clone()
+                sent_from = [p.detach().to(torch.float32, copy=True) for p in self.params]
+                self.meeting = Meeting(step, self.overlap, mine, sent_from, self.outer_group, self.replicas, self.int8)
+                self.meeting.send_next()
+                return
+            if self.replicas > 1:
+                mine = quantize_int8(self._flat) if self.int8 else self._flat
+                m = Meeting(step, blocking_pieces(mine), mine, [], self.outer_group, self.replicas, self.int8)
+                m.finish()
+                self._flat.copy_(self._decode_mean(m.out) if self.int8 else m.out[0])
+            self._outer_step(self._flat, last)
             for p, a in zip(self.params, self.anchor, strict=True):
                 p.copy_(a)
         self.syncs += 1
 
-    def _average_int8(self) -> None:
-        """The replicas' deltas, each sent once as int8 codes + scales (all_gather: a quarter of
-        fp32's bytes and half of bf16's all-reduce on 2 replicas; no saving from 4 replicas up),
-        decoded and averaged in replica order, so every rank computes the same mean."""
-        mine = quantize_int8(self._flat)
-        parts = [torch.empty_like(mine) for _ in range(self.replicas)]
-        dist.all_gather(parts, mine, group=self.outer_group)
+    def _outer_step(self, flat: torch.Tensor, last: bool) -> None:
+        """anchor.grad <- the replicas' mean delta (in `flat`: the mean for int8, the sum otherwise);
+        then the outer Nesterov step, or at the last step the plain mean."""
+        offset = 0
+        for a in self.anchor:
+            n = a.numel()
+            a.grad.copy_(flat[offset : offset + n].view_as(a))
+            offset += n
+        if self.replicas > 1 and not self.int8:
+            torch._foreach_div_([a.grad for a in self.anchor], float(self.replicas))
+        if last:
+            torch._foreach_sub_(self.anchor, [a.grad for a in self.anchor])
+        else:
+            self.outer.step()
+
+    def _land(self, meeting: Meeting) -> None:
+        """A meeting's outer step, `overlap` steps after it began: the new anchor, plus what this
+        replica learned since it sent its delta."""
+        self.meeting = None
+        with torch.no_grad():
+            mean = self._decode_mean(meeting.out) if self.int8 else meeting.out[0]
+            self._outer_step(mean, False)
+            since = torch._foreach_sub(self.anchor, meeting.sent_from)
+            torch._foreach_add_(self.params, [d.to(p.dtype) for d, p in zip(since, self.params, strict=True)])
+        self.syncs += 1
+
+    def _decode_mean(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The replicas' int8 deltas, decoded and averaged in replica order, so every rank computes the same mean."""
         n = self._flat.numel()
         total = dequantize_int8(parts[0], n)
         for part in parts[1:]:
             total += dequantize_int8(part, n)
-        self._flat.copy_(total.div_(float(self.replicas)))
+        return total.div_(float(self.replicas))
+
+    def drain(self) -> None:
+        """Wait for a meeting in flight and forget it (before a rollback loads a checkpoint, at the end)."""
+        if self.meeting is not None:
+            self.meeting.arrived()
+            self.meeting = None
 
     def load_replica_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        """Collective when a meeting was in flight: every rank saved one at the same step, and each
+        sends its piece in flight again."""
+        self.drain()
         with torch.no_grad():
             self.model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        if "meeting" in state:
+            self.meeting = Meeting.from_state(state["meeting"], self.outer_group, self.replicas, self.int8, self._flat.device)
+            if self.meeting.done < self.meeting.pieces:
+                self.meeting.send_next()
 
     def restart_replica(self) -> None:
-        """Every replica from the last meeting's weights (with rank 0's optimizer state, loaded before)."""
+        """Every replica from the last meeting's weights (with rank 0's optimizer state, loaded before);
+        a meeting in flight is given up."""
+        self.drain()
         with torch.no_grad():
             for p, a in zip(self.params, self.anchor, strict=True):
                 p.copy_(a)
@@ -153,6 +275,7 @@ class DilocoWrapped(Wrapped):
         return {"anchor": list(self.anchor), "outer": self.outer.state_dict()}
 
     def load_outer_state(self, state: dict[str, Any]) -> None:
+        self.drain()
         with torch.no_grad():
             for a, saved in zip(self.anchor, state["anchor"], strict=True):
                 a.copy_(saved)
