@@ -161,6 +161,63 @@ def test_int8_codes_decode_within_half_a_step_of_their_block() -> None:
     assert torch.equal(quantize_int8(x.clone()), buf), "the same values give the same bytes on every replica"
 
 
+def _meet_in_slices(rank: int, store_path: str, result_path: str) -> None:
+    """One of two gloo ranks: a meeting of 3 pieces, int8 (all_gather) and fp32 (all_reduce)."""
+    import torch.distributed as dist
+
+    from aura_hpc.train.strategies.diloco import Meeting
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    g = torch.Generator().manual_seed(rank)
+    slices: list[int] = []
+    report: dict[str, object] = {"slices": slices}
+    codes, floats = torch.randint(0, 256, (200_001,), generator=g, dtype=torch.uint8), torch.randn(50_001, generator=g)
+    for int8, mine in ((True, codes), (False, floats)):
+        m = Meeting(0, 3, mine, [], None, 2, int8)
+        while m.done < m.pieces:
+            m.send_next()
+            slices.append(len(m.work))
+            m.arrived()
+        report["int8" if int8 else "fp32"] = [o.tolist()[:3] + o.tolist()[-3:] for o in m.out]
+        report[f"{'int8' if int8 else 'fp32'}_sum"] = [float(o.double().sum()) for o in m.out]
+    torch.save(report, result_path)
+    dist.destroy_process_group()
+
+
+def test_a_meeting_crosses_in_slices_that_keep_a_slow_queue_short(tmp_path: Path) -> None:
+    """Each piece goes as collectives of at most SLICE_BYTES, issued together; what arrives is every
+    replica's whole payload (int8's all_gather) or their exact sum (fp32's all_reduce)."""
+    import torch.multiprocessing as mp
+
+    from aura_hpc.train.strategies.diloco import SLICE_BYTES, blocking_pieces
+
+    procs = [
+        mp.get_context("spawn").Process(target=_meet_in_slices, args=(r, str(tmp_path / "store"), str(tmp_path / f"r{r}.pt")))
+        for r in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    r0, r1 = (torch.load(tmp_path / f"r{r}.pt") for r in (0, 1))
+    # int8: 200,001 bytes in 3 pieces of 66,667: 3 slices each; fp32: 50,001 values (200,004 bytes), the same.
+    assert r0["slices"] == [3, 3, 3, 3, 3, 3] == r1["slices"]
+    g = [torch.Generator().manual_seed(r) for r in (0, 1)]
+    payload = [torch.randint(0, 256, (200_001,), generator=gen, dtype=torch.uint8) for gen in g]
+    floats = [torch.randn(50_001, generator=gen) for gen in g]
+    for r in (r0, r1):
+        assert r["int8"] == [p.tolist()[:3] + p.tolist()[-3:] for p in payload]
+        assert r["int8_sum"] == [float(p.double().sum()) for p in payload]
+        total = floats[0] + floats[1]
+        assert r["fp32"] == [total.tolist()[:3] + total.tolist()[-3:]]
+        assert r["fp32_sum"] == [float(total.double().sum())]
+    assert SLICE_BYTES == 32 * 1024
+    assert blocking_pieces(torch.empty(3_500_000, dtype=torch.uint8)) == 107  # bench_lan's int8 meeting: 32 KiB each
+    assert blocking_pieces(torch.empty(10, dtype=torch.uint8)) == 1
+    assert blocking_pieces(torch.empty(1 << 30, dtype=torch.uint8)) == 1024  # beyond 32 MB the pieces grow
+
+
 def test_diloco_with_int8_deltas_meets_on_equal_weights_and_resumes_bit_identical(tmp_path: Path, prepared: Path) -> None:
     """Meetings every 6 steps (6, 12, 18) and at the last, 20, which sync_every does not divide: the
     run ends on the replicas' common weights."""
