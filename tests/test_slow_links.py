@@ -176,7 +176,7 @@ def _meet_in_slices(rank: int, port: int, result_path: str) -> None:
         m = Meeting(0, 3, mine, [], None, 2, int8)
         while m.done < m.pieces:
             m.send_next()
-            slices.append(len(m.work))
+            slices.append(len(m.work or []))
             m.arrived()
         report["int8" if int8 else "fp32"] = [o.tolist()[:3] + o.tolist()[-3:] for o in m.out]
         report[f"{'int8' if int8 else 'fp32'}_sum"] = [float(o.double().sum()) for o in m.out]

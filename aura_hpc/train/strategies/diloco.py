@@ -89,9 +89,10 @@ class Meeting:
         self.out = [torch.empty_like(mine) for _ in range(replicas)] if int8 else [torch.empty_like(mine)]
         self.piece = -(-mine.numel() // pieces)
         self.done = 0
-        self.work: list[Any] = []
+        self.work: list[Any] | None = None  # the piece in flight's collectives (none for an empty last piece)
 
     def send_next(self) -> None:
+        self.work = []
         end = min(self.mine.numel(), (self.done + 1) * self.piece)
         step = max(1, SLICE_BYTES // self.mine.element_size())
         for start in range(self.done * self.piece, end, step):
@@ -104,10 +105,10 @@ class Meeting:
 
     def arrived(self) -> bool:
         """Wait for the piece in flight; True once every piece is here."""
-        if self.work:
+        if self.work is not None:
             for w in self.work:
                 w.wait()
-            self.work = []
+            self.work = None
             self.done += 1
         return self.done >= self.pieces
 
