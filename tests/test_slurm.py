@@ -45,6 +45,11 @@ def _job_id(run_dir: Path) -> str:
     return str(json.loads((run_dir / "job.json").read_text())["job_id"])
 
 
+def _sacct_time(t: float) -> str:
+    """sacct's -S format; a -S bound keeps records of older jobs under reused ids out of the answer."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t))
+
+
 def _squeue_ids() -> set[str]:
     out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout
     return set(out.split())
@@ -194,6 +199,7 @@ def test_usr2_checkpoints_requeues_and_ends_equal_to_an_uninterrupted_run(
 def test_sweep_is_an_array_and_after_waits(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
     out = tmp_path / "runs"
     base = [*TINY[2:], "--nodes", "1", "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=8"]
+    since = _sacct_time(time.time() - 60)  # records from before this test belong to other jobs
     first = run_cli(["submit", *base, "--run-name", "first", "--set", "train.max_steps=60"])
     assert first.returncode == 0, first.stderr
     first_id = _job_id(out / "first")
@@ -212,7 +218,9 @@ def test_sweep_is_an_array_and_after_waits(slurm_cluster: Path, prepared: Path, 
     assert lrs == [1e-3, 3e-3]
     # --after: no array element started before the first job had ended.
     acct = subprocess.run(
-        ["sacct", "-n", "-X", "-P", "-j", f"{first_id},{next(iter(array))}", "-o", "JobID,Start,End"], capture_output=True, text=True
+        ["sacct", "-n", "-X", "-P", "-S", since, "-j", f"{first_id},{next(iter(array))}", "-o", "JobID,Start,End"],
+        capture_output=True,
+        text=True,
     ).stdout
     times = {line.split("|")[0]: line.split("|")[1:] for line in acct.splitlines() if line}
     assert times[first_id][1] <= min(times[i][0] for i in ids), acct
@@ -227,12 +235,14 @@ def test_hostile_names_and_paths_are_passed_literally(slurm_cluster: Path, prepa
     assert dry.returncode == 0, dry.stderr
     script = dry.stdout[dry.stdout.index("#!/bin/bash") :]
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    since = _sacct_time(time.time() - 60)
     res = run_cli([*args, "--wait"], cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     run_dir = out / "quoted"
     assert json.loads((run_dir / "summary.json").read_text())["finished"]
     job = _job_id(run_dir)
-    got = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "JobName"], capture_output=True, text=True).stdout.strip()
+    acct = ["sacct", "-n", "-X", "-P", "-S", since, "-j", job, "-o", "JobName"]
+    got = subprocess.run(acct, capture_output=True, text=True).stdout.strip()
     squeue_name = subprocess.run(["squeue", "-h", "-t", "all", "-j", job, "-o", "%j"], capture_output=True, text=True).stdout.strip()
     assert name in (got, squeue_name), (got, squeue_name)
     for where in (tmp_path, Path.cwd(), run_dir, run_dir / "slurm", Path("/tmp")):

@@ -96,12 +96,16 @@ def wait(job_ids: list[str], follow_log: Path | None = None, poll_s: float = 1.0
     """Block until every job has ended; the exit status reflects the jobs' (0 only if all COMPLETED)."""
     offset = 0
     final: dict[str, slurm_query.JobRow | None] = {}
+    # Accounting from before this wait cannot describe these jobs (they were queued or running then);
+    # where job ids were reset, such a record is another job under the same id. A minute of margin
+    # covers clock skew between this host and slurmdbd.
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 60))
     while True:
         pending = [j for j in job_ids if j not in final]
         for j in pending:
             row = slurm_query.squeue_job(j)
             if row is None or not row.active:
-                final[j] = _final_state(j, row)
+                final[j] = _final_state(j, row, since)
         if follow_log is not None:
             offset = print_new_lines(follow_log, offset, printer)
         if len(final) == len(job_ids):
@@ -118,18 +122,18 @@ def wait(job_ids: list[str], follow_log: Path | None = None, poll_s: float = 1.0
     return status
 
 
-def _final_state(job_id: str, row: slurm_query.JobRow | None, timeout_s: float = 60) -> slurm_query.JobRow | None:
+def _final_state(job_id: str, row: slurm_query.JobRow | None, since: str, timeout_s: float = 60) -> slurm_query.JobRow | None:
     if row is not None and row.state in slurm_query.FINAL_STATES:
         # squeue knows the state but not the exit code: ask accounting for it when there is one.
         try:
-            acct = [r for r in slurm_query.sacct([job_id]) if r.job_id == job_id and r.state == row.state]
+            acct = [r for r in slurm_query.sacct([job_id], since=since) if r.job_id == job_id and r.state == row.state]
         except LaunchError:
             acct = []
         return acct[-1] if acct else row
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:  # accounting lags behind the controller
         try:
-            rows = [r for r in slurm_query.sacct([job_id]) if r.job_id == job_id and r.state in slurm_query.FINAL_STATES]
+            rows = [r for r in slurm_query.sacct([job_id], since=since) if r.job_id == job_id and r.state in slurm_query.FINAL_STATES]
         except LaunchError:
             return None
         if rows:

@@ -155,6 +155,9 @@ hosts_entries() {
 
 up() {
   local t0=$SECONDS
+  # No controller state means job ids start again at 1: accounting left by a cluster that was
+  # not taken down (a killed CI run) would describe other jobs under the same ids.
+  if [[ ! -e $STATE/ctld/job_state ]] && ! alive "$STATE/run/mariadbd.pid"; then rm -rf "$STATE/db"; fi
   write_configs
   hosts_entries
   start_munge
@@ -178,8 +181,9 @@ down() {
   stop_pidfile "$STATE/run/slurmctld.pid"
   stop_pidfile "$STATE/run/slurmdbd.pid"
   stop_pidfile "$STATE/run/mariadbd.pid"
-  # Job ids restart at 1 on a fresh cluster: the state goes with it, so nothing stale survives.
-  rm -rf "$STATE/ctld" "$STATE/spool"
+  # Job ids restart at 1 on a fresh cluster, so the accounting database goes with the state:
+  # a kept one would answer sacct for a new job 253 with an old job 253's times.
+  rm -rf "$STATE/ctld" "$STATE/spool" "$STATE/db"
   log "cluster down"
 }
 
