@@ -198,3 +198,18 @@ def test_a_warmup_longer_than_the_run_is_clamped_with_a_warning() -> None:
     assert cfg.train.warmup_steps == 40 and len(notes) == 1 and "longer than the run (40 steps): using 40" in notes[0]
     tokens = load_config(None, ["train.max_tokens=40960", "train.warmup_steps=15"])  # 40,960 / (8 x 4 x 128) = 10 steps
     assert "using 10" in fit_to_horizon(tokens, 4)[0] and fit_to_horizon(load_config(None, ["train.max_tokens=40960"]), 1) == []
+
+
+def test_fsdp_on_cpu_is_refused_on_a_torch_whose_fsdp_cannot_run_there(tmp_path: Path) -> None:
+    from aura_hpc.config.device import fsdp_on_cpu
+
+    with pytest.raises(ConfigError, match=r"needs torch 2\.7 or newer, this is torch 2\.6\.0\+cu124 .*\(fix: --set dist\.strategy=ddp"):
+        fsdp_on_cpu("2.6.0+cu124")
+    for fine in ("2.7.0", "2.13.0+cpu", "3.0.0a0"):
+        fsdp_on_cpu(fine)
+    # `local` asks before any worker starts, with the torch its workers will import (the floor's 2.6 in CI).
+    import torch
+
+    r = run_cli(["local", "--output-dir", str(tmp_path / "runs"), "--set", "dist.strategy=fsdp", "--dry-run"], timeout=120)
+    old = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < (2, 7)
+    assert (r.returncode == 2 and "needs torch 2.7 or newer" in r.stderr) if old else r.returncode == 0, r.stdout + r.stderr

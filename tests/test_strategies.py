@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from aura_hpc.train import checkpoint
+from aura_hpc.train.consolidate import consolidate
 from tests.conftest import SMALL_MODEL, final_weights, run_cli, run_cli_together
 
 pytestmark = pytest.mark.slow
@@ -41,6 +43,12 @@ def _run_together(out: Path, prepared: Path, runs: dict[str, tuple[str, ...]]) -
         assert r.returncode == 0, f"{name}: {r.stdout[-3000:]}{r.stderr[-3000:]}"
 
 
+def _weights_at(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "checkpoints" / checkpoint.step_dir_name(step) / "model" / "model.safetensors"))
+
+
 def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert sorted(a) == sorted(b)
     return max((a[k] - b[k]).abs().max().item() for k in a)
@@ -60,10 +68,23 @@ def test_fsdp_trains_to_the_same_bits_as_ddp(tmp_path: Path, prepared: Path, ddp
     newest = checkpoint.list_complete(tmp_path / "fsdp" / "checkpoints")[0].path
     assert sorted(p.name for p in (newest / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     # The consolidated weights beside the shards load with transformers alone.
+    from safetensors.torch import load_file
     from transformers import GPT2LMHeadModel
 
     model = GPT2LMHeadModel.from_pretrained(str(newest / "model"))
     assert torch.equal(model.transformer.wte.weight, final_weights(ddp_runs / "clip")["transformer.wte.weight"])
+    # Only the run's last checkpoint gathered the full weights. `generate` on a run whose newest is an
+    # earlier one makes them from its shards: DDP's weights at that step, bit for bit, and still verified.
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp_path / "fsdp", copy)
+    shutil.rmtree(copy / "checkpoints" / newest.name)
+    earlier = checkpoint.list_complete(copy / "checkpoints")[0].path
+    assert earlier.name == "step_00000015" and not (earlier / "model" / "model.safetensors").exists()
+    assert (earlier / "model" / "config.json").is_file()
+    g = run_cli(["generate", "--run", str(copy), "--max-new-tokens", "5"], timeout=300)
+    assert g.returncode == 0 and g.stdout.strip(), g.stdout + g.stderr
+    assert checkpoint.verify(earlier) is None and not consolidate(earlier)
+    assert _diff(load_file(str(earlier / "model" / "model.safetensors")), _weights_at(ddp_runs / "clip", 15)) == 0.0
 
 
 @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
@@ -147,3 +168,12 @@ def test_zero3_with_a_partitioned_embedding_evaluates_samples_and_checkpoints(tm
 
     weights = load_file(str(newest.path / "model" / "model.safetensors"))
     assert weights["transformer.wte.weight"].shape == (983, 128) and torch.isfinite(weights["transformer.wte.weight"]).all()
+    # The full weights made on demand from DeepSpeed's partitions equal the ones gathered at the end.
+    copy = tmp_path / "copy"
+    shutil.copytree(newest.path, copy)
+    marker = json.loads((copy / checkpoint.MARKER).read_text())
+    del marker["files"]["model/model.safetensors"]
+    (copy / checkpoint.MARKER).write_text(json.dumps(marker))
+    (copy / "model" / "model.safetensors").unlink()
+    assert consolidate(copy) and checkpoint.verify(copy) is None
+    assert _diff(load_file(str(copy / "model" / "model.safetensors")), weights) == 0.0

@@ -362,17 +362,6 @@ def embedding_rows(m: ModelConfig, tokenizer_vocab: int) -> int:
     return m.padded_vocab_size or tokenizer_vocab
 
 
-def validate_for_device(cfg: RunConfig, gpu: bool) -> None:
-    """What needs GPUs, refused for a CPU run (called by the launch plans, which know the device)."""
-    if cfg.dist.fsdp_cpu_offload and not gpu:
-        raise ConfigError(
-            "dist.fsdp_cpu_offload keeps parameters in host memory between uses; a CPU run has them there already "
-            "(and torch pins that memory through CUDA) (fix: --set dist.fsdp_cpu_offload=false)"
-        )
-    if cfg.train.precision == "fp16" and not gpu:
-        raise ConfigError("train.precision fp16 needs a CUDA GPU (fix: --set train.precision=auto)")
-
-
 def validate_strategy(cfg: RunConfig) -> None:
     """What each dist.strategy does not support is refused here, with the reason."""
     d, t = cfg.dist, cfg.train

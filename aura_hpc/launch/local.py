@@ -7,6 +7,7 @@ behind torchrun) with a c10d rendezvous hosted by node 0; the worker command is 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import platform
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.config import fit_to_horizon, load_config
-from aura_hpc.config.checks import validate_for_device
+from aura_hpc.config.device import validate_for_device
 from aura_hpc.errors import ConfigError, LaunchError
 from aura_hpc.launch.agent import run_workers
 from aura_hpc.launch.plan import LocalPlan
@@ -197,7 +198,7 @@ def _plan_memory(plan: LocalPlan, gpu: bool, force: bool) -> None:
     from aura_hpc.launch.memory import check_fits
     from aura_hpc.launch.memory import plan as plan_memory
 
-    validate_for_device(plan.cfg, gpu)
+    validate_for_device(plan.cfg, gpu, importlib.metadata.version("torch"))
     world = plan.nproc * plan.nnodes
     vocab = tokenizer_vocab(plan.cfg)
     plan.memory = plan_memory(plan.cfg, vocab, world, gpu=gpu)

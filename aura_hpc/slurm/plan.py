@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.config import RunConfig, SlurmConfig, coerce, fit_to_horizon, load_config, slurm_minutes, validate_slurm
-from aura_hpc.config.checks import validate_for_device
+from aura_hpc.config.device import validate_for_device
 from aura_hpc.data.vocab import tokenizer_vocab
 from aura_hpc.errors import ConfigError
 from aura_hpc.launch.memory import MemoryPlan, check_fits

@@ -15,6 +15,7 @@ from aura_hpc.data.packed import GlobalOrder, PackedTokens
 from aura_hpc.errors import ConfigError, DataError
 from aura_hpc.train import distributed
 from aura_hpc.train.dist_env import DistEnv
+from aura_hpc.train.meta_init import build_on_meta
 from aura_hpc.train.model import (
     LanguageModelLoss,
     build_model,
@@ -53,8 +54,16 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
             f"({data.vocab_size}) (fix: --set model.vocab_size=0 to take it from the data)"
         )
     check_same_everywhere(cfg, env, data)
-    model = build_model(cfg.model, embedding_rows(cfg.model, data.vocab_size), data.eos_id)
-    model.to(device=rt.device, dtype=rt.param_dtype)
+    rows = embedding_rows(cfg.model, data.vocab_size)
+    # FSDP: built on the meta device and initialised shard by shard once sharded (train/meta_init.py),
+    # not whole in every rank's host memory first; the weights are the same bits.
+    on_meta = build_on_meta(lambda: build_model(cfg.model, rows, data.eos_id)) if cfg.dist.strategy == "fsdp" else None
+    if on_meta is not None:
+        model, init = on_meta
+        model.to(dtype=rt.param_dtype)
+    else:
+        model, init = build_model(cfg.model, rows, data.eos_id), None
+        model.to(device=rt.device, dtype=rt.param_dtype)
     cuda = rt.device.type == "cuda"
     if t.activation_checkpointing:
         enable_activation_checkpointing(model)
@@ -83,7 +92,8 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
             log.warning("%s; train.allow_oversubscription=true: repeating the data to fill each batch", msg)
     n_params = count_parameters(model)  # before the strategy: ZeRO-3 leaves each rank empty parameters
     fused = t.fused_optimizer == "true" or (t.fused_optimizer == "auto" and cuda)
-    wrapped, optimizer = wrap(loss_model, model, cfg, rt, world, lambda m: make_optimizer(m, t, fused=fused), env)
+    materialize = None if init is None else (lambda m: init.materialize(m, rt.param_dtype))
+    wrapped, optimizer = wrap(loss_model, model, cfg, rt, world, lambda m: make_optimizer(m, t, fused=fused), env, materialize)
     wrapped.last_step = max_steps
     seed_dropout(t.seed, env.rank)
     parts = Parts(

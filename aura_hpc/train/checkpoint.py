@@ -1,7 +1,7 @@
 """Atomic, self-verifying checkpoints: one directory per step.
 
     checkpoints/step_00000100/
-        model/            config.json + model.safetensors (loadable by transformers)
+        model/            config.json + model.safetensors (loadable by transformers; sharded: checkpoint_writer.py)
         trainer_state.pt  optimizer, scheduler, RNG states (loaded with weights_only=True)
         meta.json         step, data position, tokens, config fingerprint, world size
         tokenizer/        the tokenizer the model was trained with
@@ -57,7 +57,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -160,8 +160,9 @@ def _write_model(folder: Path, snap: ModelSnapshot) -> dict[str, str]:
             folder / "generation_config.json", (json.dumps(snap.generation_config, indent=2) + "\n").encode()
         ),
     }
-    save_file(snap.weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    hashes["model/model.safetensors"] = _sha256(folder / "model.safetensors")
+    if snap.weights:  # none in a sharded checkpoint but the last: train/consolidate.py makes them from the shards
+        save_file(snap.weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        hashes["model/model.safetensors"] = _sha256(folder / "model.safetensors")
     return hashes
 
 
@@ -231,15 +232,15 @@ def save(
         files: dict[str, dict[str, Any]] = {}
         for p in sorted(tmp.rglob("*")):
             if p.is_file():
-                _fsync(p)
+                fsync(p)
                 rel = str(p.relative_to(tmp))
                 files[rel] = {"size": p.stat().st_size, "sha256": hashes.get(rel) or _sha256(p)}
         for d in [tmp, *[p for p in tmp.rglob("*") if p.is_dir()]]:
-            _fsync(d)
+            fsync(d)
         stage("files")
         _write(tmp / MARKER, json.dumps({"step": step, "files": files}, indent=1).encode())
         stage("marker")
-        _fsync(tmp)
+        fsync(tmp)
         if final.exists():
             # The same step written again (after a rollback the weights differ): swap it in.
             old = root / f".old-{final.name}-{os.getpid()}"
@@ -248,7 +249,7 @@ def save(
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
-        _fsync(root)
+        fsync(root)
     except Exception as exc:  # torch.save reports a full disk as RuntimeError("... unexpected pos ...")
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # the partial write would keep the disk full

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +12,7 @@ import torch
 from aura_hpc.config import RunConfig
 from aura_hpc.errors import CheckpointError, CheckpointWriteError, TrainingError
 from aura_hpc.train import checkpoint, distributed, replica_files
+from aura_hpc.train.checkpoint_writer import SHARDS, Writer, dcp_errors, save_sharded
 from aura_hpc.train.dist_env import DistEnv
 from aura_hpc.train.host_mirror import HostMirror
 from aura_hpc.train.runtime import Runtime, rng_state, set_rng_state
@@ -23,15 +22,14 @@ from aura_hpc.train.strategies import Wrapped
 
 log = logging.getLogger("aura_hpc")
 
-SHARDS = "sharded"  # a checkpoint's folder of per-rank shards (DCP) under sharded strategies
-
 
 class Checkpointer:
     def __init__(self, cfg: RunConfig, env: DistEnv, rt: Runtime, parts: Parts, layout: Layout, pos: Position, wrapped: Wrapped) -> None:
         self.cfg, self.env, self.rt = cfg, env, rt
         self.parts, self.layout, self.pos, self.wrapped = parts, layout, pos, wrapped
         self.root = cfg.run_dir / "checkpoints"
-        self.writer: _Writer | None = None
+        self.writer: Writer | None = None
+        self.shards: Any = None  # this rank's background shard write (a future), until the next wait()
         self.mirror = HostMirror()  # rank 0's host copies of what it saves, reused from save to save
 
     # ---- resume -------------------------------------------------------------------------
@@ -165,12 +163,13 @@ class Checkpointer:
         flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in self.parts.model.parameters()]
         return bool(torch.stack(flags).all())  # one device sync, not one per tensor
 
-    def save(self) -> Path | None:
+    def save(self, last: bool = False) -> Path | None:
         """A checkpoint of the current step, written by rank 0; None when the weights are not finite.
 
         With train.async_checkpoint, rank 0 copies the state to host memory and a background
         thread writes it: training pauses only for the copy. A write that fails is reported,
-        to every rank, at the next save or `wait()`.
+        to every rank, at the next save or `wait()`. Under sharded strategies only the `last`
+        (the run's end) gathers the full weights into model/ (checkpoint_writer.py).
         """
         rngs = distributed.all_gather_object(rng_state(self.rt.device))
         pos, p = self.pos, self.parts
@@ -181,7 +180,7 @@ class Checkpointer:
         self.wait()  # one write at a time; and the previous one's outcome, for every rank
         path = self.root / checkpoint.step_dir_name(pos.step)
         if self.wrapped.sharded:
-            self._save_sharded(rngs)
+            save_sharded(self, rngs, full_weights=last)
             pos.saved_step = pos.step
             return path
         replicas = replica_files.save_all(self.wrapped, self.parts.optimizer, self.root, pos.step, self.env.rank, self.cfg.train.keep_last)
@@ -206,7 +205,7 @@ class Checkpointer:
             snap = checkpoint.ModelSnapshot(weights, *checkpoint.model_configs(p.model))
             paused = time.perf_counter() - t0
             args = (self.root, pos.step, snap, state, meta, p.data.tokenizer_dir, self.cfg.to_yaml(), self.cfg.train.keep_last)
-            self.writer = _Writer(args, t0, paused)
+            self.writer = Writer(args, t0, paused)
             if self.cfg.train.async_checkpoint:
                 self.writer.start()
             else:
@@ -235,51 +234,15 @@ class Checkpointer:
             **({"data_order": self.parts.order.state()} if hasattr(self.parts.order, "state") else {}),
         }
 
-    def _save_sharded(self, rngs: list[Any]) -> None:
-        """Every rank writes its shard (DCP) into rank 0's temporary folder; rank 0 adds the full
-        weights (model/), the rest and the commit marker. Synchronous and collective."""
-        pos, p = self.pos, self.parts
-        t0 = time.perf_counter()
-        tmp: Path | None = None
-        error = None
-        if self.env.is_main:
-            try:
-                tmp = checkpoint.begin(self.root, pos.step)
-            except OSError as exc:
-                error = str(checkpoint.write_failure(exc, self.root, pos.step))
-        where, error = distributed.broadcast_object((str(tmp) if tmp else "", error))
-        if error:
-            raise CheckpointWriteError(error)
-        folder = Path(where)
-        failed: str | None = None
-        try:
-            self.wrapped.save_sharded(folder / SHARDS, p.optimizer)  # type: ignore[attr-defined]
-            # Each rank hashes the files it wrote; rank 0 hashes the rest while committing.
-            own = self.wrapped.own_shard_files(folder / SHARDS, self.env.rank)  # type: ignore[attr-defined]
-            mine = {str(f.relative_to(folder)): checkpoint.sha256_of(f) for f in own}
-        except (Exception, *_dcp_errors()) as exc:  # DCP wraps a full disk in its CheckpointException (a BaseException)
-            failed, mine = str(checkpoint.write_failure(exc, self.root, pos.step)), {}
-        # Every rank learns whether any rank's shard failed, so all stop together.
-        failures = [f for f in distributed.all_gather_object(failed) if f]
-        if failures:
-            if self.env.is_main:
-                shutil.rmtree(folder, ignore_errors=True)  # the partial shards would keep the disk full
-            raise CheckpointWriteError(failures[0])
-        weights = self.wrapped.full_weights()  # type: ignore[attr-defined]
-        hashes = {k: v for part in distributed.all_gather_object(mine) for k, v in part.items()}
-        if self.env.is_main:
-            snap = checkpoint.ModelSnapshot(weights, *checkpoint.model_configs(p.model))
-            state = checkpoint.host_copy(
-                {"scheduler": p.scheduler.state_dict(), "scaler": p.scaler.state_dict() if p.scaler.is_enabled() else {}, "rng": rngs}
-            )
-            args = (self.root, pos.step, snap, state, self._meta(), p.data.tokenizer_dir, self.cfg.to_yaml(), self.cfg.train.keep_last)
-            self.writer = _Writer(args, t0, time.perf_counter() - t0, tmp=folder, known_hashes=hashes)
-            self.writer.run()
-        self.wait()
-
     def wait(self) -> None:
         """Wait for the checkpoint being written; every rank calls this at the same point."""
         error = None
+        if self.shards is not None:  # rank 0's writer reports a failure of any rank's background shards
+            try:
+                self.shards.result()
+            except (Exception, *dcp_errors()):
+                pass
+            self.shards = None
         if self.env.is_main and self.writer is not None:
             if self.writer.ident is not None:  # started in the background (else it already ran)
                 self.writer.join()
@@ -325,34 +288,3 @@ class Checkpointer:
                 pos.rollbacks,
                 t.nan_max_rollbacks,
             )
-
-
-def _dcp_errors() -> tuple[type[BaseException], ...]:
-    try:
-        from torch.distributed.checkpoint.api import CheckpointException
-    except ImportError:  # pragma: no cover - every supported torch has it
-        return ()
-    return (CheckpointException,)
-
-
-class _Writer(threading.Thread):
-    """Writes one checkpoint from host memory (rank 0), in the background or in place."""
-
-    def __init__(self, args: tuple[Any, ...], t0: float, paused: float, **kw: Any) -> None:
-        super().__init__(name="aura-checkpoint-writer")
-        self.args, self.kw, self.t0, self.paused = args, kw, t0, paused
-        self.error: str | None = None
-
-    def run(self) -> None:
-        try:
-            path = checkpoint.save(*self.args, **self.kw)
-            log.info(
-                "checkpoint %s written in %.2fs (training paused %.2fs to copy the state)",
-                path,
-                time.perf_counter() - self.t0,
-                self.paused,
-            )
-        except CheckpointError as exc:
-            self.error = str(exc)
-        except Exception as exc:  # reported like a failed write: the previous checkpoints stay intact
-            self.error = str(checkpoint.write_failure(exc, self.args[0], self.args[1]))

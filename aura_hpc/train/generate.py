@@ -21,9 +21,11 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
         raise CheckpointError("--num must be at least 1 and --top-k 0 or more (fix: --num 1 --top-k 40)")
     import torch
 
+    from aura_hpc.train.consolidate import consolidate
     from aura_hpc.train.model import load_pretrained, padding_suppressed, quiet_deepspeed_probe
 
     quiet_deepspeed_probe()
+    consolidate(ckpt.path)  # a sharded checkpoint (not a run's last) holds no full weights yet
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 

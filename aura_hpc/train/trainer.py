@@ -214,7 +214,7 @@ class Trainer:
                 if self.metrics is not None:
                     self.metrics.text("sample", text, pos.step)
         if (t.checkpoint_every and pos.step % t.checkpoint_every == 0) or at_end:
-            self.ckpt.save()
+            self.ckpt.save(last=at_end)
         pos.last_eval = None
         if logged:
             self.interval.reset()
@@ -285,7 +285,7 @@ class Trainer:
         # other nodes' checkpoint directories are empty, and a filesystem check would make
         # only some ranks enter the (collective) save.
         if pos.step > 0 and pos.saved_step != pos.step:
-            self.ckpt.save()  # the last save was refused (weights not finite): try once more
+            self.ckpt.save(last=True)  # the last save was refused (weights not finite): try once more
         self.ckpt.wait()
         final_ckpt = checkpoint.list_complete(self.ckpt.root)
         last_sample = self._sample()

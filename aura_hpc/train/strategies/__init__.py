@@ -28,10 +28,12 @@ def wrap(
     world_size: int,
     make_optimizer: MakeOptimizer,
     env: Any = None,
+    materialize: Callable[[torch.nn.Module], None] | None = None,
 ) -> tuple[Wrapped, torch.optim.Optimizer]:
     """`loss_model` (forward(batch) = loss, holding `model`) spread over the ranks by dist.strategy,
     and the optimizer over what the strategy made of the parameters (FSDP replaces them by shards;
-    DeepSpeed takes the optimizer in and partitions it)."""
+    DeepSpeed takes the optimizer in and partitions it). `materialize`: a model built on the meta
+    device is given its weights once sharded (fsdp only)."""
     strategy = cfg.dist.strategy
     if strategy.startswith("zero"):
         from aura_hpc.train.strategies.zero import wrap_zero
@@ -45,7 +47,7 @@ def wrap(
     if strategy == "fsdp":
         from aura_hpc.train.strategies.fsdp import wrap_fsdp
 
-        wrapped: Wrapped = wrap_fsdp(loss_model, model, cfg.dist, rt, world_size)
+        wrapped: Wrapped = wrap_fsdp(loss_model, model, cfg.dist, rt, world_size, materialize)
     elif world_size == 1:
         wrapped = Wrapped(loss_model, model)
     else:

@@ -3,20 +3,22 @@
 Each transformer block is its own shard group (gathered just before it runs, freed after), the
 rest (embeddings, final norm, tied output matrix) is the root group. Under bf16 the blocks
 compute in bf16 and reduce gradients in fp32. Checkpoints are torch DCP, written by every rank
-(its own shard) and loadable at another world size; the full weights are gathered to rank 0
-for the checkpoint's model/ folder and for text samples.
+(its own shard; in the background with train.async_checkpoint) and loadable at another world
+size; the full weights are gathered to rank 0 for a run's last checkpoint and for text samples.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from aura_hpc.config import DistConfig
+from aura_hpc.config.device import fsdp_on_cpu
 from aura_hpc.train.runtime import Runtime
 from aura_hpc.train.strategies.base import Wrapped, clip_to_total_norm
 
@@ -24,10 +26,14 @@ from aura_hpc.train.strategies.base import Wrapped, clip_to_total_norm
 class FsdpWrapped(Wrapped):
     name = "fsdp"
     sharded = True
+    background_shards = True  # save_sharded can write in the background
 
     def __init__(self, module: torch.nn.Module, model: torch.nn.Module, device: torch.device) -> None:
         super().__init__(module, model)
         self.device = device  # where the process group reduces (gradients may be offloaded to the host)
+        self._writer: Any = None  # DCP's writer for background saves, with its staging buffers
+        self._layout: list[tuple[str, tuple[str, ...]]] = []  # what those buffers were shaped for
+        self._group: Any = None
 
     @contextlib.contextmanager
     def accumulating(self, sync: bool) -> Iterator[None]:
@@ -40,13 +46,32 @@ class FsdpWrapped(Wrapped):
         grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
         return clip_to_total_norm(grads, max_norm, sharded=True, device=self.device)
 
-    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
-        """Model and optimizer shards, one file per rank (collective)."""
+    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer, background: bool = False) -> Future[Any] | None:
+        """Model and optimizer shards, one file per rank (collective).
+
+        In the background: this rank's shards are copied to host memory here (into pinned buffers
+        kept from save to save on a GPU), then DCP's thread writes them, coordinating the ranks over
+        a gloo group of its own so that it never interleaves with training's collectives. The
+        future resolves on every rank once all shards and DCP's metadata are written.
+        """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         msd, osd = get_state_dict(self.model, optimizer)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(folder))
+        state = {"model": msd, "optim": osd}
+        if not background:
+            dcp.save(state, checkpoint_id=str(folder))
+            return None
+        if self._group is None:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
+        # The optimizer's state appears at its first step: buffers shaped before then cannot take it.
+        layout = sorted((str(k), tuple(sorted(v))) for k, v in osd.get("state", {}).items())
+        if self._writer is None or layout != self._layout:
+            self._writer = dcp.FileSystemWriter(str(folder), cache_staged_state_dict=self.device.type == "cuda")
+            self._layout = layout
+        return dcp.async_save(state, checkpoint_id=str(folder), storage_writer=self._writer, process_group=self._group)
 
     def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
         """The reverse of save_sharded, at any world size (DCP reshards); collective."""
@@ -75,10 +100,16 @@ def _local(t: Any) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def wrap_fsdp(loss_model: torch.nn.Module, model: Any, cfg: DistConfig, rt: Runtime, world_size: int) -> FsdpWrapped:
+def wrap_fsdp(
+    loss_model: torch.nn.Module, model: Any, cfg: DistConfig, rt: Runtime, world_size: int, materialize: Any = None
+) -> FsdpWrapped:
+    """`model` inside `loss_model`, each block its own shard group. A model on the meta device gets
+    its storage here, each rank only its shards, and its weights from `materialize`."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    if rt.device.type == "cpu":
+        fsdp_on_cpu(torch.__version__)  # a Slurm job's image may hold another torch than the login node
     mesh = init_device_mesh(rt.device.type, (world_size,))
     kw: dict[str, Any] = {"mesh": mesh}
     if rt.autocast_dtype == torch.bfloat16:
@@ -87,4 +118,7 @@ def wrap_fsdp(loss_model: torch.nn.Module, model: Any, cfg: DistConfig, rt: Runt
     for block in model.transformer.h:
         fully_shard(block, **kw)
     fully_shard(loss_model, **kw)
+    if materialize is not None:
+        loss_model.to_empty(device=rt.device)
+        materialize(model)
     return FsdpWrapped(loss_model, model, rt.device)

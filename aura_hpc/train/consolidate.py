@@ -1,0 +1,118 @@
+"""Full weights, on demand, for a sharded checkpoint that holds only its shards (every save of an
+fsdp or ZeRO run but the last: checkpoint_writer.py).
+
+One process reads the shards (torch DCP, or DeepSpeed's own files through its zero_to_fp32) and
+writes `model/model.safetensors`, which GPT2LMHeadModel.from_pretrained then loads. The checkpoint
+stays self-verifying: the weights go in under a temporary name, then a new commit marker that
+lists them replaces the old one (each by rename), so a crash leaves the checkpoint as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from aura_hpc.errors import CheckpointError
+from aura_hpc.train import checkpoint
+from aura_hpc.train.checkpoint_writer import SHARDS
+
+log = logging.getLogger("aura_hpc")
+
+WEIGHTS = "model/model.safetensors"
+
+
+def needs_full_weights(ckpt: Path) -> bool:
+    """A sharded checkpoint whose commit marker lists no full weights."""
+    if not (ckpt / SHARDS).is_dir():
+        return False
+    try:
+        files = json.loads((ckpt / checkpoint.MARKER).read_text()).get("files", {})
+    except (OSError, json.JSONDecodeError):
+        return False  # verify() reports a broken marker
+    return WEIGHTS not in files
+
+
+def consolidate(ckpt: Path) -> bool:
+    """Write the full weights of sharded checkpoint `ckpt` into its model/ folder; False when it
+    already has them (or is not sharded)."""
+    if not needs_full_weights(ckpt):
+        return False
+    try:
+        config = json.loads((ckpt / "model" / "config.json").read_text())
+        shards = ckpt / SHARDS
+        weights = _from_dcp(shards) if (shards / ".metadata").is_file() else _from_deepspeed(shards)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"the shards of checkpoint {ckpt.name} could not be read into full weights ({type(exc).__name__}: "
+            f"{str(exc).strip()[:200]}) (fix: check that {shards} is complete, or use an earlier checkpoint)"
+        ) from None
+    if config.get("tie_word_embeddings", True):
+        weights.pop("lm_head.weight", None)  # stored once, as transformers does
+    _commit(ckpt, {k: v.to(torch.float32).contiguous() for k, v in weights.items()})
+    log.info("checkpoint %s: full weights written from its shards into model/", ckpt.name)
+    return True
+
+
+def _from_dcp(folder: Path) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(folder))
+    metadata = reader.read_metadata().state_dict_metadata
+    model = {
+        key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+        for key, m in metadata.items()
+        if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
+    if not model:
+        raise CheckpointError(f"{folder} holds no model tensors (fix: use an earlier checkpoint)")
+    with warnings.catch_warnings():
+        # Without a process group DCP says it assumes one process: that is the intent here.
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": model}, storage_reader=reader)
+    return model
+
+
+def _from_deepspeed(folder: Path) -> dict[str, torch.Tensor]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from aura_hpc.train.strategies.zero import TAG
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=TAG)
+    # The engine wraps the loss module, which holds the model as `lm`.
+    return {k.removeprefix("lm."): v for k, v in state.items()}
+
+
+def _commit(ckpt: Path, weights: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    marker_path = ckpt / checkpoint.MARKER
+    marker = json.loads(marker_path.read_text())
+    final = ckpt / WEIGHTS
+    part = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    new_marker = marker_path.with_name(f".{marker_path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(weights, str(part), metadata={"format": "pt"})
+        checkpoint.fsync(part)
+        marker["files"][WEIGHTS] = {"size": part.stat().st_size, "sha256": checkpoint.sha256_of(part)}
+        new_marker.write_text(json.dumps(marker, indent=1))
+        checkpoint.fsync(new_marker)
+        part.rename(final)  # not yet listed: the old marker still describes a valid checkpoint
+        new_marker.rename(marker_path)
+        checkpoint.fsync(ckpt / "model")
+        checkpoint.fsync(ckpt)
+    except OSError as exc:
+        raise CheckpointError(
+            f"could not write the full weights into checkpoint {ckpt.name} ({exc.strerror or exc}) "
+            f"(fix: free space or make {ckpt} writable)"
+        ) from None
+    finally:
+        for leftover in (part, new_marker):
+            leftover.unlink(missing_ok=True)

@@ -1,0 +1,115 @@
+"""Meta-device construction and shard-by-shard initialisation (train/meta_init.py), on one process.
+
+Under FSDP on 2 ranks the same path is proven end to end by tests/test_strategies.py (fsdp ends
+20 steps bit for bit where ddp does, and ddp builds on the host)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from aura_hpc.train.gpt import GPT, GPTConfig
+from aura_hpc.train.meta_init import build_on_meta
+
+CFG = GPTConfig(vocab_size=3001, n_positions=64, n_embd=48, n_layer=4, n_head=4)
+
+
+def _on_meta(seed: int, cfg: GPTConfig = CFG) -> tuple[GPT, Any]:
+    torch.manual_seed(seed)
+    built = build_on_meta(lambda: GPT(cfg))
+    assert built is not None
+    model, record = built
+    assert all(p.device.type == "meta" for p in model.parameters())
+    model.to_empty(device="cpu")
+    # Outside FSDP, to_empty gives the tied output matrix a tensor of its own (FSDP2 keeps the tie).
+    model.lm_head.weight = model.transformer.wte.weight
+    return model, record  # type: ignore[return-value]
+
+
+def test_weights_and_the_random_stream_are_those_of_the_host_built_model() -> None:
+    torch.manual_seed(7)
+    host = GPT(CFG)
+    after_host = torch.get_rng_state()
+    model, record = _on_meta(7)
+    record.materialize(model, torch.float32)
+    assert torch.equal(torch.get_rng_state(), after_host)  # dropout masks drawn next are the same too
+    want = host.state_dict()
+    got = model.state_dict()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    x = torch.randint(0, CFG.vocab_size, (2, 16))
+    assert torch.equal(model(x), host(x))
+    # Another seed, other weights: the record replays the seed it was made under.
+    other, record = _on_meta(8)
+    record.materialize(other, torch.float32)
+    assert not torch.equal(other.transformer.wte.weight, host.transformer.wte.weight)
+
+
+_PEAK = """
+import resource, sys, torch
+from aura_hpc.train.gpt import GPT, GPTConfig
+from aura_hpc.train.meta_init import build_on_meta
+model, record = build_on_meta(lambda: GPT(GPTConfig(vocab_size=4000, n_positions=64, n_embd=512, n_layer=16, n_head=8)))
+model.to_empty(device="cpu")
+model.lm_head.weight = model.transformer.wte.weight
+with torch.no_grad():
+    for p in model.parameters():
+        p.zero_()  # the model's own pages resident before the measurement
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+before = rss()
+assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < before + 8 * 2**20
+record.materialize(model, torch.float32)
+extra = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+largest = max(p.numel() * p.element_size() for p in model.parameters())
+total = sum(p.numel() * p.element_size() for p in model.parameters())
+print(extra, largest, total)
+"""
+
+
+def test_the_host_holds_a_parameter_or_two_at_a_time_not_the_model() -> None:
+    """Measured in a fresh process: the resident set's high-water mark while the weights are made,
+    above what the (already resident) parameters take."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _PEAK], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    extra, largest, total = (int(x) for x in out.stdout.split())
+    assert total > 20 * largest  # a replay that held every value at once would show
+    assert extra < 3 * largest + 16 * 2**20, (extra, largest, total)
+
+
+def test_bf16_parameters_get_the_host_models_weights_cast_once() -> None:
+    torch.manual_seed(3)
+    host = GPT(CFG).to(torch.bfloat16)
+    model, record = _on_meta(3)
+    model.to(torch.bfloat16)
+    record.materialize(model, torch.bfloat16)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in host.state_dict().items())
+
+
+class _Derived(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        base = torch.randn(4, 4)
+        self.weight = nn.Parameter(base @ base.T)  # one tensor computed from another: no replay for that
+
+
+class _Uninitialised(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(3, 3))
+
+
+def test_what_cannot_be_replayed_is_built_on_the_host_and_nothing_is_left_uninitialised() -> None:
+    assert build_on_meta(_Derived) is None
+    built = build_on_meta(_Uninitialised)
+    assert built is not None
+    model, record = built
+    model.to_empty(device="cpu")
+    with pytest.raises(RuntimeError, match=r"no initialisation recorded for \['weight'\]"):
+        record.materialize(model, torch.float32)
