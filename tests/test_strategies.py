@@ -168,12 +168,16 @@ def test_zero3_with_a_partitioned_embedding_evaluates_samples_and_checkpoints(tm
 
     weights = load_file(str(newest.path / "model" / "model.safetensors"))
     assert weights["transformer.wte.weight"].shape == (983, 128) and torch.isfinite(weights["transformer.wte.weight"]).all()
-    # The full weights made on demand from DeepSpeed's partitions equal the ones gathered at the end.
+    # The full weights `generate` makes on demand from DeepSpeed's partitions (the newest checkpoint of
+    # this copy of the run without them) equal the ones gathered at the end; its stdout holds only samples.
     copy = tmp_path / "copy"
-    shutil.copytree(newest.path, copy)
-    marker = json.loads((copy / checkpoint.MARKER).read_text())
+    shutil.copytree(tmp_path / "z3", copy)
+    ckpt = copy / "checkpoints" / newest.path.name
+    marker = json.loads((ckpt / checkpoint.MARKER).read_text())
     del marker["files"]["model/model.safetensors"]
-    (copy / checkpoint.MARKER).write_text(json.dumps(marker))
-    (copy / "model" / "model.safetensors").unlink()
-    assert consolidate(copy) and checkpoint.verify(copy) is None
-    assert _diff(load_file(str(copy / "model" / "model.safetensors")), weights) == 0.0
+    (ckpt / checkpoint.MARKER).write_text(json.dumps(marker))
+    (ckpt / "model" / "model.safetensors").unlink()
+    g = run_cli(["generate", "--run", str(copy), "--max-new-tokens", "5"], timeout=300)
+    assert g.returncode == 0 and g.stdout.strip() and "zero checkpoint" not in g.stdout, g.stdout + g.stderr
+    assert checkpoint.verify(ckpt) is None and not consolidate(ckpt)
+    assert _diff(load_file(str(ckpt / "model" / "model.safetensors")), weights) == 0.0

@@ -9,6 +9,8 @@ lists them replaces the old one (each by rename), so a crash leaves the checkpoi
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
@@ -85,7 +87,9 @@ def _from_deepspeed(folder: Path) -> dict[str, torch.Tensor]:
 
     from aura_hpc.train.strategies.zero import TAG
 
-    state = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=TAG)
+    # It prints its progress; `generate`'s stdout is the samples.
+    with contextlib.redirect_stdout(io.StringIO()):
+        state = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=TAG)
     # The engine wraps the loss module, which holds the model as `lm`.
     return {k.removeprefix("lm."): v for k, v in state.items()}
 

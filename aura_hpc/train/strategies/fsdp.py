@@ -119,6 +119,7 @@ def wrap_fsdp(
         fully_shard(block, **kw)
     fully_shard(loss_model, **kw)
     if materialize is not None:
-        loss_model.to_empty(device=rt.device)
+        # Offloaded shards live in host memory (where CPUOffloadPolicy expects them), the others on the device.
+        loss_model.to_empty(device="cpu" if cfg.fsdp_cpu_offload else rt.device)
         materialize(model)
     return FsdpWrapped(loss_model, model, rt.device)
