@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -238,10 +239,8 @@ class Checkpointer:
         """Wait for the checkpoint being written; every rank calls this at the same point."""
         error = None
         if self.shards is not None:  # rank 0's writer reports a failure of any rank's background shards
-            try:
+            with contextlib.suppress(Exception, *dcp_errors()):
                 self.shards.result()
-            except (Exception, *dcp_errors()):
-                pass
             self.shards = None
         if self.env.is_main and self.writer is not None:
             if self.writer.ident is not None:  # started in the background (else it already ran)
