@@ -15,7 +15,7 @@ the caller builds on the host as before.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ class InitRecord:
     ops: list[_Op]
     names: dict[int, str]  # storage -> parameter name
     rng: torch.Tensor  # the CPU RNG state the constructor started from
-    keep: list[torch.Tensor] = field(default_factory=list)  # the meta tensors, so no storage address is reused
+    keep: list[torch.Tensor]  # the meta tensors, so no storage address is reused
 
     def materialize(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
         """Replay the record on the host; copy each parameter's final value, cast to `dtype`, into
@@ -56,7 +56,7 @@ class InitRecord:
             following[i] = seen.get(self.ops[i].key)
             seen[self.ops[i].key] = i
         # A parameter no op wrote after its allocation would hold whatever memory it got.
-        written = {self.names[op.key] for i, op in enumerate(self.ops) if op.key in self.names and not _name(op.func).startswith("empty")}
+        written = {self.names[op.key] for op in self.ops if op.key in self.names and not _name(op.func).startswith("empty")}
         missing = sorted(set(params) - written)
         if missing:
             raise RuntimeError(f"no initialisation recorded for {missing}")
