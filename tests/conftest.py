@@ -143,3 +143,39 @@ def s3() -> Iterator[Any]:
     server = start(free_port())
     yield server
     server.stop()
+
+
+# Parallel runs (`pytest -n auto`, pytest-xdist with `--dist loadgroup`, set in pyproject.toml): each
+# file runs whole on one worker, so its module fixtures (a baseline run, a built wheel) are made once.
+# Files that share one machine-wide resource form one group: the test Slurm cluster is started and
+# stopped by whichever worker holds the group, and its four nodes would queue two files' jobs.
+_SHARED_GROUP = {"test_slurm.py": "slurm", "test_containers.py": "slurm", "test_script_safety.py": "slurm"}
+# Seconds per group in a serial run on 2 cores (tests/ at 7f455c3, `--durations=0`): the longest are
+# handed out first, so that no long file starts last while the other worker sits idle.
+_GROUP_SECONDS = {
+    "test_faults.py": 169,
+    "slurm": 150,
+    "test_strategies.py": 149,
+    "test_slow_links.py": 113,
+    "test_training.py": 101,
+    "test_gpu_contract.py": 89,
+    "test_ps.py": 76,
+    "test_s3.py": 59,
+    "test_check.py": 52,
+    "test_wheel.py": 51,
+    "test_compute_options.py": 48,
+    "test_bad_inputs.py": 41,
+    "test_disk_full.py": 38,
+    "test_memory_plan.py": 37,
+    "test_health.py": 32,
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    groups = {}
+    for item in items:
+        group = _SHARED_GROUP.get(item.path.name, item.path.name)
+        groups[item.nodeid] = group
+        item.add_marker(pytest.mark.xdist_group(group))
+    order = {nodeid: i for i, nodeid in enumerate(groups)}
+    items.sort(key=lambda it: (-_GROUP_SECONDS.get(groups[it.nodeid], 0), groups[it.nodeid], order[it.nodeid]))
