@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,15 +56,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
         )
     check_same_everywhere(cfg, env, data)
     rows = embedding_rows(cfg.model, data.vocab_size)
-    # FSDP: built on the meta device and initialised shard by shard once sharded (train/meta_init.py),
-    # not whole in every rank's host memory first; the weights are the same bits.
-    on_meta = build_on_meta(lambda: build_model(cfg.model, rows, data.eos_id)) if cfg.dist.strategy == "fsdp" else None
-    if on_meta is not None:
-        model, init = on_meta
-        model.to(dtype=rt.param_dtype)
-    else:
-        model, init = build_model(cfg.model, rows, data.eos_id), None
-        model.to(device=rt.device, dtype=rt.param_dtype)
+    model, init = _build_model(lambda: build_model(cfg.model, rows, data.eos_id), cfg, rt, env)
     cuda = rt.device.type == "cuda"
     if t.activation_checkpointing:
         enable_activation_checkpointing(model)
@@ -107,6 +100,27 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
         scaler=torch.amp.GradScaler("cuda", enabled=rt.autocast_dtype == torch.float16),
     )
     return parts, layout, wrapped
+
+
+def _build_model(factory: Callable[[], torch.nn.Module], cfg: RunConfig, rt: Runtime, env: DistEnv) -> tuple[torch.nn.Module, Any]:
+    """The model, and the record that initialises it once sharded (fsdp), or None. Sharded strategies
+    never hold the whole fp32 model on every rank: FSDP builds it on the meta device and initialises
+    it shard by shard (train/meta_init.py); ZeRO-3 builds it partitioned (DeepSpeed's zero.Init) and
+    initialises it a parameter at a time (strategies/zero.py). Both give a host build's exact weights."""
+    if cfg.dist.strategy == "fsdp":
+        on_meta = build_on_meta(factory)
+        if on_meta is not None:
+            on_meta[0].to(dtype=rt.param_dtype)
+            return on_meta
+    if cfg.dist.strategy == "zero3":
+        from aura_hpc.train.strategies.zero import build_partitioned
+
+        partitioned = build_partitioned(factory, cfg, rt, env.world_size)
+        if partitioned is not None:
+            return partitioned, None
+    model = factory()
+    model.to(device=rt.device, dtype=rt.param_dtype)
+    return model, None
 
 
 def _order(data: Any, cfg: RunConfig) -> GlobalOrder:

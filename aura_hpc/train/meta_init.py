@@ -22,6 +22,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+Place = Callable[[torch.Tensor, torch.Tensor], None]  # (parameter, its whole value) -> this rank's part written
+
 # Ops whose result does not depend on what the tensor held: an earlier value need not be kept.
 _OVERWRITE = {"normal_", "uniform_", "fill_", "zero_", "random_", "bernoulli_", "exponential_", "geometric_", "cauchy_", "log_normal_"}
 
@@ -46,9 +48,11 @@ class InitRecord:
     rng: torch.Tensor  # the CPU RNG state the constructor started from
     keep: list[torch.Tensor]  # the meta tensors, so no storage address is reused
 
-    def materialize(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+    def materialize(self, model: torch.nn.Module, dtype: torch.dtype, place: Place | None = None) -> None:
         """Replay the record on the host; copy each parameter's final value, cast to `dtype`, into
-        what this rank holds of it (its shard of a DTensor, or the whole tensor)."""
+        what this rank holds of it (its shard of a DTensor, or the whole tensor; `place` for other
+        layouts, called for every parameter in the same order on every rank)."""
+        place = place or _place
         params = dict(model.named_parameters())
         following: dict[int, int | None] = {}  # op index -> the next op on the same tensor
         seen: dict[int, int] = {}
@@ -80,7 +84,7 @@ class InitRecord:
                 if kept and then is not None:
                     live[op.key] = value
                 elif kept and name is not None:
-                    _place(params[name], value.to(dtype))
+                    place(params[name], value.to(dtype))
 
 
 def _draws(func: Any) -> bool:

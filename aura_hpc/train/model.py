@@ -45,8 +45,9 @@ def padding_suppressed(model: Any, tokenizer_vocab: int) -> dict[str, Any]:
 
 
 def count_parameters(model: torch.nn.Module) -> int:
-    # Tied input/output embeddings are one tensor; parameters() already yields it once.
-    return sum(p.numel() for p in model.parameters())
+    # Tied input/output embeddings are one tensor; parameters() already yields it once. A ZeRO-3
+    # parameter is empty outside its gathers: DeepSpeed keeps its size as ds_numel.
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
 
 
 def uses_chunked_loss(loss: str, precision: str, gpu: bool) -> bool:

@@ -26,8 +26,9 @@ def make_optimizer(model: torch.nn.Module, t: TrainConfig, fused: bool = False) 
 
     fused (CUDA): one kernel for the whole update, and a bad step skipped on the device.
     """
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    # A ZeRO-3 parameter built partitioned is an empty 1-D tensor here; DeepSpeed keeps its shape.
+    decay = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) >= 2]
+    no_decay = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=t.lr)

@@ -9,6 +9,7 @@ written at (DeepSpeed's universal checkpoints are the way to change it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 
 from aura_hpc.config import RunConfig
 from aura_hpc.config.deepspeed import deepspeed_config
+from aura_hpc.train.meta_init import build_on_meta
 from aura_hpc.train.runtime import Runtime
 from aura_hpc.train.strategies.base import Wrapped
 
@@ -109,6 +111,69 @@ def _say_first_build(rt: Runtime) -> None:
         logging.getLogger("aura_hpc").info(
             "compiling DeepSpeed's shm_comm op (first use only, ~1-2 min; cached in TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions)"
         )
+
+
+def build_partitioned(factory: Callable[[], torch.nn.Module], cfg: RunConfig, rt: Runtime, world_size: int) -> torch.nn.Module | None:
+    """ZeRO-3: the model made under DeepSpeed's `zero.Init`, each module's parameters partitioned over
+    the ranks as soon as the module exists, so no rank ever holds the whole model. The constructor's
+    own initialisation then touches empty tensors; the weights come from replaying what the same
+    constructor did on the meta device (train/meta_init.py), each rank writing its own piece of one
+    parameter at a time: the same bits as a model built whole. None when the constructor cannot be replayed (build it whole)."""
+    built = build_on_meta(factory)
+    if built is None:
+        return None
+    record = built[1]
+    _say_first_build(rt)
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    # As deepspeed.initialize does: DeepSpeed's comm on our process group, before the config is read
+    # (it takes the world size from there, 1 otherwise, and then refuses the batch arithmetic).
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), dist_init_required=False)
+    config = deepspeed_config(cfg, world_size, bf16=rt.autocast_dtype == torch.bfloat16)
+    # zero.Init would otherwise replace torch.nn.functional.linear for the rest of the process with
+    # its own autograd function (other gradient bits than zero1/2 and ddp, every later F.linear
+    # caught); the user's JSON may still ask for it.
+    config["zero_optimization"] = {"memory_efficient_linear": False, **config["zero_optimization"]}
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = factory()
+    record.materialize(model, rt.param_dtype, _place_partition)
+    return model
+
+
+def _place_partition(param: torch.Tensor, value: torch.Tensor) -> None:
+    """This rank's piece of `value` written into its partition, without communication: DeepSpeed's
+    layout gives rank r elements [r*n, (r+1)*n) of the flattened parameter (n = the partition's size,
+    the last one padded). Where that layout does not hold alone (hpZ's secondary copies, NVMe,
+    a parameter held whole) the parameter is gathered and written from rank 0 instead."""
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    part = getattr(param, "ds_tensor", None)
+    plain = (
+        part is not None
+        and param.ds_status == ZeroParamStatus.NOT_AVAILABLE
+        and getattr(param, "ds_secondary_tensor", None) is None
+        and getattr(part, "final_location", None) is None
+    )
+    if not plain:
+        _place_gathered(param, value)
+        return
+    n = int(part.ds_numel)
+    start = n * dist.get_rank(group=param.ds_process_group)
+    piece = value.reshape(-1)[start : start + n]
+    with torch.no_grad():
+        part.narrow(0, 0, piece.numel()).copy_(piece)
+
+
+def _place_gathered(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Every rank replays the same values; rank 0's copy is the one DeepSpeed re-partitions."""
+    import deepspeed
+    import torch.distributed as dist
+
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+        if dist.get_rank() == 0:
+            param.copy_(value)
 
 
 def wrap_zero(
