@@ -171,11 +171,12 @@ _GROUP_SECONDS = {
 }
 
 
+def _group(item: pytest.Item) -> str:
+    return _SHARED_GROUP.get(item.path.name, item.path.name)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    groups = {}
     for item in items:
-        group = _SHARED_GROUP.get(item.path.name, item.path.name)
-        groups[item.nodeid] = group
-        item.add_marker(pytest.mark.xdist_group(group))
-    order = {nodeid: i for i, nodeid in enumerate(groups)}
-    items.sort(key=lambda it: (-_GROUP_SECONDS.get(groups[it.nodeid], 0), groups[it.nodeid], order[it.nodeid]))
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    # A stable sort: within a file the tests keep their order.
+    items.sort(key=lambda it: (-_GROUP_SECONDS.get(_group(it), 0), _group(it)))
