@@ -117,7 +117,7 @@ class DistConfig:
     powersgd_rank: int = 4  # dist.compress=powersgd: the rank of the gradient approximation (higher: closer, more bytes)
     sync_every: int = 50  # diloco: inner steps each replica trains alone between two meetings
     outer_lr: float = 0.7  # diloco: the outer Nesterov SGD's learning rate (the paper's 0.7; a run with few meetings: 1.0, docs/lan.md)
-    outer_momentum: float = 0.9  # diloco: its momentum (the paper's 0.9; a run with few meetings: 0.3)
+    outer_momentum: float = 0.9  # diloco: its momentum (the paper's 0.9; few meetings on real text: 0, docs/lan.md)
     diloco_replicas: int = 0  # diloco: replicas training apart; 0 = one per node (a node's GPUs train one with DDP)
     diloco_wire: str = "bf16"  # diloco: the deltas on the wire: bf16 | fp32 | int8 (a scale per 4096 values; for 2-3 replicas)
     diloco_overlap: int = 0  # diloco: steps a meeting crosses the link in the background (in as many pieces); 0 = replicas wait
