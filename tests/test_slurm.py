@@ -289,15 +289,18 @@ def test_requeue_stops_at_max_requeues(slurm_cluster: Path, prepared: Path, tmp_
 def test_bad_submissions_are_refused_and_nothing_is_queued(
     slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path, extra: list[str], needle: str
 ) -> None:
-    before = _squeue_ids()
-    args = ["submit", *TINY, "--output-dir", str(tmp_path / "runs"), "--run-name", "bad", "--set", f"data.path={prepared}", *extra]
+    name = f"bad-{tmp_path.name}"  # this test's own job name: other tests' jobs come and go in the queue meanwhile
+    args = ["submit", *TINY, "--output-dir", str(tmp_path / "runs"), "--run-name", name, "--set", f"data.path={prepared}", *extra]
     res = run_cli(args)
     assert res.returncode == 2, res.stdout + res.stderr
     assert needle in res.stderr and "fix:" in res.stderr, res.stderr
     errors = [ln for ln in res.stderr.strip().splitlines() if not ln.startswith("warning:")]
     assert len(errors) == 1, res.stderr
-    assert _squeue_ids() <= before
-    assert not (tmp_path / "runs" / "bad" / "job.json").exists()
+    queued = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True, check=True).stdout.split()
+    acct = ["sacct", "-n", "-X", "-o", "JobName%200", "-S", _sacct_time(time.time() - 3600)]
+    accounted = subprocess.run(acct, capture_output=True, text=True, check=True)
+    assert f"aura-{name}" not in queued + accounted.stdout.split()
+    assert not (tmp_path / "runs" / name / "job.json").exists()
 
 
 def test_relative_output_dir_is_refused(tmp_path: Path) -> None:
