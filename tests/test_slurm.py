@@ -290,6 +290,7 @@ def test_bad_submissions_are_refused_and_nothing_is_queued(
     slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path, extra: list[str], needle: str
 ) -> None:
     name = f"bad-{tmp_path.name}"  # this test's own job name: other tests' jobs come and go in the queue meanwhile
+    since = _sacct_time(time.time() - 60)  # records from before this test belong to other jobs
     args = ["submit", *TINY, "--output-dir", str(tmp_path / "runs"), "--run-name", name, "--set", f"data.path={prepared}", *extra]
     res = run_cli(args)
     assert res.returncode == 2, res.stdout + res.stderr
@@ -297,7 +298,7 @@ def test_bad_submissions_are_refused_and_nothing_is_queued(
     errors = [ln for ln in res.stderr.strip().splitlines() if not ln.startswith("warning:")]
     assert len(errors) == 1, res.stderr
     queued = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True, check=True).stdout.split()
-    acct = ["sacct", "-n", "-X", "-o", "JobName%200", "-S", _sacct_time(time.time() - 3600)]
+    acct = ["sacct", "-n", "-X", "-o", "JobName%200", "-S", since]
     accounted = subprocess.run(acct, capture_output=True, text=True, check=True)
     assert f"aura-{name}" not in queued + accounted.stdout.split()
     assert not (tmp_path / "runs" / name / "job.json").exists()
