@@ -21,7 +21,8 @@ def _pins() -> dict[str, str]:
 
 def test_the_floor_venv_installs_the_declared_floors() -> None:
     floors, pins = _floors(), _pins()
-    assert set(pins) == {"torch", "transformers", "s3fs"}, pins
+    # Every declared floor, not only torch's: a cluster image pins deepspeed or datasets as often as torch.
+    assert set(pins) == set(floors), f"floors without a pin: {set(floors) - set(pins)}; pins of nothing declared: {set(pins) - set(floors)}"
     for name, pinned in pins.items():
         declared = floors[name].split(".")
         assert pinned.split(".")[: len(declared)] == declared, f"{name}: pyproject says >={floors[name]}, CI tests {pinned}"

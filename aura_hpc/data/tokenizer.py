@@ -42,15 +42,16 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, out: Path) -> _Tok:
 
 
 def _portable_tokenizer_class(folder: Path) -> None:
-    """transformers 5 names the class `TokenizersBackend`, which 4.x cannot load; the name both
-    releases load the same tokenizer.json with is `PreTrainedTokenizerFast` (data prepared with
-    one release must train and sample with the other, e.g. laptop vs cluster image)."""
+    """transformers 5 names the class `TokenizersBackend`, which 4.x cannot load, and 4.51 strips
+    "Fast" (`PreTrainedTokenizer`); the name both releases load the same tokenizer.json with is
+    `PreTrainedTokenizerFast`, so a prepared folder is the same whichever release wrote it (data
+    prepared with one release must train and sample with the other, e.g. laptop vs cluster image)."""
     path = folder / "tokenizer_config.json"
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return
-    if cfg.get("tokenizer_class") == "TokenizersBackend":
+    if cfg.get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizer"):
         cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
         path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 

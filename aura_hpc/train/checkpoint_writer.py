@@ -45,7 +45,9 @@ class Writer(threading.Thread):
         try:
             if self.shards is not None:
                 try:
-                    self.shards.result()
+                    written = self.shards.result()
+                    if isinstance(written, dict):  # the hashes of every rank's files, taken as they were written
+                        self.kw["known_hashes"] = {**self.kw.get("known_hashes", {}), **written}
                 except (Exception, *dcp_errors()) as exc:  # a full disk on any rank arrives here as DCP's exception
                     shutil.rmtree(self.kw["tmp"], ignore_errors=True)  # the partial shards would keep the disk full
                     raise checkpoint.write_failure(exc, self.args[0], self.args[1]) from None

@@ -83,6 +83,9 @@ def _from_dcp(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _from_deepspeed(folder: Path) -> dict[str, torch.Tensor]:
+    from aura_hpc.train.deepspeed_import import quiet_deepspeed
+
+    quiet_deepspeed(needed=True)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from aura_hpc.train.strategies.zero import TAG

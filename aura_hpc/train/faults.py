@@ -5,7 +5,9 @@ Inert unless one of these is set (never set them in production):
     AURA_FAULT_NAN=RANK:STEP[:COUNT]  poison the loss on that rank for COUNT steps from STEP (each step once)
     AURA_FAULT_CKPT=MODE:STAGE        while writing a checkpoint, after STAGE (model, trainer_state, meta,
                                       config, tokenizer, files, marker): MODE=kill (SIGKILL the writer)
-                                      or MODE=enospc (fail as a full disk would). Once per run dir.
+                                      or MODE=enospc (fail as a full disk would) or MODE=slow (hold the
+                                      writer 3 s: a slow disk). STAGE=shards: a rank's background shard
+                                      writer, after its files. Once per run dir.
     AURA_FAULT_SLOW=RANK:FRACTION     that rank (a `local` rank, or a `worker` rank) idles FRACTION of every
                                       step: a slower PC, for bench/bench_ps.py
 """
@@ -82,3 +84,6 @@ def checkpoint_stage(stage: str, run_dir: Path) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if mode == "slow":
+        print(f"fault injection: checkpoint writer held 3 s after {stage} at {time.time():.3f}", flush=True)
+        time.sleep(3.0)

@@ -22,9 +22,10 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
     import torch
 
     from aura_hpc.train.consolidate import consolidate
-    from aura_hpc.train.model import load_pretrained, padding_suppressed, quiet_deepspeed_probe
+    from aura_hpc.train.deepspeed_import import quiet_deepspeed
+    from aura_hpc.train.model import load_pretrained, padding_suppressed
 
-    quiet_deepspeed_probe()
+    quiet_deepspeed()
     consolidate(ckpt.path)  # a sharded checkpoint (not a run's last) holds no full weights yet
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging

@@ -6,7 +6,6 @@ GPT-2 layout, which `generate` loads with transformers itself (`load_pretrained`
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -14,13 +13,6 @@ import torch
 from aura_hpc.config import ModelConfig
 from aura_hpc.train.gpt import GPT, GPTConfig
 from aura_hpc.train.loss import chunked_cross_entropy
-
-
-def quiet_deepspeed_probe() -> None:
-    """transformers 4.x imports DeepSpeed, whose accelerator probe prints a warning on stdout where
-    there is no CUDA (into `generate`'s output and every rank's log); naming the accelerator skips it."""
-    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, eos_id: int) -> GPT:

@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     # Library progress bars (tqdm) and download chatter do not belong in per-rank log files.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from aura_hpc.train.model import quiet_deepspeed_probe
+    from aura_hpc.train.deepspeed_import import quiet_deepspeed
 
-    quiet_deepspeed_probe()
+    quiet_deepspeed()
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

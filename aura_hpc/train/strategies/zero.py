@@ -3,13 +3,15 @@ partitioned over the ranks, with our torch AdamW inside DeepSpeed's partitioned 
 
 The engine owns accumulation (its micro-step counter), clipping (`gradient_clipping`) and the
 skip of a step whose gradients are not finite (its overflow check). Checkpoints are DeepSpeed's
-own, written by every rank into the checkpoint's folder; they resume at the world size they were
-written at (DeepSpeed's universal checkpoints are the way to change it).
+own, written by every rank into the checkpoint's folder (with train.async_checkpoint, from a
+host copy by a background thread: train/background_shards.py); they resume at the world size they
+were written at (DeepSpeed's universal checkpoints are the way to change it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,8 @@ import torch
 
 from aura_hpc.config import RunConfig
 from aura_hpc.config.deepspeed import deepspeed_config
+from aura_hpc.train.background_shards import ShardWriter
+from aura_hpc.train.deepspeed_import import quiet_deepspeed
 from aura_hpc.train.meta_init import build_on_meta
 from aura_hpc.train.runtime import Runtime
 from aura_hpc.train.strategies.base import Wrapped
@@ -27,11 +31,13 @@ TAG = "ds"  # the one tag of each checkpoint folder
 class ZeroWrapped(Wrapped):
     sharded = True
     device_skip = False
+    background_shards = True  # save_sharded can write in the background
 
     def __init__(self, engine: Any, model: torch.nn.Module, stage: int, device: torch.device) -> None:
         super().__init__(engine, model)
         self.engine, self.stage, self.device = engine, stage, device
         self.name = f"zero{stage}"
+        self._shards = ShardWriter(device)
 
     def backward(self, loss: torch.Tensor, scaler: Any) -> None:
         # The loss is already divided by train.grad_accum; the engine steps at its boundary.
@@ -50,8 +56,19 @@ class ZeroWrapped(Wrapped):
     def update(self, optimizer: torch.optim.Optimizer, scaler: Any, bad: torch.Tensor) -> None:
         """Done by the engine at its accumulation boundary (a non-finite step skipped there)."""
 
-    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
-        self.engine.save_checkpoint(str(folder), tag=TAG, client_state={}, save_latest=False)
+    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer, background: bool = False) -> Future[dict[str, str]] | None:
+        """DeepSpeed's save (collective). In the background its files are copied to host memory here
+        and written by a thread; the future gives every rank's file hashes once all are written."""
+        if not background:
+            self.engine.save_checkpoint(str(folder), tag=TAG, client_state={}, save_latest=False)
+            return None
+        captured = self._shards.capture(self.engine.checkpoint_engine)
+        self.engine.checkpoint_engine = captured
+        try:
+            self.engine.save_checkpoint(str(folder), tag=TAG, client_state={}, save_latest=False)
+        finally:
+            self.engine.checkpoint_engine = captured.inner
+        return self._shards.write(captured, folder.parent)
 
     def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
         path, _ = self.engine.load_checkpoint(
@@ -124,6 +141,7 @@ def build_partitioned(factory: Callable[[], torch.nn.Module], cfg: RunConfig, rt
         return None
     record = built[1]
     _say_first_build(rt)
+    quiet_deepspeed(needed=True)
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -180,6 +198,7 @@ def wrap_zero(
     loss_model: torch.nn.Module, model: torch.nn.Module, cfg: RunConfig, rt: Runtime, world_size: int, optimizer: torch.optim.Optimizer
 ) -> ZeroWrapped:
     _say_first_build(rt)
+    quiet_deepspeed(needed=True)
     import deepspeed
 
     config = deepspeed_config(cfg, world_size, bf16=rt.autocast_dtype == torch.bfloat16)

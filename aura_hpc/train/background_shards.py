@@ -1,0 +1,96 @@
+"""A sharded save that a library writes with `torch.save` (DeepSpeed's), moved out of the loop.
+
+The library's own save runs as usual, but its checkpoint engine is swapped for one that only
+copies each file's state to host memory (pinned buffers kept from save to save on a GPU: one
+synchronisation per save). A thread then writes those files, hashing them as they go, and the
+ranks agree over a gloo group of their own (never interleaved with training's collectives) that
+every rank's files are on disk. Rank 0 commits the checkpoint only after that; a rank whose write
+failed fails the save on every rank, at the next save or `wait()`, with the previous checkpoint kept.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aura_hpc.train import checkpoint, faults
+from aura_hpc.train.host_mirror import HostMirror
+
+
+class CapturingEngine:
+    """Stands in for DeepSpeed's checkpoint engine during one save: `save` keeps a host copy of what
+    would have been written; everything else (directories, commit, loading) is the real engine's."""
+
+    def __init__(self, inner: Any, mirror: HostMirror | None) -> None:
+        self.inner, self.mirror = inner, mirror
+        self.files: list[tuple[Path, Any, bool]] = []
+        # The format DeepSpeed's own engine was configured to write (its `checkpoint.serialization`).
+        self.zipfile = bool(getattr(inner, "zipfile_serialization", True))
+
+    def save(self, state_dict: Any, path: str) -> None:
+        name = Path(path).name
+        state = self.mirror.copy(state_dict, name) if self.mirror is not None else checkpoint.host_copy(state_dict)
+        self.files.append((Path(path), state, self.zipfile))
+
+    def preserves_storage_sharing(self) -> bool:
+        # False: DeepSpeed then hands over its tensors without cloning them on the device first; the
+        # host copy above is compact already (a view's whole storage is never written).
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class ShardWriter:
+    """One rank's background writer of captured shard files (one save at a time)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.mirror = HostMirror() if device.type == "cuda" else None
+        self._pool: ThreadPoolExecutor | None = None
+        self._group: Any = None
+
+    def capture(self, inner: Any) -> CapturingEngine:
+        if self._group is None:  # collective: every rank is here at the same save
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aura-shard-writer")
+        return CapturingEngine(inner, self.mirror)
+
+    def write(self, captured: CapturingEngine, checkpoint_dir: Path) -> Future[dict[str, str]]:
+        """Start writing what `captured` holds; the future gives every rank's file hashes (relative to
+        `checkpoint_dir`) once all ranks' files are written, or raises the first rank's failure."""
+        if self.mirror is not None:
+            self.mirror.ready()
+        assert self._pool is not None
+        return self._pool.submit(_write_and_agree, captured.files, checkpoint_dir, self._group)
+
+
+def _write_and_agree(files: list[tuple[Path, Any, bool]], checkpoint_dir: Path, group: Any) -> dict[str, str]:
+    import torch.distributed as dist
+
+    hashes: dict[str, str] = {}
+    failure: tuple[int, str] | None = None
+    try:
+        for path, state, zipfile in files:
+            with open(path, "wb") as f:
+                hashing = checkpoint.HashingFile(f)
+                torch.save(state, hashing, _use_new_zipfile_serialization=zipfile)
+                f.flush()
+                os.fsync(f.fileno())
+            hashes[str(path.relative_to(checkpoint_dir))] = hashing.h.hexdigest()
+        # The run directory holds the checkpoints folder, which holds this temporary checkpoint.
+        faults.checkpoint_stage("shards", checkpoint_dir.parent.parent)
+    except Exception as exc:  # a full disk on one rank: every rank learns it below, none hangs
+        failure = (getattr(exc, "errno", None) or 0, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (hashes, failure), group=group)
+    for _, failed in everyone:
+        if failed is not None:
+            code, text = failed
+            raise OSError(code, text) if code else RuntimeError(text)
+    return {k: v for part, _ in everyone for k, v in part.items()}

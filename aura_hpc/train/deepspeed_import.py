@@ -1,0 +1,43 @@
+"""DeepSpeed imported so that it stays off stdout.
+
+Before 0.17 DeepSpeed's logger writes INFO lines to stdout from its import on: its accelerator probe
+("Setting ds_accelerator to cpu") landed in `generate`'s output, which users pipe, and in every
+rank's log. transformers 4.x imports it from modeling_utils whenever it is installed, so even a
+command that never uses it pays. Here its logger keeps only warnings and errors, as newer releases
+do by default (a filter, set before the import: the import itself resets the level and logs), and
+it is imported under a redirect, so that its handler is bound to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import sys
+
+
+def _transformers_imports_it() -> bool:
+    try:
+        return int(importlib.metadata.version("transformers").split(".")[0]) < 5
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+
+
+def quiet_deepspeed(needed: bool = False) -> None:
+    """Call before anything that imports DeepSpeed (`needed`: this process will use it)."""
+    import torch
+
+    # Naming the accelerator skips the probe's warning where there is no CUDA.
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    if "deepspeed" in sys.modules or not (needed or _transformers_imports_it()) or importlib.util.find_spec("deepspeed") is None:
+        return
+    logging.getLogger("DeepSpeed").addFilter(_warnings_and_up)
+    with contextlib.redirect_stdout(sys.stderr):
+        import deepspeed  # noqa: F401  (its logger's handler is made now, on the redirected stream)
+
+
+def _warnings_and_up(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING
