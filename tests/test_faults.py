@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -85,7 +86,13 @@ def test_sigkill_of_a_rank_restarts_and_ends_bit_identical(tmp_path: Path, prepa
     assert "restart=1" in r.stdout, "the elastic agent did not restart the workers"
     last_ckpt = (step // 5) * 5
     if last_ckpt:
-        assert f"resumed from checkpoint step_{last_ckpt:08d} at step {last_ckpt}" in r.stdout
+        # That save is written in the background: a kill before its commit (a loaded machine, CI's floor run once)
+        # resumes from the one before, and its partial folder is removed; either way the end is bit-identical.
+        resumed = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", r.stdout)
+        assert resumed and resumed.group(1) == f"{int(resumed.group(2)):08d}", r.stdout[-3000:]
+        at = int(resumed.group(2))
+        removed = f"removing partial checkpoint .tmp-step_{last_ckpt:08d}" in r.stdout
+        assert at == last_ckpt or (at == last_ckpt - 5 and removed), r.stdout[-3000:]
     assert _same(final_weights(tmp_path / "run"), reference[STEPS])
 
 
