@@ -225,7 +225,8 @@ def check_ram(memory: Any, nproc: int) -> str | None:
 
     from aura_hpc.launch.memory import CPU_PROCESS_BYTES, GIB
 
-    need = nproc * (memory.total + CPU_PROCESS_BYTES)
+    # Rank 0 keeps a host copy for its checkpoints (each rank its shard under sharded strategies).
+    need = nproc * (memory.training_total + CPU_PROCESS_BYTES) + memory.checkpoint_copies_on_node(nproc)
     vm = psutil.virtual_memory()
     if need > vm.total:
         raise ConfigError(

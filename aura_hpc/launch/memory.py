@@ -4,7 +4,8 @@ Per GPU, in bytes: parameters + gradients + optimizer state (AdamW: two fp32 mom
 strategy over N data-parallel ranks, the bf16 weight copies autocast keeps for the backward pass,
 activations of one micro-batch (with and without activation checkpointing), the loss's buffers
 (the full logits, or the chunked loss's chunk and its gradient accumulators), DeepSpeed's bucket
-buffers, and an allowance for the CUDA context and the caching allocator. Pure arithmetic on the
+buffers, an allowance for the CUDA context and the caching allocator, and (host RAM: in the total
+on CPU only) the copy the checkpoints keep from save to save. Pure arithmetic on the
 config (no torch): both dry runs print it; `local` and `submit` refuse only a plan that is beyond
 any doubt too big (more than PLAN_MARGIN over the memory), warn when it is close, and `--force`
 goes on anyway.
@@ -61,12 +62,26 @@ class MemoryPlan:
     activations_checkpointed: float  # what `activations` would be with train.activation_checkpointing
     weight_copies: float = 0.0  # bf16 casts of the weights autocast keeps for the backward pass
     buffers: float = 0.0  # DeepSpeed's gradient/parameter buckets
+    # Host memory the checkpoints keep between saves (train/host_mirror.py: buffers reused from save to
+    # save): rank 0's, and each other rank's (sharded strategies). Host RAM, not GPU memory: in `total`
+    # (rank 0's) only on CPU, where the two are the same.
+    checkpoint_copy: float = 0.0
+    checkpoint_copy_others: float = 0.0
+    gpu: bool = True
 
     @property
     def total(self) -> float:
-        return (
-            self.params + self.grads + self.optimizer + self.weight_copies + self.activations + self.logits + self.buffers + self.overhead
-        )
+        return self.training_total + (0.0 if self.gpu else self.checkpoint_copy)
+
+    @property
+    def training_total(self) -> float:
+        """Per rank, without the checkpoints' host copies."""
+        live = self.params + self.grads + self.optimizer + self.weight_copies + self.activations + self.logits + self.buffers
+        return live + self.overhead
+
+    def checkpoint_copies_on_node(self, nproc: int) -> float:
+        """The checkpoints' host copies of one node's `nproc` processes (node 0, which holds rank 0's)."""
+        return self.checkpoint_copy + (nproc - 1) * self.checkpoint_copy_others
 
     def rows(self) -> list[tuple[str, str]]:
         def g(x: float) -> str:
@@ -83,7 +98,12 @@ class MemoryPlan:
             rows.append(("bf16 weight copies (autocast)", g(self.weight_copies)))
         if self.buffers:
             rows.append(("DeepSpeed buckets", g(self.buffers)))
-        return [*rows, ("context + allocator", g(self.overhead)), ("total per GPU", g(self.total))]
+        rows.append(("context + allocator", g(self.overhead)))
+        if self.checkpoint_copy:
+            others = f", {g(self.checkpoint_copy_others)} each other rank" if self.checkpoint_copy_others else ""
+            where = ", host RAM (pinned), not in the total" if self.gpu else ""
+            rows.append(("checkpoint host copy", f"{g(self.checkpoint_copy)} rank 0{others}{where}"))
+        return [*rows, ("total per GPU" if self.gpu else "total per process", g(self.total))]
 
 
 def _compiled(cfg: RunConfig, gpu: bool) -> bool:
@@ -147,9 +167,49 @@ def plan(cfg: RunConfig, tokenizer_vocab: int, world: int, gpu: bool = True, str
     else:
         logits = tokens * vocab * (10 if bf16 else 8)
     live = params + grads + optim + weight_copies + activations + logits + buffers
+    rank0_copy, other_copy = checkpoint_host_copy(cfg, p, n, s, gpu, bf16)
     return MemoryPlan(
-        s, n, params, grads, optim, activations, logits, CONTEXT_BYTES * gpu + FRAGMENTATION * live, checkpointed, weight_copies, buffers
+        s,
+        n,
+        params,
+        grads,
+        optim,
+        activations,
+        logits,
+        CONTEXT_BYTES * gpu + FRAGMENTATION * live,
+        checkpointed,
+        weight_copies,
+        buffers,
+        rank0_copy,
+        other_copy,
+        gpu,
     )
+
+
+def checkpoint_host_copy(cfg: RunConfig, p: int, n: int, s: str, gpu: bool, bf16: bool) -> tuple[float, float]:
+    """(rank 0's, each other rank's) bytes of host memory the checkpoints keep from the first periodic
+    save on (train/host_mirror.py: buffers reused from save to save). Replicated strategies copy rank 0's
+    weights, fp32 AdamW moments and what the strategy adds (DiLoCo's anchor and outer momentum). Sharded
+    ones keep buffers only on a GPU (pinned, for background writes: the fp32 master and moments, the
+    rank's part of DeepSpeed's module file, rank 0's with the full weights below stage 3); on CPU their
+    copy lives only while it is written (measured: not in the peak). When the only save is the last
+    one, it comes after the last step's activations are freed: nothing is counted."""
+    t = cfg.train
+    if t.checkpoint_every <= 0 or (t.max_tokens <= 0 and t.checkpoint_every >= t.max_steps):
+        return 0.0, 0.0
+    if s == "ddp":
+        return 12.0 * p, 0.0
+    if s == "diloco":
+        return 20.0 * p, 0.0
+    if not gpu or not t.async_checkpoint:
+        return 0.0, 0.0
+    if s == "fsdp":
+        return 12.0 * p / n, 12.0 * p / n
+    weight = 2.0 if bf16 else 4.0
+    shard = (12.0 + weight) * p / n  # fp32 master and moments, and the rank's part of the module file
+    if s == "zero3":
+        return shard, shard
+    return shard + weight * p * (n - 1) / n, shard
 
 
 def fitting_alternative(cfg: RunConfig, tokenizer_vocab: int, world: int, limit_gib: float) -> str | None:
