@@ -1,8 +1,9 @@
 """DeepSpeed ZeRO stages 1-3 (the real engine): optimizer state (1), gradients (2) and parameters (3)
 partitioned over the ranks, with our torch AdamW inside DeepSpeed's partitioned optimizer.
 
-The engine owns accumulation (its micro-step counter), clipping (`gradient_clipping`) and the
-skip of a step whose gradients are not finite (its overflow check). Checkpoints are DeepSpeed's
+The engine owns accumulation (its micro-step counter) and clipping (`gradient_clipping`); the skip
+of a step whose gradients are not finite is ours (zero_skip.py: DeepSpeed skips only under fp16),
+on the step of the torch AdamW it drives. Checkpoints are DeepSpeed's
 own, written by every rank into the checkpoint's folder (with train.async_checkpoint, from a
 host copy by a background thread: train/background_shards.py); they resume at the world size they
 were written at (DeepSpeed's universal checkpoints are the way to change it).
@@ -24,6 +25,7 @@ from aura_hpc.train.deepspeed_import import quiet_deepspeed
 from aura_hpc.train.meta_init import build_on_meta
 from aura_hpc.train.runtime import Runtime
 from aura_hpc.train.strategies.base import Wrapped
+from aura_hpc.train.strategies.zero_skip import NonFiniteSkip
 
 TAG = "ds"  # the one tag of each checkpoint folder
 
@@ -38,6 +40,9 @@ class ZeroWrapped(Wrapped):
         self.engine, self.stage, self.device = engine, stage, device
         self.name = f"zero{stage}"
         self._shards = ShardWriter(device)
+        zero_optimizer = engine.optimizer
+        inner = [getattr(zero_optimizer, "optimizer", None), getattr(zero_optimizer, "backup_optimizer", None)]
+        self._skips = [NonFiniteSkip(o, device, zero_optimizer) for o in inner if isinstance(o, torch.optim.Optimizer)]
 
     def backward(self, loss: torch.Tensor, scaler: Any) -> None:
         # The loss is already divided by train.grad_accum; the engine steps at its boundary.
@@ -50,11 +55,18 @@ class ZeroWrapped(Wrapped):
         here was a CPU tensor that the step report then concatenated with CUDA tensors)."""
         norm = self.engine.get_global_grad_norm()
         if isinstance(norm, torch.Tensor):
-            return norm.detach().to(self.device, torch.float32)
-        return torch.full((), float("nan") if norm is None else float(norm), dtype=torch.float32, device=self.device)
+            out = norm.detach().to(self.device, torch.float32)
+        else:
+            out = torch.full((), float("nan") if norm is None else float(norm), dtype=torch.float32, device=self.device)
+        # A skipped step reports a NaN norm (DeepSpeed masks a non-finite one to -1), so that every
+        # rank logs it as such.
+        skipped = out < 0
+        for guard in self._skips:
+            skipped = skipped | guard.take_skipped()
+        return torch.where(skipped, torch.full_like(out, float("nan")), out)
 
     def update(self, optimizer: torch.optim.Optimizer, scaler: Any, bad: torch.Tensor) -> None:
-        """Done by the engine at its accumulation boundary (a non-finite step skipped there)."""
+        """Done by the engine at its accumulation boundary (a non-finite step skipped there by NonFiniteSkip)."""
 
     def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer, background: bool = False) -> Future[dict[str, str]] | None:
         """DeepSpeed's save (collective). In the background its files are copied to host memory here

@@ -1,0 +1,72 @@
+"""The skip of a non-finite step under ZeRO, which DeepSpeed does not do outside fp16.
+
+DeepSpeed's ZeRO optimizers check for overflow only under fp16 (bf16 only with its
+`check_grad_overflow`, off by default; fp32 never). Otherwise a NaN loss on one rank reaches our
+AdamW through the averaged gradients and every weight becomes NaN: DeepSpeed masks the norm to -1,
+which clipping reads as "no clipping needed". The guard sits on the step of the torch optimizer
+DeepSpeed drives: each rank checks the gradients of the partitions it is about to update on the
+device, the verdict is all-reduced (one tiny collective, no host read), and a fused AdamW gets it as
+`found_inf` (the flag GradScaler uses: the update and its step count become no-ops on the device).
+A non-fused optimizer has to read it on the host, as strategies/base.py does.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+
+class NonFiniteSkip:
+    def __init__(self, inner: torch.optim.Optimizer, device: torch.device, zero_optimizer: Any = None) -> None:
+        self.inner, self.device, self.zero_optimizer = inner, device, zero_optimizer
+        self._step = inner.step
+        self.skipped = torch.zeros((), dtype=torch.bool, device=device)  # the last step's verdict, on the device
+        guard = self
+
+        def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            return guard.step(*args, **kwargs)
+
+        # A method of the optimizer (torch's LR scheduler re-binds `step.__func__` to it), not of this object.
+        inner.step = types.MethodType(step, inner)  # type: ignore[method-assign]
+
+    def _bad(self) -> torch.Tensor:
+        grads = [p.grad for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
+        flag = torch.zeros(1, dtype=torch.float32, device=self.device)
+        checks = [torch.isfinite(g).all() for g in grads]  # DeepSpeed hands over flat partitions: a few tensors
+        # Stages 1 and 2 step one parameter group at a time, after computing the norm over all of
+        # them (masked to -1 when not finite): with it, a step is skipped whole or not at all.
+        norm = getattr(self.zero_optimizer, "_global_grad_norm", None)
+        if isinstance(norm, torch.Tensor):
+            checks.append((norm >= 0).to(self.device) & torch.isfinite(norm).to(self.device))
+        if checks:
+            finite = torch.stack([c.to(self.device) for c in checks]).all()
+            flag.copy_((~finite).to(torch.float32).view(1), non_blocking=True)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # A rank whose partition holds an inf must not update while the others skip.
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return flag[0]
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        bad = self._bad()
+        self.skipped = self.skipped | (bad > 0)
+        if getattr(self.inner, "_step_supports_amp_scaling", False):
+            first = next((p for g in self.inner.param_groups for p in g["params"]), None)
+            where = first.device if first is not None else self.device
+            # A GradScaler driving this step has set its own flags: they are kept, and combined.
+            scale, prior = getattr(self.inner, "grad_scale", None), getattr(self.inner, "found_inf", None)
+            found = bad.to(where) if prior is None else torch.maximum(bad.to(where), prior.to(where, torch.float32))
+            self.inner.grad_scale, self.inner.found_inf = scale, found  # type: ignore[attr-defined]
+            try:
+                return self._step(*args, **kwargs)
+            finally:
+                self.inner.grad_scale, self.inner.found_inf = scale, prior  # type: ignore[attr-defined]
+        if bool(bad):  # reading it waits for the device (on CPU it costs nothing)
+            return None
+        return self._step(*args, **kwargs)
+
+    def take_skipped(self) -> torch.Tensor:
+        """Whether the step just taken was skipped (device bool); cleared for the next one."""
+        out, self.skipped = self.skipped, torch.zeros((), dtype=torch.bool, device=self.device)
+        return out
