@@ -92,6 +92,9 @@ def contract(strategy: str, data: Path, runs: Path, nproc: int, model: list[str]
         return Check(name, False, f"first run failed: {_last_line(first)}")
     if f"at step {NAN_STEP}: update skipped" not in first.stdout:
         return Check(name, False, f"the NaN injected at step {NAN_STEP} was not skipped")
+    # Skipped alone: a NaN that reached the weights shows as more bad steps and a rollback to step 5.
+    if first.stdout.count("update skipped") != 1 or "rolled back" in first.stdout:
+        return Check(name, False, f"the NaN injected at step {NAN_STEP} reached the weights (more bad steps, or a rollback, followed)")
     second = _local(args, _env({"AURA_PROBE_STEPS": f"{STOP_STEP + 2}-{END_STEP - 1}"}, 1 if cpu else 0), 1800)
     if second.returncode != 0:
         return Check(name, False, f"resumed run failed: {_last_line(second)}")
