@@ -15,6 +15,26 @@ from typing import Any
 import torch
 
 
+def step_unless(optimizer: torch.optim.Optimizer, bad: torch.Tensor, step: Any, on_device: bool = True) -> Any:
+    """`step()` (the optimizer's update) unless `bad`, a device flag every rank agrees on. A fused
+    optimizer takes it as `found_inf` (GradScaler's input: the update and its step count become no-ops
+    on the device, no host sync); flags a GradScaler driving this step has set are kept and combined.
+    Otherwise `bad` is read on the host (waiting for the device; on CPU it costs nothing)."""
+    if on_device and getattr(optimizer, "_step_supports_amp_scaling", False):
+        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        where = first.device if first is not None else bad.device
+        scale, prior = getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
+        found = bad.to(where, torch.float32)
+        if prior is not None:
+            found = torch.maximum(found, prior.to(where, torch.float32))
+        optimizer.grad_scale, optimizer.found_inf = scale, found  # type: ignore[attr-defined]
+        try:
+            return step()
+        finally:
+            optimizer.grad_scale, optimizer.found_inf = scale, prior  # type: ignore[attr-defined]
+    return None if bool(bad) else step()
+
+
 class Wrapped:
     name = "single"
     # Every rank writes its own part of a checkpoint (DCP, DeepSpeed) instead of rank 0 all of it.
@@ -55,15 +75,8 @@ class Wrapped:
                 return
             scaler.step(optimizer)
             scaler.update()
-        elif getattr(optimizer, "_step_supports_amp_scaling", False) and self.device_skip:
-            # Fused optimizers take a device flag that turns the update into a no-op (no host sync).
-            optimizer.grad_scale, optimizer.found_inf = None, bad.to(torch.float32)  # type: ignore[attr-defined]
-            try:
-                optimizer.step()
-            finally:
-                optimizer.found_inf = None  # type: ignore[attr-defined]
-        elif not bool(bad):  # reading `bad` waits for the device (on CPU it costs nothing)
-            optimizer.step()
+        else:
+            step_unless(optimizer, bad, optimizer.step, on_device=self.device_skip)
         optimizer.zero_grad(set_to_none=True)
 
     device_skip = True  # whether found_inf may be handed to a fused optimizer over these parameters

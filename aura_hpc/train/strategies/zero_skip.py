@@ -5,9 +5,9 @@ DeepSpeed's ZeRO optimizers check for overflow only under fp16 (bf16 only with i
 AdamW through the averaged gradients and every weight becomes NaN: DeepSpeed masks the norm to -1,
 which clipping reads as "no clipping needed". The guard sits on the step of the torch optimizer
 DeepSpeed drives: each rank checks the gradients of the partitions it is about to update on the
-device, the verdict is all-reduced (one tiny collective, no host read), and a fused AdamW gets it as
-`found_inf` (the flag GradScaler uses: the update and its step count become no-ops on the device).
-A non-fused optimizer has to read it on the host, as strategies/base.py does.
+device, the verdict is all-reduced (one tiny collective, no host read), and the update is made
+unless it says so by strategies/base.py's `step_unless`, as every other strategy's (a fused AdamW
+takes it on the device; a non-fused one reads it on the host).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import types
 from typing import Any
 
 import torch
+
+from aura_hpc.train.strategies.base import step_unless
 
 
 class NonFiniteSkip:
@@ -51,20 +53,7 @@ class NonFiniteSkip:
     def step(self, *args: Any, **kwargs: Any) -> Any:
         bad = self._bad()
         self.skipped = self.skipped | (bad > 0)
-        if getattr(self.inner, "_step_supports_amp_scaling", False):
-            first = next((p for g in self.inner.param_groups for p in g["params"]), None)
-            where = first.device if first is not None else self.device
-            # A GradScaler driving this step has set its own flags: they are kept, and combined.
-            scale, prior = getattr(self.inner, "grad_scale", None), getattr(self.inner, "found_inf", None)
-            found = bad.to(where) if prior is None else torch.maximum(bad.to(where), prior.to(where, torch.float32))
-            self.inner.grad_scale, self.inner.found_inf = scale, found  # type: ignore[attr-defined]
-            try:
-                return self._step(*args, **kwargs)
-            finally:
-                self.inner.grad_scale, self.inner.found_inf = scale, prior  # type: ignore[attr-defined]
-        if bool(bad):  # reading it waits for the device (on CPU it costs nothing)
-            return None
-        return self._step(*args, **kwargs)
+        return step_unless(self.inner, bad, lambda: self._step(*args, **kwargs))
 
     def take_skipped(self) -> torch.Tensor:
         """Whether the step just taken was skipped (device bool); cleared for the next one."""
