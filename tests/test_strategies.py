@@ -130,9 +130,11 @@ def test_fsdp_resumes_at_another_world_size_and_zero_says_it_cannot(tmp_path: Pa
 
 
 def test_non_finite_loss_is_skipped_by_every_strategy_alike(tmp_path: Path, prepared: Path) -> None:
-    """A NaN loss on rank 1 at step 7: every strategy skips that update and only it (no rollback to the
-    step-5 checkpoint), to the same bits as DDP's skip. DeepSpeed itself skips only under fp16: under
-    fp32 and bf16 its ZeRO optimizers applied the NaN gradients (strategies/zero_skip.py)."""
+    """A NaN loss on rank 1 at step 7, and at step 12 a finite loss with an inf in one element of one
+    bias's gradient on rank 1: every strategy skips those two updates and only them (no rollback to
+    the step-5 checkpoint), to the same bits as DDP's skips. DeepSpeed itself skips only under fp16:
+    under fp32 and bf16 its ZeRO optimizers applied the NaN gradients, and with the inf in the
+    no-decay group alone, ours skipped that group and updated the other (strategies/zero_skip.py)."""
     from aura_hpc.config.device import fsdp_on_cpu
     from aura_hpc.errors import ConfigError
 
@@ -142,12 +144,15 @@ def test_non_finite_loss_is_skipped_by_every_strategy_alike(tmp_path: Path, prep
     except ConfigError:  # the floor torch (CI's second venv) runs the ZeRO stages only
         strategies = ("ddp", "zero2", "zero3")
     runs = {s: (s, "--set", "train.grad_clip=0") for s in strategies}
-    done = run_cli_together([_args(tmp_path, name, prepared, *spec) for name, spec in runs.items()], AURA_FAULT_NAN="1:7:1")
+    faults = {"AURA_FAULT_NAN": "1:7:1", "AURA_FAULT_GRADINF": "1:12"}
+    done = run_cli_together([_args(tmp_path, name, prepared, *spec) for name, spec in runs.items()], **faults)
     for strategy, r in zip(runs, done, strict=True):
         out = r.stdout
         assert r.returncode == 0, f"{strategy}: {out[-3000:]}{r.stderr[-3000:]}"
         assert "non-finite loss or gradient on rank(s) [1] at step 7: update skipped (1 in a row)" in out, strategy
-        assert out.count("non-finite") == 1, (strategy, out[-3000:])
+        # The inf is in the averaged gradient every rank holds: no rank's loss names where it started.
+        assert "non-finite loss or gradient on rank(s) [0, 1] at step 12: update skipped (1 in a row)" in out, strategy
+        assert out.count("non-finite") == 2, (strategy, out[-3000:])
         assert "rolled back" not in out, strategy
         meta = json.loads((checkpoint.list_complete(tmp_path / strategy / "checkpoints")[0].path / "meta.json").read_text())
         assert meta["strategy"] == strategy and meta["step"] == 20

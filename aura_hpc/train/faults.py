@@ -3,6 +3,9 @@
 Inert unless one of these is set (never set them in production):
     AURA_FAULT_KILL=RANK:STEP         SIGKILL that rank right after it finishes STEP (once per run dir)
     AURA_FAULT_NAN=RANK:STEP[:COUNT]  poison the loss on that rank for COUNT steps from STEP (each step once)
+    AURA_FAULT_GRADINF=RANK:STEP      an inf in one element of the gradient of the last bias in the model
+                                      on that rank (the no-decay group) at STEP (once); the loss stays finite
+                                      (a forward hook: a compiled model recompiles for that step)
     AURA_FAULT_CKPT=MODE:STAGE        while writing a checkpoint, after STAGE (model, trainer_state, meta,
                                       config, tokenizer, files, marker): MODE=kill (SIGKILL the writer)
                                       or MODE=enospc (fail as a full disk would) or MODE=slow (hold the
@@ -18,9 +21,15 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 _poisoned: set[int] = set()
+_grad_poisoned: set[int] = set()
 _step_ended: dict[int, float] = {}
 
 
@@ -70,6 +79,45 @@ def poison_loss(rank: int, step: int) -> bool:
         _poisoned.add(step)
         return True
     return False
+
+
+def poison_gradient(rank: int, step: int, model: torch.nn.Module) -> Callable[[], None]:
+    """Arms AURA_FAULT_GRADINF for this step's forward passes; returns what disarms it. The inf enters
+    through the forward of the last module with a bias of its own, where every strategy has the real
+    parameter in hand (a hook on the parameter itself would miss FSDP's flat or sharded copies)."""
+    spec = os.environ.get("AURA_FAULT_GRADINF")
+    if not spec:
+        return _nothing
+    r, s = (int(x) for x in spec.split(":"))
+    if r != rank or s != step or step in _grad_poisoned:
+        return _nothing
+    _grad_poisoned.add(step)
+    import torch
+
+    class InfGradient(torch.autograd.Function):
+        """Zero forward; backward: an inf in the first element of the bias's gradient."""
+
+        @staticmethod
+        def forward(ctx: Any, bias: torch.Tensor) -> torch.Tensor:
+            ctx.shape = bias.shape
+            return bias.new_zeros(())
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device)
+            out.view(-1)[:1].fill_(float("inf"))
+            return out
+
+    owner = [m for m in model.modules() if isinstance(getattr(m, "bias", None), torch.nn.Parameter)][-1]
+
+    def add_zero(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return output + InfGradient.apply(module.bias)
+
+    return owner.register_forward_hook(add_zero).remove
+
+
+def _nothing() -> None:
+    return None
 
 
 def checkpoint_stage(stage: str, run_dir: Path) -> None:

@@ -88,6 +88,7 @@ class Stepper:
         t, rt, p, wrapped = self.t, self.rt, self.parts, self.wrapped
         total = torch.zeros((), device=rt.device, dtype=torch.float64)
         poison = faults.poison_loss(self.rank, pos.step + 1)
+        disarm = faults.poison_gradient(self.rank, pos.step + 1, wrapped.model)
         riding = False
         # [stop requested, GPU breaker open, non-finite loss on rank 0..N-1], built on the device
         # and summed over ranks with the gradients (or below).
@@ -107,6 +108,7 @@ class Stepper:
                 flags[2 + self.rank : 3 + self.rank].copy_((~torch.isfinite(total)).to(torch.float64).view(1))
                 riding = wrapped.send_flags(flags)
             wrapped.backward(loss, p.scaler)
+        disarm()
         if riding:
             flags = wrapped.received_flags()
         elif distributed.active() and self.world > 1:

@@ -25,7 +25,7 @@ from aura_hpc.train.deepspeed_import import quiet_deepspeed
 from aura_hpc.train.meta_init import build_on_meta
 from aura_hpc.train.runtime import Runtime
 from aura_hpc.train.strategies.base import Wrapped
-from aura_hpc.train.strategies.zero_skip import NonFiniteSkip
+from aura_hpc.train.strategies.zero_skip import GroupNormWatch, NonFiniteSkip
 
 TAG = "ds"  # the one tag of each checkpoint folder
 
@@ -42,10 +42,12 @@ class ZeroWrapped(Wrapped):
         self._shards = ShardWriter(device)
         zero_optimizer = engine.optimizer
         inner = [getattr(zero_optimizer, "optimizer", None), getattr(zero_optimizer, "backup_optimizer", None)]
-        self._skips = [NonFiniteSkip(o, device, zero_optimizer) for o in inner if isinstance(o, torch.optim.Optimizer)]
+        self._groups = GroupNormWatch(zero_optimizer, device)
+        self._skips = [NonFiniteSkip(o, device, zero_optimizer, self._groups) for o in inner if isinstance(o, torch.optim.Optimizer)]
 
     def backward(self, loss: torch.Tensor, scaler: Any) -> None:
         # The loss is already divided by train.grad_accum; the engine steps at its boundary.
+        self._groups.reset()  # the groups' norms are computed in the boundary's engine.step()
         self.engine.backward(loss, scale_wrt_gas=False)
         self.engine.step()
 

@@ -8,6 +8,12 @@ DeepSpeed drives: each rank checks the gradients of the partitions it is about t
 device, the verdict is all-reduced (one tiny collective, no host read), and the update is made
 unless it says so by strategies/base.py's `step_unless`, as every other strategy's (a fused AdamW
 takes it on the device; a non-fused one reads it on the host).
+
+DeepSpeed steps one parameter group (stage 3: sub-group) at a time, so the partitions in hand say
+nothing of the groups before or after: a finite loss with an inf in one bias's gradient would skip
+the no-decay group and update the others. Every ZeRO stage computes each group's norm first (masked
+to -1 when not finite, then combined into a finite global norm), so `GroupNormWatch` reads those
+per-group norms and the whole step is skipped when any of them is bad.
 """
 
 from __future__ import annotations
@@ -20,9 +26,43 @@ import torch
 from aura_hpc.train.strategies.base import step_unless
 
 
+class GroupNormWatch:
+    """Whether any parameter group's norm was non-finite in this step (a device bool), from the
+    methods every ZeRO stage computes a group's norm with; `reset()` before each step."""
+
+    NORM_METHODS = ("get_grad_norm_direct", "complete_grad_norm_calculation_for_cpu_offload")
+
+    def __init__(self, zero_optimizer: Any, device: torch.device) -> None:
+        self.device = device
+        self.bad = torch.zeros((), dtype=torch.bool, device=device)
+        self.watched = []
+        for name in self.NORM_METHODS:
+            method = getattr(zero_optimizer, name, None)
+            if callable(method):
+                setattr(zero_optimizer, name, self._watching(method))  # on the instance only
+                self.watched.append(name)
+
+    def _watching(self, method: Any) -> Any:
+        def norm(*args: Any, **kwargs: Any) -> Any:
+            out = method(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                value = out.detach().to(self.device, torch.float32, non_blocking=True)
+                self.bad = self.bad | (value < 0).any() | ~torch.isfinite(value).all()
+            elif isinstance(out, float):  # the offload path of stages 1-2 returns -1.0 as a number
+                self.bad = self.bad | torch.full((), out < 0 or out != out, dtype=torch.bool, device=self.device)
+            return out
+
+        return norm
+
+    def reset(self) -> None:
+        self.bad = torch.zeros((), dtype=torch.bool, device=self.device)
+
+
 class NonFiniteSkip:
-    def __init__(self, inner: torch.optim.Optimizer, device: torch.device, zero_optimizer: Any = None) -> None:
-        self.inner, self.device, self.zero_optimizer = inner, device, zero_optimizer
+    def __init__(
+        self, inner: torch.optim.Optimizer, device: torch.device, zero_optimizer: Any = None, groups: GroupNormWatch | None = None
+    ) -> None:
+        self.inner, self.device, self.zero_optimizer, self.groups = inner, device, zero_optimizer, groups
         self._step = inner.step
         self.skipped = torch.zeros((), dtype=torch.bool, device=device)  # the last step's verdict, on the device
         guard = self
@@ -42,6 +82,8 @@ class NonFiniteSkip:
         norm = getattr(self.zero_optimizer, "_global_grad_norm", None)
         if isinstance(norm, torch.Tensor):
             checks.append((norm >= 0).to(self.device) & torch.isfinite(norm).to(self.device))
+        if self.groups is not None:
+            checks.append(~self.groups.bad)
         if checks:
             finite = torch.stack([c.to(self.device) for c in checks]).all()
             flag.copy_((~finite).to(torch.float32).view(1), non_blocking=True)
