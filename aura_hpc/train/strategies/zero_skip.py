@@ -35,7 +35,7 @@ class GroupNormWatch:
     def __init__(self, zero_optimizer: Any, device: torch.device) -> None:
         self.device = device
         self.bad = torch.zeros((), dtype=torch.bool, device=device)
-        self.watched = []
+        self.watched: list[str] = []
         for name in self.NORM_METHODS:
             method = getattr(zero_optimizer, name, None)
             if callable(method):
@@ -48,7 +48,7 @@ class GroupNormWatch:
             if isinstance(out, torch.Tensor):
                 value = out.detach().to(self.device, torch.float32, non_blocking=True)
                 self.bad = self.bad | (value < 0).any() | ~torch.isfinite(value).all()
-            elif isinstance(out, float):  # the offload path of stages 1-2 returns -1.0 as a number
+            elif isinstance(out, float):  # a norm handed back as a Python number (no DeepSpeed we run does)
                 self.bad = self.bad | torch.full((), out < 0 or out != out, dtype=torch.bool, device=self.device)
             return out
 
