@@ -80,6 +80,12 @@ class Stepper:
         self._ring: list[torch.Tensor] = []
         self._turn = 0
 
+    def settle(self) -> None:
+        """The strategy's once-per-process work before the first step, on a batch of the run's shape."""
+        lay = self.batches.layout
+        batch = torch.zeros((lay.batch_size, lay.seq_len + 1), dtype=torch.long, device=self.rt.device)
+        self.wrapped.settle(lambda: micro_step_loss(self.wrapped.module, batch, self.rt, 1))
+
     def step(self, pos: Position, stop: StopRequest, gpu_fault_seen: Callable[[], bool]) -> StepOutcome:
         """Queue step pos.step + 1. Whether to stop and whether the step is usable is decided by all
         ranks together in one all-reduce (under DDP the gradients' own), so a NaN or a signal on

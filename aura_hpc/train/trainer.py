@@ -58,6 +58,8 @@ class Trainer:
             return endings.data_unavailable(exc, self.ckpt, self.pos, self.env, getattr(self, "progress", None))
         batches = Batches(self.parts, self.layout, env.rank, self.rt.device, self.feed)
         stepper = Stepper(cfg.train, env.rank, self.layout.world, self.rt, self.parts, wrapped, batches)
+        if self.pos.step < self.layout.end_step:
+            stepper.settle()
         if env.is_main:
             for line in describe(cfg, self.parts, self.layout, self.rt, self.pos.step, str(self.run_dir)):
                 log.info("%s", line)

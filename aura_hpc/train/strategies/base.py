@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -81,6 +81,11 @@ class Wrapped:
 
     device_skip = True  # whether found_inf may be handed to a fused optimizer over these parameters
     last_step = 0  # the schedule's last step (set by build): DiLoCo's replicas meet there whatever sync_every
+
+    def settle(self, loss: Callable[[], torch.Tensor]) -> None:
+        """Once per process, before its first step (fresh or resumed): what makes every process's steps
+        alike; `loss()` gives a micro-step's loss on a batch of the run's shape. DDP with PowerSGD
+        settles its buckets there (strategies/ddp.py); nothing here."""
 
     def after_update(self, step: int) -> None:
         """After step `step`'s update (DiLoCo meets its peers here)."""

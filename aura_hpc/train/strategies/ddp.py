@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,6 +61,24 @@ def _bf16_gloo_hook(world_size, bucket):  # type: ignore[no-untyped-def]
     return fut.then(back)
 
 
+class PowerSgdHook:
+    """torch's PowerSGD hook, with a pass-through for the one backward that settles DDP's buckets."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.local = False  # while True, each bucket comes back as it went in: no communication
+
+
+def _powersgd_hook(hook, bucket):  # type: ignore[no-untyped-def]
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    if hook.local:
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+    return powerSGD_hook.powerSGD_hook(hook.state, bucket)
+
+
 def _ride_hook(ride, bucket):  # type: ignore[no-untyped-def]
     # No annotations: DDP checks them against its own types, and string annotations
     # (from __future__ import annotations) fail that check.
@@ -70,9 +88,32 @@ def _ride_hook(ride, bucket):  # type: ignore[no-untyped-def]
 class DdpWrapped(Wrapped):
     name = "ddp"
 
-    def __init__(self, ddp: DistributedDataParallel, model: torch.nn.Module, ride: FlagRide | None, powersgd: Any = None) -> None:
+    def __init__(
+        self, ddp: DistributedDataParallel, model: torch.nn.Module, ride: FlagRide | None, powersgd: PowerSgdHook | None = None
+    ) -> None:
         super().__init__(ddp, model)
-        self.ride, self.powersgd = ride, powersgd
+        self.ride, self.hook = ride, powersgd
+        self.powersgd = powersgd.state if powersgd is not None else None
+
+    def settle(self, loss: Callable[[], torch.Tensor]) -> None:
+        """DDP puts every gradient in one bucket for a process's first backward and regroups them (in
+        the order they became ready) before its second, and PowerSGD keeps its error feedback and
+        warm-start factors per bucket: a resumed process's first step would be grouped, and compressed,
+        otherwise than the same step of the run it continues. So every process, fresh or resumed, makes
+        one backward first with the hook handing each bucket back untouched (nothing crosses the
+        network; the gradients are thrown away and the dropout draws put back): from its first step on,
+        every step of a run is grouped alike, and a resume continues the compressed trajectory exactly."""
+        if self.hook is None:
+            return
+        device = _device_of(self.model)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            self.hook.local = True
+            try:
+                loss().backward()
+            finally:
+                self.hook.local = False
+        for p in self.model.parameters():
+            p.grad = None
 
     def send_flags(self, flags: torch.Tensor) -> bool:
         if self.ride is None:  # a compression hook carries the gradients: the step reduces the flags itself
@@ -82,10 +123,8 @@ class DdpWrapped(Wrapped):
 
     def replica_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """PowerSGD's error feedback is this rank's own compression residual, and its warm-start factors
-        and random stream go with it: saved per rank, so a resume continues the compressed trajectory.
-        Not to the bit: torch's PowerSGD keys that state by DDP bucket, and DDP puts every gradient in
-        one bucket on a process's first step before regrouping them (a resumed process's first step
-        is grouped otherwise than the same step of the run it continues; tests/test_slow_links.py)."""
+        and random stream go with it: saved per rank, so a resume continues the compressed trajectory
+        (keyed by DDP bucket, which `settle` makes the same in every process of a run)."""
         if self.powersgd is None:
             return None
         st = self.powersgd
@@ -164,8 +203,9 @@ def wrap_ddp(
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=POWERSGD_START_STEP, random_seed=0
         )
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-        return DdpWrapped(ddp, model, None, state)
+        hook = PowerSgdHook(state)
+        ddp.register_comm_hook(hook, _powersgd_hook)
+        return DdpWrapped(ddp, model, None, hook)
     ride = FlagRide(world_size)
     ddp.register_comm_hook(ride, _ride_hook)
     return DdpWrapped(ddp, model, ride)
