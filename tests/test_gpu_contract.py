@@ -23,7 +23,19 @@ STRATEGIES = {
     "zero1": ("zero1", 2),
     "zero2": ("zero2", 2),
     "zero3": ("zero3", 2),
+    "powersgd": ("ddp", 2),
+    "diloco": ("diloco", 2),
 }
+# The slow-link strategies' own settings: PowerSGD compresses from step 10; DiLoCo's two replicas meet
+# every 4 steps in int8, each meeting crossing over 2 steps in the background (meetings at 4, 8, 12, 16
+# land at 6, 10, 14, 18: both inside the watched steps).
+EXTRA = {
+    "powersgd": ("--set", "dist.compress=powersgd"),
+    "diloco": (
+        "--set", "dist.diloco_replicas=2", "--set", "dist.sync_every=4", "--set", "dist.diloco_wire=int8",
+        "--set", "dist.diloco_overlap=2",
+    ),
+}  # fmt: skip
 
 # DeepSpeed's own host reads in its step, which no config turns off (named, with the reason): its
 # ZeRO optimizers decide on the host whether a step overflowed (`is_invalid_grad_norm` reads the
@@ -104,7 +116,7 @@ def test_no_host_read_and_no_misplaced_tensor_in_a_quiet_step_under_every_strate
     on the last rank (the skipped step is where ZeRO's norm used to become a host tensor). Fused AdamW,
     as CUDA runs use it."""
     runs = {
-        name: _args(tmp_path, name, prepared, strategy, nproc, "--set", "train.fused_optimizer=true")
+        name: _args(tmp_path, name, prepared, strategy, nproc, "--set", "train.fused_optimizer=true", *EXTRA.get(name, ()))
         for name, (strategy, nproc) in STRATEGIES.items()
     }
     env = {"AURA_PROBE_STEPS": "3-18", "AURA_FAULT_NAN": "1:7:1"}

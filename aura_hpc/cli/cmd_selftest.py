@@ -40,7 +40,11 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--out", default="selftest", help="where the data, runs and selftest.json go (default: ./selftest)")
     p.add_argument("--gpus", type=int, default=0, help="GPUs to use for the strategy runs (default: all visible)")
-    p.add_argument("--strategies", default=",".join(("ddp", "fsdp", "zero1", "zero2", "zero3")), help="which ones (default: all five)")
+    p.add_argument(
+        "--strategies",
+        default="ddp,fsdp,zero1,zero2,zero3,ddp+powersgd,diloco",
+        help="which ones (default: all seven; ddp+powersgd and diloco need 2 GPUs or more)",
+    )
     p.add_argument("--no-bench", action="store_true", help="skip the throughput run")
     p.add_argument("--cpu", action="store_true", help="run the sequence on CPU with a tiny model (a smoke test; figures meaningless)")
     p.set_defaults(func=cmd_selftest)

@@ -1,6 +1,8 @@
 """`python -m aura_hpc selftest`: prove the GPU contract on a node, and measure it, before spending a job on it.
 
-For each strategy (ddp, fsdp, zero1, zero2, zero3) on this node's GPUs, a short real `local` run:
+For each strategy (ddp, fsdp, zero1, zero2, zero3, and on two GPUs or more the slow-link ones: ddp with
+PowerSGD compression, DiLoCo with a replica per GPU meeting in the background) on this node's GPUs, a
+short real `local` run:
 - the quiet steps (those that do not log, evaluate, sample or checkpoint) run under
   torch.cuda.set_sync_debug_mode("error"): any host synchronisation in them fails the run;
 - after the first step torch._dynamo's error_on_recompile is on (compiled runs): a recompilation
@@ -29,7 +31,19 @@ from typing import Any
 
 from aura_hpc.errors import LaunchError
 
-STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+# Each check's settings beyond the shared ones. PowerSGD compresses from step 10, so the resumed run's
+# quiet steps are compressed; DiLoCo's replicas (one per GPU: the meetings cross between them) meet
+# every 4 steps in int8, each meeting landing 2 steps later.
+STRATEGIES: dict[str, tuple[str, ...]] = {
+    "ddp": ("dist.strategy=ddp",),
+    "fsdp": ("dist.strategy=fsdp",),
+    "zero1": ("dist.strategy=zero1",),
+    "zero2": ("dist.strategy=zero2",),
+    "zero3": ("dist.strategy=zero3",),
+    "ddp+powersgd": ("dist.strategy=ddp", "dist.compress=powersgd"),
+    "diloco": ("dist.strategy=diloco", "dist.sync_every=4", "dist.diloco_overlap=2", "dist.diloco_wire=int8"),
+}
+BETWEEN_RANKS = ("ddp+powersgd", "diloco")  # what they do happens between ranks: not run on one GPU
 NAN_STEP, STOP_STEP, END_STEP = 7, 10, 20
 
 
@@ -72,8 +86,11 @@ def _last_line(r: subprocess.CompletedProcess[str]) -> str:
 def contract(strategy: str, data: Path, runs: Path, nproc: int, model: list[str], cpu: bool) -> Check:
     """One strategy: NaN skipped on every rank, no sync in quiet steps, compiled once, stop and resume."""
     name = f"{strategy} on {nproc} {'process' if cpu else 'GPU'}{'es' if cpu and nproc > 1 else 's' if nproc > 1 else ''}"
-    args = ["--nproc-per-node", str(nproc), "--output-dir", str(runs), "--run-name", strategy, "--set", f"data.path={data}", *model]
-    args += ["--set", f"dist.strategy={strategy}", "--set", f"train.max_steps={END_STEP}", "--set", "train.checkpoint_every=5"]
+    run_name = strategy.replace("+", "-")
+    args = ["--nproc-per-node", str(nproc), "--output-dir", str(runs), "--run-name", run_name, "--set", f"data.path={data}", *model]
+    settings = [*STRATEGIES[strategy], *([f"dist.diloco_replicas={nproc}"] if strategy == "diloco" else [])]
+    args += [x for kv in settings for x in ("--set", kv)]
+    args += ["--set", f"train.max_steps={END_STEP}", "--set", "train.checkpoint_every=5"]
     args += [
         "--set",
         "train.log_every=5",
@@ -102,7 +119,7 @@ def contract(strategy: str, data: Path, runs: Path, nproc: int, model: list[str]
         return Check(name, False, f"the second run did not resume from step {STOP_STEP}")
     problems, graphs = [], set()
     for rank in range(nproc):
-        path = runs / strategy / "probes" / f"rank{rank}.json"
+        path = runs / run_name / "probes" / f"rank{rank}.json"
         report = json.loads(path.read_text()) if path.exists() else {}
         ours = [k for k in [*report.get("syncs", {}), *report.get("placement", {})] if "deepspeed/" not in k]
         problems += ours[:2]
@@ -193,6 +210,9 @@ def run(out: Path, cpu: bool, gpus: int, strategies: list[str], bench: bool, pro
     if not cpu:
         model = ["--set", "model.n_layer=4", "--set", "model.n_embd=256", "--set", "model.n_head=4", "--set", "data.seq_len=256"]
     for strategy in strategies:
+        if strategy in BETWEEN_RANKS and nproc < 2:
+            progress(f"{strategy}: not run (it works between ranks: needs 2 GPUs or more)")
+            continue
         progress(f"{strategy}: {END_STEP} steps with a NaN at step {NAN_STEP}, a stop at {STOP_STEP} and a resume")
         report.checks.append(contract(strategy, data, runs, nproc, model, cpu))
         c = report.checks[-1]
