@@ -14,8 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from aura_hpc.ops import selftest
 from tests.conftest import run_cli_together
 
+# name -> (the selftest's check whose settings it runs, processes). The slow-link ones: PowerSGD
+# compresses from step 10; DiLoCo's two replicas meet every 4 steps in int8, each meeting crossing over
+# 2 steps in the background (meetings at 4, 8, 12, 16 land at 6, 10, 14, 18: inside the watched steps).
 STRATEGIES = {
     "single": ("ddp", 1),
     "ddp": ("ddp", 2),
@@ -23,19 +27,9 @@ STRATEGIES = {
     "zero1": ("zero1", 2),
     "zero2": ("zero2", 2),
     "zero3": ("zero3", 2),
-    "powersgd": ("ddp", 2),
+    "powersgd": ("ddp+powersgd", 2),
     "diloco": ("diloco", 2),
 }
-# The slow-link strategies' own settings: PowerSGD compresses from step 10; DiLoCo's two replicas meet
-# every 4 steps in int8, each meeting crossing over 2 steps in the background (meetings at 4, 8, 12, 16
-# land at 6, 10, 14, 18: both inside the watched steps).
-EXTRA = {
-    "powersgd": ("--set", "dist.compress=powersgd"),
-    "diloco": (
-        "--set", "dist.diloco_replicas=2", "--set", "dist.sync_every=4", "--set", "dist.diloco_wire=int8",
-        "--set", "dist.diloco_overlap=2",
-    ),
-}  # fmt: skip
 
 # DeepSpeed's own host reads in its step, which no config turns off (named, with the reason): its
 # ZeRO optimizers decide on the host whether a step overflowed (`is_invalid_grad_norm` reads the
@@ -45,11 +39,12 @@ EXTRA = {
 DEEPSPEED_SITES = ("deepspeed/runtime/utils.py", "deepspeed/runtime/zero/stage3.py", "deepspeed/runtime/zero/stage_1_and_2.py")
 
 
-def _args(tmp: Path, name: str, prepared: Path, strategy: str, nproc: int, *extra: str) -> list[str]:
+def _args(tmp: Path, name: str, prepared: Path, check: str, nproc: int, *extra: str) -> list[str]:
+    """A `local` run of the selftest's check `check` (its settings) on the tests' tiny model."""
     return [
         "local", "--nproc-per-node", str(nproc), "--output-dir", str(tmp), "--run-name", name, "--set", f"data.path={prepared}",
         "--set", "model.n_layer=2", "--set", "model.n_embd=64", "--set", "model.n_head=2", "--set", "data.seq_len=64",
-        "--set", f"dist.strategy={strategy}", "--set", "train.max_steps=20", "--set", "train.log_every=10",
+        *(x for kv in selftest.settings(check, nproc) for x in ("--set", kv)), "--set", "train.max_steps=20", "--set", "train.log_every=10",
         "--set", "train.eval_every=10", "--set", "train.checkpoint_every=10", "--set", "train.sample_every=10", *extra,
     ]  # fmt: skip
 
@@ -116,8 +111,8 @@ def test_no_host_read_and_no_misplaced_tensor_in_a_quiet_step_under_every_strate
     on the last rank (the skipped step is where ZeRO's norm used to become a host tensor). Fused AdamW,
     as CUDA runs use it."""
     runs = {
-        name: _args(tmp_path, name, prepared, strategy, nproc, "--set", "train.fused_optimizer=true", *EXTRA.get(name, ()))
-        for name, (strategy, nproc) in STRATEGIES.items()
+        name: _args(tmp_path, name, prepared, check, nproc, "--set", "train.fused_optimizer=true")
+        for name, (check, nproc) in STRATEGIES.items()
     }
     env = {"AURA_PROBE_STEPS": "3-18", "AURA_FAULT_NAN": "1:7:1"}
     single = run_cli_together([runs.pop("single")], timeout=600, **{**env, "AURA_FAULT_NAN": "0:7:1"})

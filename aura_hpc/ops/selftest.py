@@ -44,7 +44,14 @@ STRATEGIES: dict[str, tuple[str, ...]] = {
     "diloco": ("dist.strategy=diloco", "dist.sync_every=4", "dist.diloco_overlap=2", "dist.diloco_wire=int8"),
 }
 BETWEEN_RANKS = ("ddp+powersgd", "diloco")  # what they do happens between ranks: not run on one GPU
+
 NAN_STEP, STOP_STEP, END_STEP = 7, 10, 20
+
+
+def settings(strategy: str, nproc: int) -> list[str]:
+    """The `--set` values of a strategy's check on `nproc` processes (tests/test_gpu_contract.py runs
+    the same ones on CPU under its probes)."""
+    return [*STRATEGIES[strategy], *([f"dist.diloco_replicas={nproc}"] if strategy == "diloco" else [])]
 
 
 @dataclass
@@ -88,8 +95,7 @@ def contract(strategy: str, data: Path, runs: Path, nproc: int, model: list[str]
     name = f"{strategy} on {nproc} {'process' if cpu else 'GPU'}{'es' if cpu and nproc > 1 else 's' if nproc > 1 else ''}"
     run_name = strategy.replace("+", "-")
     args = ["--nproc-per-node", str(nproc), "--output-dir", str(runs), "--run-name", run_name, "--set", f"data.path={data}", *model]
-    settings = [*STRATEGIES[strategy], *([f"dist.diloco_replicas={nproc}"] if strategy == "diloco" else [])]
-    args += [x for kv in settings for x in ("--set", kv)]
+    args += [x for kv in settings(strategy, nproc) for x in ("--set", kv)]
     args += ["--set", f"train.max_steps={END_STEP}", "--set", "train.checkpoint_every=5"]
     args += [
         "--set",
