@@ -82,9 +82,12 @@ class Lan:
             sh("ip", "netns", "del", ns, check=False)
 
 
+RUN_SECRET = uuid.uuid4().hex  # every node of a multi-node run proves it (the user's choice, as AURA_RUN_SECRET)
+
+
 def env() -> dict[str, str]:
     e = dict(os.environ)
-    e.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    e.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "AURA_RUN_SECRET": RUN_SECRET})
     return e
 
 
@@ -93,7 +96,16 @@ def sets(pairs: list[str]) -> list[str]:
 
 
 def run(
-    lan: Lan | None, nodes: int, name: str, extra: list[str], steps: int, out: Path, data: Path, eval_every: int, max_seconds: float
+    lan: Lan | None,
+    nodes: int,
+    name: str,
+    extra: list[str],
+    steps: int,
+    out: Path,
+    data: Path,
+    eval_every: int,
+    max_seconds: float,
+    nproc: int = 1,
 ) -> dict:
     common = [*MODEL, f"data.path={data}", f"train.max_steps={steps}", "train.warmup_steps=10", "train.log_every=5"]
     common += [f"train.eval_every={eval_every}", "train.eval_sequences=64", "train.checkpoint_every=0", "train.sample_every=0"]
@@ -101,7 +113,7 @@ def run(
     procs = []
     for i in range(nodes):
         args = [sys.executable, "-m", "aura_hpc", "local", "--output-dir", str(out / f"{name}-node{i}"), "--run-name", "r"]
-        args += ["--nproc-per-node", "1", *sets(common)]
+        args += ["--nproc-per-node", str(nproc), *sets(common)]
         if nodes > 1:
             args += ["--nnodes", str(nodes), "--node-rank", str(i), "--master-addr", "10.79.1.1", "--master-port", "29600"]
         cmd = ["nsenter", f"--net=/run/netns/{lan.pcs[i]}", *args] if lan else args
@@ -198,6 +210,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="10,100,1000", help="link rates in Mbit/s")
     p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--nproc-per-node", type=int, default=1, help="processes per node (2: DiLoCo with one replica per node, DDP inside it)")
     p.add_argument("--strategies", default="ddp,ddp+bf16,ddp+powersgd,diloco", help=f"of {', '.join(STRATEGIES)}")
     p.add_argument("--steps", type=int, default=150, help="steps of a multi-node run (one node runs nodes x steps)")
     p.add_argument("--sync-every", type=int, default=25, help="DiLoCo's dist.sync_every")
@@ -235,7 +248,7 @@ def main() -> None:
                     if name.endswith("+overlap"):
                         extra.append(f"dist.diloco_overlap={a.overlap or max(1, a.sync_every // 10)}")
                     extra += a.set
-                    r = run(lan, a.nodes, f"{name}-{mbit}", extra, a.steps, out, data, a.eval_every, a.max_seconds)
+                    r = run(lan, a.nodes, f"{name}-{mbit}", extra, a.steps, out, data, a.eval_every, a.max_seconds, a.nproc_per_node)
                     evals = [row for row in r["rows"] if "eval_loss" in row]
                     last = evals[-1] if evals else {"eval_loss": None, "tokens": 0, "elapsed_s": 0.0}
                     tps = tokens_per_s(r["rows"])

@@ -39,14 +39,20 @@ SMALL_MODEL = [
 ]
 
 
+RUN_SECRET = "tests-run-secret-0123456789"
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(OFFLINE)
     # Two ranks on two cores: one thread each (oversubscription cost 2.6x on this machine kind).
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    # LAN tests start their nodes as a user who chose one secret for the run on every machine does
+    # (each node otherwise needs the one node 0 prints); the secret tests set their own, or none.
+    env.setdefault("AURA_RUN_SECRET", RUN_SECRET)
     env.update(extra)
-    return env
+    return {k: v for k, v in env.items() if v is not None}
 
 
 def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 300, **env: str) -> subprocess.CompletedProcess[str]:
@@ -175,6 +181,7 @@ def _group(item: pytest.Item) -> str:
     return _SHARED_GROUP.get(item.path.name, item.path.name)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids (else every file is split)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_group(item)))

@@ -18,6 +18,7 @@ LAYERS = [
     {"launch"},
     {"train"},
     {"ops"},
+    {"comm"},
     {"data"},
     {"config"},
     {"errors", "console", "__init__"},
@@ -116,6 +117,35 @@ def test_modules_and_classes_stay_small() -> None:
     assert not big_modules and not big_classes, big_modules + big_classes
 
 
+# Collectives (and the groups they run on) anywhere but comm/collectives.py: there a tensor is checked
+# against its group's device before NCCL sees it, and the probes see every call.
+COLLECTIVE = re.compile(
+    r"\b(?:dist|torch\.distributed)\.(?:all_reduce|all_gather\w*|broadcast\w*|barrier|monitored_barrier|reduce\w*|gather\w*|"
+    r"scatter\w*|send|recv|isend|irecv|all_to_all\w*|new_group|new_subgroups\w*|batch_isend_irecv)\("
+)
+RAW_P2P = re.compile(r"\b(?:group|pg)\.(?:send|recv)\(")
+
+
+def test_every_collective_goes_through_one_module() -> None:
+    offenders = []
+    for name, path in MODULES.items():
+        if name == "aura_hpc.comm.collectives":
+            continue
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if COLLECTIVE.search(line) or RAW_P2P.search(line):
+                offenders.append(f"{name}:{i}: {line.strip()}")
+    assert not offenders, "collectives outside aura_hpc/comm/collectives.py:\n" + "\n".join(offenders)
+
+
+def test_nothing_received_from_a_peer_is_unpickled() -> None:
+    """Object collectives unpickle what a peer sends: objects cross as JSON (comm/collectives.py)."""
+    pickling = re.compile(
+        r"\b(?:all_gather_object|broadcast_object_list|gather_object|scatter_object_list|send_object_list|recv_object_list)\b"
+    )
+    offenders = [name for name, path in MODULES.items() if pickling.search(path.read_text(encoding="utf-8"))]
+    assert not offenders, offenders
+
+
 def test_the_top_level_holds_few_modules() -> None:
     top = [p.name for p in PACKAGE.glob("*.py")]
     assert len(top) <= 10, top
@@ -124,5 +154,5 @@ def test_the_top_level_holds_few_modules() -> None:
 def test_architecture_md_names_every_wing_and_stays_short() -> None:
     text = (REPO / "ARCHITECTURE.md").read_text(encoding="utf-8")
     assert text.count("\n") <= 80
-    for wing in ("cli", "ps", "slurm", "launch", "train", "ops", "data", "config"):
+    for wing in ("cli", "ps", "slurm", "launch", "train", "ops", "comm", "data", "config"):
         assert re.search(rf"`aura_hpc/{wing}", text), wing

@@ -81,7 +81,7 @@ def test_nothing_listening_is_reported_with_the_fix() -> None:
     code, _, err = _finish(_check(["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]))
     assert code == 1
     assert "reach master: connection refused" in err and "fix:" in err and "start `check --node-rank 0`" in err
-    assert time.perf_counter() - t0 < TIMEOUT + 8
+    assert time.perf_counter() - t0 < 2 * TIMEOUT + 30  # it gives up at its timeout: no hang (a busy machine starts slowly)
 
 
 def test_a_node_that_never_joins_is_named() -> None:
@@ -166,7 +166,7 @@ def test_wrong_master_ip_across_namespaces(two_hosts: tuple[str, str]) -> None:
         _check(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.77.1.99", "--master-port", str(free_port())], two_hosts[1])
     )
     assert code == 1 and "reach master:" in err and ("no answer" in err or "no route" in err) and "fix:" in err, err
-    assert time.perf_counter() - t0 < TIMEOUT + 8
+    assert time.perf_counter() - t0 < 2 * TIMEOUT + 30  # it gives up at its timeout: no hang
 
 
 def test_master_not_started_across_namespaces(two_hosts: tuple[str, str]) -> None:

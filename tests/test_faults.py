@@ -24,6 +24,10 @@ from tests.conftest import SMALL_MODEL, cli_env, final_weights, run_cli, run_cli
 pytestmark = pytest.mark.slow
 
 STEPS = 20
+LONG = 60  # the stop-signal runs: stopped once past step 20, resumed to the end
+# Those runs idle 3/4 of each step on rank 0 (a slower machine; the weights are the same), so that the
+# signal lands mid-run however fast this machine trains.
+SLOWER = {"AURA_FAULT_SLOW": "0:0.75"}
 BASE = [
     *SMALL_MODEL,
     "--set",
@@ -71,10 +75,10 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def reference(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> dict[int, dict[str, torch.Tensor]]:
     """Uninterrupted runs: the weights every faulted run must end with, bit for bit."""
     out = tmp_path_factory.mktemp("reference")
-    done = run_cli_together([_args(out, f"ref{steps}", prepared, steps) for steps in (STEPS, 300)])
+    done = run_cli_together([_args(out, f"ref{steps}", prepared, steps) for steps in (STEPS, LONG)])
     for r in done:
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    return {steps: final_weights(out / f"ref{steps}") for steps in (STEPS, 300)}
+    return {steps: final_weights(out / f"ref{steps}") for steps in (STEPS, LONG)}
 
 
 @pytest.mark.parametrize("seed", [1])  # rank 0 after step 19; test_beyond_max_restarts kills rank 1 at step 12
@@ -134,9 +138,9 @@ def _wait_for_step(run: Path, step: int, timeout: float = 120) -> None:
 # SIGTERM to the launcher takes the same path as SIGINT (the agent's handler turns both into a stop).
 @pytest.mark.parametrize(("sig", "target"), [("SIGINT", "launcher"), ("SIGUSR2", "rank1")])
 def test_stop_signal_checkpoints_once_and_exits_resumable(tmp_path: Path, prepared: Path, reference: dict, sig: str, target: str) -> None:
-    args = _args(tmp_path, "run", prepared, 300)
+    args = _args(tmp_path, "run", prepared, LONG)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "aura_hpc", *args], env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", "aura_hpc", *args], env=cli_env(**SLOWER), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
         _wait_for_step(tmp_path / "run", 20)
@@ -152,42 +156,29 @@ def test_stop_signal_checkpoints_once_and_exits_resumable(tmp_path: Path, prepar
     stops = [line for line in out.splitlines() if "stop requested" in line]
     assert len(stops) == 1 and "resumable" in stops[0], out[-3000:]  # one checkpoint, written by rank 0
     step = int(stops[0].split(" at step ")[1].split(":")[0])
-    assert 20 <= step < 300
+    assert 20 <= step < LONG
     assert checkpoint.list_complete(tmp_path / "run" / "checkpoints")[0].step == step
     assert "re-run the same command to resume" in out
     again = run_cli(args)
     assert again.returncode == 0, _diagnose(again, tmp_path / "run")
     assert f"resumed from checkpoint step_{step:08d} at step {step}" in again.stdout
-    assert _same(final_weights(tmp_path / "run"), reference[300])
+    assert _same(final_weights(tmp_path / "run"), reference[LONG])
+    # One row per logged step (none twice across the two attempts), and each rank's log holds both.
+    rows = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == sorted(set(rows)) and rows[-1] == LONG
+    assert (tmp_path / "run" / "logs" / "rank_0.log").read_text().count("start rank=0") == 2
 
 
-@pytest.mark.parametrize("stage", ["trainer_state", "marker"])
-def test_writer_killed_mid_checkpoint_resumes_from_the_previous(tmp_path: Path, prepared: Path, reference: dict, stage: str) -> None:
-    r = run_cli([*_args(tmp_path, "run", prepared), "--max-restarts", "1"], AURA_FAULT_CKPT=f"kill:{stage}")
+# Killed just before the commit marker: the most written and still not a checkpoint. Random instants of
+# the writer alone: test_sigkill_at_random_moments_of_a_save_never_breaks_the_previous.
+def test_writer_killed_mid_checkpoint_resumes_from_the_previous(tmp_path: Path, prepared: Path, reference: dict) -> None:
+    r = run_cli([*_args(tmp_path, "run", prepared), "--max-restarts", "1"], AURA_FAULT_CKPT="kill:marker")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # The first save (step 5) died half-written; the restart started over, ignoring it.
     assert "no checkpoint in" in r.stdout[r.stdout.index("restart=1") :]
     assert "removing partial checkpoint .tmp-step_00000005" in r.stdout
     ckpts = tmp_path / "run" / "checkpoints"
     assert not list(ckpts.glob(".tmp-*"))
-    assert _same(final_weights(tmp_path / "run"), reference[STEPS])
-
-
-def test_disk_full_while_saving_is_a_clear_error_and_keeps_the_previous(
-    tmp_path: Path, prepared: Path, reference: dict, stopped_at_10: Path
-) -> None:
-    # A run with its step 5 checkpoint (the stopped run without its step 10 one); the next save
-    # (step 10) fails as a full disk would.
-    shutil.copytree(stopped_at_10, tmp_path / "run")
-    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_00000010")
-    r = run_cli(_args(tmp_path, "run", prepared), AURA_FAULT_CKPT="enospc:model")
-    assert r.returncode != 0
-    assert "no space left on" in r.stdout and "while writing checkpoint step 10 (previous checkpoint step 5 is intact" in r.stdout
-    assert "the partial write was removed) (fix: free space there" in r.stdout
-    ckpts = checkpoint.list_complete(tmp_path / "run" / "checkpoints")
-    assert [c.step for c in ckpts] == [5] and checkpoint.verify(ckpts[0].path) is None
-    again = run_cli(_args(tmp_path, "run", prepared))
-    assert again.returncode == 0 and "resumed from checkpoint step_00000005" in again.stdout
     assert _same(final_weights(tmp_path / "run"), reference[STEPS])
 
 
@@ -312,7 +303,12 @@ def test_sigkill_at_random_moments_of_a_save_never_breaks_the_previous(tmp_path:
         assert proc.stdout is not None
         # Libraries may print first (transformers 4.x imports DeepSpeed, which logs its accelerator).
         assert any(proc.stdout.readline().strip() == "ready" for _ in range(20))
-        time.sleep(rng.uniform(0.2, 1.5))
+        # A kill before the first save completes would prove nothing (and on a busy machine the first
+        # save can take longer than any fixed delay): the random instant counts from one being there.
+        deadline = time.monotonic() + 60
+        while not checkpoint.list_complete(root) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.05, 1.2))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         ckpts = checkpoint.list_complete(root)
@@ -320,7 +316,9 @@ def test_sigkill_at_random_moments_of_a_save_never_breaks_the_previous(tmp_path:
         newest = checkpoint.newest_valid(root)
         assert newest is not None and newest.step == ckpts[0].step  # the newest complete one is intact
         assert checkpoint.verify(newest.path) is None
-        weights, _state, meta = checkpoint.decode_payload(checkpoint.read_payload(newest.path))
+        from aura_hpc.train.checkpointing import _decode_payload, _payload_parts
+
+        weights, _state, meta = _decode_payload(_payload_parts(newest.path))
         assert meta["step"] == newest.step and weights
 
 
@@ -339,10 +337,10 @@ def test_keep_last_plus_best_by_validation_loss(tmp_path: Path) -> None:
 def test_a_killed_launcher_takes_its_workers_along_and_a_run_dir_admits_one_trainer(
     tmp_path: Path, prepared: Path, reference: dict
 ) -> None:
-    args = _args(tmp_path, "run", prepared, 300)
+    args = _args(tmp_path, "run", prepared, LONG)
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "aura_hpc", *args], env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", "aura_hpc", *args], env=cli_env(**SLOWER), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
         _wait_for_step(run, 12)
@@ -374,5 +372,5 @@ def test_a_killed_launcher_takes_its_workers_along_and_a_run_dir_admits_one_trai
     again = run_cli(args)
     assert again.returncode == 0, _diagnose(again, run)
     assert f"resumed from checkpoint step_{step:08d}" in again.stdout
-    assert _same(final_weights(run), reference[300])
+    assert _same(final_weights(run), reference[LONG])
     assert not (run / "run.lock").exists()

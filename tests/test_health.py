@@ -82,8 +82,9 @@ def test_monitor_json_samples_at_the_interval(tmp_path: Path) -> None:
     for row in rows:
         assert {"time", "host", "cpu_pct", "ram_used_gb", "disk_free_gb", "net_rx_mbps", "net_tx_mbps"} <= row.keys()
         assert "gpus" not in row  # no GPU here: GPU columns absent, not faked
+    # Never faster than the interval; on a busy machine a sample may come late, not early.
     gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(rows)]
-    assert all(0.25 <= g <= 1.0 for g in gaps), gaps
+    assert all(g >= 0.25 for g in gaps) and sum(gaps) / len(gaps) < 2.0, gaps
 
 
 def test_monitor_shows_gpu_readings_when_there_are_some(tmp_path: Path) -> None:

@@ -101,29 +101,33 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def test_a_worker_back_from_a_drop_replaces_its_own_old_seat_only() -> None:
-    """A rejoin that arrives before the server's side of the old connection timed out."""
+def test_a_worker_back_from_a_drop_replaces_its_own_old_seat_only_once_its_new_link_is_proven() -> None:
+    """A rejoin that arrives before the server's side of the old connection timed out: the old seat
+    holds the rank until the new connection has proved the secret (a replayed rejoin, which cannot
+    prove it, never drops a live worker's seat)."""
     from aura_hpc.ps.join import Request
-    from aura_hpc.ps.server import Seat, release_returning_seat
+    from aura_hpc.ps.server import Seat, returning_seat, take_seat
 
     def seats() -> dict:
         return {2: Seat(2, "pc-salon", "10.0.0.3", 4242, "a" * 32), 1: Seat(1, "pc-cocina", "10.0.0.2", 99, "b" * 32)}
 
     def req(host: str, pid: int, rejoin: bool = True) -> Request:
-        return Request("c" * 32, host, "10.0.0.3", pid, 2, rejoin, False, {})
+        return Request("c" * 32, "e" * 32, host, "10.0.0.3", pid, 2, rejoin, False, {})
 
     same = seats()
     old = same[2]
-    release_returning_seat(same, req("pc-salon", 4242))
-    assert 2 not in same and old.replaced and 1 in same
+    assert returning_seat(same, req("pc-salon", 4242)) is old
+    assert same[2] is old and not old.replaced  # nothing given up before the proof
+    new = Seat(2, "pc-salon", "10.0.0.3", 4242, "c" * 32, True, pending=True)
+    take_seat(same, new)
+    assert same[2] is new and old.replaced and 1 in same
     for other in (
         req("pc-salon", 4243),  # another process on that PC
         req("pc-patio", 4242),  # another PC
         req("pc-salon", 4242, rejoin=False),  # a first join asking for a taken rank
     ):
         kept = seats()
-        release_returning_seat(kept, other)
-        assert set(kept) == {1, 2} and not kept[2].replaced, other
+        assert returning_seat(kept, other) is None and set(kept) == {1, 2} and not kept[2].replaced, other
 
 
 # The worker's end of a pair, in a process of its own as on a worker PC: it echoes one message doubled.
@@ -321,7 +325,7 @@ def test_ctrl_c_on_the_server_saves_and_resumes_then_a_killed_server_stops_the_w
     for w in workers:
         code = w.finish(timeout=45)
         assert code == 1 and "lost the parameter server at 127.0.0.1" in w.text and "fix: re-run this worker" in w.text, w.text
-    assert time.monotonic() - killed_at < 30
+    assert time.monotonic() - killed_at < 60  # they notice a closed connection, not a timeout (120 s)
 
 
 def test_bad_inputs_of_a_parameter_server_run(tmp_path: Path, base: list[str]) -> None:
@@ -355,7 +359,7 @@ def test_bad_inputs_of_a_parameter_server_run(tmp_path: Path, base: list[str]) -
         ]
         t0 = time.monotonic()
         results = run_cli_together([c[0] for c in cases], timeout=120, **WITH_SECRET)
-        assert time.monotonic() - t0 < 60
+        assert time.monotonic() - t0 < 100  # refused at start-up, none waits for a timeout
         for (args, problem, fix), r in zip(cases, results, strict=True):
             assert r.returncode == 2 and problem in r.stderr and fix in r.stderr, (args[-2:], r.stdout, r.stderr)
             assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -7,6 +7,7 @@ a real worker that comes afterwards joins and trains."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
@@ -151,3 +152,98 @@ def test_the_server_keeps_a_secret_of_its_own_for_the_run(tmp_path: Path, monkey
     with pytest.raises(ConfigError, match="no secret for the run"):
         monkeypatch.delenv("AURA_PS_SECRET")
         auth.worker_secret(None)
+
+
+def test_replays_huge_values_and_deletes_never_free_a_seat_nor_hold_the_server(tmp_path: Path, base: list[str]) -> None:
+    """A peer without the secret that can list, read, write and delete every key of the server's store:
+    - a request is gone from the store once read, a reply once believed, a pair's keys once it is up;
+    - a joined client's signed request replayed, with 4,200 junk announcements between the replays, gets
+      its old reply and nothing more (before: the junk pushed it out of the server's memory and the
+      replay took a new rank, whose pair then froze the server under its lock), and one signed for an
+      earlier start of the server is ignored;
+    - keys the protocol did not write are deleted (before: 64 x 8 MB raised the server's memory by 0.5 GB),
+      and whatever C++ trace the store prints goes to the run's log, not the terminal;
+    - the epoch and the queue deleted: the next worker still joins;
+    - a client holding a seat whose pair never comes does not hold the server: Ctrl+C saves and stops."""
+    import secrets as pysecrets
+
+    import torch.distributed as dist
+
+    from aura_hpc.ps import auth
+    from aura_hpc.ps.commands import load_ps_config
+    from aura_hpc.ps.join import EPOCH, QUEUE, request_join, settings
+
+    port = free_port()
+    common = [*base, "--set", "train.max_steps=100000", "--set", "train.log_every=20", "--set", "train.checkpoint_every=0"]
+    common += ["--set", "train.eval_every=0"]
+    server = Proc(["ps", "--port", str(port), "--workers", "3", *common], tmp_path / "ps.log")
+    _listening(port, server)
+    first = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / "w1.log")
+    try:
+        first.wait_for("gradient 20:", timeout=120)
+        store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))
+        keys = [k for k in store.list_keys() if not k.startswith("stats/")]
+        assert sorted(k for k in keys if k not in (EPOCH, QUEUE)) == [], keys  # no request, reply or pair address left
+
+        # A client with the secret joins (rank 2) and never makes its pair; its signed request is kept.
+        key = auth.key_of(SECRET)
+        sets = [common[i + 1] for i, a in enumerate(common) if a == "--set"]
+        cfg = load_ps_config(None, sets, None, None, port, None)
+        nonce, reply = request_join(
+            store, key, {"host": "pc-x", "pid": 9, "addr": "127.0.0.1", "settings": settings(cfg, cfg.data.path)}, "", 30
+        )
+        assert reply["ok"] and reply["rank"] == 2
+        epoch = store.get(EPOCH).decode()
+        body = json.dumps(
+            {"host": "pc-x", "pid": 9, "addr": "127.0.0.1", "settings": settings(cfg, cfg.data.path), "nonce": nonce, "epoch": epoch},
+            sort_keys=True,
+        )
+        replay = json.dumps({"body": body, "mac": auth.tag(key, "join", body)})
+        old = pysecrets.token_hex(16)
+        stale = json.dumps({"host": "pc-y", "pid": 8, "addr": "127.0.0.1", "settings": {}, "nonce": old, "epoch": "0" * 32}, sort_keys=True)
+        store.set(f"join/req/{old}", json.dumps({"body": stale, "mac": auth.tag(key, "join", stale)}))
+        store.append(QUEUE, old + "\n")
+
+        time.sleep(1.0)  # its note comes before the junk's fill the log's quota
+        for round_ in range(3):
+            for _ in range(1400):
+                junk = pysecrets.token_hex(16)
+                store.set(f"join/req/{junk}", b"junk")
+                store.append(QUEUE, junk + "\n")
+            store.set(f"join/req/{nonce}", replay)
+            store.append(QUEUE, nonce + "\n")
+            time.sleep(1.0)
+            replied = json.loads(json.loads(store.get(f"join/reply/{nonce}"))["body"])
+            assert replied["rank"] == 2, (round_, replied)
+        # Keys the protocol never writes, as large as the store takes: gone within seconds.
+        blob = b"x" * (8 << 20)
+        for i in range(16):
+            store.set(f"junk/{i}", blob)
+        with contextlib.suppress(Exception):
+            store.set("junk/huge", b"y" * (200 << 20))  # the store closes this connection: a new one for the rest
+        store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))
+        store.delete_key(EPOCH)
+        store.delete_key(QUEUE)
+        deadline = time.monotonic() + 20
+        while any(k.startswith("junk/") for k in store.list_keys()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not [k for k in store.list_keys() if k.startswith("junk/")]
+        second = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / "w2.log")
+        try:
+            second.wait_for("gradient 20:", timeout=120)
+        finally:
+            second.signal(signal.SIGINT)
+            second.finish(timeout=60)
+        assert first.p.poll() is None and server.p.poll() is None
+    finally:
+        # Seat 2's pair never came (its thread waits in the pair's set-up): Ctrl+C is still honoured.
+        t0 = time.monotonic()
+        server.signal(signal.SIGINT)
+        code = server.finish(timeout=90)
+        first.finish(timeout=60)
+    assert code == 75 and time.monotonic() - t0 < 60, server.text[-3000:]
+    log = server.text
+    assert "worker 3 joined" in log and "worker 2 joined" not in log  # the replays never made a second seat
+    assert "reconnected before its old connection timed out" not in log  # no live seat was given up
+    assert "signed for another start of the server" in log and "checkpoint step_" in log
+    assert "frame #" not in log and "Exception raised from" not in log, log[-3000:]

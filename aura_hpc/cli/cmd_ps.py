@@ -16,7 +16,7 @@ def cmd_ps(a: argparse.Namespace) -> int:
 
     cfg = load_ps_config(a.config, a.overrides, a.output_dir, a.run_name, a.port, a.workers)
     auth.given_secret(a.secret_file)  # a bad secret is refused before the run directory is touched
-    lock = prepare_run_dir(cfg, 1, lock=True)
+    lock = prepare_run_dir(cfg, 1, lock=True, secret=False)
     assert lock is not None
     try:
         from aura_hpc.ps.server import ParameterServer
@@ -40,7 +40,11 @@ def cmd_ps(a: argparse.Namespace) -> int:
         worker_log.setup(cfg.run_dir / "logs", 0, label="ps")
         server = ParameterServer(cfg, auth.key_of(secret))
         server.resume()
-        return server.serve(cfg.ps.port)
+        from aura_hpc.launch.agent import native_stderr_to
+
+        # torch's C++ store prints its own traces (a peer that sends what it refuses): to a file, not this terminal.
+        with native_stderr_to(cfg.run_dir / "logs" / "stderr_ps.log"):
+            return server.serve(cfg.ps.port)
     finally:
         lock.release()
 

@@ -45,16 +45,17 @@ def _size(source: str) -> int:
     return storage.size(source) if storage.is_remote(source) else Path(source).stat().st_size
 
 
-def read_range(source: str, start: int, end: int) -> bytes:
-    """Bytes [start, end) of a local file or an object (one ranged GET, retried)."""
+def read_range(source: str, start: int, end: int, policy: storage.Policy | None = None) -> bytes:
+    """Bytes [start, end) of a local file or an object (one ranged GET, retried as `policy` says:
+    data.read_tries and data.read_timeout_s)."""
     if storage.is_remote(source):
-        return storage.read_bytes(source, storage.Policy(), start, end) if end > start else b""
+        return storage.read_bytes(source, policy or storage.Policy(), start, end) if end > start else b""
     with open(source, "rb") as f:
         f.seek(start)
         return f.read(end - start)
 
 
-def _cut(source: str, piece_bytes: int, separator: bytes) -> list[tuple[int, int]]:
+def _cut(source: str, piece_bytes: int, separator: bytes, policy: storage.Policy | None = None) -> list[tuple[int, int]]:
     """Byte ranges of at most ~piece_bytes, each ending just after a separator (or at the end)."""
     size = _size(source)
     if size <= piece_bytes:
@@ -67,7 +68,7 @@ def _cut(source: str, piece_bytes: int, separator: bytes) -> list[tuple[int, int
             break
         end, at = size, nominal
         while at < size:  # read on until a separator appears
-            window = read_range(source, at, min(size, at + (1 << 16) + len(separator)))
+            window = read_range(source, at, min(size, at + (1 << 16) + len(separator)), policy)
             found = window.find(separator)
             if found >= 0:
                 end = at + found + len(separator)
@@ -79,7 +80,13 @@ def _cut(source: str, piece_bytes: int, separator: bytes) -> list[tuple[int, int
 
 
 def plan(
-    files: list[Any], kinds: dict[str, str], piece_bytes: int, dataset: str | None, builtin: bool, dataset_pieces: int = 1
+    files: list[Any],
+    kinds: dict[str, str],
+    piece_bytes: int,
+    dataset: str | None,
+    builtin: bool,
+    dataset_pieces: int = 1,
+    policy: storage.Policy | None = None,
 ) -> list[Piece]:
     if builtin:
         return [Piece(0, "builtin", "builtin")]
@@ -91,7 +98,7 @@ def plan(
         suffix = os.path.splitext(f.rsplit("/", 1)[-1])[1].lower()
         kind = kinds[suffix]
         if kind == "text" or (kind == "json" and suffix == ".jsonl"):
-            ranges = _cut(f, piece_bytes, b"\n\n" if kind == "text" else b"\n")
+            ranges = _cut(f, piece_bytes, b"\n\n" if kind == "text" else b"\n", policy)
             for i, (a, b) in enumerate(ranges):
                 pieces.append(Piece(len(pieces), f, "text" if kind == "text" else "jsonl", a, b, i == len(ranges) - 1))
         else:
@@ -113,6 +120,11 @@ class Job:
     subset: str | None = None
     split: str = "train"
     max_tokens: int = 0  # > 0: stop this piece there (a token budget's last piece)
+    read_tries: int = 0  # how an object's bytes are read (data.read_tries, data.read_timeout_s); 0: storage's defaults
+    read_timeout_s: float = 0.0
+
+    def policy(self) -> storage.Policy | None:
+        return storage.Policy(tries=self.read_tries, timeout_s=self.read_timeout_s) if self.read_tries > 0 else None
 
 
 def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
@@ -132,7 +144,7 @@ def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
             yield text, True
         return
     if p.kind in ("text", "jsonl"):
-        raw = read_range(p.source, p.start, p.end)
+        raw = read_range(p.source, p.start, p.end, job.policy())
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -247,8 +259,9 @@ def _write(out: dict[str, list[int]], sinks: dict[str, Any], hashes: dict[str, A
         ids.clear()
 
 
-def finished(build: Path, piece: Piece, max_tokens: int) -> dict[str, Any] | None:
-    """A piece's record when its shards are complete (sizes as recorded), for the same piece and budget."""
+def finished(build: Path, piece: Piece, max_tokens: int, itemsize: int) -> dict[str, Any] | None:
+    """A piece's record when its shards are complete (sizes as recorded: `itemsize` bytes a token), for
+    the same piece and budget; None otherwise (a shard cut short by a crash or a full disk is encoded again)."""
     try:
         record: dict[str, Any] = json.loads((build / DONE / f"{piece.index:05d}.json").read_text())
     except (OSError, ValueError):
@@ -256,8 +269,11 @@ def finished(build: Path, piece: Piece, max_tokens: int) -> dict[str, Any] | Non
     if record.get("piece") != asdict(piece) or record.get("max_tokens") != max_tokens:
         return None
     for s in ("train", "val"):
-        f = build / record[s]["file"]
-        if not f.is_file():
+        try:
+            f = build / SHARDS / Path(str(record[s]["file"])).name
+            if f.stat().st_size != int(record[s]["tokens"]) * itemsize:
+                return None
+        except (OSError, KeyError, TypeError, ValueError):
             return None
     return record
 
@@ -288,7 +304,7 @@ def _encode_group(jobs: list[Job], workers: int) -> list[dict[str, Any]]:
     if not jobs:
         return []
     build = Path(jobs[0].build)
-    records: list[dict[str, Any] | None] = [finished(build, j.piece, j.max_tokens) for j in jobs]
+    records: list[dict[str, Any] | None] = [finished(build, j.piece, j.max_tokens, np.dtype(j.dtype).itemsize) for j in jobs]
     todo = [j for j, r in zip(jobs, records, strict=True) if r is None]
     if workers > 1 and len(todo) > 1:
         import multiprocessing as mp

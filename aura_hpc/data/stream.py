@@ -54,7 +54,8 @@ def plan_pieces(d: Any) -> list[shards.Piece]:
         return shards.plan([], TEXT_SUFFIXES, 0, d.dataset, False, dataset_shards(d.dataset, d.dataset_subset or None, d.dataset_split))
     if not d.path:
         raise DataError("data.stream needs a source (fix: --set data.path=s3://bucket/raw-text or local files, or data.dataset=NAME)")
-    return shards.plan(resolve_inputs([d.path]), TEXT_SUFFIXES, int(d.shard_mb * 2**20), None, False)
+    policy = storage.Policy(tries=d.read_tries, timeout_s=d.read_timeout_s)
+    return shards.plan(resolve_inputs([d.path]), TEXT_SUFFIXES, int(d.shard_mb * 2**20), None, False, policy=policy)
 
 
 class StreamTokens(TokenReader):
@@ -78,7 +79,9 @@ class StreamTokens(TokenReader):
         self.pieces = plan_pieces(d)
         self.dtype = np.dtype(np.uint16 if tok.vocab_size <= 65536 else np.uint32)
         tok_sha = sha256_file(tok_src / "tokenizer.json")
-        key = {"pieces": [asdict(p) for p in self.pieces], "tokenizer": tok_sha, "val": d.val_fraction, "column": d.text_column}
+        # Local files are named relative to their common folder: LAN nodes may keep their copies elsewhere.
+        named = _portable(self.pieces)
+        key = {"pieces": [asdict(p) for p in named], "tokenizer": tok_sha, "val": d.val_fraction, "column": d.text_column}
         if not d.dataset:
             key["objects"] = _object_versions(self.pieces)
         self.key = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
@@ -100,7 +103,8 @@ class StreamTokens(TokenReader):
         }
         self._job = dict(build=str(self.build), tokenizer_json=str(self._tokenizer_dir / "tokenizer.json"), eos_id=tok.eos_id,
                          dtype=self.dtype.name, val_fraction=d.val_fraction, text_column=d.text_column,
-                         subset=d.dataset_subset or None, split=d.dataset_split)  # fmt: skip
+                         subset=d.dataset_subset or None, split=d.dataset_split,
+                         read_tries=d.read_tries, read_timeout_s=d.read_timeout_s)  # fmt: skip
         self.cache_policy = storage.Policy(tries=d.read_tries, timeout_s=d.read_timeout_s)
         self._sizes: dict[str, list[int]] = {"train": [-1] * len(self.pieces), "val": [-1] * len(self.pieces)}
         self.val_pieces: list[int] = []
@@ -108,7 +112,7 @@ class StreamTokens(TokenReader):
         self._pool: Any = None
         self._closed = False
         for i, p in enumerate(self.pieces):  # pieces this node encoded before (an earlier attempt)
-            record = shards.finished(self.build, p, 0)
+            record = shards.finished(self.build, p, 0, self.dtype.itemsize)
             if record is not None:
                 self._learn(i, record)
 
@@ -132,10 +136,10 @@ class StreamTokens(TokenReader):
     def _encode(self, i: int) -> None:
         """Piece i's shards in the node cache: found, or encoded by a background process of this rank."""
         piece = self.pieces[i]
-        record = shards.finished(self.build, piece, 0)
+        record = shards.finished(self.build, piece, 0, self.dtype.itemsize)
         if record is None:
             with self._locked(f"piece-{i}"):
-                record = shards.finished(self.build, piece, 0)  # another rank of this node made it meanwhile
+                record = shards.finished(self.build, piece, 0, self.dtype.itemsize)  # another rank of this node made it meanwhile
                 if record is None:
                     for stale in (self.build / shards.SHARDS).glob(f"*-{i:05d}.tmp*"):  # left by a killed encoder
                         stale.unlink(missing_ok=True)
@@ -225,8 +229,22 @@ class StreamOrder(GlobalOrder):
         return {"piece_sequences": self.counts.tolist()}
 
 
+def _portable(pieces: list[shards.Piece]) -> list[shards.Piece]:
+    """The pieces with each local source named relative to the folder all of them share."""
+    import dataclasses
+    import os
+
+    local = [p.source for p in pieces if not storage.is_remote(p.source) and p.kind not in ("builtin", "dataset")]
+    if not local:
+        return pieces
+    root = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in local])
+    return [dataclasses.replace(p, source=os.path.relpath(os.path.abspath(p.source), root)) if p.source in local else p for p in pieces]
+
+
 def _object_versions(pieces: list[shards.Piece]) -> list[list[Any]]:
-    """What a changed file or object changes: its size and modification time (or ETag)."""
+    """What a changed file or object changes: an object's size and ETag; a local file's size and a
+    digest of its content where it is read from (not its modification time: a LAN node with its own
+    copy of the text has another mtime and the same data)."""
     out: list[list[Any]] = []
     listed: dict[str, tuple[int, str]] = {}
     for src in dict.fromkeys(p.source for p in pieces):
@@ -235,6 +253,21 @@ def _object_versions(pieces: list[shards.Piece]) -> list[list[Any]]:
                 listed.update(storage.objects(src))
             out.append([src, *listed.get(src, (0, ""))])
         else:
-            st = Path(src).stat()
-            out.append([src, st.st_size, st.st_mtime_ns])
+            size = Path(src).stat().st_size
+            out.append([Path(src).name, size, _sampled_digest(Path(src), size)])
     return out
+
+
+def _sampled_digest(path: Path, size: int, samples: int = 16, block: int = 1 << 20) -> str:
+    """sha256 of up to `samples` blocks spread over the file (all of it when small): a copy digests the
+    same, an edit almost anywhere differs, and a 50 GB corpus costs 16 MB of reading."""
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= samples * block:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        else:
+            for i in range(samples):
+                f.seek((size - block) * i // (samples - 1))
+                h.update(f.read(block))
+    return h.hexdigest()

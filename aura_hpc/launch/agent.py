@@ -19,6 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from aura_hpc.comm import stores
 from aura_hpc.errors import (
     EXIT_DATA_UNAVAILABLE,
     EXIT_DIVERGED,
@@ -82,6 +83,7 @@ def run_workers(plan: LocalPlan) -> int:
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         # The verdict on failed workers is ours (one line naming the ranks, the cause and the fix).
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    stores.register_rendezvous()
     options, notes = agent_options(plan.shutdown_timeout)
     for note in notes:
         console.info(note)
@@ -96,7 +98,7 @@ def run_workers(plan: LocalPlan) -> int:
         run_id=RDZV_RUN_ID,
         role="trainer",
         rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
-        rdzv_backend="c10d",
+        rdzv_backend=stores.RDZV_BACKEND,  # torch's c10d, its stores bound to one address
         rdzv_configs={"join_timeout": plan.rdzv_timeout, "is_host": plan.node_rank == 0},
         max_restarts=plan.max_restarts,
         monitor_interval=0.2,

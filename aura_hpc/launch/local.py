@@ -17,13 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from aura_hpc.comm.stores import SECRET_ENV, SECRET_FILE
 from aura_hpc.config import fit_to_horizon, load_config
 from aura_hpc.config.device import validate_for_device
 from aura_hpc.errors import ConfigError, LaunchError
 from aura_hpc.launch.agent import run_workers
 from aura_hpc.launch.plan import LocalPlan
-from aura_hpc.launch.run_setup import prepare_run_dir
-from aura_hpc.ops.network import is_own_address, is_trusted_range, resolve, route_to
+from aura_hpc.launch.run_setup import ensure_run_secret, prepare_run_dir
+from aura_hpc.ops.network import is_own_address, is_trusted_range, loopback_interface, resolve, route_to
 
 
 def _free_port() -> int:
@@ -171,7 +172,8 @@ def plan_local(
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // nproc))
     if platform.system() == "Windows":
         env["TORCH_DISTRIBUTED_USE_LIBUV"] = "0"  # the Windows build of torch has no libuv TCPStore
-    local_addr = None
+    # The agent's stores listen on this address alone (comm/stores.py): loopback on one machine.
+    local_addr: str | None = "127.0.0.1" if nnodes == 1 else None
     if nnodes > 1:
         ip, iface = route_to(master_addr)
         iface = ifname or iface
@@ -182,6 +184,11 @@ def plan_local(
                 env.setdefault("NCCL_SOCKET_IFNAME", os.environ.get("NCCL_SOCKET_IFNAME", iface))
     elif ifname:
         env["GLOO_SOCKET_IFNAME"] = ifname
+    elif loopback_interface():
+        # One machine: gloo's and NCCL's own sockets listen on loopback too, not on the LAN address.
+        env.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", loopback_interface() or ""))
+        if gpus:
+            env.setdefault("NCCL_SOCKET_IFNAME", os.environ.get("NCCL_SOCKET_IFNAME", loopback_interface() or ""))
     warnings += fit_to_horizon(cfg, nproc * nnodes)
     plan = LocalPlan(cfg, nnodes, node_rank, nproc, master_addr, master_port, max_restarts, rdzv_timeout, local_addr, env)
     from aura_hpc.launch.data_plan import coverage
@@ -258,7 +265,18 @@ def launch(plan: LocalPlan, ready: Callable[[], None] | None = None) -> int:
         wait_for_master(plan.master_addr, plan.master_port, plan.rdzv_timeout, console.info)
     # Node 0 holds the run directory for the whole run: a second `local` there is refused.
     node0 = plan.node_rank == 0
-    lock = prepare_run_dir(plan.cfg, plan.nproc * plan.nnodes, lock=node0, check_lock=node0)
+    secret = _secret_of_other_node(plan) if not node0 else None
+    lock = prepare_run_dir(
+        plan.cfg, plan.nproc * plan.nnodes, lock=node0, check_lock=node0, config_name=plan.config_path.name, secret=node0
+    )
+    if node0:
+        secret = ensure_run_secret(plan.cfg.run_dir)
+        if plan.nnodes > 1:
+            from aura_hpc import console
+
+            console.info(f"on the other machines (node 1..{plan.nnodes - 1}): {other_nodes_command(plan, secret)}")
+    assert secret is not None
+    os.environ[SECRET_ENV] = secret
     os.environ.update(plan.env)
     # Workers stop (checkpoint, exit) when this process is gone, even after a SIGKILL.
     os.environ["AURA_LAUNCHER_PID"] = str(os.getpid())
@@ -269,6 +287,48 @@ def launch(plan: LocalPlan, ready: Callable[[], None] | None = None) -> int:
     finally:
         if lock is not None:
             lock.release()
+
+
+def _secret_of_other_node(plan: LocalPlan) -> str:
+    """A LAN node other than node 0 proves the run's secret that node 0 printed (or finds it in a run
+    folder it shares with node 0)."""
+    given = os.environ.get(SECRET_ENV, "").strip()
+    if given:
+        return given
+    try:
+        shared = (plan.cfg.run_dir / SECRET_FILE).read_text(encoding="utf-8").strip()
+    except OSError:
+        shared = ""
+    if shared:
+        return shared
+    raise LaunchError(
+        f"node {plan.node_rank} has no secret for this run: every node proves the run's secret before training "
+        f"(fix: start it with {SECRET_ENV}=... exactly as node 0 printed it)"
+    )
+
+
+def other_nodes_command(plan: LocalPlan, secret: str) -> str:
+    """This command line as the other nodes run it: their --node-rank, and the run's secret."""
+    import shlex
+    import sys
+
+    argv = list(sys.argv[1:]) or ["local"]
+    out: list[str] = []
+    skip = False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg == "--node-rank" and i + 1 < len(argv):
+            skip = True
+            continue
+        if arg.startswith("--node-rank="):
+            continue
+        out.append(arg)
+    if "--master-port" not in out and not any(a.startswith("--master-port=") for a in out):
+        out += ["--master-port", str(plan.master_port)]
+    words = ["python", "-m", "aura_hpc", *out, "--node-rank", "K"]
+    return f"{SECRET_ENV}={shlex.quote(secret)} {shlex.join(words)} (K = that machine's index)"
 
 
 def summary(plan: LocalPlan) -> dict[str, object] | None:

@@ -33,7 +33,10 @@ class LocalPlan:
 
     @property
     def config_path(self) -> Path:
-        return self.cfg.run_dir / "config.yaml"
+        """Node 0's config.yaml; another node's own file beside it: LAN nodes may share the run folder
+        (NFS), and each node's workers must read the settings that node was started with (the ranks
+        then compare them, and refuse a difference)."""
+        return self.cfg.run_dir / ("config.yaml" if self.node_rank == 0 else f"config.node{self.node_rank}.yaml")
 
     @property
     def worker_cmd(self) -> list[str]:

@@ -256,7 +256,9 @@ def ensure_data(cfg: RunConfig, world_size: int) -> None:
     preflight_data(cfg, world_size)
 
 
-def prepare_run_dir(cfg: RunConfig, world_size: int, lock: bool = False, check_lock: bool = True) -> RunLock | None:
+def prepare_run_dir(
+    cfg: RunConfig, world_size: int, lock: bool = False, check_lock: bool = True, config_name: str = "config.yaml", secret: bool = True
+) -> RunLock | None:
     """Side effects before launch: the built-in data if needed, the run directory, config.yaml.
 
     Shared by `local` and `submit`, so both refuse the same bad data before any worker starts.
@@ -275,8 +277,10 @@ def prepare_run_dir(cfg: RunConfig, world_size: int, lock: bool = False, check_l
         held = RunLock(cfg.run_dir).acquire() if lock else None
         if held is not None:
             _remove_partial_checkpoints(cfg.run_dir / "checkpoints")
-        config_path = cfg.run_dir / "config.yaml"
-        tmp = config_path.with_suffix(".yaml.tmp")
+        if secret:
+            ensure_run_secret(cfg.run_dir)
+        config_path = cfg.run_dir / config_name
+        tmp = config_path.with_name(f".{config_name}.tmp-{os.getpid()}")
         tmp.write_text(cfg.to_yaml(), encoding="utf-8")
         tmp.replace(config_path)
     except OSError as exc:
@@ -287,6 +291,29 @@ def prepare_run_dir(cfg: RunConfig, world_size: int, lock: bool = False, check_l
             "(fix: free space there, lower train.keep_last, or use an output_dir on a larger disk)"
         ) from None
     return held
+
+
+def ensure_run_secret(run_dir: Path) -> str:
+    """The run's secret, which every rank proves before the first collective (comm/stores.py): kept in
+    RUN_DIR/run.secret (mode 600), made once, so a resumed run or a requeued job keeps it; one the user
+    chose (AURA_RUN_SECRET) replaces it."""
+    from aura_hpc.comm.stores import SECRET_ENV, SECRET_FILE, new_secret
+
+    path = run_dir / SECRET_FILE
+    chosen = os.environ.get(SECRET_ENV, "").strip()
+    try:
+        existing = path.read_text(encoding="utf-8").strip()
+    except OSError:
+        existing = ""
+    if existing and (not chosen or chosen == existing):
+        return existing
+    value = chosen or new_secret()
+    tmp = run_dir / f".{SECRET_FILE}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(value + "\n")
+    tmp.replace(path)
+    return value
 
 
 def _remove_partial_checkpoints(root: Path) -> None:

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aura_hpc.comm import collectives, stores
 from aura_hpc.ops.check_report import Failed, Report
-from aura_hpc.ops.network import route_to
+from aura_hpc.ops.network import resolve, route_to
 
 
 @dataclass
@@ -119,7 +120,10 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
     stage[0] = "rendezvous"
     left = timedelta_s(max(1.0, deadline - time.monotonic()))
     try:
-        tcp = dist.TCPStore(a.master_addr, a.master_port, a.nnodes, is_master=a.node_rank == 0, timeout=left, wait_for_workers=False)
+        if a.node_rank == 0:  # listening on the master's address alone, not on every interface
+            tcp = stores.bound_server(resolve(a.master_addr) or a.master_addr, a.master_port, left)
+        else:
+            tcp = stores.client(a.master_addr, a.master_port, left)
     except Exception as exc:
         if a.node_rank == 0:
             report.add(
@@ -196,6 +200,7 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
             "open the firewall for the nodes' other ports (gloo/NCCL use random ports)",
         )
         raise Failed from None
+    collectives.set_world(device)
     try:
         stage[0] = "all_reduce"
         _all_reduce_checks(report, a, device)
@@ -210,7 +215,7 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
             stage[0] = "shared directory"
             _shared_dir(report, a, store, nodes)
         stage[0] = "finishing"
-        dist.barrier()
+        collectives.barrier()
     finally:
         # gloo's worker thread frees finished work (and the Python tensors it holds) right after
         # completing it; destroying the group while it still must, with the GIL held here,
@@ -251,16 +256,13 @@ def _address_findings(report: Report, a: ClusterArgs, nodes: list[dict[str, Any]
 
 def _all_reduce_checks(report: Report, a: ClusterArgs, device: Any) -> None:
     import torch
-    import torch.distributed as dist
 
     n = a.nnodes
     t = torch.full((4096,), float(a.node_rank + 1), device=device)
-    dist.all_reduce(t)
+    collectives.all_reduce(t)
     expected = n * (n + 1) / 2
     mine_ok = bool(torch.all(t == expected).item())
-    bad = torch.tensor([0.0 if mine_ok else 1.0], device=device)
-    dist.all_reduce(bad)
-    wrong = int(bad.item())
+    wrong = int(collectives.reduce_values([0.0 if mine_ok else 1.0])[0])
     report.add(
         "all_reduce",
         wrong == 0,
@@ -272,12 +274,10 @@ def _all_reduce_checks(report: Report, a: ClusterArgs, device: Any) -> None:
 
 
 def _clock_skew(report: Report, a: ClusterArgs) -> None:
-    import torch.distributed as dist
 
-    dist.barrier()
+    collectives.barrier()
     t = time.time()
-    times: list[Any] = [None] * a.nnodes
-    dist.all_gather_object(times, t)
+    times = [float(x) for x in collectives.gather_json(t)]
     skew = max(times) - min(times)
     report.add(
         "clock skew",
@@ -297,28 +297,18 @@ SIZE_BUDGET_S = 3.0  # the most one size's measurement may take
 def _agreed_seconds(seconds: float, device: Any) -> float:
     """The slowest rank's time: every rank then takes the same decision about the next size (a rank
     that skipped an all_reduce its peer still ran would hang both)."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return collectives.reduce_values([seconds], op="max")[0]
 
 
 def _bandwidth(report: Report, a: ClusterArgs, device: Any) -> None:
     import torch
-    import torch.distributed as dist
 
     n = a.nnodes
     # A small probe first: on a slow link (Wi-Fi, a rate-limited LAN) it says which sizes fit the
     # check's time, so a 10 Mbit/s link is measured rather than timed out.
     probe = torch.ones(int(PROBE_MB * 2**20 / 4), dtype=torch.float32, device=device)
-    dist.all_reduce(probe)  # connections and buffers
-    t0 = time.perf_counter()
-    dist.all_reduce(probe)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    per_mb = _agreed_seconds(time.perf_counter() - t0, device) / PROBE_MB
+    collectives.all_reduce(probe)  # connections and buffers
+    per_mb = _agreed_seconds(collectives.timed(lambda: collectives.all_reduce(probe)), device) / PROBE_MB
     budget = SIZE_BUDGET_S  # a constant, not the time left: every rank must decide alike
     for mb in a.sizes_mb:
         one = per_mb * mb
@@ -328,16 +318,14 @@ def _bandwidth(report: Report, a: ClusterArgs, device: Any) -> None:
         numel = int(mb * 2**20 / 4)
         t = torch.ones(numel, dtype=torch.float32, device=device)
         if one < budget / 4:
-            dist.all_reduce(t)  # warm-up at this size
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(t)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        secs = _agreed_seconds((time.perf_counter() - t0) / iters, device)
+            collectives.all_reduce(t)  # warm-up at this size
+        collectives.barrier()
+
+        def repeated(t: torch.Tensor = t, iters: int = iters) -> None:
+            for _ in range(iters):
+                collectives.all_reduce(t)
+
+        secs = _agreed_seconds(collectives.timed(repeated) / iters, device)
         per_mb = secs / mb
         size = numel * 4
         algbw = size / secs / 1e9
@@ -377,7 +365,6 @@ def _advice(report: Report, a: ClusterArgs, device: Any) -> None:
 
 
 def _shared_dir(report: Report, a: ClusterArgs, store: Any, nodes: list[dict[str, Any]]) -> None:
-    import torch.distributed as dist
 
     root = Path(a.shared_dir or ".").expanduser()
     token = store.get("shared-token").decode() if a.node_rank else uuid.uuid4().hex
@@ -390,7 +377,7 @@ def _shared_dir(report: Report, a: ClusterArgs, store: Any, nodes: list[dict[str
         (where / f"node{a.node_rank}").write_text(json.dumps({"node_rank": a.node_rank, "uid": os.getuid(), "token": token}))
     except OSError as exc:
         error = f"cannot write in {root} ({exc.strerror})"
-    dist.barrier()
+    collectives.barrier()
     seen, foreign_owner = [], []
     if not error:
         for n in nodes:
@@ -400,9 +387,8 @@ def _shared_dir(report: Report, a: ClusterArgs, store: Any, nodes: list[dict[str
                 st = f.stat()
                 if n["uid"] is not None and st.st_uid != n["uid"]:
                     foreign_owner.append(f"node {n['node_rank']}'s file is owned by uid {st.st_uid}, not {n['uid']}")
-    results: list[Any] = [None] * a.nnodes
-    dist.all_gather_object(results, {"error": error, "seen": seen, "owners": foreign_owner})
-    dist.barrier()
+    results = collectives.gather_json({"error": error, "seen": seen, "owners": foreign_owner})
+    collectives.barrier()
     if a.node_rank == 0:
         shutil.rmtree(where, ignore_errors=True)
     problems = []

@@ -78,12 +78,14 @@ def _try_backend(backend: str) -> tuple[bool, str]:
     import torch
     import torch.distributed as dist
 
+    from aura_hpc.comm import collectives
+
     try:
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
         device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
         t = torch.ones(4, device=device)
-        dist.all_reduce(t)
+        collectives.all_reduce(t, collectives.Group("backend-check", device))
         ok = bool(t.sum().item() == 4)
         dist.destroy_process_group()
         return ok, "" if ok else "all_reduce gave a wrong result"

@@ -159,21 +159,25 @@ def compute_seconds(cfg: RunConfig, tokenizer_vocab: int, device: Any) -> float:
 
 
 def measure_link(nodes: int, group: Any = None, probe_mb: float = 1.0) -> Link:
-    """Bandwidth and latency of the process group's link (every rank calls it)."""
+    """Bandwidth and latency of the process group's link (every rank calls it). The tensors live on the
+    group's device (NCCL takes no host tensor) and each timing waits for the device (on a GPU a
+    collective returns once queued)."""
     import torch
-    import torch.distributed as dist
 
-    tiny = torch.zeros(2)
-    dist.all_reduce(tiny, group=group)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        dist.all_reduce(tiny, group=group)
-    per = (time.perf_counter() - t0) / 10
+    from aura_hpc.comm import collectives
+
+    g = group or collectives.world()
+    tiny = torch.zeros(2, device=g.device)
+    collectives.all_reduce(tiny, g)  # connections and buffers
+
+    def tiny_ones() -> None:
+        for _ in range(10):
+            collectives.all_reduce(tiny, g)
+
+    per = collectives.timed(tiny_ones, g) / 10
     latency = per / max(1, 2 * (nodes - 1))
-    big = torch.zeros(int(probe_mb * 2**20 / 4))
-    dist.all_reduce(big, group=group)
-    t0 = time.perf_counter()
-    dist.all_reduce(big, group=group)
-    secs = max(time.perf_counter() - t0 - 2 * (nodes - 1) * latency, 1e-9)
+    big = torch.zeros(int(probe_mb * 2**20 / 4), device=g.device)
+    collectives.all_reduce(big, g)
+    secs = max(collectives.timed(lambda: collectives.all_reduce(big, g), g) - 2 * (nodes - 1) * latency, 1e-9)
     bandwidth = 2 * (nodes - 1) / nodes * big.numel() * 4 / secs
     return Link(nodes, bandwidth, latency)

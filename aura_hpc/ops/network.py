@@ -21,6 +21,16 @@ def route_to(addr: str) -> tuple[str | None, str | None]:
     return ip, None
 
 
+def loopback_interface() -> str | None:
+    """The name of the interface that holds 127.0.0.1 ("lo" on Linux), or None."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addrs):
+            return name
+    return None
+
+
 def resolve(addr: str) -> str | None:
     """`addr`'s IPv4 address (a name is looked up), or None when it does not resolve."""
     try:

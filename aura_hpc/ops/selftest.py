@@ -8,6 +8,8 @@ short real `local` run:
 - after the first step torch._dynamo's error_on_recompile is on (compiled runs): a recompilation
   fails the run, and the compiled graph count and graph breaks are read back;
 - a NaN is injected into the loss of the last rank at step 7: every rank must skip that update;
+- every collective of the run (start-up, evaluation, checkpoints, meetings) gets tensors on its group's
+  device, and nothing reseeds every GPU's generator after the first step (AURA_PROBE_RUN);
 - it stops at step 10 with a checkpoint, and a second run resumes from it to step 20.
 Then a throughput run of the trainer (one GPU, gpt2-small shape, vocabulary 50,304) against the
 reference loop written independently of our model (aura_hpc/ops/reference_loop.py, data already
@@ -50,8 +52,10 @@ NAN_STEP, STOP_STEP, END_STEP = 7, 10, 20
 
 def settings(strategy: str, nproc: int) -> list[str]:
     """The `--set` values of a strategy's check on `nproc` processes (tests/test_gpu_contract.py runs
-    the same ones on CPU under its probes)."""
-    return [*STRATEGIES[strategy], *([f"dist.diloco_replicas={nproc}"] if strategy == "diloco" else [])]
+    the same ones on CPU under its probes). DiLoCo on 4 GPUs or more: replicas of 2 GPUs, as a node's
+    GPUs train one replica (DDP inside it, only its leader meeting the others); on 2, one per GPU."""
+    replicas = nproc // 2 if nproc >= 4 else nproc
+    return [*STRATEGIES[strategy], *([f"dist.diloco_replicas={replicas}"] if strategy == "diloco" else [])]
 
 
 @dataclass
@@ -109,7 +113,9 @@ def contract(strategy: str, data: Path, runs: Path, nproc: int, model: list[str]
     ]
     if cpu:
         args += ["--set", "train.fused_optimizer=true"]  # what CUDA runs use, so the probes watch the same path
-    env = _env({"AURA_PROBE_STEPS": f"3-{END_STEP - 1}", "AURA_FAULT_NAN": f"{nproc - 1}:{NAN_STEP}:1"}, 1 if cpu else 0)
+    env = _env(
+        {"AURA_PROBE_STEPS": f"3-{END_STEP - 1}", "AURA_PROBE_RUN": "1", "AURA_FAULT_NAN": f"{nproc - 1}:{NAN_STEP}:1"}, 1 if cpu else 0
+    )
     first = _local([*args, "--set", f"train.stop_at={STOP_STEP}"], env, 1800)
     if first.returncode != 0:
         return Check(name, False, f"first run failed: {_last_line(first)}")
@@ -132,6 +138,9 @@ def contract(strategy: str, data: Path, runs: Path, nproc: int, model: list[str]
         graphs.add(report.get("compiled_graphs", 0))
         if report.get("graph_breaks"):
             problems.append(f"graph breaks: {report['graph_breaks']}")
+        whole = runs / run_name / "probes" / f"run_rank{rank}.json"
+        seen = json.loads(whole.read_text()) if whole.exists() else {}
+        problems += [*seen.get("host_tensors", {}), *seen.get("reseeds", {})][:2]
     if problems:
         return Check(name, False, "; ".join(problems)[:300])
     compiled = f", compiled graphs {max(graphs)}, no recompilation" if max(graphs, default=0) else ""

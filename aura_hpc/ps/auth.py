@@ -95,5 +95,8 @@ def valid(key: bytes, given: object, *parts: bytes | str) -> bool:
 
 
 def pair_prefix(key: bytes, nonce: str) -> str:
-    """The store prefix of a worker's pair group, derived by both ends (not written in the store)."""
+    """The store prefix of a worker's pair group, derived by both ends: nobody sends it, but the pair's
+    keys (its gloo addresses) carry it, and anyone listing the store sees them while the pair is made,
+    so the pair proves the secret over itself before it carries anything (handshake); the server
+    deletes them once the pair is up."""
     return "pair/" + tag(key, "pair", nonce)[:32]

@@ -1,16 +1,21 @@
 """Joining a parameter-server run through the server's TCPStore.
 
-A worker picks a random nonce, writes its request (host, address, wanted rank, settings) with an
-HMAC under the run's secret to `join/req/<nonce>`, announces the nonce on the `join/queue` list
-and waits for `join/reply/<nonce>`, which it believes only with the server's HMAC over that nonce.
-It announces again every few seconds while it waits, so a request someone overwrote or a queue
-someone reset costs a retry, not the join. The server reads the queue in order (one place decides
-ranks) and treats every byte of it as hostile: sizes are bounded, types checked, requests without
-a valid HMAC refused with a logged line, and nothing read there ever names a file.
+A worker picks a random nonce, writes its request (host, address, wanted rank, settings, and the
+server's epoch: a random value each start of the server publishes at `join/epoch`) with an HMAC under
+the run's secret to `join/req/<nonce>`, announces the nonce on the `join/queue` list and waits for
+`join/reply/<nonce>`, which it believes only with the server's HMAC over that nonce. It announces
+again every few seconds while it waits, so a request someone overwrote or a queue someone reset
+costs a retry, not the join. The server reads the queue in order (one place decides ranks) and
+treats every byte of it as hostile: sizes are bounded, types checked, requests without a valid HMAC
+refused with a logged line, and nothing read there ever names a file. A request is deleted once
+read, a reply once believed. A replayed request (its nonce answered already, for as long as the
+server runs) gets its old reply and nothing else; one signed for an earlier start of the server is
+refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
 import json
@@ -18,6 +23,7 @@ import logging
 import re
 import secrets
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +36,10 @@ from aura_hpc.ps import auth
 log = logging.getLogger("aura_hpc")
 
 QUEUE = "join/queue"
+EPOCH = "join/epoch"
 ANNOUNCE_EVERY_S = 3.0
+COMPACT_BYTES = 64 * 1024  # a queue read this far is started afresh (those still waiting announce again)
+_EPOCH = re.compile(r"^[0-9a-f]{32}$")
 MAX_QUEUE_BYTES = 256 * 1024  # a flooded queue is dropped (legitimate workers announce again)
 MAX_REQUEST_BYTES = 64 * 1024
 NOTE_WINDOW_S, NOTES_PER_WINDOW = 10.0, 20
@@ -40,15 +49,15 @@ _NONCE = re.compile(r"^[0-9a-f]{32}$")
 def request_join(store: dist.Store, key: bytes, request: dict[str, Any], server: str, timeout_s: float) -> tuple[str, dict[str, Any]]:
     """(nonce, the server's reply); a refusal is raised with the server's one-line reason."""
     nonce = secrets.token_hex(16)
-    body = json.dumps({**request, "nonce": nonce}, sort_keys=True)
-    signed = json.dumps({"body": body, "mac": auth.tag(key, "join", body)})
     reply_key = f"join/reply/{nonce}"
     deadline = time.monotonic() + timeout_s
     announced = 0.0
     while True:
         now = time.monotonic()
         if now - announced > ANNOUNCE_EVERY_S:
-            store.set(f"join/req/{nonce}", signed)
+            # Signed for the server's current start, read again each time (a server restarted meanwhile).
+            body = json.dumps({**request, "nonce": nonce, "epoch": _server_epoch(store)}, sort_keys=True)
+            store.set(f"join/req/{nonce}", json.dumps({"body": body, "mac": auth.tag(key, "join", body)}))
             store.append(QUEUE, nonce + "\n")
             announced = now
         if store.check([reply_key]):
@@ -61,10 +70,22 @@ def request_join(store: dist.Store, key: bytes, request: dict[str, Any], server:
                 "(fix: look at the server's terminal; it may be saving or stopping — start the worker again)"
             )
         time.sleep(0.1)
+    for done in (reply_key, f"join/req/{nonce}"):
+        with contextlib.suppress(RuntimeError, ValueError):
+            store.delete_key(done)
     if not reply.get("ok"):
         error = ConfigError if reply.get("kind") == "config" else LaunchError
         raise error(str(reply.get("error")))
     return nonce, reply
+
+
+def _server_epoch(store: dist.Store) -> str:
+    """The server's epoch, or "" before it has published one (the server then refuses and the worker
+    announces again)."""
+    if not store.check([EPOCH]):
+        return ""
+    value = store.get(EPOCH)[:64].decode("ascii", "replace")
+    return value if _EPOCH.match(value) else ""
 
 
 def _believed_reply(raw: bytes, key: bytes, nonce: str) -> dict[str, Any] | None:
@@ -92,6 +113,7 @@ def _believed_reply(raw: bytes, key: bytes, nonce: str) -> dict[str, Any] | None
 @dataclasses.dataclass
 class Request:
     nonce: str
+    epoch: str
     host: str
     addr: str
     pid: int
@@ -110,6 +132,9 @@ def parse_request(nonce: str, body: str) -> Request:
     d = json.loads(body, parse_constant=lambda c: (_ for _ in ()).throw(_fail(f"{c} is not a number here")))
     if not isinstance(d, dict) or d.get("nonce") != nonce:
         raise _fail("not a request object for this nonce")
+    epoch = d.get("epoch", "")
+    if not isinstance(epoch, str) or (epoch and not _EPOCH.match(epoch)):
+        raise _fail("epoch is not the server's kind of value")
     host, addr, pid, rank = d.get("host"), d.get("addr"), d.get("pid"), d.get("rank", 0)
     if not isinstance(host, str) or not 0 < len(host) <= 64 or not host.isprintable():
         raise _fail("host is not a short printable string")
@@ -133,7 +158,7 @@ def parse_request(nonce: str, body: str) -> Request:
             raise _fail("settings holds something other than plain values")
         if isinstance(v, str) and len(v) > 1000:
             raise _fail(f"setting {k[:40]} is too long")
-    return Request(nonce, host, addr, pid, rank, flags["rejoin"], flags["probe"], settings)
+    return Request(nonce, epoch, host, addr, pid, rank, flags["rejoin"], flags["probe"], settings)
 
 
 class JoinQueue:
@@ -141,9 +166,12 @@ class JoinQueue:
 
     def __init__(self, store: dist.Store, key: bytes) -> None:
         self.store, self.key = store, key
+        self.epoch = secrets.token_hex(16)  # this start of the server: requests signed for another are refused
         self.offset = 0
-        self.answered: dict[str, str] = {}  # nonce -> the signed reply (written again when announced again)
-        self.refused_unauth: set[str] = set()
+        # nonce -> the signed reply, for as long as the server runs (written again when announced again).
+        # Only requests that proved the secret get here: nothing a stranger sends can push one out.
+        self.answered: dict[str, str] = {}
+        self.refused_unauth: OrderedDict[str, None] = OrderedDict()  # the newest 4,096, each logged once
         self._window_start = 0.0
         self._notes = 0
         self._quiet = 0
@@ -162,7 +190,22 @@ class JoinQueue:
         self._notes += 1
         log.warning("%s", one_line(message)[:300])
 
+    def publish_epoch(self) -> None:
+        self.store.set(EPOCH, self.epoch)
+
     def poll(self) -> list[Request]:
+        """Verified requests announced since the last poll. A store error (someone sent it a value it
+        refuses, or it deleted a key under us) is a logged line and an empty poll, never the server's end."""
+        try:
+            return self._poll()
+        except (RuntimeError, ValueError, OSError) as exc:
+            self._note(f"the store answered a read of the join queue with an error ({one_line(str(exc))[:120]}); reading it afresh")
+            self.offset = 0
+            return []
+
+    def _poll(self) -> list[Request]:
+        if not self.store.check([EPOCH]) or self.store.get(EPOCH)[:64].decode("ascii", "replace") != self.epoch:
+            self.store.set(EPOCH, self.epoch)  # deleted or rewritten by someone: workers sign what they read there
         if not self.store.check([QUEUE]):
             self.offset = 0
             return []
@@ -177,6 +220,9 @@ class JoinQueue:
             self.store.delete_key(QUEUE)
         end = raw.rfind(b"\n", self.offset) + 1
         lines, self.offset = raw[self.offset : end].split(b"\n"), 0 if flooded else max(end, self.offset)
+        if self.offset > COMPACT_BYTES and len(raw) == end:  # read to its end: started afresh, kept small
+            self.store.delete_key(QUEUE)
+            self.offset = 0
         found = []
         for line in lines:
             nonce = line.decode("ascii", "replace").strip()
@@ -198,6 +244,7 @@ class JoinQueue:
         if not self.store.check([key]):
             return None
         raw = self.store.get(key)
+        self.store.delete_key(key)  # read once: it leaves the store (a stranger listing keys sees less)
         try:
             if len(raw) > MAX_REQUEST_BYTES:
                 raise ValueError(f"{len(raw)} bytes")
@@ -210,12 +257,20 @@ class JoinQueue:
             return None
         if not auth.valid(self.key, mac, "join", body):
             if nonce not in self.refused_unauth:
-                self.refused_unauth.add(nonce)
+                self.refused_unauth[nonce] = None
+                if len(self.refused_unauth) > 4096:
+                    self.refused_unauth.popitem(last=False)
                 self._note(f"refused a join {nonce[:8]}… that does not prove the run's secret")
                 self.store.set(f"join/reply/{nonce}", json.dumps({"unauthenticated": True}))
             return None
         try:
-            return parse_request(nonce, body)
+            req = parse_request(nonce, body)
+            if req.epoch != self.epoch:
+                # Signed for an earlier start of this server (a replay), or before the worker read the
+                # epoch: not answered, so the worker signs again with the epoch it reads next time.
+                self._note(f"ignored a join {nonce[:8]}… signed for another start of the server (a replay, or a worker catching up)")
+                return None
+            return req
         except (ValueError, TypeError, RecursionError) as exc:
             self._note(f"refused a join {nonce[:8]}… with the secret but a malformed request: {exc}")
             self.reply(
@@ -227,8 +282,6 @@ class JoinQueue:
         body = json.dumps(reply)
         signed = json.dumps({"body": body, "mac": auth.tag(self.key, "reply", nonce, body)})
         self.answered[nonce] = signed
-        if len(self.answered) > 4096:
-            self.answered.pop(next(iter(self.answered)))
         self.store.set(f"join/reply/{nonce}", signed)
 
 

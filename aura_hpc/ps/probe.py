@@ -57,7 +57,7 @@ def check_server(report: Report, addr: str, port: int, timeout: float, secret: s
     answer = f"version {reply['version']}, {reply['workers']} worker ranks, wire {reply['wire_dtype']}"
     report.add("join", True, f"the server answered ({answer})")
     try:
-        link = wire.Link(wire.pair_group(store, auth.pair_prefix(key, nonce), 1, own or "127.0.0.1", timeout), 1)
+        link = wire.Link(wire.pair_group(store, auth.pair_prefix(key, nonce), 1, own or "127.0.0.1", timeout), 1, timeout)
         wire.handshake(link, key, nonce)
         sent = torch.arange(PROBE_FLOATS, dtype=torch.float32)
         started = time.perf_counter()

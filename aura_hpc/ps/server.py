@@ -27,6 +27,7 @@ from aura_hpc.ps.join import JoinQueue, Request, decide, settings
 from aura_hpc.ps.pairing import Pairing
 from aura_hpc.ps.replica import Replica, build_replica, check_shard_size
 from aura_hpc.ps.stats import ProcessStats, copy_worker_stats, write_server_stats
+from aura_hpc.ps.sweep import StoreSweeper
 from aura_hpc.train.evaluation import evaluate, sample
 from aura_hpc.train.metrics import MetricsWriter
 from aura_hpc.train.schedule import make_optimizer, make_scheduler
@@ -55,19 +56,29 @@ class Seat:
     tokens: int = 0
     link: wire.Link | None = None
     replaced: bool = False  # by the same worker rejoining after a network drop
+    pending: bool = False  # a rejoin whose connection has not proved the secret yet: the old seat holds the rank
 
     def describe(self) -> str:
         return f"{self.host} ({self.addr}, pid {self.pid}, joined {time.monotonic() - self.joined:.0f}s ago)"
 
 
-def release_returning_seat(seats: dict[int, Seat], req: Request) -> None:
-    """The same worker process back after a network drop, before its old connection timed out here:
-    its old seat goes (that seat's thread ends quietly when the old connection fails)."""
+def returning_seat(seats: dict[int, Seat], req: Request) -> Seat | None:
+    """The seat of the same worker process, back after a network drop before its old connection timed
+    out here. It stays until the new connection has proved the run's secret (`take_seat`)."""
     old = seats.get(req.rank)
     if req.rejoin and old is not None and (old.host, old.pid) == (req.host, req.pid):
+        return old
+    return None
+
+
+def take_seat(seats: dict[int, Seat], seat: Seat) -> None:
+    """A proven connection takes its rank; a returning worker's old seat goes (its thread ends quietly
+    when the old connection fails)."""
+    old = seats.get(seat.rank)
+    if old is not None and old is not seat:
         old.replaced = True
-        del seats[old.rank]
         log.warning("worker %d (%s) reconnected before its old connection timed out; dropping the old one", old.rank, old.host)
+    seats[seat.rank] = seat
 
 
 class ParameterServer:
@@ -114,7 +125,9 @@ class ParameterServer:
         self.port = port
         self.store = wire.host_store(port, self.p.join_timeout_s)
         self.joins = JoinQueue(self.store, self.key)
-        self.pairing = Pairing(self.store, port, self.key, self.p.worker_timeout_s, self.lock)
+        self.joins.publish_epoch()
+        self.pairing = Pairing(self.store, port, self.key, self.p.worker_timeout_s)
+        self.sweeper = StoreSweeper(self.store, self.p.worker_timeout_s + 30)
         self.metrics = MetricsWriter(self.cfg.run_dir, self.version)
         try:
             return self._serve()
@@ -152,9 +165,10 @@ class ParameterServer:
             if not self.seats and time.monotonic() - last_note > 30:
                 log.info("no worker connected; waiting for workers (Ctrl+C saves and stops)")
                 last_note = time.monotonic()
+            self.sweeper.sweep({seat.nonce for seat in self.seats.values()})
             time.sleep(0.05)
         if self.fatal is not None:
-            self._join_threads()
+            join_threads(self.threads, self.pairing.setting_up)
             self.metrics.close()
             raise self.fatal
         return self._finish(interrupted=stop.requested and self.version < self.t.max_steps)
@@ -162,8 +176,8 @@ class ParameterServer:
     # ---- joining ---------------------------------------------------------------------------
     def _admit(self, req: Request) -> None:
         with self.lock:
-            release_returning_seat(self.seats, req)
-            taken = {rank: seat.describe() for rank, seat in self.seats.items()}
+            returning = returning_seat(self.seats, req)
+            taken = {rank: seat.describe() for rank, seat in self.seats.items() if seat is not returning}
         reply = decide(req, self.settings, self.p.workers, taken, self.stopping)
         if not reply["ok"]:
             log.warning("refused a worker from %s: %s", one_line(req.host), reply["error"])
@@ -177,12 +191,13 @@ class ParameterServer:
             self._start_thread(self.pairing.echo, prefix, req.addr, req.nonce)
             return
         rank = int(reply["rank"])
-        seat = Seat(rank, req.host, req.addr, req.pid, req.nonce, req.rejoin)
+        seat = Seat(rank, req.host, req.addr, req.pid, req.nonce, req.rejoin, pending=returning is not None)
         reply["position"] = self.positions.get(rank, 0)
         with self.lock:
             if not self.seats:  # throughput counts from when someone trains, not from an idle wait
                 self.interval_start = time.perf_counter()
-            self.seats[rank] = seat
+            if returning is None:
+                self.seats[rank] = seat  # held for this join while its pair is made
         self.joins.reply(req.nonce, reply)
         self._start_thread(self._serve_worker, seat, prefix)
 
@@ -201,6 +216,9 @@ class ParameterServer:
                 raise
             except RuntimeError as exc:  # the peer never completed its pair group (DistStoreError, a gloo timeout)
                 raise wire.LinkLost(f"its data connection was never set up: {wire.failure(exc)}") from None
+            with self.lock:
+                take_seat(self.seats, seat)
+                seat.pending = False
             how = "rejoined" if seat.rejoined else "joined"
             log.info("worker %d %s from %s (%s); %d connected", seat.rank, how, one_line(seat.host), seat.addr, len(self.seats))
             self._send_weights(link)
@@ -218,7 +236,7 @@ class ParameterServer:
                 except AuraError as exc:  # e.g. a checkpoint that cannot be written: the server stops
                     self.fatal, self.stopping, stop = exc, True, True
                 if stop:
-                    link.send([wire.STOP, self.version, self._stop_code()])
+                    link.send([wire.STOP, self.version, stop_code(self.version, self.t.max_steps, self.fatal)])
                     reason = "stopped by the server"
                     break
                 self._send_weights(link)
@@ -232,10 +250,6 @@ class ParameterServer:
         finally:
             self._leave(seat, reason)
 
-    def _stop_code(self) -> float:
-        """What a STOP tells the worker: 1 training is over, 2 the server failed, 0 it was stopped (Ctrl+C)."""
-        return 1.0 if self.version >= self.t.max_steps else 2.0 if self.fatal is not None else 0.0
-
     def _send_weights(self, link: wire.Link) -> None:
         with self.lock:
             flat = self.replica.flat_weights(self.wire_dtype)
@@ -243,6 +257,9 @@ class ParameterServer:
         link.send([wire.WEIGHTS, version, lr], flat)
 
     def _leave(self, seat: Seat, reason: str) -> None:
+        if seat.pending:  # a rejoin that never proved itself: the worker's seat was never given up
+            log.warning("a reconnection of worker %d from %s did not complete (%s); its seat is kept", seat.rank, seat.addr, reason)
+            return
         with self.lock:
             if self.seats.get(seat.rank) is seat:
                 del self.seats[seat.rank]
@@ -339,14 +356,6 @@ class ParameterServer:
         write_server_stats(self.stats, self.cfg.run_dir, self.version, self.tokens, links, extra)
 
     # ---- the end ---------------------------------------------------------------------------
-    def _join_threads(self) -> None:
-        """Each connected worker gets its STOP at its next message; wait for them a while."""
-        deadline = time.monotonic() + STOP_GRACE_S
-        waited = [th for th in self.threads if th not in self.pairing.setting_up]
-        for th in waited:
-            th.join(timeout=max(0.0, deadline - time.monotonic()))
-        if any(th.is_alive() for th in waited):
-            log.warning("some workers did not come for their stop message within %.0fs; they will see the server go away", STOP_GRACE_S)
 
     def _finish(self, interrupted: bool) -> int:
         with self.lock:  # the sample too: a worker's pair may still be being set up (wire.py, REGISTRY_LOCK)
@@ -354,7 +363,7 @@ class ParameterServer:
             if self.version != self.saved_version:
                 self._save(self._evaluate() if not interrupted else None)
             text = sample(self._parts(), self.t, self.version, self.replica.rt) if not interrupted else ""
-        self._join_threads()
+        join_threads(self.threads, self.pairing.setting_up)
         for seat in list(self.seats.values()):
             self._copy_worker_stats(seat)
         self.stats.end_time = time.time()
@@ -370,3 +379,19 @@ class ParameterServer:
             return EXIT_RESUMABLE
         log.info("training finished at version %d; best eval loss %s", self.version, self.best_eval)
         return 0
+
+
+def stop_code(version: int, max_steps: int, fatal: object) -> float:
+    """What a STOP tells the worker: 1 training is over, 2 the server failed, 0 it was stopped (Ctrl+C)."""
+    return 1.0 if version >= max_steps else 2.0 if fatal is not None else 0.0
+
+
+def join_threads(threads: list[threading.Thread], setting_up: set[threading.Thread]) -> None:
+    """Each connected worker gets its STOP at its next message; wait for them a while (not for threads
+    still making a pair with a peer that may never come)."""
+    deadline = time.monotonic() + STOP_GRACE_S
+    waited = [th for th in threads if th not in setting_up]
+    for th in waited:
+        th.join(timeout=max(0.0, deadline - time.monotonic()))
+    if any(th.is_alive() for th in waited):
+        log.warning("some workers did not come for their stop message within %.0fs; they will see the server go away", STOP_GRACE_S)

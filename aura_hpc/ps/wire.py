@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from aura_hpc.comm import collectives
 from aura_hpc.errors import LaunchError
 from aura_hpc.ps import auth
 
@@ -79,7 +80,8 @@ def drop_frames(exc: BaseException) -> None:
 
 
 def host_store(port: int, timeout_s: float) -> dist.TCPStore:
-    """The server's store on every interface of this machine, `port`; a clear error when it is taken."""
+    """The server's store on every interface of this machine (its workers are on the LAN), `port`; a
+    clear error when it is taken."""
     try:
         return dist.TCPStore("0.0.0.0", port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
     except (RuntimeError, OSError) as exc:
@@ -114,12 +116,19 @@ def another_client(store: dist.TCPStore, host: str, port: int, timeout_s: float,
         return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
 
 
+# The most a pair's constructor may take once both ends said they are there: it runs under
+# REGISTRY_LOCK, which every link's message takes, so a peer that stalls it (one that died right
+# then, or a stranger who wrote a gloo address into the pair's keys) holds every link this long.
+CONSTRUCT_S = 15.0
+
+
 def pair_group(store: dist.Store, prefix: str, rank: int, my_addr: str, timeout_s: float, quiet: Any = ()) -> dist.ProcessGroup:
     """The two-member gloo group of one worker and the server, on the interface of `my_addr`.
-    Both ends first say they are there, then construct under REGISTRY_LOCK (and the locks in
-    `quiet`): a peer that never comes costs this thread the timeout and nobody else anything; only
-    one that dies between saying so and constructing holds the others until the timeout."""
+    Both ends first say they are there (waiting up to `timeout_s`, outside any lock), then construct
+    under REGISTRY_LOCK (and the locks in `quiet`), bounded by CONSTRUCT_S; messages then wait
+    `timeout_s` each (Link)."""
     timeout = timedelta(seconds=timeout_s)
+    construct = timedelta(seconds=min(timeout_s, CONSTRUCT_S))
     with REGISTRY_LOCK:
         prefixed = dist.PrefixStore(prefix, store)
     try:
@@ -128,9 +137,9 @@ def pair_group(store: dist.Store, prefix: str, rank: int, my_addr: str, timeout_
         with registry_quiet(*quiet):
             options_type = getattr(dist.ProcessGroupGloo, "_Options", None)
             if options_type is None:  # an older or newer torch without the options object: default device
-                return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+                return dist.ProcessGroupGloo(prefixed, rank, 2, construct)
             options = options_type()
-            options._timeout = timeout
+            options._timeout = construct
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=my_addr)]
             group = dist.ProcessGroupGloo(prefixed, rank, 2, options)
             del options  # dropped here, under the lock
@@ -154,6 +163,7 @@ class Link:
 
     group: dist.ProcessGroup
     rank: int
+    timeout_s: float = 120.0  # each message: a peer silent this long is gone (ps.worker_timeout_s)
     session: bytes = b""  # set by handshake(); every message after it carries an HMAC under it
     sent_seq: int = 0
     received_seq: int = 0
@@ -171,8 +181,8 @@ class Link:
         work = None
         try:
             with REGISTRY_LOCK:  # gloo's send/recv only queue the transfer: the wait is outside
-                work = op([tensor], self.peer, tag)
-            work.wait()
+                work = op(self.group, tensor, self.peer, tag)
+            work.wait(timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
             raise LinkLost(failure(exc)) from None
         finally:
@@ -191,24 +201,24 @@ class Link:
     def send(self, header: list[float], payload: torch.Tensor | None = None) -> None:
         h = torch.zeros(HEADER_LEN, dtype=torch.float64)
         h[: len(header)] = torch.tensor(header, dtype=torch.float64)
-        self.bytes_sent += self._p2p(self.group.send, h, 0)
+        self.bytes_sent += self._p2p(collectives.send, h, 0)
         if payload is not None:
-            self.bytes_sent += self._p2p(self.group.send, payload, 1)
-        self.bytes_sent += self._p2p(self.group.send, self._mac(self.rank, self.sent_seq, h, payload), MAC_TAG)
+            self.bytes_sent += self._p2p(collectives.send, payload, 1)
+        self.bytes_sent += self._p2p(collectives.send, self._mac(self.rank, self.sent_seq, h, payload), MAC_TAG)
         self.sent_seq += 1
 
     def recv(self, buffers: dict[float, torch.Tensor]) -> tuple[list[float], torch.Tensor | None]:
         """One message: its header, and its tensor received into buffers[kind] when the kind has one.
         A message whose HMAC does not check out (or a header that is not numbers) loses the link."""
-        self.bytes_received += self._p2p(self.group.recv, self._header, 0)
+        self.bytes_received += self._p2p(collectives.recv, self._header, 0)
         header = [float(x) for x in self._header.tolist()]
         if not all(math.isfinite(x) for x in header):
             raise LinkLost("a message header that is not finite numbers")
         payload = buffers.get(header[0])
         if payload is not None:
-            self.bytes_received += self._p2p(self.group.recv, payload, 1)
+            self.bytes_received += self._p2p(collectives.recv, payload, 1)
         got = torch.empty(auth.TAG_BYTES, dtype=torch.uint8)
-        self.bytes_received += self._p2p(self.group.recv, got, MAC_TAG)
+        self.bytes_received += self._p2p(collectives.recv, got, MAC_TAG)
         expected = self._mac(self.peer, self.received_seq, self._header, payload)
         if not hmac.compare_digest(got.numpy().tobytes(), expected.numpy().tobytes()):
             raise LinkLost("a message failed its HMAC check (not from the run's peer, altered, or replayed)")
@@ -237,16 +247,16 @@ def handshake(link: Link, key: bytes, nonce: str) -> None:
     buf = torch.empty(32, dtype=torch.uint8)
     if link.rank == 0:
         challenge = secrets.token_bytes(32)
-        link._p2p(link.group.send, raw(challenge), CHALLENGE)
-        link._p2p(link.group.recv, buf, WORKER_PROOF)
+        link._p2p(collectives.send, raw(challenge), CHALLENGE)
+        link._p2p(collectives.recv, buf, WORKER_PROOF)
         if not hmac.compare_digest(buf.numpy().tobytes(), proof("worker", challenge)):
             raise LinkLost("the peer on this pair did not prove the run's secret")
-        link._p2p(link.group.send, raw(proof("server", challenge)), SERVER_PROOF)
+        link._p2p(collectives.send, raw(proof("server", challenge)), SERVER_PROOF)
     else:
-        link._p2p(link.group.recv, buf, CHALLENGE)
+        link._p2p(collectives.recv, buf, CHALLENGE)
         challenge = buf.numpy().tobytes()
-        link._p2p(link.group.send, raw(proof("worker", challenge)), WORKER_PROOF)
-        link._p2p(link.group.recv, buf, SERVER_PROOF)
+        link._p2p(collectives.send, raw(proof("worker", challenge)), WORKER_PROOF)
+        link._p2p(collectives.recv, buf, SERVER_PROOF)
         if not hmac.compare_digest(buf.numpy().tobytes(), proof("server", challenge)):
             raise LinkLost("the peer on this pair did not prove the run's secret (not the parameter server)")
     link.session = proof("session", challenge)

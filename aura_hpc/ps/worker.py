@@ -125,7 +125,7 @@ class PsWorker:
             self.stats = ProcessStats("worker", self.rank)
         self.store, self.nonce, self.server_gone = store, nonce, False
         prefix = auth.pair_prefix(self.key, nonce)
-        link = wire.Link(wire.pair_group(store, prefix, 1, own, cfg.ps.worker_timeout_s), 1)
+        link = wire.Link(wire.pair_group(store, prefix, 1, own, cfg.ps.worker_timeout_s), 1, cfg.ps.worker_timeout_s)
         wire.handshake(link, self.key, nonce)
         log.info(
             "%s the parameter server at %s:%d as worker %d of %d (version %d); reading shard %d of the data from sequence %d",

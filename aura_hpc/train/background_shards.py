@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from aura_hpc.comm import collectives
 from aura_hpc.train import checkpoint, faults
 from aura_hpc.train.host_mirror import HostMirror
 
@@ -55,9 +56,7 @@ class ShardWriter:
 
     def capture(self, inner: Any) -> CapturingEngine:
         if self._group is None:  # collective: every rank is here at the same save
-            import torch.distributed as dist
-
-            self._group = dist.new_group(backend="gloo")
+            self._group = collectives.new_group("checkpoint-io", host_only=True)
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aura-shard-writer")
         return CapturingEngine(inner, self.mirror)
 
@@ -71,10 +70,8 @@ class ShardWriter:
 
 
 def _write_and_agree(files: list[tuple[Path, Any, bool]], checkpoint_dir: Path, group: Any) -> dict[str, str]:
-    import torch.distributed as dist
-
     hashes: dict[str, str] = {}
-    failure: tuple[int, str] | None = None
+    failure: list[Any] | None = None
     try:
         for path, state, zipfile in files:
             with open(path, "wb") as f:
@@ -86,11 +83,10 @@ def _write_and_agree(files: list[tuple[Path, Any, bool]], checkpoint_dir: Path, 
         # The run directory holds the checkpoints folder, which holds this temporary checkpoint.
         faults.checkpoint_stage("shards", checkpoint_dir.parent.parent)
     except Exception as exc:  # a full disk on one rank: every rank learns it below, none hangs
-        failure = (getattr(exc, "errno", None) or 0, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (hashes, failure), group=group)
+        failure = [getattr(exc, "errno", None) or 0, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__]
+    everyone = collectives.gather_json([hashes, failure], group)
     for _, failed in everyone:
         if failed is not None:
-            code, text = failed
+            code, text = int(failed[0]), str(failed[1])
             raise OSError(code, text) if code else RuntimeError(text)
-    return {k: v for part, _ in everyone for k, v in part.items()}
+    return {str(k): str(v) for part, _ in everyone for k, v in dict(part).items()}

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
+from aura_hpc.comm import collectives
 from aura_hpc.config import RunConfig, embedding_rows, max_steps_for
 from aura_hpc.data.packed import GlobalOrder, PackedTokens
 from aura_hpc.errors import ConfigError, DataError
-from aura_hpc.train import distributed
 from aura_hpc.train.dist_env import DistEnv
 from aura_hpc.train.meta_init import build_on_meta
 from aura_hpc.train.model import (
@@ -145,7 +145,7 @@ def _horizon(cfg: RunConfig, world: int, env: DistEnv) -> int:
             recorded = int(json.loads(steps[-1].read_text()).get("max_steps", 0)) if steps else 0
         except (OSError, ValueError):
             recorded = 0
-    recorded = int(distributed.broadcast_object(recorded))
+    recorded = int(collectives.broadcast_json(recorded))
     if recorded and recorded != horizon:
         if env.is_main:
             per_step = cfg.train.batch_size * cfg.train.grad_accum * world * cfg.data.seq_len
@@ -188,8 +188,8 @@ def _shared_settings(cfg: RunConfig) -> dict[str, str]:
 def check_same_everywhere(cfg: RunConfig, env: DistEnv, data: PackedTokens) -> None:
     """Nodes prepared their data and wrote their config separately: they must agree, before any
     collective that depends on the config (the first one is this gather)."""
-    mine = (data.manifest.get("data_sha256"), _shared_settings(cfg))
-    every = distributed.all_gather_object(mine)
+    mine = [data.manifest.get("data_sha256"), _shared_settings(cfg)]
+    every = collectives.gather_json(mine)
     for r, theirs in enumerate(every):
         if theirs[0] != mine[0]:
             raise DataError(
@@ -232,10 +232,8 @@ def describe(cfg: RunConfig, parts: Parts, layout: Layout, rt: Runtime, start_st
 def lan_advice(cfg: RunConfig, vocab: int, device: torch.device, env: DistEnv) -> None:
     """`local` across LAN machines: the link measured (a small all-reduce) and, on rank 0, one line
     saying whether this strategy suits it (ops/link_advice.py)."""
-    import os
-
-    nodes = int(os.environ.get("AURA_NNODES", "1") or 1)
-    if nodes < 2 or not distributed.active():
+    nodes = env.nnodes
+    if nodes < 2 or not collectives.active():
         return
     from aura_hpc.ops import link_advice
 

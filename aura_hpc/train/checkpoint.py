@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import io
 import json
 import logging
 import os
@@ -47,6 +46,10 @@ class Checkpoint:
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def is_step_dir_name(name: object) -> bool:
+    return isinstance(name, str) and _NAME.match(name) is not None
 
 
 def _sha256(path: Path) -> str:
@@ -366,7 +369,7 @@ def newest_valid(root: Path) -> Checkpoint | None:
     return None
 
 
-def _unreadable(exc: BaseException) -> CheckpointError:
+def unreadable(exc: BaseException) -> CheckpointError:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return CheckpointError(
         f"checkpoint could not be loaded safely ({type(exc).__name__}: {first[:200]}) "
@@ -378,7 +381,7 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
     try:
         meta: dict[str, Any] = json.loads((ckpt / "meta.json").read_bytes())
     except Exception as exc:
-        raise _unreadable(exc) from None
+        raise unreadable(exc) from None
     return meta
 
 
@@ -397,7 +400,7 @@ def load_weights_from(ckpt: Path, model: torch.nn.Module) -> None:
     except CheckpointError:
         raise
     except Exception as exc:
-        raise _unreadable(exc) from None
+        raise unreadable(exc) from None
 
 
 def read_trainer_state(ckpt: Path) -> dict[str, Any]:
@@ -407,30 +410,8 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
         # weights_only: a checkpoint is data, never code.
         state: dict[str, Any] = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
-        raise _unreadable(exc) from None
+        raise unreadable(exc) from None
     return state
-
-
-def read_payload(ckpt: Path) -> dict[str, bytes]:
-    """The raw bytes a resuming rank needs (lets rank 0 ship them to ranks without shared storage)."""
-    return {
-        "model": (ckpt / "model" / "model.safetensors").read_bytes(),
-        "trainer_state": (ckpt / "trainer_state.pt").read_bytes(),
-        "meta": (ckpt / "meta.json").read_bytes(),
-    }
-
-
-def decode_payload(payload: dict[str, bytes]) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    from safetensors.torch import load as load_safetensors
-
-    try:
-        weights = load_safetensors(payload["model"])
-        # weights_only: a checkpoint is data, never code.
-        state = torch.load(io.BytesIO(payload["trainer_state"]), map_location="cpu", weights_only=True)
-        meta = json.loads(payload["meta"])
-    except Exception as exc:  # any decoding failure means the same thing to the user
-        raise _unreadable(exc) from None
-    return weights, state, meta
 
 
 def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:

@@ -9,6 +9,7 @@ on demand (`train/consolidate.py`, which `generate` uses).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -16,8 +17,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from aura_hpc.comm import collectives
 from aura_hpc.errors import CheckpointError, CheckpointWriteError
-from aura_hpc.train import checkpoint, distributed
+from aura_hpc.train import checkpoint
 
 log = logging.getLogger("aura_hpc")
 
@@ -79,10 +81,13 @@ def save_sharded(c: Any, rngs: list[Any], full_weights: bool) -> None:
             tmp = checkpoint.begin(c.root, pos.step)
         except OSError as exc:
             error = str(checkpoint.write_failure(exc, c.root, pos.step))
-    where, error = distributed.broadcast_object((str(tmp) if tmp else "", error))
+    # Rank 0 names its temporary folder by its PID; every rank builds the path itself (no path from a peer).
+    pid, error = collectives.broadcast_json([os.getpid() if tmp else 0, error])
     if error:
-        raise CheckpointWriteError(error)
-    folder = Path(where)
+        raise CheckpointWriteError(str(error))
+    if not isinstance(pid, int) or pid <= 0:
+        raise CheckpointWriteError("rank 0 sent no usable checkpoint folder (fix: the same aura_hpc on every node)")
+    folder = c.root / f".tmp-{checkpoint.step_dir_name(pos.step)}-{pid}"
     failed: str | None = None
     mine: dict[str, str] = {}
     shards = None
@@ -97,13 +102,13 @@ def save_sharded(c: Any, rngs: list[Any], full_weights: bool) -> None:
     except (Exception, *dcp_errors()) as exc:  # DCP wraps a full disk in its CheckpointException (a BaseException)
         failed, mine = str(checkpoint.write_failure(exc, c.root, pos.step)), {}
     # Every rank learns whether any rank's shard failed, so all stop together.
-    failures = [f for f in distributed.all_gather_object(failed) if f]
+    failures = [str(f) for f in collectives.gather_json(failed) if f]
     if failures:
         if c.env.is_main:
             shutil.rmtree(folder, ignore_errors=True)  # the partial shards would keep the disk full
         raise CheckpointWriteError(failures[0])
     weights = wrapped.full_weights() if full_weights else {}  # type: ignore[attr-defined]
-    hashes = {k: v for part in distributed.all_gather_object(mine) for k, v in part.items()}
+    hashes = {str(k): str(v) for part in collectives.gather_json(mine) for k, v in dict(part).items()}
     if c.env.is_main:
         snap = checkpoint.ModelSnapshot(weights, *checkpoint.model_configs(p.model))
         state = checkpoint.host_copy(

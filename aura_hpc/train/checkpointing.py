@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -10,9 +11,10 @@ from typing import Any
 
 import torch
 
+from aura_hpc.comm import collectives, tensor_tree
 from aura_hpc.config import RunConfig
 from aura_hpc.errors import CheckpointError, CheckpointWriteError, TrainingError
-from aura_hpc.train import checkpoint, distributed, replica_files
+from aura_hpc.train import checkpoint, replica_files
 from aura_hpc.train.checkpoint_writer import SHARDS, Writer, dcp_errors, save_sharded
 from aura_hpc.train.dist_env import DistEnv
 from aura_hpc.train.host_mirror import HostMirror
@@ -57,25 +59,29 @@ class Checkpointer:
         env = self.env
         if env.is_main:
             checkpoint.note_interrupted(self.root)
-        names = distributed.broadcast_object([c.path.name for c in checkpoint.list_complete(self.root)] if env.is_main else None)
+        names = collectives.broadcast_json([c.path.name for c in checkpoint.list_complete(self.root)] if env.is_main else None)
         for name in names:
+            if not checkpoint.is_step_dir_name(name):  # names come from rank 0: only a step folder's name is looked up
+                raise CheckpointError(
+                    f"rank 0 named a checkpoint {str(name)[:40]!r} that is not a step folder (fix: the same aura_hpc on every node)"
+                )
             local = self.root / name
-            shared = all(distributed.all_gather_object((local / checkpoint.MARKER).exists()))
+            shared = all(collectives.flags((local / checkpoint.MARKER).exists()))
             share = (env.rank, self.layout.world) if shared else (0, 1)
             mine = checkpoint.verify(local, share) if shared or env.is_main else None
-            problems = [p for p in distributed.all_gather_object(mine) if p]
+            problems = [p for p in collectives.gather_json(mine) if p]
             if not problems:
-                return name
+                return str(name)
             if env.is_main:
                 checkpoint.set_aside(checkpoint.Checkpoint(local, int(name.split("_")[1])), self.root, problems[0])
-            distributed.barrier()
+            collectives.barrier()
         return None
 
     def load(self, chosen: str) -> int:
         """Load checkpoint `chosen` (a directory name) on every rank; returns its data position."""
         local = self.root / chosen
         have = (local / checkpoint.MARKER).exists()
-        everyone = distributed.all_gather_object(have)
+        everyone = collectives.flags(have)
         p = self.parts
         try:
             if self.wrapped.sharded:
@@ -88,11 +94,7 @@ class Checkpointer:
                 checkpoint.load_weights_from(local, p.model)
                 state = checkpoint.read_trainer_state(local)
             else:
-                payload = checkpoint.read_payload(local) if self.env.is_main else None
-                payload = distributed.broadcast_object(payload)
-                if self.env.is_main:
-                    log.info("sent checkpoint %s to ranks without shared storage", chosen)
-                weights, state, meta = checkpoint.decode_payload(payload)
+                weights, state, meta = self._receive(local, chosen)
                 self._check_fingerprint(chosen, meta)
                 checkpoint.load_weights(p.model, {k: v.to(self.rt.param_dtype) for k, v in weights.items()})
         except CheckpointError as exc:
@@ -160,9 +162,25 @@ class Checkpointer:
 
     # ---- save ---------------------------------------------------------------------------
     def _weights_finite(self) -> bool:
-        # This rank's part of each tensor (a shard under sharded strategies); every rank's verdict is gathered.
-        flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in self.parts.model.parameters()]
-        return bool(torch.stack(flags).all())  # one device sync, not one per tensor
+        """Whether every rank's weights are finite: each checks what it holds (a shard under sharded
+        strategies), on the device; one all-reduce, one host read."""
+        held = [t for t in self.wrapped.local_weights() if t.numel()]
+        bad = torch.zeros(1, dtype=torch.float32, device=collectives.world().device)
+        if held:
+            finite = torch.stack([torch.isfinite(t).all().to(bad.device) for t in held]).all()
+            bad.copy_((~finite).to(torch.float32).view(1))
+        collectives.all_reduce(bad, op="max")
+        return bool(bad.item() == 0)
+
+    def _receive(self, local: Path, chosen: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+        """Checkpoint `chosen` from rank 0, for ranks that cannot read it themselves (LAN machines without
+        shared storage): the weights as safetensors, the trainer state as JSON and tensors (nothing
+        received is unpickled), meta.json as it is."""
+        parts = _payload_parts(local) if self.env.is_main else [None] * 4
+        got = [collectives.broadcast_bytes(part) for part in parts]
+        if self.env.is_main:
+            log.info("sent checkpoint %s to ranks without shared storage", chosen)
+        return _decode_payload(got)
 
     def save(self, last: bool = False) -> Path | None:
         """A checkpoint of the current step, written by rank 0; None when the weights are not finite.
@@ -172,9 +190,9 @@ class Checkpointer:
         to every rank, at the next save or `wait()`. Under sharded strategies only the `last`
         (the run's end) gathers the full weights into model/ (checkpoint_writer.py).
         """
-        rngs = distributed.all_gather_object(rng_state(self.rt.device))
+        rngs = [tensor_tree.from_json(r) for r in collectives.gather_json(tensor_tree.to_json(rng_state(self.rt.device)))]
         pos, p = self.pos, self.parts
-        if not all(distributed.all_gather_object(self._weights_finite())):
+        if not self._weights_finite():
             if self.env.is_main:
                 log.error("weights are not finite at step %d: checkpoint NOT written (the previous ones are kept)", pos.step)
             return None
@@ -247,7 +265,7 @@ class Checkpointer:
                 self.writer.join()
             error, self.writer = self.writer.error, None
         # Every rank learns that the save failed, so all stop together instead of hanging.
-        error = distributed.broadcast_object(error)
+        error = collectives.broadcast_json(error)
         if error:
             raise CheckpointWriteError(error)
 
@@ -287,3 +305,25 @@ class Checkpointer:
                 pos.rollbacks,
                 t.nan_max_rollbacks,
             )
+
+
+def _payload_parts(ckpt: Path) -> list[bytes]:
+    """What a resuming rank without shared storage needs, as bytes rank 0 sends: the weights
+    (safetensors), the trainer state as JSON plus its tensors (safetensors), meta.json."""
+    skeleton, tensors = tensor_tree.to_bytes(checkpoint.read_trainer_state(ckpt))
+    return [(ckpt / "model" / "model.safetensors").read_bytes(), skeleton, tensors, (ckpt / "meta.json").read_bytes()]
+
+
+def _decode_payload(parts: list[bytes]) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """The reverse of payload_parts, on a rank that received them: data only, nothing unpickled."""
+    from safetensors.torch import load as load_safetensors
+
+    try:
+        weights = load_safetensors(parts[0])
+        state = tensor_tree.from_bytes(parts[1], parts[2])
+        meta = json.loads(parts[3])
+        if not isinstance(state, dict) or not isinstance(meta, dict):
+            raise ValueError("not a checkpoint's state")
+    except Exception as exc:  # any decoding failure means the same thing to the user
+        raise checkpoint.unreadable(exc) from None
+    return weights, state, meta

@@ -90,11 +90,51 @@ def _from_deepspeed(folder: Path) -> dict[str, torch.Tensor]:
 
     from aura_hpc.train.strategies.zero import TAG
 
-    # It prints its progress; `generate`'s stdout is the samples.
-    with contextlib.redirect_stdout(io.StringIO()):
-        state = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=TAG)
+    try:
+        # It prints its progress; `generate`'s stdout is the samples.
+        with contextlib.redirect_stdout(io.StringIO()):
+            state = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=TAG)
+    except ValueError as exc:
+        if "is not a zero checkpoint" not in str(exc):
+            raise
+        state = _from_bf16_optimizer(folder / TAG)  # ZeRO-1 under bf16, which zero_to_fp32 refuses
     # The engine wraps the loss module, which holds the model as `lm`.
     return {k.removeprefix("lm."): v for k, v in state.items()}
+
+
+def _from_bf16_optimizer(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """ZeRO-1 under bf16 (DeepSpeed's BF16_Optimizer), which deepspeed's zero_to_fp32 does not read:
+    each rank's file holds its slice of every parameter group's flat fp32 masters; in rank order a
+    group's slices hold its parameters one after the other (padding only at the end)."""
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_SHAPES, SINGLE_PARTITION_OF_FP32_GROUPS
+
+    def rank_of(p: Path) -> int:
+        return int(p.name.split("bf16_zero_pp_rank_")[1].split("_")[0])
+
+    files = sorted(tag_dir.glob("bf16_zero_pp_rank_*_mp_rank_00_optim_states.pt"), key=rank_of)
+    if [rank_of(f) for f in files] != list(range(len(files))):
+        raise CheckpointError(f"{tag_dir} lacks the optimizer file of some rank (fix: use an earlier checkpoint)")
+    parts = [_load(f)[OPTIMIZER_STATE_DICT][SINGLE_PARTITION_OF_FP32_GROUPS] for f in files]
+    shapes = _load(tag_dir / "mp_rank_00_model_states.pt")[PARAM_SHAPES]
+    out: dict[str, torch.Tensor] = {}
+    for group, names in enumerate(shapes):
+        flat = torch.cat([p[group].reshape(-1) for p in parts])
+        offset = 0
+        for name, shape in names.items():
+            n = int(torch.Size(shape).numel())
+            out[name] = flat[offset : offset + n].view(tuple(shape)).clone()
+            offset += n
+    return out
+
+
+def _load(path: Path) -> dict:
+    """A DeepSpeed file read as data, never as code: containers, tensors, and the one DeepSpeed record
+    its ZeRO-1 bf16 files hold (a parameter's place in a partition)."""
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    with warnings.catch_warnings(), torch.serialization.safe_globals([fragment_address]):
+        warnings.simplefilter("ignore")
+        return dict(torch.load(path, map_location="cpu", weights_only=True))
 
 
 def _commit(ckpt: Path, weights: dict[str, torch.Tensor]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,13 +19,29 @@ class DistEnv:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     restart_count: int = 0
-    launcher: str = "none"  # torchrun | slurm | none
+    launcher: str = "none"  # torchrun | slurm | env | none
     uses_agent_store: bool = False
     hostname: str = ""
+    launcher_rank: int = 0  # the rank the launcher gave (torchrun numbers nodes in its own order)
+    node_sizes: tuple[int, ...] = ()  # ranks on each node, in node order (known once the ranks met: distributed.join)
+    peer_host: str = ""  # under Slurm, another node of the job (where the master's store must be reachable from)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.node_sizes) or 1
+
+    @property
+    def node_ranks(self) -> list[list[int]]:
+        """The global ranks of each node, in node order."""
+        out, start = [], 0
+        for n in self.node_sizes or (self.world_size,):
+            out.append(list(range(start, start + n)))
+            start += n
+        return out
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> DistEnv:
@@ -35,10 +52,16 @@ class DistEnv:
             rank, world = int(e["RANK"]), int(e["WORLD_SIZE"])
             local_rank, local_world = int(e.get("LOCAL_RANK", "0")), int(e.get("LOCAL_WORLD_SIZE", "1"))
             node_rank = int(e.get("GROUP_RANK", e.get("NODE_RANK", "0")))
-            if "AURA_NODE_RANK" in e and int(e.get("AURA_NNODES", "0")) * local_world == world:
-                # c10d orders nodes by address string, not by --node-rank; renumber so that the
-                # machine the user calls node 0 (the master) holds global rank 0 and the checkpoints.
+            launcher_rank = rank
+            nnodes = int(e.get("AURA_NNODES", e.get("GROUP_WORLD_SIZE", "0")) or 0)
+            sizes: tuple[int, ...] = ()
+            if "AURA_NODE_RANK" in e:
+                # c10d orders nodes by address string, not by --node-rank: the machine the user calls node 0
+                # (the master) holds global rank 0 and the checkpoints. With equal nodes that is known here;
+                # otherwise the ranks learn it together (distributed.join) before anything is logged.
                 node_rank = int(e["AURA_NODE_RANK"])
+            if nnodes and nnodes * local_world == world:
+                sizes = (local_world,) * nnodes
                 rank = node_rank * local_world + local_rank
             return cls(
                 rank=rank,
@@ -52,11 +75,15 @@ class DistEnv:
                 launcher="torchrun" if "TORCHELASTIC_RUN_ID" in e else "env",
                 uses_agent_store=e.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
                 hostname=host,
+                launcher_rank=launcher_rank,
+                node_sizes=sizes,
             )
         if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
             # One task per GPU under srun: ranks come from Slurm; the master is the first node.
+            rank = int(e["SLURM_PROCID"])
+            nodes = _hostnames(e.get("SLURM_JOB_NODELIST", ""))
             return cls(
-                rank=int(e["SLURM_PROCID"]),
+                rank=rank,
                 local_rank=int(e.get("SLURM_LOCALID", "0")),
                 world_size=int(e["SLURM_NTASKS"]),
                 local_world_size=int(e.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]),
@@ -66,5 +93,38 @@ class DistEnv:
                 restart_count=int(e.get("SLURM_RESTART_COUNT", "0")),
                 launcher="slurm",
                 hostname=host,
+                launcher_rank=rank,
+                node_sizes=tasks_per_node(e.get("SLURM_TASKS_PER_NODE", "")),
+                peer_host=nodes[1] if len(nodes) > 1 else "",
             )
         return cls(hostname=host)
+
+
+def tasks_per_node(spec: str) -> tuple[int, ...]:
+    """Slurm's SLURM_TASKS_PER_NODE ('2(x3),1') as (2, 2, 2, 1); () when absent or unreadable."""
+    out: list[int] = []
+    for part in filter(None, spec.split(",")):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m is None:
+            return ()
+        out += [int(m.group(1))] * int(m.group(2) or 1)
+    return tuple(out)
+
+
+def _hostnames(nodelist: str) -> list[str]:
+    """The first two hosts of a Slurm hostlist ('gpu[007-008]' -> gpu007, gpu008), enough to know another node."""
+    names: list[str] = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist):
+        prefix, ranges = m.group(1), m.group(2)
+        if not ranges:
+            names.append(prefix)
+        else:
+            for r in ranges.split(","):
+                lo, _, hi = r.partition("-")
+                for i in range(int(lo), int(hi or lo) + 1):
+                    names.append(f"{prefix}{i:0{len(lo)}d}")
+                    if len(names) >= 2:
+                        return names
+        if len(names) >= 2:
+            return names
+    return names

@@ -1,17 +1,30 @@
-"""Process-group set-up and the few collectives the trainer needs."""
+"""Joining the process group: the store every rank meets in, the run secret, the nodes' layout,
+NCCL or gloo; agreement through the store; leaving. The collectives themselves: comm/collectives.py.
+
+`join` runs first, in the worker, before anything is logged: it proves the run's secret, learns
+which ranks share a node (launchers may start different numbers of processes per node) and numbers
+the ranks node by node, in the order the user numbered the nodes (so node 0, the master, holds rank 0
+and the checkpoints). `init_process_group` then makes the group over the same store.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
+import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from aura_hpc.errors import LaunchError
+from aura_hpc.comm import collectives, stores
+from aura_hpc.errors import EXIT_TRAIN_FAILED, LaunchError
+from aura_hpc.ops.network import resolve, route_to
 from aura_hpc.train.dist_env import DistEnv
 
 log = logging.getLogger("aura_hpc")
@@ -23,22 +36,134 @@ def pick_device(env: DistEnv, backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _tcp_store(env: DistEnv, timeout: timedelta) -> dist.TCPStore:
-    """The rendezvous store: the agent's under torchrun, else one that rank 0 hosts. Created once per process."""
-    is_master = env.rank == 0 and not env.uses_agent_store
-    return dist.TCPStore(
-        env.master_addr,
-        env.master_port,
-        env.world_size,
-        is_master=is_master,
-        timeout=timeout,
-        wait_for_workers=False,
-        use_libuv=os.environ.get("TORCH_DISTRIBUTED_USE_LIBUV", "1") != "0",
-    )
+@dataclasses.dataclass
+class _Rendezvous:
+    store: Any
+    prefix: str  # per attempt: a restarted attempt never reads the previous one's keys
+    env: DistEnv
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+_RDZV: _Rendezvous | None = None
+
+
+def _bind_address(env: DistEnv) -> str:
+    """Where the store rank 0 hosts listens: MASTER_ADDR's address here, unless that is loopback while
+    peers on other machines must reach it (a hostname Debian maps to 127.0.1.1): then the address this
+    machine reaches them from."""
+    addr = resolve(env.master_addr) or env.master_addr
+    if not addr.startswith("127.") or not env.peer_host:
+        return addr
+    peer = resolve(env.peer_host)
+    if peer is None or peer.startswith("127."):
+        return addr  # every node on this machine (a test cluster)
+    return route_to(peer)[0] or addr
+
+
+def _store(env: DistEnv, timeout: timedelta) -> Any:
+    """The agent's store under torchrun (its rendezvous binds it), else one that rank 0 hosts."""
+    if env.uses_agent_store or env.launcher_rank != 0:
+        return stores.client(env.master_addr, env.master_port, timeout)
+    try:
+        return stores.bound_server(_bind_address(env), env.master_port, timeout)
+    except stores.StoreAddressInUse:
+        raise LaunchError(
+            f"port {env.master_port} on {env.master_addr} is already in use (fix: another MASTER_PORT, or stop the program using it)"
+        ) from None
+
+
+def run_secret(run_dir: Path) -> str | None:
+    """The secret the ranks prove: handed down by the launcher, or kept in the run directory (Slurm)."""
+    given = os.environ.get(stores.SECRET_ENV, "").strip()
+    if given:
+        return given
+    try:
+        return (run_dir / stores.SECRET_FILE).read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
+def join(env: DistEnv, run_dir: Path, timeout_s: float) -> DistEnv:
+    """Meet the other ranks in the store, prove the run's secret, and take this rank's place in the
+    nodes' layout. Returns the environment with the final rank and the ranks per node."""
+    global _RDZV
+    if env.world_size == 1:  # a group of one: nothing to meet, nothing on the network
+        _RDZV = _Rendezvous(dist.HashStore(), f"aura/attempt{env.restart_count}", env)
+        return env
+    try:
+        store = _store(env, timedelta(seconds=timeout_s))
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        if isinstance(exc, LaunchError):
+            raise
+        raise LaunchError(
+            f"cannot reach the rendezvous store at {env.master_addr}:{env.master_port} ({_first_line(exc)}) (fix: check that "
+            "the master node runs and that this machine can reach it; `python -m aura_hpc check`)"
+        ) from None
+    prefix = f"aura/attempt{env.restart_count}"
+    secret = run_secret(run_dir)
+    if secret:
+        try:
+            stores.prove(store, f"{prefix}/auth", env.launcher_rank, env.world_size, secret, timeout_s)
+        except stores.NotProven as exc:
+            raise LaunchError(str(exc)) from None
+    env = _layout(store, prefix, env, timeout_s)
+    _RDZV = _Rendezvous(store, prefix, env)
+    return env
+
+
+def _layout(store: Any, prefix: str, env: DistEnv, timeout_s: float) -> DistEnv:
+    """Ranks numbered node by node in the user's node order, and how many each node has. Every rank
+    says (node, local rank) under its launcher rank; all read all (nothing collective yet)."""
+    me = {"node": env.node_rank, "local": env.local_rank, "host": env.hostname[:64]}
+    store.set(f"{prefix}/layout/{env.launcher_rank}", json.dumps(me))
+    keys = [f"{prefix}/layout/{r}" for r in range(env.world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            raise LaunchError(f"not every rank reported within {timeout_s:.0f} s (fix: start every node; see the other nodes' logs)")
+        time.sleep(0.02)
+    seen: dict[tuple[int, int], int] = {}
+    for r, k in enumerate(keys):
+        try:
+            d = json.loads(store.get(k)[:4096])
+            where = (int(d["node"]), int(d["local"]))
+        except (ValueError, KeyError, TypeError):
+            raise LaunchError(
+                "the rendezvous store holds a rank layout this aura_hpc did not write (fix: the same version on every node)"
+            ) from None
+        if where in seen:
+            raise LaunchError(
+                f"two processes say they are local rank {where[1]} of node {where[0]}: two machines were started with "
+                f"--node-rank {where[0]} (fix: give every machine its own --node-rank, 0 only on the master)"
+            )
+        seen[where] = r
+    order = sorted(seen)
+    nodes = sorted({n for n, _ in order})
+    sizes = tuple(sum(1 for n, _ in order if n == node) for node in nodes)
+    rank = order.index((env.node_rank, env.local_rank))
+    node_index = nodes.index(env.node_rank)
+    return dataclasses.replace(env, rank=rank, node_sizes=sizes, node_rank=node_index, local_world_size=sizes[node_index])
+
+
+# ---- the process group -------------------------------------------------------------------
+
+
+def _nccl_problem(device: torch.device, env: DistEnv) -> str:
+    """What keeps NCCL from starting on this rank, from local facts alone (nothing collective)."""
+    from aura_hpc.train import faults
+
+    injected = faults.backend_fails(env.rank)
+    if injected:
+        return injected
+    if device.type != "cuda":
+        return "no CUDA device"
+    if not dist.is_nccl_available():
+        return "this torch was built without NCCL"
+    try:
+        torch.cuda.set_device(device)
+        torch.zeros(1, device=device)
+    except Exception as exc:
+        return _first_line(exc)
+    return ""
 
 
 def init_process_group(env: DistEnv, backend: str, device: torch.device, init_timeout_s: int, timeout_s: int) -> str:
@@ -46,52 +171,91 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, init_ti
 
     With dist.backend=auto on GPUs, NCCL that cannot start on some rank makes every rank fall
     back to gloo together (logged as fallback=gloo); with dist.backend=nccl it is an error, never
-    a silent switch. The fallback reuses the same store: a second TCPStore on the master port
-    would fail with EADDRINUSE (seen under Slurm).
+    a silent switch. The ranks decide before any of them enters NCCL's set-up, which is collective
+    (with device_id it connects every rank at once): one rank that cannot start it would otherwise
+    leave the others waiting in it. Every group uses the one store `join` met in (a second TCPStore
+    on the master port would fail with EADDRINUSE, seen under Slurm).
     """
-    wanted = backend
-    if backend == "auto":
-        wanted = "nccl" if device.type == "cuda" else "gloo"
-    tcp = _tcp_store(env, timedelta(seconds=init_timeout_s))
+    from aura_hpc.train import faults
+
+    rdzv = _RDZV if _RDZV is not None and _RDZV.env.rank == env.rank else None
+    if rdzv is None:
+        join(env, Path("."), init_timeout_s)
+        rdzv = _RDZV
+    assert rdzv is not None
     global _AGREE
-    _AGREE = (tcp, f"aura/attempt{env.restart_count}/agree", env.rank, env.world_size)
-    # Under the elastic agent, workers share the agent's TCPStore across restarts. Without a
-    # per-attempt prefix, restarted workers read the previous attempt's gloo addresses and fail
-    # ("connectFullMesh ... Connection refused") or hang (measured 3/3 runs on this platform).
-    attempt = f"aura/attempt{env.restart_count}"
+    _AGREE = (rdzv.store, f"{rdzv.prefix}/agree", env.rank, env.world_size)
+    wanted = faults.primary_backend() or ("nccl" if backend == "nccl" or (backend == "auto" and device.type == "cuda") else "gloo")
     timeout = timedelta(seconds=timeout_s)
-    if wanted != "nccl":
-        dist.init_process_group(wanted, store=dist.PrefixStore(attempt, tcp), rank=env.rank, world_size=env.world_size, timeout=timeout)
-        return wanted
+    group_store = dist.PrefixStore(f"{rdzv.prefix}/pg", rdzv.store)
+    if wanted == "gloo" and not faults.primary_backend():
+        dist.init_process_group("gloo", store=group_store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        collectives.set_world(device)
+        return "gloo"
+    problem = _nccl_problem(device, env) if wanted == "nccl" else faults.backend_fails(env.rank)
+    failed = agree("backend-ready", problem, init_timeout_s, waiting=f"waiting for every rank to say whether {wanted} can start")
     error = ""
-    try:
-        dist.init_process_group(
-            "nccl", store=dist.PrefixStore(attempt, tcp), rank=env.rank, world_size=env.world_size, timeout=timeout, device_id=device
-        )
-    except Exception as exc:
-        error = _first_line(exc)
-    # Every rank learns every rank's outcome, so that all fall back together or none does.
-    tcp.set(f"{attempt}/nccl/{env.rank}", error or "ok")
-    outcomes = [tcp.get(f"{attempt}/nccl/{r}").decode() for r in range(env.world_size)]
-    failed = {r: o for r, o in enumerate(outcomes) if o != "ok"}
     if not failed:
-        # NCCL connects lazily on some releases; one collective makes a broken fabric show up here.
-        dist.all_reduce(torch.ones(1, device=device))
-        return "nccl"
-    first_rank, why = next(iter(failed.items()))
+        error = _connect(wanted, group_store, env, device, init_timeout_s, timeout)
+        failed = agree("backend-connected", error, init_timeout_s)
+    if not failed:
+        collectives.set_world(device)
+        return wanted
+    first = failed[0]
     if backend == "nccl":
         raise LaunchError(
-            f"NCCL could not start on rank(s) {sorted(failed)} (rank {first_rank}: {why}) and dist.backend=nccl does not fall "
-            "back to gloo (fix: `python -m aura_hpc check` on these nodes; NCCL_SOCKET_IFNAME / InfiniBand settings in the "
-            "cluster profile; or --set dist.backend=auto to allow a gloo fallback)"
+            f"NCCL could not start ({first}) and dist.backend=nccl does not fall back to gloo (fix: `python -m aura_hpc check` on "
+            "these nodes; NCCL_SOCKET_IFNAME / InfiniBand settings in the cluster profile; or --set dist.backend=auto to allow a "
+            "gloo fallback)"
         )
     if env.is_main:
-        log.warning("NCCL could not start on rank(s) %s (rank %d: %s); fallback=gloo", sorted(failed), first_rank, why)
+        log.warning("%s could not start (%s); fallback=gloo", wanted.upper() if wanted == "nccl" else wanted, first)
     if dist.is_initialized():
         dist.destroy_process_group()
-    fallback = dist.PrefixStore(f"{attempt}/gloo-fallback", tcp)
+    fallback = dist.PrefixStore(f"{rdzv.prefix}/gloo-fallback", rdzv.store)
     dist.init_process_group("gloo", store=fallback, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    collectives.set_world(torch.device("cpu"))
     return "gloo"
+
+
+def _connect(backend: str, store: Any, env: DistEnv, device: torch.device, init_timeout_s: int, timeout: timedelta) -> str:
+    """The group on `backend` and one collective through it; "" or the first line of what failed.
+    Every rank said it can start, so what is left is the network between them: bounded by a watchdog,
+    since NCCL's own set-up has no timeout (blocking mode waits for every rank forever)."""
+    done = threading.Event()
+
+    def stuck() -> None:
+        if not done.is_set():
+            log.error(
+                "%s did not connect the ranks within dist.init_timeout_s=%d s (this rank waits inside its set-up) (fix: "
+                "`python -m aura_hpc check` between the nodes; NCCL_SOCKET_IFNAME / InfiniBand settings; or --backend gloo)",
+                backend.upper() if backend == "nccl" else backend,
+                init_timeout_s,
+            )
+            logging.shutdown()
+            os._exit(EXIT_TRAIN_FAILED)
+
+    watchdog = threading.Timer(init_timeout_s + 5, stuck)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        kw: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **kw)
+        probe_device = device if backend == "nccl" else torch.device("cpu")
+        collectives.set_world(probe_device)
+        # NCCL connects lazily on some releases; one collective makes a broken fabric show up here.
+        collectives.all_reduce(torch.ones(1, device=probe_device))
+        collectives.synchronize(probe_device)
+        return ""
+    except Exception as exc:
+        return _first_line(exc)
+    finally:
+        done.set()
+        watchdog.cancel()
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 _AGREE: tuple[Any, str, int, int] | None = None  # the store, a per-attempt prefix, rank, world size
@@ -101,7 +265,7 @@ def agree(topic: str, problem: str, patience_s: float, waiting: str = "") -> lis
     """Every rank's problem with `topic` ("" = none), once all ranks have said: the ranks decide
     together without a collective, so a rank that takes long (fetching data) never runs another
     into the collective timeout. Waits at most `patience_s` for the others (logging `waiting`)."""
-    if _AGREE is None or not active():
+    if _AGREE is None:
         return [problem] if problem else []
     store, prefix, rank, world = _AGREE
     store.set(f"{prefix}/{topic}/{rank}", problem or "ok")
@@ -115,41 +279,12 @@ def agree(topic: str, problem: str, patience_s: float, waiting: str = "") -> lis
             log.info("%s (%.0f s so far)", waiting, now - start)
             last_note = now
         time.sleep(0.05)
-    answers = [store.get(k).decode() for k in keys]
+    answers = [store.get(k)[:1000].decode("utf-8", "replace") for k in keys]
     return [f"rank {r}: {a}" for r, a in enumerate(answers) if a != "ok"]
 
 
 def active() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def barrier() -> None:
-    if active():
-        dist.barrier()
-
-
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    if not active():
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_gather_object(obj: Any) -> list[Any]:
-    if not active():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    if not active():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+    return collectives.active()
 
 
 def shutdown() -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from aura_hpc.comm import collectives
 from aura_hpc.errors import EXIT_DATA_UNAVAILABLE, EXIT_RESUMABLE
-from aura_hpc.train import distributed
 from aura_hpc.train.dist_env import DistEnv
 from aura_hpc.train.state import Position
 from aura_hpc.train.stop import StopRequest
@@ -28,7 +28,7 @@ def stop_on_signal(stop: StopRequest, ckpt: Any, pos: Position, env: DistEnv) ->
             what,
             EXIT_RESUMABLE,
         )
-    distributed.barrier()
+    collectives.barrier()
     return EXIT_RESUMABLE
 
 
@@ -41,5 +41,5 @@ def data_unavailable(exc: Exception, ckpt: Any, pos: Position, env: DistEnv, pro
     if env.is_main:
         saved = f"checkpoint {path.name} written at step {pos.step}" if path else f"nothing new to save at step {pos.step}"
         log.error("data unavailable: %s; %s; re-run the same command to resume once it can be read", exc, saved)
-    distributed.barrier()
+    collectives.barrier()
     return EXIT_DATA_UNAVAILABLE

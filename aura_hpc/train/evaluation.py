@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from typing import Any
 
 import torch
 
+from aura_hpc.comm import collectives
 from aura_hpc.config import TrainConfig
-from aura_hpc.train import distributed
 from aura_hpc.train.runtime import Runtime
 from aura_hpc.train.state import Parts
 
@@ -18,26 +19,36 @@ from aura_hpc.train.state import Parts
 def evaluate(parts: Parts, t: TrainConfig, rank: int, world: int, rt: Runtime) -> float | None:
     """Mean loss over a fixed set of validation sequences (the first N), split over the ranks; None
     without a validation split. The set does not depend on the world size or the accumulation, so
-    the same weights report the same eval_loss under any layout."""
+    the same weights report the same eval_loss under any layout.
+
+    Every rank runs the same number of forwards: under fsdp and zero3 each forward gathers the
+    parameters from every rank, so a rank with one batch fewer would leave the others waiting in
+    it. A rank short of sequences runs its last batch again (or the first sequence), counted zero."""
     data, model = parts.data, parts.loss_model
     n_val = data.num_sequences("val")
     if n_val == 0:
         return None
     n = min(n_val, t.eval_sequences or t.eval_batches * t.batch_size)
     mine = list(range(rank, n, world))
+    forwards = math.ceil(math.ceil(n / world) / t.batch_size)  # the most any rank needs
     model.eval()
     loss_sum, count = 0.0, 0
     # Eagerly: evaluation mode and a short last batch would each be one more compiled graph of every
     # block (a recompilation the training loop must never see); it is a small share of the time.
     with _eager():
-        for i in range(0, len(mine), t.batch_size):
-            idx = mine[i : i + t.batch_size]
+        for i in range(forwards):
+            idx = mine[i * t.batch_size : (i + 1) * t.batch_size]
+            weight = len(idx)
+            if not idx:  # only to keep in step with the ranks that still have sequences
+                idx = mine[-t.batch_size :] or [0]
             x = torch.from_numpy(data.sequences("val", idx)).to(rt.device)
             with rt.autocast():
-                loss_sum += float(model(x)) * len(idx)
-            count += len(idx)
+                loss = float(model(x))
+            if weight:
+                loss_sum += loss * weight
+                count += weight
     model.train()
-    total, cnt = distributed.all_reduce_sum([loss_sum, float(count)], rt.device)
+    total, cnt = collectives.reduce_values([loss_sum, float(count)])
     return total / cnt if cnt else None
 
 
@@ -57,12 +68,13 @@ def sample(parts: Parts, t: TrainConfig, step: int, rt: Runtime, model: Any = No
     device = rt.device if live else torch.device("cpu")
     ids = torch.tensor([tok.encode(t.sample_prompt, add_special_tokens=False).ids], device=device)
     model.eval()
-    # Sampling must not disturb the training RNG stream (resume would diverge). Compiled blocks run
-    # eagerly here: every generated token has another length, each would be one more compilation.
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _eager():
-        torch.manual_seed(t.seed + step)
-        with rt.autocast() if live else contextlib.nullcontext():
-            out = model.sample(ids, t.sample_tokens, temperature=0.8, top_k=40, allowed=parts.data.vocab_size)
+    # Its own generator: the training RNG streams (resume would diverge) and every GPU's generator
+    # (torch.manual_seed would reseed them all, the one training on this rank too) stay as they are.
+    # Compiled blocks run eagerly here: every generated token has another length, each would be one more compilation.
+    generator = torch.Generator(device=device)
+    generator.manual_seed(t.seed + step)
+    with _eager(), rt.autocast() if live else contextlib.nullcontext():
+        out = model.sample(ids, t.sample_tokens, temperature=0.8, top_k=40, allowed=parts.data.vocab_size, generator=generator)
     model.train()
     return str(tok.decode(out[0].tolist(), skip_special_tokens=True))
 

@@ -13,6 +13,8 @@ Inert unless one of these is set (never set them in production):
                                       writer, after its files. Once per run dir.
     AURA_FAULT_SLOW=RANK:FRACTION     that rank (a `local` rank, or a `worker` rank) idles FRACTION of every
                                       step: a slower PC, for bench/bench_ps.py
+    AURA_FAULT_BACKEND=RANK           the process group's first choice cannot start on that rank: on CPU the
+                                      NCCL-or-gloo decision is made as on GPUs, with gloo standing in for NCCL
 """
 
 from __future__ import annotations
@@ -56,6 +58,16 @@ def slow_down(rank: int) -> None:
     if last is not None:
         time.sleep((time.perf_counter() - last) * f / (1 - f))
     _step_ended[rank] = time.perf_counter()
+
+
+def primary_backend() -> str | None:
+    """AURA_FAULT_BACKEND: gloo plays the first-choice backend (NCCL's part), so its fallback runs on CPU."""
+    return "gloo" if os.environ.get("AURA_FAULT_BACKEND") else None
+
+
+def backend_fails(rank: int) -> str:
+    spec = os.environ.get("AURA_FAULT_BACKEND")
+    return "fault injection: the backend cannot start on this rank" if spec and int(spec) == rank else ""
 
 
 def after_step(rank: int, step: int, run_dir: Path) -> None:

@@ -142,7 +142,13 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def sample(
-        self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8, top_k: int = 40, allowed: int | None = None
+        self,
+        idx: torch.Tensor,
+        new_tokens: int,
+        temperature: float = 0.8,
+        top_k: int = 40,
+        allowed: int | None = None,
+        generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """`idx` followed by `new_tokens` sampled ones (top-k, temperature); rows at or past `allowed`
         (padded embedding rows with no token behind them) are never sampled."""
@@ -153,7 +159,7 @@ class GPT(nn.Module):
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, -float("inf"))
-            idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
+            idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)], dim=1)
         return idx
 
 

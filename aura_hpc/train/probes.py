@@ -25,7 +25,9 @@ import json
 import os
 import sys
 import traceback
+import weakref
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +76,7 @@ def site() -> str:
         name = frame.filename
         if f"{os.sep}torch{os.sep}" in name and not name.startswith(_OUR_ROOT):
             continue
-        if name.endswith(("probes.py", "contextlib.py")):
+        if name.endswith(("probes.py", "contextlib.py", f"comm{os.sep}collectives.py")):
             continue
         where = name if not name.startswith(_OUR_ROOT) else "aura_hpc" + name[len(_OUR_ROOT) :]
         short = where.split("site-packages" + os.sep, 1)[-1]
@@ -220,10 +222,132 @@ def watching(probe: StepProbe | None, step: int, quiet: bool, compiled: bool, cu
 
 
 @contextlib.contextmanager
-def reporting(probe: StepProbe | None, run_dir: Path, rank: int) -> Any:
-    """Writes the probe's report however training ends."""
+def reporting(probe: StepProbe | None, run_dir: Path, rank: int, run_probe: RunProbe | None = None) -> Any:
+    """Around the steps: writes the step probe's report however training ends; the run's probe
+    watches for reseeds from here on."""
+    if run_probe is not None:
+        run_probe.arm_reseed_watch()
     try:
         yield
+    finally:
+        if probe is not None:
+            probe.write(run_dir, rank)
+
+
+# Factories that make a host tensor unless given a device, and the ways host data becomes a tensor.
+HOST_MAKERS = {*FACTORY_FUNCTIONS, torch.tensor, torch.as_tensor, torch.from_numpy, torch.frombuffer, torch.zeros_like, torch.ones_like}
+RUN_ENV = "AURA_PROBE_RUN"
+
+
+class _HostMade(TorchFunctionMode):
+    """Remembers the tensors our code makes on the host (a factory without a device, host data)."""
+
+    def __init__(self, made: dict[int, tuple[weakref.ref[torch.Tensor], str]], ours: tuple[str, ...]) -> None:
+        super().__init__()
+        self.made, self.ours = made, ours
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in HOST_MAKERS and (kwargs or {}).get("device") is None and isinstance(out, torch.Tensor):
+            like = args[0] if func in (torch.zeros_like, torch.ones_like) and args else None
+            if like is None or like.device.type == "cpu":
+                where = site()
+                if any(o in where for o in self.ours):  # ours: torch and DeepSpeed keep their own rules
+                    if len(self.made) > 10_000:
+                        for key in [k for k, (ref, _) in self.made.items() if ref() is None]:
+                            del self.made[key]
+                    self.made[id(out)] = (weakref.ref(out), where)
+        return out
+
+
+class RunProbe:
+    """Watches the whole run, not only quiet steps (AURA_PROBE_RUN=1): every collective we make
+    (start-up, link measurement, evaluation, checkpoints, DiLoCo's meetings) is checked for a tensor
+    our code made on the host, which NCCL refuses; library code that reseeds every GPU's generator
+    after the first step is caught (each rank must keep its own stream); collectives and the bytes
+    each group carried are counted. Written to RUN_DIR/probes/run_rank<R>.json."""
+
+    def __init__(self, track_host_tensors: bool, ours: tuple[str, ...] = ("aura_hpc/",)) -> None:
+        from aura_hpc.comm import collectives
+
+        self.collectives = collectives
+        self.calls: Counter[str] = Counter()
+        self.host_tensors: Counter[str] = Counter()
+        self.reseeds: Counter[str] = Counter()
+        self.made: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}  # id -> (the tensor, where it was made)
+        self.tracking = track_host_tensors
+        self._mode: _HostMade | None = None
+        self._seeding: list[tuple[Any, str, Any]] = []
+        collectives.observers.append(self._observe)
+        if track_host_tensors:  # a function mode for the whole run: not under torch.compile
+            self._mode = _HostMade(self.made, ours)
+            self._mode.__enter__()
+
+    @classmethod
+    def from_env(cls, compiled: bool) -> RunProbe | None:
+        return cls(track_host_tensors=not compiled) if os.environ.get(RUN_ENV) == "1" else None
+
+    def _observe(self, op: str, tensors: list[torch.Tensor], group: Any) -> None:
+        self.calls[f"{op}@{group.name}"] += 1
+        if group.host_only:
+            return
+        for t in tensors:
+            for candidate in (t, t._base):
+                entry = self.made.get(id(candidate)) if candidate is not None else None
+                if entry is not None and entry[0]() is candidate:
+                    self.host_tensors[f"host tensor made at {entry[1]} handed to {op} at {site()}"] += 1
+                    break
+
+    def arm_reseed_watch(self) -> None:
+        """From the first step on, a global reseed is an error unless runtime.keep_device_rng guards it."""
+        from aura_hpc.train import runtime
+
+        def watched(original: Any) -> Any:
+            def manual_seed(seed: int) -> Any:
+                if not runtime.rng_kept():
+                    self.reseeds[f"torch.manual_seed at {site()}"] += 1
+                return original(seed)
+
+            return manual_seed
+
+        for owner, name in ((torch, "manual_seed"), (torch.random, "manual_seed")):
+            original = getattr(owner, name)
+            self._seeding.append((owner, name, original))
+            setattr(owner, name, watched(original))
+
+    def close(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        for owner, name, original in self._seeding:
+            setattr(owner, name, original)
+        self._seeding = []
+        if self._observe in self.collectives.observers:
+            self.collectives.observers.remove(self._observe)
+
+    def write(self, run_dir: Path, rank: int) -> Path:
+        self.close()
+        folder = run_dir / "probes"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"run_rank{rank}.json"
+        report = {
+            "host_tensors_tracked": self.tracking,
+            "calls": dict(self.calls),
+            "bytes": dict(self.collectives.sent),
+            "host_tensors": dict(self.host_tensors),
+            "reseeds": dict(self.reseeds),
+        }
+        path.write_text(json.dumps(report, indent=1, sort_keys=True))
+        return path
+
+
+@contextlib.contextmanager
+def whole_run(compile_setting: str, device: torch.device, run_dir: Path, rank: int) -> Iterator[RunProbe | None]:
+    """The run's probe (AURA_PROBE_RUN), its report written however the run ends. Host tensors are
+    tracked by a function mode for the whole run, which a compiled model would run under: not then."""
+    probe = RunProbe.from_env(compiled=compile_setting == "true" or (compile_setting == "auto" and device.type == "cuda"))
+    try:
+        yield probe
     finally:
         if probe is not None:
             probe.write(run_dir, rank)

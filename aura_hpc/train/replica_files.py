@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from aura_hpc.comm import collectives
 from aura_hpc.errors import CheckpointWriteError
-from aura_hpc.train import distributed
 from aura_hpc.train.checkpoint import HashingFile, host_copy, sha256_of, step_dir_name, write_failure
 
 log = logging.getLogger("aura_hpc")
@@ -24,7 +25,7 @@ def write_replica(root: Path, step: int, rank: int, state: dict[str, Any]) -> di
     """This rank's replica state, atomically: {file, size, sha256} for rank 0's meta.json."""
     folder = root / REPLICAS
     folder.mkdir(parents=True, exist_ok=True)
-    name = f"{step_dir_name(step)}.rank{rank}.pt"
+    name = replica_name(step, rank)
     tmp = folder / f".{name}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         hashing = HashingFile(f)
@@ -35,11 +36,19 @@ def write_replica(root: Path, step: int, rank: int, state: dict[str, Any]) -> di
     return {"file": name, "size": (folder / name).stat().st_size, "sha256": hashing.h.hexdigest()}
 
 
+def replica_name(step: int, rank: int) -> str:
+    return f"{step_dir_name(step)}.rank{rank}.pt"
+
+
+_NAME = re.compile(r"^step_\d{8,}\.rank\d+\.pt$")
+
+
 def read_replica(root: Path, info: dict[str, Any]) -> dict[str, Any] | None:
-    """A replica file that matches what rank 0 recorded, loaded; None when absent or different."""
+    """A replica file that matches what rank 0 recorded, loaded; None when absent or different. The
+    record may have come from rank 0 over the network: only a name of the form this module writes is opened."""
     name = str(info.get("file", ""))
     path = root / REPLICAS / name
-    if "/" in name or not path.is_file() or path.stat().st_size != info.get("size") or sha256_of(path) != info.get("sha256"):
+    if not _NAME.match(name) or not path.is_file() or path.stat().st_size != info.get("size") or sha256_of(path) != info.get("sha256"):
         return None
     try:
         return dict(torch.load(path, map_location="cpu", weights_only=True))
@@ -54,21 +63,23 @@ def prune_replicas(root: Path, rank: int, keep: int) -> None:
 
 
 def save_all(wrapped: Any, optimizer: Any, root: Path, step: int, rank: int, keep_last: int) -> dict[str, Any] | None:
-    """Each rank's own state (None when the strategy has none); the files' checksums, gathered for
+    """The ranks' own state, each written once (by the rank the strategy names: a DiLoCo replica's
+    leader for all its ranks); None when the strategy has none. The files' checksums, gathered for
     rank 0's meta.json. Collective."""
-    state = wrapped.replica_state(optimizer)
-    if state is None:
+    if wrapped.replica_writer(rank) is None:
         return None
-    try:
-        info: dict[str, Any] | str = write_replica(root, step, rank, host_copy(state))
-    except OSError as exc:
-        info = str(write_failure(exc, root, step))
-    infos = distributed.all_gather_object(info)
+    info: dict[str, Any] | str | None = None
+    if wrapped.replica_writer(rank) == rank:
+        try:
+            info = write_replica(root, step, rank, host_copy(wrapped.replica_state(optimizer)))
+        except OSError as exc:
+            info = str(write_failure(exc, root, step))
+        prune_replicas(root, rank, keep_last + 2)
+    infos = collectives.gather_json(info)
     failed = [i for i in infos if isinstance(i, str)]
     if failed:
         raise CheckpointWriteError(failed[0])
-    prune_replicas(root, rank, keep_last + 2)
-    return {str(r): i for r, i in enumerate(infos)}
+    return {str(r): i for r, i in enumerate(infos) if isinstance(i, dict)}
 
 
 def load_all(
@@ -80,11 +91,12 @@ def load_all(
     if "outer" in state and wrapped.outer_state() is not None:
         wrapped.load_outer_state(state["outer"])
     files = meta.get("replica_files")
-    if wrapped.replica_state(optimizer) is None or not files:
+    writer = wrapped.replica_writer(rank)
+    if writer is None or not files:
         return
-    mine = files.get(str(rank)) if len(files) == world else None
-    own = read_replica(root, mine) if mine else None
-    have = distributed.all_gather_object(own is not None)
+    mine = files.get(str(writer)) if int(meta.get("world_size", world)) == world else None
+    own = read_replica(root, mine) if isinstance(mine, dict) else None
+    have = collectives.flags(own is not None)
     if all(have) and own is not None:
         wrapped.load_replica_state(own, optimizer)
         return

@@ -6,6 +6,8 @@ import contextlib
 import logging
 import os
 import random
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +123,26 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         cuda = cuda[device.index] if device.index is not None and device.index < len(cuda) else None
     if cuda is not None:
         torch.cuda.set_rng_state(cuda, device)
+
+
+_kept = threading.local()
+
+
+@contextlib.contextmanager
+def keep_device_rng(device: torch.device) -> Iterator[None]:
+    """Around library code that reseeds torch globally (torch.manual_seed seeds every GPU): this rank's
+    generators, the CPU's and its GPU's, are as they were afterwards."""
+    _kept.depth = getattr(_kept, "depth", 0) + 1
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
+    finally:
+        _kept.depth -= 1
+
+
+def rng_kept() -> bool:
+    """Inside keep_device_rng on this thread (the probes let a reseed there pass)."""
+    return getattr(_kept, "depth", 0) > 0
 
 
 def host_memory_peak() -> int:

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from aura_hpc.comm import collectives
 from aura_hpc.config import TrainConfig
-from aura_hpc.train import distributed, faults
+from aura_hpc.train import faults
 from aura_hpc.train.batches import Batches
 from aura_hpc.train.runtime import Runtime
 from aura_hpc.train.state import Parts, Position
@@ -117,8 +118,8 @@ class Stepper:
         disarm()
         if riding:
             flags = wrapped.received_flags()
-        elif distributed.active() and self.world > 1:
-            torch.distributed.all_reduce(flags)
+        elif self.world > 1:
+            collectives.all_reduce(flags)
         grad_norm = wrapped.grad_norm(p.optimizer, p.scaler, t.grad_clip)
         bad = flags[2:].sum() > 0
         if not p.scaler.is_enabled():

@@ -12,9 +12,10 @@ import logging
 import time
 from typing import Any
 
+from aura_hpc.comm import collectives
 from aura_hpc.config import RunConfig
 from aura_hpc.ops.gpu_health import is_gpu_error
-from aura_hpc.train import checkpoint, distributed, endings, faults, probes, runtime
+from aura_hpc.train import checkpoint, endings, faults, probes, runtime
 from aura_hpc.train.batches import Batches
 from aura_hpc.train.build import build, compiled, describe, lan_advice
 from aura_hpc.train.checkpointing import Checkpointer
@@ -43,8 +44,12 @@ class Trainer:
 
     def run(self) -> int:
         """Set up, resume, train to the end step (or a stop), finish; returns the exit status."""
+        self.rt = runtime.start(self.cfg, self.env)
+        with probes.whole_run(self.cfg.train.compile, self.rt.device, self.run_dir, self.env.rank) as self.run_probe:
+            return self._run()
+
+    def _run(self) -> int:
         cfg, env = self.cfg, self.env
-        self.rt = runtime.start(cfg, env)
         self.memory_base = runtime.host_memory_peak()  # what the process held before the model existed
         self.heap = probes.HeapSampler.from_env()
         self.parts, self.layout, wrapped = build(cfg, env, self.rt)
@@ -64,13 +69,13 @@ class Trainer:
             for line in describe(cfg, self.parts, self.layout, self.rt, self.pos.step, str(self.run_dir)):
                 log.info("%s", line)
         lan_advice(cfg, self.parts.data.vocab_size, self.rt.device, env)
-        distributed.barrier()
+        collectives.barrier()
         self._open_outputs()
         stop = StopRequest()
         stop.install()
         self.health.start(self._resources_to_tensorboard)
         self.probe, self.compiled = StepProbe.from_env(), compiled(self.parts.model)
-        with probes.reporting(self.probe, self.run_dir, env.rank):
+        with probes.reporting(self.probe, self.run_dir, env.rank, self.run_probe):
             try:
                 status = self._train(stepper, batches, stop)
                 wrapped.drain()  # a piece of a meeting still crossing: no collective in flight as the group goes
@@ -120,7 +125,7 @@ class Trainer:
             except RuntimeError as exc:
                 if not is_gpu_error(exc):
                     raise
-                return self._gpu_error(exc)
+                return self.health.gpu_error(exc, self.rt.device, self.pos.step)
             faults.after_step(self.env.rank, pos.step, self.run_dir)
             due = first or self._due(pos.step)
             reports = [pending] if pending is not None else []
@@ -226,7 +231,7 @@ class Trainer:
     def _log_row(self, r: StepResult, do_eval: bool) -> None:
         pos, world, iv = self.pos, self.layout.world, self.interval
         elapsed = time.perf_counter() - iv.start  # before evaluating: eval time is not training speed
-        mean_loss = distributed.all_reduce_sum([iv.loss / iv.steps], self.rt.device)[0] / world
+        mean_loss = collectives.reduce_values([iv.loss / iv.steps])[0] / world
         eval_loss = evaluate(self.parts, self.cfg.train, self.env.rank, world, self.rt) if do_eval else None
         if eval_loss is not None:
             pos.last_eval = eval_loss
@@ -313,7 +318,7 @@ class Trainer:
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
         try:
-            distributed.barrier()
+            collectives.barrier()
         except Exception as exc:
             # Every rank got here after the last (collective) checkpoint, so nothing is lost: a peer
             # that exited first and closed its connections must not turn a finished run into a failure.
@@ -324,9 +329,6 @@ class Trainer:
             peak = runtime.peak_memory(self.rt.device, self.memory_base) / 2**30
             log.info("all %d ranks finished at step %d (peak memory of rank 0: %.2f GiB)", self.layout.world, pos.step, peak)
         return 0
-
-    def _gpu_error(self, exc: RuntimeError) -> int:
-        return self.health.gpu_error(exc, self.rt.device, self.pos.step)
 
     def _open_circuit(self) -> int:
         return self.health.open_circuit(self.ckpt, self.pos.step)

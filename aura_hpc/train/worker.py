@@ -71,15 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     # Deprecation notices that DeepSpeed's calls into torch.distributed raise on every rank, every run:
     # nothing the user can act on.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    # Library progress bars (tqdm) and download chatter do not belong in per-rank log files.
+    # Library progress bars (tqdm) and download chatter do not belong in per-rank log files. Set for
+    # whatever imports transformers later (the trainer itself does not: importing it, and DeepSpeed
+    # with it under transformers 4, costs every worker seconds; ZeRO imports DeepSpeed quietly itself).
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from aura_hpc.train.deepspeed_import import quiet_deepspeed
-
-    quiet_deepspeed()
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    try:
+        # Before anything is logged: the rank (and so the log file) is final once the ranks have met.
+        env = distributed.join(env, cfg.run_dir, cfg.dist.init_timeout_s)
+    except AuraError as exc:
+        worker_log.setup(cfg.run_dir / "logs", env.rank)
+        log.error("%s", exc)
+        return exc.exit_code
     stream = ProgressAwareHandler(sys.stdout) if env.is_main else None
     worker_log.setup(cfg.run_dir / "logs", env.rank, stream)
     from aura_hpc.train.trainer import Trainer

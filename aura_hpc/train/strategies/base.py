@@ -44,6 +44,10 @@ class Wrapped:
         self.module = module  # what the loop calls forward on: forward(batch) = loss
         self.model = model  # the transformers model inside (saved, sampled)
 
+    def local_weights(self) -> list[torch.Tensor]:
+        """The weights this rank holds (its shards under sharded strategies), to check them where they are."""
+        return [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+
     def send_flags(self, flags: torch.Tensor) -> bool:
         """Hands flags to the next gradient all-reduce; False when the caller must reduce them itself."""
         return False
@@ -68,8 +72,9 @@ class Wrapped:
 
     def update(self, optimizer: torch.optim.Optimizer, scaler: Any, bad: torch.Tensor) -> None:
         """Apply the step unless `bad` (a device bool agreed by every rank); clear the gradients."""
-        if scaler.is_enabled():  # fp16: GradScaler decides about inf gradients itself
-            if bool(bad):
+        if scaler.is_enabled():  # fp16: GradScaler skips a step with inf gradients; `bad` joins its verdict
+            # A GradScaler laid out otherwise (no flags to join): `bad` is read on the host.
+            if not _join_found_inf(scaler, optimizer, bad) and bool(bad):
                 optimizer.zero_grad(set_to_none=True)
                 scaler.update()
                 return
@@ -100,6 +105,11 @@ class Wrapped:
     def load_outer_state(self, state: dict[str, Any]) -> None:
         raise RuntimeError("this strategy has no outer state")
 
+    def replica_writer(self, rank: int) -> int | None:
+        """The rank whose file holds `rank`'s own state (itself, or its DiLoCo replica's leader); None
+        when ranks hold no state of their own. The same answer on every rank."""
+        return None
+
     def replica_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """This rank's own state, when ranks hold state of their own (DiLoCo's replicas, PowerSGD's error
         feedback): saved by each rank, in its own run directory."""
@@ -112,8 +122,21 @@ class Wrapped:
         """When some rank's saved state is missing: every rank starts that state afresh, alike."""
 
 
+def _join_found_inf(scaler: Any, optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> bool:
+    """`bad` added to the inf flags GradScaler found while unscaling this step's gradients (on their
+    devices): its step then skips the update like an overflow, on the device for a fused optimizer,
+    without a host read of `bad`. False when the scaler keeps no such flags for this optimizer."""
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer), {})
+    flags = state.get("found_inf_per_device") or {}
+    if not flags:
+        return False
+    for t in flags.values():
+        t.copy_(torch.maximum(t, bad.to(t.device, t.dtype)))
+    return True
+
+
 def clip_to_total_norm(
-    grads: list[torch.Tensor], max_norm: float, group: Any = None, sharded: bool = False, device: torch.device | None = None
+    grads: list[torch.Tensor], max_norm: float, sharded: bool = False, device: torch.device | None = None
 ) -> torch.Tensor:
     """clip_grad_norm_, with the squares summed in fp64 (and over the ranks' shards when `sharded`).
 
@@ -126,8 +149,10 @@ def clip_to_total_norm(
         return torch.zeros((), device=device)
     squares = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum()
     if sharded:
-        squares = squares.to(device or squares.device)
-        torch.distributed.all_reduce(squares, group=group)
+        from aura_hpc.comm import collectives
+
+        squares = squares.to(collectives.world().device)
+        collectives.all_reduce(squares)
     norm = squares.sqrt()
     if max_norm > 0 and math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

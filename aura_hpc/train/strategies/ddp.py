@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from aura_hpc.comm import collectives
 from aura_hpc.train.strategies.base import Wrapped
 
 
@@ -26,17 +27,15 @@ class FlagRide:
         self.incoming: torch.Tensor | None = None
 
     def hook(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        import torch.distributed as dist
-
         # What DDP's default hook does: average by dividing first, then sum.
         grads = bucket.buffer().div_(self.world_size)
         flags, self.outgoing = self.outgoing, None
         if flags is None or bucket.index() != 0:
-            fut = dist.all_reduce(grads, async_op=True).get_future()
+            fut = collectives.all_reduce(grads, async_op=True).get_future()
             return fut.then(lambda f: f.value()[0])
         n = grads.numel()
         joined = torch.cat([grads, flags.to(grads.dtype)])
-        fut = dist.all_reduce(joined, async_op=True).get_future()
+        fut = collectives.all_reduce(joined, async_op=True).get_future()
 
         def split(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
             out = f.value()[0]
@@ -48,11 +47,9 @@ class FlagRide:
 
 def _bf16_gloo_hook(world_size, bucket):  # type: ignore[no-untyped-def]
     """torch's bf16_compress_hook for gloo: the bucket divided by the world size, in bf16 on the wire."""
-    import torch.distributed as dist
-
     buffer = bucket.buffer()
     wire = buffer.to(torch.bfloat16).div_(world_size)
-    fut = dist.all_reduce(wire, async_op=True).get_future()
+    fut = collectives.all_reduce(wire, async_op=True).get_future()
 
     def back(f):  # type: ignore[no-untyped-def]
         buffer.copy_(f.value()[0])
@@ -72,11 +69,17 @@ class PowerSgdHook:
 def _powersgd_hook(hook, bucket):  # type: ignore[no-untyped-def]
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
+    from aura_hpc.train.runtime import keep_device_rng
+
     if hook.local:
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(bucket.buffer())
         return fut
-    return powerSGD_hook.powerSGD_hook(hook.state, bucket)
+    # torch's hook draws its random start after torch.manual_seed inside fork_rng(devices=[]): that puts
+    # back the CPU stream only and leaves every GPU's generator reseeded alike on every rank (the same
+    # dropout masks everywhere from then on). This rank's GPU stream is kept around it.
+    with keep_device_rng(bucket.buffer().device):
+        return powerSGD_hook.powerSGD_hook(hook.state, bucket)
 
 
 def _ride_hook(ride, bucket):  # type: ignore[no-untyped-def]
@@ -120,6 +123,9 @@ class DdpWrapped(Wrapped):
             return False
         self.ride.outgoing, self.ride.incoming = flags, None
         return True
+
+    def replica_writer(self, rank: int) -> int | None:
+        return rank if self.powersgd is not None else None
 
     def replica_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """PowerSGD's error feedback is this rank's own compression residual, and its warm-start factors
@@ -188,9 +194,7 @@ def wrap_ddp(
     # and no second copy of every gradient in memory.
     ddp = DistributedDataParallel(loss_model, device_ids=ids, gradient_as_bucket_view=True)
     if compress == "bf16":
-        import torch.distributed as dist
-
-        if dist.get_backend() == "nccl":
+        if collectives.backend() == "nccl":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
             ddp.register_comm_hook(None, bf16_compress_hook)

@@ -16,12 +16,17 @@ with each replica's progress since the meeting kept: theta <- new anchor + (thet
 meeting). This is the overlapped variant of Streaming DiLoCo (Douillard et al. 2025) for the whole
 model at once.
 
+Only a replica's leader (its first rank) meets the others: each node puts one copy of a meeting
+on the slow link whatever its number of GPUs, and hands the result to its other ranks over the
+fast one. A replica's delta counts by its number of ranks (a 2-GPU desktop beside a 1-GPU laptop
+trains on twice the samples).
+
 State beyond DDP's: the anchor (the global model at the last meeting) and the outer momentum,
 the same on every rank (saved by rank 0), and each replica's inner weights and AdamW moments
-(saved by each rank in its own run directory, train/checkpointing.py), so a resume between
+(saved by its leader in its own run directory, train/replica_files.py), so a resume between
 meetings continues exactly, also on LAN machines without shared storage. A meeting in flight is
-saved with them (what this rank sent, the pieces already received, the weights it was sent from),
-and a resume sends the missing pieces again: the results depend only on what every rank sent.
+saved with them (what the leader sent, the pieces already received, the weights it was sent from),
+and a resume sends the missing pieces again: the results depend only on what every replica sent.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from aura_hpc.comm import collectives
 from aura_hpc.config import DistConfig
 from aura_hpc.errors import ConfigError
 from aura_hpc.train.strategies.base import Wrapped
@@ -60,48 +65,67 @@ def dequantize_int8(buf: torch.Tensor, n: int) -> torch.Tensor:
     return (codes * scale[:, None]).view(-1)[:n]
 
 
-# A meeting crosses in slices of at most this size, so a slow link's queue never holds more than one.
-# Both replicas send at once, so each one's acknowledgements wait behind the other's data in a shaped
-# (or bloated Wi-Fi) queue: at 10 Mbit/s (bench_lan's tbf link) 3.5 MB took 3.05 s in 32 KiB slices,
-# 3.9 s in 64 KiB, 4.3-4.5 s in 256 KiB or in one piece (the line rate's 2.8 s); at 1 Gbit/s 32 KiB
-# slices cost 0.15 s against 0.07 s, a price paid once per meeting.
+# A meeting crosses in slices of at most this size on gloo (TCP), so a slow link's queue never holds
+# more than one: both replicas send at once, and each one's acknowledgements wait behind the other's
+# data in a shaped (or bloated Wi-Fi) queue (measured at 10 and 1,000 Mbit/s: docs/lan.md). NCCL
+# has no such queue to keep short, and thousands of tiny collectives would cost their launches: a
+# piece goes as one collective there.
 SLICE_BYTES = 32 * 1024
 MAX_PIECES = 1024  # a waited-for meeting's pieces, one after the other (beyond 32 MB they grow, in slices)
 
 
-def blocking_pieces(payload: torch.Tensor) -> int:
+def blocking_pieces(payload: torch.Tensor, sliced: bool = True) -> int:
     size = payload.numel() * payload.element_size()
-    return max(1, min(MAX_PIECES, -(-size // SLICE_BYTES)))
+    return max(1, min(MAX_PIECES, -(-size // SLICE_BYTES))) if sliced else 1
+
+
+def _sliced(group: collectives.Group | None) -> bool:
+    return collectives.backend(group) != "nccl"
 
 
 class Meeting:
-    """A meeting in flight: this rank's payload (int8 codes and scales, or wire-dtype deltas) crossing
+    """A meeting in flight: this replica's payload (int8 codes and scales, or wire-dtype deltas) crossing
     in `pieces` pieces, one per step, into `out` (every replica's payload for int8's all_gather; the
-    sum for an all-reduce). A piece goes as collectives of at most SLICE_BYTES, issued together; their
-    bounds depend only on the sizes, so every run (and every resume) adds the same numbers. Pieces
-    before `done` have arrived."""
+    sum for an all-reduce). Only a replica's leader takes part (`mine` is None on the other ranks of
+    the replica, which count the pieces with it and get the result from it when the meeting lands).
+    On gloo a piece goes as collectives of at most SLICE_BYTES, issued together; their bounds depend
+    only on the sizes, so every run (and every resume) adds the same numbers. Pieces before `done`
+    have arrived."""
 
     def __init__(
-        self, since: int, pieces: int, mine: torch.Tensor, sent_from: list[torch.Tensor], group: Any, replicas: int, int8: bool
+        self,
+        since: int,
+        pieces: int,
+        mine: torch.Tensor | None,
+        sent_from: list[torch.Tensor],
+        group: collectives.Group | None,
+        replicas: int,
+        int8: bool,
     ) -> None:
         self.since, self.pieces, self.mine, self.sent_from = since, pieces, mine, sent_from
         self.group, self.int8 = group, int8
-        self.out = [torch.empty_like(mine) for _ in range(replicas)] if int8 else [torch.empty_like(mine)]
-        self.piece = -(-mine.numel() // pieces)
+        self.out: list[torch.Tensor] = []
+        if mine is not None:
+            self.out = [torch.empty_like(mine) for _ in range(replicas)] if int8 else [torch.empty_like(mine)]
+        self.piece = -(-mine.numel() // pieces) if mine is not None else 0
+        self.slice = max(1, SLICE_BYTES // mine.element_size()) if mine is not None and _sliced(group) else None
         self.done = 0
         self.work: list[Any] | None = None  # the piece in flight's collectives (none for an empty last piece)
 
     def send_next(self) -> None:
         self.work = []
+        if self.mine is None:
+            return
         end = min(self.mine.numel(), (self.done + 1) * self.piece)
-        step = max(1, SLICE_BYTES // self.mine.element_size())
-        for start in range(self.done * self.piece, end, step):
+        begin = self.done * self.piece
+        step = self.slice or max(1, end - begin)
+        for start in range(begin, end, step):
             sl = slice(start, min(end, start + step))
             if self.int8:
-                self.work.append(dist.all_gather([o[sl] for o in self.out], self.mine[sl], group=self.group, async_op=True))
+                self.work.append(collectives.all_gather([o[sl] for o in self.out], self.mine[sl], self.group, async_op=True))
             else:
                 self.out[0][sl].copy_(self.mine[sl])
-                self.work.append(dist.all_reduce(self.out[0][sl], group=self.group, async_op=True))
+                self.work.append(collectives.all_reduce(self.out[0][sl], self.group, async_op=True))
 
     def arrived(self) -> bool:
         """Wait for the piece in flight; True once every piece is here."""
@@ -118,7 +142,7 @@ class Meeting:
             self.send_next()
 
     def state(self) -> dict[str, Any]:
-        end = min(self.mine.numel(), self.done * self.piece)
+        end = min(self.mine.numel(), self.done * self.piece) if self.mine is not None else 0
         return {
             "since": self.since,
             "pieces": self.pieces,
@@ -129,31 +153,67 @@ class Meeting:
         }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], group: Any, replicas: int, int8: bool, device: torch.device) -> Meeting:
+    def from_state(
+        cls, state: dict[str, Any], group: collectives.Group | None, replicas: int, int8: bool, device: torch.device, leader: bool
+    ) -> Meeting:
         sent_from = [t.to(device, copy=True) for t in state["sent_from"]]
-        m = cls(int(state["since"]), int(state["pieces"]), state["mine"].to(device, copy=True), sent_from, group, replicas, int8)
+        mine = state["mine"].to(device, copy=True) if leader and state.get("mine") is not None else None
+        m = cls(int(state["since"]), int(state["pieces"]), mine, sent_from, group, replicas, int8)
         m.done = int(state["done"])
-        for o, saved in zip(m.out, state["arrived"], strict=True):
+        for o, saved in zip(m.out, state["arrived"], strict=False):
             o[: saved.numel()].copy_(saved)
         return m
 
 
-def replica_groups(world: int, local_world: int, replicas: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(inner groups, outer groups): ranks that train one replica together, and the ranks (one per
-    replica, same position) whose deltas are averaged. Ranks are numbered node by node."""
-    per = world // replicas if replicas else local_world
-    inner = [list(range(start, start + per)) for start in range(0, world, per)]
-    outer = [list(range(i, world, per)) for i in range(per)]
-    return inner, outer
+def replica_partition(env: Any, replicas: int) -> list[list[int]]:
+    """The ranks of each replica, node by node: by default one replica per node (its GPUs train it with
+    DDP, whatever the number of processes each node runs); with dist.diloco_replicas, equal replicas
+    that each stay on one node (a replica across nodes would send its gradients over the slow link
+    every step)."""
+    nodes: list[list[int]] = env.node_ranks
+    if not replicas:
+        return nodes
+    world = env.world_size
+    if world % replicas:
+        raise ConfigError(
+            f"dist.diloco_replicas={replicas} does not divide the {world} ranks into equal replicas "
+            f"(fix: a divisor of {world}, or 0 for one replica per node)"
+        )
+    per = world // replicas
+    parts = [list(range(start, start + per)) for start in range(0, world, per)]
+    node_of = {r: n for n, ranks in enumerate(nodes) for r in ranks}
+    for part in parts:
+        if node_of[part[0]] != node_of[part[-1]]:
+            raise ConfigError(
+                f"dist.diloco_replicas={replicas} puts ranks {part[0]}-{part[-1]} in one replica across nodes "
+                f"{node_of[part[0]]} and {node_of[part[-1]]} (processes per node: {[len(n) for n in nodes]}); a replica trains with "
+                "DDP inside one node (fix: dist.diloco_replicas=0 for one replica per node, or a count that splits each node evenly)"
+            )
+    return parts
 
 
 class DilocoWrapped(Wrapped):
     name = "diloco"
 
-    def __init__(self, module: torch.nn.Module, model: torch.nn.Module, cfg: DistConfig, outer_group: Any, inner_size: int) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        model: torch.nn.Module,
+        cfg: DistConfig,
+        parts: list[list[int]],
+        rank: int,
+        outer: collectives.Group | None,
+        inner: collectives.Group | None,
+    ) -> None:
         super().__init__(module, model)
-        self.sync_every, self.outer_group, self.inner_size = cfg.sync_every, outer_group, inner_size
-        self.replicas = dist.get_world_size(outer_group) if outer_group is not None else 1
+        self.sync_every, self.outer_group, self.inner_group = cfg.sync_every, outer, inner
+        mine = next(p for p in parts if rank in p)
+        self.leader_rank, self.leader = mine[0], rank == mine[0]
+        self.inner_size = len(mine)
+        self.replicas = len(parts)
+        world = sum(len(p) for p in parts)
+        # A replica's delta counts by its ranks (the samples it trained on): equal replicas weigh 1.
+        self.weight = self.inner_size * self.replicas / world
         self.wire = WIRE[cfg.diloco_wire]
         self.int8 = cfg.diloco_wire == "int8"
         self.params = [p for p in model.parameters()]
@@ -176,6 +236,10 @@ class DilocoWrapped(Wrapped):
         with no_sync():
             yield
 
+    def replica_writer(self, rank: int) -> int | None:
+        """Every rank of a replica holds the same weights and AdamW moments: its leader writes them."""
+        return self.leader_rank
+
     def replica_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         state = {"model": {k: v for k, v in self.model.state_dict().items()}, "optimizer": optimizer.state_dict()}
         if self.meeting is not None:
@@ -186,8 +250,7 @@ class DilocoWrapped(Wrapped):
         """At every sync_every-th step: average the deltas over the replicas, take the outer step, and
         restart every replica from the new anchor. At the last step the replicas meet whatever
         sync_every, and end on their mean: the final checkpoint holds every replica's work, not rank
-        0's alone, and no outer momentum extrapolates past it once training is over (bench_lan's model,
-        sync_every=60, int8, 200 steps: eval loss 1.569 on the mean, 1.664 after a Nesterov step, 1.576 on rank 0's replica)."""
+        0's alone, and no outer momentum extrapolates past it once training is over (measured: docs/lan.md)."""
         last = step == self.last_step
         if self.meeting is not None and (self.meeting.arrived() or last):
             self.meeting.finish()  # the last step: the rest of the pieces now
@@ -198,26 +261,36 @@ class DilocoWrapped(Wrapped):
             return
         with torch.no_grad():
             deltas = torch._foreach_sub(self.anchor, [p.to(torch.float32) for p in self.params])
+            if self.weight != 1.0:
+                torch._foreach_mul_(deltas, self.weight)
             offset = 0
             for d in deltas:  # one flat buffer: one all-reduce, in the wire dtype
                 n = d.numel()
                 self._flat[offset : offset + n].copy_(d.view(-1))
                 offset += n
             if self.overlap and not last:
-                mine = quantize_int8(self._flat) if self.int8 else self._flat.clone()
+                mine = (quantize_int8(self._flat) if self.int8 else self._flat.clone()) if self.leader else None
                 sent_from = [p.detach().to(torch.float32, copy=True) for p in self.params]
                 self.meeting = Meeting(step, self.overlap, mine, sent_from, self.outer_group, self.replicas, self.int8)
                 self.meeting.send_next()
                 return
             if self.replicas > 1:
-                mine = quantize_int8(self._flat) if self.int8 else self._flat
-                m = Meeting(step, blocking_pieces(mine), mine, [], self.outer_group, self.replicas, self.int8)
-                m.finish()
-                self._flat.copy_(self._decode_mean(m.out) if self.int8 else m.out[0])
+                if self.leader:
+                    mine = quantize_int8(self._flat) if self.int8 else self._flat
+                    pieces = blocking_pieces(mine, _sliced(self.outer_group))
+                    m = Meeting(step, pieces, mine, [], self.outer_group, self.replicas, self.int8)
+                    m.finish()
+                    self._flat.copy_(self._decode_mean(m.out) if self.int8 else m.out[0])
+                self._share(self._flat)
             self._outer_step(self._flat, last)
             for p, a in zip(self.params, self.anchor, strict=True):
                 p.copy_(a)
         self.syncs += 1
+
+    def _share(self, flat: torch.Tensor) -> None:
+        """The leader's result to the other ranks of its replica (the fast link inside a node)."""
+        if self.inner_group is not None:
+            collectives.broadcast(flat, 0, self.inner_group)
 
     def _outer_step(self, flat: torch.Tensor, last: bool) -> None:
         """anchor.grad <- the replicas' mean delta (in `flat`: the mean for int8, the sum otherwise);
@@ -239,8 +312,10 @@ class DilocoWrapped(Wrapped):
         replica learned since it sent its delta."""
         self.meeting = None
         with torch.no_grad():
-            mean = self._decode_mean(meeting.out) if self.int8 else meeting.out[0]
-            self._outer_step(mean, False)
+            if self.leader:
+                self._flat.copy_(self._decode_mean(meeting.out) if self.int8 else meeting.out[0])
+            self._share(self._flat)
+            self._outer_step(self._flat, False)
             since = torch._foreach_sub(self.anchor, meeting.sent_from)
             torch._foreach_add_(self.params, [d.to(p.dtype) for d, p in zip(since, self.params, strict=True)])
         self.syncs += 1
@@ -261,13 +336,13 @@ class DilocoWrapped(Wrapped):
 
     def load_replica_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         """Collective when a meeting was in flight: every rank saved one at the same step, and each
-        sends its piece in flight again."""
+        leader sends its piece in flight again."""
         self.drain()
         with torch.no_grad():
             self.model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if "meeting" in state:
-            self.meeting = Meeting.from_state(state["meeting"], self.outer_group, self.replicas, self.int8, self._flat.device)
+            self.meeting = Meeting.from_state(state["meeting"], self.outer_group, self.replicas, self.int8, self._flat.device, self.leader)
             if self.meeting.done < self.meeting.pieces:
                 self.meeting.send_next()
 
@@ -292,28 +367,17 @@ class DilocoWrapped(Wrapped):
 
 
 def wrap_diloco(loss_model: torch.nn.Module, model: torch.nn.Module, cfg: DistConfig, device: torch.device, env: Any) -> DilocoWrapped:
-    """Groups are made by every rank in the same order (torch.distributed requires it)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if cfg.diloco_replicas and world % cfg.diloco_replicas:
-        raise ConfigError(
-            f"dist.diloco_replicas={cfg.diloco_replicas} does not divide the {world} ranks into equal replicas "
-            f"(fix: a divisor of {world}, or 0 for one replica per node)"
-        )
-    inner_groups, outer_groups = replica_groups(world, env.local_world_size, cfg.diloco_replicas)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    inner, outer = None, None
-    for ranks in inner_groups:
-        g = dist.new_group(ranks) if world > 1 and len(ranks) > 1 else None
-        if rank in ranks:
-            inner, inner_size = g, len(ranks)
-    for ranks in outer_groups:
-        g = dist.new_group(ranks) if world > 1 else None
-        if rank in ranks:
-            outer = g
+    """Groups are made by every rank in the same order (torch.distributed requires it): the ranks of
+    each replica (DDP inside it), then the replicas' leaders (the one outer group: each node puts one
+    copy of a meeting on the link, whatever its number of GPUs)."""
+    parts = replica_partition(env, cfg.diloco_replicas)
+    rank = env.rank
+    inner = collectives.split("diloco-inner", parts)
+    outer = collectives.split("diloco-outer", [[p[0] for p in parts]])
     module: torch.nn.Module = loss_model
     if inner is not None:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [device.index] if device.type == "cuda" else None
-        module = DistributedDataParallel(loss_model, device_ids=ids, process_group=inner, gradient_as_bucket_view=True)
-    return DilocoWrapped(module, model, cfg, outer, inner_size)
+        module = DistributedDataParallel(loss_model, device_ids=ids, process_group=inner.pg, gradient_as_bucket_view=True)
+    return DilocoWrapped(module, model, cfg, parts, rank, outer, inner)

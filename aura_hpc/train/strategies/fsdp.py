@@ -63,9 +63,9 @@ class FsdpWrapped(Wrapped):
             dcp.save(state, checkpoint_id=str(folder))
             return None
         if self._group is None:
-            import torch.distributed as dist
+            from aura_hpc.comm import collectives
 
-            self._group = dist.new_group(backend="gloo")
+            self._group = collectives.new_group("dcp", host_only=True).pg
         # The optimizer's state appears at its first step: buffers shaped before then cannot take it.
         layout = sorted((str(k), tuple(sorted(v))) for k, v in osd.get("state", {}).items())
         if self._writer is None or layout != self._layout:

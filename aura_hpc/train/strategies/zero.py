@@ -51,6 +51,12 @@ class ZeroWrapped(Wrapped):
         self.engine.backward(loss, scale_wrt_gas=False)
         self.engine.step()
 
+    def local_weights(self) -> list[torch.Tensor]:
+        """ZeRO-3 leaves each parameter an empty placeholder: this rank's partition is `ds_tensor`."""
+        if self.stage != 3:
+            return super().local_weights()
+        return [getattr(p, "ds_tensor", p) for p in self.model.parameters()]
+
     def grad_norm(self, optimizer: torch.optim.Optimizer, scaler: Any, max_norm: float) -> torch.Tensor:
         """DeepSpeed's norm, on this rank's device. After a skipped (non-finite) step DeepSpeed holds it
         as a Python float: it is made on the device with a fill, never as a host tensor (torch.tensor(x)
@@ -95,31 +101,40 @@ class ZeroWrapped(Wrapped):
         return sorted(folder.rglob(f"*zero_pp_rank_{rank}_*")) if rank else []
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights on rank 0's host memory ({} elsewhere); collective under ZeRO-3."""
-        import deepspeed
+        """The whole model's fp32 master weights on rank 0's host memory ({} elsewhere); collective.
+
+        The masters, not the module's values: under bf16 DeepSpeed trains a bf16 copy of the module
+        and keeps the fp32 weights in its optimizer (what its checkpoints, and consolidate.py, hold).
+        One parameter at a time, every rank in the same order: no rank ever holds more than one
+        whole parameter beyond its partition."""
         import torch.distributed as dist
+        from deepspeed.utils import safe_get_full_fp32_param
 
-        params = list(self.model.parameters())
-        gathered = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if self.stage == 3 else _Nothing()
-        with gathered:
-            if dist.get_rank() != 0:
-                return {}
-            out: dict[str, torch.Tensor] = {}
-            seen: set[int] = set()
-            for name, t in self.model.state_dict().items():
-                if t.data_ptr() in seen:  # the tied output matrix: stored once
-                    continue
-                seen.add(t.data_ptr())
-                out[name] = t.detach().to("cpu", dtype=torch.float32, copy=True).contiguous()
-            return out
+        main = not dist.is_initialized() or dist.get_rank() == 0
+        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, param in self.model.named_parameters():  # a tied matrix appears once
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            full = safe_get_full_fp32_param(param)  # None for a frozen parameter: no master, the module's value is it
+            if full is None:
+                full = self._working_value(param)
+            if main:
+                out[name] = full.detach().to("cpu", dtype=torch.float32, copy=True).contiguous()
+            del full
+        if main:
+            for name, buf in self.model.named_buffers():
+                out.setdefault(name, buf.detach().to("cpu", dtype=torch.float32, copy=True).contiguous())
+        return out
 
+    def _working_value(self, param: torch.Tensor) -> torch.Tensor:
+        if self.stage != 3:
+            return param.detach()
+        import deepspeed
 
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            return param.detach().clone()
 
 
 def _say_first_build(rt: Runtime) -> None:

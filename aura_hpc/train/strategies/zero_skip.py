@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from aura_hpc.comm import collectives
 from aura_hpc.train.strategies.base import step_unless
 
 
@@ -87,9 +88,9 @@ class NonFiniteSkip:
         if checks:
             finite = torch.stack([c.to(self.device) for c in checks]).all()
             flag.copy_((~finite).to(torch.float32).view(1), non_blocking=True)
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        if collectives.active() and collectives.world().size > 1:
             # A rank whose partition holds an inf must not update while the others skip.
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            collectives.all_reduce(flag, op="max")
         return flag[0]
 
     def step(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,174 @@
+"""The key-value stores ranks meet in, listening only where they must, and the run secret ranks prove there.
+
+torch's TCPStore listens on every interface (IPv4 and IPv6) whatever host it is given, and anyone
+who reaches it can list, read and write every key. So a store we host is bound to one address (a
+socket we bind, handed over as `master_listen_fd`): loopback for a run on one machine, the master's
+address for a LAN or Slurm run. The elastic agent's two stores (the c10d rendezvous, and the one its
+workers share) are made through `aura-c10d`, a rendezvous backend registered here that binds both.
+
+Reaching a store proves nothing: before any collective every rank proves the run's secret there
+(`prove`): each publishes a fresh nonce, then an HMAC over every rank's nonce; a stranger who reaches
+the port can stop a run, but cannot stand in for a rank.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+log = logging.getLogger("aura_hpc")
+
+RDZV_BACKEND = "aura-c10d"
+SECRET_ENV = "AURA_RUN_SECRET"
+SECRET_FILE = "run.secret"  # in the run directory, mode 600 (Slurm jobs; LAN node 0 keeps its own)
+MIN_SECRET = 16
+
+
+class StoreAddressInUse(OSError):
+    pass
+
+
+def bound_server(addr: str, port: int, timeout: timedelta, multi_tenant: bool = False, wait_for_workers: bool = False) -> Any:
+    """A TCPStore server listening on `addr` alone (port 0: a free one; `.port` says which)."""
+    import torch.distributed as dist
+
+    infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    family, _, _, _, sockaddr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise StoreAddressInUse(exc.errno, f"{addr}:{port} is already in use") from None
+        raise
+    real_port = int(sock.getsockname()[1])
+    fd = sock.detach()  # the store owns the descriptor from here on (and closes it when it goes)
+    try:
+        return dist.TCPStore(
+            addr,
+            real_port,
+            None,
+            True,
+            timeout,
+            wait_for_workers=wait_for_workers,
+            multi_tenant=multi_tenant,
+            master_listen_fd=fd,
+            use_libuv=os.environ.get("TORCH_DISTRIBUTED_USE_LIBUV", "1") != "0",
+        )
+    except Exception:
+        try:
+            os.fstat(fd)
+            os.close(fd)  # the libuv backend leaves it open when it fails
+        except OSError:
+            pass
+        raise
+
+
+def client(addr: str, port: int, timeout: timedelta) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(addr, port, None, False, timeout, use_libuv=os.environ.get("TORCH_DISTRIBUTED_USE_LIBUV", "1") != "0")
+
+
+# ---- the elastic agent's rendezvous ------------------------------------------------------
+
+
+def register_rendezvous() -> None:
+    """`aura-c10d`: torch's c10d rendezvous with both of the agent's stores bound to an address (once per process)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    if getattr(register_rendezvous, "done", False):
+        return
+
+    class BoundBackend(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:
+            return RDZV_BACKEND
+
+    def create(params: Any) -> Any:
+        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+        timeout = timedelta(seconds=int(params.get_as_int("read_timeout", 60) or 60))
+        try:
+            if params.get_as_bool("is_host", False):
+                store = bound_server(host, port, timeout, multi_tenant=True)
+            else:
+                store = client(host, port, timeout)
+        except (ValueError, RuntimeError, TimeoutError, OSError) as exc:
+            raise RendezvousConnectionError(f"the connection to the rendezvous store at {host}:{port} failed: {exc}") from exc
+        handler = create_handler(store, BoundBackend(store, params.run_id), params)
+        own = params.local_addr or host
+        if hasattr(handler, "_create_tcp_store_server"):  # the store the workers share (torch >= 2.6)
+            handler._create_tcp_store_server = lambda _addr, p: bound_server(own, p, timeout, multi_tenant=True)
+        return handler
+
+    rendezvous_handler_registry.register(RDZV_BACKEND, create)
+    register_rendezvous.done = True  # type: ignore[attr-defined]
+
+
+# ---- the run secret ----------------------------------------------------------------------
+
+
+def key_of(secret: str) -> bytes:
+    return hashlib.sha256(b"aura_hpc run v1|" + secret.encode()).digest()
+
+
+def new_secret() -> str:
+    return secrets.token_urlsafe(24)
+
+
+class NotProven(RuntimeError):
+    """A rank did not prove the run's secret (a stranger at the store, or a node started without it)."""
+
+
+def prove(store: Any, prefix: str, rank: int, world: int, secret: str, timeout_s: float, who: str = "") -> None:
+    """Every rank proves it holds the run's secret before the first collective. Each publishes a fresh
+    nonce, then an HMAC over its rank, its own identity and every rank's nonce; each checks every
+    other rank's HMAC over the nonces as it read them. A replayed proof (old nonces), a rank that
+    does not hold the secret, or nonces someone rewrote between ranks all fail here, on every rank."""
+    key = key_of(secret)
+    nonce = secrets.token_hex(16)
+    store.set(f"{prefix}/nonce/{rank}", nonce)
+    nonces = _read_all(store, [f"{prefix}/nonce/{r}" for r in range(world)], timeout_s)
+    if any(len(n) != 32 for n in nonces) or nonces[rank] != nonce:
+        raise NotProven("the rendezvous store holds nonces this run's ranks did not write (someone else is writing there)")
+    transcript = "|".join(nonces).encode()
+    mine = hmac.new(key, f"rank|{rank}|{world}|".encode() + transcript, hashlib.sha256).hexdigest()
+    store.set(f"{prefix}/proof/{rank}", mine)
+    proofs = _read_all(store, [f"{prefix}/proof/{r}" for r in range(world)], timeout_s)
+    bad = [
+        r
+        for r, p in enumerate(proofs)
+        if not hmac.compare_digest(p, hmac.new(key, f"rank|{r}|{world}|".encode() + transcript, hashlib.sha256).hexdigest())
+    ]
+    if bad:
+        raise NotProven(
+            f"rank(s) {bad} did not prove this run's secret{who} (fix: start every node with the {SECRET_ENV}=... that node 0 "
+            "printed; if you did, something else on the network is talking to the rendezvous port: stop it, or firewall the "
+            "port to the training machines)"
+        )
+
+
+def _read_all(store: Any, keys: list[str], timeout_s: float) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [k.rsplit("/", 1)[-1] for k in keys if not store.check([k])]
+            raise NotProven(f"rank(s) {', '.join(missing)} did not take part in proving the run's secret within {timeout_s:.0f} s")
+        time.sleep(0.02)
+    return [store.get(k)[:256].decode("ascii", "replace") for k in keys]

@@ -1,0 +1,315 @@
+"""What crosses between ranks, checked in one process or two: collectives on the group's device, JSON and
+tensors instead of pickles, stores that listen on one address, the run secret, the nodes' layout."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from aura_hpc.comm import collectives, stores, tensor_tree
+from tests.conftest import free_port
+
+
+def test_state_crosses_as_data_and_nothing_else_decodes() -> None:
+    import random
+
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0]}]
+    state = {
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3)}}, "param_groups": groups},
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "scaler": {},
+        "nan": float("nan"),
+    }  # fmt: skip
+    for back in (
+        tensor_tree.from_bytes(*tensor_tree.to_bytes(state)),
+        tensor_tree.from_json(json.loads(json.dumps(tensor_tree.to_json(state)))),
+    ):
+        assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
+        assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95) and 0 in back["optimizer"]["state"]
+        random.setstate(back["rng"]["python"])  # a tuple again, as random wants it
+        torch.set_rng_state(back["rng"]["torch"])
+        assert back["nan"] != back["nan"]
+    with pytest.raises(TypeError):
+        tensor_tree.to_parts({"f": print})
+    for hostile in ({"__x": 1}, {"__T": "9"}, {"__m": [[[], 1]]}, {"a": 1, "b": 2}):
+        with pytest.raises(ValueError):
+            tensor_tree.from_parts(hostile, {})
+
+
+def test_a_collective_refuses_a_tensor_off_its_groups_device_and_the_probe_sees_host_tensors() -> None:
+    from aura_hpc.train.probes import RunProbe
+
+    group = collectives.Group("world", torch.device("meta"))  # stands for a GPU: any device but the host
+    with pytest.raises(RuntimeError, match="got a tensor on cpu; its collectives take tensors on meta"):
+        collectives.all_reduce(torch.zeros(2), group)
+    # The probe of a run (AURA_PROBE_RUN) tracks tensors made on the host by our code; here this file is "ours".
+    probe = RunProbe(track_host_tensors=True, ours=("tests/test_wire.py",))
+    try:
+        collectives.all_reduce(torch.zeros(2))  # what link_advice.measure_link did: NCCL refuses it
+        collectives.all_reduce(torch.tensor([1.0, 2.0])[:1])  # host data, through a view
+        collectives.all_reduce(torch.zeros(2, device=collectives.world().device))  # made where the group's tensors live
+        collectives.all_reduce(torch.zeros(2), collectives.Group("checkpoint-io", torch.device("cpu"), host_only=True))
+    finally:
+        probe.close()
+    assert probe.calls == {"all_reduce@world": 3, "all_reduce@checkpoint-io": 1}
+    assert sum(probe.host_tensors.values()) == 2 and all("test_wire.py" in k for k in probe.host_tensors), probe.host_tensors
+
+
+def test_a_reseed_after_the_first_step_is_seen_unless_this_ranks_generators_are_kept() -> None:
+    from aura_hpc.train.probes import RunProbe
+    from aura_hpc.train.runtime import keep_device_rng
+
+    probe = RunProbe(track_host_tensors=False)
+    probe.arm_reseed_watch()
+    try:
+        before = torch.get_rng_state()
+        with keep_device_rng(torch.device("cpu")):
+            torch.manual_seed(123)  # what torch's PowerSGD hook does, guarded as strategies/ddp.py guards it
+        assert torch.equal(torch.get_rng_state(), before)
+        torch.manual_seed(7)
+    finally:
+        probe.close()
+    assert list(probe.reseeds) == [next(iter(probe.reseeds))] and "test_wire.py" in next(iter(probe.reseeds))
+    assert torch.manual_seed.__module__ == "torch.random"  # put back
+
+
+def test_a_store_listens_on_its_address_alone() -> None:
+    import psutil
+
+    server = stores.bound_server("127.0.0.1", 0, timedelta(seconds=10))
+    try:
+        port = server.port
+        listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
+        assert listening == {"127.0.0.1"}, listening
+        client = stores.client("127.0.0.1", port, timedelta(seconds=10))
+        client.set("k", "v")
+        assert server.get("k") == b"v"
+        with pytest.raises(stores.StoreAddressInUse):
+            stores.bound_server("127.0.0.1", port, timedelta(seconds=5))
+    finally:
+        del server
+
+
+def _prove(rank: int, port: int, secret: str, out: str) -> None:
+    store = stores.client("127.0.0.1", port, timedelta(seconds=20))
+    try:
+        stores.prove(store, "attempt0/auth", rank, 2, secret, 15)
+        Path(out).write_text("ok")
+    except stores.NotProven as exc:
+        Path(out).write_text(str(exc))
+
+
+def test_every_rank_proves_the_run_secret_and_a_stranger_cannot(tmp_path: Path) -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    for name, secrets in (("same", ("s" * 20, "s" * 20)), ("wrong", ("s" * 20, "t" * 20))):
+        server = stores.bound_server("127.0.0.1", 0, timedelta(seconds=30))
+        procs = [ctx.Process(target=_prove, args=(r, server.port, secrets[r], str(tmp_path / f"{name}{r}"))) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        said = [(tmp_path / f"{name}{r}").read_text() for r in (0, 1)]
+        if name == "same":
+            assert said == ["ok", "ok"], said
+        else:
+            assert all("did not prove this run's secret" in s for s in said), said
+            # What a stranger reading the store sees cannot be replayed: the next attempt's nonces differ.
+            keys = [f"attempt0/auth/proof/{r}" for r in (0, 1)]
+            assert all(len(server.get(k)) == 64 for k in keys)
+        del server
+
+
+def test_slurm_and_torchrun_layouts_are_read_into_nodes() -> None:
+    from aura_hpc.train.dist_env import DistEnv, tasks_per_node
+
+    assert tasks_per_node("2(x3),1") == (2, 2, 2, 1) and tasks_per_node("4") == (4,) and tasks_per_node("junk") == ()
+    slurm = DistEnv.from_environ(
+        {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_NODELIST": "gpu[007-008]"}
+    )
+    assert slurm.node_ranks == [[0, 1], [2, 3]] and slurm.peer_host == "gpu008"
+    equal = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "AURA_NODE_RANK": "0", "AURA_NNODES": "2"}
+    torchrun = DistEnv.from_environ(equal)
+    assert torchrun.rank == 1 and torchrun.node_sizes == (2, 2) and torchrun.launcher_rank == 1
+    # 1 process on one node, 2 on the other: the layout is learned when the ranks meet (distributed.join).
+    unequal = DistEnv.from_environ({**equal, "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    assert unequal.node_sizes == ()
+
+
+def test_diloco_replicas_follow_the_nodes_and_never_span_two() -> None:
+    import dataclasses
+
+    from aura_hpc.errors import ConfigError
+    from aura_hpc.train.dist_env import DistEnv
+    from aura_hpc.train.strategies.diloco import replica_partition
+
+    laptop_and_desktop = dataclasses.replace(DistEnv(world_size=3), node_sizes=(1, 2))
+    assert replica_partition(laptop_and_desktop, 0) == [[0], [1, 2]]
+    assert replica_partition(laptop_and_desktop, 3) == [[0], [1], [2]]
+    two_by_two = dataclasses.replace(DistEnv(world_size=4), node_sizes=(2, 2))
+    assert replica_partition(two_by_two, 0) == [[0, 1], [2, 3]] == replica_partition(two_by_two, 2)
+    with pytest.raises(ConfigError, match="across nodes"):
+        replica_partition(dataclasses.replace(DistEnv(world_size=4), node_sizes=(1, 3)), 2)
+    with pytest.raises(ConfigError, match="does not divide"):
+        replica_partition(laptop_and_desktop, 2)
+
+
+def _json_ranks(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    collectives.set_world(torch.device("cpu"))
+    got = {
+        "gather": collectives.gather_json({"rank": rank, "text": "ñ" * (3 + rank)}),
+        "broadcast": collectives.broadcast_json(["from", rank] if rank == 1 else None, src=1),
+        "bytes": collectives.broadcast_bytes(b"\x00\xff" * 5 if rank == 0 else None).hex(),
+        "sum": collectives.reduce_values([1.5, float(rank)]),
+        "max": collectives.reduce_values([float(rank)], op="max"),
+        "flags": collectives.flags(rank == 1),
+    }
+    Path(out).write_text(json.dumps(got))
+    collectives.barrier()
+    dist.destroy_process_group()
+
+
+def test_objects_cross_as_json_between_two_ranks(tmp_path: Path) -> None:
+    import multiprocessing as mp
+
+    port = free_port()
+    procs = [mp.get_context("spawn").Process(target=_json_ranks, args=(r, port, str(tmp_path / f"r{r}.json"))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    for r in (0, 1):
+        got = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert got["gather"] == [{"rank": 0, "text": "ñññ"}, {"rank": 1, "text": "ññññ"}]
+        assert got["broadcast"] == ["from", 1] and got["bytes"] == "00ff" * 5
+        assert got["sum"] == [3.0, 1.0] and got["max"] == [1.0] and got["flags"] == [False, True]
+
+
+def test_nothing_listens_beyond_loopback_in_a_single_machine_run(tmp_path: Path, prepared: Path) -> None:
+    """`ss -ltn` during a single-machine run: the launcher's two stores and every worker's gloo sockets
+    listen on 127.0.0.1 only (before: the stores on every interface, IPv4 and IPv6)."""
+    import psutil
+
+    from tests.conftest import SMALL_MODEL, cli_env
+
+    args = ["local", "--output-dir", str(tmp_path), "--set", f"data.path={prepared}", *SMALL_MODEL, "--set", "train.max_steps=400"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aura_hpc", *args], env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        seen: set[str] = set()
+        deadline = time.monotonic() + 120
+        lines: list[str] = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "step 5/" in line or time.monotonic() > deadline:
+                break
+        family = psutil.Process(proc.pid)
+        pids = {proc.pid, *(c.pid for c in family.children(recursive=True))}
+        for c in psutil.net_connections("tcp"):
+            if c.status == "LISTEN" and c.pid in pids:
+                seen.add(c.laddr.ip)
+        assert seen and seen <= {"127.0.0.1"}, (seen, "".join(lines[-20:]))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert socket.gethostname()
+
+
+def test_an_fp16_step_is_skipped_on_the_device_without_reading_the_flag() -> None:
+    """Under fp16 the agreed `bad` flag (a NaN loss on another rank) joins GradScaler's own inf flags: a
+    fused optimizer skips the update with no host read (before: bool(bad) every step, a GPU sync)."""
+    from aura_hpc.train.probes import StepProbe
+    from aura_hpc.train.strategies.base import Wrapped
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    wrapped = Wrapped(model, model)
+    before = [p.detach().clone() for p in model.parameters()]
+    for bad in (True, False):
+        wrapped.backward(model(torch.ones(3, 4)).sum(), scaler)
+        wrapped.grad_norm(opt, scaler, 0.0)
+        probe = StepProbe("all")
+        with probe.watch(1, compiled=False):
+            wrapped.update(opt, scaler, torch.tensor(bad))
+        assert not probe.report()["syncs"], probe.report()["syncs"]
+        changed = any(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+        assert changed is (not bad)
+    assert scaler.get_scale() < 2.0**8  # the skipped step counted as an overflow
+
+
+def test_a_backend_that_cannot_start_on_one_rank_makes_every_rank_fall_back_before_any_blocks(tmp_path: Path, prepared: Path) -> None:
+    """NCCL with device_id connects every rank at once: a rank that cannot start it left the others
+    waiting inside it, never reaching the agreement on the fallback. The ranks now say whether they can
+    start it first (through the store), then start it together or fall back together. On CPU gloo plays
+    NCCL's part (AURA_FAULT_BACKEND=1: rank 1 cannot start it)."""
+    from tests.conftest import SMALL_MODEL, run_cli
+
+    t0 = time.monotonic()
+    args = ["local", "--output-dir", str(tmp_path), "--set", f"data.path={prepared}", *SMALL_MODEL, "--set", "train.max_steps=4"]
+    r = run_cli([*args, "--set", "dist.init_timeout_s=120"], timeout=300, AURA_FAULT_BACKEND="1")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "could not start (rank 1: fault injection: the backend cannot start on this rank); fallback=gloo" in r.stdout
+    assert "all 2 ranks finished at step 4" in r.stdout
+    assert time.monotonic() - t0 < 100  # nobody waited for dist.init_timeout_s
+
+
+def test_prepared_pieces_count_only_whole_and_a_copy_of_the_text_keys_the_same(tmp_path: Path) -> None:
+    """A shard cut short (a crash, a full disk) is not a finished piece; a stream's key does not depend on
+    where a node keeps its copy of the text nor on its modification time (LAN nodes copy it)."""
+    import dataclasses
+    import os
+    import shutil as sh
+
+    from aura_hpc.data import shards
+    from aura_hpc.data.stream import _object_versions, _portable
+
+    text = "Érase una vez un molino.\n\nY un caballero.\n\n" * 200
+    for node in ("a", "b"):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "corpus.txt").write_text(text, encoding="utf-8")
+    os.utime(tmp_path / "b" / "corpus.txt", (1, 1))
+    keys = []
+    for node in ("a", "b"):
+        pieces = shards.plan([str(tmp_path / node / "corpus.txt")], {".txt": "text"}, 1024, None, False)
+        keys.append(([dataclasses.asdict(p) for p in _portable(pieces)], _object_versions(pieces)))
+    assert keys[0] == keys[1]
+    (tmp_path / "b" / "corpus.txt").write_text(text.replace("molino", "molinx"), encoding="utf-8")
+    pieces = shards.plan([str(tmp_path / "b" / "corpus.txt")], {".txt": "text"}, 1024, None, False)
+    assert _object_versions(pieces) != keys[0][1]
+    # A piece's record counts only while its shard files are as long as it says.
+    build = tmp_path / "build"
+    job = shards.Job(pieces[0], str(build), str(_tokenizer_json(tmp_path, text)), 0, "uint16", 0.1, "text")
+    record = shards.encode(job)
+    assert shards.finished(build, pieces[0], 0, 2) == record
+    shard = build / record["train"]["file"]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 2)
+    assert shards.finished(build, pieces[0], 0, 2) is None
+    sh.rmtree(build)
+
+
+def _tokenizer_json(root: Path, text: str) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"]))
+    path = root / "tokenizer.json"
+    tok.save(str(path))
+    return path
