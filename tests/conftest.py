@@ -156,24 +156,29 @@ def s3() -> Iterator[Any]:
 # Files that share one machine-wide resource form one group: the test Slurm cluster is started and
 # stopped by whichever worker holds the group, and its four nodes would queue two files' jobs.
 _SHARED_GROUP = {"test_slurm.py": "slurm", "test_containers.py": "slurm", "test_script_safety.py": "slurm"}
-# Seconds per group in a serial run on 2 cores (tests/ at 7f455c3, `--durations=0`): the longest are
-# handed out first, so that no long file starts last while the other worker sits idle.
+# Seconds per group on one of two busy workers (`-n auto` on 2 cores, `--durations`, 2026-11-25): the
+# longest are handed out first, so that no long file starts last while the other worker sits idle.
 _GROUP_SECONDS = {
-    "test_faults.py": 169,
-    "slurm": 150,
-    "test_strategies.py": 149,
-    "test_slow_links.py": 113,
-    "test_training.py": 101,
-    "test_gpu_contract.py": 89,
-    "test_ps.py": 76,
-    "test_s3.py": 59,
-    "test_check.py": 52,
-    "test_wheel.py": 51,
-    "test_compute_options.py": 48,
-    "test_bad_inputs.py": 41,
-    "test_disk_full.py": 38,
-    "test_memory_plan.py": 37,
-    "test_health.py": 32,
+    "test_strategies.py": 270,
+    "test_faults.py": 230,
+    "slurm": 190,
+    "test_ps.py": 150,
+    "test_users_shapes.py": 130,
+    "test_slow_links.py": 125,
+    "test_training.py": 120,
+    "test_gpu_contract.py": 86,
+    "test_s3.py": 63,
+    "test_memory_plan.py": 54,
+    "test_disk_full.py": 44,
+    "test_stream.py": 38,
+    "test_ps_hostile.py": 35,
+    "test_wire.py": 32,
+    "test_compute_options.py": 31,
+    "test_check.py": 29,
+    "test_data_position.py": 28,
+    "test_wheel.py": 25,
+    "test_health.py": 24,
+    "test_docs.py": 20,
 }
 
 

@@ -239,7 +239,7 @@ def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, ba
     port = free_port()
     run_dir = tmp_path / "runs" / "ps"
     # Long enough that a late worker (~5 s to start) joins well before the end on a faster machine.
-    end = 800
+    end = 500
     common = [*base, "--set", f"train.max_steps={end}", "--set", "train.log_every=20", "--set", f"train.eval_every={end // 5}"]
     common += ["--set", f"train.checkpoint_every={end // 5}"]
     server = Proc(["ps", "--workers", "3", "--port", str(port), *common], tmp_path / "ps.log")
