@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 MAX_JSON_BYTES = 64 << 20  # what one rank may send as an object (a checkpoint's names, hashes, settings)
 MAX_BYTES = 16 << 30  # a byte payload (a checkpoint sent to ranks without shared storage)
+CHUNK_BYTES = 64 << 20  # what of it crosses at once
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,10 @@ def active() -> bool:
 def set_world(device: torch.device) -> Group:
     """The default group, once the process group is up: its collectives take tensors on `device`."""
     global _world
-    _world = Group("world", torch.device(device))
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" names the current one: compare by index
+        device = torch.device("cuda", torch.cuda.current_device())
+    _world = Group("world", device)
     return _world
 
 
@@ -86,8 +90,10 @@ def split(name: str, partition: list[list[int]]) -> Group | None:
     mine = None
     rank = dist.get_rank() if active() else 0
     for ranks in partition:
-        g = new_group(name, ranks) if active() and dist.get_world_size() > 1 else None
-        if rank in ranks and len(ranks) > 1:
+        if len(ranks) < 2 or not active():  # every rank skips the same parts: the calls stay in step
+            continue
+        g = new_group(name, ranks)  # on NCCL each is a split of the whole world's communicator
+        if rank in ranks:
             mine = g
     return mine
 
@@ -136,10 +142,14 @@ def broadcast(t: torch.Tensor, src: int = 0, group: Group | None = None) -> None
 
 
 def barrier(group: Group | None = None) -> None:
-    """A tiny all-reduce on the group's device: a barrier that never picks a device of its own."""
+    """Every rank of the group got here: a tiny all-reduce on the group's device, read back, so the host
+    waits too (on NCCL a collective only makes the device stream wait; a rank that went on to tear its
+    communicator down would fail the others still in it)."""
     g = group or world()
     if active():
-        all_reduce(torch.zeros(1, device=g.device), g)
+        t = torch.zeros(1, device=g.device)
+        all_reduce(t, g)
+        t.item()
 
 
 def send(pg: Any, t: torch.Tensor, peer: int, tag: int) -> Any:
@@ -195,7 +205,7 @@ def gather_json(obj: Any, group: Group | None = None) -> list[Any]:
     mine = _encode(obj)
     sizes = [torch.zeros(1, dtype=torch.int64, device=g.device) for _ in range(g.size)]
     all_gather(sizes, torch.full((1,), len(mine), dtype=torch.int64, device=g.device), g)
-    lengths = [int(s.item()) for s in sizes]
+    lengths = [int(n) for n in torch.cat(sizes).tolist()]  # one read back, not one per rank
     if max(lengths) > MAX_JSON_BYTES or min(lengths) < 0:
         raise ValueError(f"a rank announced an object of {max(lengths)} bytes (at most {MAX_JSON_BYTES})")
     width = max(lengths)
@@ -203,7 +213,8 @@ def gather_json(obj: Any, group: Group | None = None) -> list[Any]:
     _fill(buf, mine)
     outs = [torch.empty(width, dtype=torch.uint8, device=g.device) for _ in range(g.size)]
     all_gather(outs, buf, g)
-    return [_decode(bytes(o[:n].cpu().numpy().tobytes())) for o, n in zip(outs, lengths, strict=True)]
+    host = torch.stack(outs).cpu().numpy()
+    return [_decode(host[r, :n].tobytes()) for r, n in enumerate(lengths)]
 
 
 def _fill(buf: torch.Tensor, data: bytes) -> None:
@@ -222,12 +233,18 @@ def broadcast_bytes(data: bytes | None, src: int = 0, group: Group | None = None
     n = int(size.item())
     if not 0 <= n <= limit:
         raise ValueError(f"rank {src} announced {n} bytes (at most {limit})")
-    buf = torch.empty(n, dtype=torch.uint8, device=g.device)
-    if g.rank == src:
-        _fill(buf, data or b"")
-    if n:
-        broadcast(buf, src, g)
-    return bytes(buf.cpu().numpy().tobytes()) if n else b""
+    # In chunks through one buffer on the group's device: a checkpoint never sits whole on a GPU.
+    buf = torch.empty(min(n, CHUNK_BYTES), dtype=torch.uint8, device=g.device)
+    out = bytearray(n)
+    view = memoryview(data or b"")
+    for start in range(0, n, CHUNK_BYTES):
+        end = min(n, start + CHUNK_BYTES)
+        part = buf[: end - start]
+        if g.rank == src:
+            _fill(part, bytes(view[start:end]))
+        broadcast(part, src, g)
+        out[start:end] = part.cpu().numpy().tobytes()
+    return bytes(out)
 
 
 def broadcast_json(obj: Any, src: int = 0, group: Group | None = None) -> Any:

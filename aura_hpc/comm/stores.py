@@ -13,6 +13,7 @@ the port can stop a run, but cannot stand in for a rank.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import hmac
@@ -54,6 +55,7 @@ def bound_server(addr: str, port: int, timeout: timedelta, multi_tenant: bool = 
         raise
     real_port = int(sock.getsockname()[1])
     fd = sock.detach()  # the store owns the descriptor from here on (and closes it when it goes)
+    libuv = _libuv_takes_a_listen_fd() and os.environ.get("TORCH_DISTRIBUTED_USE_LIBUV", "1") != "0"
     try:
         return dist.TCPStore(
             addr,
@@ -64,15 +66,22 @@ def bound_server(addr: str, port: int, timeout: timedelta, multi_tenant: bool = 
             wait_for_workers=wait_for_workers,
             multi_tenant=multi_tenant,
             master_listen_fd=fd,
-            use_libuv=os.environ.get("TORCH_DISTRIBUTED_USE_LIBUV", "1") != "0",
+            use_libuv=libuv,
         )
     except Exception:
-        try:
-            os.fstat(fd)
-            os.close(fd)  # the libuv backend leaves it open when it fails
-        except OSError:
-            pass
+        if libuv:  # the libuv backend leaves the descriptor open when it fails; the legacy one took it
+            with contextlib.suppress(OSError):
+                os.close(fd)
         raise
+
+
+def _libuv_takes_a_listen_fd() -> bool:
+    """torch's libuv store takes a bound socket from 2.8 on (pytorch #150215); before, only the
+    legacy backend does (the libuv one raises NotImplementedError)."""
+    import torch
+
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 8)
 
 
 def client(addr: str, port: int, timeout: timedelta) -> Any:
@@ -109,12 +118,21 @@ def register_rendezvous() -> None:
                 store = bound_server(host, port, timeout, multi_tenant=True)
             else:
                 store = client(host, port, timeout)
-        except (ValueError, RuntimeError, TimeoutError, OSError) as exc:
+        except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise RendezvousConnectionError(
+                    f"{host} is not an address of this machine, so the rendezvous cannot listen there (fix: --master-addr this "
+                    "machine's own LAN address, as `ip -4 addr` shows it)"
+                ) from None
+            raise RendezvousConnectionError(f"the connection to the rendezvous store at {host}:{port} failed: {exc}") from exc
+        except (ValueError, RuntimeError, TimeoutError) as exc:
             raise RendezvousConnectionError(f"the connection to the rendezvous store at {host}:{port} failed: {exc}") from exc
         handler = create_handler(store, BoundBackend(store, params.run_id), params)
         own = params.local_addr or host
         if hasattr(handler, "_create_tcp_store_server"):  # the store the workers share (torch >= 2.6)
             handler._create_tcp_store_server = lambda _addr, p: bound_server(own, p, timeout, multi_tenant=True)
+        else:
+            log.warning("this torch makes the store its workers share on every interface (fix: torch 2.6 or newer)")
         return handler
 
     rendezvous_handler_registry.register(RDZV_BACKEND, create)

@@ -148,9 +148,7 @@ def run_workers(plan: LocalPlan) -> int:
 
 def _trained_since(plan: LocalPlan, started: float) -> bool:
     """This node's workers started training in this attempt (their logs say so since `started`)."""
-    first = plan.node_rank * plan.nproc
-    for rank in range(first, first + plan.nproc):
-        path = plan.cfg.run_dir / "logs" / f"rank_{rank}.log"
+    for path in _node_logs(plan):
         try:
             if path.stat().st_mtime >= started and "start rank=" in path.read_text(encoding="utf-8", errors="replace"):
                 return True
@@ -236,10 +234,9 @@ def _failure(plan: LocalPlan, failures: dict[int, Any]) -> TrainingFailed:
 
 def _worker_error(plan: LocalPlan) -> str | None:
     """The last error a worker of this machine logged: why it exited (each logs its error before leaving)."""
-    first = plan.node_rank * plan.nproc
-    for rank in range(first, first + plan.nproc):
+    for path in _node_logs(plan):
         try:
-            with open(plan.cfg.run_dir / "logs" / f"rank_{rank}.log", "rb") as f:
+            with open(path, "rb") as f:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - 65536))
                 lines = f.read().decode("utf-8", "replace").splitlines()
@@ -249,6 +246,25 @@ def _worker_error(plan: LocalPlan) -> str | None:
             if " ERROR " in line:
                 return line.split(" ERROR ", 1)[1].strip()
     return None
+
+
+def _node_logs(plan: LocalPlan) -> list[Path]:
+    """This node's ranks' logs: those whose newest start line names this node (nodes may run different
+    numbers of processes, so the ranks are not node_rank * nproc on); before any, that guess."""
+    logs = plan.cfg.run_dir / "logs"
+    mine = []
+    for path in sorted(logs.glob("rank_*.log")):
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 262144))
+                starts = [ln for ln in f.read().decode("utf-8", "replace").splitlines() if "start rank=" in ln]
+        except OSError:
+            continue
+        if starts and f" node_rank={plan.node_rank} " in starts[-1]:
+            mine.append(path)
+    first = plan.node_rank * plan.nproc
+    return mine or [logs / f"rank_{r}.log" for r in range(first, first + plan.nproc)]
 
 
 def _exit_description(code: int) -> str:

@@ -21,6 +21,9 @@ log = logging.getLogger("aura_hpc")
 
 def forget_pair_keys(store: Any, prefix: str) -> None:
     """The pair's keys (its members' gloo addresses) out of the store once the pair is up."""
+    with contextlib.suppress(RuntimeError, ValueError):
+        for rank in (0, 1):  # the pair's own keys (wire.pair_group); gloo's need a listing (torch >= 2.10)
+            store.delete_key(f"{prefix}/aura/here/{rank}")
     list_keys = getattr(store, "list_keys", None)
     if list_keys is None:
         return

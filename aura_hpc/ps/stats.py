@@ -115,6 +115,8 @@ def copy_worker_stats(
             # The worker's start time names the file (as the worker names its own copy) when it is plausible.
             plausible = isinstance(start, (int, float)) and time.time() - 366 * 86400 < start < time.time() + 86400
             write_stats(run_dir, json.dumps(stats, indent=1), stats_name(seat_host, f"worker{rank}", start if plausible else joined))
+            for k in (base, f"{base}/final"):  # its copy is here: its keys leave the store
+                store.delete_key(k)
     except (RuntimeError, OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
     return None

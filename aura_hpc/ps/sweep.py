@@ -10,9 +10,12 @@ made (a worker that waits announces again; a seat's stats are its own).
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import time
 from typing import Any
+
+log = logging.getLogger("aura_hpc")
 
 EVERY_S = 2.0
 # join/epoch, join/queue, join/req|reply/<nonce>, stats/<nonce>[/final], and a pair's keys while it is made.
@@ -31,7 +34,15 @@ class StoreSweeper:
         """Delete what the protocol did not write, and what it wrote for nobody current (every EVERY_S)."""
         now = time.monotonic()
         list_keys = getattr(self.store, "list_keys", None)
-        if list_keys is None or now - self.last < EVERY_S:
+        if list_keys is None:
+            if not self.last:
+                log.warning(
+                    "this torch cannot list its store's keys: keys a stranger writes at the port stay until the server stops "
+                    "(torch 2.10 or newer sweeps them)"
+                )
+                self.last = now
+            return
+        if now - self.last < EVERY_S:
             return
         self.last = now
         try:

@@ -9,6 +9,7 @@ and the checkpoints). `init_process_group` then makes the group over the same st
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -185,19 +186,27 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, init_ti
     assert rdzv is not None
     global _AGREE
     _AGREE = (rdzv.store, f"{rdzv.prefix}/agree", env.rank, env.world_size)
-    wanted = faults.primary_backend() or ("nccl" if backend == "nccl" or (backend == "auto" and device.type == "cuda") else "gloo")
+    simulated = faults.primary_backend()  # gloo plays NCCL's part (tests on CPU)
     timeout = timedelta(seconds=timeout_s)
     group_store = dist.PrefixStore(f"{rdzv.prefix}/pg", rdzv.store)
-    if wanted == "gloo" and not faults.primary_backend():
-        dist.init_process_group("gloo", store=group_store, rank=env.rank, world_size=env.world_size, timeout=timeout)
-        collectives.set_world(device)
-        return "gloo"
-    problem = _nccl_problem(device, env) if wanted == "nccl" else faults.backend_fails(env.rank)
-    failed = agree("backend-ready", problem, init_timeout_s, waiting=f"waiting for every rank to say whether {wanted} can start")
-    error = ""
+    if backend == "gloo" and not simulated:
+        return _gloo(group_store, env, device, timeout)
+    # Every rank says whether it can start NCCL here, from local facts (a CPU-only node among GPU
+    # ones included): all decide alike before any enters anything collective.
+    problem = faults.backend_fails(env.rank) if simulated else _nccl_problem(device, env)
+    failed = agree("backend-ready", problem, init_timeout_s, waiting="waiting for every rank to say whether NCCL can start")
+    if not simulated and backend == "auto" and len(failed) == env.world_size and all(f.endswith(": no CUDA device") for f in failed):
+        return _gloo(group_store, env, device, timeout)  # no GPU anywhere: gloo, nothing to say
+    wanted = simulated or "nccl"
     if not failed:
         error = _connect(wanted, group_store, env, device, init_timeout_s, timeout)
         failed = agree("backend-connected", error, init_timeout_s)
+        if failed and len(failed) < env.world_size:
+            # Some ranks connected and others did not: NCCL's set-up is not something to fall back from.
+            raise LaunchError(
+                f"NCCL did not connect every rank ({failed[0]}) (fix: `python -m aura_hpc check` between the nodes; "
+                "NCCL_SOCKET_IFNAME / InfiniBand settings in the cluster profile; or --backend gloo)"
+            )
     if not failed:
         collectives.set_world(device)
         return wanted
@@ -212,46 +221,71 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, init_ti
         log.warning("%s could not start (%s); fallback=gloo", wanted.upper() if wanted == "nccl" else wanted, first)
     if dist.is_initialized():
         dist.destroy_process_group()
-    fallback = dist.PrefixStore(f"{rdzv.prefix}/gloo-fallback", rdzv.store)
-    dist.init_process_group("gloo", store=fallback, rank=env.rank, world_size=env.world_size, timeout=timeout)
-    collectives.set_world(torch.device("cpu"))
+    return _gloo(dist.PrefixStore(f"{rdzv.prefix}/gloo-fallback", rdzv.store), env, device, timeout)
+
+
+def _gloo(store: Any, env: DistEnv, device: torch.device, timeout: timedelta) -> str:
+    """gloo, on this rank's device: gloo carries CUDA tensors too (through host memory)."""
+    dist.init_process_group("gloo", store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    collectives.set_world(device)
     return "gloo"
 
 
 def _connect(backend: str, store: Any, env: DistEnv, device: torch.device, init_timeout_s: int, timeout: timedelta) -> str:
     """The group on `backend` and one collective through it; "" or the first line of what failed.
-    Every rank said it can start, so what is left is the network between them: bounded by a watchdog,
-    since NCCL's own set-up has no timeout (blocking mode waits for every rank forever)."""
+    Every rank said it can start, so what is left is the network between them. NCCL's own set-up has
+    no timeout (blocking mode waits for every rank forever): a watchdog ends this process when a
+    peer reports its set-up failed, or after dist.init_timeout_s, with the reason."""
     done = threading.Event()
+    assert _AGREE is not None
+    prefix = _AGREE[1]
+    # The watchdog's own connection, made here: a store client serves one call at a time, and a pybind
+    # object made in another thread while torch constructs the group races its registration.
+    agreed: Any = _AGREE[0]
+    if env.world_size > 1:
+        try:
+            agreed = stores.client(env.master_addr, env.master_port, timedelta(seconds=10))
+        except (RuntimeError, TimeoutError, OSError):
+            agreed = None  # then only the timeout ends a stuck set-up
+    keys = [f"{prefix}/backend-connected/{r}" for r in range(env.world_size)]
+    name = backend.upper() if backend == "nccl" else backend
 
-    def stuck() -> None:
-        if not done.is_set():
-            log.error(
-                "%s did not connect the ranks within dist.init_timeout_s=%d s (this rank waits inside its set-up) (fix: "
-                "`python -m aura_hpc check` between the nodes; NCCL_SOCKET_IFNAME / InfiniBand settings; or --backend gloo)",
-                backend.upper() if backend == "nccl" else backend,
-                init_timeout_s,
-            )
-            logging.shutdown()
-            os._exit(EXIT_TRAIN_FAILED)
+    def give_up(why: str) -> None:
+        log.error(
+            "%s (fix: `python -m aura_hpc check` between the nodes; NCCL_SOCKET_IFNAME / InfiniBand settings; or --backend gloo)", why
+        )
+        logging.shutdown()
+        os._exit(EXIT_TRAIN_FAILED)
 
-    watchdog = threading.Timer(init_timeout_s + 5, stuck)
-    watchdog.daemon = True
-    watchdog.start()
+    def watch() -> None:
+        deadline = time.monotonic() + init_timeout_s + 5
+        while not done.wait(1.0):
+            for r, key in enumerate(keys):
+                with contextlib.suppress(Exception):
+                    if agreed is not None and r != env.rank and agreed.check([key]):
+                        said = agreed.get(key)[:300].decode("utf-8", "replace")
+                        if said != "ok" and not done.is_set():
+                            give_up(f"{name} could not connect the ranks: rank {r} failed in its set-up ({said})")
+            if time.monotonic() > deadline and not done.is_set():
+                give_up(f"{name} did not connect the ranks within dist.init_timeout_s={init_timeout_s} s (waiting inside its set-up)")
+
+    threading.Thread(target=watch, name="aura-backend-watchdog", daemon=True).start()
     try:
+        # The same set-up on every torch (2.6 turned on NCCL's nonblocking set-up with device_id, later ones do not).
+        os.environ.setdefault("TORCH_NCCL_USE_COMM_NONBLOCKING", "0")
         kw: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **kw)
         probe_device = device if backend == "nccl" else torch.device("cpu")
         collectives.set_world(probe_device)
-        # NCCL connects lazily on some releases; one collective makes a broken fabric show up here.
-        collectives.all_reduce(torch.ones(1, device=probe_device))
-        collectives.synchronize(probe_device)
+        # NCCL connects lazily on some releases; one collective, read back, makes a broken fabric show up here.
+        probe = torch.ones(1, device=probe_device)
+        collectives.all_reduce(probe)
+        probe.item()
         return ""
     except Exception as exc:
         return _first_line(exc)
     finally:
         done.set()
-        watchdog.cancel()
 
 
 def _first_line(exc: BaseException) -> str:

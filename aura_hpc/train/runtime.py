@@ -46,8 +46,10 @@ def start(cfg: RunConfig, env: DistEnv) -> Runtime:
         raise ConfigError("dist.backend is nccl but this machine has no CUDA GPU (fix: --backend gloo or auto)")
     # Libraries that read the launcher's variables themselves (DeepSpeed asserts LOCAL_RANK) find
     # them under Slurm too, where srun sets SLURM_* only.
-    for key, value in (("LOCAL_RANK", env.local_rank), ("RANK", env.rank), ("WORLD_SIZE", env.world_size)):
+    for key, value in (("LOCAL_RANK", env.local_rank), ("WORLD_SIZE", env.world_size)):
         os.environ.setdefault(key, str(value))
+    # The rank as the ranks agreed it (node by node in the user's order), not the launcher's numbering.
+    os.environ["RANK"] = str(env.rank)
     device = distributed.pick_device(env, cfg.dist.backend)
     malloc = "default"
     if device.type == "cpu" and cfg.train.tune_malloc and pin_thresholds():

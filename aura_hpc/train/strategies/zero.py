@@ -123,9 +123,13 @@ class ZeroWrapped(Wrapped):
             if main:
                 out[name] = full.detach().to("cpu", dtype=torch.float32, copy=True).contiguous()
             del full
-        if main:
-            for name, buf in self.model.named_buffers():
-                out.setdefault(name, buf.detach().to("cpu", dtype=torch.float32, copy=True).contiguous())
+        if main:  # persistent buffers (what a state dict holds), each in its own kind of dtype
+            for prefix, module in self.model.named_modules():
+                for name, buf in module.named_buffers(recurse=False):
+                    if buf is not None and name not in module._non_persistent_buffers_set:
+                        dtype = torch.float32 if buf.is_floating_point() else buf.dtype
+                        key = f"{prefix}.{name}" if prefix else name
+                        out.setdefault(key, buf.detach().to("cpu", dtype=dtype, copy=True).contiguous())
         return out
 
     def _working_value(self, param: torch.Tensor) -> torch.Tensor:
