@@ -29,7 +29,8 @@ def _compose_config(**env: str) -> str:
     r = subprocess.run(
         ["docker-compose", "-f", str(REPO / "compose.yaml"), "config"],
         cwd=REPO,
-        env={**cli_env(), **env},
+        # The golden file shows what a user's shell gives it: no run secret from the test env.
+        env={**{k: v for k, v in cli_env().items() if k != "AURA_RUN_SECRET"}, **env},
         capture_output=True,
         text=True,
         timeout=60,
@@ -50,6 +51,7 @@ def test_compose_file_is_valid_and_reserves_the_gpus_on_the_host_network() -> No
     assert gpu["network_mode"] == "host" and gpu["ipc"] == "host"
     assert gpu["environment"]["MASTER_ADDR"] == "192.168.1.10" and gpu["environment"]["NNODES"] == "5"
     assert gpu["environment"]["MASTER_PORT"] is None  # unset stays unset (not an empty string)
+    assert gpu["environment"]["AURA_RUN_SECRET"] is None  # passed through from the shell, never baked in
     assert "/srv/runs:/work/runs:rw" in gpu["volumes"] and "/srv/Data:/work/Data:rw" in gpu["volumes"]
     assert "deploy" not in services["trainer-cpu"]
     assert {k: v for k, v in services["trainer-cpu"].items() if k != "deploy"} == {k: v for k, v in gpu.items() if k != "deploy"}
