@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from aura_hpc.data.prepare import PrepareSpec, prepare
-from aura_hpc.train import checkpoint
+from aura_hpc.train.checkpoint import files as checkpoint
 
 BASE = [
     "--set",

@@ -1,7 +1,7 @@
 """Asynchronous parameter server (`ps` + 2 `worker`s) vs synchronous `local` DDP (2 ranks) on this
 machine, with both PCs at full speed and with one of them slowed down.
 
-The slow PC is simulated with AURA_FAULT_SLOW=RANK:0.5 (aura_hpc/train/faults.py): that process
+The slow PC is simulated with AURA_FAULT_SLOW=RANK:0.5 (aura_hpc/train/instruments/faults.py): that process
 idles as long as it worked, every step. Same model, data, per-process batch and token total:
 the server applies N versions of one worker's batch; DDP runs N/2 steps of both ranks' batches.
 

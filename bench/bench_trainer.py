@@ -4,7 +4,7 @@ Both are timed by wall clock from step --warmup-steps to the last step; the trai
 comes from the `elapsed_s`/`tokens` columns of its metrics.jsonl, so its logging, metric
 all_reduce and progress reporting are inside the measurement. Runs alternate to share noise.
 
-The trainer pins glibc's malloc thresholds on CPU (train.tune_malloc, aura_hpc/train/malloc_tuning.py),
+The trainer pins glibc's malloc thresholds on CPU (train.tune_malloc, aura_hpc/train/process/malloc_tuning.py),
 which changes the speed of the same loop by several percent here. So each repeat runs four
 programs and the report gives three ratios: the loop's own overhead with the allocator set the
 same way on both sides (default glibc, and pinned through glibc's MALLOC_* variables, which do
@@ -22,12 +22,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from aura_hpc.train.malloc_tuning import MMAP_THRESHOLD, TRIM_THRESHOLD
+from aura_hpc.train.process.malloc_tuning import MMAP_THRESHOLD, TRIM_THRESHOLD
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-# The trainer's own thresholds (aura_hpc/train/malloc_tuning.py), through glibc's environment tunables.
+# The trainer's own thresholds (aura_hpc/train/process/malloc_tuning.py), through glibc's environment tunables.
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
 
 

@@ -85,7 +85,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def final_weights(run_dir: Path) -> dict:
     from safetensors.torch import load_file
 
-    from aura_hpc.train import checkpoint
+    from aura_hpc.train.checkpoint import files as checkpoint
 
     newest = checkpoint.list_complete(run_dir / "checkpoints")[0]
     return load_file(str(newest.path / "model" / "model.safetensors"))

@@ -153,6 +153,46 @@ def test_the_top_level_holds_few_modules() -> None:
 
 def test_architecture_md_names_every_wing_and_stays_short() -> None:
     text = (REPO / "ARCHITECTURE.md").read_text(encoding="utf-8")
-    assert text.count("\n") <= 80
+    assert text.count("\n") <= 90
     for wing in ("cli", "ps", "slurm", "launch", "train", "ops", "comm", "data", "config"):
         assert re.search(rf"`aura_hpc/{wing}", text), wing
+
+
+# train/ in rooms (ARCHITECTURE.md): beside its entry points, each room imports only the rooms named
+# here. The loop is the top room and the instruments the bottom one; the model knows nothing of
+# distribution, the process runtime nothing of models, loops or checkpoints.
+TRAIN_ENTRY_POINTS = {"aura_hpc.train", "aura_hpc.train.__main__", "aura_hpc.train.worker", "aura_hpc.train.generate"}
+TRAIN_ROOMS: dict[str, set[str]] = {
+    "loop": {"parts", "checkpoint", "strategies", "model", "process", "instruments"},
+    "checkpoint": {"parts", "strategies", "model", "process", "instruments"},
+    "parts": {"strategies", "model", "process", "instruments"},
+    # ZeRO writes its shards through checkpoint/background_shards.py, and the Checkpointer drives the
+    # strategies: the one pair of rooms that meet both ways.
+    "strategies": {"checkpoint", "model", "process", "instruments"},
+    "model": {"process"},
+    "process": {"instruments"},
+    "instruments": set(),
+}
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    in_room = len(parts) > 3 or (len(parts) == 3 and MODULES[module].name == "__init__.py")
+    return parts[2] if in_room and parts[1] == "train" else None
+
+
+def test_train_holds_its_entry_points_and_rooms_only() -> None:
+    loose = [m for m in MODULES if _wing(m) == "train" and _room(m) is None and m not in TRAIN_ENTRY_POINTS]
+    assert not loose and {_room(m) for m in MODULES if _room(m)} == set(TRAIN_ROOMS), (loose, {_room(m) for m in MODULES})
+
+
+def test_each_room_of_train_imports_only_the_rooms_below_it() -> None:
+    crossing = [
+        f"{src} -> {dst}"
+        for src, targets in GRAPH.items()
+        if (room := _room(src))
+        for dst in targets
+        if _room(dst) not in (None, room) and _room(dst) not in TRAIN_ROOMS[room]
+    ]
+    entry = [f"{src} -> {dst}" for src, targets in GRAPH.items() if _room(src) for dst in targets if dst in TRAIN_ENTRY_POINTS]
+    assert not crossing and not entry, "imports between train/'s rooms against TRAIN_ROOMS:\n" + "\n".join(crossing + entry)

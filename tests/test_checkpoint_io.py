@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from aura_hpc.train import checkpoint
+from aura_hpc.train.checkpoint import files as checkpoint
 
 
 def _model() -> torch.nn.Module:
-    from aura_hpc.train.gpt import GPT, GPTConfig
+    from aura_hpc.train.model.gpt import GPT, GPTConfig
 
     return GPT(GPTConfig(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2))
 
@@ -54,7 +54,7 @@ def test_a_snapshot_does_not_follow_later_training(tmp_path: Path) -> None:
     assert torch.equal(moment, next(iter(state["optimizer"]["state"].values()))["exp_avg"])
     assert "lm_head.weight" not in snap.weights, "the tied output matrix is stored once, as transformers does"
     path = checkpoint.save(tmp_path, 7, snap, state, {"step": 7}, None, "", keep_last=1)
-    from aura_hpc.train.model import load_pretrained
+    from aura_hpc.train.model.language_model import load_pretrained
 
     loaded = load_pretrained(str(path / "model"))
     assert torch.equal(loaded.transformer.wte.weight, before["transformer.wte.weight"])

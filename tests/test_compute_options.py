@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aura_hpc.train import checkpoint
+from aura_hpc.train.checkpoint import files as checkpoint
 from tests.conftest import SMALL_MODEL, cli_env, final_weights, run_cli
 
 pytestmark = pytest.mark.slow
@@ -87,7 +87,7 @@ def test_compiled_blocks_train_like_eager(tmp_path: Path, prepared: Path, plain:
     diff = _max_diff(final_weights(tmp_path / "compiled"), plain)
     assert diff < 1e-4, f"compiled and eager training differ by {diff}"
     # The checkpoint of a compiled model is a plain transformers folder.
-    from aura_hpc.train.model import load_pretrained
+    from aura_hpc.train.model.language_model import load_pretrained
 
     newest = checkpoint.list_complete(tmp_path / "compiled" / "checkpoints")[0]
     assert load_pretrained(str(newest.path / "model")).config.n_layer == 2

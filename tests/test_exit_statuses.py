@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from aura_hpc import errors
-from aura_hpc.train import checkpoint
+from aura_hpc.train.checkpoint import files as checkpoint
 from tests.conftest import REPO, SMALL_MODEL, run_cli
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from aura_hpc.errors import EXIT_RESUMABLE
-from aura_hpc.train import checkpoint
+from aura_hpc.train.checkpoint import files as checkpoint
 from tests.conftest import SMALL_MODEL, cli_env, final_weights, run_cli, run_cli_together
 
 pytestmark = pytest.mark.slow
@@ -284,8 +284,8 @@ def test_sigkill_at_random_moments_of_a_save_never_breaks_the_previous(tmp_path:
     script.write_text(
         "import sys, torch\n"
         "from pathlib import Path\n"
-        "from aura_hpc.train.gpt import GPT, GPTConfig\n"
-        "from aura_hpc.train import checkpoint\n"
+        "from aura_hpc.train.model.gpt import GPT, GPTConfig\n"
+        "from aura_hpc.train.checkpoint import files as checkpoint\n"
         "root = Path(sys.argv[1])\n"
         "model = GPT(GPTConfig(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=2))\n"
         "opt = torch.optim.AdamW(model.parameters())\n"
@@ -316,14 +316,14 @@ def test_sigkill_at_random_moments_of_a_save_never_breaks_the_previous(tmp_path:
         newest = checkpoint.newest_valid(root)
         assert newest is not None and newest.step == ckpts[0].step  # the newest complete one is intact
         assert checkpoint.verify(newest.path) is None
-        from aura_hpc.train.checkpointing import _decode_payload, _payload_parts
+        from aura_hpc.train.checkpoint.checkpointer import _decode_payload, _payload_parts
 
         weights, _state, meta = _decode_payload(_payload_parts(newest.path))
         assert meta["step"] == newest.step and weights
 
 
 def test_keep_last_plus_best_by_validation_loss(tmp_path: Path) -> None:
-    from aura_hpc.train.gpt import GPT, GPTConfig
+    from aura_hpc.train.model.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2))
     losses = {1: 3.0, 2: 1.5, 3: 2.5, 4: 2.8, 5: 2.9}

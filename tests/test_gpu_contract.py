@@ -2,7 +2,7 @@
 evaluate, sample or checkpoint reads nothing back to the host and makes no tensor that would land on
 the wrong device, and a compiled model compiles once.
 
-The probes (aura_hpc/train/probes.py) watch the real trainer in real `local` runs. What a CPU test
+The probes (aura_hpc/train/instruments/probes.py) watch the real trainer in real `local` runs. What a CPU test
 cannot see: a CUDA kernel's own placement or stream behaviour, and syncs inside compiled graphs
 (there, fullgraph=True makes any host read a graph break, and a graph break an error)."""
 
@@ -50,9 +50,9 @@ def _probe(run: Path, rank: int) -> dict:
 def test_our_gpt2_equals_transformers_and_checkpoints_convert_both_ways(tmp_path: Path) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from aura_hpc.train import checkpoint
-    from aura_hpc.train.gpt import GPT, GPTConfig, hf_config, import_weights
-    from aura_hpc.train.model import load_pretrained
+    from aura_hpc.train.checkpoint import files as checkpoint
+    from aura_hpc.train.model.gpt import GPT, GPTConfig, hf_config, import_weights
+    from aura_hpc.train.model.language_model import load_pretrained
 
     torch.manual_seed(0)
     ours = GPT(GPTConfig(vocab_size=500, n_positions=64, n_embd=48, n_layer=3, n_head=4, eos_id=3)).eval()
@@ -79,7 +79,7 @@ def test_our_gpt2_equals_transformers_and_checkpoints_convert_both_ways(tmp_path
 
 def test_the_probes_see_what_they_are_for() -> None:
     """Each kind of host read and of misplaced tensor is counted, with the line that made it."""
-    from aura_hpc.train.probes import StepProbe
+    from aura_hpc.train.instruments.probes import StepProbe
 
     probe = StepProbe("all")
     t = torch.ones(3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aura_hpc.train.loss import chunked_cross_entropy
+from aura_hpc.train.model.loss import chunked_cross_entropy
 
 
 def _plain(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -64,7 +64,7 @@ def test_without_gradients_the_loss_is_the_same() -> None:
 def test_each_rank_draws_its_own_dropout_masks() -> None:
     import torch
 
-    from aura_hpc.train.build import seed_dropout
+    from aura_hpc.train.parts.build import seed_dropout
 
     masks = []
     for rank in (0, 1, 2):

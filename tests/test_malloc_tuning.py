@@ -11,7 +11,7 @@ import pytest
 # Runs in a fresh interpreter: the thresholds are process-wide and history-dependent.
 PROBE = r"""
 import ctypes, json, sys
-from aura_hpc.train.malloc_tuning import pin_thresholds
+from aura_hpc.train.process.malloc_tuning import pin_thresholds
 
 libc = ctypes.CDLL("libc.so.6")
 

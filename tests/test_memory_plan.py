@@ -16,7 +16,7 @@ from tests.conftest import run_cli
 # Run in a fresh interpreter: in a test process, other tests' objects are freed at random moments.
 _MEASURE = """
 import ctypes, sys, torch
-from aura_hpc.train.gpt import GPT, GPTConfig
+from aura_hpc.train.model.gpt import GPT, GPTConfig
 NAMES = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
 class M(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in NAMES]

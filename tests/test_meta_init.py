@@ -1,4 +1,4 @@
-"""Meta-device construction and shard-by-shard initialisation (train/meta_init.py), on one process;
+"""Meta-device construction and shard-by-shard initialisation (train/model/meta_init.py), on one process;
 ZeRO-3's partitioned build (strategies/zero.py) on two.
 
 Under FSDP on 2 ranks the same path is proven end to end by tests/test_strategies.py (fsdp ends
@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from aura_hpc.train.gpt import GPT, GPTConfig
-from aura_hpc.train.meta_init import build_on_meta
+from aura_hpc.train.model.gpt import GPT, GPTConfig
+from aura_hpc.train.model.meta_init import build_on_meta
 
 CFG = GPTConfig(vocab_size=3001, n_positions=64, n_embd=48, n_layer=4, n_head=4)
 
@@ -53,8 +53,8 @@ def test_weights_and_the_random_stream_are_those_of_the_host_built_model() -> No
 
 _PEAK = r"""
 import re, sys, torch
-from aura_hpc.train.gpt import GPT, GPTConfig
-from aura_hpc.train.meta_init import build_on_meta
+from aura_hpc.train.model.gpt import GPT, GPTConfig
+from aura_hpc.train.model.meta_init import build_on_meta
 model, record = build_on_meta(lambda: GPT(GPTConfig(vocab_size=4000, n_positions=64, n_embd=512, n_layer=16, n_head=8)))
 model.to_empty(device="cpu")
 model.lm_head.weight = model.transformer.wte.weight
@@ -120,13 +120,13 @@ def test_what_cannot_be_replayed_is_built_on_the_host_and_nothing_is_left_uninit
 
 _ZERO3 = r"""
 import os, re, sys, torch, torch.distributed as dist
-from aura_hpc.train.malloc_tuning import pin_thresholds
+from aura_hpc.train.process.malloc_tuning import pin_thresholds
 pin_thresholds()  # as the worker does
 dist.init_process_group("gloo")
 import deepspeed
 from aura_hpc.config import load_config
-from aura_hpc.train.gpt import GPT, GPTConfig
-from aura_hpc.train.runtime import Runtime
+from aura_hpc.train.model.gpt import GPT, GPTConfig
+from aura_hpc.train.process.runtime import Runtime
 from aura_hpc.train.strategies.zero import build_partitioned
 shape = GPTConfig(vocab_size=4000, n_positions=64, n_embd=512, n_layer=16, n_head=8)
 cfg = load_config(None, ["dist.strategy=zero3"])

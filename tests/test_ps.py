@@ -239,7 +239,7 @@ def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, ba
     port = free_port()
     run_dir = tmp_path / "runs" / "ps"
     # Long enough that a late worker (~5 s to start) joins well before the end on a faster machine.
-    end = 500
+    end = 400
     common = [*base, "--set", f"train.max_steps={end}", "--set", "train.log_every=20", "--set", f"train.eval_every={end // 5}"]
     common += ["--set", f"train.checkpoint_every={end // 5}"]
     server = Proc(["ps", "--workers", "3", "--port", str(port), *common], tmp_path / "ps.log")
@@ -385,7 +385,7 @@ def test_a_full_disk_on_the_server_stops_the_run_with_the_fix_and_keeps_nothing_
     run_dir = tmp_path / "runs" / "ps"
     common = [*base, "--set", "train.max_steps=400", "--set", "train.log_every=10", "--set", "train.checkpoint_every=20"]
     common += ["--set", "train.eval_every=0"]
-    # The first checkpoint's save fails as a full disk would (train/faults.py).
+    # The first checkpoint's save fails as a full disk would (train/instruments/faults.py).
     server = Proc(["ps", "--port", str(port), *common], tmp_path / "ps.log", AURA_FAULT_CKPT="enospc:model")
     _listening(port, server)
     worker = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / "w.log")

@@ -66,29 +66,32 @@ def test_overlapped_meetings_resume_bit_identical_with_a_meeting_in_flight(tmp_p
     """dist.diloco_overlap=3: the meetings begun at steps 4, 8, 12, 16 cross in 3 pieces and land at
     7, 11, 15, 19 (the last, 20, is a plain meeting). The checkpoints at 6, 12 and 18 each hold a
     meeting in flight (2, 0 and 2 pieces arrived). Killed after step 9 the run resumes from 6, after
-    step 14 from 12: each rank sends its piece in flight again, and the weights end bit-identical."""
+    step 14 from 12: each rank sends its piece in flight again, and the weights end bit-identical.
+    (bf16, the default wire, is resumed with pieces in flight; int8's gathered codes at both points.)"""
     overlap = (*DILOCO, "--set", "dist.diloco_overlap=3", "--set", f"dist.diloco_wire={wire}")
     runs = {
         f"ov-{wire}": (_args(tmp_path, f"ov-{wire}", prepared, *overlap, "--set", "train.keep_last=5"), {}),
         f"ov-{wire}-mid": (_args(tmp_path, f"ov-{wire}-mid", prepared, *overlap, "--max-restarts", "1"), {"AURA_FAULT_KILL": "1:9"}),
-        f"ov-{wire}-meeting": (
+    }
+    if wire == "int8":
+        runs[f"ov-{wire}-meeting"] = (
             _args(tmp_path, f"ov-{wire}-meeting", prepared, *overlap, "--max-restarts", "1"),
             {"AURA_FAULT_KILL": "0:14"},
-        ),
-        f"blocking-{wire}": (_args(tmp_path, f"blocking-{wire}", prepared, *DILOCO, "--set", f"dist.diloco_wire={wire}"), {}),
-    }
+        )
+        runs[f"blocking-{wire}"] = (_args(tmp_path, f"blocking-{wire}", prepared, *DILOCO, "--set", f"dist.diloco_wire={wire}"), {})
     done = _together(runs)
     for name, r in done.items():
         assert r.returncode == 0, (name, r.stdout[-3000:], r.stderr[-3000:])
     assert "each meeting crossing during 3 steps" in done[f"ov-{wire}"].stdout
     assert "resumed from checkpoint step_00000006 at step 6" in done[f"ov-{wire}-mid"].stdout
-    assert "resumed from checkpoint step_00000012 at step 12" in done[f"ov-{wire}-meeting"].stdout
     straight = final_weights(tmp_path / f"ov-{wire}")
     assert _diff(final_weights(tmp_path / f"ov-{wire}-mid"), straight) == 0.0
-    assert _diff(final_weights(tmp_path / f"ov-{wire}-meeting"), straight) == 0.0
-    # The overlap changes the training (the outer steps land 3 steps late), not whether it trains.
-    assert _diff(final_weights(tmp_path / f"blocking-{wire}"), straight) > 0.0
-    from aura_hpc.train.replica_files import read_replica
+    if wire == "int8":
+        assert "resumed from checkpoint step_00000012 at step 12" in done[f"ov-{wire}-meeting"].stdout
+        assert _diff(final_weights(tmp_path / f"ov-{wire}-meeting"), straight) == 0.0
+        # The overlap changes the training (the outer steps land 3 steps late), not whether it trains.
+        assert _diff(final_weights(tmp_path / f"blocking-{wire}"), straight) > 0.0
+    from aura_hpc.train.checkpoint.diloco_files import read_replica
 
     root = tmp_path / f"ov-{wire}" / "checkpoints"
     for step, arrived in ((6, 2), (12, 0), (18, 2)):
@@ -110,7 +113,7 @@ def test_diloco_skips_a_nan_on_every_rank_and_its_replicas_differ_between_meetin
     r = run_cli(_args(tmp_path, "nan", prepared, *DILOCO, "--set", "train.stop_at=6"), timeout=600, AURA_FAULT_NAN="1:3:1")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "non-finite loss or gradient on rank(s) [1] at step 3: update skipped" in r.stdout
-    from aura_hpc.train.replica_files import read_replica
+    from aura_hpc.train.checkpoint.diloco_files import read_replica
 
     meta = json.loads((tmp_path / "nan" / "checkpoints" / "step_00000006" / "meta.json").read_text())
     root = tmp_path / "nan" / "checkpoints"

@@ -386,17 +386,17 @@ def test_no_slurm_configuration_is_named_at_once(command: list[str], tmp_path: P
     assert time.perf_counter() - t0 < 20, "Slurm's own 60 s retry loop was not waited out"
 
 
-def test_sharded_strategies_requeue_and_resume_from_their_shards(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
-    """FSDP and ZeRO-2 side by side: each requeued job resumes from its own shards and ends equal to
-    its uninterrupted twin."""
+def test_a_sharded_strategy_requeues_and_resumes_from_its_shards(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
+    """FSDP: the requeued job resumes from its own shards (DCP) and ends equal to its uninterrupted twin.
+    ZeRO's resume from DeepSpeed's shards: a killed rank in tests/test_strategies.py."""
     runs = []
-    for strategy in ("fsdp", "zero2"):
+    for strategy in ("fsdp",):
         out = tmp_path / strategy
         common = [*TINY, "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=150"]
         common += ["--set", "train.checkpoint_every=100", "--set", f"dist.strategy={strategy}", "--set", "train.precision=fp32"]
         runs.append((common, out))
     requeued = _requeued_beside_a_reference(runs, timeout=240)
-    for strategy, (run_dir, job, _), (_, out) in zip(("fsdp", "zero2"), requeued, runs, strict=True):
+    for strategy, (run_dir, job, _), (_, out) in zip(("fsdp",), requeued, runs, strict=True):
         log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
         assert f"strategy: {strategy}" in log and "stop requested (SIGUSR2)" in log and f"requeuing job {job}" in log, log[-3000:]
         m = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", log)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from aura_hpc.data.prepare import PrepareSpec, prepare
-from aura_hpc.train import checkpoint
+from aura_hpc.train.checkpoint import files as checkpoint
 from tests.conftest import SMALL_MODEL, cli_env, final_weights, free_port, run_cli
 
 pytestmark = pytest.mark.slow

@@ -146,7 +146,7 @@ def test_the_exported_weights_are_the_fp32_masters(shapes: tuple[Path, dict]) ->
     compute under fsdp and ddp (fp32 parameters): model/ holds the fp32 weights, what the shards hold."""
     from safetensors.torch import load_file
 
-    from aura_hpc.train.consolidate import _from_dcp, _from_deepspeed
+    from aura_hpc.train.checkpoint.consolidate import _from_dcp, _from_deepspeed
 
     folder, _ = shapes
     for name in ("zero2", "zero3", "fsdp"):

@@ -45,7 +45,7 @@ def test_state_crosses_as_data_and_nothing_else_decodes() -> None:
 
 
 def test_a_collective_refuses_a_tensor_off_its_groups_device_and_the_probe_sees_host_tensors() -> None:
-    from aura_hpc.train.probes import RunProbe
+    from aura_hpc.train.instruments.probes import RunProbe
 
     group = collectives.Group("world", torch.device("meta"))  # stands for a GPU: any device but the host
     with pytest.raises(RuntimeError, match="got a tensor on cpu; its collectives take tensors on meta"):
@@ -64,11 +64,11 @@ def test_a_collective_refuses_a_tensor_off_its_groups_device_and_the_probe_sees_
 
 
 def test_a_reseed_after_the_first_step_is_seen_unless_this_ranks_generators_are_kept() -> None:
-    from aura_hpc.train.probes import RunProbe
-    from aura_hpc.train.runtime import keep_device_rng
+    from aura_hpc.train.instruments.probes import RunProbe
+    from aura_hpc.train.process.runtime import keep_device_rng, rng_kept
 
     probe = RunProbe(track_host_tensors=False)
-    probe.arm_reseed_watch()
+    probe.arm_reseed_watch(rng_kept)
     try:
         before = torch.get_rng_state()
         with keep_device_rng(torch.device("cpu")):
@@ -130,7 +130,7 @@ def test_every_rank_proves_the_run_secret_and_a_stranger_cannot(tmp_path: Path) 
 
 
 def test_slurm_and_torchrun_layouts_are_read_into_nodes() -> None:
-    from aura_hpc.train.dist_env import DistEnv, tasks_per_node
+    from aura_hpc.train.process.dist_env import DistEnv, tasks_per_node
 
     assert tasks_per_node("2(x3),1") == (2, 2, 2, 1) and tasks_per_node("4") == (4,) and tasks_per_node("junk") == ()
     slurm = DistEnv.from_environ(
@@ -149,7 +149,7 @@ def test_diloco_replicas_follow_the_nodes_and_never_span_two() -> None:
     import dataclasses
 
     from aura_hpc.errors import ConfigError
-    from aura_hpc.train.dist_env import DistEnv
+    from aura_hpc.train.process.dist_env import DistEnv
     from aura_hpc.train.strategies.diloco import replica_partition
 
     laptop_and_desktop = dataclasses.replace(DistEnv(world_size=3), node_sizes=(1, 2))
@@ -233,7 +233,7 @@ def test_nothing_listens_beyond_loopback_in_a_single_machine_run(tmp_path: Path,
 def test_an_fp16_step_is_skipped_on_the_device_without_reading_the_flag() -> None:
     """Under fp16 the agreed `bad` flag (a NaN loss on another rank) joins GradScaler's own inf flags: a
     fused optimizer skips the update with no host read (before: bool(bad) every step, a GPU sync)."""
-    from aura_hpc.train.probes import StepProbe
+    from aura_hpc.train.instruments.probes import StepProbe
     from aura_hpc.train.strategies.base import Wrapped
 
     model = torch.nn.Linear(4, 2)

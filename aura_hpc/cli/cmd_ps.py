@@ -12,7 +12,7 @@ def cmd_ps(a: argparse.Namespace) -> int:
     from aura_hpc.launch.run_setup import prepare_run_dir
     from aura_hpc.ps import auth
     from aura_hpc.ps.commands import lan_addresses, load_ps_config, worker_command
-    from aura_hpc.train import worker_log
+    from aura_hpc.train.process import worker_log
 
     cfg = load_ps_config(a.config, a.overrides, a.output_dir, a.run_name, a.port, a.workers)
     auth.given_secret(a.secret_file)  # a bad secret is refused before the run directory is touched
@@ -55,7 +55,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
     from aura_hpc.ps import auth
     from aura_hpc.ps.commands import load_ps_config
     from aura_hpc.ps.worker import PsWorker, parse_server
-    from aura_hpc.train import worker_log
+    from aura_hpc.train.process import worker_log
 
     cfg = load_ps_config(a.config, a.overrides, a.output_dir, a.run_name, None, None)
     key = auth.key_of(auth.worker_secret(a.secret_file))

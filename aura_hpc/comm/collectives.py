@@ -7,7 +7,7 @@ of inside NCCL. Timings wait for the device (`timed`). Nothing received is unpic
 as JSON in uint8 tensors, bounded in size, and only JSON values (str, numbers, bools, None, lists,
 dicts) come out.
 
-Probes (train/probes.py) watch every call through `observers`; `sent` counts the bytes handed to
+Probes (train/instruments/probes.py) watch every call through `observers`; `sent` counts the bytes handed to
 each named group (what a DiLoCo meeting puts on the slow link, per node).
 """
 

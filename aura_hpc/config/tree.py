@@ -95,7 +95,7 @@ class TrainConfig:
     sample_tokens: int = 40  # tokens generated per sample
     allow_oversubscription: bool = False  # repeat the data when it holds fewer sequences than one effective batch
     threads: int = 0  # torch intra-op threads per process; 0 = launcher's OMP_NUM_THREADS
-    tune_malloc: bool = True  # CPU training: fixed glibc mmap/trim thresholds (see aura_hpc/train/malloc_tuning.py)
+    tune_malloc: bool = True  # CPU training: fixed glibc mmap/trim thresholds (see aura_hpc/train/process/malloc_tuning.py)
     compile: str = "auto"  # torch.compile of the transformer blocks: auto (on for CUDA, off for CPU) | true | false
     loss: str = "auto"  # cross-entropy: auto (chunked on CUDA, full on CPU) | chunked (no full fp32 logits) | full
     activation_checkpointing: bool = False  # recompute each block's activations in the backward pass (less memory)

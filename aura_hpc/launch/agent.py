@@ -277,7 +277,7 @@ def _exit_description(code: int) -> str:
 
 
 def _resume_hint(plan: LocalPlan) -> str:
-    from aura_hpc.train import checkpoint
+    from aura_hpc.train.checkpoint import files as checkpoint
 
     ckpts = checkpoint.list_complete(plan.cfg.run_dir / "checkpoints")
     where = f"from {ckpts[0].path.name}" if ckpts else "(no checkpoint yet: it starts from step 0)"
@@ -298,7 +298,7 @@ def _data_unavailable_line(plan: LocalPlan) -> str:
 
 def _resumable(plan: LocalPlan, why: str) -> int:
     from aura_hpc import console
-    from aura_hpc.train import checkpoint
+    from aura_hpc.train.checkpoint import files as checkpoint
 
     ckpts = checkpoint.list_complete(plan.cfg.run_dir / "checkpoints")
     saved = f"checkpoint {ckpts[0].path.name} saved" if ckpts else "no checkpoint was saved"

@@ -10,7 +10,7 @@ config (no torch): both dry runs print it; `local` and `submit` refuse only a pl
 any doubt too big (more than PLAN_MARGIN over the memory), warn when it is close, and `--force`
 goes on anyway.
 
-Activations are our GPT-2 block's (train/gpt.py), in bytes per token per layer per unit of width,
+Activations are our GPT-2 block's (train/model/gpt.py), in bytes per token per layer per unit of width,
 measured on CPU with glibc's allocator statistics (tests/test_memory_plan.py re-measures them):
 fp32 66 (eager and compiled), bf16 autocast 44 eager and 42 compiled; dropout adds the masks
 (and, on CPU, the attention probabilities of SDPA's math path). On a GPU, flash attention saves
@@ -32,7 +32,7 @@ ACT_DROPOUT = {("fp32", False): 33, ("fp32", True): 21, ("bf16", False): 35, ("b
 ACT_BYTES_PER_TOKEN_LAYER_FP32 = ACT_BYTES[("fp32", False)]  # the CPU measurement's coefficient
 ACT_DROPOUT_PER_TOKEN_LAYER = ACT_DROPOUT[("fp32", False)]
 ACT_CHECKPOINTED_PER_TOKEN_LAYER = 4  # x d: only each block's fp32 input is kept
-CHUNK_BYTES = 256 * 2**20  # train/loss.py: one chunk's fp32 logits at most
+CHUNK_BYTES = 256 * 2**20  # train/model/loss.py: one chunk's fp32 logits at most
 CONTEXT_BYTES = 1 * GIB  # CUDA context, NCCL buffers, cuBLAS workspaces
 CPU_PROCESS_BYTES = int(0.5 * GIB)  # a CPU worker before its model: Python, torch (RSS 0.33 GiB measured)
 FRAGMENTATION = 0.05  # the caching allocator's slack on top of live tensors
@@ -62,7 +62,7 @@ class MemoryPlan:
     activations_checkpointed: float  # what `activations` would be with train.activation_checkpointing
     weight_copies: float = 0.0  # bf16 casts of the weights autocast keeps for the backward pass
     buffers: float = 0.0  # DeepSpeed's gradient/parameter buckets
-    # Host memory the checkpoints keep between saves (train/host_mirror.py: buffers reused from save to
+    # Host memory the checkpoints keep between saves (train/checkpoint/host_mirror.py: buffers reused from save to
     # save): rank 0's, and each other rank's (sharded strategies). Host RAM, not GPU memory: in `total`
     # (rank 0's) only on CPU, where the two are the same.
     checkpoint_copy: float = 0.0
@@ -188,7 +188,7 @@ def plan(cfg: RunConfig, tokenizer_vocab: int, world: int, gpu: bool = True, str
 
 def checkpoint_host_copy(cfg: RunConfig, p: int, n: int, s: str, gpu: bool, bf16: bool) -> tuple[float, float]:
     """(rank 0's, each other rank's) bytes of host memory the checkpoints keep from the first periodic
-    save on (train/host_mirror.py: buffers reused from save to save). Replicated strategies copy rank 0's
+    save on (train/checkpoint/host_mirror.py: buffers reused from save to save). Replicated strategies copy rank 0's
     weights, fp32 AdamW moments and what the strategy adds (DiLoCo's anchor and outer momentum). Sharded
     ones keep buffers only on a GPU (pinned, for background writes: the fp32 master and moments, the
     rank's part of DeepSpeed's module file, rank 0's with the full weights below stage 3); on CPU their

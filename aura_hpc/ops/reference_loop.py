@@ -1,6 +1,6 @@
 """The loop the trainer is held against: a minimal GPT-2 training loop, as fast as plain PyTorch gets.
 
-Written independently of the trainer's model (aura_hpc/train/gpt.py) on purpose: its own small
+Written independently of the trainer's model (aura_hpc/train/model/gpt.py) on purpose: its own small
 GPT-2 (nn.Linear layers, fused QKV, SDPA causal attention, tanh GELU, tied embedding), bf16
 autocast, `torch.compile` of model and loss together, fused AdamW, gradient clipping, and the token
 batches already on the GPU (a pool of random batches: no data loading). One process, one device.

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from aura_hpc.config import RunConfig
+from aura_hpc.config import RunConfig, per_machine
 from aura_hpc.errors import ConfigError, LaunchError, one_line
 from aura_hpc.ps import auth
 
@@ -289,30 +289,12 @@ def refusal(message: str, kind: str = "launch") -> dict[str, Any]:
     return {"ok": False, "kind": kind, "error": message}
 
 
-# Settings a worker may hold differently from the server: they change how this PC runs, not the
-# gradient it computes nor the update the server makes of it.
-PER_MACHINE = frozenset(
-    {
-        "train.threads",
-        "train.tune_malloc",
-        "train.log_every",
-        "train.compile",
-        "train.fused_optimizer",
-        "train.async_checkpoint",
-        "train.activation_checkpointing",
-    }
-)
-
-
 def settings(cfg: RunConfig, data_path: str) -> dict[str, Any]:
     """What the server and every worker must agree on, key by key, so a mismatch is named."""
     manifest = json.loads((Path(data_path) / "manifest.json").read_text(encoding="utf-8"))
     out: dict[str, Any] = {"data.sha256": str(manifest.get("data_sha256", "")), "data.seq_len": cfg.data.seq_len}
-    for section in ("model", "train"):
-        for name, value in dataclasses.asdict(getattr(cfg, section)).items():
-            dotted = f"{section}.{name}"
-            if dotted not in PER_MACHINE and dotted != "model.preset":
-                out[dotted] = value
+    free = per_machine.PER_PS_WORKER | {"model.preset"}  # a preset's name: its values are compared one by one
+    out.update(per_machine.shared(cfg, ("model", "train"), free))
     for name in ("wire_dtype", "max_staleness", "staleness_weight", "push_every"):
         if hasattr(cfg.ps, name):
             out[f"ps.{name}"] = getattr(cfg.ps, name)
@@ -331,7 +313,7 @@ def decide(req: Request, ours: dict[str, Any], workers: int, taken: dict[int, st
     host = one_line(req.host)
     theirs = req.settings
     for name in sorted(set(ours) | set(theirs)):
-        if name in PER_MACHINE or theirs.get(name) == ours.get(name):
+        if name in per_machine.PER_PS_WORKER or theirs.get(name) == ours.get(name):
             continue
         if name == "data.sha256":
             return refusal(

@@ -1,7 +1,7 @@
 """What the parameter server records: metrics rows, the staleness distribution, per-worker
 contributions, and checkpoints `last` and `best` in the same atomic format as `local`.
 
-checkpoints/step_<version>/ are train/checkpoint.py's directories (written to a temp folder,
+checkpoints/step_<version>/ are train/checkpoint/files.py's directories (written to a temp folder,
 fsynced, renamed, with COMPLETE.json); `checkpoints/last` and `checkpoints/best` are symlinks
 to the newest and to the lowest-validation-loss one, each swapped in by an atomic rename.
 """
@@ -21,7 +21,7 @@ import torch
 from aura_hpc.config import RunConfig
 from aura_hpc.errors import CheckpointError
 from aura_hpc.ps.replica import Replica
-from aura_hpc.train import checkpoint
+from aura_hpc.train.checkpoint import files as checkpoint
 
 log = logging.getLogger("aura_hpc")
 

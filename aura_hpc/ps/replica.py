@@ -11,9 +11,9 @@ import torch
 from aura_hpc.config import RunConfig, embedding_rows
 from aura_hpc.data.packed import GlobalOrder, PackedTokens
 from aura_hpc.errors import DataError
-from aura_hpc.train.model import LanguageModelLoss, build_model, uses_chunked_loss
-from aura_hpc.train.runtime import Runtime, precision_dtypes
-from aura_hpc.train.state import Parts
+from aura_hpc.train.model.language_model import LanguageModelLoss, build_model, uses_chunked_loss
+from aura_hpc.train.parts.state import Parts
+from aura_hpc.train.process.runtime import Runtime, precision_dtypes
 from aura_hpc.train.strategies.base import clip_to_total_norm
 
 
@@ -53,7 +53,7 @@ class Replica:
             offset += n
 
     def parts(self, optimizer: Any, scheduler: Any) -> Parts:
-        """The view of this replica that evaluation and samples take (train/state.py)."""
+        """The view of this replica that evaluation and samples take (train/parts/state.py)."""
         return Parts(self.data, self.order, self.model, self.loss_model, self.numel, optimizer, scheduler, None)
 
     def apply(self, flat: torch.Tensor, scale: float, optimizer: Any, scheduler: Any, clip: float) -> None:

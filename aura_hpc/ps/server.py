@@ -28,12 +28,12 @@ from aura_hpc.ps.pairing import Pairing
 from aura_hpc.ps.replica import Replica, build_replica, check_shard_size
 from aura_hpc.ps.stats import ProcessStats, copy_worker_stats, write_server_stats
 from aura_hpc.ps.sweep import StoreSweeper
-from aura_hpc.train.evaluation import evaluate, sample
-from aura_hpc.train.metrics import MetricsWriter
-from aura_hpc.train.schedule import make_optimizer, make_scheduler
-from aura_hpc.train.state import Parts
-from aura_hpc.train.stop import StopRequest
-from aura_hpc.train.worker_log import to_file_only
+from aura_hpc.train.loop.evaluation import evaluate, sample
+from aura_hpc.train.loop.metrics import MetricsWriter
+from aura_hpc.train.parts.schedule import make_optimizer, make_scheduler
+from aura_hpc.train.parts.state import Parts
+from aura_hpc.train.process.stop import StopRequest
+from aura_hpc.train.process.worker_log import to_file_only
 
 log = logging.getLogger("aura_hpc")
 

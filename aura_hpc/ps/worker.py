@@ -23,9 +23,9 @@ from aura_hpc.ps import auth, wire
 from aura_hpc.ps.join import request_join, settings
 from aura_hpc.ps.replica import Replica, build_replica
 from aura_hpc.ps.stats import ProcessStats, publish, write_stats
-from aura_hpc.train import faults
-from aura_hpc.train.step import micro_step_loss
-from aura_hpc.train.stop import StopRequest
+from aura_hpc.train.instruments import faults
+from aura_hpc.train.loop.step import micro_step_loss
+from aura_hpc.train.process.stop import StopRequest
 
 log = logging.getLogger("aura_hpc")
 

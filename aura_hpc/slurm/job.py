@@ -4,7 +4,7 @@ Task layout: one task per GPU (one per node for a CPU job), started by `srun` in
 script that submitit generates. Slurm itself then starts, signals, accounts and kills every
 rank, so a pre-timeout signal reaches all ranks at once and no second launcher (torchrun)
 sits between Slurm and the trainer. Ranks come from SLURM_PROCID/SLURM_LOCALID through
-aura_hpc.train.dist_env, exactly as under `local` they come from torchrun's variables.
+aura_hpc.train.process.dist_env, exactly as under `local` they come from torchrun's variables.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ class TrainJob:
         restarts = int(e.get("SLURM_RESTART_COUNT", "0"))
         os.environ["MASTER_ADDR"] = first_node(e["SLURM_JOB_NODELIST"])
         os.environ["MASTER_PORT"] = str(rendezvous_port(job_id, restarts))
-        from aura_hpc.train import stop, worker
+        from aura_hpc.train import worker
+        from aura_hpc.train.process import stop
 
         rank = int(e.get("SLURM_PROCID", "0"))
         lock = None

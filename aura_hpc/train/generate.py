@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from aura_hpc.errors import CheckpointError
-from aura_hpc.train import checkpoint
+from aura_hpc.train.checkpoint import files as checkpoint
 
 
 def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int, num: int = 1) -> list[str]:
@@ -21,9 +21,9 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
         raise CheckpointError("--num must be at least 1 and --top-k 0 or more (fix: --num 1 --top-k 40)")
     import torch
 
-    from aura_hpc.train.consolidate import consolidate
-    from aura_hpc.train.deepspeed_import import quiet_deepspeed
-    from aura_hpc.train.model import load_pretrained, padding_suppressed
+    from aura_hpc.train.checkpoint.consolidate import consolidate
+    from aura_hpc.train.model.language_model import load_pretrained, padding_suppressed
+    from aura_hpc.train.process.deepspeed_import import quiet_deepspeed
 
     quiet_deepspeed()
     consolidate(ckpt.path)  # a sharded checkpoint (not a run's last) holds no full weights yet

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from aura_hpc.config import load_run_file
 from aura_hpc.errors import EXIT_TRAIN_FAILED, AuraError
 from aura_hpc.ops.disk import disk_full, disk_of
-from aura_hpc.train import distributed, worker_log
-from aura_hpc.train.dist_env import DistEnv
+from aura_hpc.train.process import distributed, worker_log
+from aura_hpc.train.process.dist_env import DistEnv
 
 log = logging.getLogger("aura_hpc")
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     stream = ProgressAwareHandler(sys.stdout) if env.is_main else None
     worker_log.setup(cfg.run_dir / "logs", env.rank, stream)
-    from aura_hpc.train.trainer import Trainer
+    from aura_hpc.train.loop.trainer import Trainer
 
     trainer = Trainer(cfg, env)
     with _process_group_cleanup():

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from aura_hpc.config import RunConfig
-from aura_hpc.train.runtime import Runtime
+from aura_hpc.train.process.runtime import Runtime
 from aura_hpc.train.strategies.base import Wrapped
 
 MakeOptimizer = Callable[[torch.nn.Module], torch.optim.Optimizer]

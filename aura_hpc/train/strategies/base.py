@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -35,10 +37,35 @@ def step_unless(optimizer: torch.optim.Optimizer, bad: torch.Tensor, step: Any, 
     return None if bool(bad) else step()
 
 
+@runtime_checkable
+class ShardedCheckpoints(Protocol):
+    """A capability: every rank writes and reads its own part of a checkpoint (DCP, DeepSpeed) instead
+    of rank 0 all of it. The loop and the Checkpointer ask `sharding(wrapped)`, never a strategy's name."""
+
+    background_shards: bool  # save_sharded(background=True) copies to host memory and writes behind the loop
+    reshards: bool  # its shards load at another world size (DCP does; DeepSpeed's ZeRO partitions do not)
+
+    def save_sharded(self, folder: Path, optimizer: torch.optim.Optimizer, background: bool = False) -> Future[Any] | None:
+        """Collective: every rank writes its shard under `folder` (in the background: a future of it)."""
+        ...
+
+    def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def own_shard_files(self, folder: Path, rank: int) -> list[Path]:
+        """The files of `folder` this rank wrote (it hashes them for the commit marker)."""
+        ...
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Collective: the whole model's weights (fp32 masters where the strategy keeps them), on rank 0."""
+        ...
+
+
+def sharding(wrapped: Wrapped) -> ShardedCheckpoints | None:
+    return wrapped if isinstance(wrapped, ShardedCheckpoints) else None
+
+
 class Wrapped:
     name = "single"
-    # Every rank writes its own part of a checkpoint (DCP, DeepSpeed) instead of rank 0 all of it.
-    sharded = False
 
     def __init__(self, module: torch.nn.Module, model: torch.nn.Module) -> None:
         self.module = module  # what the loop calls forward on: forward(batch) = loss

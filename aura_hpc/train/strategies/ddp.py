@@ -69,7 +69,7 @@ class PowerSgdHook:
 def _powersgd_hook(hook, bucket):  # type: ignore[no-untyped-def]
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-    from aura_hpc.train.runtime import keep_device_rng
+    from aura_hpc.train.process.runtime import keep_device_rng
 
     if hook.local:
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()

@@ -23,7 +23,7 @@ trains on twice the samples).
 
 State beyond DDP's: the anchor (the global model at the last meeting) and the outer momentum,
 the same on every rank (saved by rank 0), and each replica's inner weights and AdamW moments
-(saved by its leader in its own run directory, train/replica_files.py), so a resume between
+(saved by its leader in its own run directory, train/checkpoint/diloco_files.py), so a resume between
 meetings continues exactly, also on LAN machines without shared storage. A meeting in flight is
 saved with them (what the leader sent, the pieces already received, the weights it was sent from),
 and a resume sends the missing pieces again: the results depend only on what every replica sent.

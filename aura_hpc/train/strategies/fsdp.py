@@ -19,14 +19,14 @@ import torch
 
 from aura_hpc.config import DistConfig
 from aura_hpc.config.device import fsdp_on_cpu
-from aura_hpc.train.runtime import Runtime
-from aura_hpc.train.strategies.base import Wrapped, clip_to_total_norm
+from aura_hpc.train.process.runtime import Runtime
+from aura_hpc.train.strategies.base import ShardedCheckpoints, Wrapped, clip_to_total_norm
 
 
-class FsdpWrapped(Wrapped):
+class FsdpWrapped(Wrapped, ShardedCheckpoints):
     name = "fsdp"
-    sharded = True
-    background_shards = True  # save_sharded can write in the background
+    background_shards = True
+    reshards = True
 
     def __init__(self, module: torch.nn.Module, model: torch.nn.Module, device: torch.device) -> None:
         super().__init__(module, model)

@@ -5,7 +5,7 @@ The engine owns accumulation (its micro-step counter) and clipping (`gradient_cl
 of a step whose gradients are not finite is ours (zero_skip.py: DeepSpeed skips only under fp16),
 on the step of the torch AdamW it drives. Checkpoints are DeepSpeed's
 own, written by every rank into the checkpoint's folder (with train.async_checkpoint, from a
-host copy by a background thread: train/background_shards.py); they resume at the world size they
+host copy by a background thread: train/checkpoint/background_shards.py); they resume at the world size they
 were written at (DeepSpeed's universal checkpoints are the way to change it).
 """
 
@@ -20,20 +20,19 @@ import torch
 
 from aura_hpc.config import RunConfig
 from aura_hpc.config.deepspeed import deepspeed_config
-from aura_hpc.train.background_shards import ShardWriter
-from aura_hpc.train.deepspeed_import import quiet_deepspeed
-from aura_hpc.train.meta_init import build_on_meta
-from aura_hpc.train.runtime import Runtime
-from aura_hpc.train.strategies.base import Wrapped
+from aura_hpc.train.checkpoint.background_shards import ShardWriter
+from aura_hpc.train.model.meta_init import build_on_meta
+from aura_hpc.train.process.deepspeed_import import quiet_deepspeed
+from aura_hpc.train.process.runtime import Runtime
+from aura_hpc.train.strategies.base import ShardedCheckpoints, Wrapped
 from aura_hpc.train.strategies.zero_skip import GroupNormWatch, NonFiniteSkip
 
 TAG = "ds"  # the one tag of each checkpoint folder
 
 
-class ZeroWrapped(Wrapped):
-    sharded = True
-    device_skip = False
-    background_shards = True  # save_sharded can write in the background
+class ZeroWrapped(Wrapped, ShardedCheckpoints):
+    background_shards = True
+    reshards = False
 
     def __init__(self, engine: Any, model: torch.nn.Module, stage: int, device: torch.device) -> None:
         super().__init__(engine, model)
@@ -59,8 +58,8 @@ class ZeroWrapped(Wrapped):
 
     def grad_norm(self, optimizer: torch.optim.Optimizer, scaler: Any, max_norm: float) -> torch.Tensor:
         """DeepSpeed's norm, on this rank's device. After a skipped (non-finite) step DeepSpeed holds it
-        as a Python float: it is made on the device with a fill, never as a host tensor (torch.tensor(x)
-        here was a CPU tensor that the step report then concatenated with CUDA tensors)."""
+        as a Python float: it is made on the device with a fill, never as a host tensor (the step report
+        concatenates it with the other device tensors)."""
         norm = self.engine.get_global_grad_norm()
         if isinstance(norm, torch.Tensor):
             out = norm.detach().to(self.device, torch.float32)
@@ -104,7 +103,7 @@ class ZeroWrapped(Wrapped):
         """The whole model's fp32 master weights on rank 0's host memory ({} elsewhere); collective.
 
         The masters, not the module's values: under bf16 DeepSpeed trains a bf16 copy of the module
-        and keeps the fp32 weights in its optimizer (what its checkpoints, and consolidate.py, hold).
+        and keeps the fp32 weights in its optimizer (what its checkpoints, and checkpoint/consolidate.py, hold).
         One parameter at a time, every rank in the same order: no rank ever holds more than one
         whole parameter beyond its partition."""
         import torch.distributed as dist
@@ -167,7 +166,7 @@ def build_partitioned(factory: Callable[[], torch.nn.Module], cfg: RunConfig, rt
     """ZeRO-3: the model made under DeepSpeed's `zero.Init`, each module's parameters partitioned over
     the ranks as soon as the module exists, so no rank ever holds the whole model. The constructor's
     own initialisation then touches empty tensors; the weights come from replaying what the same
-    constructor did on the meta device (train/meta_init.py), each rank writing its own piece of one
+    constructor did on the meta device (train/model/meta_init.py), each rank writing its own piece of one
     parameter at a time: the same bits as a model built whole. None when the constructor cannot be replayed (build it whole)."""
     built = build_on_meta(factory)
     if built is None:

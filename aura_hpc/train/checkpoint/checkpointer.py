@@ -1,4 +1,4 @@
-"""Saving, resuming and rolling back a run, agreed by every rank (the files themselves: checkpoint.py)."""
+"""Saving, resuming and rolling back a run, agreed by every rank (the files themselves: checkpoint/files.py)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,16 @@ import torch
 from aura_hpc.comm import collectives, tensor_tree
 from aura_hpc.config import RunConfig
 from aura_hpc.errors import CheckpointError, CheckpointWriteError, TrainingError
-from aura_hpc.train import checkpoint, replica_files
-from aura_hpc.train.checkpoint_writer import SHARDS, Writer, dcp_errors, save_sharded
-from aura_hpc.train.dist_env import DistEnv
-from aura_hpc.train.host_mirror import HostMirror
-from aura_hpc.train.runtime import Runtime, rng_state, set_rng_state
-from aura_hpc.train.schedule import scale_learning_rate
-from aura_hpc.train.state import Layout, Parts, Position
+from aura_hpc.train.checkpoint import diloco_files as replica_files
+from aura_hpc.train.checkpoint import files as checkpoint
+from aura_hpc.train.checkpoint.host_mirror import HostMirror
+from aura_hpc.train.checkpoint.writer import SHARDS, Writer, dcp_errors, save_sharded
+from aura_hpc.train.parts.schedule import scale_learning_rate
+from aura_hpc.train.parts.state import Layout, Parts, Position
+from aura_hpc.train.process.dist_env import DistEnv
+from aura_hpc.train.process.runtime import Runtime, rng_state, set_rng_state
 from aura_hpc.train.strategies import Wrapped
+from aura_hpc.train.strategies.base import ShardedCheckpoints, sharding
 
 log = logging.getLogger("aura_hpc")
 
@@ -54,7 +56,7 @@ class Checkpointer:
     def newest_name(self) -> str | None:
         """The newest valid checkpoint, agreed by every rank. Rank 0 lists the complete ones; where
         every rank sees the files (shared storage), the ranks hash each checkpoint together, each
-        file once (rank 0 alone used to hash all of it while the others waited: ~50 GB for gpt2-3b);
+        file once (rank 0 alone would hash all of it while the others wait: ~50 GB for gpt2-3b);
         the writer's own checksums in COMPLETE.json are what they are compared with."""
         env = self.env
         if env.is_main:
@@ -84,8 +86,8 @@ class Checkpointer:
         everyone = collectives.flags(have)
         p = self.parts
         try:
-            if self.wrapped.sharded:
-                meta, state = self._load_sharded(chosen, local, everyone)
+            if (sharded := sharding(self.wrapped)) is not None:
+                meta, state = self._load_sharded(sharded, chosen, local, everyone)
             elif all(everyone):
                 # Straight from (shared) storage, memory-mapped: no rank holds a private copy.
                 meta = checkpoint.read_meta(local)
@@ -123,7 +125,9 @@ class Checkpointer:
             log.warning("effective batch changed (%s -> %d) since the checkpoint", meta.get("effective_batch"), per_step)
         return int(meta["samples_seen"])
 
-    def _load_sharded(self, chosen: str, local: Path, everyone: list[bool]) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _load_sharded(
+        self, sharded: ShardedCheckpoints, chosen: str, local: Path, everyone: list[bool]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         missing = [r for r, have in enumerate(everyone) if not have]
         if missing:
             raise CheckpointError(
@@ -134,19 +138,19 @@ class Checkpointer:
         self._check_fingerprint(chosen, meta)
         self._check_layout(chosen, local)
         written_on = int(meta.get("world_size", self.layout.world))
-        if self.wrapped.name.startswith("zero") and written_on != self.layout.world:
+        if not sharded.reshards and written_on != self.layout.world:
             raise CheckpointError(
                 f"checkpoint {chosen} holds DeepSpeed ZeRO partitions for {written_on} ranks and this run has {self.layout.world}: "
                 f"ZeRO checkpoints resume at the world size they were written at (fix: resume on {written_on} processes, or convert "
                 "it with DeepSpeed's ds_to_universal; fsdp checkpoints reshard to any world size)"
             )
-        self.wrapped.load_sharded(local / SHARDS, self.parts.optimizer)  # type: ignore[attr-defined]
+        sharded.load_sharded(local / SHARDS, self.parts.optimizer)
         return meta, checkpoint.read_trainer_state(local)
 
     def _check_layout(self, chosen: str, local: Path) -> None:
         """A sharded checkpoint resumes only under a sharded strategy, and a full one only under ddp."""
         sharded = (local / SHARDS).is_dir()
-        if sharded != self.wrapped.sharded:
+        if sharded != (sharding(self.wrapped) is not None):
             was = "a sharded strategy" if sharded else "ddp"
             raise CheckpointError(
                 f"checkpoint {chosen} was written under {was} and this run uses dist.strategy={self.cfg.dist.strategy}: "
@@ -188,7 +192,7 @@ class Checkpointer:
         With train.async_checkpoint, rank 0 copies the state to host memory and a background
         thread writes it: training pauses only for the copy. A write that fails is reported,
         to every rank, at the next save or `wait()`. Under sharded strategies only the `last`
-        (the run's end) gathers the full weights into model/ (checkpoint_writer.py).
+        (the run's end) gathers the full weights into model/ (checkpoint/writer.py).
         """
         rngs = [tensor_tree.from_json(r) for r in collectives.gather_json(tensor_tree.to_json(rng_state(self.rt.device)))]
         pos, p = self.pos, self.parts
@@ -198,8 +202,13 @@ class Checkpointer:
             return None
         self.wait()  # one write at a time; and the previous one's outcome, for every rank
         path = self.root / checkpoint.step_dir_name(pos.step)
-        if self.wrapped.sharded:
-            save_sharded(self, rngs, full_weights=last)
+        if (sharded := sharding(self.wrapped)) is not None:
+            background = self.cfg.train.async_checkpoint and sharded.background_shards
+            shard_args = (self.root, pos.step, p, self.env, self.cfg.to_yaml(), self.cfg.train.keep_last)
+            meta = self._meta() if self.env.is_main else {}
+            self.writer, self.shards = save_sharded(sharded, shard_args, meta, rngs, full_weights=last, background=background)
+            if not background:
+                self.wait()
             pos.saved_step = pos.step
             return path
         replicas = replica_files.save_all(self.wrapped, self.parts.optimizer, self.root, pos.step, self.env.rank, self.cfg.train.keep_last)

@@ -1,8 +1,8 @@
 """The training loop: `Trainer.run()` is the outline of a run; the parts live beside it.
 
-runtime.py (device, precision, process group), build.py (data, model, optimizer), checkpointing.py
-(save, resume, rollback), step.py (one optimizer step), evaluation.py (eval loss, samples),
-health.py (monitor and GPU breaker), strategies/ (DDP).
+process/runtime.py (device, precision, process group), parts/build.py (data, model, optimizer),
+checkpoint/checkpointer.py (save, resume, rollback), loop/step.py (one optimizer step), loop/evaluation.py
+(eval loss, samples), loop/health.py (monitor and GPU breaker), strategies/ (DDP, FSDP, ZeRO, DiLoCo).
 """
 
 from __future__ import annotations
@@ -15,19 +15,23 @@ from typing import Any
 from aura_hpc.comm import collectives
 from aura_hpc.config import RunConfig
 from aura_hpc.ops.gpu_health import is_gpu_error
-from aura_hpc.train import checkpoint, endings, faults, probes, runtime
-from aura_hpc.train.batches import Batches
-from aura_hpc.train.build import build, compiled, describe, lan_advice
-from aura_hpc.train.checkpointing import Checkpointer
-from aura_hpc.train.data_feed import DataFeed, DataUnavailable
-from aura_hpc.train.dist_env import DistEnv
-from aura_hpc.train.evaluation import evaluate, host_model, sample
-from aura_hpc.train.health import HealthWatch
-from aura_hpc.train.metrics import Interval, MetricsWriter
-from aura_hpc.train.probes import StepProbe
-from aura_hpc.train.state import Position
-from aura_hpc.train.step import StepOutcome, Stepper, StepResult
-from aura_hpc.train.stop import StopRequest
+from aura_hpc.train.checkpoint import files as checkpoint
+from aura_hpc.train.checkpoint.checkpointer import Checkpointer
+from aura_hpc.train.instruments import faults, probes
+from aura_hpc.train.instruments.probes import StepProbe
+from aura_hpc.train.loop import endings
+from aura_hpc.train.loop.batches import Batches
+from aura_hpc.train.loop.data_feed import DataFeed, DataUnavailable
+from aura_hpc.train.loop.evaluation import evaluate, host_model, sample
+from aura_hpc.train.loop.health import HealthWatch
+from aura_hpc.train.loop.metrics import Interval, MetricsWriter
+from aura_hpc.train.loop.step import StepOutcome, Stepper, StepResult
+from aura_hpc.train.parts.build import build, compiled, describe, lan_advice
+from aura_hpc.train.parts.state import Position
+from aura_hpc.train.process import runtime
+from aura_hpc.train.process.dist_env import DistEnv
+from aura_hpc.train.process.stop import StopRequest
+from aura_hpc.train.strategies.base import sharding
 
 log = logging.getLogger("aura_hpc")
 
@@ -75,7 +79,7 @@ class Trainer:
         stop.install()
         self.health.start(self._resources_to_tensorboard)
         self.probe, self.compiled = StepProbe.from_env(), compiled(self.parts.model)
-        with probes.reporting(self.probe, self.run_dir, env.rank, self.run_probe):
+        with probes.reporting(self.probe, self.run_dir, env.rank, self.run_probe, runtime.rng_kept):
             try:
                 status = self._train(stepper, batches, stop)
                 wrapped.drain()  # a piece of a meeting still crossing: no collective in flight as the group goes
@@ -270,8 +274,8 @@ class Trainer:
 
     def _sample(self) -> str | None:
         """A text sample on rank 0; with sharded weights every rank takes part in gathering them."""
-        if self.wrapped.sharded:
-            weights = self.wrapped.full_weights()  # type: ignore[attr-defined]
+        if (sharded := sharding(self.wrapped)) is not None:
+            weights = sharded.full_weights()
             if not self.env.is_main:
                 return None
             self._host_model = host_model(self.parts.model, weights, getattr(self, "_host_model", None))

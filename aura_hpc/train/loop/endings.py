@@ -9,9 +9,9 @@ from typing import Any
 
 from aura_hpc.comm import collectives
 from aura_hpc.errors import EXIT_DATA_UNAVAILABLE, EXIT_RESUMABLE
-from aura_hpc.train.dist_env import DistEnv
-from aura_hpc.train.state import Position
-from aura_hpc.train.stop import StopRequest
+from aura_hpc.train.parts.state import Position
+from aura_hpc.train.process.dist_env import DistEnv
+from aura_hpc.train.process.stop import StopRequest
 
 log = logging.getLogger("aura_hpc")
 
@@ -33,7 +33,7 @@ def stop_on_signal(stop: StopRequest, ckpt: Any, pos: Position, env: DistEnv) ->
 
 
 def data_unavailable(exc: Exception, ckpt: Any, pos: Position, env: DistEnv, progress: Any) -> int:
-    """Every rank agreed the next steps' data cannot be read (train/data_feed.py): one checkpoint, then stop."""
+    """Every rank agreed the next steps' data cannot be read (train/loop/data_feed.py): one checkpoint, then stop."""
     if progress is not None:
         progress.stop()
     path = ckpt.save() if pos.step > max(pos.saved_step, 0) else None

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from aura_hpc.comm import collectives, stores
 from aura_hpc.errors import EXIT_TRAIN_FAILED, LaunchError
 from aura_hpc.ops.network import resolve, route_to
-from aura_hpc.train.dist_env import DistEnv
+from aura_hpc.train.process.dist_env import DistEnv
 
 log = logging.getLogger("aura_hpc")
 
@@ -150,7 +150,7 @@ def _layout(store: Any, prefix: str, env: DistEnv, timeout_s: float) -> DistEnv:
 
 def _nccl_problem(device: torch.device, env: DistEnv) -> str:
     """What keeps NCCL from starting on this rank, from local facts alone (nothing collective)."""
-    from aura_hpc.train import faults
+    from aura_hpc.train.instruments import faults
 
     injected = faults.backend_fails(env.rank)
     if injected:
@@ -177,7 +177,7 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, init_ti
     leave the others waiting in it. Every group uses the one store `join` met in (a second TCPStore
     on the master port would fail with EADDRINUSE, seen under Slurm).
     """
-    from aura_hpc.train import faults
+    from aura_hpc.train.instruments import faults
 
     rdzv = _RDZV if _RDZV is not None and _RDZV.env.rank == env.rank else None
     if rdzv is None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import random
@@ -12,12 +11,10 @@ from typing import Any
 import torch
 
 from aura_hpc.comm import collectives
-from aura_hpc.config import RunConfig, embedding_rows, max_steps_for
+from aura_hpc.config import RunConfig, embedding_rows, max_steps_for, per_machine
 from aura_hpc.data.packed import GlobalOrder, PackedTokens
 from aura_hpc.errors import ConfigError, DataError
-from aura_hpc.train.dist_env import DistEnv
-from aura_hpc.train.meta_init import build_on_meta
-from aura_hpc.train.model import (
+from aura_hpc.train.model.language_model import (
     LanguageModelLoss,
     build_model,
     compile_blocks,
@@ -25,9 +22,11 @@ from aura_hpc.train.model import (
     enable_activation_checkpointing,
     uses_chunked_loss,
 )
-from aura_hpc.train.runtime import Runtime
-from aura_hpc.train.schedule import make_optimizer, make_scheduler
-from aura_hpc.train.state import Layout, Parts
+from aura_hpc.train.model.meta_init import build_on_meta
+from aura_hpc.train.parts.schedule import make_optimizer, make_scheduler
+from aura_hpc.train.parts.state import Layout, Parts
+from aura_hpc.train.process.dist_env import DistEnv
+from aura_hpc.train.process.runtime import Runtime
 from aura_hpc.train.strategies import Wrapped, wrap
 
 log = logging.getLogger("aura_hpc")
@@ -105,7 +104,7 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
 def _build_model(factory: Callable[[], torch.nn.Module], cfg: RunConfig, rt: Runtime, env: DistEnv) -> tuple[torch.nn.Module, Any]:
     """The model, and the record that initialises it once sharded (fsdp), or None. Sharded strategies
     never hold the whole fp32 model on every rank: FSDP builds it on the meta device and initialises
-    it shard by shard (train/meta_init.py); ZeRO-3 builds it partitioned (DeepSpeed's zero.Init) and
+    it shard by shard (train/model/meta_init.py); ZeRO-3 builds it partitioned (DeepSpeed's zero.Init) and
     initialises it a parameter at a time (strategies/zero.py). Both give a host build's exact weights."""
     if cfg.dist.strategy == "fsdp":
         on_meta = build_on_meta(factory)
@@ -169,20 +168,10 @@ def seed_dropout(seed: int, rank: int) -> None:
         torch.manual_seed(seed + 1_000_003 * rank)
 
 
-# Settings every rank must share: a difference in any of them makes the ranks run different collectives
-# (dist.strategy fsdp on one node, ddp on the other, hung for dist.timeout_s) or train different models.
-# train.threads and train.tune_malloc are per machine.
-_PER_MACHINE = {"train.threads", "train.tune_malloc"}
-
-
 def _shared_settings(cfg: RunConfig) -> dict[str, str]:
-    out = {"model.fingerprint": cfg.model_fingerprint()}
-    for section in ("model", "train", "dist"):
-        for name, value in dataclasses.asdict(getattr(cfg, section)).items():
-            key = f"{section}.{name}"
-            if key not in _PER_MACHINE:
-                out[key] = json.dumps(value, default=str)
-    return out
+    """What every rank must hold alike (config/per_machine.py), as text that compares exactly."""
+    settings = per_machine.shared(cfg, ("model", "train", "dist"), per_machine.PER_MACHINE)
+    return {"model.fingerprint": cfg.model_fingerprint(), **{k: json.dumps(v, default=str) for k, v in settings.items()}}
 
 
 def check_same_everywhere(cfg: RunConfig, env: DistEnv, data: PackedTokens) -> None:

@@ -1,6 +1,6 @@
 """Our GPT-2: the model the trainer trains, with GPT2LMHeadModel's state-dict names and numerics.
 
-Written for the GPU contract (issue 20), in the style of nanoGPT's and torchtitan's models: no KV
+Written for the GPU contract (docs/speed.md), in the style of nanoGPT's and torchtitan's models: no KV
 cache, no padding check, no attention mask (SDPA with is_causal=True), nothing that reads a value
 back to the host, and one code path per block so `torch.compile(fullgraph=True)` compiles each
 block once and every other block reuses that graph. It knows nothing of distribution.
@@ -192,25 +192,6 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
 
 def generation_config(cfg: GPTConfig) -> dict[str, Any]:
     return {"bos_token_id": cfg.eos_id, "eos_token_id": cfg.eos_id, "pad_token_id": cfg.eos_id}
-
-
-def config_from_hf(d: dict[str, Any]) -> GPTConfig:
-    """Our config from a GPT-2 config.json (ours, or one transformers saved)."""
-    if d.get("model_type", "gpt2") != "gpt2" or d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"not a GPT-2 config (model_type {d.get('model_type')!r}, activation {d.get('activation_function')!r})")
-    if d.get("n_inner") not in (None, 4 * int(d["n_embd"])):
-        raise ValueError(f"n_inner {d.get('n_inner')} is not 4 x n_embd")
-    eos = d.get("eos_token_id")
-    return GPTConfig(
-        vocab_size=int(d["vocab_size"]),
-        n_positions=int(d["n_positions"]),
-        n_embd=int(d["n_embd"]),
-        n_layer=int(d["n_layer"]),
-        n_head=int(d["n_head"]),
-        dropout=float(d.get("resid_pdrop", 0.0)),
-        eos_id=int(eos) if isinstance(eos, int) else 0,
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
-    )
 
 
 def import_weights(model: GPT, weights: dict[str, torch.Tensor]) -> None:

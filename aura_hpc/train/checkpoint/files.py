@@ -1,7 +1,7 @@
 """Atomic, self-verifying checkpoints: one directory per step.
 
     checkpoints/step_00000100/
-        model/            config.json + model.safetensors (loadable by transformers; sharded: checkpoint_writer.py)
+        model/            config.json + model.safetensors (loadable by transformers; sharded: checkpoint/writer.py)
         trainer_state.pt  optimizer, scheduler, RNG states (loaded with weights_only=True)
         meta.json         step, data position, tokens, config fingerprint, world size
         tokenizer/        the tokenizer the model was trained with
@@ -129,7 +129,7 @@ def sha256_of(path: Path) -> str:
 
 def model_configs(model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The config.json and generation_config.json transformers' GPT2LMHeadModel reads for `model`."""
-    from aura_hpc.train.gpt import generation_config, hf_config
+    from aura_hpc.train.model.gpt import generation_config, hf_config
 
     return hf_config(model.config), generation_config(model.config)
 
@@ -163,7 +163,7 @@ def _write_model(folder: Path, snap: ModelSnapshot) -> dict[str, str]:
             folder / "generation_config.json", (json.dumps(snap.generation_config, indent=2) + "\n").encode()
         ),
     }
-    if snap.weights:  # none in a sharded checkpoint but the last: train/consolidate.py makes them from the shards
+    if snap.weights:  # none in a sharded checkpoint but the last: train/checkpoint/consolidate.py makes them from the shards
         save_file(snap.weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
         hashes["model/model.safetensors"] = _sha256(folder / "model.safetensors")
     return hashes
@@ -197,7 +197,7 @@ def save(
     while this runs (the asynchronous writer gets a host copy). `tmp` is a folder from begin()
     that already holds files other ranks wrote (their hashes in `known_hashes`).
     """
-    from aura_hpc.train import faults
+    from aura_hpc.train.instruments import faults
 
     snap = model if isinstance(model, ModelSnapshot) else snapshot_model(model)
     final = root / step_dir_name(step)

@@ -1,8 +1,8 @@
 """Host buffers a checkpoint's tensors are copied into, reused from one save to the next.
 
-On a GPU each save used to copy tensor by tensor into freshly allocated pageable memory (every
-copy a synchronous transfer; ~12.7 GB of allocations for gpt2-1b). Here the buffers are pinned
-once, filled by non-blocking copies, and the save waits once for all of them. The background
+Copied tensor by tensor into freshly allocated pageable memory, every copy from a GPU is a
+synchronous transfer (and gpt2-1b's state ~12.7 GB of allocations per save). Here the buffers are
+pinned once, filled by non-blocking copies, and the save waits once for all of them. The background
 writer reads them while training goes on; the next save waits for that writer before refilling.
 """
 

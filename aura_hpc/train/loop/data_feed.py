@@ -16,7 +16,7 @@ from typing import Any
 
 from aura_hpc.data.packed import GlobalOrder, NeedWindow, PackedTokens
 from aura_hpc.errors import DataError
-from aura_hpc.train import distributed
+from aura_hpc.train.process import distributed
 
 log = logging.getLogger("aura_hpc")
 

@@ -1,4 +1,4 @@
-"""The GPT-2 model (ours, train/gpt.py), built from config and trained from scratch, and the loss
+"""The GPT-2 model (ours, train/model/gpt.py), built from config and trained from scratch, and the loss
 the loop trains on. Knows nothing of distribution: strategies/ wraps `LanguageModelLoss` (the
 module whose forward is the training loss); checkpoints save the model inside it in transformers'
 GPT-2 layout, which `generate` loads with transformers itself (`load_pretrained`).
@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 from aura_hpc.config import ModelConfig
-from aura_hpc.train.gpt import GPT, GPTConfig
-from aura_hpc.train.loss import chunked_cross_entropy
+from aura_hpc.train.model.gpt import GPT, GPTConfig
+from aura_hpc.train.model.loss import chunked_cross_entropy
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, eos_id: int) -> GPT:
-    """Our GPT-2 (train/gpt.py): GPT2LMHeadModel's names and numerics, none of its per-step host work."""
+    """Our GPT-2 (train/model/gpt.py): GPT2LMHeadModel's names and numerics, none of its per-step host work."""
     return GPT(GPTConfig(vocab_size, cfg.n_positions, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.dropout, eos_id))
 
 
@@ -60,7 +60,7 @@ class LanguageModelLoss(torch.nn.Module):
     """forward(batch) = the training loss of a (B, T+1) token batch; what the strategies wrap.
 
     `chunked` computes the loss from the last hidden states a slice of tokens at a time
-    (train/loss.py) instead of materialising the whole batch's fp32 logits.
+    (train/model/loss.py) instead of materialising the whole batch's fp32 logits.
     """
 
     def __init__(self, lm: GPT, chunked: bool, compute_dtype: torch.dtype | None) -> None:

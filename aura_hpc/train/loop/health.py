@@ -12,7 +12,7 @@ from aura_hpc.config import RunConfig
 from aura_hpc.errors import EXIT_GPU_FAULT
 from aura_hpc.ops.gpu_health import Fault, HealthRules, NoGpus, Thresholds, open_reader, selection_from_env
 from aura_hpc.ops.resources import BackgroundMonitor, Sampler
-from aura_hpc.train.dist_env import DistEnv
+from aura_hpc.train.process.dist_env import DistEnv
 
 log = logging.getLogger("aura_hpc")
 

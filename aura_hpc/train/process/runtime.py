@@ -15,9 +15,9 @@ import torch
 
 from aura_hpc.config import RunConfig
 from aura_hpc.errors import ConfigError
-from aura_hpc.train import distributed
-from aura_hpc.train.dist_env import DistEnv
-from aura_hpc.train.malloc_tuning import pin_thresholds
+from aura_hpc.train.process import distributed
+from aura_hpc.train.process.dist_env import DistEnv
+from aura_hpc.train.process.malloc_tuning import pin_thresholds
 
 log = logging.getLogger("aura_hpc")
 

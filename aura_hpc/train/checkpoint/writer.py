@@ -3,7 +3,7 @@
 A sharded checkpoint holds every rank's shard (`sharded/`), the rest as a full one does, and the
 full weights (`model/model.safetensors`) only when the run's last step is saved: gathering them
 at every save would stall every rank for a collective as large as the model. The others get them
-on demand (`train/consolidate.py`, which `generate` uses).
+on demand (`train/checkpoint/consolidate.py`, which `generate` uses).
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from typing import Any
 
 from aura_hpc.comm import collectives
 from aura_hpc.errors import CheckpointError, CheckpointWriteError
-from aura_hpc.train import checkpoint
+from aura_hpc.train.checkpoint import files as checkpoint
+from aura_hpc.train.parts.state import Parts
+from aura_hpc.train.process.dist_env import DistEnv
+from aura_hpc.train.strategies.base import ShardedCheckpoints
 
 log = logging.getLogger("aura_hpc")
 
@@ -66,61 +69,66 @@ class Writer(threading.Thread):
             self.error = str(checkpoint.write_failure(exc, self.args[0], self.args[1]))
 
 
-def save_sharded(c: Any, rngs: list[Any], full_weights: bool) -> None:
-    """Checkpointer `c` saves the current step: every rank writes its shard into rank 0's temporary
-    folder; rank 0 adds the rest and the commit marker. With train.async_checkpoint (and a strategy
-    that can) the shards are copied to host memory and written in the background; rank 0 commits
-    once every rank's are written."""
-    pos, p, wrapped = c.pos, c.parts, c.wrapped
-    background = c.cfg.train.async_checkpoint and getattr(wrapped, "background_shards", False)
+# Where and what a sharded save writes: (checkpoints folder, step, the run's parts, this rank's
+# environment, the config as YAML, how many checkpoints to keep).
+ShardArgs = tuple[Path, int, Parts, DistEnv, str, int]
+
+
+def save_sharded(
+    wrapped: ShardedCheckpoints, where: ShardArgs, meta: dict[str, Any], rngs: list[Any], full_weights: bool, background: bool
+) -> tuple[Writer | None, Future[Any] | None]:
+    """Saves the current step: every rank writes its shard into rank 0's temporary folder; rank 0 adds
+    the rest and the commit marker. With `background`, the shards are copied to host memory and
+    written behind the loop; rank 0 commits once every rank's are written. Returns rank 0's writer
+    (None elsewhere) and this rank's background shard write (None on rank 0, which its writer waits
+    for, and without `background`); the caller waits for both before the next save."""
+    root, step, p, env, config_yaml, keep_last = where
     t0 = time.perf_counter()
     tmp: Path | None = None
     error = None
-    if c.env.is_main:
+    if env.is_main:
         try:
-            tmp = checkpoint.begin(c.root, pos.step)
+            tmp = checkpoint.begin(root, step)
         except OSError as exc:
-            error = str(checkpoint.write_failure(exc, c.root, pos.step))
+            error = str(checkpoint.write_failure(exc, root, step))
     # Rank 0 names its temporary folder by its PID; every rank builds the path itself (no path from a peer).
     pid, error = collectives.broadcast_json([os.getpid() if tmp else 0, error])
     if error:
         raise CheckpointWriteError(str(error))
     if not isinstance(pid, int) or pid <= 0:
         raise CheckpointWriteError("rank 0 sent no usable checkpoint folder (fix: the same aura_hpc on every node)")
-    folder = c.root / f".tmp-{checkpoint.step_dir_name(pos.step)}-{pid}"
+    folder = root / f".tmp-{checkpoint.step_dir_name(step)}-{pid}"
     failed: str | None = None
     mine: dict[str, str] = {}
     shards = None
     try:
         if background:
-            shards = wrapped.save_sharded(folder / SHARDS, p.optimizer, background=True)  # type: ignore[attr-defined]
+            shards = wrapped.save_sharded(folder / SHARDS, p.optimizer, background=True)
         else:
-            wrapped.save_sharded(folder / SHARDS, p.optimizer)  # type: ignore[attr-defined]
+            wrapped.save_sharded(folder / SHARDS, p.optimizer)
             # Each rank hashes the files it wrote; rank 0 hashes the rest while committing.
-            own = wrapped.own_shard_files(folder / SHARDS, c.env.rank)  # type: ignore[attr-defined]
+            own = wrapped.own_shard_files(folder / SHARDS, env.rank)
             mine = {str(f.relative_to(folder)): checkpoint.sha256_of(f) for f in own}
     except (Exception, *dcp_errors()) as exc:  # DCP wraps a full disk in its CheckpointException (a BaseException)
-        failed, mine = str(checkpoint.write_failure(exc, c.root, pos.step)), {}
+        failed, mine = str(checkpoint.write_failure(exc, root, step)), {}
     # Every rank learns whether any rank's shard failed, so all stop together.
     failures = [str(f) for f in collectives.gather_json(failed) if f]
     if failures:
-        if c.env.is_main:
+        if env.is_main:
             shutil.rmtree(folder, ignore_errors=True)  # the partial shards would keep the disk full
         raise CheckpointWriteError(failures[0])
-    weights = wrapped.full_weights() if full_weights else {}  # type: ignore[attr-defined]
+    weights = wrapped.full_weights() if full_weights else {}
     hashes = {str(k): str(v) for part in collectives.gather_json(mine) for k, v in dict(part).items()}
-    if c.env.is_main:
-        snap = checkpoint.ModelSnapshot(weights, *checkpoint.model_configs(p.model))
-        state = checkpoint.host_copy(
-            {"scheduler": p.scheduler.state_dict(), "scaler": p.scaler.state_dict() if p.scaler.is_enabled() else {}, "rng": rngs}
-        )
-        args = (c.root, pos.step, snap, state, c._meta(), p.data.tokenizer_dir, c.cfg.to_yaml(), c.cfg.train.keep_last)
-        c.writer = Writer(args, t0, time.perf_counter() - t0, shards=shards, tmp=folder, known_hashes=hashes)
-        if background:
-            c.writer.start()
-        else:
-            c.writer.run()
+    if not env.is_main:
+        return None, shards
+    snap = checkpoint.ModelSnapshot(weights, *checkpoint.model_configs(p.model))
+    state = checkpoint.host_copy(
+        {"scheduler": p.scheduler.state_dict(), "scaler": p.scaler.state_dict() if p.scaler.is_enabled() else {}, "rng": rngs}
+    )
+    args = (root, step, snap, state, meta, p.data.tokenizer_dir, config_yaml, keep_last)
+    writer = Writer(args, t0, time.perf_counter() - t0, shards=shards, tmp=folder, known_hashes=hashes)
+    if background:
+        writer.start()
     else:
-        c.shards = shards
-    if not background:
-        c.wait()
+        writer.run()
+    return writer, None

@@ -18,11 +18,11 @@ import torch
 
 from aura_hpc.comm import collectives
 from aura_hpc.config import TrainConfig
-from aura_hpc.train import faults
-from aura_hpc.train.batches import Batches
-from aura_hpc.train.runtime import Runtime
-from aura_hpc.train.state import Parts, Position
-from aura_hpc.train.stop import StopRequest
+from aura_hpc.train.instruments import faults
+from aura_hpc.train.loop.batches import Batches
+from aura_hpc.train.parts.state import Parts, Position
+from aura_hpc.train.process.runtime import Runtime
+from aura_hpc.train.process.stop import StopRequest
 from aura_hpc.train.strategies import Wrapped
 
 

@@ -1,5 +1,5 @@
 """Full weights, on demand, for a sharded checkpoint that holds only its shards (every save of an
-fsdp or ZeRO run but the last: checkpoint_writer.py).
+fsdp or ZeRO run but the last: checkpoint/writer.py).
 
 One process reads the shards (torch DCP, or DeepSpeed's own files through its zero_to_fp32) and
 writes `model/model.safetensors`, which GPT2LMHeadModel.from_pretrained then loads. The checkpoint
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from aura_hpc.errors import CheckpointError
-from aura_hpc.train import checkpoint
-from aura_hpc.train.checkpoint_writer import SHARDS
+from aura_hpc.train.checkpoint import files as checkpoint
+from aura_hpc.train.checkpoint.writer import SHARDS
 
 log = logging.getLogger("aura_hpc")
 
@@ -83,7 +83,7 @@ def _from_dcp(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _from_deepspeed(folder: Path) -> dict[str, torch.Tensor]:
-    from aura_hpc.train.deepspeed_import import quiet_deepspeed
+    from aura_hpc.train.process.deepspeed_import import quiet_deepspeed
 
     quiet_deepspeed(needed=True)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from aura_hpc.data.packed import batch_start
-from aura_hpc.train.data_feed import DataFeed
-from aura_hpc.train.state import Layout, Parts, Position
+from aura_hpc.train.loop.data_feed import DataFeed
+from aura_hpc.train.parts.state import Layout, Parts, Position
 
 
 class Batches:

@@ -14,7 +14,7 @@ import torch
 
 from aura_hpc.comm import collectives
 from aura_hpc.errors import CheckpointWriteError
-from aura_hpc.train.checkpoint import HashingFile, host_copy, sha256_of, step_dir_name, write_failure
+from aura_hpc.train.checkpoint.files import HashingFile, host_copy, sha256_of, step_dir_name, write_failure
 
 log = logging.getLogger("aura_hpc")
 

@@ -11,8 +11,8 @@ import torch
 
 from aura_hpc.comm import collectives
 from aura_hpc.config import TrainConfig
-from aura_hpc.train.runtime import Runtime
-from aura_hpc.train.state import Parts
+from aura_hpc.train.parts.state import Parts
+from aura_hpc.train.process.runtime import Runtime
 
 
 @torch.no_grad()

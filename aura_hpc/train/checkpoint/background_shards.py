@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from aura_hpc.comm import collectives
-from aura_hpc.train import checkpoint, faults
-from aura_hpc.train.host_mirror import HostMirror
+from aura_hpc.train.checkpoint import files as checkpoint
+from aura_hpc.train.checkpoint.host_mirror import HostMirror
+from aura_hpc.train.instruments import faults
 
 
 class CapturingEngine:

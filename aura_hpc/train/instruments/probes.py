@@ -27,7 +27,7 @@ import sys
 import traceback
 import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +66,8 @@ HOST_DATA_OPS = {_aten.lift_fresh.default, _aten.lift_fresh_copy.default, _aten.
 # Factory functions: on a GPU, one called without a device makes a host tensor.
 FACTORY_FUNCTIONS = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.rand, torch.randn, torch.randint, torch.eye}
 # The one place host data enters a step by design: the batch, pinned and copied without blocking.
-HOST_DATA_ENTRY = "aura_hpc/train/batches.py"
-_OUR_ROOT = str(Path(__file__).resolve().parents[1])
+HOST_DATA_ENTRY = "aura_hpc/train/loop/batches.py"
+_OUR_ROOT = str(Path(__file__).resolve().parents[2])  # the aura_hpc package
 
 
 def site() -> str:
@@ -76,7 +76,7 @@ def site() -> str:
         name = frame.filename
         if f"{os.sep}torch{os.sep}" in name and not name.startswith(_OUR_ROOT):
             continue
-        if name.endswith(("probes.py", "contextlib.py", f"comm{os.sep}collectives.py")):
+        if name.endswith(("instruments/probes.py", "contextlib.py", f"comm{os.sep}collectives.py")):
             continue
         where = name if not name.startswith(_OUR_ROOT) else "aura_hpc" + name[len(_OUR_ROOT) :]
         short = where.split("site-packages" + os.sep, 1)[-1]
@@ -222,11 +222,13 @@ def watching(probe: StepProbe | None, step: int, quiet: bool, compiled: bool, cu
 
 
 @contextlib.contextmanager
-def reporting(probe: StepProbe | None, run_dir: Path, rank: int, run_probe: RunProbe | None = None) -> Any:
+def reporting(
+    probe: StepProbe | None, run_dir: Path, rank: int, run_probe: RunProbe | None = None, reseed_allowed: Callable[[], bool] = lambda: False
+) -> Any:
     """Around the steps: writes the step probe's report however training ends; the run's probe
-    watches for reseeds from here on."""
+    watches for reseeds from here on (`reseed_allowed`: where the runtime keeps this rank's generators)."""
     if run_probe is not None:
-        run_probe.arm_reseed_watch()
+        run_probe.arm_reseed_watch(reseed_allowed)
     try:
         yield
     finally:
@@ -298,13 +300,13 @@ class RunProbe:
                     self.host_tensors[f"host tensor made at {entry[1]} handed to {op} at {site()}"] += 1
                     break
 
-    def arm_reseed_watch(self) -> None:
-        """From the first step on, a global reseed is an error unless runtime.keep_device_rng guards it."""
-        from aura_hpc.train import runtime
+    def arm_reseed_watch(self, allowed: Callable[[], bool]) -> None:
+        """From the first step on, a global reseed is an error unless `allowed()` (process/runtime.py's
+        keep_device_rng guards it)."""
 
         def watched(original: Any) -> Any:
             def manual_seed(seed: int) -> Any:
-                if not runtime.rng_kept():
+                if not allowed():
                     self.reseeds[f"torch.manual_seed at {site()}"] += 1
                 return original(seed)
 
