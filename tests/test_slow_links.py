@@ -207,7 +207,7 @@ def test_a_meeting_crosses_in_slices_that_keep_a_slow_queue_short(tmp_path: Path
 def test_compressed_ddp_trains_and_resumes_bit_identical(tmp_path: Path, prepared: Path, compress: str) -> None:
     """PowerSGD compresses from step 10 (before: plain all-reduce); killed after step 14, the run resumes
     from step 10 with each rank's error feedback and warm-start factors, to the same bits: PowerSGD keeps
-    that state per DDP bucket, and without DdpWrapped.settle a resumed process's first step was grouped
+    that state per DDP bucket, and without DdpWrapped.warm_up a resumed process's first step was grouped
     in one bucket (DDP's first backward) where the run it continues had regrouped them."""
     extra = ("--set", f"dist.compress={compress}", "--set", "train.checkpoint_every=10", "--set", "train.eval_every=10")
     done = _together(

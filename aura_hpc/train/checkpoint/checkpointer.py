@@ -23,7 +23,7 @@ from aura_hpc.train.parts.state import Layout, Parts, Position
 from aura_hpc.train.process.dist_env import DistEnv
 from aura_hpc.train.process.runtime import Runtime, rng_state, set_rng_state
 from aura_hpc.train.strategies import Wrapped
-from aura_hpc.train.strategies.base import ShardedCheckpoints, sharding
+from aura_hpc.train.strategies.base import OuterLoop, ShardedCheckpoints, capability, sharding
 
 log = logging.getLogger("aura_hpc")
 
@@ -217,7 +217,8 @@ class Checkpointer:
             meta = self._meta()
             if replicas is not None:
                 meta["replica_files"] = replicas
-            outer = self.wrapped.outer_state()
+            outer_loop = capability(self.wrapped, OuterLoop)
+            outer = outer_loop.outer_state() if outer_loop is not None else None
             state = self.mirror.copy(
                 {
                     "optimizer": p.optimizer.state_dict(),

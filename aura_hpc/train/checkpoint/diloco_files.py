@@ -15,6 +15,7 @@ import torch
 from aura_hpc.comm import collectives
 from aura_hpc.errors import CheckpointWriteError
 from aura_hpc.train.checkpoint.files import HashingFile, host_copy, sha256_of, step_dir_name, write_failure
+from aura_hpc.train.strategies.base import OuterLoop, PerRankState, Wrapped, capability
 
 log = logging.getLogger("aura_hpc")
 
@@ -62,16 +63,17 @@ def prune_replicas(root: Path, rank: int, keep: int) -> None:
         f.unlink(missing_ok=True)
 
 
-def save_all(wrapped: Any, optimizer: Any, root: Path, step: int, rank: int, keep_last: int) -> dict[str, Any] | None:
+def save_all(wrapped: Wrapped, optimizer: Any, root: Path, step: int, rank: int, keep_last: int) -> dict[str, Any] | None:
     """The ranks' own state, each written once (by the rank the strategy names: a DiLoCo replica's
     leader for all its ranks); None when the strategy has none. The files' checksums, gathered for
     rank 0's meta.json. Collective."""
-    if wrapped.replica_writer(rank) is None:
+    own = capability(wrapped, PerRankState)
+    if own is None or own.replica_writer(rank) is None:
         return None
     info: dict[str, Any] | str | None = None
-    if wrapped.replica_writer(rank) == rank:
+    if own.replica_writer(rank) == rank:
         try:
-            info = write_replica(root, step, rank, host_copy(wrapped.replica_state(optimizer)))
+            info = write_replica(root, step, rank, host_copy(own.replica_state(optimizer)))
         except OSError as exc:
             info = str(write_failure(exc, root, step))
         prune_replicas(root, rank, keep_last + 2)
@@ -83,22 +85,24 @@ def save_all(wrapped: Any, optimizer: Any, root: Path, step: int, rank: int, kee
 
 
 def load_all(
-    wrapped: Any, optimizer: Any, root: Path, chosen: str, meta: dict[str, Any], state: dict[str, Any], rank: int, world: int
+    wrapped: Wrapped, optimizer: Any, root: Path, chosen: str, meta: dict[str, Any], state: dict[str, Any], rank: int, world: int
 ) -> None:
     """DiLoCo's anchor and momentum (rank 0's, the same everywhere), then this rank's own state
     (DiLoCo: weights and AdamW moments; PowerSGD: error feedback); if any rank lacks its file
     (another world size, a node's disk lost), every rank starts it afresh (said so). Collective."""
-    if "outer" in state and wrapped.outer_state() is not None:
-        wrapped.load_outer_state(state["outer"])
+    outer = capability(wrapped, OuterLoop)
+    if "outer" in state and outer is not None:
+        outer.load_outer_state(state["outer"])
     files = meta.get("replica_files")
-    writer = wrapped.replica_writer(rank)
-    if writer is None or not files:
+    own_state = capability(wrapped, PerRankState)
+    writer = own_state.replica_writer(rank) if own_state is not None else None
+    if own_state is None or writer is None or not files:
         return
     mine = files.get(str(writer)) if int(meta.get("world_size", world)) == world else None
     own = read_replica(root, mine) if isinstance(mine, dict) else None
     have = collectives.flags(own is not None)
     if all(have) and own is not None:
-        wrapped.load_replica_state(own, optimizer)
+        own_state.load_replica_state(own, optimizer)
         return
     if rank == 0:
         missing = [r for r, ok in enumerate(have) if not ok]
@@ -108,4 +112,4 @@ def load_all(
             chosen,
             missing,
         )
-    wrapped.restart_replica()
+    own_state.restart_replica()

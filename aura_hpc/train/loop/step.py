@@ -24,6 +24,7 @@ from aura_hpc.train.parts.state import Parts, Position
 from aura_hpc.train.process.runtime import Runtime
 from aura_hpc.train.process.stop import StopRequest
 from aura_hpc.train.strategies import Wrapped
+from aura_hpc.train.strategies.base import OuterLoop, WarmsUp, capability
 
 
 @dataclass
@@ -76,16 +77,19 @@ class Stepper:
     def __init__(self, t: TrainConfig, rank: int, world: int, rt: Runtime, parts: Parts, wrapped: Wrapped, batches: Batches) -> None:
         self.t, self.rank, self.world, self.rt = t, rank, world, rt
         self.parts, self.wrapped, self.batches = parts, wrapped, batches
+        self.outer = capability(wrapped, OuterLoop)
         # Pinned host buffers for the steps' reports, reused in turn (a report is read one step late,
         # so three never overlap): allocating pinned memory inside a step would synchronise.
         self._ring: list[torch.Tensor] = []
         self._turn = 0
 
-    def settle(self) -> None:
+    def warm_up(self) -> None:
         """The strategy's once-per-process work before the first step, on a batch of the run's shape."""
+        if (warms := capability(self.wrapped, WarmsUp)) is None:
+            return
         lay = self.batches.layout
         batch = torch.zeros((lay.batch_size, lay.seq_len + 1), dtype=torch.long, device=self.rt.device)
-        self.wrapped.settle(lambda: micro_step_loss(self.wrapped.module, batch, self.rt, 1))
+        warms.warm_up(lambda: micro_step_loss(self.wrapped.module, batch, self.rt, 1))
 
     def step(self, pos: Position, stop: StopRequest, gpu_fault_seen: Callable[[], bool]) -> StepOutcome:
         """Queue step pos.step + 1. Whether to stop and whether the step is usable is decided by all
@@ -126,7 +130,8 @@ class Stepper:
             bad = bad | ~torch.isfinite(grad_norm)
         wrapped.update(p.optimizer, p.scaler, bad)
         p.scheduler.step()
-        wrapped.after_update(pos.step + 1)
+        if self.outer is not None:
+            self.outer.after_update(pos.step + 1)
         report = torch.cat([total.view(1), grad_norm.detach().to(torch.float64).view(1), flags])
         host = None
         if report.device.type == "cuda":

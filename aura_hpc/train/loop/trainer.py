@@ -31,7 +31,7 @@ from aura_hpc.train.parts.state import Position
 from aura_hpc.train.process import runtime
 from aura_hpc.train.process.dist_env import DistEnv
 from aura_hpc.train.process.stop import StopRequest
-from aura_hpc.train.strategies.base import sharding
+from aura_hpc.train.strategies.base import OuterLoop, capability, sharding
 
 log = logging.getLogger("aura_hpc")
 
@@ -68,7 +68,7 @@ class Trainer:
         batches = Batches(self.parts, self.layout, env.rank, self.rt.device, self.feed)
         stepper = Stepper(cfg.train, env.rank, self.layout.world, self.rt, self.parts, wrapped, batches)
         if self.pos.step < self.layout.end_step:
-            stepper.settle()
+            stepper.warm_up()
         if env.is_main:
             for line in describe(cfg, self.parts, self.layout, self.rt, self.pos.step, str(self.run_dir)):
                 log.info("%s", line)
@@ -82,7 +82,8 @@ class Trainer:
         with probes.reporting(self.probe, self.run_dir, env.rank, self.run_probe, runtime.rng_kept):
             try:
                 status = self._train(stepper, batches, stop)
-                wrapped.drain()  # a piece of a meeting still crossing: no collective in flight as the group goes
+                if (outer := capability(wrapped, OuterLoop)) is not None:
+                    outer.drain()  # a piece of a meeting still crossing: no collective in flight as the group goes
             except DataUnavailable as exc:
                 status = endings.data_unavailable(exc, self.ckpt, self.pos, self.env, self.progress)
             finally:

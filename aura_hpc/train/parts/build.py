@@ -28,6 +28,7 @@ from aura_hpc.train.parts.state import Layout, Parts
 from aura_hpc.train.process.dist_env import DistEnv
 from aura_hpc.train.process.runtime import Runtime
 from aura_hpc.train.strategies import Wrapped, wrap
+from aura_hpc.train.strategies.base import OuterLoop, capability
 
 log = logging.getLogger("aura_hpc")
 
@@ -86,7 +87,8 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
     fused = t.fused_optimizer == "true" or (t.fused_optimizer == "auto" and cuda)
     materialize = None if init is None else (lambda m: init.materialize(m, rt.param_dtype))
     wrapped, optimizer = wrap(loss_model, model, cfg, rt, world, lambda m: make_optimizer(m, t, fused=fused), env, materialize)
-    wrapped.last_step = max_steps
+    if (outer := capability(wrapped, OuterLoop)) is not None:
+        outer.last_step = max_steps
     seed_dropout(t.seed, env.rank)
     parts = Parts(
         data=data,

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import torch
 
@@ -60,8 +60,63 @@ class ShardedCheckpoints(Protocol):
         ...
 
 
+@runtime_checkable
+class WarmsUp(Protocol):
+    """A capability: once per process, before its first step (fresh or resumed), what makes every
+    process's steps alike; `loss()` gives a micro-step's loss on a batch of the run's shape (DDP with
+    PowerSGD settles its buckets there: strategies/ddp.py)."""
+
+    def warm_up(self, loss: Callable[[], torch.Tensor]) -> None: ...
+
+
+@runtime_checkable
+class PerRankState(Protocol):
+    """A capability: state each rank holds of its own (DiLoCo's replicas, PowerSGD's error feedback),
+    saved by the rank that `replica_writer` names in its own run directory (checkpoint/diloco_files.py)."""
+
+    def replica_writer(self, rank: int) -> int | None:
+        """The rank whose file holds `rank`'s own state (itself, or its DiLoCo replica's leader); None
+        when this run keeps none. The same answer on every rank."""
+        ...
+
+    def replica_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None: ...
+
+    def load_replica_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None: ...
+
+    def restart_replica(self) -> None:
+        """When some rank's saved state is missing: every rank starts that state afresh, alike."""
+        ...
+
+
+@runtime_checkable
+class OuterLoop(Protocol):
+    """A capability: an outer optimisation around the inner steps (DiLoCo). It meets its peers after an
+    update, may have communication in flight between steps, and holds state every rank has alike."""
+
+    last_step: int  # the schedule's last step (set by the builder): the replicas meet there whatever sync_every
+
+    def after_update(self, step: int) -> None: ...
+
+    def drain(self) -> None:
+        """Wait for communication still in flight between steps (an overlapped meeting)."""
+        ...
+
+    def outer_state(self) -> dict[str, Any]: ...
+
+    def load_outer_state(self, state: dict[str, Any]) -> None: ...
+
+
+C = TypeVar("C")
+
+
+def capability(wrapped: Wrapped, kind: type[C]) -> C | None:
+    """`wrapped` as the capability `kind` (ShardedCheckpoints, WarmsUp, PerRankState, OuterLoop) when it
+    declares it: what the loop, the builder and the Checkpointer ask, never a strategy's name."""
+    return cast(C, wrapped) if isinstance(wrapped, kind) else None
+
+
 def sharding(wrapped: Wrapped) -> ShardedCheckpoints | None:
-    return wrapped if isinstance(wrapped, ShardedCheckpoints) else None
+    return capability(wrapped, ShardedCheckpoints)
 
 
 class Wrapped:
@@ -112,41 +167,6 @@ class Wrapped:
         optimizer.zero_grad(set_to_none=True)
 
     device_skip = True  # whether found_inf may be handed to a fused optimizer over these parameters
-    last_step = 0  # the schedule's last step (set by build): DiLoCo's replicas meet there whatever sync_every
-
-    def settle(self, loss: Callable[[], torch.Tensor]) -> None:
-        """Once per process, before its first step (fresh or resumed): what makes every process's steps
-        alike; `loss()` gives a micro-step's loss on a batch of the run's shape. DDP with PowerSGD
-        settles its buckets there (strategies/ddp.py); nothing here."""
-
-    def after_update(self, step: int) -> None:
-        """After step `step`'s update (DiLoCo meets its peers here)."""
-
-    def drain(self) -> None:
-        """Wait for communication still in flight between steps (DiLoCo's overlapped meeting)."""
-
-    def outer_state(self) -> dict[str, Any] | None:
-        """State every rank holds alike beyond the model and optimizer (DiLoCo's anchor and momentum)."""
-        return None
-
-    def load_outer_state(self, state: dict[str, Any]) -> None:
-        raise RuntimeError("this strategy has no outer state")
-
-    def replica_writer(self, rank: int) -> int | None:
-        """The rank whose file holds `rank`'s own state (itself, or its DiLoCo replica's leader); None
-        when ranks hold no state of their own. The same answer on every rank."""
-        return None
-
-    def replica_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        """This rank's own state, when ranks hold state of their own (DiLoCo's replicas, PowerSGD's error
-        feedback): saved by each rank, in its own run directory."""
-        return None
-
-    def load_replica_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
-        raise RuntimeError("this strategy has no per-rank state")
-
-    def restart_replica(self) -> None:
-        """When some rank's saved state is missing: every rank starts that state afresh, alike."""
 
 
 def _join_found_inf(scaler: Any, optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from aura_hpc.comm import collectives
-from aura_hpc.train.strategies.base import Wrapped
+from aura_hpc.train.strategies.base import PerRankState, WarmsUp, Wrapped
 
 
 class FlagRide:
@@ -88,7 +88,7 @@ def _ride_hook(ride, bucket):  # type: ignore[no-untyped-def]
     return ride.hook(bucket)
 
 
-class DdpWrapped(Wrapped):
+class DdpWrapped(Wrapped, WarmsUp, PerRankState):
     name = "ddp"
 
     def __init__(
@@ -98,7 +98,7 @@ class DdpWrapped(Wrapped):
         self.ride, self.hook = ride, powersgd
         self.powersgd = powersgd.state if powersgd is not None else None
 
-    def settle(self, loss: Callable[[], torch.Tensor]) -> None:
+    def warm_up(self, loss: Callable[[], torch.Tensor]) -> None:
         """DDP puts every gradient in one bucket for a process's first backward and regroups them (in
         the order they became ready) before its second, and PowerSGD keeps its error feedback and
         warm-start factors per bucket: a resumed process's first step would be grouped, and compressed,

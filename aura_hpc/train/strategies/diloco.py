@@ -40,7 +40,7 @@ import torch
 from aura_hpc.comm import collectives
 from aura_hpc.config import DistConfig
 from aura_hpc.errors import ConfigError
-from aura_hpc.train.strategies.base import Wrapped
+from aura_hpc.train.strategies.base import OuterLoop, PerRankState, Wrapped
 
 WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.float32}  # int8: quantized from fp32
 INT8_BLOCK = 4096  # values sharing one fp32 scale in the int8 wire format (0.1% overhead)
@@ -192,8 +192,9 @@ def replica_partition(env: Any, replicas: int) -> list[list[int]]:
     return parts
 
 
-class DilocoWrapped(Wrapped):
+class DilocoWrapped(Wrapped, OuterLoop, PerRankState):
     name = "diloco"
+    last_step = 0
 
     def __init__(
         self,
