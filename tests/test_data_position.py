@@ -45,6 +45,21 @@ def test_windows_shuffle_within_their_shards_and_cover_each_epoch_once() -> None
     assert GlobalOrder(counts, seed=4, window=2).indices(0, 50) != order.indices(0, 50)
 
 
+def test_a_window_of_unknown_sizes_is_named_before_any_of_its_positions_is_read() -> None:
+    """A stream's order knows its shards' sizes only once they are encoded (-1 until then)."""
+    from aura_hpc.data.packed import NeedWindow
+
+    order = GlobalOrder([-1, -1, 30, 20], seed=3, window=2)
+    assert order.window_shards(0, 0) == [3, 2] and order.window_shards(0, 1) == [1, 0]  # seed 3's shard order
+    assert order.unknown_window(0, 50) is None and order.windows_for(0, 50) == [(0, 0)]
+    assert order.unknown_window(10, 41) == (0, 1)
+    with pytest.raises(NeedWindow):
+        order.indices(50, 1)
+    order.learn([7, 9, 30, 20])
+    assert order.unknown_window(10, 41) is None and order.windows_for(10, 41) == [(0, 0), (0, 1)]
+    assert sorted(order.indices(0, 66)) == list(range(66))
+
+
 def _sharded(root: Path) -> Path:
     text = root / "corpus.txt"
     text.write_text(generate(1200, seed=5), encoding="utf-8")

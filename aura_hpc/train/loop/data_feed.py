@@ -14,7 +14,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from aura_hpc.data.packed import GlobalOrder, NeedWindow, PackedTokens
+from aura_hpc.data.packed import GlobalOrder, PackedTokens
 from aura_hpc.errors import DataError
 from aura_hpc.train.process import distributed
 
@@ -62,13 +62,10 @@ class DataFeed:
         """The shards of positions [start, start+count) are local on every rank, or every rank stops."""
         if not self.active:
             return
-        while True:
-            try:
-                windows = self.order.windows_for(start, count)
-                break
-            except NeedWindow as need:  # a stream's window not encoded yet: its sizes come with it
-                self._make_ready(need.window)
-        for window in windows:
+        # A stream's window not encoded yet: making it ready teaches the order its sizes.
+        while (unknown := self.order.unknown_window(start, count)) is not None:
+            self._make_ready(unknown)
+        for window in self.order.windows_for(start, count):
             if window not in self._agreed:
                 self._make_ready(window)
 
