@@ -32,14 +32,38 @@ class Shard:
 
 
 class TokenReader:
-    """What the trainer reads, whatever holds the tokens: sequences by global index (via `locate`
-    and `_map`, which a subclass provides) and the tokenizer's facts from the manifest."""
+    """What the trainer reads, whatever holds the tokens (a prepared directory, local or in object
+    storage; a stream encoded as it trains): sequences by global index (via `locate` and `_map`,
+    which a subclass provides), the tokenizer's facts from the manifest, and what the data feed
+    (train/loop/data_feed.py) asks of a source whose shards must be made local before use."""
 
     seq_len: int
     manifest: dict[str, Any]
+    remote = False  # shards are fetched (or encoded) before use: the data feed makes each window local first
 
     def locate(self, split: str, index: int) -> tuple[int, int]:
         raise NotImplementedError
+
+    def num_sequences(self, split: str = "train") -> int:
+        raise NotImplementedError
+
+    def fetch(self, split: str, shard_ids: list[int]) -> None:
+        """Make these shards local (a no-op for local data)."""
+
+    def fetch_validation(self, eval_sequences: int, first_window: list[int]) -> None:
+        """Make the validation set evaluation reads local: its first `eval_sequences` sequences (a
+        stream's validation text comes from the shards of its first window)."""
+        n = min(eval_sequences, self.num_sequences("val"))
+        self.fetch("val", sorted({self.locate("val", i)[0] for i in range(n)}) if n else [])
+
+    def pin(self, split: str, keep: set[int]) -> None:
+        """Only these shards of `split` are needed now (the others may leave the cache)."""
+
+    def learn_counts(self, counts: list[int]) -> None:
+        """Sequences per shard that a checkpoint learned (a stream's sizes); known already otherwise."""
+
+    def close(self) -> None:
+        """Stop background work (a stream's encoders)."""
 
     def _map(self, split: str, shard: int) -> np.ndarray:
         raise NotImplementedError
@@ -235,6 +259,13 @@ class GlobalOrder:
         self.learn(counts)
         if self.complete and self.n <= 0:
             raise DataError("the training split has no complete sequence (fix: more data or a smaller data.seq_len)")
+
+    def refresh(self) -> None:
+        """Take the sizes the data learned since (a stream's encoding); every size is known here."""
+
+    def state(self) -> dict[str, Any] | None:
+        """What a checkpoint keeps of the order (a stream's sizes learned so far); None: nothing."""
+        return None
 
     def learn(self, counts: list[int]) -> None:
         """Shard sizes (sequences; -1 = not known yet); what was computed from them is dropped."""

@@ -170,10 +170,10 @@ class StreamTokens(TokenReader):
         for i in [*pieces[k:], *pieces[:k]]:
             self._encode(i)
 
-    def fetch_validation(self, pieces: list[int]) -> None:
-        """The validation set: the val shards of these pieces (the first window of the first epoch)."""
-        self.val_pieces = list(pieces)
-        self.fetch("val", list(range(len(pieces))))
+    def fetch_validation(self, eval_sequences: int, first_window: list[int]) -> None:
+        """The validation set: the val shards of the first window's pieces (of the first epoch)."""
+        self.val_pieces = list(first_window)
+        self.fetch("val", list(range(len(first_window))))
 
     def pin(self, split: str, keep: set[int]) -> None:
         for key in [k for k in self._maps if k[0] == split and k[1] not in keep]:

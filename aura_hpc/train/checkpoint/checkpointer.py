@@ -113,9 +113,9 @@ class Checkpointer:
         elif self.env.is_main:
             log.warning("world size changed (%d -> %d): RNG streams re-seeded", len(rngs), self.layout.world)
         learned = (meta.get("data_order") or {}).get("piece_sequences")
-        if learned and hasattr(p.data, "learn_counts"):
+        if learned:
             p.data.learn_counts(learned)
-            p.order.refresh()  # type: ignore[attr-defined]
+            p.order.refresh()
         self.pos.step = int(meta["step"])
         self.pos.saved_step = self.pos.step
         self.pos.tokens_seen = int(meta.get("tokens_seen", 0))
@@ -260,7 +260,7 @@ class Checkpointer:
             "strategy": self.wrapped.name,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             # A stream's piece sizes learned so far: a resumed run finds its position without encoding the past again.
-            **({"data_order": self.parts.order.state()} if hasattr(self.parts.order, "state") else {}),
+            **({"data_order": order} if (order := self.parts.order.state()) is not None else {}),
         }
 
     def wait(self) -> None:

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
-from aura_hpc.data.packed import GlobalOrder, PackedTokens
+from aura_hpc.data.packed import GlobalOrder, TokenReader
 from aura_hpc.errors import DataError
 from aura_hpc.train.process import distributed
 
@@ -26,7 +25,7 @@ class DataUnavailable(DataError):
 
 
 class DataFeed:
-    def __init__(self, data: PackedTokens | Any, order: GlobalOrder, patience_s: float) -> None:
+    def __init__(self, data: TokenReader, order: GlobalOrder, patience_s: float) -> None:
         self.data, self.order = data, order
         self.active = data.remote
         self.patience_s = patience_s
@@ -48,12 +47,7 @@ class DataFeed:
             return
         problem = ""
         try:
-            fetch_validation = getattr(self.data, "fetch_validation", None)
-            if fetch_validation is not None:  # a stream: the first window's validation text
-                fetch_validation(self.order.window_shards(0, 0))
-            else:
-                n = min(eval_sequences, self.data.num_sequences("val"))
-                self.data.fetch("val", sorted({self.data.locate("val", i)[0] for i in range(n)}) if n else [])
+            self.data.fetch_validation(eval_sequences, self.order.window_shards(0, 0))
         except DataError as exc:
             problem = str(exc)
         self._decide("validation", problem)
@@ -77,9 +71,7 @@ class DataFeed:
             problem = str(exc)
         self._decide(f"window {window[0]}.{window[1]}", problem)
         self._agreed.add(window)
-        refresh = getattr(self.order, "refresh", None)
-        if refresh is not None:
-            refresh()  # the sizes the encoding learned (here, not in the background thread: the order is not shared)
+        self.order.refresh()  # the sizes the encoding learned (here, not in the background thread: the order is not shared)
         upcoming = self.order.next_window(*window)
         self.data.pin("train", {*self.order.window_shards(*window), *self.order.window_shards(*upcoming)})
         for old in [w for w in self._fetching if w not in (window, upcoming)]:
@@ -96,6 +88,4 @@ class DataFeed:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-        close = getattr(self.data, "close", None)
-        if close is not None:
-            close()
+        self.data.close()
