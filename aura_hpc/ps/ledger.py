@@ -20,7 +20,7 @@ import torch
 
 from aura_hpc.config import RunConfig
 from aura_hpc.errors import CheckpointError
-from aura_hpc.ps.replica import Replica
+from aura_hpc.ps.model_copy import ModelCopy
 from aura_hpc.train.checkpoint import files as checkpoint
 
 log = logging.getLogger("aura_hpc")
@@ -89,7 +89,7 @@ def meta(
 
 def save(
     cfg: RunConfig,
-    replica: Replica,
+    model_copy: ModelCopy,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     version: int,
@@ -99,7 +99,7 @@ def save(
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
     full_meta = {"step": version, "version": version, "mode": MODE, "fingerprint": cfg.model_fingerprint(), **meta}
     path = checkpoint.save(
-        root, version, replica.model, state, full_meta, replica.data.tokenizer_dir, cfg.to_yaml(), max(cfg.train.keep_last, 1)
+        root, version, model_copy.model, state, full_meta, model_copy.data.tokenizer_dir, cfg.to_yaml(), max(cfg.train.keep_last, 1)
     )
     _link(root, "last", path)
     best = checkpoint.best(root)
@@ -108,7 +108,7 @@ def save(
     return path
 
 
-def resume(cfg: RunConfig, replica: Replica, optimizer: torch.optim.Optimizer, scheduler: Any) -> Resumed | None:
+def resume(cfg: RunConfig, model_copy: ModelCopy, optimizer: torch.optim.Optimizer, scheduler: Any) -> Resumed | None:
     """Load the newest valid checkpoint of the run directory (`last`, or an older one if it is corrupt)."""
     ckpt = checkpoint.newest_valid(cfg.run_dir / "checkpoints")
     if ckpt is None:
@@ -124,7 +124,7 @@ def resume(cfg: RunConfig, replica: Replica, optimizer: torch.optim.Optimizer, s
             f"checkpoint {ckpt.path.name} is of another model shape or data.seq_len than this config "
             "(fix: resume with the config the run was started with, or use a new --run-name)"
         )
-    checkpoint.load_weights_from(ckpt.path, replica.model)
+    checkpoint.load_weights_from(ckpt.path, model_copy.model)
     state = checkpoint.read_trainer_state(ckpt.path)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

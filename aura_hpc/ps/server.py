@@ -24,8 +24,8 @@ from aura_hpc.errors import EXIT_RESUMABLE, AuraError, one_line
 from aura_hpc.ps import ledger, wire
 from aura_hpc.ps.auth import pair_prefix
 from aura_hpc.ps.join import JoinQueue, Request, decide, settings
+from aura_hpc.ps.model_copy import ModelCopy, build_model_copy, check_shard_size
 from aura_hpc.ps.pairing import Pairing
-from aura_hpc.ps.replica import Replica, build_replica, check_shard_size
 from aura_hpc.ps.stats import ProcessStats, copy_worker_stats, write_server_stats
 from aura_hpc.ps.sweep import StoreSweeper
 from aura_hpc.train.loop.evaluation import evaluate, sample
@@ -85,11 +85,11 @@ class ParameterServer:
     def __init__(self, cfg: RunConfig, key: bytes) -> None:
         self.cfg, self.t, self.p = cfg, cfg.train, cfg.ps
         self.key = key  # the HMAC key of the run's secret (ps/auth.py)
-        self.replica: Replica = build_replica(cfg, torch.device("cpu"))
-        check_shard_size(self.replica.data, self.p.workers, self.t.batch_size * self.t.grad_accum * self.p.push_every)
+        self.model_copy: ModelCopy = build_model_copy(cfg, torch.device("cpu"))
+        check_shard_size(self.model_copy.data, self.p.workers, self.t.batch_size * self.t.grad_accum * self.p.push_every)
         self.settings = settings(cfg, cfg.data.path)
         self.wire_dtype = wire.WIRE_DTYPES[self.p.wire_dtype]
-        self.optimizer = make_optimizer(self.replica.model, self.t)
+        self.optimizer = make_optimizer(self.model_copy.model, self.t)
         self.scheduler = make_scheduler(self.optimizer, self.t, self.t.max_steps)
         self.lock = threading.Lock()
         self.version = 0
@@ -111,7 +111,7 @@ class ParameterServer:
 
     # ---- start -----------------------------------------------------------------------------
     def resume(self) -> None:
-        r = ledger.resume(self.cfg, self.replica, self.optimizer, self.scheduler)
+        r = ledger.resume(self.cfg, self.model_copy, self.optimizer, self.scheduler)
         if r is None:
             return
         self.version, self.tokens, self.positions, self.best_eval = r.version, r.tokens, r.positions, r.best_eval
@@ -222,7 +222,7 @@ class ParameterServer:
             how = "rejoined" if seat.rejoined else "joined"
             log.info("worker %d %s from %s (%s); %d connected", seat.rank, how, one_line(seat.host), seat.addr, len(self.seats))
             self._send_weights(link)
-            grads = torch.empty(self.replica.numel, dtype=self.wire_dtype)
+            grads = torch.empty(self.model_copy.numel, dtype=self.wire_dtype)
             while True:
                 header, _ = link.recv({wire.GRAD: grads})
                 if header[0] == wire.BYE:
@@ -252,7 +252,7 @@ class ParameterServer:
 
     def _send_weights(self, link: wire.Link) -> None:
         with self.lock:
-            flat = self.replica.flat_weights(self.wire_dtype)
+            flat = self.model_copy.flat_weights(self.wire_dtype)
             version, lr = self.version, self.optimizer.param_groups[0]["lr"]
         link.send([wire.WEIGHTS, version, lr], flat)
 
@@ -298,7 +298,7 @@ class ParameterServer:
                 self.interval.dropped += 1
                 return False
             weight = 1.0 / (1 + staleness) if self.p.staleness_weight == "inverse" else 1.0
-            self.replica.apply(grads, weight, self.optimizer, self.scheduler, self.t.grad_clip)
+            self.model_copy.apply(grads, weight, self.optimizer, self.scheduler, self.t.grad_clip)
             self.version += 1
             self.tokens += tokens
             seat.updates += 1
@@ -323,10 +323,10 @@ class ParameterServer:
             self._save(eval_loss)
 
     def _parts(self) -> Parts:
-        return self.replica.parts(self.optimizer, self.scheduler)
+        return self.model_copy.parts(self.optimizer, self.scheduler)
 
     def _evaluate(self) -> float | None:
-        loss = evaluate(self._parts(), self.t, 0, 1, self.replica.rt)
+        loss = evaluate(self._parts(), self.t, 0, 1, self.model_copy.rt)
         if loss is not None and (self.best_eval is None or loss < self.best_eval):
             self.best_eval = loss
         return loss
@@ -345,7 +345,7 @@ class ParameterServer:
 
     def _save(self, eval_loss: float | None) -> None:
         meta = ledger.meta(self.tokens, self.positions, self.best_eval, self.hist, self.t.max_steps, self.p.workers, eval_loss)
-        path = ledger.save(self.cfg, self.replica, self.optimizer, self.scheduler, self.version, meta)
+        path = ledger.save(self.cfg, self.model_copy, self.optimizer, self.scheduler, self.version, meta)
         self.saved_version = self.version
         self._write_own_stats()
         log.info("checkpoint %s (last%s)", path.name, ", best" if eval_loss is not None and eval_loss == self.best_eval else "")
@@ -362,7 +362,7 @@ class ParameterServer:
             self.stopping = True
             if self.version != self.saved_version:
                 self._save(self._evaluate() if not interrupted else None)
-            text = sample(self._parts(), self.t, self.version, self.replica.rt) if not interrupted else ""
+            text = sample(self._parts(), self.t, self.version, self.model_copy.rt) if not interrupted else ""
         join_threads(self.threads, self.pairing.setting_up)
         for seat in list(self.seats.values()):
             self._copy_worker_stats(seat)

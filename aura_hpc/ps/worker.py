@@ -21,7 +21,7 @@ from aura_hpc.errors import AuraError, LaunchError, TrainingFailed
 from aura_hpc.ops.network import route_to
 from aura_hpc.ps import auth, wire
 from aura_hpc.ps.join import request_join, settings
-from aura_hpc.ps.replica import Replica, build_replica
+from aura_hpc.ps.model_copy import ModelCopy, build_model_copy
 from aura_hpc.ps.stats import ProcessStats, publish, write_stats
 from aura_hpc.train.instruments import faults
 from aura_hpc.train.loop.step import micro_step_loss
@@ -65,7 +65,7 @@ class PsWorker:
         # Built before joining: the server starts counting a worker's time (and its pair group's
         # timeout) from the join, and a worker that joins ready trains at once.
         device = torch.device("cuda") if torch.cuda.is_available() and cfg.dist.backend != "gloo" else torch.device("cpu")
-        self.replica: Replica = build_replica(cfg, device)
+        self.model_copy: ModelCopy = build_model_copy(cfg, device)
         self.rank = 0  # given by the server at the first join, kept when rejoining after a drop
         self.dropped_links: list[wire.Link] = []  # kept alive: destroying a gloo pair mid-wait can abort
         self.server_gone = False  # then the store is not written to any more
@@ -150,11 +150,11 @@ class PsWorker:
         )
 
     def _train(self, link: wire.Link, position: int, stop: StopRequest) -> int:
-        weights = torch.empty(self.replica.numel, dtype=self.wire_dtype)
+        weights = torch.empty(self.model_copy.numel, dtype=self.wire_dtype)
         header, got = link.recv({wire.WEIGHTS: weights})
         if got is None:
             raise wire.LinkLost(f"the server's first message was not weights (kind {header[0]:g})")
-        self.replica.load_flat_weights(weights)
+        self.model_copy.load_flat_weights(weights)
         version = int(header[1])
         t = self.cfg.train
         lr = float(header[2])
@@ -186,7 +186,7 @@ class PsWorker:
             if got is None:
                 raise wire.LinkLost(f"an unexpected message kind {header[0]:g} from the server")
             link.timed_round_trip(sent)
-            self.replica.load_flat_weights(weights)
+            self.model_copy.load_flat_weights(weights)
             stale_by = int(header[1]) - version - 1
             version, lr = int(header[1]), float(header[2])
             self.stats.steps += 1
@@ -212,7 +212,7 @@ class PsWorker:
         push_every K > 1, the worker takes K-1 plain SGD steps at the server's learning rate between
         its K gradients and pushes their mean: K batches of learning for one message (K = 1 is one
         gradient on the server's weights, as before)."""
-        r, t, k = self.replica, self.cfg.train, self.cfg.ps.push_every
+        r, t, k = self.model_copy, self.cfg.train, self.cfg.ps.push_every
         total, pushed = 0.0, None
         for local in range(k):
             r.model.zero_grad(set_to_none=True)

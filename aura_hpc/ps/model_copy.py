@@ -18,7 +18,7 @@ from aura_hpc.train.strategies.base import clip_to_total_norm
 
 
 @dataclass
-class Replica:
+class ModelCopy:
     data: PackedTokens
     order: GlobalOrder
     model: Any  # the transformers model (what checkpoints save)
@@ -53,7 +53,7 @@ class Replica:
             offset += n
 
     def parts(self, optimizer: Any, scheduler: Any) -> Parts:
-        """The view of this replica that evaluation and samples take (train/parts/state.py)."""
+        """The view of this copy that evaluation and samples take (train/parts/state.py)."""
         return Parts(self.data, self.order, self.model, self.loss_model, self.numel, optimizer, scheduler, None)
 
     def apply(self, flat: torch.Tensor, scale: float, optimizer: Any, scheduler: Any, clip: float) -> None:
@@ -72,7 +72,7 @@ class Replica:
         return torch.from_numpy(self.data.sequences("train", idx)).to(self.rt.device)
 
 
-def build_replica(cfg: RunConfig, device: torch.device) -> Replica:
+def build_model_copy(cfg: RunConfig, device: torch.device) -> ModelCopy:
     """Data and model exactly as `local` builds them from this config (the same seed gives the same start)."""
     torch.manual_seed(cfg.train.seed)
     data = PackedTokens(cfg.data.path, cfg.data.seq_len)
@@ -83,7 +83,7 @@ def build_replica(cfg: RunConfig, device: torch.device) -> Replica:
     loss_model = LanguageModelLoss(
         model, chunked=uses_chunked_loss(cfg.train.loss, cfg.train.precision, device.type == "cuda"), compute_dtype=autocast_dtype
     )
-    return Replica(data, GlobalOrder(data.counts("train"), cfg.train.seed, cfg.data.shuffle_window), model, loss_model, rt)
+    return ModelCopy(data, GlobalOrder(data.counts("train"), cfg.train.seed, cfg.data.shuffle_window), model, loss_model, rt)
 
 
 def check_shard_size(data: PackedTokens, shards: int, per_gradient: int) -> None:
