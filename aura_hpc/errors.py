@@ -19,6 +19,8 @@ EXIT_RESUMABLE = 75
 EXIT_DATA_UNAVAILABLE = 74
 # The GPU circuit breaker opened: a hardware fault; orchestrators should drain the node, not retry on it.
 EXIT_GPU_FAULT = 76
+# What a worker writes to its log file as it leaves (train/worker.py), for its launcher to read.
+EXITING_LINE = "exiting with status "
 
 
 # Control, format and line/paragraph-separator characters: they can start a line (in a terminal, a

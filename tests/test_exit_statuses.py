@@ -95,3 +95,25 @@ def test_a_checkpoint_the_worker_refuses_exits_2(tmp_path: Path, prepared: Path)
     r = run_cli(_args(tmp_path, prepared), timeout=240)
     assert r.returncode == errors.EXIT_USER_ERROR, r.stdout[-2000:] + r.stderr[-2000:]
     assert "was written with a different model shape" in r.stderr and "fix:" in r.stderr
+
+
+def test_a_node_whose_worker_refused_its_settings_says_so_even_when_node_0_left_first(tmp_path: Path) -> None:
+    """Node 0 and node 1 both refuse a setting that differs between them; node 0's launcher may close
+    the rendezvous before node 1's reads its worker's status. Node 1 then names the refusal (status 2),
+    not a lost master; a worker that only lost its peers is still a lost master."""
+    from types import SimpleNamespace
+
+    from aura_hpc.launch.agent import _refused_here
+
+    plan = SimpleNamespace(cfg=SimpleNamespace(run_dir=tmp_path), node_rank=1, nproc=1)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    start = "[rank1] 2026-11-25 22:43:13 INFO start rank=1 local_rank=0 world_size=2 node_rank=1 host=vm backend=gloo"
+    refusal = "rank 0 runs a different config than rank 1: train.lr is 0.001 there and 0.01 here (fix: pass the same --set on every node)"
+    earlier = f"{start}\n[rank1] 2026-11-25 22:40:00 ERROR an earlier attempt's refusal\n[rank1] x INFO {errors.EXITING_LINE}2\n"
+    (logs / "rank_1.log").write_text(
+        f"{earlier}{start}\n[rank1] 2026-11-25 22:43:13 ERROR {refusal}\n[rank1] x INFO {errors.EXITING_LINE}2\n"
+    )
+    assert _refused_here(plan) == refusal  # type: ignore[arg-type]
+    (logs / "rank_1.log").write_text(f"{earlier}{start}\n[rank1] 2026-11-25 22:43:13 ERROR lost the connection to the rank(s) at x\n")
+    assert _refused_here(plan) is None  # type: ignore[arg-type]

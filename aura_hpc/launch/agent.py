@@ -27,6 +27,7 @@ from aura_hpc.errors import (
     EXIT_RESUMABLE,
     EXIT_TRAIN_FAILED,
     EXIT_USER_ERROR,
+    EXITING_LINE,
     LaunchError,
     TrainingFailed,
 )
@@ -131,6 +132,11 @@ def run_workers(plan: LocalPlan) -> int:
         raise _failure(plan, exc.failures) from None
     except RendezvousError as exc:
         if _trained_since(plan, started):
+            refused = _refused_here(plan)
+            if refused:
+                # This node's worker refused its input (a setting that differs from node 0's): node 0's
+                # launcher, refusing it too, may close the rendezvous before this one reads the statuses.
+                raise TrainingFailed(f"{refused} (see {plan.cfg.run_dir / 'logs'})", EXIT_USER_ERROR) from None
             # The rendezvous host (node 0's launcher) went away after the nodes had joined and trained.
             raise _lost_master(plan) from None
         if plan.nnodes == 1:
@@ -230,6 +236,26 @@ def _failure(plan: LocalPlan, failures: dict[int, Any]) -> TrainingFailed:
     what = "; ".join(f"rank {r} {_exit_description(f.exitcode)}" for r, f in ordered)
     restarts = f" after {plan.max_restarts} restart(s)" if plan.max_restarts else ""
     return TrainingFailed(f"training failed{restarts}: {what} (see {log_dir}); {_resume_hint(plan)}", EXIT_TRAIN_FAILED)
+
+
+def _refused_here(plan: LocalPlan) -> str | None:
+    """The reason a worker of this node gave for refusing its input in its latest attempt (it logged
+    the error, then its exit status 2: train/worker.py), or None."""
+    for path in _node_logs(plan):
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 65536))
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            continue
+        starts = [i for i, line in enumerate(lines) if "start rank=" in line]
+        latest = lines[starts[-1] :] if starts else lines
+        if any(line.endswith(f"{EXITING_LINE}{EXIT_USER_ERROR}") for line in latest):
+            errors = [line.split(" ERROR ", 1)[1].strip() for line in latest if " ERROR " in line]
+            if errors:
+                return errors[-1]
+    return None
 
 
 def _worker_error(plan: LocalPlan) -> str | None:

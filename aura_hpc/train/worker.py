@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Iterator
 
 from aura_hpc.config import load_run_file
-from aura_hpc.errors import EXIT_TRAIN_FAILED, AuraError
+from aura_hpc.errors import EXIT_TRAIN_FAILED, EXITING_LINE, AuraError
 from aura_hpc.ops.disk import disk_full, disk_of
 from aura_hpc.train.process import distributed, worker_log
 from aura_hpc.train.process.dist_env import DistEnv
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     except AuraError as exc:
         worker_log.setup(None, env.rank)
         log.error("%s", exc)
-        return exc.exit_code
+        return _exiting(exc.exit_code)
     # Deprecation notices that DeepSpeed's calls into torch.distributed raise on every rank, every run:
     # nothing the user can act on.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     except AuraError as exc:
         worker_log.setup(cfg.run_dir / "logs", env.rank)
         log.error("%s", exc)
-        return exc.exit_code
+        return _exiting(exc.exit_code)
     stream = ProgressAwareHandler(sys.stdout) if env.is_main else None
     worker_log.setup(cfg.run_dir / "logs", env.rank, stream)
     from aura_hpc.train.loop.trainer import Trainer
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             return trainer.run()
         except AuraError as exc:
             log.error("%s", exc)
-            return exc.exit_code
+            return _exiting(exc.exit_code)
         except Exception as exc:
             peer = lost_peer(exc) if isinstance(exc, RuntimeError) else None
             if peer is None:
@@ -113,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
             worker_log.to_file_only("the failed collective, in full:")
             log.error("%s", PEER_LOST.format(peer=peer, step=trainer.pos.step + 1))
             return EXIT_TRAIN_FAILED
+
+
+def _exiting(code: int) -> int:
+    """`code`, noted in the rank's log file: a launcher that loses node 0 at the same moment still tells
+    a worker's own refusal (status 2, its reason logged just before) from a lost master."""
+    worker_log.to_file_only(f"{EXITING_LINE}{code}", exc_info=False)
+    return code
 
 
 PEER_LOST = "lost the connection to the rank(s) at {peer} during step {step}: their process or machine stopped"

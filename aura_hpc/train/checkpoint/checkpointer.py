@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ class Checkpointer:
         self.parts, self.layout, self.pos, self.wrapped = parts, layout, pos, wrapped
         self.root = cfg.run_dir / "checkpoints"
         self.writer: Writer | None = None
-        self.shards: Any = None  # this rank's background shard write (a future), until the next wait()
+        self.shards: Future[Any] | None = None  # this rank's background shard write, until the next wait()
         self.mirror = HostMirror()  # rank 0's host copies of what it saves, reused from save to save
 
     # ---- resume -------------------------------------------------------------------------
