@@ -242,12 +242,8 @@ def _refused_here(plan: LocalPlan) -> str | None:
     """The reason a worker of this node gave for refusing its input in its latest attempt (it logged
     the error, then its exit status 2: train/worker.py), or None."""
     for path in _node_logs(plan):
-        try:
-            with open(path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 65536))
-                lines = f.read().decode("utf-8", "replace").splitlines()
-        except OSError:
+        lines = _log_tail(path)
+        if lines is None:
             continue
         starts = [i for i, line in enumerate(lines) if "start rank=" in line]
         latest = lines[starts[-1] :] if starts else lines
@@ -261,17 +257,24 @@ def _refused_here(plan: LocalPlan) -> str | None:
 def _worker_error(plan: LocalPlan) -> str | None:
     """The last error a worker of this machine logged: why it exited (each logs its error before leaving)."""
     for path in _node_logs(plan):
-        try:
-            with open(path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 65536))
-                lines = f.read().decode("utf-8", "replace").splitlines()
-        except OSError:
+        lines = _log_tail(path)
+        if lines is None:
             continue
         for line in reversed(lines):
             if " ERROR " in line:
                 return line.split(" ERROR ", 1)[1].strip()
     return None
+
+
+def _log_tail(path: Path, size: int = 65536) -> list[str] | None:
+    """The last `size` bytes of a rank's log, as lines; None when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - size))
+            return f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
 
 
 def _node_logs(plan: LocalPlan) -> list[Path]:
@@ -280,13 +283,10 @@ def _node_logs(plan: LocalPlan) -> list[Path]:
     logs = plan.cfg.run_dir / "logs"
     mine = []
     for path in sorted(logs.glob("rank_*.log")):
-        try:
-            with open(path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 262144))
-                starts = [ln for ln in f.read().decode("utf-8", "replace").splitlines() if "start rank=" in ln]
-        except OSError:
+        lines = _log_tail(path, 262144)
+        if lines is None:
             continue
+        starts = [ln for ln in lines if "start rank=" in ln]
         if starts and f" node_rank={plan.node_rank} " in starts[-1]:
             mine.append(path)
     first = plan.node_rank * plan.nproc
