@@ -19,6 +19,9 @@ EXIT_RESUMABLE = 75
 EXIT_DATA_UNAVAILABLE = 74
 # The GPU circuit breaker opened: a hardware fault; orchestrators should drain the node, not retry on it.
 EXIT_GPU_FAULT = 76
+# The run hung again and again without progress (launch/hang_watch.py named the rank each time): do not
+# requeue it as it is; look at RUN_DIR/hangs/ first. 77 is EX_NOPERM in sysexits.h, unused by torch.
+EXIT_HUNG = 77
 # What a worker writes to its log file as it leaves (train/worker.py), for its launcher to read.
 EXITING_LINE = "exiting with status "
 

@@ -196,3 +196,19 @@ def test_each_room_of_train_imports_only_the_rooms_below_it() -> None:
     ]
     entry = [f"{src} -> {dst}" for src, targets in GRAPH.items() if _room(src) for dst in targets if dst in TRAIN_ENTRY_POINTS]
     assert not crossing and not entry, "imports between train/'s rooms against TRAIN_ROOMS:\n" + "\n".join(crossing + entry)
+
+
+def test_the_loop_reaches_its_instruments_through_one_seam() -> None:
+    """Fault injection and probes: the loop holds one `Instruments` (train/instruments/seam.py); only the
+    code a fault must break inside (a checkpoint writer's stages, the backend's start, a `ps` worker's
+    pace) calls faults.py itself."""
+    seam = "aura_hpc.train.instruments.seam"
+    users = {src for src, targets in GRAPH.items() for dst in targets if _room(dst) == "instruments" and _room(src) != "instruments"}
+    assert {u for u in users if _room(u) == "loop"} == {"aura_hpc.train.loop.trainer"}
+    assert GRAPH["aura_hpc.train.loop.trainer"] & {m for m in MODULES if _room(m) == "instruments"} == {seam}
+    assert users - {"aura_hpc.train.loop.trainer"} == {
+        "aura_hpc.train.checkpoint.files",
+        "aura_hpc.train.checkpoint.background_shards",
+        "aura_hpc.train.process.distributed",
+        "aura_hpc.ps.worker",
+    }

@@ -3,7 +3,7 @@
 0 is every finished run in test_training.py; 75 (stopped by a signal, checkpointed) is
 test_faults.py::test_stop_signal_checkpoints_once_and_exits_resumable; 74 (data storage
 unreachable, checkpointed) is test_s3.py; 76 (GPU circuit breaker)
-is test_health.py. 1, 2 and 3 are produced here.
+is test_health.py. 1, 2, 3 and 77 are produced here.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def test_readme_lists_the_statuses_the_code_defines() -> None:
         errors.EXIT_RESUMABLE,
         errors.EXIT_DATA_UNAVAILABLE,
         errors.EXIT_GPU_FAULT,
+        errors.EXIT_HUNG,
     }, doc
     assert "failed" in doc[1] and "bad input" in doc[2] and "non-finite" in doc[3]
 
@@ -117,3 +118,12 @@ def test_a_node_whose_worker_refused_its_settings_says_so_even_when_node_0_left_
     assert _refused_here(plan) == refusal  # type: ignore[arg-type]
     (logs / "rank_1.log").write_text(f"{earlier}{start}\n[rank1] 2026-11-25 22:43:13 ERROR lost the connection to the rank(s) at x\n")
     assert _refused_here(plan) is None  # type: ignore[arg-type]
+
+
+def test_a_hang_with_no_restart_left_exits_77_naming_the_rank(tmp_path: Path, prepared: Path) -> None:
+    """health.hang_restarts=0: the first hang ends the run, with the watchdog's line and its own status."""
+    r = run_cli(_args(tmp_path, prepared, "--set", "health.hang_restarts=0", "--set", "health.hang_step_floor_s=5"), AURA_FAULT_STOP="0:3")
+    assert r.returncode == errors.EXIT_HUNG, r.stdout[-2000:] + r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "hang: rank 0 on " in last and "training after step 3" in last and "health.hang_restarts" in last, last
+    assert "to resume" in last, last

@@ -374,3 +374,26 @@ def test_a_killed_launcher_takes_its_workers_along_and_a_run_dir_admits_one_trai
     assert f"resumed from checkpoint step_{step:08d}" in again.stdout
     assert _same(final_weights(run), reference[LONG])
     assert not (run / "run.lock").exists()
+
+
+def test_a_stopped_rank_is_named_within_a_minute_and_the_run_restarts_bit_identical(
+    tmp_path: Path, prepared: Path, reference: dict
+) -> None:
+    """Rank 1 stops (SIGSTOP) after step 12 and never moves again: the watchdog outside the loop declares
+    the hang within 60 s of that step under the default settings, names rank 1 and what rank 0 waits
+    in, keeps both stacks, and the same launch restarts from step 10 to the same bits as no hang."""
+    r = run_cli(_args(tmp_path, "run", prepared), AURA_FAULT_STOP="1:12")
+    run_dir = tmp_path / "run"
+    assert r.returncode == 0, _diagnose(r, run_dir)
+    stopped_at = float(re.search(r"fault injection: SIGSTOP rank 1 after step 12 at ([\d.]+)", r.stdout).group(1))
+    record = json.loads((run_dir / "hangs" / "last.json").read_text())
+    assert record["declared_at"] - stopped_at <= 60, record["declared_at"] - stopped_at
+    assert record["culprits"] == [1], record["line"]
+    line = next(x for x in r.stderr.splitlines() if "hang: " in x)
+    assert "rank 1 on " in line and "did not answer" in line and "training after step 12" in line, line
+    assert re.search(r"rank 0 waits at train/(loop/step|strategies/base)\.py:\d+ in \w+", line), line
+    folder = Path(line.rsplit("stacks in ", 1)[1].strip())
+    assert "(most recent call first)" in (folder / "rank0.txt").read_text()
+    assert "no answer" in (folder / "rank1.txt").read_text()
+    assert "resumed from checkpoint step_00000010 at step 10" in r.stdout, r.stdout[-3000:]
+    assert _same(final_weights(run_dir), reference[STEPS])

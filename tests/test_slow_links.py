@@ -63,11 +63,11 @@ DILOCO = (
 
 @pytest.mark.parametrize("wire", ["bf16", "int8"])
 def test_overlapped_meetings_resume_bit_identical_with_a_meeting_in_flight(tmp_path: Path, prepared: Path, wire: str) -> None:
-    """dist.diloco_overlap=3: the meetings begun at steps 4, 8, 12, 16 cross in 3 pieces and land at
+    """dist.diloco_overlap=3: the meetings begun at steps 4, 8, 12, 16 cross in 3 portions and land at
     7, 11, 15, 19 (the last, 20, is a plain meeting). The checkpoints at 6, 12 and 18 each hold a
-    meeting in flight (2, 0 and 2 pieces arrived). Killed after step 9 the run resumes from 6, after
-    step 14 from 12: each rank sends its piece in flight again, and the weights end bit-identical.
-    (bf16, the default wire, is resumed with pieces in flight; int8's gathered codes at both points.)"""
+    meeting in flight (2, 0 and 2 portions arrived). Killed after step 9 the run resumes from 6, after
+    step 14 from 12: each rank sends its portion in flight again, and the weights end bit-identical.
+    (bf16, the default wire, is resumed with portions in flight; int8's gathered codes at both points.)"""
     overlap = (*DILOCO, "--set", "dist.diloco_overlap=3", "--set", f"dist.diloco_wire={wire}")
     runs = {
         f"ov-{wire}": (_args(tmp_path, f"ov-{wire}", prepared, *overlap, "--set", "train.keep_last=5"), {}),
@@ -142,7 +142,7 @@ def test_int8_codes_decode_within_half_a_step_of_their_block() -> None:
 
 
 def _meet_in_slices(rank: int, port: int, result_path: str) -> None:
-    """One of two gloo ranks: a meeting of 3 pieces, int8 (all_gather) and fp32 (all_reduce)."""
+    """One of two gloo ranks: a meeting of 3 portions, int8 (all_gather) and fp32 (all_reduce)."""
     import torch.distributed as dist
 
     from aura_hpc.train.strategies.diloco import Meeting
@@ -154,7 +154,7 @@ def _meet_in_slices(rank: int, port: int, result_path: str) -> None:
     codes, floats = torch.randint(0, 256, (200_001,), generator=g, dtype=torch.uint8), torch.randn(50_001, generator=g)
     for int8, mine in ((True, codes), (False, floats)):
         m = Meeting(0, 3, mine, [], None, 2, int8)
-        while m.done < m.pieces:
+        while m.done < m.portions:
             m.send_next()
             slices.append(len(m.work or []))
             m.arrived()
@@ -166,11 +166,11 @@ def _meet_in_slices(rank: int, port: int, result_path: str) -> None:
 
 
 def test_a_meeting_crosses_in_slices_that_keep_a_slow_queue_short(tmp_path: Path) -> None:
-    """Each piece goes as collectives of at most SLICE_BYTES, issued together; what arrives is every
+    """Each portion goes as collectives of at most SLICE_BYTES, issued together; what arrives is every
     replica's whole payload (int8's all_gather) or their exact sum (fp32's all_reduce)."""
     import torch.multiprocessing as mp
 
-    from aura_hpc.train.strategies.diloco import SLICE_BYTES, blocking_pieces
+    from aura_hpc.train.strategies.diloco import SLICE_BYTES, blocking_portions
 
     port = free_port()
     procs = [mp.get_context("spawn").Process(target=_meet_in_slices, args=(r, port, str(tmp_path / f"r{r}.pt"))) for r in (0, 1)]
@@ -184,7 +184,7 @@ def test_a_meeting_crosses_in_slices_that_keep_a_slow_queue_short(tmp_path: Path
         else:
             assert p.exitcode == 0
     r0, r1 = (torch.load(tmp_path / f"r{r}.pt") for r in (0, 1))
-    # int8: 200,001 bytes in 3 pieces of 66,667: 3 slices each; fp32: 50,001 values (200,004 bytes), the same.
+    # int8: 200,001 bytes in 3 portions of 66,667: 3 slices each; fp32: 50,001 values (200,004 bytes), the same.
     assert r0["slices"] == [3, 3, 3, 3, 3, 3] == r1["slices"]
     g = [torch.Generator().manual_seed(r) for r in (0, 1)]
     payload = [torch.randint(0, 256, (200_001,), generator=gen, dtype=torch.uint8) for gen in g]
@@ -196,11 +196,11 @@ def test_a_meeting_crosses_in_slices_that_keep_a_slow_queue_short(tmp_path: Path
         assert r["fp32"] == [total.tolist()[:3] + total.tolist()[-3:]]
         assert r["fp32_sum"] == [float(total.double().sum())]
     assert SLICE_BYTES == 32 * 1024
-    assert blocking_pieces(torch.empty(3_500_000, dtype=torch.uint8)) == 107  # bench_lan's int8 meeting: 32 KiB each
-    assert blocking_pieces(torch.empty(10, dtype=torch.uint8)) == 1
-    assert blocking_pieces(torch.empty(1 << 30, dtype=torch.uint8)) == 1024  # beyond 32 MB the pieces grow
-    # On NCCL no slicing (no TCP queue to keep short; each collective costs a launch): one piece, one collective.
-    assert blocking_pieces(torch.empty(3_500_000, dtype=torch.uint8), sliced=False) == 1
+    assert blocking_portions(torch.empty(3_500_000, dtype=torch.uint8)) == 107  # bench_lan's int8 meeting: 32 KiB each
+    assert blocking_portions(torch.empty(10, dtype=torch.uint8)) == 1
+    assert blocking_portions(torch.empty(1 << 30, dtype=torch.uint8)) == 1024  # beyond 32 MB the portions grow
+    # On NCCL no slicing (no TCP queue to keep short; each collective costs a launch): one portion, one collective.
+    assert blocking_portions(torch.empty(3_500_000, dtype=torch.uint8), sliced=False) == 1
 
 
 @pytest.mark.parametrize("compress", ["bf16", "powersgd"])

@@ -242,6 +242,11 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(
             "health.monitor_interval_s must be >= 0 and health.breaker_interval_s > 0 (fix: --set health.breaker_interval_s=5)"
         )
+    if min(h.hang_step_floor_s, h.hang_section_floor_s, h.hang_startup_s) <= 0 or h.hang_restarts < 0:
+        raise ConfigError(
+            "health.hang_step_floor_s, hang_section_floor_s and hang_startup_s must be > 0 and hang_restarts >= 0 "
+            "(fix: --set health.hang_watch=false to turn the watchdog off instead)"
+        )
     unknown = [r for r in h.throttle_reasons.split(",") if r.strip() and r.strip() not in THROTTLE_REASONS]
     if unknown:
         raise ConfigError(f"health.throttle_reasons: unknown {', '.join(unknown)} (fix: a comma list of {', '.join(THROTTLE_REASONS)})")

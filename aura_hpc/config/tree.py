@@ -120,7 +120,7 @@ class DistConfig:
     outer_momentum: float = 0.9  # diloco: its momentum (the paper's 0.9; few meetings on real text: 0, docs/lan.md)
     diloco_replicas: int = 0  # diloco: replicas training apart; 0 = one per node (a node's GPUs train one with DDP)
     diloco_wire: str = "bf16"  # diloco: the deltas on the wire: bf16 | fp32 | int8 (a scale per 4096 values; for 2-3 replicas)
-    diloco_overlap: int = 0  # diloco: steps a meeting crosses the link in the background (in as many pieces); 0 = replicas wait
+    diloco_overlap: int = 0  # diloco: steps a meeting crosses the link in the background (in as many portions); 0 = replicas wait
     timeout_s: int = 600  # collective (all_reduce, barrier) timeout
     init_timeout_s: int = 120  # process-group initialisation timeout
 
@@ -142,6 +142,11 @@ class HealthConfig:
     webhook_timeout_s: float = 5.0  # seconds before a webhook call gives up
     webhook_retries: int = 2  # retries of a failed webhook call
     nvml_replay: str = ""  # recorded readings (JSON lines) replayed instead of NVML: tests, incident replays
+    hang_watch: bool = True  # `local`: a watchdog outside the loop names a hung rank, keeps stacks in RUN_DIR/hangs/, restarts the run
+    hang_step_floor_s: float = 30.0  # no step on any rank of a node for this long is a hang (or 5x the longest step seen, if more)
+    hang_section_floor_s: float = 300.0  # the same for an evaluation, a checkpoint, a DiLoCo meeting or a data window
+    hang_startup_s: float = 1200.0  # from a worker's start to its first step (process group, build, compilation)
+    hang_restarts: int = 2  # restarts from the newest checkpoint after hangs that made no progress; then exit 77
 
 
 @dataclass

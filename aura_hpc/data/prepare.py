@@ -94,11 +94,9 @@ def input_key(spec: PrepareSpec, files: list[Path | str]) -> str:
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
+    """A file's SHA-256 (prepared data, tokenizers and checkpoints alike)."""
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def prepare_hint(path: Path) -> str:

@@ -60,6 +60,12 @@ class Policy:
         return self.tries * self.timeout_s * 2 + waits  # a try is a connect and a read
 
 
+def window_patience_s(read_tries: int, read_timeout_s: float, shuffle_window: int) -> float:
+    """How long a rank waits for the others to have a window's shards: their reads' own worst case
+    (every try timing out, with backoff), with room; only a rank that died waits this long."""
+    return 2 * Policy(tries=read_tries, timeout_s=read_timeout_s).worst_case_s() * max(1, shuffle_window or 1) + 60
+
+
 _FS: dict[tuple[float], Any] = {}
 
 

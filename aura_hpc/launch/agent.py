@@ -17,13 +17,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aura_hpc.comm import stores
 from aura_hpc.errors import (
     EXIT_DATA_UNAVAILABLE,
     EXIT_DIVERGED,
     EXIT_GPU_FAULT,
+    EXIT_HUNG,
     EXIT_RESUMABLE,
     EXIT_TRAIN_FAILED,
     EXIT_USER_ERROR,
@@ -32,6 +33,9 @@ from aura_hpc.errors import (
     TrainingFailed,
 )
 from aura_hpc.launch.plan import LocalPlan
+
+if TYPE_CHECKING:
+    from aura_hpc.launch.hang_watch import Hang
 
 RDZV_RUN_ID = "aura_hpc"
 # Forwarded to the workers like SIGTERM: SIGUSR2 is the pre-timeout/preemption signal.
@@ -74,12 +78,10 @@ def _forward_like_sigterm(sigval: signal.Signals) -> Callable[[int, FrameType | 
 
 def run_workers(plan: LocalPlan) -> int:
     """Run the plan's workers through the elastic agent; returns the exit status for the CLI."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
     from aura_hpc import console
+    from aura_hpc.launch.hang_watch import HangWatch
 
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         # The verdict on failed workers is ours (one line naming the ranks, the cause and the fix).
@@ -107,6 +109,55 @@ def run_workers(plan: LocalPlan) -> int:
         local_addr=plan.local_addr,
         **options,
     )
+    watch = HangWatch.for_run(plan.cfg) if plan.cfg.health.hang_watch else None
+    hung_in_a_row, furthest = 0, -1
+    try:
+        while True:
+            seen = len(watch.hangs) if watch is not None else 0
+            if watch is not None:
+                watch.start()
+            try:
+                return _launch_once(plan, lc)
+            except TrainingFailed:
+                hang = watch.hangs[-1] if watch is not None and len(watch.hangs) > seen else None
+                if hang is None:
+                    raise
+                hung_in_a_row = 1 if hang.progress_step > furthest else hung_in_a_row + 1
+                furthest = max(furthest, hang.progress_step)
+                budget = plan.cfg.health.hang_restarts
+                if plan.nnodes == 1 and hung_in_a_row <= budget:
+                    console.info(
+                        "restarting the workers from the newest checkpoint after the hang "
+                        f"(hang restart {hung_in_a_row} of at most {budget} in a row without progress)"
+                    )
+                    continue
+                raise _hung(plan, hang, hung_in_a_row - 1 if plan.nnodes == 1 else 0) from None
+            finally:
+                if watch is not None:
+                    watch.stop()
+    finally:
+        if watch is not None:
+            watch.close()
+
+
+def _hung(plan: LocalPlan, hang: Hang, restarts: int) -> TrainingFailed:
+    """The verdict on a run the watchdog found hung and did not (or no longer) restart."""
+    if plan.nnodes > 1:
+        why = "restart every node with the same command (a run across machines restarts by hand)"
+    else:
+        why = f"it hung again after {restarts} restart(s) without progress (health.hang_restarts): fix the cause, then re-run"
+    return TrainingFailed(f"{hang.line}; {why}; {_resume_hint(plan)}", EXIT_HUNG)
+
+
+def _launch_once(plan: LocalPlan, lc: Any) -> int:
+    """One launch of the workers by the elastic agent (which restarts them up to --max-restarts)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from aura_hpc import console
+
     cmd = plan.worker_cmd
     started = time.time()
     try:

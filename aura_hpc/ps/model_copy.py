@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from aura_hpc.config import RunConfig, embedding_rows
+from aura_hpc.config import RunConfig
 from aura_hpc.data.packed import GlobalOrder, PackedTokens
-from aura_hpc.errors import DataError
-from aura_hpc.train.model.language_model import LanguageModelLoss, build_model, uses_chunked_loss
+from aura_hpc.errors import ConfigError, DataError
+from aura_hpc.train.parts.build import model_and_loss, open_data
 from aura_hpc.train.parts.state import Parts
 from aura_hpc.train.process.runtime import Runtime, precision_dtypes
 from aura_hpc.train.strategies.base import clip_to_total_norm
@@ -73,16 +73,17 @@ class ModelCopy:
 
 
 def build_model_copy(cfg: RunConfig, device: torch.device) -> ModelCopy:
-    """Data and model exactly as `local` builds them from this config (the same seed gives the same start)."""
+    """Data and model built by `local`'s builder from this config (the same seed gives the same start)."""
+    if cfg.data.stream:
+        raise ConfigError(
+            "the parameter server deals out the sequences of a prepared directory; data.stream=true has none "
+            "(fix: `python -m aura_hpc prepare` the text and --set data.stream=false data.path=DIR)"
+        )
     torch.manual_seed(cfg.train.seed)
-    data = PackedTokens(cfg.data.path, cfg.data.seq_len)
-    model = build_model(cfg.model, embedding_rows(cfg.model, data.vocab_size), data.eos_id)
+    data = open_data(cfg)
     param_dtype, autocast_dtype = precision_dtypes(cfg.train.precision, device)
-    model.to(device=device, dtype=param_dtype)
     rt = Runtime(device, "none", param_dtype, autocast_dtype)
-    loss_model = LanguageModelLoss(
-        model, chunked=uses_chunked_loss(cfg.train.loss, cfg.train.precision, device.type == "cuda"), compute_dtype=autocast_dtype
-    )
+    model, loss_model, _ = model_and_loss(cfg, rt, data, "ps", 1)
     return ModelCopy(data, GlobalOrder(data.counts("train"), cfg.train.seed, cfg.data.shuffle_window), model, loss_model, rt)
 
 

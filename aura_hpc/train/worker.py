@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from aura_hpc.config import load_run_file
 from aura_hpc.errors import EXIT_TRAIN_FAILED, EXITING_LINE, AuraError
 from aura_hpc.ops.disk import disk_full, disk_of
-from aura_hpc.train.process import distributed, worker_log
+from aura_hpc.train.process import distributed, progress, worker_log
 from aura_hpc.train.process.dist_env import DistEnv
 
 log = logging.getLogger("aura_hpc")
@@ -86,12 +86,16 @@ def main(argv: list[str] | None = None) -> int:
         return _exiting(exc.exit_code)
     stream = ProgressAwareHandler(sys.stdout) if env.is_main else None
     worker_log.setup(cfg.run_dir / "logs", env.rank, stream)
+    worker_log.dump_stacks_on(progress.STACK_SIGNAL)
+    page = progress.start(env.rank)
     from aura_hpc.train.loop.trainer import Trainer
 
     trainer = Trainer(cfg, env)
     with _process_group_cleanup():
         try:
-            return trainer.run()
+            status = trainer.run()
+            page.enter("finished")
+            return status
         except AuraError as exc:
             log.error("%s", exc)
             return _exiting(exc.exit_code)

@@ -2,7 +2,7 @@
 
 The library's own save runs as usual, but its checkpoint engine is swapped for one that only
 copies each file's state to host memory (pinned buffers kept from save to save on a GPU: one
-synchronisation per save). A thread then writes those files, hashing them as they go, and the
+synchronisation per save). The checkpoint thread (background.py) then writes those files, hashing them as they go, and the
 ranks agree over a gloo group of their own (never interleaved with training's collectives) that
 every rank's files are on disk. Rank 0 commits the checkpoint only after that; a rank whose write
 failed fails the save on every rank, at the next save or `wait()`, with the previous checkpoint kept.
@@ -11,13 +11,14 @@ failed fails the save on every rank, at the next save or `wait()`, with the prev
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from aura_hpc.comm import collectives
+from aura_hpc.train.checkpoint import background
 from aura_hpc.train.checkpoint import files as checkpoint
 from aura_hpc.train.checkpoint.host_mirror import HostMirror
 from aura_hpc.train.instruments import faults
@@ -52,13 +53,11 @@ class ShardWriter:
 
     def __init__(self, device: torch.device) -> None:
         self.mirror = HostMirror() if device.type == "cuda" else None
-        self._pool: ThreadPoolExecutor | None = None
         self._group: Any = None
 
     def capture(self, inner: Any) -> CapturingEngine:
         if self._group is None:  # collective: every rank is here at the same save
             self._group = collectives.new_group("checkpoint-io", host_only=True)
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aura-shard-writer")
         return CapturingEngine(inner, self.mirror)
 
     def write(self, captured: CapturingEngine, checkpoint_dir: Path) -> Future[dict[str, str]]:
@@ -66,8 +65,8 @@ class ShardWriter:
         `checkpoint_dir`) once all ranks' files are written, or raises the first rank's failure."""
         if self.mirror is not None:
             self.mirror.ready()
-        assert self._pool is not None
-        return self._pool.submit(_write_and_agree, captured.files, checkpoint_dir, self._group)
+        files, group = captured.files, self._group
+        return background.submit(lambda: _write_and_agree(files, checkpoint_dir, group))
 
 
 def _write_and_agree(files: list[tuple[Path, Any, bool]], checkpoint_dir: Path, group: Any) -> dict[str, str]:

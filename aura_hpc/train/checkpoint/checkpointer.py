@@ -15,10 +15,11 @@ import torch
 from aura_hpc.comm import collectives, tensor_tree
 from aura_hpc.config import RunConfig
 from aura_hpc.errors import CheckpointError, CheckpointWriteError, TrainingError
+from aura_hpc.train.checkpoint import background
 from aura_hpc.train.checkpoint import diloco_files as replica_files
 from aura_hpc.train.checkpoint import files as checkpoint
 from aura_hpc.train.checkpoint.host_mirror import HostMirror
-from aura_hpc.train.checkpoint.writer import SHARDS, Writer, dcp_errors, save_sharded
+from aura_hpc.train.checkpoint.writer import SHARDS, Commit, dcp_errors, save_sharded
 from aura_hpc.train.parts.schedule import scale_learning_rate
 from aura_hpc.train.parts.state import Layout, Parts, Position
 from aura_hpc.train.process.dist_env import DistEnv
@@ -34,7 +35,7 @@ class Checkpointer:
         self.cfg, self.env, self.rt = cfg, env, rt
         self.parts, self.layout, self.pos, self.wrapped = parts, layout, pos, wrapped
         self.root = cfg.run_dir / "checkpoints"
-        self.writer: Writer | None = None
+        self.writer: Future[str | None] | None = None  # rank 0's commit of the newest save: its error or None
         self.shards: Future[Any] | None = None  # this rank's background shard write, until the next wait()
         self.mirror = HostMirror()  # rank 0's host copies of what it saves, reused from save to save
 
@@ -204,11 +205,11 @@ class Checkpointer:
         self.wait()  # one write at a time; and the previous one's outcome, for every rank
         path = self.root / checkpoint.step_dir_name(pos.step)
         if (sharded := sharding(self.wrapped)) is not None:
-            background = self.cfg.train.async_checkpoint and sharded.background_shards
+            behind = self.cfg.train.async_checkpoint and sharded.background_shards
             shard_args = (self.root, pos.step, p, self.env, self.cfg.to_yaml(), self.cfg.train.keep_last)
             meta = self._meta() if self.env.is_main else {}
-            self.writer, self.shards = save_sharded(sharded, shard_args, meta, rngs, full_weights=last, background=background)
-            if not background:
+            self.writer, self.shards = save_sharded(sharded, shard_args, meta, rngs, full_weights=last, in_background=behind)
+            if not behind:
                 self.wait()
             pos.saved_step = pos.step
             return path
@@ -235,11 +236,8 @@ class Checkpointer:
             snap = checkpoint.ModelSnapshot(weights, *checkpoint.model_configs(p.model))
             paused = time.perf_counter() - t0
             args = (self.root, pos.step, snap, state, meta, p.data.tokenizer_dir, self.cfg.to_yaml(), self.cfg.train.keep_last)
-            self.writer = Writer(args, t0, paused)
-            if self.cfg.train.async_checkpoint:
-                self.writer.start()
-            else:
-                self.writer.run()
+            commit = Commit(args, t0, paused)
+            self.writer = background.submit(commit) if self.cfg.train.async_checkpoint else background.run_here(commit)
         if not self.cfg.train.async_checkpoint:
             self.wait()
         pos.saved_step = pos.step
@@ -272,9 +270,7 @@ class Checkpointer:
                 self.shards.result()
             self.shards = None
         if self.env.is_main and self.writer is not None:
-            if self.writer.ident is not None:  # started in the background (else it already ran)
-                self.writer.join()
-            error, self.writer = self.writer.error, None
+            error, self.writer = self.writer.result(), None
         # Every rank learns that the save failed, so all stop together instead of hanging.
         error = collectives.broadcast_json(error)
         if error:

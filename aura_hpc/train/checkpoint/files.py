@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from aura_hpc.data.prepare import sha256_file as _sha256
 from aura_hpc.errors import CheckpointError, CheckpointWriteError
 from aura_hpc.ops.disk import disk_full, disk_of
 
@@ -50,14 +51,6 @@ def step_dir_name(step: int) -> str:
 
 def is_step_dir_name(name: object) -> bool:
     return isinstance(name, str) and _NAME.match(name) is not None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def fsync(path: Path) -> None:

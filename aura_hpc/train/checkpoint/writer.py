@@ -1,4 +1,4 @@
-"""Rank 0's checkpoint writer thread, and the save of a sharded strategy that every rank takes part in.
+"""Rank 0's commit of a checkpoint, and the save of a sharded strategy that every rank takes part in.
 
 A sharded checkpoint holds every rank's shard (`sharded/`), the rest as a full one does, and the
 full weights (`model/model.safetensors`) only when the run's last step is saved: gathering them
@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 from aura_hpc.comm import collectives
 from aura_hpc.errors import CheckpointError, CheckpointWriteError
+from aura_hpc.train.checkpoint import background
 from aura_hpc.train.checkpoint import files as checkpoint
 from aura_hpc.train.parts.state import Parts
 from aura_hpc.train.process.dist_env import DistEnv
@@ -37,16 +37,15 @@ def dcp_errors() -> tuple[type[BaseException], ...]:
     return (CheckpointException,)
 
 
-class Writer(threading.Thread):
-    """Writes one checkpoint from host memory (rank 0), in the background or in place. With `shards`
-    (every rank's background shard write) it commits only once they are all written."""
+class Commit:
+    """Rank 0's part of a save, from host memory: the checkpoint's files and its commit marker. With
+    `shards` (every rank's background shard write) it commits only once they are all written. Called
+    on the checkpoint thread (background.py) or in place; returns the error that stopped it, or None."""
 
     def __init__(self, args: tuple[Any, ...], t0: float, paused: float, shards: Future[Any] | None = None, **kw: Any) -> None:
-        super().__init__(name="aura-checkpoint-writer")
         self.args, self.kw, self.t0, self.paused, self.shards = args, kw, t0, paused, shards
-        self.error: str | None = None
 
-    def run(self) -> None:
+    def __call__(self) -> str | None:
         try:
             if self.shards is not None:
                 try:
@@ -63,10 +62,11 @@ class Writer(threading.Thread):
                 time.perf_counter() - self.t0,
                 self.paused,
             )
+            return None
         except CheckpointError as exc:
-            self.error = str(exc)
+            return str(exc)
         except Exception as exc:  # reported like a failed write: the previous checkpoints stay intact
-            self.error = str(checkpoint.write_failure(exc, self.args[0], self.args[1]))
+            return str(checkpoint.write_failure(exc, self.args[0], self.args[1]))
 
 
 # Where and what a sharded save writes: (checkpoints folder, step, the run's parts, this rank's
@@ -75,13 +75,13 @@ ShardArgs = tuple[Path, int, Parts, DistEnv, str, int]
 
 
 def save_sharded(
-    wrapped: ShardedCheckpoints, where: ShardArgs, meta: dict[str, Any], rngs: list[Any], full_weights: bool, background: bool
-) -> tuple[Writer | None, Future[Any] | None]:
+    wrapped: ShardedCheckpoints, where: ShardArgs, meta: dict[str, Any], rngs: list[Any], full_weights: bool, in_background: bool
+) -> tuple[Future[str | None] | None, Future[Any] | None]:
     """Saves the current step: every rank writes its shard into rank 0's temporary folder; rank 0 adds
-    the rest and the commit marker. With `background`, the shards are copied to host memory and
-    written behind the loop; rank 0 commits once every rank's are written. Returns rank 0's writer
-    (None elsewhere) and this rank's background shard write (None on rank 0, which its writer waits
-    for, and without `background`); the caller waits for both before the next save."""
+    the rest and the commit marker. With `in_background`, the shards are copied to host memory and
+    written behind the loop; rank 0 commits once every rank's are written. Returns rank 0's commit
+    (None elsewhere) and this rank's background shard write (None on rank 0, whose commit waits for
+    it, and without `in_background`); the caller waits for both before the next save."""
     root, step, p, env, config_yaml, keep_last = where
     t0 = time.perf_counter()
     tmp: Path | None = None
@@ -102,7 +102,7 @@ def save_sharded(
     mine: dict[str, str] = {}
     shards = None
     try:
-        if background:
+        if in_background:
             shards = wrapped.save_sharded(folder / SHARDS, p.optimizer, background=True)
         else:
             wrapped.save_sharded(folder / SHARDS, p.optimizer)
@@ -126,9 +126,5 @@ def save_sharded(
         {"scheduler": p.scheduler.state_dict(), "scaler": p.scaler.state_dict() if p.scaler.is_enabled() else {}, "rng": rngs}
     )
     args = (root, step, snap, state, meta, p.data.tokenizer_dir, config_yaml, keep_last)
-    writer = Writer(args, t0, time.perf_counter() - t0, shards=shards, tmp=folder, known_hashes=hashes)
-    if background:
-        writer.start()
-    else:
-        writer.run()
-    return writer, None
+    commit = Commit(args, t0, time.perf_counter() - t0, shards=shards, tmp=folder, known_hashes=hashes)
+    return (background.submit(commit) if in_background else background.run_here(commit)), None

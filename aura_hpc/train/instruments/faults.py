@@ -2,6 +2,8 @@
 
 Inert unless one of these is set (never set them in production):
     AURA_FAULT_KILL=RANK:STEP         SIGKILL that rank right after it finishes STEP (once per run dir)
+    AURA_FAULT_STOP=RANK:STEP         SIGSTOP that rank right after it finishes STEP (once per run dir): a hung
+                                      process, for the hang watchdog
     AURA_FAULT_NAN=RANK:STEP[:COUNT]  poison the loss on that rank for COUNT steps from STEP (each step once)
     AURA_FAULT_GRADINF=RANK:STEP      an inf in one element of the gradient of the last bias in the model
                                       on that rank (the no-decay group) at STEP (once); the loss stays finite
@@ -72,13 +74,14 @@ def backend_fails(rank: int) -> str:
 
 def after_step(rank: int, step: int, run_dir: Path) -> None:
     slow_down(rank)
-    spec = os.environ.get("AURA_FAULT_KILL")
-    if not spec:
-        return
-    r, s = (int(x) for x in spec.split(":"))
-    if r == rank and s == step and _once(run_dir, "kill"):
-        print(f"fault injection: SIGKILL rank {rank} after step {step} at {time.time():.3f}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+    for name, sig in (("KILL", signal.SIGKILL), ("STOP", signal.SIGSTOP)):
+        spec = os.environ.get(f"AURA_FAULT_{name}")
+        if not spec:
+            continue
+        r, s = (int(x) for x in spec.split(":"))
+        if r == rank and s == step and _once(run_dir, name.lower()):
+            print(f"fault injection: SIG{name} rank {rank} after step {step} at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), sig)
 
 
 def poison_loss(rank: int, step: int) -> bool:

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from aura_hpc.data.packed import GlobalOrder, TokenReader
 from aura_hpc.errors import DataError
-from aura_hpc.train.process import distributed
+from aura_hpc.train.process import distributed, progress
 
 log = logging.getLogger("aura_hpc")
 
@@ -64,6 +64,10 @@ class DataFeed:
                 self._make_ready(window)
 
     def _make_ready(self, window: tuple[int, int]) -> None:
+        with progress.current().section("data"):  # the hang watchdog allows the ranks' patience here
+            self._prepare(window)
+
+    def _prepare(self, window: tuple[int, int]) -> None:
         problem = ""
         try:
             self._fetch(window).result()

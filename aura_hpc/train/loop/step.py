@@ -18,7 +18,6 @@ import torch
 
 from aura_hpc.comm import collectives
 from aura_hpc.config import TrainConfig
-from aura_hpc.train.instruments import faults
 from aura_hpc.train.loop.batches import Batches
 from aura_hpc.train.parts.state import Parts, Position
 from aura_hpc.train.process.runtime import Runtime
@@ -98,8 +97,6 @@ class Stepper:
         """
         t, rt, p, wrapped = self.t, self.rt, self.parts, self.wrapped
         total = torch.zeros((), device=rt.device, dtype=torch.float64)
-        poison = faults.poison_loss(self.rank, pos.step + 1)
-        disarm = faults.poison_gradient(self.rank, pos.step + 1, wrapped.model)
         riding = False
         # [stop requested, GPU breaker open, non-finite loss on rank 0..N-1], built on the device
         # and summed over ranks with the gradients (or below).
@@ -109,8 +106,6 @@ class Stepper:
             last = micro == t.grad_accum - 1
             with wrapped.accumulating(sync=last):
                 loss = micro_step_loss(wrapped.module, batch, rt, t.grad_accum)
-                if poison:
-                    loss = loss * float("nan")
             total += loss.detach().to(torch.float64)
             if last:
                 # fill_ with a Python number is a kernel argument; `flags[0] = 1.0` would copy a host tensor.
@@ -119,7 +114,6 @@ class Stepper:
                 flags[2 + self.rank : 3 + self.rank].copy_((~torch.isfinite(total)).to(torch.float64).view(1))
                 riding = wrapped.send_flags(flags)
             wrapped.backward(loss, p.scaler)
-        disarm()
         if riding:
             flags = wrapped.received_flags()
         elif self.world > 1:

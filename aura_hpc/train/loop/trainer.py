@@ -17,8 +17,7 @@ from aura_hpc.config import RunConfig
 from aura_hpc.ops.gpu_health import is_gpu_error
 from aura_hpc.train.checkpoint import files as checkpoint
 from aura_hpc.train.checkpoint.checkpointer import Checkpointer
-from aura_hpc.train.instruments import faults, probes
-from aura_hpc.train.instruments.probes import StepProbe
+from aura_hpc.train.instruments.seam import Instruments
 from aura_hpc.train.loop import endings
 from aura_hpc.train.loop.batches import Batches
 from aura_hpc.train.loop.data_feed import DataFeed, DataUnavailable
@@ -28,6 +27,7 @@ from aura_hpc.train.loop.metrics import Interval, MetricsWriter
 from aura_hpc.train.loop.step import StepOutcome, Stepper, StepResult
 from aura_hpc.train.parts.build import build, compiled, describe, lan_advice
 from aura_hpc.train.parts.state import Position
+from aura_hpc.train.process import progress as progress_page
 from aura_hpc.train.process import runtime
 from aura_hpc.train.process.dist_env import DistEnv
 from aura_hpc.train.process.stop import StopRequest
@@ -44,18 +44,19 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.pos = Position()
         self.health = HealthWatch(cfg, env)
+        self.page = progress_page.current()  # where the launcher's hang watchdog sees this rank
         self.metrics: MetricsWriter | None = None
 
     def run(self) -> int:
         """Set up, resume, train to the end step (or a stop), finish; returns the exit status."""
         self.rt = runtime.start(self.cfg, self.env)
-        with probes.whole_run(self.cfg.train.compile, self.rt.device, self.run_dir, self.env.rank) as self.run_probe:
+        self.instruments = Instruments(self.run_dir, self.env.rank)
+        with self.instruments.whole_run(self.cfg.train.compile, self.rt.device):
             return self._run()
 
     def _run(self) -> int:
         cfg, env = self.cfg, self.env
         self.memory_base = runtime.host_memory_peak()  # what the process held before the model existed
-        self.heap = probes.HeapSampler.from_env()
         self.parts, self.layout, wrapped = build(cfg, env, self.rt)
         self.wrapped = wrapped
         self.ckpt = Checkpointer(cfg, env, self.rt, self.parts, self.layout, self.pos, wrapped)
@@ -78,12 +79,11 @@ class Trainer:
         stop = StopRequest()
         stop.install()
         self.health.start(self._resources_to_tensorboard)
-        self.probe, self.compiled = StepProbe.from_env(), compiled(self.parts.model)
-        with probes.reporting(self.probe, self.run_dir, env.rank, self.run_probe, runtime.rng_kept):
+        with self.instruments.around_steps(wrapped.module, wrapped.model, compiled(self.parts.model), runtime.rng_kept):
             try:
                 status = self._train(stepper, batches, stop)
                 if (outer := capability(wrapped, OuterLoop)) is not None:
-                    outer.drain()  # a piece of a meeting still crossing: no collective in flight as the group goes
+                    outer.drain()  # a portion of a DiLoCo meeting still crossing: no collective in flight as the group goes
             except DataUnavailable as exc:
                 status = endings.data_unavailable(exc, self.ckpt, self.pos, self.env, self.progress)
             finally:
@@ -122,16 +122,16 @@ class Trainer:
         while pos.step < lay.end_step:
             quiet = not first and not self._due(pos.step + 1)
             try:
-                with probes.watching(self.probe, pos.step + 1, quiet, self.compiled, self.rt.device.type == "cuda"):
+                with self.instruments.step(pos.step + 1, quiet):
                     outcome = stepper.step(pos, stop, self.health.fault_seen)
                     pos.step += 1
                     pos.tokens_seen += lay.tokens_per_step
                     batches.prefetch(pos)
+                    self.page.step_done(pos.step)
             except RuntimeError as exc:
                 if not is_gpu_error(exc):
                     raise
                 return self.health.gpu_error(exc, self.rt.device, self.pos.step)
-            faults.after_step(self.env.rank, pos.step, self.run_dir)
             due = first or self._due(pos.step)
             reports = [pending] if pending is not None else []
             pending = None if due else outcome
@@ -147,8 +147,7 @@ class Trainer:
             if first:
                 first = False
                 self._first_step_done()
-                if self.probe is not None:
-                    self.probe.after_first_step()
+                self.instruments.first_step_done()
             if due:
                 self._after_step(results[-1])
         return None
@@ -161,14 +160,7 @@ class Trainer:
 
     def _first_step_done(self) -> None:
         if self.env.is_main:
-            # Lets operators (and bench_faults.py) see how long a restart took to train again.
-            log.info(
-                "first step of this attempt done: step %d at unix time %.3f (%.1fs including compilation and warm-up, "
-                "not counted in tokens/s)",
-                self.pos.step,
-                time.time(),
-                time.perf_counter() - self.loop_start,
-            )
+            _note_first_step(self.pos.step, self.loop_start)
         self.interval.restart_clock()
 
     def _settle(self, results: list[StepResult], stop: StopRequest) -> int | None:
@@ -188,7 +180,8 @@ class Trainer:
                         self.bad_in_a_row,
                     )
                 if self.bad_in_a_row >= t.nan_rollback_after:
-                    self.ckpt.rollback(self.bad_in_a_row)
+                    with self.page.section("checkpoint"):
+                        self.ckpt.rollback(self.bad_in_a_row)
                     if self.metrics is not None:
                         self.metrics.drop_rows_after(self.pos.step)  # the steps after it are redone
                     self.bad_in_a_row = 0
@@ -201,7 +194,8 @@ class Trainer:
                 self.progress.stop()
                 if self.metrics is not None:
                     self.metrics.close()
-                return endings.stop_on_signal(stop, self.ckpt, self.pos, self.env)
+                with self.page.section("checkpoint"):
+                    return endings.stop_on_signal(stop, self.ckpt, self.pos, self.env)
         return None
 
     def _after_step(self, r: StepResult) -> None:
@@ -213,20 +207,23 @@ class Trainer:
         at_end = pos.step == self.layout.end_step
         do_eval = bool(t.eval_every) and (pos.step % t.eval_every == 0 or at_end)
         logged = not r.bad_ranks and self.interval.steps > 0 and (pos.step % t.log_every == 0 or do_eval or at_end)
-        if logged:
-            self._log_row(r, do_eval)
-        else:
-            if do_eval:  # a skipped update leaves the last good weights: still evaluated on schedule
-                self._eval_row(bool(r.bad_ranks))
-            self.progress.update(pos.step)
+        with self.page.section("evaluation" if do_eval else "step"):
+            if logged:
+                self._log_row(r, do_eval)
+            else:
+                if do_eval:  # a skipped update leaves the last good weights: still evaluated on schedule
+                    self._eval_row(bool(r.bad_ranks))
+                self.progress.update(pos.step)
         if t.sample_every and pos.step % t.sample_every == 0 and not at_end:
-            text = self._sample()
+            with self.page.section("evaluation"):
+                text = self._sample()
             if text is not None:
                 log.info("sample at step %d: %s", pos.step, text.replace("\n", " "))
                 if self.metrics is not None:
                     self.metrics.text("sample", text, pos.step)
         if (t.checkpoint_every and pos.step % t.checkpoint_every == 0) or at_end:
-            self.ckpt.save(last=at_end)
+            with self.page.section("checkpoint"):
+                self.ckpt.save(last=at_end)
         pos.last_eval = None
         if logged:
             self.interval.reset()
@@ -291,6 +288,7 @@ class Trainer:
     def _finish(self) -> int:
         """After the last step: a final checkpoint if needed, the sample, summary.json, a last barrier."""
         env, pos = self.env, self.pos
+        self.page.enter("checkpoint")  # the final save, sample and barrier: the most generous section
         self.progress.stop()
         self.health.stop()
         # Decided from state every rank shares: on a LAN job without shared storage the
@@ -319,7 +317,7 @@ class Trainer:
                 "backend": self.rt.backend,
                 "strategy": self.wrapped.name,
                 "peak_memory_gib": round(runtime.peak_memory(self.rt.device, self.memory_base) / 2**30, 3),
-                **probes.heap_summary(self.heap),
+                **self.instruments.summary(),
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
         try:
@@ -339,10 +337,17 @@ class Trainer:
         return self.health.open_circuit(self.ckpt, self.pos.step)
 
 
-def _patience(cfg: RunConfig) -> float:
-    """How long a rank waits for the others to have a window's shards: their reads' own worst case
-    (every try timing out, with backoff), with room; only a rank that died waits this long."""
-    from aura_hpc.data.storage import Policy
+def _note_first_step(step: int, loop_start: float) -> None:
+    """Lets operators (and bench_faults.py) see how long a restart took to train again."""
+    log.info(
+        "first step of this attempt done: step %d at unix time %.3f (%.1fs including compilation and warm-up, not counted in tokens/s)",
+        step,
+        time.time(),
+        time.perf_counter() - loop_start,
+    )
 
-    d = cfg.data
-    return 2 * Policy(tries=d.read_tries, timeout_s=d.read_timeout_s).worst_case_s() * max(1, d.shuffle_window or 1) + 60
+
+def _patience(cfg: RunConfig) -> float:
+    from aura_hpc.data.storage import window_patience_s
+
+    return window_patience_s(cfg.data.read_tries, cfg.data.read_timeout_s, cfg.data.shuffle_window)

@@ -103,11 +103,11 @@ def _on_host(tree: Any) -> Any:
 def _place(param: torch.Tensor, value: torch.Tensor) -> None:
     local = param.to_local() if hasattr(param, "to_local") else param
     if hasattr(param, "device_mesh"):
-        # FSDP2's Shard(0): torch.chunk's pieces over the mesh, in rank order.
+        # FSDP2's Shard(0): torch.chunk over the mesh, in rank order.
         mesh = param.device_mesh
-        pieces = value.chunk(mesh.size(), dim=0)
+        chunks = value.chunk(mesh.size(), dim=0)
         rank = mesh.get_local_rank()
-        value = pieces[rank] if rank < len(pieces) else value[:0]
+        value = chunks[rank] if rank < len(chunks) else value[:0]
     if tuple(local.shape) != tuple(value.shape):
         raise RuntimeError(f"a shard of shape {tuple(local.shape)} for a value of shape {tuple(value.shape)}")
     local.copy_(value)

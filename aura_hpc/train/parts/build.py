@@ -38,32 +38,10 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
     t = cfg.train
     torch.manual_seed(t.seed)
     random.seed(t.seed)
-    data: Any
-    if cfg.data.stream:
-        from aura_hpc.data.stream import StreamTokens
-
-        data = StreamTokens(cfg.data, cfg.data.seq_len, env.local_rank, env.local_world_size)
-    elif not cfg.data.path:
-        raise DataError("data.path is empty (fix: --set data.path=DIR from `python -m aura_hpc prepare`)")
-    else:
-        from aura_hpc.data.cache import for_data
-
-        data = PackedTokens(cfg.data.path, cfg.data.seq_len, cache=for_data(cfg.data))
-    if cfg.model.vocab_size and cfg.model.vocab_size != data.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size {cfg.model.vocab_size} does not match the data's tokenizer "
-            f"({data.vocab_size}) (fix: --set model.vocab_size=0 to take it from the data)"
-        )
+    data = open_data(cfg, env.local_rank, env.local_world_size)
     check_same_everywhere(cfg, env, data)
-    rows = embedding_rows(cfg.model, data.vocab_size)
-    model, init = _build_model(lambda: build_model(cfg.model, rows, data.eos_id), cfg, rt, env)
+    model, loss_model, init = model_and_loss(cfg, rt, data, cfg.dist.strategy, env.world_size)
     cuda = rt.device.type == "cuda"
-    if t.activation_checkpointing:
-        enable_activation_checkpointing(model)
-    loss_model = LanguageModelLoss(model, chunked=uses_chunked_loss(t.loss, t.precision, cuda), compute_dtype=rt.autocast_dtype)
-    if t.compile == "true" or (t.compile == "auto" and cuda and not cfg.dist.strategy.startswith("zero")):
-        compile_blocks(model)
-        loss_model.compiled = True
 
     world = env.world_size
     max_steps = _horizon(cfg, world, env)
@@ -103,20 +81,62 @@ def build(cfg: RunConfig, env: DistEnv, rt: Runtime) -> tuple[Parts, Layout, Wra
     return parts, layout, wrapped
 
 
-def _build_model(factory: Callable[[], torch.nn.Module], cfg: RunConfig, rt: Runtime, env: DistEnv) -> tuple[torch.nn.Module, Any]:
+def open_data(cfg: RunConfig, local_rank: int = 0, local_world: int = 1) -> Any:
+    """The run's tokens: a prepared directory (PackedTokens) or, with data.stream, text encoded as it is read."""
+    data: Any
+    if cfg.data.stream:
+        from aura_hpc.data.stream import StreamTokens
+
+        data = StreamTokens(cfg.data, cfg.data.seq_len, local_rank, local_world)
+    elif not cfg.data.path:
+        raise DataError("data.path is empty (fix: --set data.path=DIR from `python -m aura_hpc prepare`)")
+    else:
+        from aura_hpc.data.cache import for_data
+
+        data = PackedTokens(cfg.data.path, cfg.data.seq_len, cache=for_data(cfg.data))
+    if cfg.model.vocab_size and cfg.model.vocab_size != data.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size {cfg.model.vocab_size} does not match the data's tokenizer "
+            f"({data.vocab_size}) (fix: --set model.vocab_size=0 to take it from the data)"
+        )
+    return data
+
+
+def model_and_loss(cfg: RunConfig, rt: Runtime, data: Any, strategy: str, world: int) -> tuple[torch.nn.Module, LanguageModelLoss, Any]:
+    """Our GPT-2 for this data, the loss around it, and the record that initialises it once sharded (or
+    None): what `local` (every strategy, DiLoCo's replicas included) and the parameter server's copies
+    are made of. `strategy` "ps" is the parameter server's: a whole model on every process."""
+    t = cfg.train
+    rows = embedding_rows(cfg.model, data.vocab_size)
+    model, init = _build_model(lambda: build_model(cfg.model, rows, data.eos_id), cfg, strategy, rt, world)
+    cuda = rt.device.type == "cuda"
+    if t.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    loss_model = LanguageModelLoss(model, chunked=uses_chunked_loss(t.loss, t.precision, cuda), compute_dtype=rt.autocast_dtype)
+    # "auto" leaves out ZeRO (DeepSpeed wraps the module its own way) and the parameter server, whose
+    # copies swap their weights in place every round; "true" compiles both.
+    if t.compile == "true" or (t.compile == "auto" and cuda and not strategy.startswith("zero") and strategy != "ps"):
+        compile_blocks(model)
+        loss_model.compiled = True
+    return model, loss_model, init
+
+
+def _build_model(
+    factory: Callable[[], torch.nn.Module], cfg: RunConfig, strategy: str, rt: Runtime, world: int
+) -> tuple[torch.nn.Module, Any]:
     """The model, and the record that initialises it once sharded (fsdp), or None. Sharded strategies
     never hold the whole fp32 model on every rank: FSDP builds it on the meta device and initialises
     it shard by shard (train/model/meta_init.py); ZeRO-3 builds it partitioned (DeepSpeed's zero.Init) and
     initialises it a parameter at a time (strategies/zero.py). Both give a host build's exact weights."""
-    if cfg.dist.strategy == "fsdp":
+    if strategy == "fsdp":
         on_meta = build_on_meta(factory)
         if on_meta is not None:
             on_meta[0].to(dtype=rt.param_dtype)
             return on_meta
-    if cfg.dist.strategy == "zero3":
+    if strategy == "zero3":
         from aura_hpc.train.strategies.zero import build_partitioned
 
-        partitioned = build_partitioned(factory, cfg, rt, env.world_size)
+        partitioned = build_partitioned(factory, cfg, rt, world)
         if partitioned is not None:
             return partitioned, None
     model = factory()

@@ -27,6 +27,17 @@ def setup(log_dir: Path | None, rank: int, stream_handler: logging.Handler | Non
     return log
 
 
+def dump_stacks_on(sig: int) -> None:
+    """On `sig`, every thread's Python stack into the rank's log file: faulthandler answers from its C
+    handler, so a rank blocked inside a collective (in C++, holding no GIL to give) answers too."""
+    import faulthandler
+
+    for h in log.handlers:
+        if isinstance(h, logging.FileHandler) and h.stream is not None:
+            faulthandler.register(sig, file=h.stream, all_threads=True)
+            return
+
+
 def to_file_only(message: str, exc_info: bool = True) -> None:
     """A record (with the current traceback) for the rank's log file only: detail the terminal does not need."""
     record = log.makeRecord(log.name, logging.INFO, __file__, 0, message, (), sys.exc_info() if exc_info else None)

@@ -9,8 +9,8 @@ and every replica starts the next interval from the new anchor. Between meetings
 bytes cross the network each step (the flags every rank agrees on: stop, GPU fault, bad loss),
 so a slow link costs one all-reduce per interval instead of one per step.
 
-With `dist.diloco_overlap=K` a meeting does not stop the replicas: its bytes go out in K pieces,
-one per inner step, while the replicas go on training (a piece a step keeps the link's queue short,
+With `dist.diloco_overlap=K` a meeting does not stop the replicas: its bytes go out in K portions,
+one per inner step, while the replicas go on training (a portion a step keeps the link's queue short,
 so the per-step flags are not stuck behind a bulk transfer), and K steps later the outer step lands
 with each replica's progress since the meeting kept: theta <- new anchor + (theta - theta at the
 meeting). This is the overlapped variant of Streaming DiLoCo (Douillard et al. 2025) for the whole
@@ -25,8 +25,8 @@ State beyond DDP's: the anchor (the global model at the last meeting) and the ou
 the same on every rank (saved by rank 0), and each replica's inner weights and AdamW moments
 (saved by its leader in its own run directory, train/checkpoint/diloco_files.py), so a resume between
 meetings continues exactly, also on LAN machines without shared storage. A meeting in flight is
-saved with them (what the leader sent, the pieces already received, the weights it was sent from),
-and a resume sends the missing pieces again: the results depend only on what every replica sent.
+saved with them (what the leader sent, the portions already received, the weights it was sent from),
+and a resume sends the missing portions again: the results depend only on what every replica sent.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import torch
 from aura_hpc.comm import collectives
 from aura_hpc.config import DistConfig
 from aura_hpc.errors import ConfigError
+from aura_hpc.train.process import progress
 from aura_hpc.train.strategies.base import OuterLoop, PerRankState, Wrapped
 
 WIRE = {"bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.float32}  # int8: quantized from fp32
@@ -69,14 +70,14 @@ def dequantize_int8(buf: torch.Tensor, n: int) -> torch.Tensor:
 # more than one: both replicas send at once, and each one's acknowledgements wait behind the other's
 # data in a shaped (or bloated Wi-Fi) queue (measured at 10 and 1,000 Mbit/s: docs/lan.md). NCCL
 # has no such queue to keep short, and thousands of tiny collectives would cost their launches: a
-# piece goes as one collective there.
+# portion goes as one collective there.
 SLICE_BYTES = 32 * 1024
-MAX_PIECES = 1024  # a waited-for meeting's pieces, one after the other (beyond 32 MB they grow, in slices)
+MAX_PORTIONS = 1024  # a waited-for meeting's portions, one after the other (beyond 32 MB they grow, in slices)
 
 
-def blocking_pieces(payload: torch.Tensor, sliced: bool = True) -> int:
+def blocking_portions(payload: torch.Tensor, sliced: bool = True) -> int:
     size = payload.numel() * payload.element_size()
-    return max(1, min(MAX_PIECES, -(-size // SLICE_BYTES))) if sliced else 1
+    return max(1, min(MAX_PORTIONS, -(-size // SLICE_BYTES))) if sliced else 1
 
 
 def _sliced(group: collectives.Group | None) -> bool:
@@ -85,39 +86,39 @@ def _sliced(group: collectives.Group | None) -> bool:
 
 class Meeting:
     """A meeting in flight: this replica's payload (int8 codes and scales, or wire-dtype deltas) crossing
-    in `pieces` pieces, one per step, into `out` (every replica's payload for int8's all_gather; the
+    in `portions` portions, one per step, into `out` (every replica's payload for int8's all_gather; the
     sum for an all-reduce). Only a replica's leader takes part (`mine` is None on the other ranks of
-    the replica, which count the pieces with it and get the result from it when the meeting lands).
-    On gloo a piece goes as collectives of at most SLICE_BYTES, issued together; their bounds depend
-    only on the sizes, so every run (and every resume) adds the same numbers. Pieces before `done`
+    the replica, which count the portions with it and get the result from it when the meeting lands).
+    On gloo a portion goes as collectives of at most SLICE_BYTES, issued together; their bounds depend
+    only on the sizes, so every run (and every resume) adds the same numbers. Portions before `done`
     have arrived."""
 
     def __init__(
         self,
         since: int,
-        pieces: int,
+        portions: int,
         mine: torch.Tensor | None,
         sent_from: list[torch.Tensor],
         group: collectives.Group | None,
         replicas: int,
         int8: bool,
     ) -> None:
-        self.since, self.pieces, self.mine, self.sent_from = since, pieces, mine, sent_from
+        self.since, self.portions, self.mine, self.sent_from = since, portions, mine, sent_from
         self.group, self.int8 = group, int8
         self.out: list[torch.Tensor] = []
         if mine is not None:
             self.out = [torch.empty_like(mine) for _ in range(replicas)] if int8 else [torch.empty_like(mine)]
-        self.piece = -(-mine.numel() // pieces) if mine is not None else 0
+        self.portion = -(-mine.numel() // portions) if mine is not None else 0
         self.slice = max(1, SLICE_BYTES // mine.element_size()) if mine is not None and _sliced(group) else None
         self.done = 0
-        self.work: list[Any] | None = None  # the piece in flight's collectives (none for an empty last piece)
+        self.work: list[Any] | None = None  # the portion in flight's collectives (none for an empty last portion)
 
     def send_next(self) -> None:
         self.work = []
         if self.mine is None:
             return
-        end = min(self.mine.numel(), (self.done + 1) * self.piece)
-        begin = self.done * self.piece
+        end = min(self.mine.numel(), (self.done + 1) * self.portion)
+        begin = self.done * self.portion
         step = self.slice or max(1, end - begin)
         for start in range(begin, end, step):
             sl = slice(start, min(end, start + step))
@@ -128,28 +129,28 @@ class Meeting:
                 self.work.append(collectives.all_reduce(self.out[0][sl], self.group, async_op=True))
 
     def arrived(self) -> bool:
-        """Wait for the piece in flight; True once every piece is here."""
+        """Wait for the portion in flight; True once every portion is here."""
         if self.work is not None:
             for w in self.work:
                 w.wait()
             self.work = None
             self.done += 1
-        return self.done >= self.pieces
+        return self.done >= self.portions
 
     def finish(self) -> None:
-        """The remaining pieces, one after the other."""
+        """The remaining portions, one after the other."""
         while not self.arrived():
             self.send_next()
 
     def state(self) -> dict[str, Any]:
-        end = min(self.mine.numel(), self.done * self.piece) if self.mine is not None else 0
+        end = min(self.mine.numel(), self.done * self.portion) if self.mine is not None else 0
         return {
             "since": self.since,
-            "pieces": self.pieces,
+            "portions": self.portions,
             "done": self.done,
             "mine": self.mine,
             "sent_from": list(self.sent_from),
-            "arrived": [o[:end] for o in self.out],  # not the piece in flight: it is being written
+            "arrived": [o[:end] for o in self.out],  # not the portion in flight: it is being written
         }
 
     @classmethod
@@ -158,7 +159,8 @@ class Meeting:
     ) -> Meeting:
         sent_from = [t.to(device, copy=True) for t in state["sent_from"]]
         mine = state["mine"].to(device, copy=True) if leader and state.get("mine") is not None else None
-        m = cls(int(state["since"]), int(state["pieces"]), mine, sent_from, group, replicas, int8)
+        portions = state.get("portions", state.get("pieces"))  # "pieces" in checkpoints written before the rename
+        m = cls(int(state["since"]), int(portions), mine, sent_from, group, replicas, int8)
         m.done = int(state["done"])
         for o, saved in zip(m.out, state["arrived"], strict=False):
             o[: saved.numel()].copy_(saved)
@@ -254,7 +256,8 @@ class DilocoWrapped(Wrapped, OuterLoop, PerRankState):
         0's alone, and no outer momentum extrapolates past it once training is over (measured: docs/lan.md)."""
         last = step == self.last_step
         if self.meeting is not None and (self.meeting.arrived() or last):
-            self.meeting.finish()  # the last step: the rest of the pieces now
+            with progress.current().section("meeting"):
+                self.meeting.finish()  # the last step: the rest of the portions now
             self._land(self.meeting)
         elif self.meeting is not None:
             self.meeting.send_next()
@@ -276,13 +279,14 @@ class DilocoWrapped(Wrapped, OuterLoop, PerRankState):
                 self.meeting.send_next()
                 return
             if self.replicas > 1:
-                if self.leader:
-                    mine = quantize_int8(self._flat) if self.int8 else self._flat
-                    pieces = blocking_pieces(mine, _sliced(self.outer_group))
-                    m = Meeting(step, pieces, mine, [], self.outer_group, self.replicas, self.int8)
-                    m.finish()
-                    self._flat.copy_(self._decode_mean(m.out) if self.int8 else m.out[0])
-                self._share(self._flat)
+                with progress.current().section("meeting"):  # a slow link's meeting: the watchdog allows it
+                    if self.leader:
+                        mine = quantize_int8(self._flat) if self.int8 else self._flat
+                        portions = blocking_portions(mine, _sliced(self.outer_group))
+                        m = Meeting(step, portions, mine, [], self.outer_group, self.replicas, self.int8)
+                        m.finish()
+                        self._flat.copy_(self._decode_mean(m.out) if self.int8 else m.out[0])
+                    self._share(self._flat)
             self._outer_step(self._flat, last)
             for p, a in zip(self.params, self.anchor, strict=True):
                 p.copy_(a)
@@ -337,14 +341,14 @@ class DilocoWrapped(Wrapped, OuterLoop, PerRankState):
 
     def load_replica_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
         """Collective when a meeting was in flight: every rank saved one at the same step, and each
-        leader sends its piece in flight again."""
+        leader sends its portion in flight again."""
         self.drain()
         with torch.no_grad():
             self.model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if "meeting" in state:
             self.meeting = Meeting.from_state(state["meeting"], self.outer_group, self.replicas, self.int8, self._flat.device, self.leader)
-            if self.meeting.done < self.meeting.pieces:
+            if self.meeting.done < self.meeting.portions:
                 self.meeting.send_next()
 
     def restart_replica(self) -> None:

@@ -166,7 +166,7 @@ def build_partitioned(factory: Callable[[], torch.nn.Module], cfg: RunConfig, rt
     """ZeRO-3: the model made under DeepSpeed's `zero.Init`, each module's parameters partitioned over
     the ranks as soon as the module exists, so no rank ever holds the whole model. The constructor's
     own initialisation then touches empty tensors; the weights come from replaying what the same
-    constructor did on the meta device (train/model/meta_init.py), each rank writing its own piece of one
+    constructor did on the meta device (train/model/meta_init.py), each rank writing its own partition of one
     parameter at a time: the same bits as a model built whole. None when the constructor cannot be replayed (build it whole)."""
     built = build_on_meta(factory)
     if built is None:
@@ -192,7 +192,7 @@ def build_partitioned(factory: Callable[[], torch.nn.Module], cfg: RunConfig, rt
 
 
 def _place_partition(param: torch.Tensor, value: torch.Tensor) -> None:
-    """This rank's piece of `value` written into its partition, without communication: DeepSpeed's
+    """This rank's elements of `value` written into its partition, without communication: DeepSpeed's
     layout gives rank r elements [r*n, (r+1)*n) of the flattened parameter (n = the partition's size,
     the last one padded). Where that layout does not hold alone (hpZ's secondary copies, NVMe,
     a parameter held whole) the parameter is gathered and written from rank 0 instead."""
@@ -211,9 +211,9 @@ def _place_partition(param: torch.Tensor, value: torch.Tensor) -> None:
         return
     n = int(part.ds_numel)
     start = n * dist.get_rank(group=param.ds_process_group)
-    piece = value.reshape(-1)[start : start + n]
+    mine = value.reshape(-1)[start : start + n]
     with torch.no_grad():
-        part.narrow(0, 0, piece.numel()).copy_(piece)
+        part.narrow(0, 0, mine.numel()).copy_(mine)
 
 
 def _place_gathered(param: torch.Tensor, value: torch.Tensor) -> None:

@@ -1,0 +1,114 @@
+"""Where this rank is, for the launcher's hang watchdog (launch/hang_watch.py) to read from outside.
+
+One small file per rank in a node-local folder the launcher names (AURA_PROGRESS_DIR), mapped into
+memory: an update is a few stores into that page, with no system call and no device sync, so the
+loop reports every step, section and collective at no cost. A stopped or hung process simply stops
+updating it; the watchdog, which keeps running, sees that. Inert without the variable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import signal
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ENV = "AURA_PROGRESS_DIR"
+# Asks a worker for every thread's Python stack, into its log (worker_log.py). Not USR1/USR2, which stop
+# a run (Slurm's pre-timeout signals); SIGWINCH is ignored by default, so a worker that has not yet
+# registered for it is not killed by the request, and workers own no terminal that would send it.
+STACK_SIGNAL = signal.SIGWINCH
+# What a rank can be doing. "start-up" lasts until the first step of an attempt is done.
+SECTIONS = ("start-up", "step", "evaluation", "checkpoint", "meeting", "data", "finished")
+# The ops a rank can be in or have entered last (comm/collectives.py's names).
+OPS = ("", "all_reduce", "all_gather", "broadcast", "barrier", "send", "recv", "gather", "other")
+# pid, section, step done, collectives entered, last op, section began (unix s), last update (unix s)
+LAYOUT = struct.Struct("<qqqqqdd")
+
+
+def file_for(folder: Path, rank: int) -> Path:
+    return folder / f"rank{rank}"
+
+
+class Progress:
+    def __init__(self, path: Path | None) -> None:
+        self._map: mmap.mmap | None = None
+        self.section_index, self.step, self.entered, self.op, self.since = 0, 0, 0, 0, time.time()
+        if path is None:
+            return
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, LAYOUT.size)
+            self._map = mmap.mmap(fd, LAYOUT.size)
+        finally:
+            os.close(fd)
+        self._write()
+
+    def _write(self) -> None:
+        if self._map is not None:
+            LAYOUT.pack_into(self._map, 0, os.getpid(), self.section_index, self.step, self.entered, self.op, self.since, time.time())
+
+    def enter(self, section: str) -> None:
+        self.section_index, self.since = SECTIONS.index(section), time.time()
+        self._write()
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """A section inside a step (evaluation, checkpoint, a DiLoCo meeting); back to `step` after it."""
+        before = SECTIONS[self.section_index]
+        self.enter(name)
+        try:
+            yield
+        finally:
+            self.enter(before if before != "start-up" else "step")
+
+    def step_done(self, step: int) -> None:
+        self.step = step
+        if self.section_index == 0:
+            self.enter("step")
+        else:
+            self._write()
+
+    def collective(self, op: str, tensors: Any, group: Any) -> None:
+        """An observer of comm/collectives.py: every collective this rank enters, counted."""
+        self.entered += 1
+        self.op = OPS.index(op) if op in OPS else len(OPS) - 1
+        self._write()
+
+
+_current = Progress(None)
+
+
+def start(rank: int) -> Progress:
+    """This process's progress file (when the launcher asked for one), counting its collectives."""
+    global _current
+    folder = os.environ.get(ENV)
+    if folder and Path(folder).is_dir():
+        from aura_hpc.comm import collectives
+
+        _current = Progress(file_for(Path(folder), rank))
+        collectives.observers.append(_current.collective)
+    return _current
+
+
+def current() -> Progress:
+    return _current
+
+
+def read(path: Path) -> dict[str, Any] | None:
+    """A rank's progress as the watchdog sees it; None when the file is not (yet) whole."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if len(data) != LAYOUT.size:
+        return None
+    pid, section, step, entered, op, since, beat = LAYOUT.unpack(data)
+    if not 0 <= section < len(SECTIONS) or not 0 <= op < len(OPS):
+        return None
+    return {"pid": pid, "section": SECTIONS[section], "step": step, "entered": entered, "op": OPS[op], "since": since, "beat": beat}

@@ -1,0 +1,97 @@
+"""The hang watchdog's judgement (launch/hang_watch.py) and the progress page it reads
+(train/process/progress.py), without processes: timeouts, calibration kept across restarts, who is
+named. The whole path (a stopped rank in a real run, named, restarted, the same bits) is in
+test_faults.py::test_a_stopped_rank_is_named_within_a_minute_and_the_run_restarts_bit_identical."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from aura_hpc.config import load_config
+from aura_hpc.launch.hang_watch import HangWatch, _culprits, _line
+from aura_hpc.train.process import progress
+
+WAITING = """Thread 0x1 (most recent call first):
+  File "/x/aura_hpc/train/worker.py", line 50 in watch
+Current thread 0x2 (most recent call first):
+  File "/x/torch/distributed/distributed_c10d.py", line 2800 in all_reduce
+  File "/x/aura_hpc/comm/collectives.py", line 121 in all_reduce
+  File "/x/aura_hpc/train/loop/evaluation.py", line 40 in evaluate
+  File "/x/aura_hpc/train/worker.py", line 96 in main
+"""
+READING = """Current thread 0x2 (most recent call first):
+  File "/x/s3fs/core.py", line 10 in _cat_file
+  File "/x/aura_hpc/train/loop/data_feed.py", line 88 in _prepare
+  File "/x/aura_hpc/train/worker.py", line 96 in main
+"""
+
+
+def _watch(tmp_path: Path, *sets: str) -> HangWatch:
+    cfg = load_config(None, list(sets), output_dir=str(tmp_path), run_name="run")
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    return HangWatch.for_run(cfg)
+
+
+def _page(section: str, step: int, entered: int, beat: float, pid: int = 1) -> dict[str, Any]:
+    return {"pid": pid, "section": section, "step": step, "entered": entered, "op": "all_reduce", "since": beat, "beat": beat}
+
+
+def test_a_page_is_what_the_rank_wrote_and_a_torn_one_is_ignored(tmp_path: Path) -> None:
+    page = progress.Progress(tmp_path / "rank3")
+    page.step_done(41)
+    page.collective("all_gather", [], None)
+    with page.section("checkpoint"):
+        inside = progress.read(tmp_path / "rank3")
+    after = progress.read(tmp_path / "rank3")
+    assert inside is not None and inside["section"] == "checkpoint" and inside["step"] == 41 and inside["entered"] == 1
+    assert after is not None and after["section"] == "step" and after["op"] == "all_gather"
+    (tmp_path / "rank4").write_bytes(b"\x00" * 10)
+    (tmp_path / "rank5").write_bytes(b"\xff" * progress.LAYOUT.size)  # a section index out of range
+    assert progress.read(tmp_path / "rank4") is None and progress.read(tmp_path / "rank5") is None
+
+
+def test_timeouts_have_floors_follow_the_run_and_survive_a_restart(tmp_path: Path) -> None:
+    w = _watch(tmp_path)
+    try:
+        assert w.timeout("step") == 30 and w.timeout("checkpoint") == 300 and w.timeout("start-up") == 1200
+        assert w.timeout("finished") == float("inf")
+        t0 = time.time()
+        w._learn(0, _page("step", 10, 5, t0))
+        w._learn(0, _page("step", 12, 7, t0 + 20))  # 10 s a step: 5x is above the floor
+        w._learn(0, _page("checkpoint", 12, 7, t0 + 21))
+        w._learn(0, _page("step", 13, 8, t0 + 101))  # left the checkpoint after 80 s
+        assert w.timeout("step") == 50 and w.timeout("checkpoint") == 400
+    finally:
+        w.close()
+    again = _watch(tmp_path)  # a resumed run: calibrated from the start
+    try:
+        assert again.timeout("step") == 50 and again.timeout("checkpoint") == 400
+    finally:
+        again.close()
+
+
+def test_a_hang_is_when_no_rank_moved_for_longer_than_its_section_allows(tmp_path: Path) -> None:
+    w = _watch(tmp_path, "health.hang_step_floor_s=10")
+    try:
+        now = time.time()
+        assert not w.hung({0: _page("step", 5, 9, now - 9), 1: _page("step", 5, 9, now - 60)}, now)  # rank 0 moved 9 s ago
+        assert w.hung({0: _page("step", 5, 9, now - 11), 1: _page("step", 5, 9, now - 60)}, now)
+        assert not w.hung({0: _page("checkpoint", 5, 9, now - 200), 1: _page("step", 5, 9, now - 200)}, now)
+        assert not w.hung({0: _page("finished", 5, 9, now - 999)}, now)
+    finally:
+        w.close()
+
+
+def test_the_culprit_is_the_silent_rank_then_the_one_not_waiting_then_the_one_behind(tmp_path: Path) -> None:
+    ranks = {0: _page("step", 12, 30, 0.0), 1: _page("step", 12, 30, 0.0), 2: _page("step", 11, 29, 0.0)}
+    assert _culprits(ranks, {0: WAITING, 1: WAITING}) == ([2], "silent")
+    assert _culprits(ranks, {0: WAITING, 1: READING, 2: WAITING}) == ([1], "working")
+    assert _culprits(ranks, {0: WAITING, 1: WAITING, 2: WAITING}) == ([2], "behind")
+    even = {0: _page("step", 12, 30, 0.0), 1: _page("step", 12, 30, 0.0)}
+    assert _culprits(even, {0: WAITING, 1: WAITING}) == ([], "elsewhere")
+    named = _line(ranks, {0: WAITING, 1: READING, 2: WAITING}, [1], "working", "gpu-07", 42.0, tmp_path)
+    assert named.startswith("hang: rank 1 on gpu-07 is not waiting for its peers: train/loop/data_feed.py:88 in _prepare")
+    assert "inside core.py:10 in _cat_file" in named and "wait at train/loop/evaluation.py:40 in evaluate" in named, named
+    assert "the rank holding them up is on another node" in _line(even, {0: WAITING, 1: WAITING}, [], "elsewhere", "h", 31.0, tmp_path)
