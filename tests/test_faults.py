@@ -159,6 +159,13 @@ def test_stop_signal_checkpoints_once_and_exits_resumable(tmp_path: Path, prepar
     assert 20 <= step < LONG
     assert checkpoint.list_complete(tmp_path / "run" / "checkpoints")[0].step == step
     assert "re-run the same command to resume" in out
+    # Rank 0 idled 3/4 of every step: named as the straggler at the third logging interval, and the
+    # slowest in every row (loop/stragglers.py).
+    log0 = (tmp_path / "run" / "logs" / "rank_0.log").read_text()
+    named = [x for x in log0.splitlines() if "straggler: rank 0 on " in x]
+    assert len(named) == 1 and "at step 15" in named[0], named
+    slowed = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert slowed and all(r["slowest_rank"] == 0 and r["slowest_score"] < 0.75 for r in slowed), slowed
     again = run_cli(args)
     assert again.returncode == 0, _diagnose(again, tmp_path / "run")
     assert f"resumed from checkpoint step_{step:08d} at step {step}" in again.stdout

@@ -161,6 +161,15 @@ def test_a_token_budget_keeps_its_schedule_when_resumed_at_another_world_size(tm
     assert json.loads((tmp_path / "budget" / "summary.json").read_text())["step"] == 12
 
 
+def test_checkpoints_by_time_come_at_a_logged_step_that_every_rank_agrees_on(tmp_path: Path, prepared: Path) -> None:
+    """train.checkpoint_every_s, with no step-based checkpoints: rank 0's clock says a save is due, the
+    ranks learn it in the logged step's all-reduce and save together there (a disagreement would hang)."""
+    timed = ["--set", "train.checkpoint_every=0", "--set", "train.checkpoint_every_s=0.001", "--set", "train.max_steps=12"]
+    _train(tmp_path, "timed", prepared, 2, [*timed, "--set", "train.keep_last=5"])
+    steps = sorted(c.step for c in checkpoint.list_complete(tmp_path / "timed" / "checkpoints"))
+    assert steps == [5, 10, 12], steps  # the logged steps (train.log_every=5), and the end
+
+
 def _collect(procs: list[subprocess.Popen[str]], timeout: float = 180) -> list[str]:
     """Both nodes' output; on a hang, kill them and show what each printed."""
     deadline = time.monotonic() + timeout

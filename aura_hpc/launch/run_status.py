@@ -13,6 +13,8 @@ from typing import Any
 from aura_hpc.errors import LaunchError
 from aura_hpc.launch.run_lock import LOCK_NAME, RunLock, read_json
 
+STRAGGLER_THRESHOLD = 0.75  # train/loop/stragglers.py's (not imported: `status` stays free of torch)
+
 
 def is_local_run(target: str) -> bool:
     p = Path(target).expanduser()
@@ -32,6 +34,14 @@ def local_status(run_dir: Path, latest: dict[str, Any]) -> dict[str, Any]:
     if state != "RUNNING" and summary is not None and summary.get("step") == latest.get("step", summary.get("step")):
         state = "COMPLETED" if summary.get("finished") else "STOPPED"
         reason = "" if summary.get("finished") else "train.stop_at reached; re-run to continue"
+    hang = read_json(run_dir / "hangs" / "last.json")
+    metrics = run_dir / "metrics.jsonl"
+    logged_at = metrics.stat().st_mtime if metrics.exists() else 0.0
+    if hang is not None and state != "COMPLETED" and float(hang.get("declared_at", 0) or 0) >= logged_at:
+        reason = str(hang.get("line", "hung"))  # the watchdog's verdict came after the last metrics row
+    score = latest.get("slowest_score")
+    if isinstance(score, (int, float)) and score < STRAGGLER_THRESHOLD and state == "RUNNING":
+        reason = f"straggler: rank {latest.get('slowest_rank')} (score {score:.2f}); {reason}"
     return {
         "job_id": "local",
         "name": run_dir.name,

@@ -38,6 +38,7 @@ class Checkpointer:
         self.writer: Future[str | None] | None = None  # rank 0's commit of the newest save: its error or None
         self.shards: Future[Any] | None = None  # this rank's background shard write, until the next wait()
         self.mirror = HostMirror()  # rank 0's host copies of what it saves, reused from save to save
+        self.saved_at = time.perf_counter()  # the last save began (train.checkpoint_every_s counts from it)
 
     # ---- resume -------------------------------------------------------------------------
     def resume(self) -> None:
@@ -203,6 +204,7 @@ class Checkpointer:
                 log.error("weights are not finite at step %d: checkpoint NOT written (the previous ones are kept)", pos.step)
             return None
         self.wait()  # one write at a time; and the previous one's outcome, for every rank
+        self.saved_at = time.perf_counter()
         path = self.root / checkpoint.step_dir_name(pos.step)
         if (sharded := sharding(self.wrapped)) is not None:
             behind = self.cfg.train.async_checkpoint and sharded.background_shards

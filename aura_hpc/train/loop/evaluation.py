@@ -13,6 +13,7 @@ from aura_hpc.comm import collectives
 from aura_hpc.config import TrainConfig
 from aura_hpc.train.parts.state import Parts
 from aura_hpc.train.process.runtime import Runtime
+from aura_hpc.train.strategies.base import ShardedCheckpoints
 
 
 @torch.no_grad()
@@ -85,3 +86,21 @@ def host_model(like: Any, weights: dict[str, torch.Tensor], cached: Any = None) 
         cached = type(like)(copy.deepcopy(like.config)).to(torch.float32)
     cached.load_state_dict({k: v.to(torch.float32) for k, v in weights.items()}, strict=False)
     return cached
+
+
+class Sampler:
+    """Samples on rank 0. Under sharded strategies every rank takes part in gathering the weights, and
+    rank 0 keeps one host copy of the model for them from sample to sample."""
+
+    def __init__(self, parts: Parts, t: TrainConfig, rt: Runtime, is_main: bool, sharded: ShardedCheckpoints | None) -> None:
+        self.parts, self.t, self.rt, self.is_main, self.sharded = parts, t, rt, is_main, sharded
+        self._host: Any = None
+
+    def __call__(self, step: int) -> str | None:
+        if self.sharded is not None:
+            weights = self.sharded.full_weights()  # collective
+            if not self.is_main:
+                return None
+            self._host = host_model(self.parts.model, weights, self._host)
+            return sample(self.parts, self.t, step, self.rt, self._host)
+        return sample(self.parts, self.t, step, self.rt) if self.is_main else None

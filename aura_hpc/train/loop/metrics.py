@@ -42,6 +42,10 @@ class MetricsWriter:
         for k, v in row.items():
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 self._tb.add_scalar(f"train/{k}" if k != "eval_loss" else "eval/loss", v, step)
+            elif isinstance(v, list):  # one value per rank (straggler scores): a curve per rank
+                for r, x in enumerate(v):
+                    if isinstance(x, (int, float)) and math.isfinite(x):
+                        self._tb.add_scalar(f"{k}/rank{r}", x, step)
 
     def resources(self, row: dict[str, Any], step: int) -> None:
         """A resource sample (from the monitor thread) as TensorBoard scalars at the current step."""

@@ -19,6 +19,7 @@ import torch
 from aura_hpc.comm import collectives
 from aura_hpc.config import TrainConfig
 from aura_hpc.train.loop.batches import Batches
+from aura_hpc.train.loop.stragglers import BusyClock
 from aura_hpc.train.parts.state import Parts, Position
 from aura_hpc.train.process.runtime import Runtime
 from aura_hpc.train.process.stop import StopRequest
@@ -77,6 +78,7 @@ class Stepper:
         self.t, self.rank, self.world, self.rt = t, rank, world, rt
         self.parts, self.wrapped, self.batches = parts, wrapped, batches
         self.outer = capability(wrapped, OuterLoop)
+        self.clock = BusyClock(rt.device)  # this rank's time before each gradient exchange (loop/stragglers.py)
         # Pinned host buffers for the steps' reports, reused in turn (a report is read one step late,
         # so three never overlap): allocating pinned memory inside a step would synchronise.
         self._ring: list[torch.Tensor] = []
@@ -113,6 +115,7 @@ class Stepper:
                 flags[1:2].fill_(1.0 if gpu_fault_seen() else 0.0)
                 flags[2 + self.rank : 3 + self.rank].copy_((~torch.isfinite(total)).to(torch.float64).view(1))
                 riding = wrapped.send_flags(flags)
+                self.clock.exchange_begins()
             wrapped.backward(loss, p.scaler)
         if riding:
             flags = wrapped.received_flags()
@@ -126,6 +129,7 @@ class Stepper:
         p.scheduler.step()
         if self.outer is not None:
             self.outer.after_update(pos.step + 1)
+        self.clock.exchange_done()
         report = torch.cat([total.view(1), grad_norm.detach().to(torch.float64).view(1), flags])
         host = None
         if report.device.type == "cuda":

@@ -21,10 +21,11 @@ from aura_hpc.train.instruments.seam import Instruments
 from aura_hpc.train.loop import endings
 from aura_hpc.train.loop.batches import Batches
 from aura_hpc.train.loop.data_feed import DataFeed, DataUnavailable
-from aura_hpc.train.loop.evaluation import evaluate, host_model, sample
+from aura_hpc.train.loop.evaluation import Sampler, evaluate
 from aura_hpc.train.loop.health import HealthWatch
 from aura_hpc.train.loop.metrics import Interval, MetricsWriter
 from aura_hpc.train.loop.step import StepOutcome, Stepper, StepResult
+from aura_hpc.train.loop.stragglers import StragglerWatch
 from aura_hpc.train.parts.build import build, compiled, describe, lan_advice
 from aura_hpc.train.parts.state import Position
 from aura_hpc.train.process import progress as progress_page
@@ -68,6 +69,8 @@ class Trainer:
             return endings.data_unavailable(exc, self.ckpt, self.pos, self.env, getattr(self, "progress", None))
         batches = Batches(self.parts, self.layout, env.rank, self.rt.device, self.feed)
         stepper = Stepper(cfg.train, env.rank, self.layout.world, self.rt, self.parts, wrapped, batches)
+        self.clock = stepper.clock
+        self.sample = Sampler(self.parts, cfg.train, self.rt, env.is_main, sharding(wrapped))
         if self.pos.step < self.layout.end_step:
             stepper.warm_up()
         if env.is_main:
@@ -99,6 +102,8 @@ class Trainer:
 
         env, end = self.env, self.layout.end_step
         self.progress = TrainProgress(end, self.pos.step, enabled=env.is_main and self.pos.step < end)
+        hosts = collectives.gather_json(env.hostname) if self.layout.world > 1 else []
+        self.stragglers = StragglerWatch(hosts) if env.is_main and hosts else None
         if env.is_main:
             self.metrics = MetricsWriter(self.run_dir, self.pos.step)
             for h in log.handlers:
@@ -115,6 +120,7 @@ class Trainer:
         """
         pos, lay = self.pos, self.layout
         self.interval = Interval()
+        self.save_due = False  # train.checkpoint_every_s: agreed at the last logged step
         self.bad_in_a_row = 0
         self.loop_start = time.perf_counter()
         pending: StepOutcome | None = None
@@ -216,15 +222,17 @@ class Trainer:
                 self.progress.update(pos.step)
         if t.sample_every and pos.step % t.sample_every == 0 and not at_end:
             with self.page.section("evaluation"):
-                text = self._sample()
+                text = self.sample(pos.step)
             if text is not None:
                 log.info("sample at step %d: %s", pos.step, text.replace("\n", " "))
                 if self.metrics is not None:
                     self.metrics.text("sample", text, pos.step)
-        if (t.checkpoint_every and pos.step % t.checkpoint_every == 0) or at_end:
+        if (t.checkpoint_every and pos.step % t.checkpoint_every == 0) or at_end or self.save_due:
             with self.page.section("checkpoint"):
                 self.ckpt.save(last=at_end)
+            self.save_due = False
         pos.last_eval = None
+        self.clock.pause()
         if logged:
             self.interval.reset()
         else:
@@ -233,7 +241,13 @@ class Trainer:
     def _log_row(self, r: StepResult, do_eval: bool) -> None:
         pos, world, iv = self.pos, self.layout.world, self.interval
         elapsed = time.perf_counter() - iv.start  # before evaluating: eval time is not training speed
-        mean_loss = collectives.reduce_values([iv.loss / iv.steps])[0] / world
+        busy = [0.0] * world  # every rank's time before its gradient exchanges, summed into place in one all-reduce
+        busy[self.env.rank] = self.clock.take()
+        every_s = self.cfg.train.checkpoint_every_s  # rank 0's clock decides for all: every rank saves at the same step
+        late = self.env.is_main and every_s > 0 and time.perf_counter() - self.ckpt.saved_at >= every_s
+        summed = collectives.reduce_values([iv.loss / iv.steps, float(late), *busy])
+        self.save_due = summed[1] > 0
+        mean_loss = summed[0] / world
         eval_loss = evaluate(self.parts, self.cfg.train, self.env.rank, world, self.rt) if do_eval else None
         if eval_loss is not None:
             pos.last_eval = eval_loss
@@ -249,18 +263,11 @@ class Trainer:
         }
         if eval_loss is not None:
             row["eval_loss"] = round(eval_loss, 6)
+        if self.stragglers is not None:
+            row.update(self.stragglers.interval(summed[2:], pos.step))
         if self.env.is_main and self.metrics is not None:
             self.metrics.write(row)
-            log.info(
-                "step %d/%d loss %.4f%s lr %.3e tokens/s %s step_time %.3fs",
-                pos.step,
-                self.layout.end_step,
-                mean_loss,
-                f" eval_loss {eval_loss:.4f}" if eval_loss is not None else "",
-                row["lr"],
-                f"{row['tokens_per_s']:,.0f}",
-                row["step_time_s"],
-            )
+            _log_step(row, self.layout.end_step, mean_loss, eval_loss)
         self.progress.update(pos.step, f"loss {mean_loss:.3f}")
 
     def _eval_row(self, skipped: bool) -> None:
@@ -269,16 +276,6 @@ class Trainer:
         if self.env.is_main and self.metrics is not None:
             self.metrics.write({"step": pos.step, "eval_loss": round(pos.last_eval, 6), "update_skipped": skipped})
             log.info("step %d/%d eval_loss %.4f%s", pos.step, self.layout.end_step, pos.last_eval, " (update skipped)" if skipped else "")
-
-    def _sample(self) -> str | None:
-        """A text sample on rank 0; with sharded weights every rank takes part in gathering them."""
-        if (sharded := sharding(self.wrapped)) is not None:
-            weights = sharded.full_weights()
-            if not self.env.is_main:
-                return None
-            self._host_model = host_model(self.parts.model, weights, getattr(self, "_host_model", None))
-            return sample(self.parts, self.cfg.train, self.pos.step, self.rt, self._host_model)
-        return sample(self.parts, self.cfg.train, self.pos.step, self.rt) if self.env.is_main else None
 
     def _resources_to_tensorboard(self, row: dict[str, Any]) -> None:
         if self.metrics is not None:
@@ -298,7 +295,7 @@ class Trainer:
             self.ckpt.save(last=True)  # the last save was refused (weights not finite): try once more
         self.ckpt.wait()
         final_ckpt = checkpoint.list_complete(self.ckpt.root)
-        last_sample = self._sample()
+        last_sample = self.sample(pos.step)
         if last_sample is not None:
             log.info("sample: %s", last_sample.replace("\n", " "))
             if self.metrics is not None:
@@ -335,6 +332,19 @@ class Trainer:
 
     def _open_circuit(self) -> int:
         return self.health.open_circuit(self.ckpt, self.pos.step)
+
+
+def _log_step(row: dict[str, Any], end: int, mean_loss: float, eval_loss: float | None) -> None:
+    log.info(
+        "step %d/%d loss %.4f%s lr %.3e tokens/s %s step_time %.3fs",
+        row["step"],
+        end,
+        mean_loss,
+        f" eval_loss {eval_loss:.4f}" if eval_loss is not None else "",
+        row["lr"],
+        f"{row['tokens_per_s']:,.0f}",
+        row["step_time_s"],
+    )
 
 
 def _note_first_step(step: int, loop_start: float) -> None:
