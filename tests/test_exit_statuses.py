@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -120,10 +122,31 @@ def test_a_node_whose_worker_refused_its_settings_says_so_even_when_node_0_left_
     assert _refused_here(plan) is None  # type: ignore[arg-type]
 
 
-def test_a_hang_with_no_restart_left_exits_77_naming_the_rank(tmp_path: Path, prepared: Path) -> None:
-    """health.hang_restarts=0: the first hang ends the run, with the watchdog's line and its own status."""
-    r = run_cli(_args(tmp_path, prepared, "--set", "health.hang_restarts=0", "--set", "health.hang_step_floor_s=5"), AURA_FAULT_STOP="0:3")
+def test_a_hang_with_no_restart_left_exits_77_naming_the_rank_and_tells_the_webhook(tmp_path: Path, prepared: Path) -> None:
+    """health.hang_restarts=0: the first hang ends the run, with the watchdog's line, its own status and
+    a `training.hang` event to the webhook."""
+    received: list[dict] = []
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    hook = f"health.webhook_url=http://127.0.0.1:{server.server_address[1]}/hook"
+    try:
+        extra = ("--set", "health.hang_restarts=0", "--set", "health.hang_step_floor_s=5", "--set", hook)
+        r = run_cli(_args(tmp_path, prepared, *extra), AURA_FAULT_STOP="0:3")
+    finally:
+        server.shutdown()
     assert r.returncode == errors.EXIT_HUNG, r.stdout[-2000:] + r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert "hang: rank 0 on " in last and "training after step 3" in last and "health.hang_restarts" in last, last
     assert "to resume" in last, last
+    assert len(received) == 1 and received[0]["event"] == "training.hang" and received[0]["culprits"] == [0], received
+    assert received[0]["line"] in last

@@ -136,6 +136,7 @@ class HangWatch:
                 self.hangs.append(hang)
                 self.kill(ranks)
                 self._seen = {}
+                self.notify(hang)
 
     def read(self) -> dict[int, dict[str, Any]]:
         out = {}
@@ -183,6 +184,26 @@ class HangWatch:
         (where / "hang.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
         (self.cfg.run_dir / "hangs" / "last.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
         return Hang(line, where, culprits, min(p["step"] for p in ranks.values()))
+
+    def notify(self, hang: Hang) -> None:
+        """The `training.hang` event to health.webhook_url, when one is set (after the kill: a slow
+        webhook never delays the restart)."""
+        from aura_hpc.ops import webhook
+
+        h = self.cfg.health
+        url = webhook.resolve_url(h.webhook_url, h.webhook_url_env, h.webhook_url_file)
+        if url:
+            event = {
+                "event": "training.hang",
+                "host": socket.gethostname(),
+                "line": hang.line,
+                "culprits": hang.culprits,
+                "step": hang.progress_step,
+                "run_dir": str(self.cfg.run_dir),
+                "evidence": str(hang.folder),
+                "job_id": os.environ.get("SLURM_JOB_ID", ""),
+            }
+            webhook.deliver(url, h.webhook_type, event, h.webhook_timeout_s, h.webhook_retries)
 
     def kill(self, ranks: dict[int, dict[str, Any]]) -> None:
         """Every worker of this node: a rank stuck in a collective would not leave by itself."""

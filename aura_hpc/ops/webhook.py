@@ -1,4 +1,5 @@
-"""Deliver a `gpu.fault` event to a webhook (generic JSON, Discord or Slack), with retry and timeout.
+"""Deliver an event (`gpu.fault` from the breaker, `training.hang` from the hang watchdog) to a webhook
+(generic JSON, Discord or Slack), with retry and timeout.
 
 The URL is a secret (it usually embeds a token): it is never logged or written anywhere.
 """
@@ -25,7 +26,7 @@ def resolve_url(webhook_url: str, url_env: str, url_file: str) -> str:
         try:
             return Path(url_file).read_text(encoding="utf-8").strip()
         except OSError as exc:
-            log.warning("gpu.fault webhook: health.webhook_url_file cannot be read (%s)", exc.strerror)
+            log.warning("webhook: health.webhook_url_file cannot be read (%s)", exc.strerror)
             return ""
     if url_env:
         return os.environ.get(url_env, "").strip()
@@ -37,6 +38,9 @@ def resolve_url(webhook_url: str, url_env: str, url_file: str) -> str:
 def body(kind: str, event: dict[str, Any]) -> dict[str, Any]:
     if kind == "generic":
         return event
+    if "line" in event:  # an event that is one line already (a hang)
+        text = f"aura_hpc {event['event']} (run {event.get('run_dir')}): {event['line']}"
+        return {"content": text} if kind == "discord" else {"text": text}
     text = (
         f"aura_hpc {event['event']} on {event['host']} GPU {event['gpu_index']}: {event['reason']}"
         f" (job {event.get('job_id') or '-'}, run {event.get('run_dir')}, step {event.get('step')})"
@@ -52,14 +56,14 @@ def deliver(url: str, kind: str, event: dict[str, Any], timeout_s: float = 5.0, 
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                 if 200 <= resp.status < 300:
-                    log.warning("gpu.fault webhook delivered (HTTP %d, attempt %d)", resp.status, attempt + 1)
+                    log.warning("%s webhook delivered (HTTP %d, attempt %d)", event.get("event"), resp.status, attempt + 1)
                     return True
                 why = f"HTTP {resp.status}"
         except urllib.error.HTTPError as exc:
             why = f"HTTP {exc.code}"
         except (urllib.error.URLError, OSError, TimeoutError) as exc:
             why = type(getattr(exc, "reason", exc)).__name__
-        log.warning("gpu.fault webhook attempt %d of %d failed (%s)", attempt + 1, retries + 1, why)
+        log.warning("%s webhook attempt %d of %d failed (%s)", event.get("event"), attempt + 1, retries + 1, why)
         if attempt < retries:
             time.sleep(backoff_s * (attempt + 1))
     return False
