@@ -21,6 +21,12 @@ Current thread 0x2 (most recent call first):
   File "/x/aura_hpc/train/loop/evaluation.py", line 40 in evaluate
   File "/x/aura_hpc/train/worker.py", line 96 in main
 """
+ON_THE_GPU = """Current thread 0x2 (most recent call first):
+  File "/x/torch/cuda/streams.py", line 230 in synchronize
+  File "/x/aura_hpc/train/loop/step.py", line 56 in read
+  File "/x/aura_hpc/train/loop/trainer.py", line 140 in _train
+  File "/x/aura_hpc/train/worker.py", line 96 in main
+"""
 READING = """Current thread 0x2 (most recent call first):
   File "/x/s3fs/core.py", line 10 in _cat_file
   File "/x/aura_hpc/train/loop/data_feed.py", line 88 in _prepare
@@ -55,7 +61,9 @@ def test_a_page_is_what_the_rank_wrote_and_a_torn_one_is_ignored(tmp_path: Path)
 def test_timeouts_have_floors_follow_the_run_and_survive_a_restart(tmp_path: Path) -> None:
     w = _watch(tmp_path)
     try:
-        assert w.timeout("step") == 30 and w.timeout("checkpoint") == 300 and w.timeout("start-up") == 1200
+        # Start-up's 1,200 s is capped below the collective timeout (600 s), which would end the waiting ranks first.
+        assert w.timeout("step") == 30 and w.timeout("checkpoint") == 300 and w.timeout("start-up") == 570
+        assert w.timeout("data") > 600  # the ranks' own patience for a data window comes first
         assert w.timeout("finished") == float("inf")
         t0 = time.time()
         w._learn(0, _page("step", 10, 5, t0))
@@ -89,6 +97,7 @@ def test_the_culprit_is_the_silent_rank_then_the_one_not_waiting_then_the_one_be
     assert _culprits(ranks, {0: WAITING, 1: WAITING}) == ([2], "silent")
     assert _culprits(ranks, {0: WAITING, 1: READING, 2: WAITING}) == ([1], "working")
     assert _culprits(ranks, {0: WAITING, 1: WAITING, 2: WAITING}) == ([2], "behind")
+    assert _culprits(ranks, {0: ON_THE_GPU, 1: WAITING, 2: ON_THE_GPU}) == ([2], "behind")  # NCCL: waiting through the device
     even = {0: _page("step", 12, 30, 0.0), 1: _page("step", 12, 30, 0.0)}
     assert _culprits(even, {0: WAITING, 1: WAITING}) == ([], "elsewhere")
     named = _line(ranks, {0: WAITING, 1: READING, 2: WAITING}, [1], "working", "gpu-07", 42.0, tmp_path)

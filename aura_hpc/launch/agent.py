@@ -118,10 +118,10 @@ def run_workers(plan: LocalPlan) -> int:
                 watch.start()
             try:
                 return _launch_once(plan, lc)
-            except TrainingFailed:
+            except TrainingFailed as failed:
                 hang = watch.hangs[-1] if watch is not None and len(watch.hangs) > seen else None
-                if hang is None:
-                    raise
+                if hang is None or failed.exit_code != EXIT_TRAIN_FAILED:
+                    raise  # no hang, or the agent restarted after it and the run then ended otherwise (diverged, ...)
                 hung_in_a_row = 1 if hang.progress_step > furthest else hung_in_a_row + 1
                 furthest = max(furthest, hang.progress_step)
                 budget = plan.cfg.health.hang_restarts

@@ -35,7 +35,9 @@ ANSWER_WAIT_S = 5.0
 FACTOR = 5.0  # a section may take this many times the longest seen before it counts as hung
 STACK_HEADER = "(most recent call first):"
 # Frames of a rank that waits for its peers: it is held up, not the one holding the others up.
-WAITING_FRAMES = ("torch/distributed/", "comm/collectives.py", "in backward", "in _engine_run_backward", "in wait")
+# On NCCL the host waits for its peers through the device: in the step report's read (one step late)
+# or a CUDA synchronize, not inside the collective.
+WAITING_FRAMES = ("torch/distributed/", "comm/collectives.py", "in backward", "in _engine_run_backward", "in wait", "torch/cuda/")
 
 
 @dataclass
@@ -76,13 +78,22 @@ class HangWatch:
 
     # ---- timeouts ----------------------------------------------------------------------------
     def timeout(self, section: str) -> float:
-        h = self.cfg.health
+        h, d = self.cfg.health, self.cfg.data
         if section == "finished":
             return float("inf")
+        if section == "data":
+            # The ranks wait for a data window through the store, with their own patience and verdict (exit 74): after it.
+            from aura_hpc.data.storage import window_patience_s
+
+            return window_patience_s(d.read_tries, d.read_timeout_s, d.shuffle_window) + 60
         if section == "start-up":
-            return float(h.hang_startup_s)
-        floor = h.hang_step_floor_s if section == "step" else h.hang_section_floor_s
-        return max(float(floor), FACTOR * self.calibration.get(section, 0.0))
+            limit = float(h.hang_startup_s)
+        else:
+            floor = h.hang_step_floor_s if section == "step" else h.hang_section_floor_s
+            limit = max(float(floor), FACTOR * self.calibration.get(section, 0.0))
+        # Past the collective timeout the waiting ranks' collective fails first (NCCL aborts them without a
+        # stack): the watchdog must speak before it.
+        return min(limit, max(float(h.hang_step_floor_s), self.cfg.dist.timeout_s - 30.0))
 
     def _learn(self, rank: int, now: dict[str, Any]) -> None:
         """The longest step (per step, between two readings) and section seen, kept across restarts."""
@@ -228,7 +239,8 @@ def _culprits(ranks: dict[int, dict[str, Any]], stacks: dict[int, str]) -> tuple
 
 def _waiting(stack: str) -> bool:
     top = _main_stack(stack)[:4]
-    return any(any(w in frame for w in WAITING_FRAMES) for frame in top)
+    report = any("loop/step.py" in f and f.endswith(" in read") for f in top)  # the step report, read one step late
+    return report or any(any(w in frame for w in WAITING_FRAMES) for frame in top)
 
 
 def _main_stack(stack: str) -> list[str]:

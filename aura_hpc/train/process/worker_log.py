@@ -29,12 +29,17 @@ def setup(log_dir: Path | None, rank: int, stream_handler: logging.Handler | Non
 
 def dump_stacks_on(sig: int) -> None:
     """On `sig`, every thread's Python stack into the rank's log file: faulthandler answers from its C
-    handler, so a rank blocked inside a collective (in C++, holding no GIL to give) answers too."""
+    handler, so a rank blocked inside a collective (in C++, holding no GIL to give) answers too. The same
+    on a fatal signal (NCCL's watchdog aborts a rank whose collective timed out). Through a duplicate of
+    the log's descriptor, which stays open after logging closes the file at exit."""
     import faulthandler
+    import os
 
     for h in log.handlers:
         if isinstance(h, logging.FileHandler) and h.stream is not None:
-            faulthandler.register(sig, file=h.stream, all_threads=True)
+            fd = os.dup(h.stream.fileno())
+            faulthandler.register(sig, file=fd, all_threads=True)
+            faulthandler.enable(file=fd, all_threads=True)
             return
 
 
