@@ -5,6 +5,7 @@ test_faults.py::test_a_stopped_rank_is_named_within_a_minute_and_the_run_restart
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -104,3 +105,17 @@ def test_the_culprit_is_the_silent_rank_then_the_one_not_waiting_then_the_one_be
     assert named.startswith("hang: rank 1 on gpu-07 is not waiting for its peers: train/loop/data_feed.py:88 in _prepare")
     assert "inside core.py:10 in _cat_file" in named and "wait at train/loop/evaluation.py:40 in evaluate" in named, named
     assert "the rank holding them up is on another node" in _line(even, {0: WAITING, 1: WAITING}, [], "elsewhere", "h", 31.0, tmp_path)
+
+
+def test_a_killed_launchers_progress_folder_is_removed_by_the_next_and_a_live_ones_kept(tmp_path: Path) -> None:
+    from aura_hpc.launch.hang_watch import _sweep
+
+    gone = tmp_path / "aura-progress-999999999-abc"  # no such process
+    alive = tmp_path / f"aura-progress-{os.getpid()}-def"
+    other = tmp_path / "aura-progress-999999999-ghi"
+    for f in (gone, alive, other):
+        f.mkdir()
+        (f / "rank0").write_bytes(b"x")
+    (other / "notes.txt").write_text("not ours")  # something we did not write: the folder stays
+    _sweep(tmp_path)
+    assert not gone.exists() and (alive / "rank0").exists() and (other / "notes.txt").exists()

@@ -71,7 +71,8 @@ class HangWatch:
     @classmethod
     def for_run(cls, cfg: RunConfig) -> HangWatch:
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        folder = Path(tempfile.mkdtemp(prefix="aura-progress-", dir=base))
+        _sweep(base)
+        folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base))
         watch = cls(cfg, folder)
         watch.calibration = _read_calibration(cfg.run_dir / CALIBRATION)
         return watch
@@ -221,6 +222,28 @@ class HangWatch:
         for r, p in ranks.items():
             _signal(p["pid"], signal.SIGKILL)  # a stopped process dies of it too
             progress.file_for(self.folder, r).unlink(missing_ok=True)  # a restarted rank writes a new page
+
+
+PREFIX = "aura-progress-"  # then the launcher's PID: a killed launcher's folder is removed by the next one
+
+
+def _sweep(base: Path) -> None:
+    """Progress folders of launchers that are gone (killed before they could remove their own)."""
+    for folder in base.glob(f"{PREFIX}*-*"):
+        pid = folder.name.removeprefix(PREFIX).split("-", 1)[0]
+        if not pid.isdigit() or folder.is_symlink() or not folder.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its launcher still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's live process
+        for page in folder.glob("rank*"):
+            page.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when nothing else is in it
 
 
 def _culprits(ranks: dict[int, dict[str, Any]], stacks: dict[int, str]) -> tuple[list[int], str]:
