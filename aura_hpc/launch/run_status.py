@@ -12,8 +12,7 @@ from typing import Any
 
 from aura_hpc.errors import LaunchError
 from aura_hpc.launch.run_lock import LOCK_NAME, RunLock, read_json
-
-STRAGGLER_THRESHOLD = 0.75  # train/loop/stragglers.py's (not imported: `status` stays free of torch)
+from aura_hpc.train.loop.stragglers import THRESHOLD as STRAGGLER_THRESHOLD
 
 
 def is_local_run(target: str) -> bool:

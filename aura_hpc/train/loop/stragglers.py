@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("aura_hpc")
 
@@ -38,6 +39,8 @@ class BusyClock:
     def _mark(self) -> Any:
         if not self.cuda:
             return time.perf_counter()
+        import torch  # here: `status` reads THRESHOLD without importing torch
+
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
