@@ -112,6 +112,32 @@ def test_beyond_max_restarts_says_how_to_resume_and_rerun_resumes(tmp_path: Path
     assert _same(final_weights(tmp_path / "run"), reference[STEPS])
 
 
+def test_a_rank_stopped_on_another_node_is_named_on_both_and_both_nodes_restart_bit_identical(
+    tmp_path: Path, prepared: Path, reference: dict
+) -> None:
+    """Two LAN nodes of one process each: the rank of node 1 stops after step 12. Node 1's watchdog names it;
+    node 0, whose rank only waits, names the same rank through the board in node 0's store (not "another
+    node", not its own rank); both launchers restart the run from step 10 and it ends as if nothing had hung."""
+    from tests.conftest import free_port
+
+    args = ["local", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--nproc-per-node", "1"]
+    args += ["--set", f"data.path={prepared}", *BASE, "--set", f"train.max_steps={STEPS}", "--run-name", "lan"]
+    runs = [[*args, "--node-rank", str(n), "--output-dir", str(tmp_path / f"m{n}")] for n in (0, 1)]
+    node0, node1 = run_cli_together(runs, timeout=600, AURA_FAULT_STOP="1:12")
+    run0 = tmp_path / "m0" / "lan"
+    assert node0.returncode == 0 and node1.returncode == 0, _diagnose(node0, run0) + _diagnose(node1, tmp_path / "m1" / "lan")
+    stopped_at = float(re.search(r"SIGSTOP rank 1 after step 12 at ([\d.]+)", node1.stdout).group(1))
+    for node, out in ((0, node0), (1, node1)):
+        line = next(x for x in out.stderr.splitlines() if "hang: " in x)
+        assert "hang: rank 1 on " in line and "did not answer" in line and "training after step 12" in line, (node, line)
+        assert "restarting the workers on every node" in out.stdout, out.stdout[-2000:]
+    assert "named by node 1" in next(x for x in node0.stderr.splitlines() if "hang: " in x)
+    record = json.loads((tmp_path / "m1" / "lan" / "hangs" / "last.json").read_text())
+    assert record["culprits"] == [1] and record["declared_at"] - stopped_at <= 60
+    assert "resumed from checkpoint step_00000010 at step 10" in node0.stdout, node0.stdout[-3000:]
+    assert _same(final_weights(run0), reference[STEPS])
+
+
 def _workers(launcher: subprocess.Popen[str]) -> dict[int, psutil.Process]:
     found = {}
     for child in psutil.Process(launcher.pid).children(recursive=True):

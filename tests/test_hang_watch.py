@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.config import load_config
-from aura_hpc.launch.hang_watch import HangWatch, _culprits, _line
+from aura_hpc.launch.hang_evidence import hang_line, name_culprits
+from aura_hpc.launch.hang_watch import HangWatch
 from aura_hpc.train.process import progress
 
 WAITING = """Thread 0x1 (most recent call first):
@@ -95,16 +96,16 @@ def test_a_hang_is_when_no_rank_moved_for_longer_than_its_section_allows(tmp_pat
 
 def test_the_culprit_is_the_silent_rank_then_the_one_not_waiting_then_the_one_behind(tmp_path: Path) -> None:
     ranks = {0: _page("step", 12, 30, 0.0), 1: _page("step", 12, 30, 0.0), 2: _page("step", 11, 29, 0.0)}
-    assert _culprits(ranks, {0: WAITING, 1: WAITING}) == ([2], "silent")
-    assert _culprits(ranks, {0: WAITING, 1: READING, 2: WAITING}) == ([1], "working")
-    assert _culprits(ranks, {0: WAITING, 1: WAITING, 2: WAITING}) == ([2], "behind")
-    assert _culprits(ranks, {0: ON_THE_GPU, 1: WAITING, 2: ON_THE_GPU}) == ([2], "behind")  # NCCL: waiting through the device
+    assert name_culprits(ranks, {0: WAITING, 1: WAITING}) == ([2], "silent")
+    assert name_culprits(ranks, {0: WAITING, 1: READING, 2: WAITING}) == ([1], "working")
+    assert name_culprits(ranks, {0: WAITING, 1: WAITING, 2: WAITING}) == ([2], "behind")
+    assert name_culprits(ranks, {0: ON_THE_GPU, 1: WAITING, 2: ON_THE_GPU}) == ([2], "behind")  # NCCL: waiting through the device
     even = {0: _page("step", 12, 30, 0.0), 1: _page("step", 12, 30, 0.0)}
-    assert _culprits(even, {0: WAITING, 1: WAITING}) == ([], "elsewhere")
-    named = _line(ranks, {0: WAITING, 1: READING, 2: WAITING}, [1], "working", "gpu-07", 42.0, tmp_path)
+    assert name_culprits(even, {0: WAITING, 1: WAITING}) == ([], "elsewhere")
+    named = hang_line(ranks, {0: WAITING, 1: READING, 2: WAITING}, [1], "working", "gpu-07", 42.0, tmp_path)
     assert named.startswith("hang: rank 1 on gpu-07 is not waiting for its peers: train/loop/data_feed.py:88 in _prepare")
     assert "inside core.py:10 in _cat_file" in named and "wait at train/loop/evaluation.py:40 in evaluate" in named, named
-    assert "the rank holding them up is on another node" in _line(even, {0: WAITING, 1: WAITING}, [], "elsewhere", "h", 31.0, tmp_path)
+    assert "the rank holding them up is on another node" in hang_line(even, {0: WAITING, 1: WAITING}, [], "elsewhere", "h", 31.0, tmp_path)
 
 
 def test_a_killed_launchers_progress_folder_is_removed_by_the_next_and_a_live_ones_kept(tmp_path: Path) -> None:
@@ -119,3 +120,41 @@ def test_a_killed_launchers_progress_folder_is_removed_by_the_next_and_a_live_on
     (other / "notes.txt").write_text("not ours")  # something we did not write: the folder stays
     _sweep(tmp_path)
     assert not gone.exists() and (alive / "rank0").exists() and (other / "notes.txt").exists()
+
+
+def test_the_board_carries_signed_verdicts_between_nodes_and_ignores_strangers(tmp_path: Path) -> None:
+    """The nodes of a LAN run tell each other about a hang in node 0's store: a verdict signed with the run's
+    secret is read back (its text made safe for a terminal); an unsigned, forged or oversized one is not; a
+    node relaunching after a hang waits for node 0's new store, not the old one."""
+    import json
+    from datetime import timedelta
+
+    from aura_hpc.comm import stores
+    from aura_hpc.launch.hang_board import PREFIX, HangBoard, Verdict
+
+    def server(port: int) -> Any:
+        s = stores.bound_server("127.0.0.1", port, timedelta(seconds=10), multi_tenant=True)
+        s.set(stores.ROUND_KEY, f"{time.time()}")
+        return s
+
+    store = server(0)
+    port = store.port
+    node0, node1 = (HangBoard("127.0.0.1", port, n, 3, "the-run-secret") for n in (0, 1))
+    stranger = HangBoard("127.0.0.1", port, 2, 3, "not-the-secret")
+    t0 = time.time() - 1
+    line = "hang: rank 1 on b \x1b[2J did not answer"
+    assert node1.publish(Verdict(1, "b", line, [1], time.time(), 12))
+    assert stranger.publish(Verdict(2, "c", "hang: rank 0 on a is the culprit", [0], time.time(), 12))
+    [seen] = node0.others(t0)
+    assert (seen.node, seen.culprits, seen.step) == (1, [1], 12) and "\x1b" not in seen.line and "did not answer" in seen.line
+    store.set(f"{PREFIX}2", json.dumps({"v": json.dumps({"node": 2}), "mac": "0" * 64}))  # forged
+    store.set(f"{PREFIX}2", b"x" * 100_000)  # oversized
+    assert [v.node for v in node0.others(t0)] == [1]
+    assert node0.others(time.time() + 60) == []  # an older hang's verdict is not this one's
+    node1.note_round()
+    assert node1.round_seen is not None
+    del store  # node 0's launcher ends its attempt; its next one makes the store anew on the same port
+    again = server(port)
+    started = time.monotonic()
+    node1.wait_for_a_new_store(30)
+    assert time.monotonic() - started < 10 and again.check([stores.ROUND_KEY])

@@ -29,6 +29,8 @@ log = logging.getLogger("aura_hpc")
 
 RDZV_BACKEND = "aura-c10d"
 SECRET_ENV = "AURA_RUN_SECRET"
+# Set by node 0's launcher in each rendezvous store it makes: after a hang, the other nodes relaunch once it differs.
+ROUND_KEY = "aura-round"
 SECRET_FILE = "run.secret"  # in the run directory, mode 600 (Slurm jobs; LAN node 0 keeps its own)
 MIN_SECRET = 16
 
@@ -116,6 +118,7 @@ def register_rendezvous() -> None:
         try:
             if params.get_as_bool("is_host", False):
                 store = bound_server(host, port, timeout, multi_tenant=True)
+                store.set(ROUND_KEY, f"{time.time():.6f}-{os.getpid()}")
             else:
                 store = client(host, port, timeout)
         except OSError as exc:

@@ -35,6 +35,7 @@ from aura_hpc.errors import (
 from aura_hpc.launch.plan import LocalPlan
 
 if TYPE_CHECKING:
+    from aura_hpc.launch.hang_board import HangBoard
     from aura_hpc.launch.hang_watch import Hang
 
 RDZV_RUN_ID = "aura_hpc"
@@ -109,7 +110,7 @@ def run_workers(plan: LocalPlan) -> int:
         local_addr=plan.local_addr,
         **options,
     )
-    watch = HangWatch.for_run(plan.cfg) if plan.cfg.health.hang_watch else None
+    watch = HangWatch.for_run(plan.cfg, _board(plan)) if plan.cfg.health.hang_watch else None
     hung_in_a_row, furthest = 0, -1
     try:
         while True:
@@ -120,18 +121,25 @@ def run_workers(plan: LocalPlan) -> int:
                 return _launch_once(plan, lc)
             except TrainingFailed as failed:
                 hang = watch.hangs[-1] if watch is not None and len(watch.hangs) > seen else None
+                if hang is None and watch is not None and failed.exit_code == EXIT_TRAIN_FAILED:
+                    # Another node declared the hang and killed its workers: ours then failed on the broken collectives.
+                    hang = watch.peer_hang()
+                    if hang is not None:
+                        console.error(hang.line)
                 if hang is None or failed.exit_code != EXIT_TRAIN_FAILED:
                     raise  # no hang, or the agent restarted after it and the run then ended otherwise (diverged, ...)
                 hung_in_a_row = 1 if hang.progress_step > furthest else hung_in_a_row + 1
                 furthest = max(furthest, hang.progress_step)
                 budget = plan.cfg.health.hang_restarts
-                if plan.nnodes == 1 and hung_in_a_row <= budget:
-                    console.info(
-                        "restarting the workers from the newest checkpoint after the hang "
-                        f"(hang restart {hung_in_a_row} of at most {budget} in a row without progress)"
-                    )
-                    continue
-                raise _hung(plan, hang, hung_in_a_row - 1 if plan.nnodes == 1 else 0) from None
+                if hung_in_a_row > budget:
+                    raise _hung(plan, hang, hung_in_a_row - 1) from None
+                every = " on every node" if plan.nnodes > 1 else ""
+                console.info(
+                    f"restarting the workers{every} from the newest checkpoint after the hang "
+                    f"(hang restart {hung_in_a_row} of at most {budget} in a row without progress)"
+                )
+                if watch is not None and watch.board is not None and plan.node_rank > 0:
+                    watch.board.wait_for_a_new_store(plan.rdzv_timeout)  # node 0 makes the rendezvous anew
             finally:
                 if watch is not None:
                     watch.stop()
@@ -140,10 +148,19 @@ def run_workers(plan: LocalPlan) -> int:
             watch.close()
 
 
+def _board(plan: LocalPlan) -> HangBoard | None:
+    """Where a LAN run's nodes tell each other about a hang (node 0's rendezvous store)."""
+    from aura_hpc.launch.hang_board import HangBoard
+
+    if plan.nnodes == 1:
+        return None
+    return HangBoard(plan.master_addr, plan.master_port, plan.node_rank, plan.nnodes, os.environ.get(stores.SECRET_ENV, ""))
+
+
 def _hung(plan: LocalPlan, hang: Hang, restarts: int) -> TrainingFailed:
-    """The verdict on a run the watchdog found hung and did not (or no longer) restart."""
-    if plan.nnodes > 1:
-        why = "restart every node with the same command (a run across machines restarts by hand)"
+    """The verdict on a run the watchdog found hung and no longer restarts."""
+    if plan.cfg.health.hang_restarts == 0:
+        why = "no restart after a hang (health.hang_restarts=0)"
     else:
         why = f"it hung again after {restarts} restart(s) without progress (health.hang_restarts): fix the cause, then re-run"
     return TrainingFailed(f"{hang.line}; {why}; {_resume_hint(plan)}", EXIT_HUNG)

@@ -19,7 +19,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -28,16 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.config import RunConfig
+from aura_hpc.launch.hang_board import HangBoard, Verdict
+from aura_hpc.launch.hang_evidence import hang_line, log_size, name_culprits, py_spy, wait_for_stacks
 from aura_hpc.train.process import progress
 
 CALIBRATION = "hang_calibration.json"
 ANSWER_WAIT_S = 5.0
 FACTOR = 5.0  # a section may take this many times the longest seen before it counts as hung
-STACK_HEADER = "(most recent call first):"
-# Frames of a rank that waits for its peers: it is held up, not the one holding the others up.
-# On NCCL the host waits for its peers through the device: in the step report's read (one step late)
-# or a CUDA synchronize, not inside the collective.
-WAITING_FRAMES = ("torch/distributed/", "comm/collectives.py", "in backward", "in _engine_run_backward", "in wait", "torch/cuda/")
+PEER_WAIT_S = 20.0  # a node whose ranks all wait, for the node that names the culprit
+PEER_POLL_IDLE_S = 10.0  # the board is read while this node's ranks have not moved for this long
 
 
 @dataclass
@@ -64,16 +62,19 @@ class HangWatch:
     poll_s: float = 1.0
     calibration: dict[str, float] = field(default_factory=dict)
     hangs: list[Hang] = field(default_factory=list)  # every hang declared, oldest first
+    board: HangBoard | None = None  # a LAN run's other nodes (launch/hang_board.py)
+    peer_hangs: list[Verdict] = field(default_factory=list)  # the other nodes' verdicts in this attempt
+    started: float = 0.0
     _stop: threading.Event = field(default_factory=threading.Event)
     _seen: dict[int, _Seen] = field(default_factory=dict)
     _thread: threading.Thread | None = None
 
     @classmethod
-    def for_run(cls, cfg: RunConfig) -> HangWatch:
+    def for_run(cls, cfg: RunConfig, board: HangBoard | None = None) -> HangWatch:
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         _sweep(base)
         folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base))
-        watch = cls(cfg, folder)
+        watch = cls(cfg, folder, board=board)
         watch.calibration = _read_calibration(cfg.run_dir / CALIBRATION)
         return watch
 
@@ -115,6 +116,7 @@ class HangWatch:
     def start(self) -> None:
         os.environ[progress.ENV] = str(self.folder)
         self._seen = {}
+        self.peer_hangs, self.started = [], time.time()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="aura-hang-watch", daemon=True)
         self._thread.start()
@@ -137,18 +139,55 @@ class HangWatch:
                 continue
             for r, p in ranks.items():
                 self._learn(r, p)
-            if self.hung(ranks, time.time()):
+            now = time.time()
+            if self.board is not None:
+                self.board.note_round()
+                if now - max(p["beat"] for p in ranks.values()) > PEER_POLL_IDLE_S:
+                    self.peer_hangs = self.board.others(self.started)
+            if self.hung(ranks, now):
                 from aura_hpc import console
 
                 try:
                     hang = self.investigate(ranks)
                 except Exception as exc:  # the evidence failed (a full disk?): the run is still hung
                     hang = Hang(f"hang: no rank of this node made progress; its evidence could not be kept ({exc})", self.folder, [], 0)
+                hang = self._agree(hang)
                 console.error(hang.line)
                 self.hangs.append(hang)
                 self.kill(ranks)
                 self._seen = {}
                 self.notify(hang)
+
+    def _agree(self, hang: Hang) -> Hang:
+        """With other nodes: this node's verdict on the board (peers read it before anything is killed), or,
+        when every rank here only waits, the verdict of the node that names the culprit."""
+        if self.board is None:
+            return hang
+        here = Verdict(self.board.node_rank, socket.gethostname(), hang.line, hang.culprits, time.time(), hang.progress_step)
+        self.board.publish(here)
+        if hang.culprits:
+            time.sleep(2 * self.poll_s)  # the peers read the board once a second while their ranks wait
+            return hang
+        named = [v for v in self.board.wait_for_others(self.started, PEER_WAIT_S) if v.culprits]
+        if not named:
+            return hang
+        v = named[0]
+        line = f"{v.line} (named by node {v.node}; every rank on {here.host} waited for it: their stacks in {hang.folder})"
+        with contextlib.suppress(OSError, ValueError):
+            for path in (hang.folder / "hang.json", self.cfg.run_dir / "hangs" / "last.json"):
+                record = json.loads(path.read_text(encoding="utf-8"))
+                record.update(line=line, culprits=v.culprits, named_by=v.as_dict())
+                path.write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
+        return Hang(line, hang.folder, v.culprits, v.step)
+
+    def peer_hang(self) -> Hang | None:
+        """A hang another node declared in this attempt, when this node's workers ended on the broken
+        collectives it left behind (before this node's own watchdog spoke)."""
+        named = [v for v in self.peer_hangs if v.culprits] or self.peer_hangs
+        if not named:
+            return None
+        v = named[0]
+        return Hang(f"{v.line} (named by node {v.node})", self.cfg.run_dir / "hangs", v.culprits, v.step)
 
     def read(self) -> dict[int, dict[str, Any]]:
         out = {}
@@ -160,7 +199,8 @@ class HangWatch:
 
     def hung(self, ranks: dict[int, dict[str, Any]], now: float) -> bool:
         """No rank of this node has moved for longer than the most generous of their sections allows."""
-        if all(p["section"] == "finished" for p in ranks.values()):
+        ranks = {r: p for r, p in ranks.items() if _alive(p["pid"])}  # one that exited is the agent's to report
+        if not ranks or all(p["section"] == "finished" for p in ranks.values()):
             return False
         idle = now - max(p["beat"] for p in ranks.values())
         return idle > max(self.timeout(p["section"]) for p in ranks.values())
@@ -172,18 +212,18 @@ class HangWatch:
         where = self.cfg.run_dir / "hangs" / time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
         where.mkdir(parents=True, exist_ok=True)
         logs = {r: self.cfg.run_dir / "logs" / f"rank_{r}.log" for r in ranks}
-        offsets = {r: _size(logs[r]) for r in ranks}
+        offsets = {r: log_size(logs[r]) for r in ranks}
         for p in ranks.values():
             _signal(p["pid"], progress.STACK_SIGNAL)
-        stacks = _wait_for_stacks(logs, offsets, ANSWER_WAIT_S)
+        stacks = wait_for_stacks(logs, offsets, ANSWER_WAIT_S)
         for r, p in ranks.items():
             text = stacks.get(r) or "(no answer to the stack request: stopped, or stuck outside Python)\n"
-            native = _py_spy(p["pid"])
+            native = py_spy(p["pid"])
             (where / f"rank{r}.txt").write_text(text + (f"\n--- py-spy dump --native ---\n{native}" if native else ""), encoding="utf-8")
-        culprits, reason = _culprits(ranks, stacks)
+        culprits, reason = name_culprits(ranks, stacks)
         host = socket.gethostname()
         idle = now - max(p["beat"] for p in ranks.values())
-        line = _line(ranks, stacks, culprits, reason, host, idle, where)
+        line = hang_line(ranks, stacks, culprits, reason, host, idle, where)
         record = {
             "declared_at": now,
             "host": host,
@@ -246,133 +286,24 @@ def _sweep(base: Path) -> None:
             folder.rmdir()  # only when nothing else is in it
 
 
-def _culprits(ranks: dict[int, dict[str, Any]], stacks: dict[int, str]) -> tuple[list[int], str]:
-    silent = sorted(r for r in ranks if not stacks.get(r))
-    if silent:
-        return silent, "silent"
-    working = sorted(r for r in ranks if not _waiting(stacks[r]))
-    if working and len(working) < len(ranks):
-        return working, "working"
-    least = min((p["step"], p["entered"]) for p in ranks.values())
-    behind = sorted(r for r, p in ranks.items() if (p["step"], p["entered"]) == least)
-    if len(behind) < len(ranks):
-        return behind, "behind"
-    return [], "elsewhere"
-
-
-def _waiting(stack: str) -> bool:
-    top = _main_stack(stack)[:4]
-    report = any("loop/step.py" in f and f.endswith(" in read") for f in top)  # the step report, read one step late
-    return report or any(any(w in frame for w in WAITING_FRAMES) for frame in top)
-
-
-def _main_stack(stack: str) -> list[str]:
-    """The training thread's frames, most recent first (faulthandler lists every thread)."""
-    threads: list[list[str]] = []
-    for line in stack.splitlines():
-        if STACK_HEADER in line:
-            threads.append([])
-        elif threads and line.strip().startswith("File "):
-            threads[-1].append(line.strip())
-    for frames in threads:
-        if any("aura_hpc/train/worker.py" in f and f.endswith(" in main") for f in frames):
-            return frames
-    return threads[0] if threads else []
-
-
-def _top(stack: str) -> str:
-    """The innermost frame of ours in the training thread ("step.py:123 in step"), with what it called."""
-    frames = _main_stack(stack)
-    # Our innermost frame that says what the rank was doing (the collectives module only relays).
-    ours = next((f for f in frames if "aura_hpc/" in f and "aura_hpc/comm/" not in f), None)
-    if ours is None:
-        return frames[0] if frames else "?"
-
-    def short(frame: str) -> str:
-        parts = frame.replace('File "', "").replace('", line ', ":").split(" in ")
-        path = parts[0].split("aura_hpc/", 1)[-1] if "aura_hpc/" in parts[0] else parts[0].rsplit("/", 1)[-1]
-        return f"{path.strip()} in {parts[1].strip()}" if len(parts) > 1 else path.strip()
-
-    inner = frames[0]
-    return short(ours) + ("" if inner == ours else f" (inside {short(inner)})")
-
-
-def _line(
-    ranks: dict[int, dict[str, Any]], stacks: dict[int, str], culprits: list[int], reason: str, host: str, idle: float, where: Path
-) -> str:
-    def state(r: int) -> str:
-        p = ranks[r]
-        doing = "training" if p["section"] == "step" else p["section"]
-        return f"{doing} after step {p['step']}, {p['entered']} collectives entered"
-
-    if culprits:
-        r = culprits[0]
-        what = {
-            "silent": "did not answer the request for its stack (stopped, or stuck outside Python)",
-            "working": f"is not waiting for its peers: {_top(stacks.get(r, ''))}",
-            "behind": f"is behind the others: {_top(stacks.get(r, ''))}",
-        }[reason]
-        others = [o for o in ranks if o not in culprits]
-        waiting = ""
-        if others:
-            o, many = others[0], len(others) > 1
-            who = f"rank{'s' if many else ''} {', '.join(map(str, others))} wait{'' if many else 's'}"
-            waiting = f"; {who} at {_top(stacks.get(o, ''))} ({state(o)})"
-        names = ", ".join(map(str, culprits))
-        return f"hang: rank {names} on {host} {what} ({state(r)}), no progress for {idle:.0f}s{waiting}; stacks in {where}"
-    r = min(ranks)
-    return (
-        f"hang: every rank on {host} waits for a peer ({state(r)}; at {_top(stacks.get(r, ''))}), no progress for {idle:.0f}s: "
-        f"the rank holding them up is on another node; stacks in {where}"
-    )
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (stopped counts as alive: that is a hang)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def _wait_for_stacks(logs: dict[int, Path], offsets: dict[int, int], wait_s: float) -> dict[int, str]:
-    """What each rank's faulthandler wrote into its log after the request (a rank that answered has a
-    stack header there)."""
-    deadline = time.time() + wait_s
-    got: dict[int, str] = {}
-    while True:
-        for r, path in logs.items():
-            if r in got:
-                continue
-            try:
-                with open(path, "rb") as f:
-                    f.seek(offsets[r])
-                    text = f.read(1 << 20).decode("utf-8", errors="replace")
-            except OSError:
-                continue
-            if STACK_HEADER in text:
-                time.sleep(0.2)  # the other threads' stacks follow within the same handler
-                with open(path, "rb") as f:
-                    f.seek(offsets[r])
-                    got[r] = f.read(1 << 20).decode("utf-8", errors="replace")
-        if len(got) == len(logs) or time.time() > deadline:
-            return got
-        time.sleep(0.1)
-
-
-def _py_spy(pid: int) -> str:
-    exe = shutil.which("py-spy")
-    if exe is None:
-        return ""
-    try:
-        out = subprocess.run([exe, "dump", "--pid", str(pid), "--native"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return out.stdout or out.stderr
 
 
 def _read_calibration(path: Path) -> dict[str, float]:

@@ -142,8 +142,10 @@ def compute_seconds(cfg: RunConfig, tokenizer_vocab: int, device: Any) -> float:
     flops = (6 * n_params + 12 * m.n_layer * m.n_embd * cfg.data.seq_len) * tokens
     rows = min(tokens, 4096)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a = torch.randn(rows, m.n_embd, device=device, dtype=dtype)
-    b = torch.randn(m.n_embd, 4 * m.n_embd, device=device, dtype=dtype)
+    # Constant operands: drawing them from the global RNG would move the streams a resumed run has just
+    # restored from its checkpoint (rank 0's dropout would then differ from an uninterrupted run).
+    a = torch.full((rows, m.n_embd), 0.5, device=device, dtype=dtype)
+    b = torch.full((m.n_embd, 4 * m.n_embd), 0.25, device=device, dtype=dtype)
     a @ b  # warm-up
     reps = 5
     if device.type == "cuda":

@@ -1,0 +1,159 @@
+"""Where the nodes of a LAN run tell each other about a hang: keys in node 0's rendezvous store.
+
+Each node's watchdog sees only its own ranks. When a rank of node 1 stops, node 0's ranks all wait
+in a collective and node 0's watchdog can only say "the rank holding them up is on another node";
+when node 1 then kills its workers, node 0's see a broken connection, not a hang. So a watchdog that
+declares a hang publishes its verdict here before it kills anything, and the others read it: every
+node names the same culprit, and every launcher knows its run hung (and restarts it) rather than
+reading the peers' broken collectives as a crash.
+
+The store is reachable by anyone who reaches the rendezvous port, so a verdict is signed with the
+run's secret (an HMAC, as the ranks' proofs in comm/stores.py), bounded in size, and read as
+hostile input: fields typed, text stripped of control characters before it reaches a terminal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from aura_hpc.comm import stores
+
+PREFIX = "aura-hang/node"
+MAX_VALUE = 16384
+CONNECT_S = 10.0
+FRESH_S = 180.0  # a verdict older than this is another hang's
+
+
+@dataclass
+class Verdict:
+    node: int
+    host: str
+    line: str
+    culprits: list[int]
+    declared_at: float
+    step: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "host": self.host,
+            "line": self.line,
+            "culprits": self.culprits,
+            "declared_at": self.declared_at,
+            "step": self.step,
+        }
+
+
+@dataclass
+class HangBoard:
+    addr: str
+    port: int
+    node_rank: int
+    nnodes: int
+    secret: str
+    round_seen: str | None = None
+    _store: Any = field(default=None, repr=False)
+
+    def _connect(self) -> Any:
+        # A connection of our own (never the agent's store object: holding it would keep node 0's
+        # rendezvous port bound after the agent is done, and a relaunch could not bind it again).
+        if self._store is None:
+            self._store = stores.client(self.addr, self.port, timedelta(seconds=CONNECT_S))
+        return self._store
+
+    def close(self) -> None:
+        self._store = None
+
+    def publish(self, verdict: Verdict) -> bool:
+        body = json.dumps(verdict.as_dict(), sort_keys=True)
+        signed = json.dumps({"v": body, "mac": _mac(self.secret, body)})
+        try:
+            self._connect().set(f"{PREFIX}{self.node_rank}", signed)
+        except Exception:  # node 0 gone: nobody is left to tell
+            self.close()
+            return False
+        return True
+
+    def others(self, after: float) -> list[Verdict]:
+        """The other nodes' verdicts declared after `after` (unix seconds), valid ones only."""
+        keys = [f"{PREFIX}{n}" for n in range(self.nnodes) if n != self.node_rank]
+        out = []
+        try:
+            store = self._connect()
+            for key in keys:
+                if store.check([key]):
+                    v = _parse(store.get(key), self.secret, int(key.removeprefix(PREFIX)))
+                    if v is not None and v.declared_at >= after:
+                        out.append(v)
+        except Exception:
+            self.close()
+        return sorted(out, key=lambda v: (not v.culprits, v.declared_at))
+
+    def wait_for_others(self, after: float, wait_s: float) -> list[Verdict]:
+        """The other nodes' verdicts, waiting up to `wait_s` for one that names a culprit."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            found = self.others(after)
+            if any(v.culprits for v in found) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.5)
+
+    def note_round(self) -> None:
+        """The mark node 0's launcher left in this attempt's rendezvous store (comm/stores.py: ROUND_KEY)."""
+        if self.round_seen is None:
+            with contextlib.suppress(Exception):
+                store = self._connect()
+                if store.check([stores.ROUND_KEY]):
+                    self.round_seen = store.get(stores.ROUND_KEY)[:128].decode("ascii", "replace")
+
+    def wait_for_a_new_store(self, wait_s: float) -> None:
+        """A node other than 0 relaunching after a hang: until node 0's launcher has made its rendezvous
+        store anew, so that this node does not join the closed round of the old one."""
+        deadline = time.monotonic() + wait_s
+        self.close()
+        while time.monotonic() < deadline:
+            try:
+                store = stores.client(self.addr, self.port, timedelta(seconds=2))
+                mark = store.get(stores.ROUND_KEY)[:128].decode("ascii", "replace") if store.check([stores.ROUND_KEY]) else None
+                if mark is not None and mark != self.round_seen:
+                    break
+            except Exception:  # not up again yet
+                pass
+            time.sleep(0.5)
+        self.round_seen = None
+
+
+def _mac(secret: str, body: str) -> str:
+    return hmac.new(stores.key_of(secret), b"hang|" + body.encode(), hashlib.sha256).hexdigest()
+
+
+def _clean(text: Any, limit: int) -> str:
+    """A peer's text as it may reach a terminal: printable characters only, bounded."""
+    if not isinstance(text, str):
+        return ""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
+def _parse(raw: bytes, secret: str, node: int) -> Verdict | None:
+    if len(raw) > MAX_VALUE:
+        return None
+    with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
+        outer = json.loads(raw.decode("utf-8"))
+        body = outer["v"]
+        if not isinstance(body, str) or not hmac.compare_digest(str(outer["mac"]), _mac(secret, body)):
+            return None
+        d = json.loads(body)
+        culprits = d["culprits"]
+        if not (isinstance(culprits, list) and all(isinstance(c, int) and 0 <= c < 1 << 20 for c in culprits[:64])):
+            return None
+        if d["node"] != node or not isinstance(d["declared_at"], (int, float)) or not isinstance(d["step"], int):
+            return None
+        return Verdict(node, _clean(d["host"], 255), _clean(d["line"], 4000), culprits[:64], float(d["declared_at"]), d["step"])
+    return None

@@ -1,0 +1,145 @@
+"""A hang's evidence: what each rank's stack says, and which rank holds the others up.
+
+The watchdog (launch/hang_watch.py) asks every rank for its Python stack (faulthandler writes it
+into the rank's log) and reads it back here. A rank that does not answer is stopped or stuck outside
+Python; one whose training thread is not inside a collective or a wait on the device is working while
+its peers wait; otherwise the one that entered the fewest collectives is behind.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+STACK_HEADER = "(most recent call first):"
+# Frames of a rank that waits for its peers: it is held up, not the one holding the others up.
+# On NCCL the host waits for its peers through the device: in the step report's read (one step late)
+# or a CUDA synchronize, not inside the collective.
+WAITING_FRAMES = ("torch/distributed/", "comm/collectives.py", "in backward", "in _engine_run_backward", "in wait", "torch/cuda/")
+
+
+def name_culprits(ranks: dict[int, dict[str, Any]], stacks: dict[int, str]) -> tuple[list[int], str]:
+    silent = sorted(r for r in ranks if not stacks.get(r))
+    if silent:
+        return silent, "silent"
+    working = sorted(r for r in ranks if not _waiting(stacks[r]))
+    if working and len(working) < len(ranks):
+        return working, "working"
+    least = min((p["step"], p["entered"]) for p in ranks.values())
+    behind = sorted(r for r, p in ranks.items() if (p["step"], p["entered"]) == least)
+    if len(behind) < len(ranks):
+        return behind, "behind"
+    return [], "elsewhere"
+
+
+def _waiting(stack: str) -> bool:
+    top = _main_stack(stack)[:4]
+    report = any("loop/step.py" in f and f.endswith(" in read") for f in top)  # the step report, read one step late
+    return report or any(any(w in frame for w in WAITING_FRAMES) for frame in top)
+
+
+def _main_stack(stack: str) -> list[str]:
+    """The training thread's frames, most recent first (faulthandler lists every thread)."""
+    threads: list[list[str]] = []
+    for line in stack.splitlines():
+        if STACK_HEADER in line:
+            threads.append([])
+        elif threads and line.strip().startswith("File "):
+            threads[-1].append(line.strip())
+    for frames in threads:
+        if any("aura_hpc/train/worker.py" in f and f.endswith(" in main") for f in frames):
+            return frames
+    return threads[0] if threads else []
+
+
+def _top(stack: str) -> str:
+    """The innermost frame of ours in the training thread ("step.py:123 in step"), with what it called."""
+    frames = _main_stack(stack)
+    # Our innermost frame that says what the rank was doing (the collectives module only relays).
+    ours = next((f for f in frames if "aura_hpc/" in f and "aura_hpc/comm/" not in f), None)
+    if ours is None:
+        return frames[0] if frames else "?"
+
+    def short(frame: str) -> str:
+        parts = frame.replace('File "', "").replace('", line ', ":").split(" in ")
+        path = parts[0].split("aura_hpc/", 1)[-1] if "aura_hpc/" in parts[0] else parts[0].rsplit("/", 1)[-1]
+        return f"{path.strip()} in {parts[1].strip()}" if len(parts) > 1 else path.strip()
+
+    inner = frames[0]
+    return short(ours) + ("" if inner == ours else f" (inside {short(inner)})")
+
+
+def hang_line(
+    ranks: dict[int, dict[str, Any]], stacks: dict[int, str], culprits: list[int], reason: str, host: str, idle: float, where: Path
+) -> str:
+    def state(r: int) -> str:
+        p = ranks[r]
+        doing = "training" if p["section"] == "step" else p["section"]
+        return f"{doing} after step {p['step']}, {p['entered']} collectives entered"
+
+    if culprits:
+        r = culprits[0]
+        what = {
+            "silent": "did not answer the request for its stack (stopped, or stuck outside Python)",
+            "working": f"is not waiting for its peers: {_top(stacks.get(r, ''))}",
+            "behind": f"is behind the others: {_top(stacks.get(r, ''))}",
+        }[reason]
+        others = [o for o in ranks if o not in culprits]
+        waiting = ""
+        if others:
+            o, many = others[0], len(others) > 1
+            who = f"rank{'s' if many else ''} {', '.join(map(str, others))} wait{'' if many else 's'}"
+            waiting = f"; {who} at {_top(stacks.get(o, ''))} ({state(o)})"
+        names = ", ".join(map(str, culprits))
+        return f"hang: rank {names} on {host} {what} ({state(r)}), no progress for {idle:.0f}s{waiting}; stacks in {where}"
+    r = min(ranks)
+    return (
+        f"hang: every rank on {host} waits for a peer ({state(r)}; at {_top(stacks.get(r, ''))}), no progress for {idle:.0f}s: "
+        f"the rank holding them up is on another node; stacks in {where}"
+    )
+
+
+def log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def wait_for_stacks(logs: dict[int, Path], offsets: dict[int, int], wait_s: float) -> dict[int, str]:
+    """What each rank's faulthandler wrote into its log after the request (a rank that answered has a
+    stack header there)."""
+    deadline = time.time() + wait_s
+    got: dict[int, str] = {}
+    while True:
+        for r, path in logs.items():
+            if r in got:
+                continue
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offsets[r])
+                    text = f.read(1 << 20).decode("utf-8", errors="replace")
+            except OSError:
+                continue
+            if STACK_HEADER in text:
+                time.sleep(0.2)  # the other threads' stacks follow within the same handler
+                with open(path, "rb") as f:
+                    f.seek(offsets[r])
+                    got[r] = f.read(1 << 20).decode("utf-8", errors="replace")
+        if len(got) == len(logs) or time.time() > deadline:
+            return got
+        time.sleep(0.1)
+
+
+def py_spy(pid: int) -> str:
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return ""
+    try:
+        out = subprocess.run([exe, "dump", "--pid", str(pid), "--native"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout or out.stderr
