@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -110,6 +111,49 @@ def test_beyond_max_restarts_says_how_to_resume_and_rerun_resumes(tmp_path: Path
     assert again.returncode == 0, again.stdout[-2000:]
     assert "resumed from checkpoint step_00000010 at step 10" in again.stdout
     assert _same(final_weights(tmp_path / "run"), reference[STEPS])
+
+
+def test_ctrl_c_during_a_hang_answers_in_seconds_names_the_rank_and_does_not_claim_a_checkpoint(tmp_path: Path, prepared: Path) -> None:
+    """Rank 1 stops after step 12; Ctrl+C a few seconds later cannot be honoured with a checkpoint (rank 1
+    never reaches one). The launcher names the hung rank well before the agent's 120 s shutdown wait, says
+    which checkpoint a re-run resumes from, and exits 130, not 75 ("a checkpoint was written")."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aura_hpc", *_args(tmp_path, "run", prepared)],
+        env=cli_env(AURA_FAULT_STOP="1:12"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    stopped = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "SIGSTOP rank 1" in line:
+                stopped.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert stopped.wait(180), "".join(lines)[-2000:]
+        time.sleep(2)
+        sent_at = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=150)
+        took = time.monotonic() - sent_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    out, err = "".join(lines), proc.stderr.read() if proc.stderr else ""
+    assert proc.returncode == 128 + signal.SIGINT, out[-2000:] + err[-2000:]
+    assert took < 60, took
+    assert "hang: rank 1 on " in err and "did not answer" in err, err[-2000:]
+    said = err.strip().splitlines()[-1]
+    assert "stopped by SIGINT before a checkpoint could be written" in said and "from step_00000010, the newest" in said, said
+    assert not any("aura_hpc.train" in " ".join(p.cmdline()) for p in psutil.process_iter() if p.pid != os.getpid()), "a worker was left"
 
 
 def test_a_rank_stopped_on_another_node_is_named_on_both_and_both_nodes_restart_bit_identical(

@@ -37,6 +37,7 @@ from aura_hpc.launch.plan import LocalPlan
 if TYPE_CHECKING:
     from aura_hpc.launch.hang_board import HangBoard
     from aura_hpc.launch.hang_watch import Hang
+    from aura_hpc.launch.stop_signals import StopSignals
 
 RDZV_RUN_ID = "aura_hpc"
 # Forwarded to the workers like SIGTERM: SIGUSR2 is the pre-timeout/preemption signal.
@@ -83,6 +84,7 @@ def run_workers(plan: LocalPlan) -> int:
 
     from aura_hpc import console
     from aura_hpc.launch.hang_watch import HangWatch
+    from aura_hpc.launch.stop_signals import StopSignals
 
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         # The verdict on failed workers is ours (one line naming the ranks, the cause and the fix).
@@ -111,6 +113,10 @@ def run_workers(plan: LocalPlan) -> int:
         **options,
     )
     watch = HangWatch.for_run(plan.cfg, _board(plan)) if plan.cfg.health.hang_watch else None
+    stops = StopSignals()
+    stops.install()
+    if watch is not None:
+        watch.stops = stops
     hung_in_a_row, furthest = 0, -1
     try:
         while True:
@@ -118,7 +124,7 @@ def run_workers(plan: LocalPlan) -> int:
             if watch is not None:
                 watch.start()
             try:
-                return _launch_once(plan, lc)
+                return _launch_once(plan, lc, stops)
             except TrainingFailed as failed:
                 hang = watch.hangs[-1] if watch is not None and len(watch.hangs) > seen else None
                 if hang is None and watch is not None and failed.exit_code == EXIT_TRAIN_FAILED:
@@ -144,6 +150,7 @@ def run_workers(plan: LocalPlan) -> int:
                 if watch is not None:
                     watch.stop()
     finally:
+        stops.close()
         if watch is not None:
             watch.close()
 
@@ -166,7 +173,7 @@ def _hung(plan: LocalPlan, hang: Hang, restarts: int) -> TrainingFailed:
     return TrainingFailed(f"{hang.line}; {why}; {_resume_hint(plan)}", EXIT_HUNG)
 
 
-def _launch_once(plan: LocalPlan, lc: Any) -> int:
+def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> int:
     """One launch of the workers by the elastic agent (which restarts them up to --max-restarts)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -181,7 +188,7 @@ def _launch_once(plan: LocalPlan, lc: Any) -> int:
         with native_stderr_to(plan.cfg.run_dir / "logs" / f"stderr_node{plan.node_rank}.log"):
             elastic_launch(lc, cmd[0])(*cmd[1:])
     except SignalException as exc:
-        return _resumable(plan, exc.sigval.name)
+        return _resumable(plan, exc.sigval.name, stops.poll() if stops is not None else None)
     except ChildFailedError as exc:
         # Every rank stopped resumably; one still shutting down when a peer had already exited is
         # SIGTERMed by the agent, after the (collective) checkpoint: that is no failure.
@@ -390,11 +397,28 @@ def _data_unavailable_line(plan: LocalPlan) -> str:
     return f"the training data could not be read (see {log}); re-run the same command to resume once it can be read"
 
 
-def _resumable(plan: LocalPlan, why: str) -> int:
+def _resumable(plan: LocalPlan, why: str, asked: tuple[signal.Signals, float] | None = None) -> int:
+    """A stop: exit 75 when a checkpoint was written after the signal (README: resumable, nothing lost);
+    otherwise (the ranks were hung, or died first) 128 + the signal, saying which checkpoint a re-run
+    resumes from."""
     from aura_hpc import console
     from aura_hpc.train.checkpoint import files as checkpoint
 
     ckpts = checkpoint.list_complete(plan.cfg.run_dir / "checkpoints")
-    saved = f"checkpoint {ckpts[0].path.name} saved" if ckpts else "no checkpoint was saved"
-    console.info(f"stopped by {why}: {saved}; re-run the same command to resume")
-    return EXIT_RESUMABLE
+    since = asked[1] - 1.0 if asked is not None else None
+    if ckpts and (since is None or _written_at(ckpts[0].path) >= since):
+        console.info(f"stopped by {why}: checkpoint {ckpts[0].path.name} saved; re-run the same command to resume")
+        return EXIT_RESUMABLE
+    sig = asked[0] if asked is not None else getattr(signal, why, signal.SIGTERM)
+    where = f"from {ckpts[0].path.name}, the newest" if ckpts else "from step 0: there is no checkpoint yet"
+    console.error(f"stopped by {why} before a checkpoint could be written; re-run the same command to resume {where}")
+    return 128 + int(sig)
+
+
+def _written_at(path: Path) -> float:
+    from aura_hpc.train.checkpoint import files as checkpoint
+
+    try:
+        return (path / checkpoint.MARKER).stat().st_mtime
+    except OSError:
+        return 0.0

@@ -29,12 +29,14 @@ from typing import Any
 from aura_hpc.config import RunConfig
 from aura_hpc.launch.hang_board import HangBoard, Verdict
 from aura_hpc.launch.hang_evidence import hang_line, log_size, name_culprits, py_spy, wait_for_stacks
+from aura_hpc.launch.stop_signals import StopSignals
 from aura_hpc.train.process import progress
 
 CALIBRATION = "hang_calibration.json"
 ANSWER_WAIT_S = 5.0
 FACTOR = 5.0  # a section may take this many times the longest seen before it counts as hung
 PEER_WAIT_S = 20.0  # a node whose ranks all wait, for the node that names the culprit
+STOPPING_STALL_S = 15.0  # after a stop signal, a training rank this long without moving is hung (it would not stop)
 PEER_POLL_IDLE_S = 10.0  # the board is read while this node's ranks have not moved for this long
 
 
@@ -65,6 +67,7 @@ class HangWatch:
     board: HangBoard | None = None  # a LAN run's other nodes (launch/hang_board.py)
     peer_hangs: list[Verdict] = field(default_factory=list)  # the other nodes' verdicts in this attempt
     started: float = 0.0
+    stops: StopSignals | None = None  # the launcher's stop signals (Ctrl+C during a hang must not wait it out)
     _stop: threading.Event = field(default_factory=threading.Event)
     _seen: dict[int, _Seen] = field(default_factory=dict)
     _thread: threading.Thread | None = None
@@ -144,7 +147,8 @@ class HangWatch:
                 self.board.note_round()
                 if now - max(p["beat"] for p in ranks.values()) > PEER_POLL_IDLE_S:
                     self.peer_hangs = self.board.others(self.started)
-            if self.hung(ranks, now):
+            asked = self.stops.poll() if self.stops is not None else None
+            if self.hung(ranks, now, stopping=asked is not None):
                 from aura_hpc import console
 
                 try:
@@ -197,12 +201,17 @@ class HangWatch:
                 out[int(suffix)] = p
         return out
 
-    def hung(self, ranks: dict[int, dict[str, Any]], now: float) -> bool:
-        """No rank of this node has moved for longer than the most generous of their sections allows."""
+    def hung(self, ranks: dict[int, dict[str, Any]], now: float, stopping: bool = False) -> bool:
+        """No rank of this node has moved for longer than the most generous of their sections allows. Once a
+        stop was asked, ranks that train finish their step and checkpoint at once: a few steps' time without
+        moving is a hang, so Ctrl+C during one is answered in seconds, with the culprit, not after the agent's
+        shutdown_timeout."""
         ranks = {r: p for r, p in ranks.items() if _alive(p["pid"])}  # one that exited is the agent's to report
         if not ranks or all(p["section"] == "finished" for p in ranks.values()):
             return False
         idle = now - max(p["beat"] for p in ranks.values())
+        if stopping and all(p["section"] == "step" for p in ranks.values()):
+            return idle > max(STOPPING_STALL_S, 3 * self.calibration.get("step", 0.0))
         return idle > max(self.timeout(p["section"]) for p in ranks.values())
 
     # ---- a hang --------------------------------------------------------------------------------
