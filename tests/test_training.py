@@ -39,6 +39,9 @@ def _readme_lines() -> list[str]:
     block = text[text.index("What you see") :].split("```text\n", 1)[1].split("```", 1)[0]
     patterns = []
     for line in block.strip().splitlines():
+        if line.startswith("time: "):  # the goodput ledger's parts, largest first: their order varies
+            patterns.append(r"time: (\d+% [a-z -]+, )*\d+% [a-z -]+ of \d+m\d+s \(goodput ledger\)")
+            continue
         words = []
         for word in line.split():
             if word == "...":
@@ -78,6 +81,12 @@ def test_default_local_runs_to_completion(tmp_path: Path) -> None:
     assert rows[-1]["loss"] < rows[0]["loss"] - 2.0, "the model did not learn"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["sample"].startswith("En un lugar de la Mancha") and summary["finished"]
+    # Where the launch's time went (launch/goodput.py): the parts add up to the wall time, within 2% unexplained.
+    split = summary["goodput"]
+    assert abs(split["fractions"]["other"]) <= 0.02 and split["fractions"]["productive steps"] > 0.2, split
+    assert split["seconds"]["hangs"] == 0 and split["seconds"]["recomputed"] == 0, split
+    status = run_cli(["status", "runs/tiny"], cwd=tmp_path, timeout=60)
+    assert status.returncode == 0 and "productive steps" in status.stdout and "(goodput ledger)" in status.stdout, status.stdout
 
     # The README's quick start says what you see: each of its lines, numbers and names aside, is printed.
     for pattern in _readme_lines():

@@ -35,12 +35,13 @@ def cmd_status(a: argparse.Namespace) -> int:
     import json
 
     from aura_hpc import console
-    from aura_hpc.launch.run_status import is_local_run, local_status
+    from aura_hpc.launch.run_status import goodput_note, is_local_run, local_status
     from aura_hpc.slurm.commands import latest_metrics, status
 
     if a.target and is_local_run(a.target):  # started with `local`: no Slurm involved
         run_dir = Path(a.target)
         rows, notes = [local_status(run_dir, latest_metrics(run_dir.resolve()))], []
+        notes += [n for n in [goodput_note(run_dir.resolve(), rows[0]["state"])] if n]
     elif a.target:
         rows, notes = status(a.target, a.all)
     else:  # the local runs here, and the Slurm jobs when a Slurm answers

@@ -83,8 +83,11 @@ def run_workers(plan: LocalPlan) -> int:
     from torch.distributed.launcher.api import LaunchConfig
 
     from aura_hpc import console
+    from aura_hpc.launch.goodput import Launch
+    from aura_hpc.launch.goodput import line as goodput_line
     from aura_hpc.launch.hang_watch import HangWatch
     from aura_hpc.launch.stop_signals import StopSignals
+    from aura_hpc.train.process.time_ledger import process_started
 
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         # The verdict on failed workers is ours (one line naming the ranks, the cause and the fix).
@@ -115,6 +118,7 @@ def run_workers(plan: LocalPlan) -> int:
     watch = HangWatch.for_run(plan.cfg, _board(plan)) if plan.cfg.health.hang_watch else None
     stops = StopSignals()
     stops.install()
+    launch = Launch.begin(plan.cfg.run_dir, process_started()) if plan.node_rank == 0 else None
     if watch is not None:
         watch.stops = stops
     hung_in_a_row, furthest = 0, -1
@@ -126,6 +130,9 @@ def run_workers(plan: LocalPlan) -> int:
             try:
                 return _launch_once(plan, lc, stops)
             except TrainingFailed as failed:
+                peer = watch.peer_hang() if watch is not None and len(watch.hangs) == seen else None
+                if peer is not None and launch is not None and failed.exit_code == EXIT_TRAIN_FAILED:
+                    launch.hang(peer.last_progress, time.time())
                 hang = watch.hangs[-1] if watch is not None and len(watch.hangs) > seen else None
                 if hang is None and watch is not None and failed.exit_code == EXIT_TRAIN_FAILED:
                     # Another node declared the hang and killed its workers: ours then failed on the broken collectives.
@@ -149,8 +156,12 @@ def run_workers(plan: LocalPlan) -> int:
             finally:
                 if watch is not None:
                     watch.stop()
+                    for h in watch.hangs[seen:] if launch is not None else []:
+                        launch.hang(h.last_progress, h.killed_at)
     finally:
         stops.close()
+        if launch is not None and (split := launch.finish()) is not None and split["seconds"]["start-up"] > 0:
+            console.info(goodput_line(split))
         if watch is not None:
             watch.close()
 

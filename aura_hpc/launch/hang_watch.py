@@ -48,6 +48,8 @@ class Hang:
     folder: Path
     culprits: list[int]
     progress_step: int
+    last_progress: float = 0.0  # the newest beat of any rank of this node before the hang (unix s)
+    killed_at: float = 0.0
 
 
 @dataclass
@@ -67,6 +69,7 @@ class HangWatch:
     board: HangBoard | None = None  # a LAN run's other nodes (launch/hang_board.py)
     peer_hangs: list[Verdict] = field(default_factory=list)  # the other nodes' verdicts in this attempt
     started: float = 0.0
+    last_beat: float = 0.0  # the newest beat read from this node's ranks
     stops: StopSignals | None = None  # the launcher's stop signals (Ctrl+C during a hang must not wait it out)
     _stop: threading.Event = field(default_factory=threading.Event)
     _seen: dict[int, _Seen] = field(default_factory=dict)
@@ -143,6 +146,7 @@ class HangWatch:
             for r, p in ranks.items():
                 self._learn(r, p)
             now = time.time()
+            self.last_beat = max(self.last_beat, *(p["beat"] for p in ranks.values()))
             if self.board is not None:
                 self.board.note_round()
                 if now - max(p["beat"] for p in ranks.values()) > PEER_POLL_IDLE_S:
@@ -159,6 +163,7 @@ class HangWatch:
                 console.error(hang.line)
                 self.hangs.append(hang)
                 self.kill(ranks)
+                hang.killed_at = time.time()
                 self._seen = {}
                 self.notify(hang)
 
@@ -182,7 +187,7 @@ class HangWatch:
                 record = json.loads(path.read_text(encoding="utf-8"))
                 record.update(line=line, culprits=v.culprits, named_by=v.as_dict())
                 path.write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
-        return Hang(line, hang.folder, v.culprits, v.step)
+        return Hang(line, hang.folder, v.culprits, v.step, hang.last_progress)
 
     def peer_hang(self) -> Hang | None:
         """A hang another node declared in this attempt, when this node's workers ended on the broken
@@ -191,7 +196,7 @@ class HangWatch:
         if not named:
             return None
         v = named[0]
-        return Hang(f"{v.line} (named by node {v.node})", self.cfg.run_dir / "hangs", v.culprits, v.step)
+        return Hang(f"{v.line} (named by node {v.node})", self.cfg.run_dir / "hangs", v.culprits, v.step, self.last_beat)
 
     def read(self) -> dict[int, dict[str, Any]]:
         out = {}
@@ -244,7 +249,7 @@ class HangWatch:
         }
         (where / "hang.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
         (self.cfg.run_dir / "hangs" / "last.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
-        return Hang(line, where, culprits, min(p["step"] for p in ranks.values()))
+        return Hang(line, where, culprits, min(p["step"] for p in ranks.values()), max(p["beat"] for p in ranks.values()))
 
     def notify(self, hang: Hang) -> None:
         """The `training.hang` event to health.webhook_url, when one is set (after the kill: a slow

@@ -57,6 +57,20 @@ def local_status(run_dir: Path, latest: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def goodput_note(run_dir: Path, state: str) -> str | None:
+    """Where the newest launch's time went: the finished run's split (summary.json), or a running one's so far."""
+    import time
+
+    from aura_hpc.launch import goodput
+
+    summary = read_json(run_dir / "summary.json")
+    split = summary.get("goodput") if summary is not None and state != "RUNNING" else None
+    if not isinstance(split, dict):
+        launch = goodput.newest_launch(run_dir)
+        split = goodput.ledger(run_dir, launch, time.time()) if launch and state == "RUNNING" else None
+    return goodput.line(split) if split else None
+
+
 def local_log(run_dir: Path, rank: int) -> Path:
     path = run_dir.expanduser() / "logs" / f"rank_{rank}.log"
     if not path.exists():

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     stream = ProgressAwareHandler(sys.stdout) if env.is_main else None
     worker_log.setup(cfg.run_dir / "logs", env.rank, stream)
     worker_log.dump_stacks_on(progress.STACK_SIGNAL)
-    page = progress.start(env.rank)
+    page = progress.start(env.rank, cfg.run_dir)
     from aura_hpc.train.loop.trainer import Trainer
 
     trainer = Trainer(cfg, env)

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from aura_hpc.train.process.time_ledger import TimeLedger
+
 ENV = "AURA_PROGRESS_DIR"
 # Asks a worker for every thread's Python stack, into its log (worker_log.py). Not USR1/USR2, which stop
 # a run (Slurm's pre-timeout signals); SIGWINCH is ignored by default, so a worker that has not yet
@@ -38,6 +40,7 @@ def file_for(folder: Path, rank: int) -> Path:
 class Progress:
     def __init__(self, path: Path | None) -> None:
         self._map: mmap.mmap | None = None
+        self.ledger: TimeLedger | None = None  # rank 0's: where the time went (time_ledger.py)
         self.section_index, self.step, self.entered, self.op, self.since = 0, 0, 0, 0, time.time()
         if path is None:
             return
@@ -54,7 +57,10 @@ class Progress:
             LAYOUT.pack_into(self._map, 0, os.getpid(), self.section_index, self.step, self.entered, self.op, self.since, time.time())
 
     def enter(self, section: str) -> None:
-        self.section_index, self.since = SECTIONS.index(section), time.time()
+        now = time.time()
+        if self.ledger is not None:
+            self.ledger.changed(SECTIONS[self.section_index], section, self.since, now, self.step)
+        self.section_index, self.since = SECTIONS.index(section), now
         self._write()
 
     @contextlib.contextmanager
@@ -73,6 +79,8 @@ class Progress:
             self.enter("step")
         else:
             self._write()
+            if self.ledger is not None:
+                self.ledger.tick(SECTIONS[self.section_index], self.since, time.time(), step)
 
     def collective(self, op: str, tensors: Any, group: Any) -> None:
         """An observer of comm/collectives.py: every collective this rank enters, counted."""
@@ -84,8 +92,9 @@ class Progress:
 _current = Progress(None)
 
 
-def start(rank: int) -> Progress:
-    """This process's progress file (when the launcher asked for one), counting its collectives."""
+def start(rank: int, run_dir: Path | None = None) -> Progress:
+    """This process's progress file (when the launcher asked for one), counting its collectives; on rank 0
+    (given the run directory) also its time ledger."""
     global _current
     folder = os.environ.get(ENV)
     if folder and Path(folder).is_dir():
@@ -93,6 +102,9 @@ def start(rank: int) -> Progress:
 
         _current = Progress(file_for(Path(folder), rank))
         collectives.observers.append(_current.collective)
+    if rank == 0 and run_dir is not None:
+        with contextlib.suppress(OSError):
+            _current.ledger = TimeLedger(run_dir)
     return _current
 
 

@@ -1,0 +1,43 @@
+"""The goodput ledger's arithmetic (launch/goodput.py) from the files a launch and its attempts leave,
+without processes; a real hang's ledger is checked in test_faults.py (the stopped-rank restart)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from aura_hpc.launch import goodput
+from aura_hpc.train.process.time_ledger import FOLDER
+
+
+def _write(folder: Path, name: str, record: dict) -> None:
+    (folder / name).write_text(json.dumps(record))
+
+
+def test_a_hung_attempt_splits_into_kept_steps_recomputed_steps_the_hang_and_the_restart(tmp_path: Path) -> None:
+    folder = tmp_path / FOLDER
+    folder.mkdir()
+    # The launch starts at 100; its first attempt's process at 102, first step at 110, checkpoint at step 10
+    # after 20 s of steps, last ledger write at 135 (step 12, 24 s of steps), last progress at 136; the hang
+    # is declared and the workers killed at 170; the next attempt starts at 172, resumes from step 10 and
+    # finishes at 200; the launch ends at 201.
+    _write(folder, "launch-L.json", {"started": 100.0, "hangs": [{"last_progress": 136.0, "killed_at": 170.0}]})
+    first = {"started": 102.0, "first_step_at": 110.0, "resumed_from": 0, "updated": 135.0, "finished": False}
+    first |= {"spent": {"start-up": 8.0, "step": 24.0, "checkpoint": 1.0}, "saves": [[10, 20.0]]}
+    second = {"started": 172.0, "first_step_at": 180.0, "resumed_from": 10, "updated": 200.0, "finished": True}
+    second |= {"spent": {"start-up": 8.0, "step": 19.0, "checkpoint": 1.0}, "saves": [[20, 19.0]]}
+    _write(folder, "attempt-L-102.000-1.json", first)
+    _write(folder, "attempt-L-172.000-2.json", second)
+    _write(folder, "attempt-OTHER-50.000-3.json", first)  # another launch's attempt: not this one's
+    split = goodput.ledger(tmp_path, "L", 201.0)
+    assert split is not None
+    sec = split["seconds"]
+    assert sec["start-up"] == 16.0 and sec["checkpoints"] == 2.0
+    assert sec["productive steps"] == 20.0 + 19.0  # the first attempt's steps up to step 10, all of the second's
+    assert sec["recomputed"] == 24.0 - 20.0 + 1.0  # after step 10, to its last progress (136, past its last write)
+    assert sec["hangs"] == 34.0 and sec["restarts"] == 2.0
+    assert sec["set-up and exit"] == 2.0 + 1.0
+    assert split["wall_s"] == 101.0 and abs(sum(sec.values()) - 101.0) < 1e-6
+    assert abs(sec["other"] - (101.0 - 16 - 2 - 39 - 5 - 34 - 2 - 3)) < 1e-6
+    line = goodput.line(split)
+    assert line.startswith("time: 39% productive steps, 34% hangs") and line.endswith("of 1m41s (goodput ledger)"), line
