@@ -150,8 +150,11 @@ def _check_stream(d: DataConfig) -> None:
 
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks; each error names the fix."""
+    from aura_hpc.config.tracking import validate_tracking
+
     _check_text_values(cfg)
     _check_ranges(cfg)
+    validate_tracking(cfg)
     for key, allowed in CHOICES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)

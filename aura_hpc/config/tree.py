@@ -192,6 +192,22 @@ class PsConfig:
     worker_timeout_s: int = 120  # the server declares a silent worker gone after this (a Wi-Fi drop)
 
 
+TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow")
+
+
+@dataclass
+class TrackingConfig:
+    """Experiment trackers rank 0 logs the metrics rows to, offline first (docs/tracking.md); metrics.jsonl is always written."""
+
+    backends: str = "tensorboard"  # comma list of tensorboard, trackio, wandb, mlflow (the last three: pip install 'aura_hpc[tracking]')
+    project: str = "aura_hpc"  # the trackio and W&B project, the MLflow experiment
+    wandb_mode: str = "offline"  # offline: RUN_DIR/wandb/offline-run-*, `wandb sync` later | online: needs `wandb login` and the network
+    mlflow_uri: str = ""  # "": a SQLite store in RUN_DIR/tracking/mlflow.db | an MLflow server's http(s):// URL
+    sqlite_local: str = "auto"  # SQLite stores on node-local disk, copied into RUN_DIR/tracking/ (auto: RUN_DIR on NFS, Lustre...)
+    copy_every_s: float = 60.0  # how often node-local SQLite stores are copied into the run directory (and at the end)
+    queue_rows: int = 1000  # rows waiting for a slow tracker before rows are dropped (with one warning): a tracker never slows a step
+
+
 @dataclass
 class RunConfig:
     run_name: str = "tiny"  # the run directory's name under output_dir (re-using it resumes)
@@ -203,6 +219,7 @@ class RunConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     ps: PsConfig = field(default_factory=PsConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -231,6 +248,8 @@ class RunConfig:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
+    "tracking.wandb_mode": ("offline", "online"),
+    "tracking.sqlite_local": ("auto", "true", "false"),
     "train.schedule": ("cosine", "linear", "constant"),
     "train.optimizer": ("adamw", "sgd"),
     "train.precision": ("auto", "fp32", "bf16", "fp16", "fp64"),
@@ -256,5 +275,6 @@ SECTIONS = {
     "slurm": SlurmConfig,
     "health": HealthConfig,
     "ps": PsConfig,
+    "tracking": TrackingConfig,
 }
 TOP_LEVEL = ("run_name", "output_dir")

@@ -253,6 +253,9 @@ def launch(plan: LocalPlan, ready: Callable[[], None] | None = None) -> int:
     """Run the plan through the elastic agent; returns the exit status for the CLI. `ready` is
     called once the run directory is set up, just before the workers start: a refusal before it
     is the only line the user sees."""
+    from aura_hpc.config.tracking import require_installed
+
+    require_installed(plan.cfg)  # before any worker: a tracker that cannot start is bad input
     if plan.node_rank == 0 and _port_in_use(plan.master_port):
         where = " on every node" if plan.nnodes > 1 else " (or omit --master-port: a free one is picked)"
         raise LaunchError(

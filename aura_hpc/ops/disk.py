@@ -9,6 +9,34 @@ import os
 import shutil
 from pathlib import Path
 
+# Filesystems other machines share: SQLite and file locks are unsafe there, and every node sees the same files.
+NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "cephfs", "glusterfs", "panfs", "wekafs", "9p", "virtiofs"}
+NETWORK_FS_PREFIXES = ("fuse.", "nfs")
+
+
+def filesystem_type(path: Path) -> str:
+    best, fstype = "", "unknown"
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return fstype
+    target = str(path)
+    for line in mounts:
+        parts = line.split()
+        if len(parts) >= 3:
+            mnt = parts[1].replace("\\040", " ")
+            if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, fstype = mnt, parts[2]
+    return fstype
+
+
+def is_network_fs(path: Path) -> bool:
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    fs = filesystem_type(existing.resolve())
+    return fs in NETWORK_FS or fs.startswith(NETWORK_FS_PREFIXES)
+
 
 def disk_of(path: Path) -> str:
     """'MOUNT POINT (DEVICE)' of the filesystem holding `path`."""

@@ -23,12 +23,11 @@ from aura_hpc.data.vocab import tokenizer_vocab
 from aura_hpc.errors import ConfigError
 from aura_hpc.launch.memory import MemoryPlan, check_fits
 from aura_hpc.launch.memory import plan as plan_memory
+from aura_hpc.ops.disk import filesystem_type, is_network_fs
 from aura_hpc.slurm import profiles, script_safety
 from aura_hpc.slurm.containers import ContainerPlan, plan_container
 
 # Filesystems every node of a cluster sees alike.
-NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "cephfs", "glusterfs", "panfs", "wekafs", "9p", "virtiofs"}
-NETWORK_FS_PREFIXES = ("fuse.", "nfs")
 
 
 @dataclass
@@ -103,30 +102,6 @@ def _point_name(overrides: list[str]) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
 
 
-def _filesystem_type(path: Path) -> str:
-    best, fstype = "", "unknown"
-    try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return fstype
-    target = str(path)
-    for line in mounts:
-        parts = line.split()
-        if len(parts) >= 3:
-            mnt = parts[1].replace("\\040", " ")
-            if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, fstype = mnt, parts[2]
-    return fstype
-
-
-def is_network_fs(path: Path) -> bool:
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    fs = _filesystem_type(existing.resolve())
-    return fs in NETWORK_FS or fs.startswith(NETWORK_FS_PREFIXES)
-
-
 def _check_output_dir(out: str, nodes: int, warnings: list[str]) -> None:
     if not os.path.isabs(out):
         raise ConfigError(
@@ -147,7 +122,7 @@ def _check_output_dir(out: str, nodes: int, warnings: list[str]) -> None:
         )
     if nodes > 1 and not is_network_fs(p):
         warnings.append(
-            f"output_dir {out} is on a local filesystem ({_filesystem_type(existing.resolve())}), not a network one: "
+            f"output_dir {out} is on a local filesystem ({filesystem_type(existing.resolve())}), not a network one: "
             "with several nodes, every node must see the same checkpoints (use an NFS/Lustre/GPFS path)"
         )
 
@@ -164,7 +139,7 @@ def _check_data(cfg: RunConfig, world: int, nodes: int, warnings: list[str]) -> 
         return str(exc)
     if nodes > 1 and not cfg.data.stream and not cfg.data.path.startswith("s3://") and not is_network_fs(Path(cfg.data.path)):
         warnings.append(
-            f"data.path {cfg.data.path} is on a local filesystem ({_filesystem_type(Path(cfg.data.path).resolve())}), not a "
+            f"data.path {cfg.data.path} is on a local filesystem ({filesystem_type(Path(cfg.data.path).resolve())}), not a "
             "network one: every node must read the same prepared data (use an NFS/Lustre/GPFS path, or copy it to each node)"
         )
     return None

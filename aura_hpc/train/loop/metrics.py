@@ -1,4 +1,4 @@
-"""Metrics as JSON lines and TensorBoard events in the run directory (rank 0 only)."""
+"""Metrics as JSON lines, TensorBoard events and the experiment trackers of tracking.backends (rank 0 only)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,30 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aura_hpc.config import RunConfig
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, resume_step: int) -> None:
+    def __init__(self, run_dir: Path, resume_step: int, cfg: RunConfig | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.drop_rows_after(resume_step)
-        self._file = open(self.path, "a", encoding="utf-8")
-        from torch.utils.tensorboard import SummaryWriter
+        self._tb: Any = None
+        self.trackers: Any = None
+        if cfg is not None:
+            from aura_hpc.config.tracking import backends
+            from aura_hpc.train.loop.trackers import Trackers
 
-        # purge_step drops events from a previous attempt beyond the resumed step.
-        self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+            self.trackers = Trackers(cfg, resume_step)  # refuses a tracker that is not installed, before any row
+            self.trackers.start()
+        self._file = open(self.path, "a", encoding="utf-8")
+        if cfg is None or "tensorboard" in backends(cfg):
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events from a previous attempt beyond the resumed step.
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
 
     def drop_rows_after(self, step: int) -> None:
         """Rows logged after the checkpoint we resume (or roll back) to describe steps that will be redone."""
@@ -39,6 +51,12 @@ class MetricsWriter:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         step = int(row["step"])
+        if self.trackers is not None:
+            from aura_hpc.train.loop.trackers import scalars
+
+            self.trackers.log(scalars(row), step)
+        if self._tb is None:
+            return
         for k, v in row.items():
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 self._tb.add_scalar(f"train/{k}" if k != "eval_loss" else "eval/loss", v, step)
@@ -49,6 +67,12 @@ class MetricsWriter:
 
     def resources(self, row: dict[str, Any], step: int) -> None:
         """A resource sample (from the monitor thread) as TensorBoard scalars at the current step."""
+        if self.trackers is not None:
+            from aura_hpc.train.loop.trackers import scalars
+
+            self.trackers.log(scalars(row, "resources/"), step)
+        if self._tb is None:
+            return
         for k, v in row.items():
             if k not in ("time",) and isinstance(v, (int, float)) and math.isfinite(v):
                 self._tb.add_scalar(f"resources/{k}", v, step)
@@ -58,11 +82,16 @@ class MetricsWriter:
                     self._tb.add_scalar(f"gpu{g.get('index', 0)}/{k}", v, step)
 
     def text(self, tag: str, text: str, step: int) -> None:
-        self._tb.add_text(tag, text, step)
+        if self._tb is not None:
+            self._tb.add_text(tag, text, step)
 
     def close(self) -> None:
         self._file.close()
-        self._tb.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self.trackers is not None:
+            self.trackers.finish()
+            self.trackers = None
 
 
 @dataclass

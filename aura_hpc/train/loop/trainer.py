@@ -105,7 +105,7 @@ class Trainer:
         hosts = collectives.gather_json(env.hostname) if self.layout.world > 1 else []
         self.stragglers = StragglerWatch(hosts) if env.is_main and hosts else None
         if env.is_main:
-            self.metrics = MetricsWriter(self.run_dir, self.pos.step)
+            self.metrics = MetricsWriter(self.run_dir, self.pos.step, self.cfg)
             for h in log.handlers:
                 if isinstance(h, ProgressAwareHandler):
                     h.progress = self.progress

@@ -1,0 +1,58 @@
+"""tracking.*: which experiment trackers, checked before anything starts."""
+
+from __future__ import annotations
+
+import importlib.util
+from urllib.parse import urlsplit
+
+from aura_hpc.config.tree import TRACKERS, RunConfig
+from aura_hpc.errors import ConfigError
+
+# The module each tracker needs; the extra that installs it.
+MODULES = {"trackio": "trackio", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def backends(cfg: RunConfig) -> list[str]:
+    return [b.strip() for b in cfg.tracking.backends.split(",") if b.strip()]
+
+
+def validate_tracking(cfg: RunConfig) -> None:
+    t = cfg.tracking
+    names = backends(cfg)
+    unknown = [b for b in names if b not in TRACKERS]
+    if unknown:
+        raise ConfigError(f"tracking.backends: unknown {', '.join(unknown)} (fix: a comma list of {', '.join(TRACKERS)})")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"tracking.backends names a tracker twice: {t.backends} (fix: each once)")
+    if not t.project.strip() or any(c in t.project for c in "/\\\0") or len(t.project) > 128:
+        raise ConfigError(
+            "tracking.project must be a plain name without slashes, 1 to 128 characters (fix: --set tracking.project=aura_hpc)"
+        )
+    if t.mlflow_uri:
+        parts = urlsplit(t.mlflow_uri)
+        if parts.scheme not in ("http", "https", "sqlite", "file"):
+            raise ConfigError(
+                "tracking.mlflow_uri must be an http(s):// server or a sqlite:/// store "
+                "(fix: leave it empty for RUN_DIR/tracking/mlflow.db)"
+            )
+        if parts.username or parts.password:
+            raise ConfigError(
+                "tracking.mlflow_uri holds a user name or password, which would be stored in config.yaml "
+                "(fix: the plain URL, and MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD in the environment)"
+            )
+    if t.copy_every_s <= 0 or t.queue_rows < 1:
+        raise ConfigError("tracking.copy_every_s must be > 0 and tracking.queue_rows >= 1 (fix: --set tracking.copy_every_s=60)")
+
+
+def missing_packages(cfg: RunConfig) -> list[str]:
+    """Trackers asked for whose package is not installed here (checked where the trainer runs, before it starts)."""
+    return [b for b in backends(cfg) if b in MODULES and importlib.util.find_spec(MODULES[b]) is None]
+
+
+def require_installed(cfg: RunConfig) -> None:
+    missing = missing_packages(cfg)
+    if missing:
+        raise ConfigError(
+            f"tracking.backends asks for {', '.join(missing)}, not installed here (fix: pip install 'aura_hpc[tracking]', "
+            f"or drop {', '.join(missing)} from tracking.backends)"
+        )

@@ -1,0 +1,178 @@
+"""The trackers themselves, each behind the same four calls (start, log, finish, hint), all made from
+the trackers' thread (trackers.py). Imported only when a run asks for one: none is a base dependency."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import string
+import time
+from pathlib import Path
+from typing import Any
+
+from aura_hpc.config import RunConfig
+
+
+def make(name: str, cfg: RunConfig, local: Path, folder: Path) -> Any:
+    return {"trackio": Trackio, "wandb": Wandb, "mlflow": Mlflow}[name](cfg, local, folder)
+
+
+def chosen_id(name: str, cfg: RunConfig) -> str | None:
+    """The id we give a new tracked run (MLflow's server gives its own: found again by RUN_KEY_TAG)."""
+    if name == "wandb":
+        return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+    if name == "trackio":
+        return cfg.run_name
+    return None
+
+
+RUN_KEY_TAG = "aura_hpc.run_dir"
+
+
+class Trackio:
+    """Local-first: one SQLite file per project under TRACKIO_DIR (here RUN_DIR/tracking/trackio, or its
+    node-local copy); `trackio show` views it, `trackio sync` uploads it to a Space."""
+
+    def __init__(self, cfg: RunConfig, local: Path, folder: Path) -> None:
+        self.cfg, self.dir, self.kept = cfg, local / "trackio", folder / "trackio"
+
+    def start(self, config: dict[str, Any], run_id: str | None, resume_step: int) -> str:
+        os.environ["TRACKIO_DIR"] = str(self.dir)  # read by trackio at import
+        os.environ.setdefault("TRACKIO_SQLITE_MMAP_SIZE", "0")
+        if self.dir == self.kept and _network(self.dir):  # sqlite_local=false on NFS: no WAL, no mmap (trackio #555)
+            os.environ.setdefault("TRACKIO_SQLITE_JOURNAL_MODE", "delete")
+        import trackio
+
+        name = run_id or self.cfg.run_name
+        self.run = trackio.init(
+            project=self.cfg.tracking.project,
+            name=name,
+            config=config,
+            resume="allow",
+            embed=False,
+            auto_log_gpu=False,
+            auto_log_cpu=False,
+        )
+        return name
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+    def last_step(self) -> int | None:
+        from trackio.sqlite_storage import SQLiteStorage
+
+        return SQLiteStorage.get_max_step_for_run(self.cfg.tracking.project, self.run.name)
+
+    def hint(self) -> str:
+        return f"view with: TRACKIO_DIR={self.kept} trackio show --project {self.cfg.tracking.project} (or `trackio sync` to a Space)"
+
+
+class Wandb:
+    """W&B, offline unless tracking.wandb_mode=online: RUN_DIR/wandb/offline-run-*, `wandb sync` later.
+    The run id is ours and kept, so every attempt's folder syncs into one run."""
+
+    def __init__(self, cfg: RunConfig, local: Path, folder: Path) -> None:
+        self.cfg, self.dir = cfg, cfg.run_dir
+
+    def start(self, config: dict[str, Any], run_id: str | None, resume_step: int) -> str:
+        import wandb
+
+        mode = self.cfg.tracking.wandb_mode
+        run_id = run_id or chosen_id("wandb", self.cfg)
+        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True)
+        self.run = wandb.init(
+            project=self.cfg.tracking.project,
+            id=run_id,
+            name=self.cfg.run_name,
+            dir=str(self.dir),
+            config=config,  # in the run record, written before the first row (a killed offline run keeps it)
+            resume="allow",
+            mode=mode,
+            settings=settings,
+        )
+        return run_id
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+    def last_step(self) -> int | None:
+        return None  # an offline run's rows are in its service's files: not read back here
+
+    def hint(self) -> str:
+        if self.cfg.tracking.wandb_mode == "online":
+            return f"W&B run {self.run.id} in project {self.cfg.tracking.project}"
+        return f"sync with: wandb sync {self.dir / 'wandb'}/offline-run-*-{self.run.id} (every attempt of this run, into one W&B run)"
+
+
+class Mlflow:
+    """MLflow through its client (no global active run): a SQLite store in RUN_DIR/tracking/mlflow.db by
+    default (the file store is deprecated and refused by MLflow 3.13 without MLFLOW_ALLOW_FILE_STORE)."""
+
+    def __init__(self, cfg: RunConfig, local: Path, folder: Path) -> None:
+        self.cfg, self.local, self.folder = cfg, local, folder
+        self.uri = cfg.tracking.mlflow_uri or f"sqlite:///{local / 'mlflow.db'}"
+
+    def start(self, config: dict[str, Any], run_id: str | None, resume_step: int) -> str:
+        # An unreachable server fails in seconds (its default is minutes of retries, in our thread but
+        # holding rows back): the queue and its warning take it from there.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        from aura_hpc.train.loop.trackers import flat
+
+        self.client = MlflowClient(tracking_uri=self.uri)
+        project = self.cfg.tracking.project
+        exp = self.client.get_experiment_by_name(project)
+        artifacts = str(self.folder / "mlflow-artifacts")
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(project, artifact_location=artifacts)
+        if not run_id:  # an attempt killed before it kept MLflow's id: the run it made is found by its tag
+            key = str(self.cfg.run_dir.resolve()).replace("'", "")
+            found = self.client.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'", max_results=1)
+            run_id = found[0].info.run_id if found else None
+        if run_id:
+            self.run_id = run_id
+            self.client.update_run(run_id, status="RUNNING")
+            self.client.set_tag(run_id, "aura_hpc.resumed_at_step", str(resume_step))
+        else:
+            tags = {RUN_KEY_TAG: str(self.cfg.run_dir.resolve()).replace("'", "")}
+            self.run_id = self.client.create_run(exp_id, run_name=self.cfg.run_name, tags=tags).info.run_id
+        if not self.client.get_run(self.run_id).data.params:  # the settings it started with (MLflow never changes a param)
+            params = [Param(k, v) for k, v in flat(config).items()]
+            for i in range(0, len(params), 100):
+                self.client.log_batch(self.run_id, params=params[i : i + 100])
+        return self.run_id
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        # MLflow's metric names allow letters, digits, _ - . space / only.
+        metrics = [Metric(k.replace(":", "_"), v, now, step) for k, v in values.items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def finish(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+    def last_step(self) -> int | None:
+        steps = [m.step for m in self.client.get_metric_history(self.run_id, "loss")]
+        return max(steps) if steps else None
+
+    def hint(self) -> str:
+        if self.cfg.tracking.mlflow_uri:
+            return f"MLflow run {self.run_id} at {self.cfg.tracking.mlflow_uri}"
+        store = self.folder / "mlflow.db"
+        return f"view with: mlflow server --backend-store-uri sqlite:///{store} (the full `mlflow` package), run {self.run_id}"
+
+
+def _network(path: Path) -> bool:
+    from aura_hpc.ops.disk import is_network_fs
+
+    return is_network_fs(path)

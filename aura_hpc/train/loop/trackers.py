@@ -1,0 +1,279 @@
+"""Experiment trackers beside metrics.jsonl (rank 0): trackio, Weights & Biases, MLflow, offline first.
+
+Nothing here may cost a step: rows go into a bounded queue, and one thread hands them to the trackers.
+A tracker that blocks (an unreachable server) fills the queue, and rows are then dropped with one
+warning; one that fails is switched off with one warning. metrics.jsonl and TensorBoard keep every row.
+
+One tracked run per run directory: its ids are kept in RUN_DIR/tracking/ids.json, so a resumed or
+requeued run continues the same tracked run (W&B `resume="allow"` with the same id, MLflow the same
+run id, trackio the same run name).
+
+SQLite-backed stores (trackio's, MLflow's default) are unsafe on NFS/Lustre/GPFS (locking, WAL and
+mmap: trackio #555 crashed distributed jobs with SIGBUS). When the run directory is on a network
+filesystem they are kept on node-local disk and copied into RUN_DIR/tracking/ with SQLite's backup
+API every `tracking.copy_every_s` and at the end; a resumed run on another node starts from that copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import queue
+import sqlite3
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from aura_hpc.config import RunConfig
+from aura_hpc.config.tracking import backends as chosen_backends
+from aura_hpc.config.tracking import require_installed
+from aura_hpc.ops.disk import is_network_fs
+
+log = logging.getLogger("aura_hpc")
+IDS = "ids.json"
+FINISH_WAIT_S = 30.0
+
+
+def scalars(row: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """The numbers of a metrics or resources row (lists: one value per rank)."""
+    out: dict[str, float] = {}
+    for k, v in row.items():
+        if k in ("step", "time", "gpus"):
+            continue
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[prefix + k] = float(v)
+        elif isinstance(v, list):
+            for r, x in enumerate(v):
+                if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x):
+                    out[f"{prefix}{k}/rank{r}"] = float(x)
+    for g in row.get("gpus", []) if isinstance(row.get("gpus"), list) else []:
+        for k, v in g.items():
+            if k != "index" and isinstance(v, (int, float)) and math.isfinite(v):
+                out[f"{prefix}gpu{g.get('index', 0)}/{k}"] = float(v)
+    return out
+
+
+def flat(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = str(v)[:500]
+    return out
+
+
+class Trackers:
+    def __init__(self, cfg: RunConfig, resume_step: int) -> None:
+        self.cfg = cfg
+        self.names = [b for b in chosen_backends(cfg) if b != "tensorboard"]
+        require_installed(cfg)
+        self.folder = cfg.run_dir / "tracking"
+        self.local = self._local_folder()
+        self.resume_step = resume_step
+        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=cfg.tracking.queue_rows)
+        self._live: dict[str, Any] = {}
+        self._dropped = 0
+        self._copied = 0.0
+        self._thread: threading.Thread | None = None
+        self.hints: list[str] = []
+
+    def _local_folder(self) -> Path:
+        t = self.cfg.tracking
+        local = t.sqlite_local == "true" or (t.sqlite_local == "auto" and is_network_fs(self.cfg.run_dir))
+        if not local:
+            return self.folder
+        key = hashlib.sha256(str(self.cfg.run_dir.resolve()).encode()).hexdigest()[:12]
+        return Path(tempfile.gettempdir()) / f"aura-tracking-{os.getuid()}-{key}"
+
+    # ---- the training side: never waits ---------------------------------------------------------
+    def start(self) -> None:
+        if not self.names:
+            return
+        config = yaml.safe_load(self.cfg.to_yaml())  # secrets redacted
+        # The ids we choose are kept before anything else happens: an attempt killed before its trackers
+        # started must not leave the next one to choose another (a second W&B run for one training run).
+        self.folder.mkdir(parents=True, exist_ok=True)
+        ids = _read_ids(self.folder / IDS)
+        from aura_hpc.train.loop import tracker_backends
+
+        for name in self.names:
+            chosen = tracker_backends.chosen_id(name, self.cfg)
+            if chosen and name not in ids:
+                ids[name] = chosen
+        _write_ids(self.folder / IDS, ids)
+        self._queue.put(("start", config))
+        self._thread = threading.Thread(target=self._run, name="aura-trackers", daemon=True)
+        self._thread.start()
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        if self._thread is None or not values:
+            return
+        try:
+            self._queue.put_nowait(("log", (values, step)))
+        except queue.Full:
+            self._dropped += 1
+            if self._dropped == 1:
+                log.warning(
+                    "tracking: the trackers are %d rows behind (a slow or unreachable server?); rows are dropped from them "
+                    "until they catch up (metrics.jsonl and TensorBoard keep every row)",
+                    self.cfg.tracking.queue_rows,
+                )
+
+    def finish(self) -> None:
+        if self._thread is None:
+            return
+        with contextlib.suppress(queue.Full):
+            self._queue.put(("finish", None), timeout=5)
+        self._thread.join(FINISH_WAIT_S)
+        if self._thread.is_alive():
+            log.warning("tracking: the trackers did not finish within %.0f s (left behind; the run is saved)", FINISH_WAIT_S)
+        for hint in self.hints:
+            log.info("tracking: %s", hint)
+
+    # ---- the trackers' thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            kind, payload = self._queue.get()
+            if kind == "start":
+                self._start_all(payload)
+            elif kind == "log":
+                values, step = payload
+                for name in list(self._live):
+                    self._call(name, "log", values, step)
+                if self.local != self.folder and time.monotonic() - self._copied > self.cfg.tracking.copy_every_s:
+                    self._copy_out()
+            elif kind == "finish":
+                for name in list(self._live):
+                    self._call(name, "finish")
+                if self.local != self.folder:
+                    self._copy_out()
+                return
+
+    def _call(self, name: str, method: str, *args: Any) -> None:
+        try:
+            with _quiet() if method == "finish" else contextlib.nullcontext():
+                getattr(self._live[name], method)(*args)
+        except Exception as exc:  # a tracker's failure costs a warning, never the run
+            log.warning("tracking: %s failed (%s); it is switched off for this run", name, _first_line(exc))
+            self._live.pop(name, None)
+
+    def _start_all(self, config: dict[str, Any]) -> None:
+        from aura_hpc.train.loop import tracker_backends
+
+        self.local.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.local != self.folder:
+            self._copy_in()
+        ids = _read_ids(self.folder / IDS)
+        for name in self.names:
+            try:
+                with _quiet():
+                    backend = tracker_backends.make(name, self.cfg, self.local, self.folder)
+                    ids[name] = backend.start(config, ids.get(name), self.resume_step)
+                self._live[name] = backend
+                self.hints.append(backend.hint())
+            except Exception as exc:
+                log.warning("tracking: %s could not start (%s); training goes on without it", name, _first_line(exc))
+        _write_ids(self.folder / IDS, ids)
+        if self.resume_step > 0:
+            self._backfill()
+        self._copied = time.monotonic()
+
+    def _backfill(self) -> None:
+        """A resumed run: the rows up to its checkpoint that a tracker lacks (a killed attempt's tracker had
+        not written them yet), from metrics.jsonl, which keeps every row up to the resumed step."""
+        rows = []
+        with contextlib.suppress(OSError):
+            for line in (self.cfg.run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+                with contextlib.suppress(ValueError):
+                    row = json.loads(line)
+                    if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= self.resume_step:
+                        rows.append(row)
+        for name in list(self._live):
+            try:
+                last = self._live[name].last_step()
+            except Exception:
+                continue
+            if last is None and name == "wandb":
+                continue
+            missing = [r for r in rows if last is None or r["step"] > last]
+            for row in missing:
+                self._call(name, "log", scalars(row), row["step"])
+            if missing:
+                log.info("tracking: %s had rows up to step %s; %d earlier rows added from metrics.jsonl", name, last, len(missing))
+
+    def _copy_in(self) -> None:
+        """A resumed run on this node: start from the copy in the run directory when it is newer."""
+        for kept in self.folder.glob("**/*.db"):
+            here = self.local / kept.relative_to(self.folder)
+            if not here.exists() or here.stat().st_mtime < kept.stat().st_mtime:
+                here.parent.mkdir(parents=True, exist_ok=True)
+                _backup(kept, here)
+
+    def _copy_out(self) -> None:
+        for db in self.local.glob("**/*.db"):
+            kept = self.folder / db.relative_to(self.local)
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                _backup(db, kept)
+            except (OSError, sqlite3.Error) as exc:
+                log.warning("tracking: could not copy %s into the run directory (%s)", db.name, exc)
+        self._copied = time.monotonic()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def _backup(src: Path, dst: Path) -> None:
+    """A consistent copy of a SQLite database (another connection may be writing it), written beside `dst`
+    and renamed over it: a reader never sees half a copy."""
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    source = sqlite3.connect(f"file:{src}?mode=ro", uri=True)
+    try:
+        target = sqlite3.connect(tmp)
+        try:
+            source.backup(target)
+            target.execute("PRAGMA journal_mode = DELETE")  # one file, nothing beside it to copy
+        finally:
+            target.close()
+    finally:
+        source.close()
+    os.replace(tmp, dst)
+
+
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """The trackers' own banners (print) go to the log at debug level, not into rank 0's output."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        yield
+    for line in buf.getvalue().splitlines():
+        if line.strip():
+            log.debug("tracking: %s", line.strip())
+
+
+def _read_ids(path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str) and len(v) < 200} if isinstance(data, dict) else {}
+
+
+def _write_ids(path: Path, ids: dict[str, str]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with contextlib.suppress(OSError):
+        tmp.write_text(json.dumps(ids, indent=1, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)

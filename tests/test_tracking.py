@@ -1,0 +1,145 @@
+"""tracking.backends with no network: trackio's local store, W&B offline files and an MLflow SQLite
+store read back after a run whose rank 0 was killed and restarted (one tracked run, not two); a tracker
+pointed at a server nobody answers costs a warning, never the run."""
+
+from __future__ import annotations
+
+import glob
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SMALL_MODEL, free_port, run_cli_together
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("trackio")
+pytest.importorskip("wandb")
+pytest.importorskip("mlflow")
+
+STEPS = 20
+
+
+def _args(out: Path, name: str, prepared: Path, backends: str, *extra: str) -> list[str]:
+    return [
+        "local",
+        "--nproc-per-node",
+        "2",
+        "--output-dir",
+        str(out),
+        "--run-name",
+        name,
+        "--set",
+        f"data.path={prepared}",
+        *SMALL_MODEL,
+        "--set",
+        f"train.max_steps={STEPS}",
+        "--set",
+        "train.checkpoint_every=5",
+        "--set",
+        f"tracking.backends={backends}",
+        *extra,
+    ]
+
+
+def _wandb_records(path: Path) -> list[object]:
+    """The records of a W&B transaction log (.wandb): 32 KiB blocks of CRC'd chunks holding protobuf
+    Records (wandb 0.31 ships no reader of its own)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:8]
+    out, pos, buf = [], 7, b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:
+            pos += left
+            continue
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buf)
+            out.append(record)
+    return out
+
+
+def test_every_tracker_reads_back_one_run_across_a_restart_and_an_unreachable_one_costs_a_warning(tmp_path: Path, prepared: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    runs = [
+        [*_args(tmp_path, "tracked", prepared, "tensorboard,trackio,wandb,mlflow"), "--max-restarts", "1"],
+        [*_args(tmp_path, "unreachable", prepared, "mlflow", "--set", f"tracking.mlflow_uri={dead}"), "--max-restarts", "1"],
+    ]
+    tracked, unreachable = run_cli_together(runs, timeout=600, AURA_FAULT_KILL="0:12")
+    run = tmp_path / "tracked"
+    assert tracked.returncode == 0, tracked.stdout[-3000:] + tracked.stderr[-3000:]
+    assert "restart=1" in tracked.stdout and "resumed from checkpoint step_00000010" in tracked.stdout
+    ids = json.loads((run / "tracking" / "ids.json").read_text())
+    assert set(ids) == {"trackio", "wandb", "mlflow"}, ids
+
+    # trackio: one run in the project's SQLite file, with the last step's loss.
+    code = (
+        "import json,sys; from trackio.sqlite_storage import SQLiteStorage as S; "
+        "print(json.dumps([S.get_runs('aura_hpc'), S.get_logs('aura_hpc', sys.argv[1])]))"
+    )
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", code, ids["trackio"]],
+        env={"TRACKIO_DIR": str(run / "tracking" / "trackio"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    trackio_runs, rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert trackio_runs == ["tracked"]
+    assert {r["step"] for r in rows if "loss" in r} >= {10, 20}, rows
+
+    # W&B offline: every attempt's folder carries the one run id; the config is in its run record.
+    folders = sorted(glob.glob(str(run / "wandb" / "offline-run-*")))
+    assert folders and all(f.endswith(f"-{ids['wandb']}") for f in folders), folders
+    records = _wandb_records(next(Path(folders[-1]).glob("run-*.wandb")))
+    [head] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert head.run_id == ids["wandb"] and "train" in {i.key for i in head.config.update}
+    steps = [
+        int(i.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+        for i in r.history.item
+        if i.key == "_step" or list(i.nested_key) == ["_step"]
+    ]
+    assert STEPS in steps, steps
+
+    # MLflow: one run in the experiment of the SQLite store, its loss through step 20, the config as params.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run / 'tracking' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("aura_hpc")
+    found = client.search_runs([exp.experiment_id])
+    assert [r.info.run_id for r in found] == [ids["mlflow"]]
+    assert found[0].data.params["train.max_steps"] == str(STEPS) and found[0].info.status == "FINISHED"
+    assert {m.step for m in client.get_metric_history(ids["mlflow"], "loss")} >= {10, 20}
+
+    log0 = (run / "logs" / "rank_0.log").read_text()
+    assert "trackio show --project aura_hpc" in log0 and "wandb sync" in log0 and "mlflow server --backend-store-uri" in log0
+
+    # A tracker nobody answers: a warning, and the run ends like any other.
+    assert unreachable.returncode == 0, unreachable.stdout[-3000:] + unreachable.stderr[-3000:]
+    said = (tmp_path / "unreachable" / "logs" / "rank_0.log").read_text()
+    assert "tracking: mlflow could not start" in said or "tracking: mlflow failed" in said, said[-3000:]
+    assert "all 2 ranks finished at step 20" in unreachable.stdout
+
+
+def test_a_tracker_that_is_not_installed_or_unknown_is_refused_before_anything_starts(tmp_path: Path, prepared: Path) -> None:
+    from tests.conftest import run_cli
+
+    bad = run_cli(_args(tmp_path, "bad", prepared, "tensorboard,comet"))
+    assert bad.returncode == 2 and "tracking.backends: unknown comet (fix: a comma list of" in bad.stderr, bad.stderr
+    secret = run_cli(_args(tmp_path, "bad", prepared, "mlflow", "--set", "tracking.mlflow_uri=https://me:pw@mlflow.example"))
+    assert secret.returncode == 2 and "MLFLOW_TRACKING_USERNAME" in secret.stderr and "pw" not in secret.stderr, secret.stderr
+    assert not (tmp_path / "bad").exists()
