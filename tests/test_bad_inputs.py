@@ -197,6 +197,23 @@ ROWS = [
     ),
     # generate
     Row("generate: no checkpoint", ["generate", "--run", "{tmp}/norun"], "no complete checkpoint", _files),
+    Row(
+        "generate: negative length",
+        ["generate", "--run", "{tmp}/norun", "--max-new-tokens", "-5"],
+        "--max-new-tokens must be at least 1, got -5 (fix: --max-new-tokens 100)",
+        _files,
+    ),
+    Row(
+        "node rank without other nodes",
+        ["local", "--node-rank", "1", D],
+        "--node-rank 1 needs a run across machines (fix: --nnodes 2 or more with --master-addr",
+    ),
+    Row(
+        "ps worker with a malformed secret",
+        ["worker", "--server", "127.0.0.1:{free}"],
+        "fix: copy it exactly from the `AURA_PS_SECRET=...` that `ps` printed",
+        env={"AURA_PS_SECRET": "short"},
+    ),
     # hostile or absurd input (issue 19)
     Row("yaml alias bomb", ["local", "--config", "{tmp}/laughs.yaml"], "expands to more than 10,000 values", _hostile_configs),
     Row("config not UTF-8", ["local", "--config", "{tmp}/latin1.yaml"], "is not UTF-8 text", _hostile_configs),
@@ -245,3 +262,22 @@ def test_bad_input(row: Row, tmp_path: Path, prepared: Path) -> None:
     assert not list(tmp_path.rglob("metrics.jsonl")) and not [p for p in tmp_path.rglob("step_*") if (p / "COMPLETE.json") not in before]
     # Nothing that was there changed (a refused resume keeps the run's config.yaml).
     assert all(p.read_bytes() == data for p, data in before.items() if p.exists() and p.name != "port")
+
+
+@pytest.mark.parametrize(
+    ("args", "hint"),
+    [
+        (["local", "--max-step", "100"], "--max-step: did you mean --set train.max_steps=100?"),
+        (["local", "--lr=0.01"], "--lr: did you mean --set train.lr=0.01?"),
+        (["local", "--mastr-port", "5"], "--mastr-port: did you mean --master-port?"),
+        (["local", "--nproc_per_node", "2"], "--nproc_per_node: did you mean --nproc-per-node?"),
+        (["generate"], "the following arguments are required: --run"),
+    ],
+)
+def test_a_mistyped_flag_gets_one_line_naming_the_flag_or_setting_it_meant(args: list[str], hint: str) -> None:
+    """argparse's 13-line usage block buried the hint, and a config key was matched against flags only
+    (`--max-step` was "did you mean --master-port?")."""
+    r = run_cli(args, timeout=60)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert hint in lines[0] and f"(see: python -m aura_hpc {args[0]} --help)" in lines[0], lines[0]

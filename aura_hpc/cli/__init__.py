@@ -13,8 +13,16 @@ from aura_hpc.cli import cmd_check, cmd_config, cmd_data, cmd_jobs, cmd_local, c
 from aura_hpc.errors import AuraError
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's, with a one-line error: the usage block it prints first (13 lines for `local`) buried
+    the line that names the fix; `--help` still shows it."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m aura_hpc",
         description="Train a GPT-2-style language model from a laptop to a Slurm cluster with the same trainer.",
     )
@@ -43,24 +51,39 @@ ALIASES = {
 
 
 def _refuse_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> None:
-    """argparse's own error, plus the closest flag of that command for each unknown one."""
-    import difflib
-
+    """argparse's own error, plus the closest flag of that command (or config key) for each unknown one."""
     command = getattr(args, "command", None)
     sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
     target = sub.choices.get(command, parser) if sub is not None and command else parser
     flags = [o for a in target._actions for o in a.option_strings if o.startswith("--")]
     hints = []
-    for u in unknown:
+    for i, u in enumerate(unknown):
         flag = u.split("=", 1)[0]
         known = ALIASES.get((command or "", flag)) or ALIASES.get(("", flag))
         if known:
             hints.append(f"{u}: {known}")
             continue
-        close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6) if u.startswith("--") else []
-        if close:
-            hints.append(f"{u}: did you mean {close[0]}?")
+        if not u.startswith("--"):
+            continue
+        value = u.split("=", 1)[1] if "=" in u else (unknown[i + 1] if i + 1 < len(unknown) and not unknown[i + 1].startswith("-") else "")
+        hint = _closest(flag, flags, value)
+        if hint:
+            hints.append(f"{flag}: {hint}")
     target.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+
+def _closest(flag: str, flags: list[str], value: str) -> str | None:
+    """The command's flag or the config key (`--set section.key=...`) a mistyped flag most resembles."""
+    import difflib
+
+    from aura_hpc.config.loading import valid_keys
+
+    keys = {k.split(".")[-1]: k for k in valid_keys() if "." in k}
+    name = flag.removeprefix("--").replace("-", "_")
+    scored = [(difflib.SequenceMatcher(None, flag, f).ratio(), f"did you mean {f}?") for f in flags]
+    scored += [(difflib.SequenceMatcher(None, name, k).ratio(), f"did you mean --set {full}={value or '...'}?") for k, full in keys.items()]
+    best = max(scored, default=(0.0, ""))
+    return best[1] if best[0] >= 0.75 else None
 
 
 def main(argv: list[str] | None = None) -> int:

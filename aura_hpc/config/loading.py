@@ -34,7 +34,7 @@ def shipped_configs() -> dict[str, Path]:
     return {p.stem: p for p in sorted(configs_dir().glob("*.yaml"))}
 
 
-def _valid_keys() -> list[str]:
+def valid_keys() -> list[str]:
     keys = list(TOP_LEVEL)
     for name, cls in SECTIONS.items():
         keys += [f"{name}.{f.name}" for f in dataclasses.fields(cls)]
@@ -109,7 +109,7 @@ def _merge(
 
     `given` records, for each key set here, `label` (where it came from: config or cli).
     """
-    valid = _valid_keys()
+    valid = valid_keys()
     if not isinstance(raw, dict):
         raise ConfigError(f"{origin}: a config must be a YAML mapping of sections, got {type(raw).__name__}")
     for top, value in raw.items():
@@ -158,7 +158,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if "." in key:
             section, _, name = key.partition(".")
             if section not in SECTIONS or not name:
-                raise _unknown_key(key, _valid_keys())
+                raise _unknown_key(key, valid_keys())
             out.setdefault(section, {})[name] = value
         else:
             out[key] = value

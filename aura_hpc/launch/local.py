@@ -137,6 +137,11 @@ def plan_local(
     if nnodes < 1:
         raise LaunchError(f"--nnodes must be at least 1, got {nnodes} (fix: --nnodes 1 for this machine alone)")
     if not 0 <= node_rank < nnodes:
+        if nnodes == 1 and node_rank > 0:
+            raise LaunchError(
+                f"--node-rank {node_rank} needs a run across machines (fix: --nnodes {node_rank + 1} or more with --master-addr "
+                "of node 0, the same on every machine; --node-rank 0 on the master)"
+            )
         raise LaunchError(f"--node-rank {node_rank} is not below --nnodes {nnodes} (fix: use 0..{nnodes - 1}, 0 on the master)")
     if rdzv_timeout <= 0:
         raise LaunchError(f"--rdzv-timeout must be positive, got {rdzv_timeout} (fix: --rdzv-timeout 120)")

@@ -29,25 +29,29 @@ MIN_LEN = 16
 TAG_BYTES = 32
 
 
-def _clean(text: str, origin: str) -> str:
+def _clean(text: str, origin: str, worker: bool = False) -> str:
     value = text.strip()
     if len(value) < MIN_LEN or any(c.isspace() or not c.isprintable() for c in value):
+        if worker:  # a worker cannot make one: it must hold the server's
+            fix = f"copy it exactly from the `{SECRET_ENV}=...` that `ps` printed, or pass --secret-file with the server's ps.secret"
+        else:
+            fix = "unset it to let `ps` make one, or use e.g. the output of: python -c 'import secrets; print(secrets.token_urlsafe(24))'"
         raise ConfigError(
             f"the secret from {origin} is too short or holds spaces/control characters (at least {MIN_LEN} printable characters) "
-            f"(fix: unset it to let `ps` make one, or use e.g. the output of: python -c 'import secrets; print(secrets.token_urlsafe(24))')"
+            f"(fix: {fix})"
         )
     return value
 
 
-def given_secret(secret_file: str | None) -> str | None:
+def given_secret(secret_file: str | None, worker: bool = False) -> str | None:
     """A secret handed to this process (--secret-file wins over AURA_PS_SECRET), or None."""
     if secret_file:
         try:
-            return _clean(Path(secret_file).expanduser().read_text(encoding="utf-8"), f"--secret-file {secret_file}")
+            return _clean(Path(secret_file).expanduser().read_text(encoding="utf-8"), f"--secret-file {secret_file}", worker)
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read --secret-file {secret_file} ({exc.__class__.__name__}) (fix: a readable text file)") from None
     env = os.environ.get(SECRET_ENV)
-    return _clean(env, SECRET_ENV) if env else None
+    return _clean(env, SECRET_ENV, worker) if env else None
 
 
 def server_secret(run_dir: Path, secret_file: str | None) -> tuple[str, str]:
@@ -67,7 +71,7 @@ def server_secret(run_dir: Path, secret_file: str | None) -> tuple[str, str]:
 
 
 def worker_secret(secret_file: str | None) -> str:
-    value = given_secret(secret_file)
+    value = given_secret(secret_file, worker=True)
     if not value:
         raise ConfigError(
             f"this worker has no secret for the run (fix: start it with {SECRET_ENV}=... exactly as `ps` prints, "

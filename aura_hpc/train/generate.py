@@ -9,16 +9,18 @@ from aura_hpc.train.checkpoint import files as checkpoint
 
 
 def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int, num: int = 1) -> list[str]:
+    if max_new_tokens <= 0:
+        raise CheckpointError(f"--max-new-tokens must be at least 1, got {max_new_tokens} (fix: --max-new-tokens 100)")
+    if temperature <= 0:
+        raise CheckpointError(f"--temperature must be above 0, got {temperature} (fix: --temperature 0.8)")
+    if num < 1 or top_k < 0:
+        raise CheckpointError("--num must be at least 1 and --top-k 0 or more (fix: --num 1 --top-k 40)")
     root = Path(run_dir) / "checkpoints"
     if not Path(run_dir).is_dir():
         raise CheckpointError(f"run directory {run_dir} does not exist (fix: pass output_dir/run_name of a run)")
     ckpt = checkpoint.newest_valid(root)
     if ckpt is None:
         raise CheckpointError(f"no complete checkpoint in {root} (fix: train first: python -m aura_hpc local)")
-    if temperature <= 0 or max_new_tokens <= 0:
-        raise CheckpointError("--temperature and --max-new-tokens must be positive (fix: --temperature 0.8)")
-    if num < 1 or top_k < 0:
-        raise CheckpointError("--num must be at least 1 and --top-k 0 or more (fix: --num 1 --top-k 40)")
     import torch
 
     from aura_hpc.train.checkpoint.consolidate import consolidate
