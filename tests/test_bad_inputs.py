@@ -124,7 +124,7 @@ ROWS = [
     Row("--set without =", ["local", "--set", "train.lr"], "is not KEY=VALUE"),
     Row("fp16 on CPU", ["local", "--set", "train.precision=fp16"], "fp16 needs a CUDA GPU", skip_if=not NO_CUDA),
     # data
-    Row("missing data dir", ["local", "--set", "data.path=/nonexistent/data"], "is not a prepared directory (no manifest.json)"),
+    Row("missing data dir", ["local", "--set", "data.path=/nonexistent/data"], "data.path /nonexistent/data does not exist (fix:"),
     Row("unprepared data dir", ["local", "--set", "data.path={tmp}/empty"], "python -m aura_hpc prepare", _files),
     Row("effective batch > dataset", ["local", "--set", "data.path={tmp}/small"], "fewer than one effective batch", _small_data),
     Row("vocab mismatch", ["local", D, "--set", "model.vocab_size=5000"], "model.vocab_size 5000 does not match the data's tokenizer"),

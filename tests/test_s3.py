@@ -222,3 +222,54 @@ def test_raw_text_in_a_bucket_streams_into_training_without_a_prepare_step(
     done = list((tmp_path / "cache" / "stream").glob("*/done/*.json"))
     assert done and all(json.loads(f.read_text())["piece"]["source"].startswith("s3://raw/es/") for f in done)
     _no_secret_anywhere(s3, tmp_path / "streamed", r.stdout, r.stderr)
+
+
+def test_dry_runs_from_a_bucket_describe_the_work_and_a_missing_bucket_or_path_is_named(
+    bucket_data: dict[str, Any], tmp_path: Path, s3: Any
+) -> None:
+    """docs/data.md says to dry-run first: from a bucket into a local folder and into another bucket it
+    says what it would read (sizes from one listing, no object read); a bucket or path that does not
+    exist is said to, not "not a prepared directory"."""
+    for out in (str(tmp_path / "local-out"), "s3://prep/es-dry"):
+        r = run_cli(["prepare", "s3://raw/es/", "--out", out, *PREP, "--dry-run"], timeout=120, **s3.env())
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        size = sum(len(t.encode()) for t in _texts().values())
+        assert "2 file(s)" in r.stdout and f"{size / 1024:,.1f} KB" in r.stdout, r.stdout
+        assert not (tmp_path / "local-out").exists() and not s3.fs().exists("prep/es-dry")
+    for path, said in (
+        ("s3://no-such-bucket/es", "bucket s3://no-such-bucket does not exist (fix: create it first"),
+        ("s3://prep/nothing-here", "data.path 's3://prep/nothing-here' does not exist: nothing is stored there"),
+    ):
+        r = run_cli(_train_args(tmp_path, "missing", tmp_path / "cache", ["--set", f"data.path={path}"]), timeout=120, **s3.env())
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and said in lines[0], r.stderr[-2000:]
+
+
+def test_no_credentials_or_a_forgotten_endpoint_fail_at_once_with_the_fix() -> None:
+    """Before, 5 tries with backoff each (53 s and 12 retry lines for a forgotten AWS_ENDPOINT_URL)."""
+    import os
+
+    from botocore.exceptions import EndpointConnectionError, NoCredentialsError
+
+    from aura_hpc.data import storage
+    from aura_hpc.errors import DataError
+
+    waited: list[float] = []
+    for exc, said in (
+        (NoCredentialsError(), "no credentials to read s3://corpus/es (fix: set AWS_ACCESS_KEY_ID"),
+        (EndpointConnectionError(endpoint_url="https://corpus.s3.amazonaws.com"), "AWS_ENDPOINT_URL is not set (fix: for MinIO, R2"),
+    ):
+
+        def fail(exc: Exception = exc) -> None:
+            raise exc
+
+        before = os.environ.pop("AWS_ENDPOINT_URL", None)
+        storage._REACHED[0] = False  # the first contact of a process
+        try:
+            with pytest.raises(DataError, match=None) as got:
+                storage.retrying("s3://corpus/es", fail, storage.Policy(), sleep=waited.append)
+        finally:
+            if before is not None:
+                os.environ["AWS_ENDPOINT_URL"] = before
+        assert said in str(got.value), str(got.value)
+    assert waited == [], "retried"

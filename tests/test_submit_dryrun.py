@@ -145,9 +145,9 @@ def test_dry_run_checks_the_data_and_submit_refuses_it(tmp_path: Path) -> None:
     args = ["submit", "--output-dir", str(tmp_path / "runs"), "--set", f"data.path={tmp_path / 'missing'}"]
     dry = run_cli([*args, "--dry-run"])
     assert dry.returncode == 0 and "effective batch 8 sequences = 1,024 tokens per step" in dry.stdout
-    assert "submit would refuse this: data.path" in dry.stderr and "is not a prepared directory" in dry.stderr
+    assert "submit would refuse this: data.path" in dry.stderr and "missing does not exist (fix:" in dry.stderr
     real = run_cli(args)
-    assert real.returncode == 2 and "is not a prepared directory" in real.stderr and not (tmp_path / "runs").exists()
+    assert real.returncode == 2 and "missing does not exist (fix:" in real.stderr and not (tmp_path / "runs").exists()
 
 
 def test_a_master_address_outside_private_ranges_is_warned_about(tmp_path: Path) -> None:

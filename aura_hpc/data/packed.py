@@ -112,6 +112,8 @@ class PackedTokens(TokenReader):
             manifest = read_manifest(self.path)
             hint = prepare_hint(self.path)
         if manifest is None:
+            if self.remote and not storage.listing(self.location.rstrip("/") + "/", policy):
+                raise DataError(f"data.path {self.location!r} does not exist: nothing is stored there (fix: {hint}, or correct it)")
             raise DataError(f"data.path {self.location!r} is not a prepared directory (no manifest.json) (fix: {hint})")
         self.manifest: dict[str, Any] = manifest
         self.seq_len = seq_len

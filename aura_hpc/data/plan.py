@@ -5,7 +5,10 @@ tokens/s per encoding process, tokenizer training ~0.15 s per MB of its sample."
 
 from __future__ import annotations
 
-from aura_hpc.data import shards
+import math
+from pathlib import Path
+
+from aura_hpc.data import storage
 from aura_hpc.data.prepare import TEXT_SUFFIXES, PrepareSpec, input_folders, resolve_inputs
 
 BYTES_PER_TOKEN = 3.2
@@ -21,6 +24,20 @@ def _size(n: float) -> str:
     return f"{n:,.1f} TB"
 
 
+def _suffix(f: Path | str) -> str:
+    name = str(f).rsplit("/", 1)[-1]
+    return name[name.rfind(".") :].lower() if "." in name else ""
+
+
+def _sizes(inputs: list[str], files: list[Path | str]) -> list[int]:
+    """Each input file's size: local files from the filesystem, objects from one listing per input."""
+    listed: dict[str, int] = {}
+    for item in inputs:
+        if storage.is_remote(item):
+            listed.update(storage.listing(item.rstrip("/") + "/" if "*" not in item else item))
+    return [f.stat().st_size if isinstance(f, Path) else listed.get(f) or storage.size(f) for f in files]
+
+
 def describe(spec: PrepareSpec) -> list[tuple[str, str]]:
     if spec.dataset or spec.builtin:
         what = f"dataset {spec.dataset}" if spec.dataset else "the built-in corpus"
@@ -31,8 +48,12 @@ def describe(spec: PrepareSpec) -> list[tuple[str, str]]:
         ]
     files = resolve_inputs(spec.inputs)
     folders = input_folders(spec.inputs)
-    pieces = shards.plan(files, TEXT_SUFFIXES, int(spec.shard_mb * 2**20), None, False)
-    total = sum(f.stat().st_size for f in files)
+    sizes = _sizes(spec.inputs, files)
+    total = sum(sizes)
+    # Pieces estimated from sizes: a dry run reads no text (a prepare finds paragraph boundaries by reading).
+    piece = int(spec.shard_mb * 2**20)
+    cut = [TEXT_SUFFIXES.get(_suffix(f)) == "text" or _suffix(f) == ".jsonl" for f in files]
+    n_pieces = sum(max(1, math.ceil(n / piece)) if c else 1 for n, c in zip(sizes, cut, strict=True))
     tokens = total / BYTES_PER_TOKEN
     if spec.max_tokens:
         tokens = min(tokens, spec.max_tokens)
@@ -46,7 +67,7 @@ def describe(spec: PrepareSpec) -> list[tuple[str, str]]:
             "tokens",
             f"~{tokens:,.0f} (at ~{BYTES_PER_TOKEN} bytes of text per token){' (the --max-tokens budget)' if spec.max_tokens else ''}",
         ),
-        ("shards", f"{len(pieces)} piece(s) of up to {spec.shard_mb:g} MB of text: up to {2 * len(pieces)} shards (train and validation)"),
+        ("shards", f"{n_pieces} piece(s) of up to {spec.shard_mb:g} MB of text: up to {2 * n_pieces} shards (train and validation)"),
         ("disk", f"~{_size(tokens * width)} of token files ({'uint32' if width == 4 else 'uint16'}) in {spec.out_dir}"),
         (
             "time",

@@ -114,9 +114,24 @@ def _status(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+_REACHED = [False]  # a read of this process has reached the storage once
+
+
+def _no_endpoint(exc: BaseException) -> bool:
+    """The first contact failed to connect, and no endpoint was given: AWS itself was tried, which a
+    MinIO, R2 or Ceph user did not mean (a forgotten AWS_ENDPOINT_URL cost 53 s of retries before)."""
+    import os
+
+    named = type(exc).__name__
+    return not _REACHED[0] and named == "EndpointConnectionError" and not os.environ.get("AWS_ENDPOINT_URL", "").strip()
+
+
 def _permanent(exc: BaseException) -> bool:
-    """Errors a retry cannot fix: missing objects and refused credentials."""
-    if isinstance(exc, FileNotFoundError | PermissionError | DataError):
+    """Errors a retry cannot fix: missing objects, missing or refused credentials, and a first contact
+    with AWS when no endpoint was given."""
+    if isinstance(exc, FileNotFoundError | PermissionError | DataError) or type(exc).__name__ == "NoCredentialsError":
+        return True
+    if _no_endpoint(exc):
         return True
     reason = _status(exc)
     return any(code in reason for code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "NoSuchBucket", "403"))
@@ -135,13 +150,18 @@ def explain(exc: BaseException, url: str) -> DataError:
     reason = _status(exc)
     if "NoSuchBucket" in reason or "bucket does not exist" in str(exc):
         bucket = strip(url).split("/", 1)[0]
-        return DataError(f"the bucket of {url} does not exist (fix: create it first, e.g. aws s3 mb s3://{bucket}, or check the name)")
+        return DataError(f"bucket s3://{bucket} does not exist (fix: create it first, e.g. aws s3 mb s3://{bucket}, or check the name)")
     if isinstance(exc, FileNotFoundError) or "NoSuch" in reason or "404" in reason:
         return DataError(f"{url} does not exist ({reason}) (fix: check the bucket and prefix, or prepare the data there first)")
     if isinstance(exc, PermissionError) or any(c in reason for c in ("403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied")):
         return DataError(
             f"access to {url} was refused ({reason}) (fix: check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
             "AWS_ENDPOINT_URL for R2/MinIO, and the bucket's permissions)"
+        )
+    if _no_endpoint(exc):
+        return DataError(
+            f"could not connect to AWS S3 for {url}, and AWS_ENDPOINT_URL is not set (fix: for MinIO, R2 or Ceph set "
+            "AWS_ENDPOINT_URL, e.g. http://HOST:9000; for AWS itself, check this machine's network)"
         )
     if "NoCredentials" in reason or "NoCredentialsError" in type(exc).__name__:
         return DataError(f"no credentials to read {url} (fix: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)")
@@ -153,7 +173,9 @@ def retrying(what: str, fn: Callable[[], T], policy: Policy, sleep: Callable[[fl
     it fails for good (or at once for a missing object or refused credentials)."""
     for attempt in range(1, policy.tries + 1):
         try:
-            return fn()
+            out = fn()
+            _REACHED[0] = True
+            return out
         except Exception as exc:  # botocore, aiohttp and OS errors all end here
             if not _transport_error(exc):
                 raise  # a bug of ours, not a storage problem: not retried, not disguised
@@ -228,7 +250,7 @@ def read_manifest(url: str, policy: Policy) -> dict[str, Any] | None:
     try:
         raw = read_bytes(join(url, "manifest.json"), policy)
     except DataError as exc:
-        if "does not exist" in str(exc):
+        if "does not exist" in str(exc) and not str(exc).startswith("bucket s3://"):  # a missing bucket is said as such
             return None
         raise
     try:

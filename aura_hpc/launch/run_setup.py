@@ -127,6 +127,8 @@ def preflight_data(cfg: RunConfig, world_size: int) -> None:
             f"data.path {path} is a file; the trainer reads a prepared directory (tokenizer + packed tokens) "
             f"(fix: python -m aura_hpc prepare {path} --out {out}, then --set data.path={out})"
         )
+    if not remote and not path.exists():
+        raise DataError(f"data.path {path} does not exist (fix: {prepare_hint(path)}, or correct the path)")
     if not remote and not (path / "manifest.json").is_file():
         raise DataError(f"data.path {path} is not a prepared directory (no manifest.json) (fix: {prepare_hint(path)})")
     cache = for_data(cfg.data)
