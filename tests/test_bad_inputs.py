@@ -281,3 +281,17 @@ def test_a_mistyped_flag_gets_one_line_naming_the_flag_or_setting_it_meant(args:
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert hint in lines[0] and f"(see: python -m aura_hpc {args[0]} --help)" in lines[0], lines[0]
+
+
+def test_a_dry_run_shows_a_memory_plan_that_does_not_fit_and_force_starts_it_anyway(tmp_path: Path, prepared: Path) -> None:
+    """Before, a dry run of a model too big for this machine printed only the refusal, and --force (which
+    says it starts anyway) changed nothing."""
+    big = ["local", "--output-dir", str(tmp_path), "--set", f"data.path={prepared}", "--set", "model.n_layer=200"]
+    big += ["--set", "model.n_embd=4096", "--set", "model.n_head=32", "--dry-run"]
+    r = run_cli(big, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "memory plan per device" in r.stdout and "total per process" in r.stdout, r.stdout
+    assert "local would refuse this: the memory plan needs" in r.stderr and "or --force to try anyway" in r.stderr, r.stderr
+    forced = run_cli([*big, "--force"], timeout=60)
+    assert forced.returncode == 0 and "--force: starting although the memory plan needs" in forced.stderr, forced.stderr
+    assert "would refuse" not in forced.stderr and not (tmp_path / "tiny").exists()

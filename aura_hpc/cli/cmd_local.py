@@ -28,6 +28,7 @@ def cmd_local(a: argparse.Namespace) -> int:
         backend=a.backend,
         ifname=a.ifname,
         force=a.force,
+        dry_run=a.dry_run,
     )
 
     def warn() -> None:
@@ -45,6 +46,8 @@ def cmd_local(a: argparse.Namespace) -> int:
         for line in plan.data_lines:
             console.info(line)
         console.info(f"run directory: {plan.cfg.run_dir} (nothing was written or started)")
+        if plan.refusal:
+            console.warn(f"local would refuse this: {plan.refusal}")
         return 0
     status = launch(plan, ready=warn)  # warnings once the data and run directory passed their checks
     if status != 0:

@@ -126,6 +126,7 @@ def plan_local(
     backend: str | None = None,
     ifname: str | None = None,
     force: bool = False,
+    dry_run: bool = False,
 ) -> LocalPlan:
     """Everything `local` will do, decided and checked up front; nothing is written."""
     if backend:
@@ -200,7 +201,12 @@ def plan_local(
 
     plan.data_lines, data_warnings = coverage(cfg, nproc * nnodes)
     plan.warnings = warnings + data_warnings
-    _plan_memory(plan, gpus > 0 and wanted != "gloo", force)
+    try:
+        _plan_memory(plan, gpus > 0 and wanted != "gloo", force)
+    except ConfigError as exc:
+        if not dry_run:
+            raise
+        plan.refusal = str(exc)  # the dry run still shows the memory plan, then says it would not fit
     return plan
 
 
@@ -224,7 +230,12 @@ def _plan_memory(plan: LocalPlan, gpu: bool, force: bool) -> None:
         if warning:
             plan.warnings.append(warning.replace("their", "this machine's"))
     else:
-        note = check_ram(plan.memory, plan.nproc)
+        try:
+            note = check_ram(plan.memory, plan.nproc)
+        except ConfigError as exc:
+            if not force:
+                raise
+            note = f"--force: starting although {exc}"
         if note:
             plan.warnings.append(note)
 
@@ -244,7 +255,7 @@ def check_ram(memory: Any, nproc: int) -> str | None:
         raise ConfigError(
             f"the memory plan needs ~{need / GIB:,.1f} GiB of RAM for {nproc} process(es) on this CPU machine, more than its "
             f"{vm.total / GIB:.1f} GiB (fix: a smaller model, train.batch_size or data.seq_len, fewer --nproc-per-node, or "
-            "--set train.activation_checkpointing=true)"
+            "--set train.activation_checkpointing=true; or --force to try anyway)"
         )
     if need > vm.available:
         return (

@@ -30,6 +30,7 @@ class LocalPlan:
     gpu_mem_gib: float = 0.0  # this machine's GPU memory (0: no GPU)
     warnings: list[str] = field(default_factory=list)
     data_lines: list[str] = field(default_factory=list)  # how the data covers the run (launch/data_plan.py)
+    refusal: str | None = None  # why the run would not start (a --dry-run shows the plan, then this)
 
     @property
     def config_path(self) -> Path:
