@@ -170,7 +170,7 @@ def part_s3(tmp: Path, prepared: Path) -> None:
 
 def _step_times(run_dir: Path) -> list[float]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > 1]
+    return [r["step_time_s"] for r in rows if r.get("step_time_s") is not None and r["step"] > 1]
 
 
 def part_stream(tmp: Path, prepared: Path, tok: Path) -> None:

@@ -295,3 +295,10 @@ def test_a_dry_run_shows_a_memory_plan_that_does_not_fit_and_force_starts_it_any
     forced = run_cli([*big, "--force"], timeout=60)
     assert forced.returncode == 0 and "--force: starting although the memory plan needs" in forced.stderr, forced.stderr
     assert "would refuse" not in forced.stderr and not (tmp_path / "tiny").exists()
+
+
+def test_a_dry_run_refuses_a_sample_prompt_longer_than_the_context_as_the_run_would() -> None:
+    """A 5,000-character train.sample_prompt passed --dry-run and was refused by the real run."""
+    r = run_cli(["local", "--dry-run", "--set", "train.sample_prompt=" + "hola " * 1000], timeout=60)
+    assert r.returncode == 0 and "local would refuse this: train.sample_prompt is ~" in r.stderr, r.stderr
+    assert "(fix: a shorter train.sample_prompt)" in r.stderr

@@ -410,3 +410,21 @@ def test_dry_run_says_what_it_would_read_and_write(tmp_path: Path) -> None:
         assert f"{row}:" in r.stdout, r.stdout
     assert "2 file(s)" in r.stdout and "with 2 worker(s)" in r.stdout and "uint16" in r.stdout
     assert not out.exists() and not list(tmp_path.glob(".p.*"))
+
+
+def test_a_folder_with_files_prepare_cannot_read_says_so_and_the_path_to_use_is_quoted(tmp_path: Path) -> None:
+    """Files without a supported extension were skipped in silence, and `use it: --set data.path=...` broke
+    when pasted for a path with spaces."""
+    from aura_hpc.data.corpus import generate
+
+    src = tmp_path / "my corpus"
+    src.mkdir()
+    (src / "a.txt").write_text(generate(300, seed=3), encoding="utf-8")
+    (src / "NOTES").write_text("texto sin extensión\n", encoding="utf-8")
+    (src / ".hidden").write_text("not ours to mention\n", encoding="utf-8")
+    out = tmp_path / "my data"
+    r = run_cli(["prepare", str(src), "--out", str(out), "--vocab-size", "300"], timeout=120)
+    assert r.returncode == 0, r.stderr
+    said = r.stdout + r.stderr
+    assert "prepare skips 1 file(s) in" in said and "NOTES (rename them to .txt to include them)" in said and ".hidden" not in said, said
+    assert f"--set data.path='{out}'" in said, said

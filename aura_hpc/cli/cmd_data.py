@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 
 
 def cmd_prepare(a: argparse.Namespace) -> int:
@@ -71,7 +72,7 @@ def cmd_prepare(a: argparse.Namespace) -> int:
             ),
             ("tokenizer", f"{m['tokenizer']['source']}, vocab {m['tokenizer']['vocab_size']}"),
             ("speed", f"{m.get('encode_tokens_per_s') or 0:,} tokens/s encoding, {m.get('elapsed_s')}s in all"),
-            ("use it", f"--set data.path={a.out if remote_out else Path(a.out).resolve()}"),
+            ("use it", f"--set data.path={shlex.quote(str(a.out if remote_out else Path(a.out).resolve()))}"),
             *guidance(m, a.vocab_size if not a.tokenizer else 0),
         ],
     )

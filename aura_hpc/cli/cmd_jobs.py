@@ -156,7 +156,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     p = sub.add_parser(
         "logs",
-        help="a job's per-rank log",
+        help="one rank's log of a Slurm job or a local run",
         description="Print (or follow with -f) one rank's log of a Slurm job or of a local run directory.",
     )
     p.add_argument("target", help="a job id or a run directory")

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import time
 from collections.abc import Iterator
@@ -104,8 +105,9 @@ def prepare_hint(path: Path) -> str:
     never the output (prepare refuses to write over files it did not write)."""
     if path.is_dir() and any(path.iterdir()):
         out = path.with_name(f"{path.name}-prepared")
-        return f"python -m aura_hpc prepare {path} --out {out}, then --set data.path={out}"
-    return f"python -m aura_hpc prepare YOUR_TEXT_FILES --out {path}"
+        src, dst = shlex.quote(str(path)), shlex.quote(str(out))
+        return f"python -m aura_hpc prepare {src} --out {dst}, then --set data.path={dst}"
+    return f"python -m aura_hpc prepare YOUR_TEXT_FILES --out {shlex.quote(str(path))}"
 
 
 def read_manifest(prepared: Path) -> dict[str, Any] | None:

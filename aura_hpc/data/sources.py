@@ -4,6 +4,7 @@ records and Hub datasets through `datasets`, and the refusal of what is not text
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from typing import Any
 from aura_hpc.data import storage
 from aura_hpc.errors import DataError
 
+log = logging.getLogger("aura_hpc")
 TEXT_SUFFIXES = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -48,7 +50,18 @@ def resolve_inputs(inputs: list[str]) -> list[Path | str]:
             raise DataError(f"input {item!r} does not exist (fix: pass .txt/.jsonl/.parquet files, a folder or a glob)")
         for m in matches:
             if m.is_dir():
-                files += sorted(p for p in m.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+                found = [p for p in m.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(m).parts)]
+                files += sorted(p for p in found if p.suffix.lower() in TEXT_SUFFIXES)
+                other = sorted(p.relative_to(m) for p in found if p.suffix.lower() not in TEXT_SUFFIXES)
+                if other:  # said, not skipped in silence: a corpus of extension-less files would otherwise be half read
+                    shown = ", ".join(str(p) for p in other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
+                    log.warning(
+                        "prepare skips %d file(s) in %s that are not %s: %s (rename them to .txt to include them)",
+                        len(other),
+                        m,
+                        "/".join(TEXT_SUFFIXES),
+                        shown,
+                    )
             elif m.suffix.lower() in TEXT_SUFFIXES:
                 files.append(m)
             else:

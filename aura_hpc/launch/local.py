@@ -203,6 +203,11 @@ def plan_local(
     plan.warnings = warnings + data_warnings
     try:
         _plan_memory(plan, gpus > 0 and wanted != "gloo", force)
+        if dry_run:  # the real run checks it once the data (and its tokenizer) is ready
+            from aura_hpc.launch.run_setup import check_sample_prompt
+
+            local = cfg.data.path and "://" not in cfg.data.path
+            check_sample_prompt(cfg, Path(cfg.data.path) / "tokenizer" if local else None, estimate=True)
     except ConfigError as exc:
         if not dry_run:
             raise

@@ -189,17 +189,23 @@ def prompt_tokens(tokenizer_dir: Path, prompt: str) -> int:
     return len(Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).encode(prompt, add_special_tokens=False).ids)
 
 
-def check_sample_prompt(cfg: RunConfig, tokenizer_dir: Path) -> None:
+def check_sample_prompt(cfg: RunConfig, tokenizer_dir: Path | None, estimate: bool = False) -> None:
     """The samples fit the model's context: refused before training, not after it (a crash at the
-    final sample used to leave no summary, and every re-run then said 'nothing to do')."""
+    final sample used to leave no summary, and every re-run then said 'nothing to do'). Without the
+    tokenizer (a dry run before the data is prepared) and with `estimate`, from the prompt's bytes."""
+    from aura_hpc.data.plan import BYTES_PER_TOKEN
+
     t, room = cfg.train, cfg.model.n_positions
-    if not (tokenizer_dir / "tokenizer.json").is_file():
+    if tokenizer_dir is not None and (tokenizer_dir / "tokenizer.json").is_file():
+        n, about = prompt_tokens(tokenizer_dir, t.sample_prompt), ""
+    elif estimate:
+        n, about = int(len(t.sample_prompt.encode()) / BYTES_PER_TOKEN), "~"
+    else:
         return
-    n = prompt_tokens(tokenizer_dir, t.sample_prompt)
     if n + t.sample_tokens > room:
         fix = f"--set train.sample_tokens={room - n}" if n < room else "a shorter train.sample_prompt"
         raise ConfigError(
-            f"train.sample_prompt is {n} tokens and train.sample_tokens {t.sample_tokens}: more than model.n_positions "
+            f"train.sample_prompt is {about}{n} tokens and train.sample_tokens {t.sample_tokens}: more than model.n_positions "
             f"({room}) (fix: {fix})"
         )
 

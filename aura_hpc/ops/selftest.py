@@ -150,7 +150,7 @@ def contract(strategy: str, data: Path, runs: Path, nproc: int, model: list[str]
 
 def _trainer_tokens_per_s(run: Path, warmup: int) -> float:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    timed = [r for r in rows if r.get("step", 0) > warmup and "tokens_per_s" in r]
+    timed = [r for r in rows if r.get("step", 0) > warmup and r.get("tokens_per_s") is not None]
     return statistics.median(r["tokens_per_s"] for r in timed) if timed else 0.0
 
 

@@ -117,7 +117,8 @@ class ParameterServer:
         self.version, self.tokens, self.positions, self.best_eval = r.version, r.tokens, r.positions, r.best_eval
         self.hist.update(r.staleness)
         self.saved_version = r.version
-        log.info("resumed from %s: version %d, %d tokens applied, best eval loss %s", r.path.name, r.version, r.tokens, r.best_eval)
+        best = f"{r.best_eval:.4f}" if isinstance(r.best_eval, float) else "none yet"
+        log.info("resumed from %s: version %d, %d tokens applied, best eval loss %s", r.path.name, r.version, r.tokens, best)
 
     def serve(self, port: int) -> int:
         """Accept workers until training is over or a stop signal; returns the exit status.
@@ -377,7 +378,8 @@ class ParameterServer:
                 self.t.max_steps,
             )
             return EXIT_RESUMABLE
-        log.info("training finished at version %d; best eval loss %s", self.version, self.best_eval)
+        best = f"{self.best_eval:.4f}" if isinstance(self.best_eval, float) else "none (no evaluation ran)"
+        log.info("training finished at version %d; best eval loss %s", self.version, best)
         return 0
 
 

@@ -255,8 +255,9 @@ class Trainer:
             "step": pos.step,
             "loss": round(mean_loss, 6),
             "lr": self.parts.scheduler.get_last_lr()[0],
-            "tokens_per_s": round(iv.tokens / elapsed, 1) if iv.tokens and elapsed > 0 else 0.0,
-            "step_time_s": round(elapsed / iv.timed_steps, 5) if iv.timed_steps else 0.0,
+            # None, not 0, when only an attempt's first step (warm-up, compilation) is in the interval.
+            "tokens_per_s": round(iv.tokens / elapsed, 1) if iv.tokens and elapsed > 0 else None,
+            "step_time_s": round(elapsed / iv.timed_steps, 5) if iv.timed_steps else None,
             "grad_norm": round(float(r.grad_norm), 6),
             "tokens": pos.tokens_seen,
             "elapsed_s": round(time.perf_counter() - self.loop_start, 4),
@@ -335,15 +336,17 @@ class Trainer:
 
 
 def _log_step(row: dict[str, Any], end: int, mean_loss: float, eval_loss: float | None) -> None:
+    speed = row["tokens_per_s"]
     log.info(
-        "step %d/%d loss %.4f%s lr %.3e tokens/s %s step_time %.3fs",
+        "step %d/%d loss %.4f%s lr %.3e %s",
         row["step"],
         end,
         mean_loss,
         f" eval_loss {eval_loss:.4f}" if eval_loss is not None else "",
         row["lr"],
-        f"{row['tokens_per_s']:,.0f}",
-        row["step_time_s"],
+        f"tokens/s {speed:,.0f} step_time {row['step_time_s']:.3f}s"
+        if speed is not None
+        else "(tokens/s from the next row: this one holds only the attempt's first step, warm-up included)",
     )
 
 
