@@ -339,6 +339,28 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(
     assert _same(final_weights(tmp_path / "run"), reference[STEPS])
 
 
+def test_every_checkpoint_damaged_is_refused_not_restarted_from_zero_in_silence(
+    tmp_path: Path, prepared: Path, reference: dict, stopped_at_10: Path
+) -> None:
+    """Both checkpoints damaged: the run used to start from step 0 while its warning said it used the
+    previous one. It stops with one line (the damaged ones kept aside); the re-run starts over."""
+    shutil.copytree(stopped_at_10, tmp_path / "run")
+    for step in (5, 10):
+        state = tmp_path / "run" / "checkpoints" / f"step_{step:08d}" / "trainer_state.pt"
+        data = bytearray(state.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        state.write_bytes(bytes(data))
+    r = run_cli(_args(tmp_path, "run", prepared))
+    assert r.returncode == 2, r.stdout[-2000:]
+    said = r.stderr.strip().splitlines()[-1]
+    assert "every checkpoint in" in said and "is damaged (2 moved aside as corrupt-step_*)" in said, said
+    assert "re-run the same command to start again from step 0" in said and "trying the one before it" in r.stdout
+    assert len(list((tmp_path / "run" / "checkpoints").glob("corrupt-step_*"))) == 2
+    again = run_cli(_args(tmp_path, "run", prepared))
+    assert again.returncode == 0 and "starting from step 0" in again.stdout, again.stdout[-2000:]
+    assert _same(final_weights(tmp_path / "run"), reference[STEPS])
+
+
 def test_checkpoint_cannot_run_code(tmp_path: Path, prepared: Path) -> None:
     """A trainer_state.pt that would execute code on unpickling is refused (weights_only=True)."""
     first = run_cli(_args(tmp_path, "run", prepared, extra=("--set", "train.stop_at=5")))

@@ -80,6 +80,12 @@ class Checkpointer:
             if env.is_main:
                 checkpoint.set_aside(checkpoint.Checkpoint(local, int(name.split("_")[1])), self.root, problems[0])
             collectives.barrier()
+        if names:
+            # Every checkpoint was damaged: starting from step 0 in silence would throw the run away.
+            raise CheckpointError(
+                f"every checkpoint in {self.root} is damaged ({len(names)} moved aside as corrupt-step_*): nothing to resume from "
+                "(fix: re-run the same command to start again from step 0, or restore a checkpoint from a copy first)"
+            )
         return None
 
     def load(self, chosen: str) -> int:

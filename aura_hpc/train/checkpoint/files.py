@@ -336,7 +336,7 @@ def set_aside(ckpt: Checkpoint, root: Path, problem: str) -> None:
     aside = root / f"corrupt-{ckpt.path.name}-{int(time.time())}"
     with contextlib.suppress(OSError):
         ckpt.path.rename(aside)
-    log.warning("checkpoint %s is corrupt (%s); moved it to %s and using the previous one", ckpt.path.name, problem, aside.name)
+    log.warning("checkpoint %s is corrupt (%s); moved it to %s, trying the one before it", ckpt.path.name, problem, aside.name)
 
 
 def note_interrupted(root: Path) -> None:
