@@ -363,6 +363,8 @@ def test_bad_inputs_of_a_parameter_server_run(tmp_path: Path, base: list[str]) -
         for (args, problem, fix), r in zip(cases, results, strict=True):
             assert r.returncode == 2 and problem in r.stderr and fix in r.stderr, (args[-2:], r.stdout, r.stderr)
             assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        # The busy port is refused before the worker command (with its secret) is printed and the run folder made.
+        assert "AURA_PS_SECRET=" not in results[5].stdout and not (tmp_path / "runs" / "ps2").exists()
         assert "worker 1 joined" in server.text and "refused a worker" in server.text
         probe = run_cli(["check", "--server", f"127.0.0.1:{port}", "--json"], timeout=120, **WITH_SECRET)
         findings = {f["name"]: f for f in json.loads(probe.stdout)["findings"]}

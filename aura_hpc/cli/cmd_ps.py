@@ -16,6 +16,15 @@ def cmd_ps(a: argparse.Namespace) -> int:
 
     cfg = load_ps_config(a.config, a.overrides, a.output_dir, a.run_name, a.port, a.workers)
     auth.given_secret(a.secret_file)  # a bad secret is refused before the run directory is touched
+    from aura_hpc.ops.network import port_in_use
+
+    if port_in_use(cfg.ps.port):  # before the worker command is printed, the run folder made or a secret written
+        from aura_hpc.errors import LaunchError
+
+        raise LaunchError(
+            f"port {cfg.ps.port} is already in use on this machine (fix: --port {cfg.ps.port + 1} here and in the workers' "
+            "--server, or stop the program using it)"
+        )
     lock = prepare_run_dir(cfg, 1, lock=True, secret=False)
     assert lock is not None
     try:

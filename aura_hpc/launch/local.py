@@ -24,23 +24,13 @@ from aura_hpc.errors import ConfigError, LaunchError
 from aura_hpc.launch.agent import run_workers
 from aura_hpc.launch.plan import LocalPlan
 from aura_hpc.launch.run_setup import ensure_run_secret, prepare_run_dir
-from aura_hpc.ops.network import is_own_address, is_trusted_range, loopback_interface, resolve, route_to
+from aura_hpc.ops.network import is_own_address, is_trusted_range, loopback_interface, port_in_use, resolve, route_to
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError:
-            return True
-    return False
 
 
 def wait_for_master(
@@ -277,7 +267,7 @@ def launch(plan: LocalPlan, ready: Callable[[], None] | None = None) -> int:
     from aura_hpc.config.tracking import require_installed
 
     require_installed(plan.cfg)  # before any worker: a tracker that cannot start is bad input
-    if plan.node_rank == 0 and _port_in_use(plan.master_port):
+    if plan.node_rank == 0 and port_in_use(plan.master_port):
         where = " on every node" if plan.nnodes > 1 else " (or omit --master-port: a free one is picked)"
         raise LaunchError(
             f"port {plan.master_port} is already in use on this machine (fix: --master-port {plan.master_port + 1}{where}, "

@@ -5,6 +5,17 @@ from __future__ import annotations
 import socket
 
 
+def port_in_use(port: int) -> bool:
+    """Something on this machine listens on TCP `port` (a bind to every interface fails)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
 def route_to(addr: str) -> tuple[str | None, str | None]:
     """(local IP, interface name) this machine uses to reach `addr`."""
     try:
