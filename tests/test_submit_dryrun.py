@@ -212,6 +212,11 @@ def test_apptainer_wraps_the_jobs_python_and_matches_golden(tmp_path: Path) -> N
             "a plain path or image name",
         ),
         (["--container-image", "img:1"], "slurm.container is none", "--container pyxis or apptainer"),
+        (  # every missing mount in one line (they were named one re-run at a time)
+            ["--container", "pyxis", "--container-image", "img:1", "--container-mounts", "/x:/x", "--set", "data.path=/datasets/es"],
+            "output_dir OUT and data.path /datasets/es are not in slurm.container_mounts",
+            "add OUT:OUT,/datasets/es:/datasets/es to --container-mounts",
+        ),
     ],
 )
 def test_bad_container_combinations_are_refused_with_the_fix(flags: list[str], problem: str, fix: str, tmp_path: Path) -> None:

@@ -100,9 +100,19 @@ def plan_container(s: SlurmConfig, output_dir: str, data_path: str, gpus: bool) 
         if value and not _SAFE.match(value):
             raise ConfigError(f"slurm.{key} {value!r} holds spaces or shell characters (fix: a plain path or image name)")
     mounts = parse_mounts(s.container_mounts)
-    _require_mounted("output_dir", output_dir, mounts, writable=True)
-    if data_path and "://" not in data_path:
-        _require_mounted("data.path", data_path, mounts, writable=False)
+    needed = [("output_dir", output_dir, True)] + ([("data.path", data_path, False)] if data_path and "://" not in data_path else [])
+    missing = [(what, path) for what, path, _ in needed if _covered(path, mounts) is None]
+    # A path inside another missing one is found once that one is mounted: only the outer one is named.
+    missing = [(w, p) for w, p in missing if not any(q != p and _covered(p, [Mount(q, q, "")]) for _, q in missing)]
+    if len(missing) > 1:  # every missing mount in one line: one fix, not one re-run per mount
+        names = " and ".join(f"{what} {path}" for what, path in missing)
+        add = ",".join(f"{path}:{path}" for _, path in missing)
+        raise ConfigError(
+            f"{names} are not in slurm.container_mounts, so the job inside the container would not find them "
+            f"(fix: add {add} to --container-mounts, or mount a folder above them at the same path)"
+        )
+    for what, path, writable in needed:
+        _require_mounted(what, path, mounts, writable)
     image = s.container_image
     if s.container == "apptainer":
         if not image.startswith(_URI) and not Path(image).expanduser().is_file():
