@@ -87,6 +87,10 @@ def test_default_local_runs_to_completion(tmp_path: Path) -> None:
     assert split["seconds"]["hangs"] == 0 and split["seconds"]["recomputed"] == 0, split
     status = run_cli(["status", "runs/tiny"], cwd=tmp_path, timeout=60)
     assert status.returncode == 0 and "productive steps" in status.stdout and "(goodput ledger)" in status.stdout, status.stdout
+    history = run_cli(["history", "--json"], cwd=tmp_path, timeout=60)  # local runs too, not only Slurm's
+    assert history.returncode == 0, history.stderr
+    mine = [r for r in json.loads(history.stdout)["jobs"] if r["job_id"] == "local"]
+    assert [(r["name"], r["state"], r["step"]) for r in mine] == [("tiny", "COMPLETED", 150)], history.stdout
 
     # The README's quick start says what you see: each of its lines, numbers and names aside, is printed.
     for pattern in _readme_lines():

@@ -128,17 +128,36 @@ def cmd_cancel(a: argparse.Namespace) -> int:
 
 def cmd_history(a: argparse.Namespace) -> int:
     import json
+    import time
 
     from aura_hpc import console
-    from aura_hpc.slurm.commands import history
+    from aura_hpc.errors import AuraError
+    from aura_hpc.launch.run_status import is_local_run, local_status
+    from aura_hpc.slurm.commands import history, latest_metrics
 
-    rows = history(a.since)
+    # The runs `local` left under ./runs (all of them: --since is sacct's), then the Slurm jobs where a Slurm answers.
+    here = Path("runs")
+    rows: list[dict[str, object]] = []
+    for d in sorted(d for d in here.iterdir() if d.is_dir() and is_local_run(d)) if here.is_dir() else []:
+        row = local_status(d, latest_metrics(d.resolve()))
+        started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime((d / "config.yaml").stat().st_mtime))
+        rows.append({**row, "exit_code": "-", "submit": started, "requeues": "-"})
+    notes = []
+    try:
+        rows += history(a.since)
+    except AuraError as exc:
+        notes.append(f"no Slurm jobs: {exc}")
+        if not rows:
+            notes.insert(0, "no runs under ./runs (fix: run it where your runs folder is, or `status RUN_DIR` for one run)")
     if a.json:
-        print(json.dumps({"jobs": rows}, indent=2))
+        print(json.dumps({"jobs": rows, "notes": notes}, indent=2, default=str))
         return 0
     cols = ["job", "name", "state", "exit", "nodes", "elapsed", "submitted", "requeues", "run dir"]
     keys = ["job_id", "name", "state", "exit_code", "nodes", "elapsed", "submit", "requeues", "run_dir"]
-    console.grid(f"jobs since {a.since}", cols, [[str(r.get(k) or "-") for k in keys] for r in rows])
+    if rows:
+        console.grid(f"runs under ./runs and Slurm jobs since {a.since}", cols, [[str(r.get(k) or "-") for k in keys] for r in rows])
+    for n in notes:
+        console.info(n)
     return 0
 
 
@@ -175,8 +194,9 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     p = sub.add_parser(
         "history",
-        help="your past jobs (sacct)",
-        description="Your aura_hpc Slurm jobs since --since (sacct): state, elapsed, nodes, requeues, run directory.",
+        help="your past runs: local ones under ./runs, Slurm jobs (sacct)",
+        description="The local runs under ./runs (state, step, run directory) and your aura_hpc Slurm jobs since --since "
+        "(sacct): state, elapsed, nodes, requeues, run directory.",
     )
     p.add_argument("--since", default="now-7days", help="sacct start time, e.g. 2026-11-01 or now-2days (default now-7days)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
