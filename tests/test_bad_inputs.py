@@ -203,6 +203,18 @@ ROWS = [
         "--max-new-tokens must be at least 1, got -5 (fix: --max-new-tokens 100)",
         _files,
     ),
+    Row(  # it waited forever (77 s with --rdzv-timeout 25 for a user), with no line of its own
+        "master port held by another program",
+        ["local", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", "{port}", "--rdzv-timeout", "5", D],
+        "127.0.0.1:{port} accepted the connection but did not answer as a torch store within 5 s",
+        _busy_port,
+    ),
+    Row(
+        "check against a port held by another program",
+        ["check", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", "{port}", "--timeout", "8"],
+        "did not answer as a torch store",
+        _busy_port,
+    ),
     Row(
         "node rank without other nodes",
         ["local", "--node-rank", "1", D],
@@ -252,7 +264,7 @@ def test_bad_input(row: Row, tmp_path: Path, prepared: Path) -> None:
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, r.stderr  # one readable line, no traceback
     line = lines[0]
-    assert line.startswith("error: ") and row.expect in line, line
+    assert line.startswith("error: ") and row.expect.format(port=port) in line, line
     # Short apart from the paths it names (how deep pytest's temporary directory is varies).
     short = line.replace(str(tmp_path), "TMP").replace(str(prepared), "DATA")
     assert len(short) < 400, f"{len(short)} characters: {short[:300]}"

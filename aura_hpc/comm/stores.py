@@ -39,6 +39,10 @@ class StoreAddressInUse(OSError):
     pass
 
 
+class NotAStore(Exception):
+    """The port accepted the connection but never answered as a torch store."""
+
+
 def bound_server(addr: str, port: int, timeout: timedelta, multi_tenant: bool = False, wait_for_workers: bool = False) -> Any:
     """A TCPStore server listening on `addr` alone (port 0: a free one; `.port` says which)."""
     import torch.distributed as dist
@@ -86,10 +90,39 @@ def _libuv_takes_a_listen_fd() -> bool:
     return (major, minor) >= (2, 8)
 
 
-def client(addr: str, port: int, timeout: timedelta) -> Any:
+def client(addr: str, port: int, timeout: timedelta, give_up_s: float | None = None) -> Any:
+    """A client of the store at addr:port. With `give_up_s`, one that is not connected by then raises
+    TimeoutError: a port where another program answers (a web server) holds torch's client in its
+    handshake far past the store's own timeout (77 s with --rdzv-timeout 25; forever, tried here): NotAStore."""
     import torch.distributed as dist
 
-    return dist.TCPStore(addr, port, None, False, timeout, use_libuv=os.environ.get("TORCH_DISTRIBUTED_USE_LIBUV", "1") != "0")
+    def make() -> Any:
+        return dist.TCPStore(addr, port, None, False, timeout, use_libuv=os.environ.get("TORCH_DISTRIBUTED_USE_LIBUV", "1") != "0")
+
+    if give_up_s is None:
+        return make()
+    import threading
+
+    made: list[Any] = []
+    failed: list[BaseException] = []
+
+    def attempt() -> None:
+        try:
+            made.append(make())
+        except BaseException as exc:  # handed to the caller's thread
+            failed.append(exc)
+
+    t = threading.Thread(target=attempt, name="aura-store-connect", daemon=True)  # left behind if it never returns
+    t.start()
+    t.join(give_up_s)
+    if failed:
+        raise failed[0]
+    if not made:
+        raise NotAStore(
+            f"{addr}:{port} accepted the connection but did not answer as a torch store within {give_up_s:.0f} s: another "
+            "program listens on that port"
+        )
+    return made[0]
 
 
 # ---- the elastic agent's rendezvous ------------------------------------------------------
@@ -120,7 +153,12 @@ def register_rendezvous() -> None:
                 store = bound_server(host, port, timeout, multi_tenant=True)
                 store.set(ROUND_KEY, f"{time.time():.6f}-{os.getpid()}")
             else:
-                store = client(host, port, timeout)
+                store = client(host, port, timeout, give_up_s=float(params.get_as_int("join_timeout", 600) or 600))
+        except NotAStore as exc:
+            raise RendezvousConnectionError(
+                f"{exc} (fix: --master-addr and --master-port of node 0's `local`, which prints them; another port if that "
+                "one is taken)"
+            ) from None
         except OSError as exc:
             if exc.errno == errno.EADDRNOTAVAIL:
                 raise RendezvousConnectionError(

@@ -225,6 +225,8 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
                 raise TrainingFailed(f"{refused} (see {plan.cfg.run_dir / 'logs'})", EXIT_USER_ERROR) from None
             # The rendezvous host (node 0's launcher) went away after the nodes had joined and trained.
             raise _lost_master(plan) from None
+        if "(fix:" in str(exc):  # ours (comm/stores.py): it already names the problem and the fix
+            raise LaunchError(str(exc).strip().splitlines()[0]) from None
         if plan.nnodes == 1:
             raise LaunchError(
                 f"this machine's workers did not join at {plan.master_addr}:{plan.master_port} within {plan.rdzv_timeout}s "

@@ -123,7 +123,10 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
         if a.node_rank == 0:  # listening on the master's address alone, not on every interface
             tcp = stores.bound_server(resolve(a.master_addr) or a.master_addr, a.master_port, left)
         else:
-            tcp = stores.client(a.master_addr, a.master_port, left)
+            tcp = stores.client(a.master_addr, a.master_port, left, give_up_s=max(1.0, deadline - time.monotonic() - 1))
+    except stores.NotAStore as exc:
+        report.add("rendezvous", False, str(exc), f"--master-port of node 0's `check` (another program holds {a.master_port})")
+        raise Failed from None
     except Exception as exc:
         if a.node_rank == 0:
             report.add(
