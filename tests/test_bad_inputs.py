@@ -49,6 +49,12 @@ def _files(tmp: Path, _prepared: Path) -> None:
     (tmp / "norun").mkdir()
 
 
+def _fifo(tmp: Path, _prepared: Path) -> None:
+    import os
+
+    os.mkfifo(tmp / "corpus.txt")  # nobody writes to it: prepare used to wait forever in silence
+
+
 def _hostile_configs(tmp: Path, _prepared: Path) -> None:
     # "Billion laughs": 272 bytes that expand to 10**9 values (a 39 MB error line, 6 GB at nine levels, before).
     lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
@@ -189,6 +195,7 @@ ROWS = [
     Row("prepare: not UTF-8", ["prepare", "{tmp}/latin1.txt", "--out", "{tmp}/p"], "is not UTF-8 text", _files),
     Row("prepare: missing text column", ["prepare", "{tmp}/rows.jsonl", "--out", "{tmp}/p"], "column 'text' not in", _files),
     Row("prepare: nothing to do", ["prepare", "--out", "{tmp}/p"], "nothing to prepare"),
+    Row("prepare: a named pipe", ["prepare", "{tmp}/corpus.txt", "--out", "{tmp}/p"], "is a pipe or device, and prepare reads", _fifo),
     Row(
         "prepare: tiny vocab",
         ["prepare", "{tmp}/latin1.txt", "--vocab-size", "10", "--out", "{tmp}/p"],

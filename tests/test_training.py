@@ -46,7 +46,7 @@ def _readme_lines() -> list[str]:
         for word in line.split():
             if word == "...":
                 words.append(".*")
-            elif any(c.isdigit() for c in word) or word.startswith("host="):
+            elif any(c.isdigit() for c in word) or word.startswith(("host=", "/")):  # paths vary too
                 words.append(r"\S+")
             else:
                 words.append(re.escape(word))

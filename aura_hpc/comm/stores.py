@@ -156,8 +156,7 @@ def register_rendezvous() -> None:
                 store = client(host, port, timeout, give_up_s=float(params.get_as_int("join_timeout", 600) or 600))
         except NotAStore as exc:
             raise RendezvousConnectionError(
-                f"{exc} (fix: --master-addr and --master-port of node 0's `local`, which prints them; another port if that "
-                "one is taken)"
+                f"{exc} (fix: --master-addr and --master-port of node 0's `local`, which prints them; another port if that one is taken)"
             ) from None
         except OSError as exc:
             if exc.errno == errno.EADDRNOTAVAIL:

@@ -49,6 +49,11 @@ def resolve_inputs(inputs: list[str]) -> list[Path | str]:
         if not matches or not all(m.exists() for m in matches):
             raise DataError(f"input {item!r} does not exist (fix: pass .txt/.jsonl/.parquet files, a folder or a glob)")
         for m in matches:
+            if m.is_fifo() or m.is_char_device() or m.is_socket():  # read more than once (sizes, pieces, the tokenizer's sample)
+                raise DataError(
+                    f"input {str(m)!r} is a pipe or device, and prepare reads its inputs more than once "
+                    f"(fix: write it to a file first, e.g. cat {m} > corpus.txt, then prepare corpus.txt)"
+                )
             if m.is_dir():
                 found = [p for p in m.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(m).parts)]
                 files += sorted(p for p in found if p.suffix.lower() in TEXT_SUFFIXES)
