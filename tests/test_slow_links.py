@@ -269,3 +269,7 @@ def test_link_advice_hides_a_slow_meeting_behind_a_tenth_of_the_interval() -> No
     mine = link_advice.options(config(diloco_overlap=8), 8192, link, compute_s=0.26)
     assert len(mine) == 4 and mine[3].setting.endswith("--set dist.diloco_overlap=8")
     assert mine[3].comm_s == overlapped.comm_s
+    # Timings that disagree are said to (the advice of one busy moment contradicted `check`'s).
+    busy = link_advice.Link(nodes=2, bandwidth=10e6 / 8, latency=3e-4, spread=2.4)
+    assert "(uncertain: three timings differed 2.4x" in link_advice.advice(opts, busy)
+    assert "uncertain" not in link_advice.advice(opts, link)

@@ -176,6 +176,12 @@ def _json_ranks(rank: int, port: int, out: str) -> None:
         "max": collectives.reduce_values([float(rank)], op="max"),
         "flags": collectives.flags(rank == 1),
     }
+    from aura_hpc.ops import link_advice
+
+    if rank == 1:
+        time.sleep(0.3)  # a rank that is slower to time must not make the ranks take different probe sizes
+    link = link_advice.measure_link(2, probe_mb=0.25)
+    got["probe_mb"], got["mbit"] = link.probe_mb, link.mbit
     Path(out).write_text(json.dumps(got))
     collectives.barrier()
     dist.destroy_process_group()
@@ -196,6 +202,10 @@ def test_objects_cross_as_json_between_two_ranks(tmp_path: Path) -> None:
         assert got["gather"] == [{"rank": 0, "text": "ñññ"}, {"rank": 1, "text": "ññññ"}]
         assert got["broadcast"] == ["from", 1] and got["bytes"] == "00ff" * 5
         assert got["sum"] == [3.0, 1.0] and got["max"] == [1.0] and got["flags"] == [False, True]
+    # The link probe grows past 0.25 MB (too small to time: 528 Mbit/s where `check` saw 9,776 on one
+    # machine), and both ranks grew it alike (each step follows the slowest rank's timing).
+    probes = [json.loads((tmp_path / f"r{r}.json").read_text())["probe_mb"] for r in (0, 1)]
+    assert probes[0] == probes[1] > 0.25, probes
 
 
 def test_nothing_listens_beyond_loopback_in_a_single_machine_run(tmp_path: Path, prepared: Path) -> None:

@@ -22,12 +22,23 @@ from typing import Any
 
 from aura_hpc.config import RunConfig, embedding_rows
 
+UNCERTAIN_SPREAD = 1.5
+LONG_ENOUGH_S = 0.2  # a probe that takes less is mostly start-up costs: it grows, up to MAX_PROBE_MB
+MAX_PROBE_MB = 64.0
+
 
 @dataclass(frozen=True)
 class Link:
     nodes: int
     bandwidth: float  # bytes/s one all-reduce moves (bus bandwidth)
     latency: float  # seconds, one hop of a tiny all-reduce
+    spread: float = 1.0  # the fastest of the repeated timings over the slowest (1 = all equal)
+    probe_mb: float = 0.0  # the size the bandwidth was measured with
+
+    @property
+    def uncertain(self) -> bool:
+        """The repeated timings disagree by more than half: a busy link or machine."""
+        return self.spread > UNCERTAIN_SPREAD
 
     @property
     def mbit(self) -> float:
@@ -121,6 +132,8 @@ def recommend(opts: list[Option]) -> Option:
 def advice(opts: list[Option], link: Link) -> str:
     ddp, pick = opts[0], recommend(opts)
     where = f"link {link.mbit:,.0f} Mbit/s, {1000 * link.latency:.1f} ms"
+    if link.uncertain:
+        where += f" (uncertain: three timings differed {link.spread:.1f}x; a busy link or machine, `check` measures longer)"
     if pick is ddp:
         return (
             f"{where}: DDP would spend {ddp.comm_share:.0%} of each step sending gradients; keep dist.strategy=ddp "
@@ -178,8 +191,27 @@ def measure_link(nodes: int, group: Any = None, probe_mb: float = 1.0) -> Link:
 
     per = collectives.timed(tiny_ones, g) / 10
     latency = per / max(1, 2 * (nodes - 1))
-    big = torch.zeros(int(probe_mb * 2**20 / 4), device=g.device)
-    collectives.all_reduce(big, g)
-    secs = max(collectives.timed(lambda: collectives.all_reduce(big, g), g) - 2 * (nodes - 1) * latency, 1e-9)
+    if probe_mb <= 0:  # the latency alone
+        return Link(nodes, 0.0, latency)
+
+    def slowest(seconds: float) -> float:
+        # Every rank must take the same next step: the decision follows the slowest rank's timing.
+        return collectives.reduce_values([seconds], g, op="max")[0]
+
+    # A probe too small to be timed (a 0.25 MB probe gave 528 Mbit/s where 64 MB gave 9,776 on one
+    # machine) grows until it takes LONG_ENOUGH_S; then three timings, and their spread is reported.
+    def timing(t: Any) -> float:
+        return slowest(collectives.timed(lambda: collectives.all_reduce(t, g), g))
+
+    size = probe_mb
+    while True:
+        big = torch.zeros(int(size * 2**20 / 4), device=g.device)
+        collectives.all_reduce(big, g)
+        took = timing(big)
+        if took >= LONG_ENOUGH_S or size * 4 > MAX_PROBE_MB:
+            break
+        size *= 4
+    times = sorted([took, timing(big), timing(big)])
+    secs = max(times[1] - 2 * (nodes - 1) * latency, 1e-9)
     bandwidth = 2 * (nodes - 1) / nodes * big.numel() * 4 / secs
-    return Link(nodes, bandwidth, latency)
+    return Link(nodes, bandwidth, latency, spread=times[-1] / max(times[0], 1e-9), probe_mb=size)
