@@ -29,6 +29,16 @@ def chosen_id(name: str, cfg: RunConfig) -> str | None:
 RUN_KEY_TAG = "aura_hpc.run_dir"
 
 
+def flat(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = str(v)[:500]
+    return out
+
+
 class Trackio:
     """Local-first: one SQLite file per project under TRACKIO_DIR (here RUN_DIR/tracking/trackio, or its
     node-local copy); `trackio show` views it, `trackio sync` uploads it to a Space."""
@@ -125,8 +135,6 @@ class Mlflow:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
-
-        from aura_hpc.train.loop.trackers import flat
 
         self.client = MlflowClient(tracking_uri=self.uri)
         project = self.cfg.tracking.project

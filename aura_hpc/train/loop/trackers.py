@@ -62,16 +62,6 @@ def scalars(row: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
-def flat(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    out: dict[str, str] = {}
-    for k, v in config.items():
-        if isinstance(v, dict):
-            out.update(flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = str(v)[:500]
-    return out
-
-
 class Trackers:
     def __init__(self, cfg: RunConfig, resume_step: int) -> None:
         self.cfg = cfg
