@@ -4,6 +4,8 @@ Inert unless one of these is set (never set them in production):
     AURA_FAULT_KILL=RANK:STEP         SIGKILL that rank right after it finishes STEP (once per run dir)
     AURA_FAULT_STOP=RANK:STEP         SIGSTOP that rank right after it finishes STEP (once per run dir): a hung
                                       process, for the hang watchdog
+    AURA_FAULT_STOP=RANK:STEP:SECTION the same as that rank enters SECTION (checkpoint, meeting, evaluation)
+                                      after STEP: a rank hung inside a checkpoint or a DiLoCo meeting
     AURA_FAULT_NAN=RANK:STEP[:COUNT]  poison the loss on that rank for COUNT steps from STEP (each step once)
     AURA_FAULT_GRADINF=RANK:STEP      an inf in one element of the gradient of the last bias in the model
                                       on that rank (the no-decay group) at STEP (once); the loss stays finite
@@ -78,10 +80,21 @@ def after_step(rank: int, step: int, run_dir: Path) -> None:
         spec = os.environ.get(f"AURA_FAULT_{name}")
         if not spec:
             continue
-        r, s = (int(x) for x in spec.split(":"))
+        parts = spec.split(":")
+        if len(parts) != 2:
+            continue  # a section's stop: entering() below
+        r, s = int(parts[0]), int(parts[1])
         if r == rank and s == step and _once(run_dir, name.lower()):
             print(f"fault injection: SIG{name} rank {rank} after step {step} at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), sig)
+
+
+def entering(rank: int, section: str, step: int, run_dir: Path) -> None:
+    """AURA_FAULT_STOP=RANK:STEP:SECTION: stopped as it enters that section after STEP."""
+    spec = os.environ.get("AURA_FAULT_STOP", "").split(":")
+    if len(spec) == 3 and int(spec[0]) == rank and spec[2] == section and step >= int(spec[1]) and _once(run_dir, "stop"):
+        print(f"fault injection: SIGSTOP rank {rank} entering {section} after step {step} at {time.time():.3f}", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def poison_loss(rank: int, step: int) -> bool:

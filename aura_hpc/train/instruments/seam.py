@@ -48,6 +48,10 @@ class Instruments:
         with probes.reporting(self.step_probe, self.run_dir, self.rank, self.run_probe, reseed_allowed):
             yield
 
+    def entering(self, section: str, step: int) -> None:
+        """As the rank enters a section (the progress page calls it): a rank stopped inside a checkpoint."""
+        faults.entering(self.rank, section, step, self.run_dir)
+
     @contextlib.contextmanager
     def step(self, step: int, quiet: bool) -> Iterator[None]:
         """Around step `step`: its probe (a quiet step in range), the poisons armed for it, and after it

@@ -52,6 +52,7 @@ class Trainer:
         """Set up, resume, train to the end step (or a stop), finish; returns the exit status."""
         self.rt = runtime.start(self.cfg, self.env)
         self.instruments = Instruments(self.run_dir, self.env.rank)
+        self.page.on_enter.append(self.instruments.entering)
         with self.instruments.whole_run(self.cfg.train.compile, self.rt.device):
             return self._run()
 

@@ -41,6 +41,7 @@ class Progress:
     def __init__(self, path: Path | None) -> None:
         self._map: mmap.mmap | None = None
         self.ledger: TimeLedger | None = None  # rank 0's: where the time went (time_ledger.py)
+        self.on_enter: list[Any] = []  # called with (section, step) as a section begins (the instruments' seam)
         self.section_index, self.step, self.entered, self.op, self.since = 0, 0, 0, 0, time.time()
         if path is None:
             return
@@ -62,6 +63,8 @@ class Progress:
             self.ledger.changed(SECTIONS[self.section_index], section, self.since, now, self.step)
         self.section_index, self.since = SECTIONS.index(section), now
         self._write()
+        for hook in self.on_enter:  # after the page says where the rank is
+            hook(section, self.step)
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
