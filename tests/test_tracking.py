@@ -20,6 +20,7 @@ pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
 
 STEPS = 20
+ALL = "tensorboard,trackio,wandb,mlflow"
 
 
 def _args(out: Path, name: str, prepared: Path, backends: str, *extra: str) -> list[str]:
@@ -71,7 +72,13 @@ def _wandb_records(path: Path) -> list[object]:
 def test_every_tracker_reads_back_one_run_across_a_restart_and_an_unreachable_one_costs_a_warning(tmp_path: Path, prepared: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     runs = [
-        [*_args(tmp_path, "tracked", prepared, "tensorboard,trackio,wandb,mlflow"), "--max-restarts", "1"],
+        # sqlite_local=true: the stores live on "node-local" disk and what is read back below is their copies
+        # in the run directory (what a run on NFS does by itself).
+        [
+            *_args(tmp_path, "tracked", prepared, "tensorboard,trackio,wandb,mlflow", "--set", "tracking.sqlite_local=true"),
+            "--max-restarts",
+            "1",
+        ],
         [*_args(tmp_path, "unreachable", prepared, "mlflow", "--set", f"tracking.mlflow_uri={dead}"), "--max-restarts", "1"],
     ]
     tracked, unreachable = run_cli_together(runs, timeout=600, AURA_FAULT_KILL="0:12")
@@ -125,6 +132,8 @@ def test_every_tracker_reads_back_one_run_across_a_restart_and_an_unreachable_on
     assert found[0].data.params["train.max_steps"] == str(STEPS) and found[0].info.status == "FINISHED"
     assert {m.step for m in client.get_metric_history(ids["mlflow"], "loss")} >= {10, 20}
 
+    # Read above from the copies in the run directory; the stores themselves lived on "node-local" disk.
+    assert not (run / "tracking" / ".mlflow.db.tmp").exists() and (run / "tracking" / "trackio" / "aura_hpc.db").is_file()
     log0 = (run / "logs" / "rank_0.log").read_text()
     assert "trackio show --project aura_hpc" in log0 and "wandb sync" in log0 and "mlflow server --backend-store-uri" in log0
 

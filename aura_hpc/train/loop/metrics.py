@@ -25,12 +25,19 @@ class MetricsWriter:
 
             self.trackers = Trackers(cfg, resume_step)  # refuses a tracker that is not installed, before any row
             self.trackers.start()
+            from aura_hpc.train.process import progress
+
+            progress.current().on_enter.append(self._section)
         self._file = open(self.path, "a", encoding="utf-8")
         if cfg is None or "tensorboard" in backends(cfg):
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step drops events from a previous attempt beyond the resumed step.
             self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+
+    def _section(self, section: str, step: int) -> None:
+        if section == "checkpoint" and self.trackers is not None:
+            self.trackers.checkpointed()
 
     def drop_rows_after(self, step: int) -> None:
         """Rows logged after the checkpoint we resume (or roll back) to describe steps that will be redone."""

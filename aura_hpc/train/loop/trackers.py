@@ -11,7 +11,8 @@ run id, trackio the same run name).
 SQLite-backed stores (trackio's, MLflow's default) are unsafe on NFS/Lustre/GPFS (locking, WAL and
 mmap: trackio #555 crashed distributed jobs with SIGBUS). When the run directory is on a network
 filesystem they are kept on node-local disk and copied into RUN_DIR/tracking/ with SQLite's backup
-API every `tracking.copy_every_s` and at the end; a resumed run on another node starts from that copy.
+API at every checkpoint, every `tracking.copy_every_s` and at the end; a resumed run on another node
+starts from that copy.
 """
 
 from __future__ import annotations
@@ -119,6 +120,12 @@ class Trackers:
                     self.cfg.tracking.queue_rows,
                 )
 
+    def checkpointed(self) -> None:
+        """A checkpoint is being written: node-local stores are copied into the run directory too."""
+        if self._thread is not None and self.local != self.folder:
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait(("copy", None))
+
     def finish(self) -> None:
         if self._thread is None:
             return
@@ -142,6 +149,8 @@ class Trackers:
                     self._call(name, "log", values, step)
                 if self.local != self.folder and time.monotonic() - self._copied > self.cfg.tracking.copy_every_s:
                     self._copy_out()
+            elif kind == "copy":
+                self._copy_out()
             elif kind == "finish":
                 for name in list(self._live):
                     self._call(name, "finish")
