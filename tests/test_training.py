@@ -389,3 +389,19 @@ def test_too_little_data_is_refused_unless_oversubscribed(tmp_path: Path) -> Non
     ok = run_cli([*base, "--set", "train.allow_oversubscription=true"], timeout=240)
     assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
     assert "repeating the data to fill each batch" in ok.stdout
+
+
+def test_a_metrics_row_carries_mfu_where_the_gpus_peak_is_known(tmp_path: Path) -> None:
+    """MFU = tokens/s x model FLOPs per token / (peak x GPUs): in metrics.jsonl (and so in every tracker)
+    on a GPU whose peak the reference table knows; on CPU there is no peak, and no column."""
+    from aura_hpc.ops.reference_loop import flops_per_token, peak_for
+    from aura_hpc.train.loop.metrics import MetricsWriter
+
+    assert peak_for("NVIDIA H100 80GB HBM3") == 989.4 and peak_for("cpu") is None
+    scale = flops_per_token(124_000_000, 12, 768, 1024) / (989.4e12 * 8)  # gpt2-small on 8 H100s
+    w = MetricsWriter(tmp_path, 0, None, scale)
+    w.write({"step": 10, "loss": 3.0, "lr": 1e-4, "tokens_per_s": 1_000_000.0})
+    w.write({"step": 20, "loss": 2.9, "lr": 1e-4, "tokens_per_s": None})  # a first step alone: no speed, no MFU
+    w.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["mfu"] == round(1_000_000 * scale, 4) and 0.05 < rows[0]["mfu"] < 0.15 and "mfu" not in rows[1]

@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, resume_step: int, cfg: RunConfig | None = None) -> None:
+    def __init__(self, run_dir: Path, resume_step: int, cfg: RunConfig | None = None, mfu_scale: float | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
+        self.mfu_scale = mfu_scale  # model FLOPs utilisation per token/s, where the GPU's peak is known
         self.drop_rows_after(resume_step)
         self._tb: Any = None
         self.trackers: Any = None
@@ -55,6 +56,8 @@ class MetricsWriter:
         self.path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
 
     def write(self, row: dict[str, Any]) -> None:
+        if self.mfu_scale and row.get("tokens_per_s"):
+            row = {**row, "mfu": round(row["tokens_per_s"] * self.mfu_scale, 4)}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         step = int(row["step"])

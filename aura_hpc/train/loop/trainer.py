@@ -106,7 +106,9 @@ class Trainer:
         hosts = collectives.gather_json(env.hostname) if self.layout.world > 1 else []
         self.stragglers = StragglerWatch(hosts) if env.is_main and hosts else None
         if env.is_main:
-            self.metrics = MetricsWriter(self.run_dir, self.pos.step, self.cfg)
+            self.metrics = MetricsWriter(
+                self.run_dir, self.pos.step, self.cfg, _mfu_scale(self.cfg, self.parts.n_params, self.layout.world, self.rt.device)
+            )
             for h in log.handlers:
                 if isinstance(h, ProgressAwareHandler):
                     h.progress = self.progress
@@ -334,6 +336,20 @@ class Trainer:
 
     def _open_circuit(self) -> int:
         return self.health.open_circuit(self.ckpt, self.pos.step)
+
+
+def _mfu_scale(cfg: RunConfig, n_params: int, world: int, device: Any) -> float | None:
+    """tokens/s (all ranks) times this is the model FLOPs utilisation, where the GPU's peak is known."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    from aura_hpc.ops.reference_loop import flops_per_token, peak_for
+
+    peak = peak_for(torch.cuda.get_device_name(device))
+    if not peak:
+        return None
+    return flops_per_token(n_params, cfg.model.n_layer, cfg.model.n_embd, cfg.data.seq_len) / (peak * 1e12 * world)
 
 
 def _log_step(row: dict[str, Any], end: int, mean_loss: float, eval_loss: float | None) -> None:
