@@ -447,3 +447,32 @@ def test_prepare_as_a_slurm_array_gives_the_tokens_of_a_local_prepare(slurm_clus
     assert len(tasks) == 2, "the array ran 2 encode tasks"
     # Nothing of the build is left beside the prepared directory but the logs.
     assert sorted(p.name for p in out.parent.iterdir()) == [".es.slurm", "es"]
+
+
+def test_a_stopped_rank_of_a_two_node_job_is_named_by_its_nodes_watchdog_and_the_job_requeued(
+    slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path
+) -> None:
+    """Rank 1 (node 2) stops after step 12 of a 2-node job: the watchdog beside that node's task names it
+    within a minute of its last step (default settings), keeps the stacks in the shared run directory,
+    requeues the job and kills the node's ranks; the requeued job resumes from step 10 and ends with the
+    bits of the same job never stopped (beside it)."""
+    out = tmp_path / "runs"
+    common = [*TINY, "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=20"]
+    common += ["--set", "train.checkpoint_every=5"]
+    straight = run_cli(["submit", *common, "--run-name", "straight"])
+    hung = run_cli(["submit", *common, "--run-name", "hung"], AURA_FAULT_STOP="1:12")
+    assert straight.returncode == 0 and hung.returncode == 0, straight.stderr + hung.stderr
+    job, run_dir = _job_id(out / "hung"), out / "hung"
+    _wait_gone(job, timeout=420)
+    _wait_gone(_job_id(out / "straight"))
+    log1 = (run_dir / "slurm" / f"{job}_1_log.out").read_text()
+    log0 = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
+    stopped_at = float(re.search(r"SIGSTOP rank 1 after step 12 at ([\d.]+)", log1).group(1))
+    [record] = [json.loads(p.read_text()) for p in (run_dir / "hangs").glob("*/hang.json") if json.loads(p.read_text())["culprits"]]
+    assert record["culprits"] == [1] and record["declared_at"] - stopped_at <= 60, record
+    assert "[watchdog] hang: rank 1 on " in log1 and "did not answer" in log1 and f"requeuing job {job} after the hang" in log1, log1[
+        -3000:
+    ]
+    assert "resumed from checkpoint step_00000010 at step 10" in log0, log0[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["finished"]
+    _ends_equal_to_the_straight_run(run_dir, out, "hang requeue")

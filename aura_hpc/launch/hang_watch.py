@@ -223,7 +223,8 @@ class HangWatch:
     def investigate(self, ranks: dict[int, dict[str, Any]]) -> Hang:
         """Every rank's stack, before anything is killed; the culprit named."""
         now = time.time()
-        where = self.cfg.run_dir / "hangs" / time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+        # The host in the name: on a shared run directory two nodes' watchdogs may speak in the same second.
+        where = self.cfg.run_dir / "hangs" / f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}-{socket.gethostname()}"
         where.mkdir(parents=True, exist_ok=True)
         logs = {r: self.cfg.run_dir / "logs" / f"rank_{r}.log" for r in ranks}
         offsets = {r: log_size(logs[r]) for r in ranks}

@@ -73,6 +73,7 @@ class TrainJob:
         from aura_hpc.train.process import stop
 
         rank = int(e.get("SLURM_PROCID", "0"))
+        watcher = _start_watchdog(self.config_path, job_id, restarts)
         lock = None
         if rank == 0:
             from pathlib import Path
@@ -90,6 +91,11 @@ class TrainJob:
         finally:
             if lock is not None:
                 lock.release()
+            if watcher is not None and watcher.poll() is None:
+                try:  # it leaves by itself once the pages say finished; a failed worker writes no such page
+                    watcher.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    watcher.terminate()
         if status == EXIT_RESUMABLE:
             if rank != 0:
                 # Rank 0 carries the job's outcome; exiting 0 here keeps srun --kill-on-bad-exit from
@@ -123,6 +129,27 @@ class TrainJob:
         if done.returncode > 0:
             reason = (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
             say(f"scontrol requeue {job_id} failed: {reason} (fix: resubmit the same command to resume)")
+
+
+def _start_watchdog(config_path: str, job_id: int, restarts: int) -> subprocess.Popen[bytes] | None:
+    """This node's hang watchdog (slurm/watch.py), started by its first task, outside every rank's
+    process: a stopped rank cannot watch itself. Every task of the node writes its progress page into
+    one node-local folder for this attempt."""
+    from pathlib import Path
+
+    from aura_hpc.config import load_config
+    from aura_hpc.train.process import progress
+
+    if not load_config(config_path).health.hang_watch:
+        return None
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    folder = base / f"aura-progress-slurm-{job_id}-{restarts}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    os.environ[progress.ENV] = str(folder)
+    if os.environ.get("SLURM_LOCALID", "0") != "0":
+        return None
+    cmd = [sys.executable, "-m", "aura_hpc.slurm.watch", config_path, str(folder), str(job_id), str(restarts), str(os.getpid())]
+    return subprocess.Popen(cmd, start_new_session=True)
 
 
 class CheckJob:
