@@ -141,3 +141,15 @@ def test_every_cluster_profile_and_config_we_ship_is_named_in_the_docs() -> None
     assert profiles and configs
     assert [p for p in profiles if f"`{p}`" not in slurm] == []
     assert [c for c in configs if f"`{c}`" not in local] == []
+
+
+def test_the_install_path_upgrades_pip_first_and_installs_extras_in_one_command() -> None:
+    """A fresh venv's pip sat 21 min in the resolver on the extras; extras installed in two commands left
+    an incompatible botocore; an unreachable PyTorch index was retried for minutes."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    block = readme[readme.index("## Install") :].split("```bash yours\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    pip = [i for i, c in enumerate(commands) if "pip install" in c]
+    assert "--upgrade pip" in commands[pip[0]], commands
+    assert all("--retries" in c and "--timeout" in c for c in commands if "--index-url" in c), commands
+    assert any('-e ".[s3,tracking]"' in c for c in commands), commands

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -264,6 +265,7 @@ def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, ba
     assert "worker 3 (" in log and "lost" in log and "still connected" in log, log
     assert "joined from" in log and log.count("joined from") == 3
     assert f"training finished at version {end}" in log
+    assert re.search(r"training finished at version \d+; best eval loss (\d+\.\d{4}|none \(no evaluation ran\))$", log, re.M), log[-2000:]
     assert f"the server ended training at version {end}" in w1.text and "as worker 2 of 3" in late.text, late.text
     rows = _rows(run_dir)
     assert rows[-1]["version"] == end

@@ -405,3 +405,17 @@ def test_a_metrics_row_carries_mfu_where_the_gpus_peak_is_known(tmp_path: Path) 
     w.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["mfu"] == round(1_000_000 * scale, 4) and 0.05 < rows[0]["mfu"] < 0.15 and "mfu" not in rows[1]
+
+
+def test_a_row_with_only_an_attempts_first_step_says_so_instead_of_zero_speed(caplog: pytest.LogCaptureFixture) -> None:
+    """The first row after a resume could hold only the attempt's first step: it said tokens/s 0 step_time 0.000s."""
+    import logging
+
+    from aura_hpc.train.loop.trainer import _log_step
+
+    with caplog.at_level(logging.INFO, logger="aura_hpc"):
+        _log_step({"step": 150, "lr": 1e-4, "tokens_per_s": None, "step_time_s": None}, 150, 2.08, None)
+        _log_step({"step": 160, "lr": 1e-4, "tokens_per_s": 11737.0, "step_time_s": 0.174}, 160, 2.07, None)
+    first, second = caplog.messages[-2:]
+    assert "tokens/s from the next row" in first and "tokens/s 0" not in first, first
+    assert second.endswith("tokens/s 11,737 step_time 0.174s"), second
