@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SMALL_MODEL, free_port, run_cli_together
+from tests.conftest import SMALL_MODEL, free_port, run_cli, run_cli_together
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("trackio")
@@ -136,6 +136,15 @@ def test_every_tracker_reads_back_one_run_across_a_restart_and_an_unreachable_on
     assert not (run / "tracking" / ".mlflow.db.tmp").exists() and (run / "tracking" / "trackio" / "aura_hpc.db").is_file()
     log0 = (run / "logs" / "rank_0.log").read_text()
     assert "trackio show --project aura_hpc" in log0 and "wandb sync" in log0 and "mlflow server --backend-store-uri" in log0
+
+    # A kept MLflow id that names nothing (its store was lost, or another one is used): the run is found
+    # again by its tag, not switched off for good.
+    kept = json.loads((run / "tracking" / "ids.json").read_text())
+    (run / "tracking" / "ids.json").write_text(json.dumps({**kept, "mlflow": "0" * 32}))
+    again = run_cli(runs[0], timeout=300)
+    assert again.returncode == 0 and "nothing to do" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
+    assert json.loads((run / "tracking" / "ids.json").read_text())["mlflow"] == ids["mlflow"]
+    assert "mlflow could not start" not in (run / "logs" / "rank_0.log").read_text()
 
     # A tracker nobody answers: a warning, and the run ends like any other.
     assert unreachable.returncode == 0, unreachable.stdout[-3000:] + unreachable.stderr[-3000:]

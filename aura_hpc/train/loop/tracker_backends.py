@@ -47,11 +47,22 @@ class Trackio:
         self.cfg, self.dir, self.kept = cfg, local / "trackio", folder / "trackio"
 
     def start(self, config: dict[str, Any], run_id: str | None, resume_step: int) -> str:
-        os.environ["TRACKIO_DIR"] = str(self.dir)  # read by trackio at import
+        os.environ["TRACKIO_DIR"] = str(self.dir)  # read by trackio once, at import
         os.environ.setdefault("TRACKIO_SQLITE_MMAP_SIZE", "0")
+        # One SQLite file, always: trackio's own "auto" writes JSONL fragments on a network filesystem,
+        # which its resume does not read (each attempt would be a new run). Node-local is our way there.
+        os.environ["TRACKIO_STORAGE_MODE"] = "sqlite"
         if self.dir == self.kept and _network(self.dir):  # sqlite_local=false on NFS: no WAL, no mmap (trackio #555)
             os.environ.setdefault("TRACKIO_SQLITE_JOURNAL_MODE", "delete")
         import trackio
+        import trackio.run
+        import trackio.utils
+
+        if Path(trackio.utils.TRACKIO_DIR) != self.dir:
+            raise RuntimeError(f"trackio was imported before with TRACKIO_DIR={trackio.utils.TRACKIO_DIR}, not {self.dir}")
+        # Its run asks the Hugging Face Hub who the user is (whoami, no timeout) when a token is set: an
+        # offline compute node would hang there. The user name is not ours to need.
+        trackio.run._get_default_namespace = lambda: None
 
         name = run_id or self.cfg.run_name
         self.run = trackio.init(
@@ -141,6 +152,8 @@ class Mlflow:
         exp = self.client.get_experiment_by_name(project)
         artifacts = str(self.folder / "mlflow-artifacts")
         exp_id = exp.experiment_id if exp else self.client.create_experiment(project, artifact_location=artifacts)
+        if run_id and not self._exists(run_id):  # a store lost (or another mlflow_uri): the kept id names nothing
+            run_id = None
         if not run_id:  # an attempt killed before it kept MLflow's id: the run it made is found by its tag
             key = str(self.cfg.run_dir.resolve()).replace("'", "")
             found = self.client.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'", max_results=1)
@@ -157,6 +170,17 @@ class Mlflow:
             for i in range(0, len(params), 100):
                 self.client.log_batch(self.run_id, params=params[i : i + 100])
         return self.run_id
+
+    def _exists(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException as exc:
+            if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise
+        return True
 
     def log(self, values: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric

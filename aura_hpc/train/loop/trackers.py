@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import logging
 import math
@@ -152,6 +151,8 @@ class Trackers:
             elif kind == "copy":
                 self._copy_out()
             elif kind == "finish":
+                if self.local != self.folder:
+                    self._copy_out()  # first: a tracker slow to finish must not cost the run directory its copy
                 for name in list(self._live):
                     self._call(name, "finish")
                 if self.local != self.folder:
@@ -160,8 +161,7 @@ class Trackers:
 
     def _call(self, name: str, method: str, *args: Any) -> None:
         try:
-            with _quiet() if method == "finish" else contextlib.nullcontext():
-                getattr(self._live[name], method)(*args)
+            getattr(self._live[name], method)(*args)
         except Exception as exc:  # a tracker's failure costs a warning, never the run
             log.warning("tracking: %s failed (%s); it is switched off for this run", name, _first_line(exc))
             self._live.pop(name, None)
@@ -175,9 +175,8 @@ class Trackers:
         ids = _read_ids(self.folder / IDS)
         for name in self.names:
             try:
-                with _quiet():
-                    backend = tracker_backends.make(name, self.cfg, self.local, self.folder)
-                    ids[name] = backend.start(config, ids.get(name), self.resume_step)
+                backend = tracker_backends.make(name, self.cfg, self.local, self.folder)
+                ids[name] = backend.start(config, ids.get(name), self.resume_step)
                 self._live[name] = backend
                 self.hints.append(backend.hint())
             except Exception as exc:
@@ -250,17 +249,6 @@ def _backup(src: Path, dst: Path) -> None:
     finally:
         source.close()
     os.replace(tmp, dst)
-
-
-@contextlib.contextmanager
-def _quiet() -> Any:
-    """The trackers' own banners (print) go to the log at debug level, not into rank 0's output."""
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        yield
-    for line in buf.getvalue().splitlines():
-        if line.strip():
-            log.debug("tracking: %s", line.strip())
 
 
 def _read_ids(path: Path) -> dict[str, str]:
