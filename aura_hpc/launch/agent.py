@@ -418,11 +418,14 @@ def _resumable(plan: LocalPlan, why: str, asked: tuple[signal.Signals, float] | 
     from aura_hpc.train.checkpoint import files as checkpoint
 
     ckpts = checkpoint.list_complete(plan.cfg.run_dir / "checkpoints")
-    since = asked[1] - 1.0 if asked is not None else None
-    if ckpts and (since is None or _written_at(ckpts[0].path) >= since):
+    if asked is None:  # the workers stopped by themselves (a signal sent to them): they say what they saved
+        saved = f"checkpoint {ckpts[0].path.name} saved" if ckpts else "no checkpoint was saved"
+        console.info(f"stopped by {why}: {saved}; re-run the same command to resume")
+        return EXIT_RESUMABLE
+    if ckpts and _written_at(ckpts[0].path) >= asked[1] - 1.0:
         console.info(f"stopped by {why}: checkpoint {ckpts[0].path.name} saved; re-run the same command to resume")
         return EXIT_RESUMABLE
-    sig = asked[0] if asked is not None else getattr(signal, why, signal.SIGTERM)
+    sig = asked[0]
     where = f"from {ckpts[0].path.name}, the newest" if ckpts else "from step 0: there is no checkpoint yet"
     console.error(f"stopped by {why} before a checkpoint could be written; re-run the same command to resume {where}")
     return 128 + int(sig)
