@@ -146,9 +146,9 @@ def cmd_history(a: argparse.Namespace) -> int:
     try:
         rows += history(a.since)
     except AuraError as exc:
-        notes.append(f"no Slurm jobs: {exc}")
         if not rows:
-            notes.insert(0, "no runs under ./runs (fix: run it where your runs folder is, or `status RUN_DIR` for one run)")
+            raise  # nothing to show at all: Slurm's problem is the one line, with its fix
+        notes.append(f"no Slurm jobs: {exc}")
     if a.json:
         print(json.dumps({"jobs": rows, "notes": notes}, indent=2, default=str))
         return 0
