@@ -191,8 +191,10 @@ def plan_local(
 
     plan.data_lines, data_warnings = coverage(cfg, nproc * nnodes)
     plan.warnings = warnings + data_warnings
+    gpu = gpus > 0 and wanted != "gloo"
+    validate_for_device(plan.cfg, gpu, importlib.metadata.version("torch"))  # a refusal even in a dry run: nothing to plan
     try:
-        _plan_memory(plan, gpus > 0 and wanted != "gloo", force)
+        _plan_memory(plan, gpu, force)
         if dry_run:  # the real run checks it once the data (and its tokenizer) is ready
             from aura_hpc.launch.run_setup import check_sample_prompt
 
@@ -211,7 +213,6 @@ def _plan_memory(plan: LocalPlan, gpu: bool, force: bool) -> None:
     from aura_hpc.launch.memory import check_fits
     from aura_hpc.launch.memory import plan as plan_memory
 
-    validate_for_device(plan.cfg, gpu, importlib.metadata.version("torch"))
     world = plan.nproc * plan.nnodes
     vocab = tokenizer_vocab(plan.cfg)
     plan.memory = plan_memory(plan.cfg, vocab, world, gpu=gpu)
