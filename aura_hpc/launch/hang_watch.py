@@ -81,7 +81,7 @@ class HangWatch:
         _sweep(base)
         folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base))
         watch = cls(cfg, folder, board=board)
-        watch.calibration = _read_calibration(cfg.run_dir / CALIBRATION)
+        watch.calibration = read_calibration(cfg.run_dir / CALIBRATION)
         return watch
 
     # ---- timeouts ----------------------------------------------------------------------------
@@ -211,7 +211,7 @@ class HangWatch:
         stop was asked, ranks that train finish their step and checkpoint at once: a few steps' time without
         moving is a hang, so Ctrl+C during one is answered in seconds, with the culprit, not after the agent's
         shutdown_timeout."""
-        ranks = {r: p for r, p in ranks.items() if _alive(p["pid"])}  # one that exited is the agent's to report
+        ranks = {r: p for r, p in ranks.items() if process_alive(p["pid"])}  # one that exited is the agent's to report
         if not ranks or all(p["section"] == "finished" for p in ranks.values()):
             return False
         idle = now - max(p["beat"] for p in ranks.values())
@@ -301,7 +301,7 @@ def _sweep(base: Path) -> None:
             folder.rmdir()  # only when nothing else is in it
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """The process exists and is not a zombie (stopped counts as alive: that is a hang)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -321,7 +321,7 @@ def _signal(pid: int, sig: signal.Signals) -> None:
         os.kill(pid, sig)
 
 
-def _read_calibration(path: Path) -> dict[str, float]:
+def read_calibration(path: Path) -> dict[str, float]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):

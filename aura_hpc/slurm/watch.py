@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aura_hpc.launch.hang_watch import Hang, HangWatch
+from aura_hpc.launch.hang_watch import Hang, HangWatch, process_alive, read_calibration
 
 ELSEWHERE_WAIT_S = 60.0
 BUDGET_FILE = "slurm_hang_restarts.json"
@@ -94,9 +94,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(config)
     watch = SlurmHangWatch(cfg, Path(folder))
     watch.job_id, watch.restarts = int(job_id), int(restarts)
-    from aura_hpc.launch.hang_watch import _read_calibration
-
-    watch.calibration = _read_calibration(cfg.run_dir / "hang_calibration.json")
+    watch.calibration = read_calibration(cfg.run_dir / "hang_calibration.json")
     watch.started = time.time()
     os.environ[progress.ENV] = folder
     try:
@@ -109,7 +107,7 @@ def main(argv: list[str]) -> int:
 
 
 def _watch(watch: SlurmHangWatch, task_pid: int) -> int:
-    while _alive(task_pid):
+    while process_alive(task_pid):
         ranks = watch.read()
         if ranks:
             for r, p in ranks.items():
@@ -126,16 +124,6 @@ def _watch(watch: SlurmHangWatch, task_pid: int) -> int:
                 watch._seen = {}
         time.sleep(watch.poll_s)
     return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 if __name__ == "__main__":
