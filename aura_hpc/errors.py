@@ -22,6 +22,8 @@ EXIT_GPU_FAULT = 76
 # The run hung again and again without progress (launch/hang_watch.py named the rank each time): do not
 # requeue it as it is; look at RUN_DIR/hangs/ first. 77 is EX_NOPERM in sysexits.h, unused by torch.
 EXIT_HUNG = 77
+# Pre-flight screening named a node below its figures (health.screen=only; or, on Slurm, the job is requeued without it).
+EXIT_SCREEN = 78
 # What a worker writes to its log file as it leaves (train/worker.py), for its launcher to read.
 EXITING_LINE = "exiting with status "
 

@@ -5,7 +5,9 @@
 # Lines read by aura_hpc:
 #   #SBATCH --option=value   defaults for the job (the config's slurm section and CLI flags win)
 #   #AURA key=value          aura_hpc settings: output_dir (shared by all nodes), max_gpus_per_node,
-#                            gpu_mem_gib (the memory plan refuses a job that cannot fit)
+#                            gpu_mem_gib (the memory plan refuses a job that cannot fit),
+#                            screen_gemm_tflops, screen_allreduce_gbps, screen_inter_gbps (--screen;
+#                            without them, as here, nodes are judged against each other only)
 #   anything else            runs in the job script before the trainer (modules, venv, exports)
 #SBATCH --time=01:00:00
 

@@ -6,7 +6,7 @@
 #
 # Lines read by aura_hpc:
 #   #SBATCH --option=value   defaults for the job (the config's slurm section and CLI flags win)
-#   #AURA key=value          aura_hpc settings: output_dir, max_gpus_per_node, gpu_mem_gib, and the
+#   #AURA key=value          aura_hpc settings: output_dir, max_gpus_per_node, gpu_mem_gib, screen_*, and the
 #                            container: container (pyxis | apptainer), container_image,
 #                            container_mounts (output_dir and data.path at their own paths),
 #                            container_workdir, container_python
@@ -18,6 +18,13 @@
 #SBATCH --exclusive
 #AURA max_gpus_per_node=8
 #AURA gpu_mem_gib=79
+# What pre-flight screening (--screen) expects of a healthy node: bf16 matmul TFLOP/s per GPU (~790 of the
+# 989 dense peak of an H100/H200 SXM), all-reduce bus bandwidth in GB/s within a node (NVLink, 440-480 at
+# 256 MiB) and across nodes (400G InfiniBand, ~370). Public figures, not measured by aura_hpc: replace them
+# with `selftest --screen` results of your own healthy nodes. Below 0.8 of one names the node.
+#AURA screen_gemm_tflops=790
+#AURA screen_allreduce_gbps=440
+#AURA screen_inter_gbps=370
 #AURA output_dir=/shared/$USER/aura_runs
 #AURA container=pyxis
 #AURA container_image=registry.example.org#aura/aura-hpc:latest

@@ -6,7 +6,8 @@
 # Lines read by aura_hpc:
 #   #SBATCH --option=value   defaults for the job (the config's slurm section and CLI flags win)
 #   #AURA key=value          aura_hpc settings: output_dir (shared by all nodes), max_gpus_per_node,
-#                            gpu_mem_gib (the memory plan refuses a job that cannot fit)
+#                            gpu_mem_gib (the memory plan refuses a job that cannot fit),
+#                            screen_gemm_tflops, screen_allreduce_gbps, screen_inter_gbps (--screen)
 #   anything else            runs in the job script before the trainer (modules, venv, exports)
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=16
@@ -15,6 +16,13 @@
 #SBATCH --exclusive
 #AURA max_gpus_per_node=8
 #AURA gpu_mem_gib=139
+# What pre-flight screening (--screen) expects of a healthy node: bf16 matmul TFLOP/s per GPU (~790 of the
+# 989 dense peak of an H100/H200 SXM), all-reduce bus bandwidth in GB/s within a node (NVLink, 440-480 at
+# 256 MiB) and across nodes (400G InfiniBand, ~370). Public figures, not measured by aura_hpc: replace them
+# with `selftest --screen` results of your own healthy nodes. Below 0.8 of one names the node.
+#AURA screen_gemm_tflops=790
+#AURA screen_allreduce_gbps=440
+#AURA screen_inter_gbps=370
 #AURA output_dir=/shared/$USER/aura_runs
 
 # Site software: change the module names to what `module avail` shows on your cluster.

@@ -38,6 +38,7 @@ def test_readme_lists_the_statuses_the_code_defines() -> None:
         errors.EXIT_DATA_UNAVAILABLE,
         errors.EXIT_GPU_FAULT,
         errors.EXIT_HUNG,
+        errors.EXIT_SCREEN,
     }, doc
     assert "failed" in doc[1] and "bad input" in doc[2] and "non-finite" in doc[3]
 

@@ -247,7 +247,8 @@ def _wait_for_step(run: Path, step: int, timeout: float = 120) -> None:
 # SIGTERM to the launcher takes the same path as SIGINT (the agent's handler turns both into a stop).
 @pytest.mark.parametrize(("sig", "target"), [("SIGINT", "launcher"), ("SIGUSR2", "rank1")])
 def test_stop_signal_checkpoints_once_and_exits_resumable(tmp_path: Path, prepared: Path, reference: dict, sig: str, target: str) -> None:
-    args = _args(tmp_path, "run", prepared, LONG)
+    # straggler_action=exclude on one machine: nothing to leave out, and the line says so.
+    args = [*_args(tmp_path, "run", prepared, LONG), "--set", "health.straggler_action=exclude"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "aura_hpc", *args], env=cli_env(**SLOWER), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -273,6 +274,7 @@ def test_stop_signal_checkpoints_once_and_exits_resumable(tmp_path: Path, prepar
     log0 = (tmp_path / "run" / "logs" / "rank_0.log").read_text()
     named = [x for x in log0.splitlines() if "straggler: rank 0 on " in x]
     assert len(named) == 1 and "at step 15" in named[0], named
+    assert "straggler: rank 0 shares " in log0 and "there is no machine to leave out" in log0, log0[-3000:]
     slowed = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert slowed and all(r["slowest_rank"] == 0 and r["slowest_score"] < 0.75 for r in slowed), slowed
     again = run_cli(args)

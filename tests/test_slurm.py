@@ -470,9 +470,107 @@ def test_a_stopped_rank_of_a_two_node_job_is_named_by_its_nodes_watchdog_and_the
     stopped_at = float(re.search(r"SIGSTOP rank 1 after step 12 at ([\d.]+)", log1).group(1))
     [record] = [json.loads(p.read_text()) for p in (run_dir / "hangs").glob("*/hang.json") if json.loads(p.read_text())["culprits"]]
     assert record["culprits"] == [1] and record["declared_at"] - stopped_at <= 60, record
+    # Named by Slurm's node name: the test cluster's two slurmd share one host (and /dev/shm), and each
+    # node's watchdog watches its own ranks only (node 1 saw its rank 0 wait for a peer).
+    assert re.fullmatch(r"n\d+", record["host"]) and set(record["ranks"]) == {"1"}, record
+    assert f"[watchdog] hang: rank 1 on {record['host']} " in log1, log1[-3000:]
+    # The requeued job left that node out (the test cluster has 4 nodes for 2 jobs of 2) and ran without it.
+    assert f"the requeued job leaves out {record['host']} (rank 1 hung there)" in log1, log1[-3000:]
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    fields = dict(f.split("=", 1) for f in shown.split() if "=" in f)
+    ran_on = subprocess.run(["scontrol", "show", "hostnames", fields["NodeList"]], capture_output=True, text=True).stdout.split()
+    assert fields["ExcNodeList"] == record["host"] and record["host"] not in ran_on and len(ran_on) == 2, shown
     assert "[watchdog] hang: rank 1 on " in log1 and "did not answer" in log1 and f"requeuing job {job} after the hang" in log1, log1[
         -3000:
     ]
     assert "resumed from checkpoint step_00000010 at step 10" in log0, log0[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["finished"]
     _ends_equal_to_the_straight_run(run_dir, out, "hang requeue")
+
+
+def test_spare_nodes_a_job_may_start_on_fewer_and_a_requeue_leaves_bad_nodes_out_only_while_spares_remain(
+    slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path
+) -> None:
+    """--nodes 1:2 with 3 of the 4 nodes taken: the job starts on the one left, with world size 1, and
+    trains to the end. Then, on a pending job (Slurm lets only a pending job's excluded nodes change,
+    which is what a requeue makes it): the kept nodes are left out while 2 usable nodes remain for its 2,
+    and not at all once they would not (the line says why and the fix). The requeue right after a hang:
+    test_a_stopped_rank_of_a_two_node_job_is_named_by_its_nodes_watchdog_and_the_job_requeued."""
+    from aura_hpc.ops import excluded_nodes
+    from aura_hpc.slurm import exclude
+
+    out = tmp_path / "runs"
+    blocker = subprocess.run(
+        ["sbatch", "--parsable", "-N", "3", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 300"], capture_output=True, text=True
+    )
+    assert blocker.returncode == 0, blocker.stderr
+    blocker_id = blocker.stdout.strip().split(";")[0]
+    try:
+        deadline = time.monotonic() + 60
+        while subprocess.run(["squeue", "-h", "-j", blocker_id, "-o", "%T"], capture_output=True, text=True).stdout.strip() != "RUNNING":
+            assert time.monotonic() < deadline, "the 3 nodes were never taken"
+            time.sleep(0.3)
+        args = ["submit", *TINY, "--nodes", "1:2", "--output-dir", str(out), "--run-name", "spare", "--set", f"data.path={prepared}"]
+        args += ["--set", "train.max_steps=8"]
+        dry = run_cli([*args, "--dry-run"])
+        assert dry.returncode == 0 and "#SBATCH --nodes=1-2" in dry.stdout, dry.stdout + dry.stderr
+        assert "tasks: 1-2 node(s) x 1 task(s) = world size 1-2" in dry.stdout, dry.stdout
+        res = run_cli([*args, "--wait"], timeout=240)
+        assert res.returncode == 0, res.stdout + res.stderr
+        log = (out / "spare" / "slurm" / f"{_job_id(out / 'spare')}_0_log.out").read_text()
+        assert "world_size=1 " in log and json.loads((out / "spare" / "summary.json").read_text())["step"] == 8, log[-3000:]
+        bad = run_cli(["submit", *TINY, "--nodes", "3:2", "--output-dir", str(out), "--dry-run"])
+        assert bad.returncode == 2 and "slurm.min_nodes (3) must be between 1 and slurm.nodes (2)" in bad.stderr, bad.stderr
+    finally:
+        subprocess.run(["scancel", blocker_id], check=False)
+
+    hold = ["sbatch", "--parsable", "--hold", "-N", "2", "-o", "/dev/null", "--wrap", "true"]
+    held = subprocess.run(hold, capture_output=True, text=True)
+    assert held.returncode == 0, held.stderr
+    job = held.stdout.strip().split(";")[0]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    said: list[str] = []
+
+    def excluded() -> str:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+        return dict(f.split("=", 1) for f in shown.split() if "=" in f)["ExcNodeList"]
+
+    try:
+        excluded_nodes.record(run_dir, "n3", "rank 1 hung there")
+        excluded_nodes.record(run_dir, "../n4", "a name no node has")  # kept out of the file, never passed on
+        assert exclude.apply_after_requeue(int(job), run_dir, said.append) == ["n3"] and excluded() == "n3", said
+        assert said[-1] == "the requeued job leaves out n3 (rank 1 hung there) (3 usable node(s) remain in partition debug)"
+        excluded_nodes.record(run_dir, "n1", "rank 0 was a straggler")
+        excluded_nodes.record(run_dir, "n2", "rank 3 was a straggler")
+        assert exclude.apply_after_requeue(int(job), run_dir, said.append) == [] and excluded() == "n3", said
+        assert said[-1].startswith("not leaving out n1 (rank 0 was a straggler), n2 (rank 3 was a straggler), n3 (rank 1 hung there)")
+        assert "would keep 1 usable node(s) for a job of 2 (fix: submit with --nodes MIN:MAX" in said[-1], said
+    finally:
+        subprocess.run(["scancel", job], check=False)
+
+
+def test_a_node_its_screen_finds_slow_is_left_out_and_the_job_completes_on_the_others(
+    slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path
+) -> None:
+    """submit --screen, rank 1's node made slow for the first attempt: the screen names that node before
+    any model is built, the job is requeued without it, screens clean on two other nodes and trains to the end."""
+    out = tmp_path / "runs"
+    args = ["submit", *TINY, "--screen", "--output-dir", str(out), "--run-name", "screened", "--set", f"data.path={prepared}"]
+    res = run_cli([*args, "--set", "train.max_steps=8"], AURA_FAULT_SCREEN_SLOW="1:0.6")
+    assert res.returncode == 0, res.stderr
+    run_dir = out / "screened"
+    job = _job_id(run_dir)
+    _wait_gone(job, timeout=300)
+    log0 = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
+    first = json.loads((run_dir / "screen" / "attempt-0.json").read_text())
+    [finding] = first["findings"]
+    slow = finding["node"]
+    assert finding["line"].startswith(f"rank 1 on {slow}: matmul ") and "under 0.75 x the other devices' median" in finding["line"]
+    assert f"screen: leaving out {slow}" in log0 and f"the requeued job leaves out {slow} (failed screening: rank 1 on" in log0, log0[
+        -3000:
+    ]
+    again = json.loads((run_dir / "screen" / "attempt-1.json").read_text())
+    assert again["findings"] == [] and slow not in {d["host"] for d in again["devices"]}, again
+    assert "model: GPT-2 " not in log0.split("requeuing job")[0], "the screen comes before the model is built"
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == 8

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 
 def cmd_selftest(a: argparse.Namespace) -> int:
@@ -17,6 +18,8 @@ def cmd_selftest(a: argparse.Namespace) -> int:
     if unknown:
         raise ConfigError(f"--strategies: unknown {', '.join(unknown)} (fix: a comma list of {', '.join(STRATEGIES)})")
     out = Path(a.out).resolve()
+    if a.screen:
+        return _screen(out, a)
     report = run(out, a.cpu, a.gpus, strategies, not a.no_bench, console.info)
     rows = [(c.name, ("ok: " if c.ok else "FAILED: ") + c.detail) for c in report.checks]
     t = report.throughput
@@ -28,6 +31,29 @@ def cmd_selftest(a: argparse.Namespace) -> int:
     console.table(f"selftest on {report.device}, torch {report.torch}", rows)
     console.info(f"report: {out / 'selftest.json'}")
     return 0 if report.ok else 1
+
+
+def _screen(out: Any, a: argparse.Namespace) -> int:
+    from aura_hpc import console
+    from aura_hpc.errors import EXIT_SCREEN
+    from aura_hpc.ops.selftest import screen_node
+    from aura_hpc.slurm.profiles import load
+
+    status, found = screen_node(out, a.cpu, a.gpus, a.cluster, load(a.cluster).screen, console.info)
+    rows = [
+        (
+            f"rank {d['rank']} on {d['host']}",
+            f"matmul {d['gemm_tflops']:.3g} TFLOP/s" + (f", all-reduce in the node {d['node_gbps']:.3g} GB/s" if "node_gbps" in d else ""),
+        )
+        for d in found["devices"]
+    ]
+    rows += [("FINDING", f["line"]) for f in found["findings"]]
+    e = found["expected"]
+    figures = [f"{e[k]:g} {unit}" for k, unit in (("gemm_tflops", "TFLOP/s"), ("allreduce_gbps", "GB/s in a node")) if e[k]]
+    against = f"at least {e['min_fraction']:g} x {' and '.join(figures)}, and " if figures else ""
+    console.table(f"pre-flight screen: {against}at least {e['relative']} x the others' median", rows)
+    console.info(f"report: {out}")
+    return 0 if status == 0 else EXIT_SCREEN if status == EXIT_SCREEN else status
 
 
 def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -46,5 +72,12 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="which ones (default: all seven; ddp+powersgd and diloco need 2 GPUs or more)",
     )
     p.add_argument("--no-bench", action="store_true", help="skip the throughput run")
+    p.add_argument(
+        "--screen",
+        action="store_true",
+        help="only the pre-flight screen: every GPU's matmul TFLOP/s and the all-reduce bus bandwidth among them, "
+        "against the --cluster profile's figures and against each other",
+    )
+    p.add_argument("--cluster", default="generic", help="the profile whose expected figures --screen judges by (default: generic)")
     p.add_argument("--cpu", action="store_true", help="run the sequence on CPU with a tiny model (a smoke test; figures meaningless)")
     p.set_defaults(func=cmd_selftest)

@@ -11,8 +11,10 @@ def cmd_submit(a: argparse.Namespace) -> int:
     from aura_hpc import console
     from aura_hpc.slurm.plan import describe, plan_submit
 
+    least, most = _node_range(a.nodes)
     flags = {
-        "nodes": a.nodes,
+        "nodes": most,
+        "min_nodes": least,
         "gpus_per_node": a.gpus,
         "cpus_per_task": a.cpus_per_task,
         "mem": a.mem,
@@ -21,6 +23,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
         "account": a.account,
         "qos": a.qos,
         "constraint": a.constraint,
+        "exclude": a.exclude,
         "exclusive": a.exclusive,
         "job_name": a.job_name,
         "cluster": a.cluster,
@@ -43,7 +46,8 @@ def cmd_submit(a: argparse.Namespace) -> int:
         console.grid("settings (cli > config > profile > default)", ["setting", "value", "from"], [list(r) for r in describe(plan)])
         for p in plan.points:
             console.info(f"run directory: {p.cfg.run_dir}" + (f"  ({p.label})" if p.label else ""))
-        console.info(f"tasks: {plan.slurm.nodes} node(s) x {plan.tasks_per_node} task(s) = world size {plan.world_size}")
+        world = f"{plan.min_world_size}-{plan.world_size}" if plan.min_world_size < plan.world_size else str(plan.world_size)
+        console.info(f"tasks: {plan.nodes_shown} node(s) x {plan.tasks_per_node} task(s) = world size {world}")
         if not plan.check:
             show_plan(plan.points[0].cfg, plan.world_size, plan.memory, plan.profile.gpu_mem_gib if plan.slurm.gpus_per_node else None)
             for line in plan.data_lines:
@@ -95,7 +99,12 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     add_run_options(p)
     p.add_argument("--cluster", "--profile", dest="cluster", help=f"a profile from sbatch_templates/ ({', '.join(_profiles())}) or a file")
-    p.add_argument("--nodes", "--nnodes", dest="nodes", type=int, help="number of nodes")
+    p.add_argument(
+        "--nodes",
+        "--nnodes",
+        dest="nodes",
+        help="number of nodes, or MIN:MAX: the job starts on as many as Slurm gives between them (spares to leave a bad node out)",
+    )
     p.add_argument("--gpus", "--nproc-per-node", dest="gpus", type=int, help="GPUs per node; one task per GPU (0: a CPU job with gloo)")
     p.add_argument("--cpus-per-task", type=int, help="CPUs per task (rank)")
     p.add_argument("--mem", help="memory per node, e.g. 64G (0 = all)")
@@ -105,6 +114,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--qos", help="quality of service")
     p.add_argument("--constraint", help="node features, e.g. h100")
     p.add_argument("--exclusive", action="store_true", default=None, help="whole nodes only")
+    p.add_argument("--exclude", help="nodes the job never runs on, e.g. gpu[07-08] (a requeue adds those it leaves out)")
     p.add_argument("--job-name", help="Slurm job name (default: aura-<run name>)")
     p.add_argument("--nccl-debug", action="store_true", default=None, help="NCCL_DEBUG=INFO (INIT,NET), one file per host in the run dir")
     p.add_argument("--container", choices=["none", "pyxis", "apptainer"], help="run the job in a container (default: the profile's)")
@@ -120,3 +130,17 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--wait", action="store_true", help="block until the job ends; the exit status is the job's")
     p.add_argument("--follow", action="store_true", help="like --wait, streaming rank 0's log")
     p.set_defaults(func=cmd_submit)
+
+
+def _node_range(given: str | None) -> tuple[int | None, int | None]:
+    """--nodes 4 or 2:4 (torchrun's form; Slurm's 2-4 too) -> (min or None, max)."""
+    if given is None:
+        return None, None
+    from aura_hpc.errors import ConfigError
+
+    parts = given.replace("-", ":").split(":")
+    if not all(p.strip().isdigit() for p in parts) or len(parts) > 2:
+        raise ConfigError(f"--nodes {given!r} is not a node count (fix: --nodes 4, or --nodes 2:4 to start on 2 to 4 nodes)")
+    if len(parts) == 1:
+        return None, int(parts[0])
+    return int(parts[0]), int(parts[1])

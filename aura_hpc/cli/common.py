@@ -16,6 +16,14 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override one config value (repeatable), e.g. --set train.lr=3e-4",
     )
+    p.add_argument(
+        "--screen",
+        dest="overrides",
+        action="append_const",
+        const="health.screen=before",
+        help="pre-flight screening: time every GPU's matmuls and the all-reduces before training; a node below its "
+        "figures is named (and, under Slurm, left out of a requeue where the allocation can spare it)",
+    )
     p.add_argument("--output-dir", help="where run directories go (default: runs)")
     p.add_argument("--run-name", help="the run directory's name under --output-dir; re-using it resumes")
 

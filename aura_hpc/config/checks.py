@@ -7,13 +7,11 @@ import math
 import re
 import unicodedata
 
+from aura_hpc.config.health_checks import validate_health
 from aura_hpc.config.tree import (
     CHOICES,
-    REDACTED,
     SECTIONS,
-    THROTTLE_REASONS,
     TOP_LEVEL,
-    WEBHOOK_SECRET_ENV,
     DataConfig,
     ModelConfig,
     RunConfig,
@@ -240,34 +238,7 @@ def validate(cfg: RunConfig) -> None:
     validate_strategy(cfg)
     validate_slurm(cfg.slurm)
     validate_ps(cfg)
-    h = cfg.health
-    if h.monitor_interval_s < 0 or h.breaker_interval_s <= 0:
-        raise ConfigError(
-            "health.monitor_interval_s must be >= 0 and health.breaker_interval_s > 0 (fix: --set health.breaker_interval_s=5)"
-        )
-    if min(h.hang_step_floor_s, h.hang_section_floor_s, h.hang_startup_s) <= 0 or h.hang_restarts < 0:
-        raise ConfigError(
-            "health.hang_step_floor_s, hang_section_floor_s and hang_startup_s must be > 0 and hang_restarts >= 0 "
-            "(fix: --set health.hang_watch=false to turn the watchdog off instead)"
-        )
-    unknown = [r for r in h.throttle_reasons.split(",") if r.strip() and r.strip() not in THROTTLE_REASONS]
-    if unknown:
-        raise ConfigError(f"health.throttle_reasons: unknown {', '.join(unknown)} (fix: a comma list of {', '.join(THROTTLE_REASONS)})")
-    if h.webhook_url and not (h.webhook_url.startswith(("http://", "https://", "env:"))):
-        # The value itself is not echoed: it is a secret.
-        raise ConfigError(
-            "health.webhook_url must start with http://, https:// or env:VAR (fix: --set health.webhook_url_env=AURA_GPU_WEBHOOK)"
-        )
-    given = bool(h.webhook_url and REDACTED not in h.webhook_url) + bool(h.webhook_url_env) + bool(h.webhook_url_file)
-    if given > 1 and not (h.webhook_url_env == WEBHOOK_SECRET_ENV and REDACTED in h.webhook_url):
-        raise ConfigError(
-            "health.webhook_url, webhook_url_env and webhook_url_file are three ways to give one URL; more than one is set "
-            "(fix: keep only health.webhook_url_env or health.webhook_url_file)"
-        )
-    if h.webhook_url_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", h.webhook_url_env):
-        raise ConfigError(
-            f"health.webhook_url_env {shown(h.webhook_url_env)} is not an environment variable name (fix: e.g. AURA_GPU_WEBHOOK)"
-        )
+    validate_health(cfg.health)
 
 
 def validate_ps(cfg: RunConfig) -> None:
@@ -308,6 +279,11 @@ def slurm_minutes(value: str) -> int:
 def validate_slurm(s: SlurmConfig) -> None:
     if s.nodes < 1:
         raise ConfigError(f"slurm.nodes must be at least 1, got {s.nodes} (fix: --nodes 1)")
+    if s.min_nodes < 0 or s.min_nodes > s.nodes:
+        raise ConfigError(
+            f"slurm.min_nodes ({s.min_nodes}) must be between 1 and slurm.nodes ({s.nodes}), or 0 for exactly slurm.nodes "
+            f"(fix: --nodes {max(1, min(s.min_nodes, s.nodes))}:{max(s.nodes, s.min_nodes)})"
+        )
     if s.gpus_per_node < 0:
         raise ConfigError(f"slurm.gpus_per_node must be 0 (CPU job) or more, got {s.gpus_per_node} (fix: --gpus 8, or --gpus 0)")
     if s.cpus_per_task < 0:

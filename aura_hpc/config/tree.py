@@ -148,6 +148,13 @@ class HealthConfig:
     hang_section_floor_s: float = 300.0  # the same for an evaluation, a checkpoint, a DiLoCo meeting or a data window
     hang_startup_s: float = 1200.0  # from a worker's start to its first step (process group, build, compilation)
     hang_restarts: int = 2  # restarts from the newest checkpoint after hangs that made no progress; then exit 77
+    hang_exclude_node: bool = True  # Slurm: the requeued job leaves out the node whose rank hung (where the partition has spares)
+    straggler_action: str = "warn"  # warn | exclude (Slurm: the next requeue leaves out the node of a rank named a straggler)
+    screen: str = "skip"  # before: time every GPU's matmuls and the all-reduces before training (ops/screen.py); only: then stop
+    screen_gemm_tflops: float = 0.0  # the matmul TFLOP/s a GPU should reach (0: judged against the other GPUs only)
+    screen_allreduce_gbps: float = 0.0  # all-reduce bus bandwidth within a node, GB/s (0: against the other nodes only)
+    screen_inter_gbps: float = 0.0  # all-reduce bus bandwidth across the job's nodes, GB/s (0: not judged)
+    screen_min_fraction: float = 0.8  # a figure under this share of the expected one names its node
 
 
 @dataclass
@@ -156,6 +163,7 @@ class SlurmConfig:
 
     cluster: str = "generic"  # a profile in sbatch_templates/ (name or path)
     nodes: int = 1  # nodes of the job (--nodes)
+    min_nodes: int = 0  # > 0: the job may start on min_nodes..nodes nodes (--nodes MIN:MAX): spares to leave a bad node out
     gpus_per_node: int = 0  # 0: a CPU job (gloo); one task per GPU otherwise
     cpus_per_task: int = 0  # 0: Slurm's default
     mem: str = ""  # per node, e.g. 64G; "0" = all of it; "": Slurm's default
@@ -164,6 +172,7 @@ class SlurmConfig:
     account: str = ""  # Slurm account to charge
     qos: str = ""  # Slurm quality of service
     constraint: str = ""  # Slurm node features (--constraint)
+    exclude: str = ""  # nodes the job never runs on (--exclude), e.g. gpu[07-08] (a requeue adds the ones it leaves out)
     exclusive: bool = False  # whole nodes only (--exclusive)
     job_name: str = ""  # "": aura-<run_name>
     signal: str = "USR2"  # sent signal_lead_s before the time limit: checkpoint, then requeue
@@ -263,6 +272,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "slurm.signal": ("USR2", "USR1", "TERM", "INT", "HUP"),
     "slurm.container": ("none", "pyxis", "apptainer"),
     "health.webhook_type": ("generic", "discord", "slack"),
+    "health.straggler_action": ("warn", "exclude"),
+    "health.screen": ("skip", "before", "only"),
     "ps.staleness_weight": ("inverse", "none"),
     "ps.wire_dtype": ("bf16", "fp16", "fp32"),
 }

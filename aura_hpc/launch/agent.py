@@ -26,6 +26,7 @@ from aura_hpc.errors import (
     EXIT_GPU_FAULT,
     EXIT_HUNG,
     EXIT_RESUMABLE,
+    EXIT_SCREEN,
     EXIT_TRAIN_FAILED,
     EXIT_USER_ERROR,
     EXITING_LINE,
@@ -209,6 +210,12 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
         if EXIT_DATA_UNAVAILABLE in codes and all(c in (EXIT_DATA_UNAVAILABLE, -signal.SIGTERM) for c in codes):
             console.error(_data_unavailable_line(plan))
             return EXIT_DATA_UNAVAILABLE
+        if all(c in (EXIT_SCREEN, -signal.SIGTERM) for c in codes):
+            console.error(
+                f"pre-flight screening named a node below its figures (health.screen; see {plan.cfg.run_dir / 'screen'}): "
+                "check or replace that machine, or train without it"
+            )
+            return EXIT_SCREEN
         if any(f.exitcode == EXIT_GPU_FAULT for f in exc.failures.values()):
             console.error(
                 f"the GPU circuit breaker stopped training (see {plan.cfg.run_dir / 'logs'}): take this machine's GPU out of "

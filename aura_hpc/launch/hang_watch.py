@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -31,6 +30,7 @@ from aura_hpc.launch.hang_board import HangBoard, Verdict
 from aura_hpc.launch.hang_evidence import hang_line, log_size, name_culprits, py_spy, wait_for_stacks
 from aura_hpc.launch.stop_signals import StopSignals
 from aura_hpc.train.process import progress
+from aura_hpc.train.process.dist_env import node_name
 
 CALIBRATION = "hang_calibration.json"
 ANSWER_WAIT_S = 5.0
@@ -172,7 +172,7 @@ class HangWatch:
         when every rank here only waits, the verdict of the node that names the culprit."""
         if self.board is None:
             return hang
-        here = Verdict(self.board.node_rank, socket.gethostname(), hang.line, hang.culprits, time.time(), hang.progress_step)
+        here = Verdict(self.board.node_rank, node_name(), hang.line, hang.culprits, time.time(), hang.progress_step)
         self.board.publish(here)
         if hang.culprits:
             time.sleep(2 * self.poll_s)  # the peers read the board once a second while their ranks wait
@@ -224,7 +224,7 @@ class HangWatch:
         """Every rank's stack, before anything is killed; the culprit named."""
         now = time.time()
         # The host in the name: on a shared run directory two nodes' watchdogs may speak in the same second.
-        where = self.cfg.run_dir / "hangs" / f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}-{socket.gethostname()}"
+        where = self.cfg.run_dir / "hangs" / f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}-{node_name()}"
         where.mkdir(parents=True, exist_ok=True)
         logs = {r: self.cfg.run_dir / "logs" / f"rank_{r}.log" for r in ranks}
         offsets = {r: log_size(logs[r]) for r in ranks}
@@ -236,7 +236,7 @@ class HangWatch:
             native = py_spy(p["pid"])
             (where / f"rank{r}.txt").write_text(text + (f"\n--- py-spy dump --native ---\n{native}" if native else ""), encoding="utf-8")
         culprits, reason = name_culprits(ranks, stacks)
-        host = socket.gethostname()
+        host = node_name()
         idle = now - max(p["beat"] for p in ranks.values())
         line = hang_line(ranks, stacks, culprits, reason, host, idle, where)
         record = {
@@ -262,7 +262,7 @@ class HangWatch:
         if url:
             event = {
                 "event": "training.hang",
-                "host": socket.gethostname(),
+                "host": node_name(),
                 "line": hang.line,
                 "culprits": hang.culprits,
                 "step": hang.progress_step,

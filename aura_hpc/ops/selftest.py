@@ -203,6 +203,32 @@ def throughput(data: Path, runs: Path, cpu: bool, steps: int, warmup: int) -> di
     return out
 
 
+def screen_node(out: Path, cpu: bool, gpus: int, profile: str, expected: dict[str, float], progress: Any) -> tuple[int, dict[str, Any]]:
+    """`selftest --screen`: the pre-flight screen alone on this node's GPUs (a `local` run with
+    health.screen=only and the profile's expected figures); (its exit status, RUN_DIR/screen/attempt-0.json)."""
+    import torch
+
+    if not cpu and not torch.cuda.is_available():
+        raise LaunchError("selftest --screen needs a CUDA GPU and none is visible here (fix: run it on a GPU node, or --cpu)")
+    nproc = 2 if cpu else (gpus or torch.cuda.device_count())
+    # On CPU the profile's GPU figures mean nothing: the processes are judged against each other only.
+    figures = [] if cpu else [x for k, v in expected.items() for x in ("--set", f"health.{k}={v}")]
+    data = out / "data"
+    progress(f"preparing the built-in corpus in {data}")
+    from aura_hpc.data.prepare import PrepareSpec, prepare
+
+    prepare(PrepareSpec(out_dir=data, builtin=True, vocab_size=1024, val_fraction=0.05))
+    runs = out / f"screen-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    progress(f"screening {nproc} {'process' if cpu else 'GPU'}{'es' if cpu and nproc > 1 else 's' if nproc > 1 else ''}")
+    args = ["--nproc-per-node", str(nproc), "--output-dir", str(runs), "--run-name", "screen", "--set", f"data.path={data}"]
+    args += ["--set", "health.screen=only", "--set", f"slurm.cluster={profile}", *figures]
+    done = _local(args, _env({}, 1 if cpu else 0), 600)
+    result = runs / "screen" / "screen" / "attempt-0.json"  # RUN_DIR/screen/
+    if not result.exists():
+        raise LaunchError(f"the screen did not run: {_last_line(done)}")
+    return done.returncode, json.loads(result.read_text())
+
+
 def run(out: Path, cpu: bool, gpus: int, strategies: list[str], bench: bool, progress: Any) -> Report:
     import torch
 

@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 
-from aura_hpc.errors import EXIT_RESUMABLE
+from aura_hpc.errors import EXIT_RESUMABLE, EXIT_SCREEN
 
 log = logging.getLogger("aura_hpc")
 
@@ -86,8 +86,13 @@ class TrainJob:
             except AuraError as exc:
                 print(f"[rank0] {exc}", flush=True)
                 raise SystemExit(exc.exit_code) from None
+        from aura_hpc.slurm import exclude
+
+        def can_leave_out(nodes: list[str]) -> bool:  # the screen's named nodes, asked by rank 0
+            return restarts < self.max_requeues and exclude.can_leave_out(job_id, nodes)
+
         try:
-            status = worker.main([self.config_path])
+            status = worker.main([self.config_path], can_leave_out)
         finally:
             if lock is not None:
                 lock.release()
@@ -96,6 +101,13 @@ class TrainJob:
                     watcher.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     watcher.terminate()
+        if status == EXIT_SCREEN:  # the screen named nodes the allocation can spare: requeued without them
+            if rank != 0:
+                print(f"[rank{rank}] this attempt stops here: rank 0 requeues the job without the nodes the screen named", flush=True)
+                sys.stderr.flush()
+                os._exit(0)
+            self._requeue(job_id, restarts)
+            return 0
         if status == EXIT_RESUMABLE:
             if rank != 0:
                 # Rank 0 carries the job's outcome; exiting 0 here keeps srun --kill-on-bad-exit from
@@ -112,6 +124,8 @@ class TrainJob:
         return 0
 
     def _requeue(self, job_id: int, restarts: int) -> None:
+        from aura_hpc.slurm import exclude
+
         def say(msg: str) -> None:
             print(f"[rank0] {msg}", flush=True)
 
@@ -121,14 +135,18 @@ class TrainJob:
                 "(fix: submit the same command again to resume from the checkpoint, or raise slurm.max_requeues)"
             )
             return
-        # Said before asking: a requeue kills the job's processes, scontrol and this one included, and
-        # may do so before scontrol has its answer (a negative return code, nothing on stderr).
-        say(f"requeuing job {job_id} (requeue {restarts + 1} of at most {self.max_requeues}); it resumes from the checkpoint")
+        # Said before asking: a requeue signals the job's processes, scontrol and this one included.
+        say(f"requeuing job {job_id} (requeue {restarts + 1} of at most {self.max_requeues}); it resumes from its newest checkpoint if any")
         sys.stdout.flush()
+        exclude.outlive_the_requeue()
         done = subprocess.run(["scontrol", "requeue", str(job_id)], capture_output=True, text=True)
         if done.returncode > 0:
             reason = (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
             say(f"scontrol requeue {job_id} failed: {reason} (fix: resubmit the same command to resume)")
+        else:
+            from pathlib import Path
+
+            exclude.apply_after_requeue(job_id, Path(self.config_path).parent, say)
 
 
 def _start_watchdog(config_path: str, job_id: int, restarts: int) -> subprocess.Popen[bytes] | None:
@@ -142,8 +160,11 @@ def _start_watchdog(config_path: str, job_id: int, restarts: int) -> subprocess.
 
     if not load_config(config_path).health.hang_watch:
         return None
+    from aura_hpc.train.process.dist_env import node_name
+
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
-    folder = base / f"aura-progress-slurm-{job_id}-{restarts}"
+    # The node's name in it: several slurmd on one host (the test cluster, a multi-slurmd setup) share /dev/shm.
+    folder = base / f"aura-progress-slurm-{job_id}-{restarts}-{node_name()}"
     folder.mkdir(mode=0o700, exist_ok=True)
     os.environ[progress.ENV] = str(folder)
     if os.environ.get("SLURM_LOCALID", "0") != "0":

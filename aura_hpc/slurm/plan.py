@@ -74,6 +74,16 @@ class SubmitPlan:
         return self.slurm.nodes * self.tasks_per_node
 
     @property
+    def min_world_size(self) -> int:
+        """The fewest ranks the job may start with (--nodes MIN:MAX); the world size otherwise."""
+        return (self.slurm.min_nodes or self.slurm.nodes) * self.tasks_per_node
+
+    @property
+    def nodes_shown(self) -> str:
+        least = self.slurm.min_nodes
+        return f"{least}-{self.slurm.nodes}" if least and least < self.slurm.nodes else str(self.slurm.nodes)
+
+    @property
     def is_array(self) -> bool:
         return len(self.points) > 1
 
@@ -231,6 +241,9 @@ def plan_submit(
         folder = sweep_dir / "slurm"
         run_dir_env = str(sweep_dir)
     for p in points:
+        for key, value in prof.screen.items():  # what the screen expects of this hardware, unless set
+            if f"health.{key}" not in given:
+                setattr(p.cfg.health, key, value)
         if p.cfg.data.path and "://" not in p.cfg.data.path:
             p.cfg.data.path = str(Path(p.cfg.data.path).expanduser().resolve())
     for p in points:
@@ -239,7 +252,7 @@ def plan_submit(
                 warnings.append(note)
     data_problem = None
     if (points[0].cfg.data.path or points[0].cfg.data.stream) and not check:
-        data_problem = _check_data(points[0].cfg, slurm.nodes * max(1, slurm.gpus_per_node), slurm.nodes, warnings)
+        data_problem = _check_data(points[0].cfg, (slurm.min_nodes or slurm.nodes) * max(1, slurm.gpus_per_node), slurm.nodes, warnings)
 
     env = {"AURA_RUN_DIR": run_dir_env, "PYTHONUNBUFFERED": "1"}
     setup = [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
@@ -264,11 +277,14 @@ def plan_submit(
         "srun_args": ["--kill-on-bad-exit=1", "--open-mode=append"],
         "additional_parameters": {**prof.extra_sbatch, "signal": f"{slurm.signal}@{slurm.signal_lead_s}", "requeue": True},
     }
+    if slurm.min_nodes and slurm.min_nodes < slurm.nodes and not check:
+        # sbatch --nodes=MIN-MAX (submitit's own `nodes` is a count): the ranks learn the world size Slurm gave.
+        params["additional_parameters"]["nodes"] = f"{slurm.min_nodes}-{slurm.nodes}"
     if slurm.gpus_per_node:
         params["gpus_per_node"] = slurm.gpus_per_node
     if slurm.cpus_per_task:
         params["cpus_per_task"] = slurm.cpus_per_task
-    for key in ("mem", "partition", "account", "qos", "constraint"):
+    for key in ("mem", "partition", "account", "qos", "constraint", "exclude"):
         if getattr(slurm, key):
             params[key] = getattr(slurm, key)
     if slurm.exclusive:
@@ -283,7 +299,8 @@ def plan_submit(
         from aura_hpc.launch.run_setup import builtin_data_dir
 
         prepare_builtin = builtin_data_dir(cfg)
-    world = slurm.nodes * (1 if check else max(1, slurm.gpus_per_node))
+    # The fewest ranks it may start with: the most memory per rank under sharding, the fewest ranks to cover the data.
+    world = (slurm.min_nodes or slurm.nodes) * (1 if check else max(1, slurm.gpus_per_node))
     memory = None
     if not check:
         first = points[0].cfg

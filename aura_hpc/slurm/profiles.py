@@ -26,6 +26,7 @@ SBATCH_TO_KEY = {
     "account": "account",
     "qos": "qos",
     "constraint": "constraint",
+    "exclude": "exclude",
     "exclusive": "exclusive",
     "job-name": "job_name",
 }
@@ -33,7 +34,9 @@ SBATCH_TO_KEY = {
 RESERVED = {"ntasks", "ntasks-per-node", "output", "error", "array", "signal", "open-mode", "dependency", "wckey"}
 # #AURA keys that set slurm.* values (containers), and the ones that are the profile's own.
 CONTAINER_KEYS = {"container", "container_image", "container_mounts", "container_workdir", "container_python"}
-AURA_KEYS = {"output_dir", "max_gpus_per_node", "gpu_mem_gib"} | CONTAINER_KEYS
+# The figures pre-flight screening expects of this hardware (health.screen_*: ops/screen.py).
+SCREEN_KEYS = {"screen_gemm_tflops", "screen_allreduce_gbps", "screen_inter_gbps"}
+AURA_KEYS = {"output_dir", "max_gpus_per_node", "gpu_mem_gib"} | CONTAINER_KEYS | SCREEN_KEYS
 
 
 @dataclass
@@ -54,6 +57,11 @@ class Profile:
     def gpu_mem_gib(self) -> float | None:
         v = self.aura.get("gpu_mem_gib")
         return float(v) if v else None
+
+    @property
+    def screen(self) -> dict[str, float]:
+        """health.screen_* values this profile expects (only those it states)."""
+        return {k: float(v) for k, v in self.aura.items() if k in SCREEN_KEYS}
 
     @property
     def output_dir(self) -> str | None:
@@ -137,4 +145,10 @@ def load(name_or_path: str) -> Profile:
             prof.setup.append(raw.rstrip())
     if prof.max_gpus_per_node is not None and prof.max_gpus_per_node < 0:
         raise ConfigError(f"{path}: #AURA max_gpus_per_node must be 0 or more")
+    for key in SCREEN_KEYS & prof.aura.keys():
+        try:
+            if float(prof.aura[key]) < 0:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"{path}: #AURA {key} must be a figure of 0 or more, got {prof.aura[key]!r} (fix: e.g. {key}=790)") from None
     return prof

@@ -66,6 +66,7 @@ def submit(plan: SubmitPlan) -> list[str]:
             "log_dir": str(plan.folder),
             "sweep_point": p.label,
             "nodes": plan.slurm.nodes,
+            "min_nodes": plan.slurm.min_nodes or plan.slurm.nodes,
             "tasks_per_node": plan.tasks_per_node,
             "world_size": plan.world_size,
             "cluster": str(plan.profile.path),

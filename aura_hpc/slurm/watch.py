@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.launch.hang_watch import Hang, HangWatch, process_alive, read_calibration
+from aura_hpc.ops import excluded_nodes
+from aura_hpc.slurm import exclude
+from aura_hpc.train.process.dist_env import node_name
 
 ELSEWHERE_WAIT_S = 60.0
 BUDGET_FILE = "slurm_hang_restarts.json"
@@ -41,12 +43,18 @@ class SlurmHangWatch(HangWatch):
         if not hang.culprits and self._another_node_named(hang):
             return False
         requeue, why = self._within_budget(hang.progress_step)
+        if hang.culprits and self.cfg.health.hang_exclude_node:
+            ranks_named = ", ".join(map(str, hang.culprits))
+            excluded_nodes.record(self.cfg.run_dir, node_name(), f"rank {ranks_named} hung there")
         if requeue:
             print(f"[watchdog] requeuing job {self.job_id} after the hang: it resumes from its newest checkpoint ({why})", flush=True)
+            exclude.outlive_the_requeue()
             done = subprocess.run(["scontrol", "requeue", str(self.job_id)], capture_output=True, text=True)
             if done.returncode > 0:
                 reason = (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
                 print(f"[watchdog] scontrol requeue {self.job_id} failed: {reason} (fix: resubmit the same command)", flush=True)
+            if done.returncode <= 0:
+                exclude.apply_after_requeue(self.job_id, self.cfg.run_dir, lambda m: print(f"[watchdog] {m}", flush=True))
         else:
             print(f"[watchdog] not requeued: {why} (fix: see the hang's line and stacks, then resubmit)", flush=True)
         self.kill(ranks)
@@ -55,7 +63,7 @@ class SlurmHangWatch(HangWatch):
     def _another_node_named(self, hang: Hang) -> bool:
         """Another node's watchdog named the culprit (its record in the shared hangs/ folder)."""
         deadline = time.time() + ELSEWHERE_WAIT_S
-        me = socket.gethostname()
+        me = node_name()
         while time.time() < deadline:
             for record in (self.cfg.run_dir / "hangs").glob("*/hang.json"):
                 try:

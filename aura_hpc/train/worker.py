@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from aura_hpc.config import load_run_file
 from aura_hpc.errors import EXIT_TRAIN_FAILED, EXITING_LINE, AuraError
@@ -54,7 +54,8 @@ def _stop_when_launcher_dies() -> None:
     threading.Thread(target=watch, name="aura-launcher-watch", daemon=True).start()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, can_leave_out: Callable[[list[str]], bool] | None = None) -> int:
+    """`can_leave_out`: under Slurm, whether the nodes the pre-flight screen names can be left out of a requeue."""
     parser = argparse.ArgumentParser(prog="python -m aura_hpc.train", description=__doc__)
     parser.add_argument("config", help="a resolved run config (RUN_DIR/config.yaml)")
     args = parser.parse_args(argv)
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     page = progress.start(env.rank, cfg.run_dir)
     from aura_hpc.train.loop.trainer import Trainer
 
-    trainer = Trainer(cfg, env)
+    trainer = Trainer(cfg, env, can_leave_out)
     with _process_group_cleanup():
         try:
             status = trainer.run()

@@ -17,6 +17,8 @@ Inert unless one of these is set (never set them in production):
                                       writer, after its files. Once per run dir.
     AURA_FAULT_SLOW=RANK:FRACTION     that rank (a `local` rank, or a `worker` rank) idles FRACTION of every
                                       step: a slower PC, for bench/bench_ps.py
+    AURA_FAULT_SCREEN_SLOW=RANK:FRACTION  that rank's device idles FRACTION of the pre-flight screen's matmuls, in
+                                      the run's first attempt only: a node found slow before training
     AURA_FAULT_BACKEND=RANK           the process group's first choice cannot start on that rank: on CPU the
                                       NCCL-or-gloo decision is made as on GPUs, with gloo standing in for NCCL
 """
@@ -62,6 +64,14 @@ def slow_down(rank: int) -> None:
     if last is not None:
         time.sleep((time.perf_counter() - last) * f / (1 - f))
     _step_ended[rank] = time.perf_counter()
+
+
+def screen_slow(rank: int, restart_count: int) -> float:
+    """AURA_FAULT_SCREEN_SLOW: the share of the screen's time this rank idles (first attempt only)."""
+    spec = os.environ.get("AURA_FAULT_SCREEN_SLOW", "").split(":")
+    if len(spec) != 2 or int(spec[0]) != rank or restart_count:
+        return 0.0
+    return min(max(float(spec[1]), 0.0), 0.95)
 
 
 def primary_backend() -> str | None:

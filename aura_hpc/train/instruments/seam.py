@@ -48,6 +48,10 @@ class Instruments:
         with probes.reporting(self.step_probe, self.run_dir, self.rank, self.run_probe, reseed_allowed):
             yield
 
+    def screen_slowness(self, restart_count: int) -> float:
+        """The share of the pre-flight screen's time this rank idles (AURA_FAULT_SCREEN_SLOW; 0 otherwise)."""
+        return faults.screen_slow(self.rank, restart_count)
+
     def entering(self, section: str, step: int) -> None:
         """As the rank enters a section (the progress page calls it): a rank stopped inside a checkpoint."""
         faults.entering(self.rank, section, step, self.run_dir)

@@ -16,10 +16,16 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from aura_hpc.ops import excluded_nodes
 
 if TYPE_CHECKING:
     import torch
+
+    from aura_hpc.config import RunConfig
+    from aura_hpc.train.process.dist_env import DistEnv
 
 log = logging.getLogger("aura_hpc")
 
@@ -84,9 +90,10 @@ def scores(busy: list[float]) -> list[float]:
 class StragglerWatch:
     """Rank 0's view: the scores of every interval, and a warning naming a rank that stays below THRESHOLD."""
 
-    def __init__(self, hosts: list[str]) -> None:
+    def __init__(self, hosts: list[str], on_named: Callable[[int, str], None] | None = None) -> None:
         self.hosts = hosts
         self.below = [0] * len(hosts)
+        self.on_named = on_named  # health.straggler_action=exclude: the node is kept for the next requeue
 
     def interval(self, busy: list[float], step: int) -> dict[str, Any]:
         """The metrics row's fields for this interval; warns once a rank has been slow INTERVALS times in a row."""
@@ -106,5 +113,38 @@ class StragglerWatch:
                     step,
                     1 / score if score else float("inf"),
                 )
+                if self.on_named is not None:
+                    self.on_named(r, host)
         slowest = min(range(len(s)), key=lambda r: s[r])
         return {"straggler_scores": s, "slowest_rank": slowest, "slowest_score": s[slowest]}
+
+
+def straggler_action(cfg: RunConfig, env: DistEnv) -> Callable[[int, str], None] | None:
+    """health.straggler_action=exclude: a Slurm job's next requeue leaves the straggler's node out (slurm/exclude.py).
+    A `local` launch cannot leave a machine out by itself: it says what to do instead."""
+    if cfg.health.straggler_action != "exclude":
+        return None
+    if env.launcher == "slurm":
+
+        def keep(rank: int, host: str) -> None:
+            excluded_nodes.record(cfg.run_dir, host, f"rank {rank} was a straggler")
+            log.warning("straggler: %s is left out at this job's next requeue (health.straggler_action=exclude)", host)
+
+        return keep
+
+    def say(rank: int, host: str) -> None:
+        if env.nnodes == 1:
+            log.warning(
+                "straggler: rank %d shares %s with every other rank, so there is no machine to leave out "
+                "(health.straggler_action=exclude acts on Slurm jobs) (fix: look for what else runs there: top, nvidia-smi)",
+                rank,
+                host,
+            )
+            return
+        log.warning(
+            "straggler: a local launch cannot leave %s out by itself (health.straggler_action=exclude acts on Slurm jobs): "
+            "stop the run (Ctrl+C), then start it again without that machine (fix: --nnodes one fewer)",
+            host,
+        )
+
+    return say

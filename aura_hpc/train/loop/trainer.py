@@ -24,8 +24,9 @@ from aura_hpc.train.loop.data_feed import DataFeed, DataUnavailable
 from aura_hpc.train.loop.evaluation import Sampler, evaluate
 from aura_hpc.train.loop.health import HealthWatch
 from aura_hpc.train.loop.metrics import Interval, MetricsWriter
+from aura_hpc.train.loop.screening import LeaveOut, screen_nodes
 from aura_hpc.train.loop.step import StepOutcome, Stepper, StepResult
-from aura_hpc.train.loop.stragglers import StragglerWatch
+from aura_hpc.train.loop.stragglers import StragglerWatch, straggler_action
 from aura_hpc.train.parts.build import build, compiled, describe, lan_advice
 from aura_hpc.train.parts.state import Position
 from aura_hpc.train.process import progress as progress_page
@@ -40,8 +41,9 @@ ROLLED_BACK = -1  # _settle's answer after a rollback: the loop goes on from the
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, env: DistEnv) -> None:
+    def __init__(self, cfg: RunConfig, env: DistEnv, can_leave_out: LeaveOut | None = None) -> None:
         self.cfg, self.env = cfg, env
+        self.can_leave_out = can_leave_out  # Slurm: may a node the screen names be left out (slurm/exclude.py)
         self.run_dir = cfg.run_dir
         self.pos = Position()
         self.health = HealthWatch(cfg, env)
@@ -54,7 +56,9 @@ class Trainer:
         self.instruments = Instruments(self.run_dir, self.env.rank)
         self.page.on_enter.append(self.instruments.entering)
         with self.instruments.whole_run(self.cfg.train.compile, self.rt.device):
-            return self._run()
+            slow = self.instruments.screen_slowness(self.env.restart_count)  # before the model: a node left out costs no build
+            screened = screen_nodes(self.cfg, self.env, self.rt.device, self.can_leave_out, slow)
+            return self._run() if screened is None else screened
 
     def _run(self) -> int:
         cfg, env = self.cfg, self.env
@@ -104,7 +108,7 @@ class Trainer:
         env, end = self.env, self.layout.end_step
         self.progress = TrainProgress(end, self.pos.step, enabled=env.is_main and self.pos.step < end)
         hosts = collectives.gather_json(env.hostname) if self.layout.world > 1 else []
-        self.stragglers = StragglerWatch(hosts) if env.is_main and hosts else None
+        self.stragglers = StragglerWatch(hosts, straggler_action(self.cfg, self.env)) if env.is_main and hosts else None
         if env.is_main:
             self.metrics = MetricsWriter(
                 self.run_dir, self.pos.step, self.cfg, _mfu_scale(self.cfg, self.parts.n_params, self.layout.world, self.rt.device)

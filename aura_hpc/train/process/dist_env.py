@@ -46,7 +46,7 @@ class DistEnv:
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> DistEnv:
         e = os.environ if env is None else env
-        host = socket.gethostname()
+        host = node_name(e)
         if "RANK" in e and "WORLD_SIZE" in e:
             # torchrun / the elastic agent (also what submitit's TorchDistributedEnvironment exports).
             rank, world = int(e["RANK"]), int(e["WORLD_SIZE"])
@@ -128,3 +128,10 @@ def _hostnames(nodelist: str) -> list[str]:
         if len(names) >= 2:
             return names
     return names
+
+
+def node_name(env: Mapping[str, str] | None = None) -> str:
+    """This node as the scheduler names it: Slurm's node name (what squeue shows and --exclude takes; several
+    slurmd may share one host), else the host name."""
+    e = os.environ if env is None else env
+    return e.get("SLURMD_NODENAME") or socket.gethostname()

@@ -1,0 +1,43 @@
+"""The health section's cross-field checks: resource monitor, circuit breaker, hang watchdog, screening, webhook."""
+
+from __future__ import annotations
+
+import re
+
+from aura_hpc.config.tree import REDACTED, THROTTLE_REASONS, WEBHOOK_SECRET_ENV, HealthConfig
+from aura_hpc.errors import ConfigError, shown
+
+
+def validate_health(h: HealthConfig) -> None:
+    if h.monitor_interval_s < 0 or h.breaker_interval_s <= 0:
+        raise ConfigError(
+            "health.monitor_interval_s must be >= 0 and health.breaker_interval_s > 0 (fix: --set health.breaker_interval_s=5)"
+        )
+    if min(h.hang_step_floor_s, h.hang_section_floor_s, h.hang_startup_s) <= 0 or h.hang_restarts < 0:
+        raise ConfigError(
+            "health.hang_step_floor_s, hang_section_floor_s and hang_startup_s must be > 0 and hang_restarts >= 0 "
+            "(fix: --set health.hang_watch=false to turn the watchdog off instead)"
+        )
+    if min(h.screen_gemm_tflops, h.screen_allreduce_gbps, h.screen_inter_gbps) < 0 or not 0 < h.screen_min_fraction <= 1:
+        raise ConfigError(
+            "health.screen_gemm_tflops, screen_allreduce_gbps and screen_inter_gbps must be 0 (not judged) or more, and "
+            "health.screen_min_fraction between 0 and 1 (fix: --set health.screen_min_fraction=0.8)"
+        )
+    unknown = [r for r in h.throttle_reasons.split(",") if r.strip() and r.strip() not in THROTTLE_REASONS]
+    if unknown:
+        raise ConfigError(f"health.throttle_reasons: unknown {', '.join(unknown)} (fix: a comma list of {', '.join(THROTTLE_REASONS)})")
+    if h.webhook_url and not (h.webhook_url.startswith(("http://", "https://", "env:"))):
+        # The value itself is not echoed: it is a secret.
+        raise ConfigError(
+            "health.webhook_url must start with http://, https:// or env:VAR (fix: --set health.webhook_url_env=AURA_GPU_WEBHOOK)"
+        )
+    given = bool(h.webhook_url and REDACTED not in h.webhook_url) + bool(h.webhook_url_env) + bool(h.webhook_url_file)
+    if given > 1 and not (h.webhook_url_env == WEBHOOK_SECRET_ENV and REDACTED in h.webhook_url):
+        raise ConfigError(
+            "health.webhook_url, webhook_url_env and webhook_url_file are three ways to give one URL; more than one is set "
+            "(fix: keep only health.webhook_url_env or health.webhook_url_file)"
+        )
+    if h.webhook_url_env and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", h.webhook_url_env):
+        raise ConfigError(
+            f"health.webhook_url_env {shown(h.webhook_url_env)} is not an environment variable name (fix: e.g. AURA_GPU_WEBHOOK)"
+        )

@@ -1,0 +1,110 @@
+"""Nodes a requeued job leaves out: a node whose rank hung, one that stayed a straggler, one that failed screening.
+
+Slurm refuses to change a running job's excluded nodes ("Job is no longer pending execution"), but a
+requeue makes the job pending at once (it stays "completing" until its processes are gone, and the one
+asking is among them): the exclusion is set right after `scontrol requeue`, before Slurm can start the
+job again. It is only set while the job's partition keeps enough other usable nodes for the job's
+minimum node count; otherwise the job would wait forever (ReqNodeNotAvail), and it is requeued on
+the same nodes with a line that says so.
+
+Every node to leave out is kept in RUN_DIR/excluded_nodes.json (ops/excluded_nodes.py), so the next
+requeue, whatever causes it (a hang, the pre-timeout signal), leaves out all of them.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from aura_hpc.ops import excluded_nodes
+
+UNUSABLE = ("down", "drain", "drng", "fail", "maint", "unk", "inval", "futr", "npc", "resv", "boot", "powered", "pow_dn")
+
+
+def outlive_the_requeue() -> None:
+    """A requeue sends SIGTERM to every process of the job (SIGKILL only KillWait later, 30 s by default): the
+    one asking must outlive it to set the excluded nodes, and so must the scontrol it starts (an ignored signal
+    stays ignored across exec)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _scontrol(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=30)
+
+
+def _job_fields(job_id: int) -> dict[str, str]:
+    out = _scontrol("show", "job", "-o", str(job_id)).stdout
+    return dict(f.split("=", 1) for f in out.split() if "=" in f)
+
+
+def _hostnames(expr: str) -> list[str]:
+    if not expr or expr == "(null)":
+        return []
+    out = _scontrol("show", "hostnames", expr)
+    return out.stdout.split() if out.returncode == 0 else []
+
+
+def _usable_nodes(partition: str) -> list[str]:
+    args = ["sinfo", "-h", "-N", "-o", "%N %t"] + (["-p", partition] if partition else [])
+    out = subprocess.run(args, capture_output=True, text=True, timeout=30).stdout
+    usable = []
+    for line in out.splitlines():
+        name, _, state = line.partition(" ")
+        if name and not state.strip().rstrip("*~#!%$@^-").startswith(UNUSABLE):
+            usable.append(name)
+    return sorted(set(usable))
+
+
+@dataclass
+class _Room:
+    leave_out: list[str]  # every node the job would then exclude (its own list and ours)
+    left: list[str]  # the usable nodes of its partition beside them
+    least: int  # the fewest nodes the job can start on
+    partition: str
+
+
+def _room(job_id: int, nodes: list[str]) -> _Room:
+    job = _job_fields(job_id)
+    already = set(_hostnames(job.get("ExcNodeList", "")))
+    least = int(job.get("NumNodes", "1").split("-")[0])
+    partition = job.get("Partition", "")
+    leave_out = sorted(already | set(nodes))
+    return _Room(leave_out, [n for n in _usable_nodes(partition) if n not in leave_out], least, partition or "?")
+
+
+def can_leave_out(job_id: int, nodes: list[str]) -> bool:
+    """Whether the job's partition keeps enough usable nodes for the job without `nodes` (and those it already excludes)."""
+    try:
+        room = _room(job_id, nodes)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return False
+    return len(room.left) >= room.least
+
+
+def apply_after_requeue(job_id: int, run_dir: Path, say: Callable[[str], None]) -> list[str]:
+    """Leave the kept nodes out of the requeued job where the partition can spare them; the nodes left out."""
+    nodes = excluded_nodes.wanted(run_dir)
+    if not nodes:
+        return []
+    try:
+        room = _room(job_id, sorted(nodes))
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        say(f"the requeued job keeps its nodes: Slurm could not be asked which are spare ({exc})")
+        return []
+    names = ", ".join(f"{n} ({nodes[n].get('why', '')})" for n in sorted(nodes))
+    if len(room.left) < room.least:
+        say(
+            f"not leaving out {names}: partition {room.partition} would keep {len(room.left)} usable node(s) for a job of "
+            f"{room.least} (fix: submit with --nodes MIN:MAX so it can start on fewer, or ask an admin to drain the node)"
+        )
+        return []
+    done = _scontrol("update", f"JobId={job_id}", f"ExcNodeList={','.join(room.leave_out)}")
+    if done.returncode != 0:
+        reason = (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
+        say(f"the requeued job keeps its nodes: scontrol could not leave out {names}: {reason}")
+        return []
+    say(f"the requeued job leaves out {names} ({len(room.left)} usable node(s) remain in partition {room.partition})")
+    return sorted(nodes)

@@ -1,0 +1,56 @@
+"""Pre-flight screening (ops/screen.py, train/loop/screening.py): the judgement on figures, and a real
+screen of two processes, one of them made slow (AURA_FAULT_SCREEN_SLOW). A Slurm job that leaves out
+the node its screen named: tests/test_slurm.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from aura_hpc.errors import EXIT_SCREEN
+from aura_hpc.ops.screen import Expected, judge
+from tests.conftest import run_cli
+
+
+def _rows(gemm: list[float], node_gbps: list[float] | None = None, job: float | None = None) -> list[dict]:
+    rows: list[dict] = [{"rank": r, "gemm_tflops": g} for r, g in enumerate(gemm)]
+    for r, v in enumerate(node_gbps or []):
+        rows[r]["node_gbps"] = v
+    if job is not None:
+        for row in rows:
+            row["job_gbps"] = job
+    return rows
+
+
+def test_a_device_or_node_below_the_profile_or_its_peers_is_named_and_a_slow_fabric_only_said() -> None:
+    h100 = Expected(gemm_tflops=790, allreduce_gbps=440, inter_gbps=370)
+    hosts = ["gpu01", "gpu01", "gpu02", "gpu02"]
+    # Healthy figures: nothing to say.
+    findings, fabric, warning = judge(_rows([780, 790, 770, 785], [450, 451, 460, 458], job=380), hosts, h100, "h100-ib")
+    assert findings == [] and fabric == "all-reduce across the 2 nodes 380 GB/s bus bandwidth" and warning == ""
+    # One GPU at 600 (under 0.8 x 790 = 632, though not under 0.75 of its peers): its node is named, with why.
+    findings, _, _ = judge(_rows([780, 790, 600, 785]), hosts, h100, "h100-ib")
+    assert [f.node for f in findings] == ["gpu02"]
+    assert findings[0].line == "rank 2 on gpu02: matmul 600 TFLOP/s, under 0.8 x the 790 that profile h100-ib expects"
+    # No figures (the generic profile, CPU): only against the peers; a slow NVLink names its node.
+    findings, _, warning = judge(_rows([1.0, 1.0, 0.4, 1.0], [400, 400, 150, 150], job=200), hosts, Expected(), "generic")
+    assert [f.node for f in findings] == ["gpu02", "gpu02"] and warning == ""
+    assert "under 0.75 x the other devices' median 1" in findings[0].line
+    assert findings[1].line == "gpu02: all-reduce within the node 150 GB/s bus bandwidth, under 0.75 x the other nodes' median 400"
+    # A fabric under its figure names no one node: it is said, with the fix.
+    findings, _, warning = judge(_rows([780, 790, 770, 785], job=120), hosts, h100, "h100-ib")
+    assert findings == [] and warning.startswith("the fabric is slow: 120 GB/s is under 0.8 x the 370 that profile h100-ib expects")
+
+
+def test_selftest_screen_names_the_slow_process_and_a_clean_screen_names_none(tmp_path: Path) -> None:
+    out = tmp_path / "st"  # one folder: the second screen finds the corpus prepared
+    clean = run_cli(["selftest", "--screen", "--cpu", "--out", str(out)], timeout=300)
+    assert clean.returncode == 0 and "FINDING" not in clean.stdout, clean.stdout[-3000:] + clean.stderr[-3000:]
+    slow = run_cli(["selftest", "--screen", "--cpu", "--out", str(out)], timeout=300, AURA_FAULT_SCREEN_SLOW="1:0.6")
+    assert slow.returncode == EXIT_SCREEN, slow.stdout[-3000:] + slow.stderr[-3000:]
+    kept = sorted(out.glob("screen-*/screen/screen/attempt-0.json"), key=lambda p: p.stat().st_mtime)
+    assert len(kept) == 2, kept
+    found = json.loads(kept[-1].read_text())
+    assert [d["rank"] for d in found["devices"]] == [0, 1] and all("node_gbps" in d for d in found["devices"]), found
+    assert len(found["findings"]) == 1 and found["findings"][0]["line"].startswith("rank 1 on "), found
+    assert "FINDING" in slow.stdout and "under 0.75 x the other devices' median" in slow.stdout
