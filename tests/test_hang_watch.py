@@ -158,3 +158,48 @@ def test_the_board_carries_signed_verdicts_between_nodes_and_ignores_strangers(t
     started = time.monotonic()
     node1.wait_for_a_new_store(30)
     assert time.monotonic() - started < 10 and again.check([stores.ROUND_KEY])
+
+
+def test_the_watchdog_asks_each_ranks_flight_recorder_through_its_pipe_and_keeps_the_dump(tmp_path: Path) -> None:
+    """NCCL's flight recorder answers on its monitor thread, which a CPU run has not: a process here plays
+    that thread's part of torch's protocol (ProcessGroupNCCL's DumpPipe: read <stem><rank>.pipe, then write
+    <TORCH_NCCL_DEBUG_INFO_TEMP_FILE><rank>). What is ours is tested: the variables, the poke that never
+    blocks (a pipe nobody reads, a plain file), and the copy into the hang's folder."""
+    import subprocess
+    import sys
+
+    from aura_hpc.launch.hang_evidence import ask_flight_recorders, keep_flight_records, prepare_flight_recorder, remove_pipes
+
+    folder, run_dir, where = tmp_path / "progress", tmp_path / "run", tmp_path / "run" / "hangs" / "now"
+    folder.mkdir()
+    where.mkdir(parents=True)
+    env = prepare_flight_recorder(folder, run_dir)
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == env["TORCH_FR_DUMP_TEMP_FILE"]
+    os.mkfifo(folder / "nccl_pipe_0.pipe")  # rank 0: its monitor thread reads the pipe
+    os.mkfifo(folder / "nccl_pipe_1.pipe")  # rank 1: nobody reads it (stuck outside, or gone)
+    (folder / "nccl_pipe_2.pipe").write_text("not a pipe")
+    monitor = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys, time\n"
+            "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_NONBLOCK)\n"
+            "while not os.read(fd, 1): time.sleep(0.05)\n"
+            "open(sys.argv[2], 'wb').write(b'pickled record of rank 0')\n",
+            str(folder / "nccl_pipe_0.pipe"),
+            env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] + "0",
+        ]
+    )
+    try:
+        time.sleep(0.5)  # the reader has the pipe open
+        asked_at = time.time()
+        t0 = time.monotonic()
+        assert ask_flight_recorders(folder, [0, 1, 2, 3]) == [0]
+        assert time.monotonic() - t0 < 1, "a pipe nobody reads must not block the watchdog"
+        assert keep_flight_records(run_dir, [0], asked_at, where, 10) == ["nccl_flight_record_rank0"]
+        assert (where / "nccl_flight_record_rank0").read_bytes() == b"pickled record of rank 0"
+    finally:
+        monitor.kill()
+        monitor.wait()
+    remove_pipes(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["nccl_pipe_2.pipe"]  # a plain file is not ours to remove

@@ -8,7 +8,9 @@ its peers wait; otherwise the one that entered the fewest collectives is behind.
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -143,3 +145,76 @@ def py_spy(pid: int) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return out.stdout or out.stderr
+
+
+# NCCL's flight recorder (torch's ProcessGroupNCCL): the last collectives of each rank, with their
+# sequence numbers and state. With TORCH_NCCL_DEBUG_INFO_PIPE_FILE set, its monitor thread (not the
+# training thread, which may be stuck) makes a named pipe <stem><rank>.pipe and dumps the record to
+# <TORCH_NCCL_DEBUG_INFO_TEMP_FILE><rank> when anything is written into it. gloo ignores all of this.
+PIPE_STEM = "nccl_pipe_"
+TRACE_STEM = "nccl_flight_record_rank_"
+
+
+def prepare_flight_recorder(progress_folder: Path, run_dir: Path) -> dict[str, str]:
+    """The variables the workers get (a user's own settings win): pipes node-local, dumps beside the ranks'
+    logs (made here: torch writes into the folder, it does not make it)."""
+    traces = run_dir / "logs"
+    traces.mkdir(parents=True, exist_ok=True)
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(progress_folder / PIPE_STEM),
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(traces / TRACE_STEM),
+        "TORCH_FR_DUMP_TEMP_FILE": str(traces / TRACE_STEM),  # the same variable's newer name
+    }
+
+
+def ask_flight_recorders(progress_folder: Path, ranks: list[int]) -> list[int]:
+    """Write into each rank's pipe (never blocking: a pipe nobody reads is skipped); the ranks asked."""
+    asked = []
+    for r in ranks:
+        pipe = progress_folder / f"{PIPE_STEM}{r}.pipe"
+        try:
+            if not stat.S_ISFIFO(pipe.lstat().st_mode):
+                continue
+            fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # absent (gloo, an older torch), or no reader (ENXIO)
+            continue
+        try:
+            os.write(fd, b"1")
+            asked.append(r)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return asked
+
+
+def keep_flight_records(run_dir: Path, ranks: list[int], since: float, where: Path, wait_s: float) -> list[str]:
+    """Copy each asked rank's dump (written after `since`) into the hang's folder; the names kept."""
+    traces, kept = run_dir / "logs", []
+    deadline = time.time() + wait_s
+    pending = set(ranks)
+    while pending and time.time() < deadline:
+        for r in sorted(pending):
+            dump = traces / f"{TRACE_STEM}{r}"
+            try:
+                if dump.stat().st_mtime < since:
+                    continue
+            except OSError:
+                continue
+            time.sleep(0.2)  # written in one go by the monitor thread: let it finish
+            shutil.copyfile(dump, where / f"nccl_flight_record_rank{r}")
+            kept.append(f"nccl_flight_record_rank{r}")
+            pending.discard(r)
+        time.sleep(0.2)
+    return kept
+
+
+def remove_pipes(progress_folder: Path) -> None:
+    """The ranks' flight-recorder pipes, once their attempt is over (torch leaves them)."""
+    for pipe in progress_folder.glob(f"{PIPE_STEM}*.pipe"):
+        try:
+            if stat.S_ISFIFO(pipe.lstat().st_mode):
+                pipe.unlink()
+        except OSError:
+            pass

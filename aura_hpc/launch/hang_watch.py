@@ -27,7 +27,17 @@ from typing import Any
 
 from aura_hpc.config import RunConfig
 from aura_hpc.launch.hang_board import HangBoard, Verdict
-from aura_hpc.launch.hang_evidence import hang_line, log_size, name_culprits, py_spy, wait_for_stacks
+from aura_hpc.launch.hang_evidence import (
+    ask_flight_recorders,
+    hang_line,
+    keep_flight_records,
+    log_size,
+    name_culprits,
+    prepare_flight_recorder,
+    py_spy,
+    remove_pipes,
+    wait_for_stacks,
+)
 from aura_hpc.launch.stop_signals import StopSignals
 from aura_hpc.train.process import progress
 from aura_hpc.train.process.dist_env import node_name
@@ -121,6 +131,8 @@ class HangWatch:
     # ---- watching ----------------------------------------------------------------------------
     def start(self) -> None:
         os.environ[progress.ENV] = str(self.folder)
+        for key, value in prepare_flight_recorder(self.folder, self.cfg.run_dir).items():
+            os.environ.setdefault(key, value)
         self._seen = {}
         self.peer_hangs, self.started = [], time.time()
         self._stop.clear()
@@ -133,6 +145,7 @@ class HangWatch:
             self._thread.join(timeout=30)
         for f in self.folder.glob("rank*"):  # the next attempt's ranks write their own pages
             f.unlink(missing_ok=True)
+        remove_pipes(self.folder)
 
     def close(self) -> None:
         self.stop()
@@ -228,9 +241,12 @@ class HangWatch:
         where.mkdir(parents=True, exist_ok=True)
         logs = {r: self.cfg.run_dir / "logs" / f"rank_{r}.log" for r in ranks}
         offsets = {r: log_size(logs[r]) for r in ranks}
+        asked_at = time.time()
+        nccl = ask_flight_recorders(self.folder, sorted(ranks))
         for p in ranks.values():
             _signal(p["pid"], progress.STACK_SIGNAL)
         stacks = wait_for_stacks(logs, offsets, ANSWER_WAIT_S)
+        records = keep_flight_records(self.cfg.run_dir, nccl, asked_at, where, ANSWER_WAIT_S) if nccl else []
         for r, p in ranks.items():
             text = stacks.get(r) or "(no answer to the stack request: stopped, or stuck outside Python)\n"
             native = py_spy(p["pid"])
@@ -247,6 +263,7 @@ class HangWatch:
             "ranks": ranks,
             "timeouts": {p["section"]: self.timeout(p["section"]) for p in ranks.values()},
             "calibration": self.calibration,
+            "nccl_flight_records": records,  # torch's analyzer reads them: python -m torch.distributed.flight_recorder.fr_trace
         }
         (where / "hang.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
         (self.cfg.run_dir / "hangs" / "last.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
@@ -297,6 +314,7 @@ def _sweep(base: Path) -> None:
             continue  # another user's live process
         for page in folder.glob("rank*"):
             page.unlink(missing_ok=True)
+        remove_pipes(folder)
         with contextlib.suppress(OSError):
             folder.rmdir()  # only when nothing else is in it
 

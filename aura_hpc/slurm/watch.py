@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aura_hpc.launch.hang_evidence import remove_pipes
 from aura_hpc.launch.hang_watch import Hang, HangWatch, process_alive, read_calibration
 from aura_hpc.ops import excluded_nodes
 from aura_hpc.slurm import exclude
@@ -110,6 +111,7 @@ def main(argv: list[str]) -> int:
     finally:  # the attempt's pages (ours alone: a folder holding anything else stays)
         for page in Path(folder).glob("rank*"):
             page.unlink(missing_ok=True)
+        remove_pipes(Path(folder))
         with contextlib.suppress(OSError):
             Path(folder).rmdir()
 
