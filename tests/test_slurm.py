@@ -187,6 +187,13 @@ def test_usr2_checkpoints_requeues_and_ends_equal_to_an_uninterrupted_run(
     assert "this attempt stops here" in rank1 and rank1.count("Job completed successfully") == 1, rank1[-3000:]
     hist = [r for r in json.loads(run_cli(["history", "--json"]).stdout)["jobs"] if r["job_id"] == job]
     assert len(hist) == 1 and hist[0]["requeues"] == 1 and hist[0]["state"] == "COMPLETED", hist
+    # The goodput ledger spans the job's two attempts: the requeue and its wait in the queue are "restarts".
+    split = json.loads((run_dir / "summary.json").read_text())["goodput"]
+    assert split["seconds"]["restarts"] > 0 and split["seconds"]["productive steps"] > 0, split
+    assert abs(split["seconds"]["other"]) <= 0.02 * split["wall_s"], split
+    assert "[rank0] time: " in log and "(goodput ledger)" in log
+    st = run_cli(["status", job, "--json"])
+    assert any(n.startswith("time: ") for n in json.loads(st.stdout)["notes"]), st.stdout
     _ends_equal_to_the_straight_run(run_dir, out, "ddp")
 
     log = (dl_dir / "slurm" / f"{dl_job}_0_log.out").read_text()
@@ -484,7 +491,9 @@ def test_a_stopped_rank_of_a_two_node_job_is_named_by_its_nodes_watchdog_and_the
         -3000:
     ]
     assert "resumed from checkpoint step_00000010 at step 10" in log0, log0[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["finished"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["finished"] and summary["goodput"]["seconds"]["hangs"] >= 25, summary["goodput"]
+    assert abs(summary["goodput"]["seconds"]["other"]) <= 0.02 * summary["goodput"]["wall_s"], summary["goodput"]
     _ends_equal_to_the_straight_run(run_dir, out, "hang requeue")
 
 

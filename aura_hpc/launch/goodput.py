@@ -30,12 +30,30 @@ class Launch:
     started: float
     hangs: list[dict[str, float]] = field(default_factory=list)
 
+    requeues: list[float] = field(default_factory=list)  # Slurm: when the job was requeued (then it waited in the queue)
+
     @classmethod
-    def begin(cls, run_dir: Path, started: float) -> Launch:
-        launch = cls(run_dir, f"{started:.3f}-{os.getpid()}", started)
+    def begin(cls, run_dir: Path, started: float, launch_id: str = "") -> Launch:
+        launch = cls(run_dir, launch_id or f"{started:.3f}-{os.getpid()}", started)
         os.environ[LAUNCH_ENV] = launch.id
         launch._write()
         return launch
+
+    @classmethod
+    def of_slurm_job(cls, run_dir: Path, job_id: int, started: float) -> Launch:
+        """A Slurm job's ledger, one across its requeues: its first attempt begins it, a requeued one goes on with it."""
+        launch_id = f"slurm-{job_id}"
+        try:
+            kept = json.loads((run_dir / FOLDER / f"launch-{launch_id}.json").read_text(encoding="utf-8"))
+            launch = cls(run_dir, launch_id, float(kept["started"]), list(kept.get("hangs") or []), list(kept.get("requeues") or []))
+        except (OSError, ValueError, KeyError, TypeError):
+            return cls.begin(run_dir, started, launch_id)
+        os.environ[LAUNCH_ENV] = launch.id
+        return launch
+
+    def requeued(self, at: float) -> None:
+        self.requeues.append(at)
+        self._write()
 
     def hang(self, last_progress: float, killed_at: float) -> None:
         self.hangs.append({"last_progress": last_progress, "killed_at": killed_at})
@@ -45,7 +63,10 @@ class Launch:
         folder = self.run_dir / FOLDER
         with contextlib.suppress(OSError):
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"launch-{self.id}.json").write_text(json.dumps({"started": self.started, "hangs": self.hangs}), encoding="utf-8")
+            record = {"started": self.started, "hangs": self.hangs, "requeues": self.requeues}
+            tmp = folder / f".launch-{self.id}.json.{os.getpid()}"
+            tmp.write_text(json.dumps(record), encoding="utf-8")
+            os.replace(tmp, folder / f"launch-{self.id}.json")
 
     def finish(self) -> dict[str, Any] | None:
         """The split at the end of the launch, added to summary.json (when the run wrote one in this launch)."""
@@ -86,7 +107,8 @@ def ledger(run_dir: Path, launch_id: str, now: float) -> dict[str, Any] | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     attempts = _attempts(run_dir, launch_id)
-    hangs = [h for h in launch.get("hangs") or [] if isinstance(h, dict)]
+    hangs = [h for h in launch.get("hangs") or [] if isinstance(h, dict)] + _watchdog_hangs(run_dir, launch_id)
+    requeues = [float(t) for t in launch.get("requeues") or [] if isinstance(t, (int, float))]
     parts = dict.fromkeys(PARTS, 0.0)
     for i, a in enumerate(attempts):
         spent = {k: float(v) for k, v in (a.get("spent") or {}).items()}
@@ -101,19 +123,25 @@ def ledger(run_dir: Path, launch_id: str, now: float) -> dict[str, Any] | None:
         if later is None or a.get("finished"):
             parts["productive steps"] += steps
             continue
-        # Its ledger was last written up to WRITE_EVERY_S before the hang's last progress: it trained until then.
+        # Its ledger was last written up to WRITE_EVERY_S before the hang's last progress: it trained until
+        # then. Or after it: a rank that outlived its peers' kill (another node's, under Slurm) wrote its
+        # open step on the way out, the wait included; that wait is the hang's.
         ended = [float(h["last_progress"]) for h in hangs if float(a["started"]) < float(h["killed_at"]) <= float(later["started"])]
-        steps += max([0.0, *(t - float(a["updated"]) for t in ended)])
+        if ended:
+            steps = max(0.0, steps + max(ended) - float(a["updated"]))
         resumed = later.get("resumed_from")
         kept = max((float(t) for s, t in a.get("saves") or [] if resumed is not None and s <= resumed), default=0.0)
         parts["productive steps"] += kept
         parts["recomputed"] += max(0.0, steps - kept)
     for h in hangs:
         parts["hangs"] += max(0.0, float(h["killed_at"]) - float(h["last_progress"]))
-    for h in hangs:  # from the kill to the next attempt's first process
-        nxt = next((float(a["started"]) for a in attempts if float(a["started"]) > float(h["killed_at"])), None)
-        if nxt is not None:
-            parts["restarts"] += nxt - float(h["killed_at"])
+    # From the kill (or a requeue without a hang) to the next attempt's first process; under Slurm that
+    # includes the requeued job's wait in the queue.
+    ends = sorted([float(h["killed_at"]) for h in hangs] + requeues)
+    for i, t in enumerate(ends):
+        nxt = next((float(a["started"]) for a in attempts if float(a["started"]) > t), None)
+        if nxt is not None and not (i + 1 < len(ends) and ends[i + 1] < nxt):  # one restart per gap
+            parts["restarts"] += nxt - t
     if attempts:
         last = attempts[-1]
         ended = float(last["updated"]) if last.get("finished") else now
@@ -127,6 +155,25 @@ def ledger(run_dir: Path, launch_id: str, now: float) -> dict[str, Any] | None:
         "seconds": {k: round(v, 3) for k, v in parts.items()},
         "fractions": {k: round(v / wall, 4) for k, v in parts.items()},
     }
+
+
+def _watchdog_hangs(run_dir: Path, launch_id: str) -> list[dict[str, float]]:
+    """Hangs a Slurm node's watchdog recorded (its own file: it is another process than the ledger's)."""
+    out = []
+    for path in (run_dir / FOLDER).glob(f"hang-{launch_id}-*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            h = json.loads(path.read_text(encoding="utf-8"))
+            out.append({"last_progress": float(h["last_progress"]), "killed_at": float(h["killed_at"])})
+    return out
+
+
+def record_hang(run_dir: Path, launch_id: str, last_progress: float, killed_at: float) -> None:
+    """A hang seen by a process other than the launch's (the Slurm watchdog beside a node's tasks)."""
+    folder = run_dir / FOLDER
+    with contextlib.suppress(OSError):
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"hang-{launch_id}-{killed_at:.3f}-{os.getpid()}.json"
+        path.write_text(json.dumps({"last_progress": last_progress, "killed_at": killed_at}), encoding="utf-8")
 
 
 def line(split: dict[str, Any]) -> str:

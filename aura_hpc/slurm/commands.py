@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.errors import LaunchError
+from aura_hpc.launch.run_status import goodput_note
 from aura_hpc.slurm import index as job_index
 from aura_hpc.slurm import query as slurm_query
 from aura_hpc.slurm.submit import print_new_lines, rank_log
@@ -70,6 +71,8 @@ def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], li
         launch = _failed_at_launch(row, run_dir)
         if launch:
             notes.append(launch)
+        if run_dir is not None and (split := goodput_note(run_dir, row.state)):
+            notes.append(split)  # where the job's time went, across its requeues
         return [_row_dict(row, run_dir)], notes
     rows = slurm_query.squeue()
     if not all_jobs:

@@ -14,6 +14,8 @@ import os
 import re
 import subprocess
 import sys
+import time
+from typing import Any
 
 from aura_hpc.errors import EXIT_RESUMABLE, EXIT_SCREEN
 
@@ -58,6 +60,8 @@ def first_host_of(nodelist: str) -> str:
 class TrainJob:
     """The picklable callable submitit runs on every task."""
 
+    launch: Any = None  # rank 0's goodput ledger of the job (launch/goodput.py), set when the task starts
+
     def __init__(self, config_path: str, requeue_signal: str = "USR2", max_requeues: int = 10) -> None:
         self.config_path = config_path
         self.requeue_signal = requeue_signal
@@ -79,13 +83,18 @@ class TrainJob:
             from pathlib import Path
 
             from aura_hpc.errors import AuraError
+            from aura_hpc.launch.goodput import Launch
             from aura_hpc.launch.run_lock import RunLock
+            from aura_hpc.train.process.time_ledger import process_started
 
             try:  # one trainer per run directory; a requeued attempt takes over its own lock
                 lock = RunLock(Path(self.config_path).parent).acquire()
             except AuraError as exc:
                 print(f"[rank0] {exc}", flush=True)
                 raise SystemExit(exc.exit_code) from None
+            # The goodput ledger of the whole job, across its requeues (launch/goodput.py).
+            started = float(e.get("SLURM_JOB_START_TIME") or 0) or process_started()
+            self.launch = Launch.of_slurm_job(Path(self.config_path).parent, job_id, started)
         from aura_hpc.slurm import exclude
 
         def can_leave_out(nodes: list[str]) -> bool:  # the screen's named nodes, asked by rank 0
@@ -121,6 +130,10 @@ class TrainJob:
         if status != 0:
             # SystemExit (not an exception) so the job's exit code is the trainer's own status.
             raise SystemExit(status)
+        if rank == 0 and (split := self.launch.finish()) is not None:
+            from aura_hpc.launch.goodput import line
+
+            print(f"[rank0] {line(split)}", flush=True)
         return 0
 
     def _requeue(self, job_id: int, restarts: int) -> None:
@@ -139,6 +152,7 @@ class TrainJob:
         say(f"requeuing job {job_id} (requeue {restarts + 1} of at most {self.max_requeues}); it resumes from its newest checkpoint if any")
         sys.stdout.flush()
         exclude.outlive_the_requeue()
+        self.launch.requeued(time.time())
         done = subprocess.run(["scontrol", "requeue", str(job_id)], capture_output=True, text=True)
         if done.returncode > 0:
             reason = (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"

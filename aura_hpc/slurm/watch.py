@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aura_hpc.launch.goodput import record_hang
 from aura_hpc.launch.hang_evidence import remove_pipes
 from aura_hpc.launch.hang_watch import Hang, HangWatch, process_alive, read_calibration
 from aura_hpc.ops import excluded_nodes
@@ -129,6 +130,7 @@ def _watch(watch: SlurmHangWatch, task_pid: int) -> int:
                 print(f"[watchdog] {hang.line}", flush=True)
                 sys.stderr.write(f"error: {hang.line}\n")
                 if watch.act(hang, ranks):
+                    record_hang(watch.cfg.run_dir, f"slurm-{watch.job_id}", hang.last_progress, time.time())
                     watch.notify(hang)
                     return 0
                 watch._seen = {}
