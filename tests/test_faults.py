@@ -531,6 +531,7 @@ def test_a_stopped_rank_is_named_within_a_minute_and_the_run_restarts_bit_identi
     assert record["culprits"] == [1], record["line"]
     line = next(x for x in r.stderr.splitlines() if "hang: " in x)
     assert "rank 1 on " in line and "did not answer" in line and "training after step 12" in line, line
+    assert "it is stopped (state T: SIGSTOP, or a debugger)" in line, line
     assert re.search(r"rank 0 waits at train/(loop/step|strategies/base)\.py:\d+ in \w+", line), line
     folder = Path(line.rsplit("stacks in ", 1)[1].strip())
     assert "(most recent call first)" in (folder / "rank0.txt").read_text()

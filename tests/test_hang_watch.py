@@ -106,6 +106,23 @@ def test_the_culprit_is_the_silent_rank_then_the_one_not_waiting_then_the_one_be
     assert named.startswith("hang: rank 1 on gpu-07 is not waiting for its peers: train/loop/data_feed.py:88 in _prepare")
     assert "inside core.py:10 in _cat_file" in named and "wait at train/loop/evaluation.py:40 in evaluate" in named, named
     assert "the rank holding them up is on another node" in hang_line(even, {0: WAITING, 1: WAITING}, [], "elsewhere", "h", 31.0, tmp_path)
+    # A silent rank says what the kernel says of it: a stopped process (a D-state one is said the same way;
+    # none can be made here without a filesystem that stops answering).
+    import signal
+    import subprocess
+
+    stopped = subprocess.Popen(["sleep", "60"])
+    try:
+        stopped.send_signal(signal.SIGSTOP)
+        time.sleep(0.2)
+        ranks[2]["pid"] = stopped.pid
+        silent = hang_line(ranks, {0: WAITING, 1: WAITING}, [2], "silent", "gpu-07", 31.0, tmp_path)
+        assert "rank 2 on gpu-07 did not answer the request for its stack: it is stopped (state T: SIGSTOP" in silent, silent
+    finally:
+        stopped.kill()
+        stopped.wait()
+    ranks[2]["pid"] = 999999999  # gone: nothing more to say than the answer it did not give
+    assert "did not answer the request for its stack (stuck outside Python)" in hang_line(ranks, {}, [2], "silent", "h", 31.0, tmp_path)
 
 
 def test_a_killed_launchers_progress_folder_is_removed_by_the_next_and_a_live_ones_kept(tmp_path: Path) -> None:

@@ -85,7 +85,7 @@ def hang_line(
     if culprits:
         r = culprits[0]
         what = {
-            "silent": "did not answer the request for its stack (stopped, or stuck outside Python)",
+            "silent": f"did not answer the request for its stack{_silent_why(ranks[r].get('pid'))}",
             "working": f"is not waiting for its peers: {_top(stacks.get(r, ''))}",
             "behind": f"is behind the others: {_top(stacks.get(r, ''))}",
         }[reason]
@@ -102,6 +102,32 @@ def hang_line(
         f"hang: every rank on {host} waits for a peer ({state(r)}; at {_top(stacks.get(r, ''))}), no progress for {idle:.0f}s: "
         f"the rank holding them up is on another node; stacks in {where}"
     )
+
+
+def process_state(pid: Any) -> tuple[str, str]:
+    """(the kernel's state letter, the kernel function it sleeps in) of a process on this node; ("", "") if unknown."""
+    try:
+        state = Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, ValueError, IndexError, TypeError):
+        return "", ""
+    try:
+        wchan = Path(f"/proc/{int(pid)}/wchan").read_text().strip()
+    except OSError:
+        wchan = ""
+    return state, "" if wchan in ("", "0") else wchan
+
+
+def _silent_why(pid: Any) -> str:
+    state, wchan = process_state(pid)
+    if state == "T" or state == "t":
+        return ": it is stopped (state T: SIGSTOP, or a debugger)"
+    if state == "D":
+        where = f" in {wchan}" if wchan else ""
+        return (
+            f": it is stuck in the kernel (state D{where}: uninterruptible I/O, such as a network filesystem that stopped "
+            "answering; it dies only once that I/O ends)"
+        )
+    return " (stuck outside Python)"
 
 
 def log_size(path: Path) -> int:
@@ -134,6 +160,16 @@ def wait_for_stacks(logs: dict[int, Path], offsets: dict[int, int], wait_s: floa
         if len(got) == len(logs) or time.time() > deadline:
             return got
         time.sleep(0.1)
+
+
+def py_spies(pids: dict[int, int]) -> dict[int, str]:
+    """py-spy's native dump of every rank at once (each takes up to 20 s: one after another, 8 ranks would take minutes)."""
+    if shutil.which("py-spy") is None or not pids:
+        return {}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(16, len(pids))) as pool:
+        return dict(zip(pids, pool.map(py_spy, pids.values()), strict=True))
 
 
 def py_spy(pid: int) -> str:

@@ -34,7 +34,8 @@ from aura_hpc.launch.hang_evidence import (
     log_size,
     name_culprits,
     prepare_flight_recorder,
-    py_spy,
+    process_state,
+    py_spies,
     remove_pipes,
     wait_for_stacks,
 )
@@ -247,9 +248,11 @@ class HangWatch:
             _signal(p["pid"], progress.STACK_SIGNAL)
         stacks = wait_for_stacks(logs, offsets, ANSWER_WAIT_S)
         records = keep_flight_records(self.cfg.run_dir, nccl, asked_at, where, ANSWER_WAIT_S) if nccl else []
+        natives = py_spies({r: p["pid"] for r, p in ranks.items()})
         for r, p in ranks.items():
-            text = stacks.get(r) or "(no answer to the stack request: stopped, or stuck outside Python)\n"
-            native = py_spy(p["pid"])
+            state, wchan = process_state(p["pid"])
+            text = stacks.get(r) or f"(no answer to the stack request; kernel state {state or '?'}{f' in {wchan}' if wchan else ''})\n"
+            native = natives.get(r, "")
             (where / f"rank{r}.txt").write_text(text + (f"\n--- py-spy dump --native ---\n{native}" if native else ""), encoding="utf-8")
         culprits, reason = name_culprits(ranks, stacks)
         host = node_name()
