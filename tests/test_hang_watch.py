@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from aura_hpc.config import load_config
 from aura_hpc.launch.hang_evidence import hang_line, name_culprits
 from aura_hpc.launch.hang_watch import HangWatch
@@ -177,21 +179,37 @@ def test_the_board_carries_signed_verdicts_between_nodes_and_ignores_strangers(t
     assert time.monotonic() - started < 10 and again.check([stores.ROUND_KEY])
 
 
-def test_the_watchdog_asks_each_ranks_flight_recorder_through_its_pipe_and_keeps_the_dump(tmp_path: Path) -> None:
+def test_the_watchdog_asks_each_ranks_flight_recorder_through_its_pipe_and_keeps_the_dump(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """NCCL's flight recorder answers on its monitor thread, which a CPU run has not: a process here plays
     that thread's part of torch's protocol (ProcessGroupNCCL's DumpPipe: read <stem><rank>.pipe, then write
-    <TORCH_NCCL_DEBUG_INFO_TEMP_FILE><rank>). What is ours is tested: the variables, the poke that never
-    blocks (a pipe nobody reads, a plain file), and the copy into the hang's folder."""
+    the pickle to <TORCH_FR_DUMP_TEMP_FILE><rank>, in place). What is ours is tested: the variables (a user's
+    dump prefix wins, under both its names), the poke that never blocks (a pipe nobody reads, a plain file),
+    a dump kept only once new and whole, and the copy into the hang's folder."""
     import subprocess
     import sys
 
+    import torch
+
     from aura_hpc.launch.hang_evidence import ask_flight_recorders, keep_flight_records, prepare_flight_recorder, remove_pipes
 
+    for v in ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE", raising=False)
+    mine = tmp_path / "mine" / "fr_"
+    mine.parent.mkdir()
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(mine))  # the user's, under its older name
     folder, run_dir, where = tmp_path / "progress", tmp_path / "run", tmp_path / "run" / "hangs" / "now"
     folder.mkdir()
     where.mkdir(parents=True)
-    env = prepare_flight_recorder(folder, run_dir)
-    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == env["TORCH_FR_DUMP_TEMP_FILE"]
+    prepare_flight_recorder(folder, run_dir)
+    # torch 2.13's defaults record and read the pipe (the older names would only warn).
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+        assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(mine) and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ
+    else:  # 2.6: nothing recorded, the pipe read every 8 minutes, unless told
+        assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    (tmp_path / "mine" / "fr_0").write_bytes(b"an old dump.")  # from an earlier timeout: not this hang's
     os.mkfifo(folder / "nccl_pipe_0.pipe")  # rank 0: its monitor thread reads the pipe
     os.mkfifo(folder / "nccl_pipe_1.pipe")  # rank 1: nobody reads it (stuck outside, or gone)
     (folder / "nccl_pipe_2.pipe").write_text("not a pipe")
@@ -202,19 +220,18 @@ def test_the_watchdog_asks_each_ranks_flight_recorder_through_its_pipe_and_keeps
             "import os, sys, time\n"
             "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_NONBLOCK)\n"
             "while not os.read(fd, 1): time.sleep(0.05)\n"
-            "open(sys.argv[2], 'wb').write(b'pickled record of rank 0')\n",
+            "f = open(sys.argv[2], 'wb'); f.write(b'record of rank 0'); f.flush(); time.sleep(0.6); f.write(b' ends.'); f.close()\n",
             str(folder / "nccl_pipe_0.pipe"),
-            env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] + "0",
+            str(mine) + "0",
         ]
     )
     try:
         time.sleep(0.5)  # the reader has the pipe open
-        asked_at = time.time()
         t0 = time.monotonic()
-        assert ask_flight_recorders(folder, [0, 1, 2, 3]) == [0]
-        assert time.monotonic() - t0 < 1, "a pipe nobody reads must not block the watchdog"
-        assert keep_flight_records(run_dir, [0], asked_at, where, 10) == ["nccl_flight_record_rank0"]
-        assert (where / "nccl_flight_record_rank0").read_bytes() == b"pickled record of rank 0"
+        asked = ask_flight_recorders([0, 1, 2, 3])
+        assert list(asked) == [0] and time.monotonic() - t0 < 1, "a pipe nobody reads must not block the watchdog"
+        assert keep_flight_records(asked, where, time.time() + 10) == ["nccl_flight_record_rank0"]
+        assert (where / "nccl_flight_record_rank0").read_bytes() == b"record of rank 0 ends."  # whole, not half
     finally:
         monitor.kill()
         monitor.wait()

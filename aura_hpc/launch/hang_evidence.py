@@ -191,33 +191,51 @@ PIPE_STEM = "nccl_pipe_"
 TRACE_STEM = "nccl_flight_record_rank_"
 
 
-def prepare_flight_recorder(progress_folder: Path, run_dir: Path) -> dict[str, str]:
-    """The variables the workers get (a user's own settings win): pipes node-local, dumps beside the ranks'
-    logs (made here: torch writes into the folder, it does not make it)."""
-    traces = run_dir / "logs"
-    traces.mkdir(parents=True, exist_ok=True)
-    return {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(progress_folder / PIPE_STEM),
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(traces / TRACE_STEM),
-        "TORCH_FR_DUMP_TEMP_FILE": str(traces / TRACE_STEM),  # the same variable's newer name
-    }
+DUMP_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # torch 2.13 reads the first set; 2.6 the second
+PIPE_VAR = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
 
 
-def ask_flight_recorders(progress_folder: Path, ranks: list[int]) -> list[int]:
-    """Write into each rank's pipe (never blocking: a pipe nobody reads is skipped); the ranks asked."""
-    asked = []
-    for r in ranks:
-        pipe = progress_folder / f"{PIPE_STEM}{r}.pipe"
+def prepare_flight_recorder(progress_folder: Path, run_dir: Path) -> None:
+    """The variables the workers inherit (a user's own settings win): pipes node-local, dumps beside the
+    ranks' logs (that folder made here: torch writes into it, it does not make it). torch 2.13 records
+    2,000 collectives and reads the pipe every second by default, and warns on the older names; older
+    releases (2.6) record nothing and read the pipe every 8 minutes unless told, under those names."""
+    import torch
+
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault(PIPE_VAR, str(progress_folder / PIPE_STEM))
+    prefix = next((os.environ[v] for v in DUMP_VARS if os.environ.get(v)), str(run_dir / "logs" / TRACE_STEM))
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+        os.environ["TORCH_FR_DUMP_TEMP_FILE"] = prefix
+        return
+    if not os.environ.get("TORCH_FR_BUFFER_SIZE"):
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = prefix
+
+
+def _paths() -> tuple[str, str]:
+    """(the pipe stem, the dump prefix) the workers were given."""
+    return os.environ.get(PIPE_VAR, ""), next((os.environ[v] for v in DUMP_VARS if os.environ.get(v)), "")
+
+
+def ask_flight_recorders(ranks: list[int]) -> dict[int, tuple[int, int, int]]:
+    """Write into each rank's pipe (never blocking: a pipe nobody reads is skipped); for each rank asked, what
+    its dump file was before (inode, size, mtime), so that a new dump is told from an old one on any filesystem."""
+    stem, prefix = _paths()
+    asked: dict[int, tuple[int, int, int]] = {}
+    for r in ranks if stem and prefix else []:
+        pipe = Path(f"{stem}{r}.pipe")
         try:
             if not stat.S_ISFIFO(pipe.lstat().st_mode):
                 continue
             fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError:  # absent (gloo, an older torch), or no reader (ENXIO)
+        except OSError:  # absent (gloo, no NCCL group yet), or no reader (ENXIO)
             continue
         try:
+            before = _identity(Path(f"{prefix}{r}"))
             os.write(fd, b"1")
-            asked.append(r)
+            asked[r] = before
         except OSError:
             pass
         finally:
@@ -225,25 +243,38 @@ def ask_flight_recorders(progress_folder: Path, ranks: list[int]) -> list[int]:
     return asked
 
 
-def keep_flight_records(run_dir: Path, ranks: list[int], since: float, where: Path, wait_s: float) -> list[str]:
-    """Copy each asked rank's dump (written after `since`) into the hang's folder; the names kept."""
-    traces, kept = run_dir / "logs", []
-    deadline = time.time() + wait_s
-    pending = set(ranks)
+def _identity(path: Path) -> tuple[int, int, int]:
+    try:
+        st = path.stat()
+    except OSError:
+        return (0, 0, 0)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def keep_flight_records(asked: dict[int, tuple[int, int, int]], where: Path, deadline: float) -> list[str]:
+    """Copy each asked rank's new dump into the hang's folder once it is whole (a pickle ends in b"."; torch
+    writes it in place, not atomically); the names kept. A rank whose dump never comes is left out."""
+    _, prefix = _paths()
+    kept: list[str] = []
+    pending = dict(asked)
     while pending and time.time() < deadline:
-        for r in sorted(pending):
-            dump = traces / f"{TRACE_STEM}{r}"
+        for r, before in list(pending.items()):
+            dump = Path(f"{prefix}{r}")
+            now = _identity(dump)
+            if now == before or now[1] == 0:
+                continue
+            time.sleep(0.2)
             try:
-                if dump.stat().st_mtime < since:
-                    continue
+                data = dump.read_bytes()
             except OSError:
                 continue
-            time.sleep(0.2)  # written in one go by the monitor thread: let it finish
-            shutil.copyfile(dump, where / f"nccl_flight_record_rank{r}")
+            if len(data) != _identity(dump)[1] or not data.endswith(b"."):
+                continue  # still being written
+            (where / f"nccl_flight_record_rank{r}").write_bytes(data)
             kept.append(f"nccl_flight_record_rank{r}")
-            pending.discard(r)
+            del pending[r]
         time.sleep(0.2)
-    return kept
+    return sorted(kept)
 
 
 def remove_pipes(progress_folder: Path) -> None:

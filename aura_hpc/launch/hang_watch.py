@@ -45,6 +45,7 @@ from aura_hpc.train.process.dist_env import node_name
 
 CALIBRATION = "hang_calibration.json"
 ANSWER_WAIT_S = 5.0
+FLIGHT_RECORD_WAIT_S = 15.0
 FACTOR = 5.0  # a section may take this many times the longest seen before it counts as hung
 PEER_WAIT_S = 20.0  # a node whose ranks all wait, for the node that names the culprit
 STOPPING_STALL_S = 15.0  # after a stop signal, a training rank this long without moving is hung (it would not stop)
@@ -132,8 +133,7 @@ class HangWatch:
     # ---- watching ----------------------------------------------------------------------------
     def start(self) -> None:
         os.environ[progress.ENV] = str(self.folder)
-        for key, value in prepare_flight_recorder(self.folder, self.cfg.run_dir).items():
-            os.environ.setdefault(key, value)
+        prepare_flight_recorder(self.folder, self.cfg.run_dir)
         self._seen = {}
         self.peer_hangs, self.started = [], time.time()
         self._stop.clear()
@@ -243,11 +243,12 @@ class HangWatch:
         logs = {r: self.cfg.run_dir / "logs" / f"rank_{r}.log" for r in ranks}
         offsets = {r: log_size(logs[r]) for r in ranks}
         asked_at = time.time()
-        nccl = ask_flight_recorders(self.folder, sorted(ranks))
+        nccl = ask_flight_recorders(sorted(ranks))
         for p in ranks.values():
             _signal(p["pid"], progress.STACK_SIGNAL)
         stacks = wait_for_stacks(logs, offsets, ANSWER_WAIT_S)
-        records = keep_flight_records(self.cfg.run_dir, nccl, asked_at, where, ANSWER_WAIT_S) if nccl else []
+        # torch allows its own dump 15 s; the monitor thread reads the pipe once a second.
+        records = keep_flight_records(nccl, where, asked_at + FLIGHT_RECORD_WAIT_S) if nccl else []
         natives = py_spies({r: p["pid"] for r, p in ranks.items()})
         for r, p in ranks.items():
             state, wchan = process_state(p["pid"])

@@ -183,8 +183,7 @@ def _start_watchdog(config_path: str, job_id: int, restarts: int) -> subprocess.
     os.environ[progress.ENV] = str(folder)
     from aura_hpc.launch.hang_evidence import prepare_flight_recorder
 
-    for key, value in prepare_flight_recorder(folder, Path(config_path).parent).items():
-        os.environ.setdefault(key, value)
+    prepare_flight_recorder(folder, Path(config_path).parent)
     if os.environ.get("SLURM_LOCALID", "0") != "0":
         return None
     cmd = [sys.executable, "-m", "aura_hpc.slurm.watch", config_path, str(folder), str(job_id), str(restarts), str(os.getpid())]
