@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 import struct
 import sys
 from pathlib import Path
@@ -84,7 +85,10 @@ def test_every_tracker_reads_back_one_run_across_a_restart_and_an_unreachable_on
     tracked, unreachable = run_cli_together(runs, timeout=600, AURA_FAULT_KILL="0:12")
     run = tmp_path / "tracked"
     assert tracked.returncode == 0, tracked.stdout[-3000:] + tracked.stderr[-3000:]
-    assert "restart=1" in tracked.stdout and "resumed from checkpoint step_00000010" in tracked.stdout
+    # From step 10's checkpoint, or step 5's when the kill at step 12 came before step 10's background write
+    # was committed (async checkpoints on 2 busy cores: seen once in CI); either way steps 10 and 20 are logged.
+    resumed = re.search(r"resumed from checkpoint step_000000(10|05) at step", tracked.stdout)
+    assert "restart=1" in tracked.stdout and resumed, tracked.stdout[-3000:]
     ids = json.loads((run / "tracking" / "ids.json").read_text())
     assert set(ids) == {"trackio", "wandb", "mlflow"}, ids
 
