@@ -75,13 +75,24 @@ def _room(job_id: int, nodes: list[str]) -> _Room:
     return _Room(leave_out, [n for n in _usable_nodes(partition) if n not in leave_out], least, partition or "?")
 
 
-def can_leave_out(job_id: int, nodes: list[str]) -> bool:
-    """Whether the job's partition keeps enough usable nodes for the job without `nodes` (and those it already excludes)."""
+def _judge(job_id: int, nodes: list[str]) -> tuple[_Room | None, str]:
+    """(the room the job would have without `nodes`, why they cannot be left out: "" when they can)."""
     try:
         room = _room(job_id, nodes)
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return False
-    return len(room.left) >= room.least
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        return None, f"Slurm could not be asked which nodes are spare ({exc}; inside a container image, scontrol may be missing)"
+    if len(room.left) < room.least:
+        return room, (
+            f"partition {room.partition} would keep {len(room.left)} usable node(s) for a job of {room.least} "
+            "(fix: submit with --nodes MIN:MAX so it can start on fewer, or ask an admin to drain the node)"
+        )
+    return room, ""
+
+
+def why_not_leave_out(job_id: int, nodes: list[str]) -> str:
+    """ "" when the job's partition keeps enough usable nodes for the job without `nodes` (and those it already
+    excludes); otherwise why not, with the fix."""
+    return _judge(job_id, nodes)[1]
 
 
 def apply_after_requeue(job_id: int, run_dir: Path, say: Callable[[str], None]) -> list[str]:
@@ -89,17 +100,10 @@ def apply_after_requeue(job_id: int, run_dir: Path, say: Callable[[str], None]) 
     nodes = excluded_nodes.wanted(run_dir)
     if not nodes:
         return []
-    try:
-        room = _room(job_id, sorted(nodes))
-    except (OSError, ValueError, subprocess.SubprocessError) as exc:
-        say(f"the requeued job keeps its nodes: Slurm could not be asked which are spare ({exc})")
-        return []
     names = ", ".join(f"{n} ({nodes[n].get('why', '')})" for n in sorted(nodes))
-    if len(room.left) < room.least:
-        say(
-            f"not leaving out {names}: partition {room.partition} would keep {len(room.left)} usable node(s) for a job of "
-            f"{room.least} (fix: submit with --nodes MIN:MAX so it can start on fewer, or ask an admin to drain the node)"
-        )
+    room, why_not = _judge(job_id, sorted(nodes))
+    if room is None or why_not:
+        say(f"not leaving out {names}: {why_not}")
         return []
     done = _scontrol("update", f"JobId={job_id}", f"ExcNodeList={','.join(room.leave_out)}")
     if done.returncode != 0:

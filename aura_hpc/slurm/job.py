@@ -97,11 +97,13 @@ class TrainJob:
             self.launch = Launch.of_slurm_job(Path(self.config_path).parent, job_id, started)
         from aura_hpc.slurm import exclude
 
-        def can_leave_out(nodes: list[str]) -> bool:  # the screen's named nodes, asked by rank 0
-            return restarts < self.max_requeues and exclude.can_leave_out(job_id, nodes)
+        def why_not_leave_out(nodes: list[str]) -> str:  # the screen's named nodes, asked by rank 0
+            if restarts >= self.max_requeues:
+                return f"this job was already requeued {restarts} times (slurm.max_requeues={self.max_requeues})"
+            return exclude.why_not_leave_out(job_id, nodes)
 
         try:
-            status = worker.main([self.config_path], can_leave_out)
+            status = worker.main([self.config_path], why_not_leave_out)
         finally:
             if lock is not None:
                 lock.release()

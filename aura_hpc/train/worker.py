@@ -54,8 +54,9 @@ def _stop_when_launcher_dies() -> None:
     threading.Thread(target=watch, name="aura-launcher-watch", daemon=True).start()
 
 
-def main(argv: list[str] | None = None, can_leave_out: Callable[[list[str]], bool] | None = None) -> int:
-    """`can_leave_out`: under Slurm, whether the nodes the pre-flight screen names can be left out of a requeue."""
+def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]], str] | None = None) -> int:
+    """`why_not_leave_out`: under Slurm, why the nodes the pre-flight screen names cannot be left out of a requeue
+    ("" when they can)."""
     parser = argparse.ArgumentParser(prog="python -m aura_hpc.train", description=__doc__)
     parser.add_argument("config", help="a resolved run config (RUN_DIR/config.yaml)")
     args = parser.parse_args(argv)
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None, can_leave_out: Callable[[list[str]], boo
     page = progress.start(env.rank, cfg.run_dir)
     from aura_hpc.train.loop.trainer import Trainer
 
-    trainer = Trainer(cfg, env, can_leave_out)
+    trainer = Trainer(cfg, env, why_not_leave_out)
     with _process_group_cleanup():
         try:
             status = trainer.run()

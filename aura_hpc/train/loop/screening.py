@@ -2,7 +2,7 @@
 
 Every rank measures, every rank learns every figure (gather_json), rank 0 writes them to
 RUN_DIR/screen/attempt-<N>.json and says them. A node named by the screen:
-- on Slurm, where the allocation can spare it (slurm/exclude.py answers through `can_leave_out`),
+- on Slurm, where the partition can spare it (slurm/exclude.py answers through `why_not_leave_out`),
   is kept in RUN_DIR/excluded_nodes.json and every rank returns EXIT_SCREEN: the job's first task
   requeues the job without it, before any model is built;
 - otherwise training goes on with it, with the line saying which node and why (under `local` no
@@ -27,10 +27,10 @@ from aura_hpc.train.process.dist_env import DistEnv
 
 log = logging.getLogger("aura_hpc")
 
-LeaveOut = Callable[[list[str]], bool]  # may these nodes be left out (the job requeued without them)?
+LeaveOut = Callable[[list[str]], str]  # why these nodes cannot be left out of a requeue ("" when they can)
 
 
-def screen_nodes(cfg: RunConfig, env: DistEnv, device: torch.device, can_leave_out: LeaveOut | None, slow: float = 0.0) -> int | None:
+def screen_nodes(cfg: RunConfig, env: DistEnv, device: torch.device, why_not_leave_out: LeaveOut | None, slow: float = 0.0) -> int | None:
     """An exit status when the run stops here, None when training goes on (`slow`: fault injection's idle share)."""
     h = cfg.health
     if h.screen == "skip":
@@ -61,12 +61,12 @@ def screen_nodes(cfg: RunConfig, env: DistEnv, device: torch.device, can_leave_o
         return 0 if h.screen == "only" else None
     if h.screen == "only":
         return EXIT_SCREEN
-    leave = False
-    if env.is_main and can_leave_out is not None:
-        leave = can_leave_out(named)
+    why_not = "a local launch cannot leave a machine out by itself (fix: stop, then start again without it)"
+    if env.is_main and why_not_leave_out is not None:
+        why_not = why_not_leave_out(named)
     if env.world_size > 1:
-        leave = bool(collectives.broadcast_json(leave))
-    if leave:
+        why_not = str(collectives.broadcast_json(why_not))
+    if not why_not:
         if env.is_main:
             for node in named:
                 why = "; ".join(f.line for f in findings if f.node == node)
@@ -74,12 +74,7 @@ def screen_nodes(cfg: RunConfig, env: DistEnv, device: torch.device, can_leave_o
             log.warning("screen: leaving out %s: the job is requeued without it before any model is built", ", ".join(named))
         return EXIT_SCREEN
     if env.is_main:
-        how = (
-            "the allocation has no node to spare for it (fix: submit with --nodes MIN:MAX, or exclude it with --exclude)"
-            if env.launcher == "slurm"
-            else "a local launch cannot leave a machine out by itself (fix: stop, then start again without it)"
-        )
-        log.warning("screen: training goes on with %s: %s", ", ".join(named), how)
+        log.warning("screen: training goes on with %s: %s", ", ".join(named), why_not)
     return None
 
 

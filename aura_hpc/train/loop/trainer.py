@@ -41,9 +41,9 @@ ROLLED_BACK = -1  # _settle's answer after a rollback: the loop goes on from the
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, env: DistEnv, can_leave_out: LeaveOut | None = None) -> None:
+    def __init__(self, cfg: RunConfig, env: DistEnv, why_not_leave_out: LeaveOut | None = None) -> None:
         self.cfg, self.env = cfg, env
-        self.can_leave_out = can_leave_out  # Slurm: may a node the screen names be left out (slurm/exclude.py)
+        self.why_not_leave_out = why_not_leave_out  # Slurm: why a node the screen names cannot be left out (slurm/exclude.py)
         self.run_dir = cfg.run_dir
         self.pos = Position()
         self.health = HealthWatch(cfg, env)
@@ -57,7 +57,7 @@ class Trainer:
         self.page.on_enter.append(self.instruments.entering)
         with self.instruments.whole_run(self.cfg.train.compile, self.rt.device):
             slow = self.instruments.screen_slowness(self.env.restart_count)  # before the model: a node left out costs no build
-            screened = screen_nodes(self.cfg, self.env, self.rt.device, self.can_leave_out, slow)
+            screened = screen_nodes(self.cfg, self.env, self.rt.device, self.why_not_leave_out, slow)
             return self._run() if screened is None else screened
 
     def _run(self) -> int:
