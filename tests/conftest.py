@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -123,20 +124,72 @@ def slurm_cluster() -> Iterator[Path]:
         subprocess.run([str(CLUSTER_SH), "down"], timeout=120)
 
 
-def run_cli_together(runs: list[list[str]], timeout: float = 600, **env: str) -> list[subprocess.CompletedProcess[str]]:
+def run_cli_together(
+    runs: list[list[str]], timeout: float = 600, prefixes: list[list[str]] | None = None, **env: str
+) -> list[subprocess.CompletedProcess[str]]:
     """Several CLI runs at once: a short training run spends most of its time starting up (imports,
-    rendezvous), which overlaps well on two cores. Results in the order given."""
+    rendezvous), which overlaps well on two cores. Results in the order given. `prefixes`: what each
+    command runs under (`nsenter --net=...`: a machine of its own on the network)."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "aura_hpc", *args], env=cli_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [*pre, sys.executable, "-m", "aura_hpc", *args],
+            env=cli_env(**env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        for args in runs
+        for args, pre in zip(runs, prefixes or [[] for _ in runs], strict=True)
     ]
     done = []
     for args, p in zip(runs, procs, strict=True):
         out, err = p.communicate(timeout=timeout)
         done.append(subprocess.CompletedProcess(args, p.returncode, out, err))
     return done
+
+
+def make_two_hosts() -> tuple[str, str] | str:
+    """Two network namespaces joined by a veth pair, 10.77.1.1 and 10.77.1.2: two machines on one link
+    (their names), or why they cannot be made here."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None:
+        return "network namespaces need root and iproute2 (CI runs as root)"
+    tag = uuid.uuid4().hex[:6]
+    a, b = f"aura-a-{tag}", f"aura-b-{tag}"
+    va, vb = f"va{tag}", f"vb{tag}"
+    cmds = [
+        ["ip", "netns", "add", a],
+        ["ip", "netns", "add", b],
+        ["ip", "link", "add", va, "type", "veth", "peer", "name", vb],
+        ["ip", "link", "set", va, "netns", a],
+        ["ip", "link", "set", vb, "netns", b],
+        ["nsenter", f"--net=/run/netns/{a}", "ip", "addr", "add", "10.77.1.1/24", "dev", va],
+        ["nsenter", f"--net=/run/netns/{b}", "ip", "addr", "add", "10.77.1.2/24", "dev", vb],
+    ]
+    for ns, dev in ((a, va), (b, vb)):
+        cmds += [
+            ["nsenter", f"--net=/run/netns/{ns}", "ip", "link", "set", dev, "up"],
+            ["nsenter", f"--net=/run/netns/{ns}", "ip", "link", "set", "lo", "up"],
+        ]
+    try:
+        for c in cmds:
+            subprocess.run(c, check=True, capture_output=True, timeout=20)
+    except (subprocess.CalledProcessError, OSError, subprocess.TimeoutExpired) as exc:
+        remove_hosts((a, b))
+        return f"cannot create network namespaces here: {exc}"
+    return a, b
+
+
+def remove_hosts(names: tuple[str, ...]) -> None:
+    for ns in names:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def two_hosts() -> Iterator[tuple[str, str]]:
+    hosts = make_two_hosts()
+    if isinstance(hosts, str):
+        pytest.skip(hosts)
+    yield hosts
+    remove_hosts(hosts)
 
 
 @pytest.fixture(scope="session")

@@ -5,14 +5,10 @@ naming the cause and the fix, within the timeout."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -115,37 +111,6 @@ def test_a_directory_that_is_not_shared_is_reported(tmp_path: Path) -> None:
 
 
 # ---- two "machines": network namespaces with their own addresses -------------------------
-
-
-@pytest.fixture(scope="module")
-def two_hosts() -> Iterator[tuple[str, str]]:
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None:
-        pytest.skip("network namespaces need root and iproute2 (CI runs as root)")
-    tag = uuid.uuid4().hex[:6]
-    a, b = f"aura-a-{tag}", f"aura-b-{tag}"
-    va, vb = f"va{tag}", f"vb{tag}"
-    cmds = [
-        ["ip", "netns", "add", a],
-        ["ip", "netns", "add", b],
-        ["ip", "link", "add", va, "type", "veth", "peer", "name", vb],
-        ["ip", "link", "set", va, "netns", a],
-        ["ip", "link", "set", vb, "netns", b],
-        ["nsenter", f"--net=/run/netns/{a}", "ip", "addr", "add", "10.77.1.1/24", "dev", va],
-        ["nsenter", f"--net=/run/netns/{b}", "ip", "addr", "add", "10.77.1.2/24", "dev", vb],
-    ]
-    for ns, dev in ((a, va), (b, vb)):
-        cmds += [
-            ["nsenter", f"--net=/run/netns/{ns}", "ip", "link", "set", dev, "up"],
-            ["nsenter", f"--net=/run/netns/{ns}", "ip", "link", "set", "lo", "up"],
-        ]
-    try:
-        for c in cmds:
-            subprocess.run(c, check=True, capture_output=True, timeout=20)
-    except (subprocess.CalledProcessError, OSError) as exc:
-        pytest.skip(f"cannot create network namespaces here: {exc}")
-    yield a, b
-    for ns in (a, b):
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def test_healthy_pair_across_two_network_namespaces(two_hosts: tuple[str, str]) -> None:

@@ -197,16 +197,27 @@ def test_ctrl_c_during_a_hang_answers_in_seconds_names_the_rank_and_does_not_cla
 def test_a_rank_stopped_on_another_node_is_named_on_both_and_both_nodes_restart_bit_identical(
     tmp_path: Path, prepared: Path, reference: dict
 ) -> None:
-    """Two LAN nodes of one process each: the rank of node 1 stops after step 12. Node 1's watchdog names it;
-    node 0, whose rank only waits, names the same rank through the board in node 0's store (not "another
-    node", not its own rank); both launchers restart the run from step 10 and it ends as if nothing had hung."""
-    from tests.conftest import free_port
+    """Two LAN nodes of one process each, each in a network namespace of its own (two machines on one link;
+    on 127.0.0.1 where namespaces cannot be made): the rank of node 1 stops after step 12. Node 1's watchdog
+    names it; node 0, whose rank only waits, names the same rank through the board in node 0's store (not
+    "another node", not its own rank); both launchers restart the run from step 10 and it ends as if nothing
+    had hung."""
+    from tests.conftest import free_port, make_two_hosts, remove_hosts
 
-    args = ["local", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--nproc-per-node", "1"]
+    hosts = make_two_hosts()
+    master, prefixes = (
+        ("127.0.0.1", None) if isinstance(hosts, str) else ("10.77.1.1", [["nsenter", f"--net=/run/netns/{h}"] for h in hosts])
+    )
+    print("the two nodes:", hosts if prefixes else f"127.0.0.1 ({hosts})")
+    args = ["local", "--nnodes", "2", "--master-addr", master, "--master-port", str(free_port()), "--nproc-per-node", "1"]
     args += ["--set", f"data.path={prepared}", *BASE, "--set", f"train.max_steps={STEPS}", "--run-name", "lan"]
     args += ["--set", "health.hang_step_floor_s=10"]  # the defaults' 30 s is the single-node test's; the mechanism is the same
     runs = [[*args, "--node-rank", str(n), "--output-dir", str(tmp_path / f"m{n}")] for n in (0, 1)]
-    node0, node1 = run_cli_together(runs, timeout=600, AURA_FAULT_STOP="1:12")
+    try:
+        node0, node1 = run_cli_together(runs, timeout=600, prefixes=prefixes, AURA_FAULT_STOP="1:12")
+    finally:
+        if prefixes:
+            remove_hosts(tuple(hosts))
     run0 = tmp_path / "m0" / "lan"
     assert node0.returncode == 0 and node1.returncode == 0, _diagnose(node0, run0) + _diagnose(node1, tmp_path / "m1" / "lan")
     stopped_at = float(re.search(r"SIGSTOP rank 1 after step 12 at ([\d.]+)", node1.stdout).group(1))
@@ -536,6 +547,9 @@ def test_a_stopped_rank_is_named_within_a_minute_and_the_run_restarts_bit_identi
     folder = Path(line.rsplit("stacks in ", 1)[1].strip())
     assert "(most recent call first)" in (folder / "rank0.txt").read_text()
     assert "no answer" in (folder / "rank1.txt").read_text()
+    if hasattr(torch._C._distributed_c10d, "_dump_fr_trace"):  # gloo keeps a flight record (torch 2.13): rank 0's, read back
+        assert re.search(r"; flight records: rank 0 waits in gloo:\w+ #\d+ of group \d+; rank 1 gave no record; ", line), line
+        assert record["nccl_flight_records"] == ["nccl_flight_record_rank0"] and record["flight_recorder"]["culprits"] == []
     assert "resumed from checkpoint step_00000010 at step 10" in r.stdout, r.stdout[-3000:]
     assert _same(final_weights(run_dir), reference[STEPS])
     # The goodput ledger: the launch's wall time split, the hang and the steps trained again included.

@@ -237,3 +237,103 @@ def test_the_watchdog_asks_each_ranks_flight_recorder_through_its_pipe_and_keeps
         monitor.wait()
     remove_pipes(folder)
     assert sorted(p.name for p in folder.iterdir()) == ["nccl_pipe_2.pipe"]  # a plain file is not ours to remove
+
+
+_GLOO_RANKS = """
+import os, sys, time, torch, torch.distributed as dist
+from aura_hpc.train.process import flight_dump
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=sys.argv[2], rank=rank, world_size=2)
+assert flight_dump.serve(rank)
+for _ in range(3):
+    dist.all_reduce(torch.ones(4))
+print("ready", flush=True)
+if rank == 1:
+    time.sleep(120)  # held up in Python (reading data, say): it never enters the 4th
+dist.all_reduce(torch.ones(1000))
+"""
+
+
+@pytest.mark.skipif(
+    not hasattr(__import__("torch")._C._distributed_c10d, "_dump_fr_trace"), reason="needs a torch whose gloo keeps a flight record (2.13)"
+)
+def test_gloo_ranks_dump_their_flight_records_on_request_and_the_one_that_never_entered_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two real gloo ranks (torch's own flight recorder): rank 0 waits in its 4th all_reduce, rank 1 never
+    enters it. The watchdog's pipes are answered by each rank's thread while rank 0's training thread is
+    inside gloo, the dumps are kept whole, and the records name rank 1, the collective, and rank 0's line."""
+    import subprocess
+    import sys
+
+    from aura_hpc.launch import flight_records
+    from aura_hpc.launch.hang_evidence import ask_flight_recorders, keep_flight_records
+
+    folder, where = tmp_path / "progress", tmp_path / "hang"
+    folder.mkdir()
+    where.mkdir()
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", str(folder / "nccl_pipe_"))
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "fr_"))
+    monkeypatch.delenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", raising=False)
+    init = f"file://{tmp_path / 'rdzv'}"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _GLOO_RANKS, str(r), init], stdout=subprocess.PIPE, text=True, env={**os.environ})
+        for r in (0, 1)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        time.sleep(1)  # rank 0 is inside its 4th all_reduce
+        asked = ask_flight_recorders([0, 1])
+        assert sorted(asked) == [0, 1]
+        kept = keep_flight_records(asked, where, time.time() + 20)
+        assert kept == ["nccl_flight_record_rank0", "nccl_flight_record_rank1"]
+        records = flight_records.read_kept(where, kept)
+        stuck = flight_records.judge(records, [0, 1])
+        assert stuck is not None and stuck.culprits == [1] and (stuck.op, stuck.seq) == ("gloo:all_reduce", 4), stuck
+        assert stuck.line.startswith("rank 1 never entered gloo:all_reduce #4 of group 0 (rank 0 did, at ")
+        # Rank 1 alone (rank 0 gave nothing): it waits for no one, nothing to name from one record.
+        assert flight_records.judge({1: records[1]}, [0, 1]) is None
+        alone = flight_records.judge({0: records[0]}, [0, 1])
+        assert (
+            alone is not None
+            and alone.culprits == []
+            and alone.line.endswith("rank 0 waits in gloo:all_reduce #4 of group 0; rank 1 gave no record")
+        )
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_flight_record_is_read_as_plain_values_only(tmp_path: Path) -> None:
+    """A dump on a shared run directory is another node's file: a pickle that names any class (here one
+    that would run a command) is refused unread, as is an oversized or truncated one; NCCL's states tell a
+    rank whose collective never finished on its device from those whose did."""
+    import pickle
+
+    from aura_hpc.launch import flight_records
+
+    ran = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, (f"touch {ran}",))
+
+    (tmp_path / "evil").write_bytes(pickle.dumps({"entries": [Evil()]}))
+    (tmp_path / "cut").write_bytes(pickle.dumps({"entries": []})[:-3])
+    assert flight_records.load(tmp_path / "evil") is None and not ran.exists()
+    assert flight_records.load(tmp_path / "cut") is None and flight_records.load(tmp_path / "absent") is None
+
+    def nccl(seq_done: int) -> dict[str, Any]:
+        entry = {"pg_id": 0, "collective_seq_id": 7, "profiling_name": "nccl:all_reduce", "frames": []}
+        return {
+            "entries": [entry],
+            "pg_status": {"0": {"last_enqueued_collective": 7, "last_started_collective": 7, "last_completed_collective": seq_done}},
+        }
+
+    (tmp_path / "r2").write_bytes(pickle.dumps(nccl(7)))
+    records = {0: nccl(7), 1: nccl(6), 2: flight_records.load(tmp_path / "r2") or {}}
+    stuck = flight_records.judge(records, [0, 1, 2])
+    assert stuck is not None and stuck.culprits == [1]
+    assert stuck.line == "rank 1 entered nccl:all_reduce #7 of group 0 and never finished it (the others did)"

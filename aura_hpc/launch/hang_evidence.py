@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aura_hpc.train.process.flight_dump import DUMP_VARS, PIPE_VAR
+
 STACK_HEADER = "(most recent call first):"
 # Frames of a rank that waits for its peers: it is held up, not the one holding the others up.
 # On NCCL the host waits for its peers through the device: in the step report's read (one step late)
@@ -75,19 +77,30 @@ def _top(stack: str) -> str:
 
 
 def hang_line(
-    ranks: dict[int, dict[str, Any]], stacks: dict[int, str], culprits: list[int], reason: str, host: str, idle: float, where: Path
+    ranks: dict[int, dict[str, Any]],
+    stacks: dict[int, str],
+    culprits: list[int],
+    reason: str,
+    host: str,
+    idle: float,
+    where: Path,
+    flight: str = "",
 ) -> str:
+    """The one line that names the rank holding the others up; `flight`: what the flight records say."""
+
     def state(r: int) -> str:
         p = ranks[r]
         doing = "training" if p["section"] == "step" else p["section"]
         return f"{doing} after step {p['step']}, {p['entered']} collectives entered"
 
+    records = f"; flight records: {flight}" if flight else ""
     if culprits:
         r = culprits[0]
         what = {
             "silent": f"did not answer the request for its stack{_silent_why(ranks[r].get('pid'))}",
             "working": f"is not waiting for its peers: {_top(stacks.get(r, ''))}",
             "behind": f"is behind the others: {_top(stacks.get(r, ''))}",
+            "flight": f"holds up the others by the flight records: {_top(stacks.get(r, ''))}",
         }[reason]
         others = [o for o in ranks if o not in culprits]
         waiting = ""
@@ -96,11 +109,11 @@ def hang_line(
             who = f"rank{'s' if many else ''} {', '.join(map(str, others))} wait{'' if many else 's'}"
             waiting = f"; {who} at {_top(stacks.get(o, ''))} ({state(o)})"
         names = ", ".join(map(str, culprits))
-        return f"hang: rank {names} on {host} {what} ({state(r)}), no progress for {idle:.0f}s{waiting}; stacks in {where}"
+        return f"hang: rank {names} on {host} {what} ({state(r)}), no progress for {idle:.0f}s{waiting}{records}; stacks in {where}"
     r = min(ranks)
     return (
         f"hang: every rank on {host} waits for a peer ({state(r)}; at {_top(stacks.get(r, ''))}), no progress for {idle:.0f}s: "
-        f"the rank holding them up is on another node; stacks in {where}"
+        f"the rank holding them up is on another node{records}; stacks in {where}"
     )
 
 
@@ -186,13 +199,10 @@ def py_spy(pid: int) -> str:
 # NCCL's flight recorder (torch's ProcessGroupNCCL): the last collectives of each rank, with their
 # sequence numbers and state. With TORCH_NCCL_DEBUG_INFO_PIPE_FILE set, its monitor thread (not the
 # training thread, which may be stuck) makes a named pipe <stem><rank>.pipe and dumps the record to
-# <TORCH_NCCL_DEBUG_INFO_TEMP_FILE><rank> when anything is written into it. gloo ignores all of this.
+# <TORCH_NCCL_DEBUG_INFO_TEMP_FILE><rank> when anything is written into it. On gloo (torch >= 2.13) a
+# thread of our worker answers on the same pipe (train/process/flight_dump.py).
 PIPE_STEM = "nccl_pipe_"
 TRACE_STEM = "nccl_flight_record_rank_"
-
-
-DUMP_VARS = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # torch 2.13 reads the first set; 2.6 the second
-PIPE_VAR = "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"
 
 
 def prepare_flight_recorder(progress_folder: Path, run_dir: Path) -> None:

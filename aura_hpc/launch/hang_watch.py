@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.config import RunConfig
+from aura_hpc.launch import flight_records
 from aura_hpc.launch.hang_board import HangBoard, Verdict
 from aura_hpc.launch.hang_evidence import (
     ask_flight_recorders,
@@ -243,12 +244,16 @@ class HangWatch:
         logs = {r: self.cfg.run_dir / "logs" / f"rank_{r}.log" for r in ranks}
         offsets = {r: log_size(logs[r]) for r in ranks}
         asked_at = time.time()
-        nccl = ask_flight_recorders(sorted(ranks))
+        # A stopped process's threads are stopped too: its record is not asked for (nor waited for).
+        flight = ask_flight_recorders(sorted(r for r, p in ranks.items() if process_state(p["pid"])[0] not in ("T", "t")))
         for p in ranks.values():
             _signal(p["pid"], progress.STACK_SIGNAL)
         stacks = wait_for_stacks(logs, offsets, ANSWER_WAIT_S)
-        # torch allows its own dump 15 s; the monitor thread reads the pipe once a second.
-        records = keep_flight_records(nccl, where, asked_at + FLIGHT_RECORD_WAIT_S) if nccl else []
+        # torch allows its own dump 15 s; the monitor thread reads the pipe once a second. A rank that did not
+        # answer for its stack (stuck in the kernel) will not dump its record either.
+        flight = {r: before for r, before in flight.items() if r in stacks}
+        records = keep_flight_records(flight, where, asked_at + FLIGHT_RECORD_WAIT_S) if flight else []
+        stuck = flight_records.judge(flight_records.read_kept(where, records), sorted(ranks)) if records else None
         natives = py_spies({r: p["pid"] for r, p in ranks.items()})
         for r, p in ranks.items():
             state, wchan = process_state(p["pid"])
@@ -256,9 +261,11 @@ class HangWatch:
             native = natives.get(r, "")
             (where / f"rank{r}.txt").write_text(text + (f"\n--- py-spy dump --native ---\n{native}" if native else ""), encoding="utf-8")
         culprits, reason = name_culprits(ranks, stacks)
+        if not culprits and stuck is not None and stuck.culprits:
+            culprits, reason = stuck.culprits, "flight"  # every stack waits; the records tell which rank's device is stuck
         host = node_name()
         idle = now - max(p["beat"] for p in ranks.values())
-        line = hang_line(ranks, stacks, culprits, reason, host, idle, where)
+        line = hang_line(ranks, stacks, culprits, reason, host, idle, where, stuck.line if stuck else "")
         record = {
             "declared_at": now,
             "host": host,
@@ -268,6 +275,7 @@ class HangWatch:
             "timeouts": {p["section"]: self.timeout(p["section"]) for p in ranks.values()},
             "calibration": self.calibration,
             "nccl_flight_records": records,  # torch's analyzer reads them: python -m torch.distributed.flight_recorder.fr_trace
+            "flight_recorder": stuck.as_dict() if stuck else None,
         }
         (where / "hang.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
         (self.cfg.run_dir / "hangs" / "last.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")

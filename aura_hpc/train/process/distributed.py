@@ -26,6 +26,7 @@ import torch.distributed as dist
 from aura_hpc.comm import collectives, stores
 from aura_hpc.errors import EXIT_TRAIN_FAILED, LaunchError
 from aura_hpc.ops.network import resolve, route_to
+from aura_hpc.train.process import flight_dump
 from aura_hpc.train.process.dist_env import DistEnv
 
 log = logging.getLogger("aura_hpc")
@@ -209,6 +210,8 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, init_ti
             )
     if not failed:
         collectives.set_world(device)
+        if wanted == "gloo":
+            flight_dump.serve(env.rank)
         return wanted
     first = failed[0]
     if backend == "nccl":
@@ -228,6 +231,7 @@ def _gloo(store: Any, env: DistEnv, device: torch.device, timeout: timedelta) ->
     """gloo, on this rank's device: gloo carries CUDA tensors too (through host memory)."""
     dist.init_process_group("gloo", store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     collectives.set_world(device)
+    flight_dump.serve(env.rank)
     return "gloo"
 
 
