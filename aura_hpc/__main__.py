@@ -1,5 +1,4 @@
-import sys
-
 from aura_hpc.cli import main
+from aura_hpc.errors import exit_process
 
-sys.exit(main())
+exit_process(main())

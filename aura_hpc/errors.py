@@ -5,7 +5,9 @@ The statuses are what README.md documents for `local` (and what a Slurm job's ex
 
 from __future__ import annotations
 
+import contextlib
 import unicodedata
+from typing import NoReturn
 
 EXIT_OK = 0
 EXIT_TRAIN_FAILED = 1  # a process crashed or was killed, or training failed after it started
@@ -91,3 +93,24 @@ class TrainingFailed(AuraError):
     def __init__(self, message: str, exit_code: int = EXIT_TRAIN_FAILED) -> None:
         super().__init__(message)  # made one line by AuraError
         self.exit_code = exit_code
+
+
+def exit_process(status: int) -> NoReturn:
+    """End the process with `status` once its own work is done. The exit handlers run and the streams are
+    flushed as on a normal exit, but the interpreter does not then tear torch's modules down one by one:
+    0.5 s of CPU per process with torch loaded, 0.8 s with its compiler (which DDP imports), measured here;
+    a `local` run waits for its workers' and then its own. Where a thread that is not a daemon still runs,
+    the normal exit (which waits for it) is taken."""
+    import atexit
+    import os
+    import sys
+    import threading
+
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if "torch" not in sys.modules or others:
+        sys.exit(status)
+    atexit._run_exitfuncs()  # logging's shutdown (it flushes and closes every handler) among them
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(status)

@@ -1,5 +1,7 @@
-import sys
-
+from aura_hpc.errors import exit_process
+from aura_hpc.train.checkpoint import background
 from aura_hpc.train.worker import main
 
-sys.exit(main())
+status = main()
+background.close()
+exit_process(status)

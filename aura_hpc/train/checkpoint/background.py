@@ -40,3 +40,12 @@ def run_here(job: Callable[[], T]) -> Future[T]:
     except BaseException as exc:
         done.set_exception(exc)
     return done
+
+
+def close() -> None:
+    """Wait for the queued writes and end the thread (as a normal exit would, which joins it)."""
+    global _executor
+    with _lock:
+        executor, _executor = _executor, None
+    if executor is not None:
+        executor.shutdown(wait=True)
