@@ -72,29 +72,29 @@ def test_healthy_pair_on_this_host_with_a_shared_dir(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".aura-check/*")), "the shared-dir probe files are cleaned up"
 
 
-def test_nothing_listening_is_reported_with_the_fix() -> None:
+def test_nothing_listening_a_node_that_never_joins_and_a_duplicate_node_rank_are_each_named_with_the_fix() -> None:
+    """The start-up mistakes on one host, started together (each waits out its timeout): node 1 with
+    nothing listening at the master; node 0 whose node 1 never joins; and the usual mistake of three
+    machines with "1" typed twice instead of 1 and 2. Node 0 waits for rank 2 until its timeout, so both
+    "rank 1"s meet it whatever order they arrive in (with two nodes, one duplicate may finish the whole
+    check before the other arrives)."""
     t0 = time.perf_counter()
-    code, _, err = _finish(_check(["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]))
+    alone = _check(["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())])
+    never = _check(["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port())])
+    base = ["--nnodes", "3", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    three = [_check([*base, "--node-rank", r]) for r in ("0", "1", "1")]
+
+    code, _, err = _finish(alone)
     assert code == 1
     assert "reach master: connection refused" in err and "fix:" in err and "start `check --node-rank 0`" in err
     assert time.perf_counter() - t0 < 2 * TIMEOUT + 30  # it gives up at its timeout: no hang (a busy machine starts slowly)
 
-
-def test_a_node_that_never_joins_is_named() -> None:
-    code, _, err = _finish(_check(["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]))
+    code, _, err = _finish(never)
     assert code == 1
     assert "node rank(s) 1 never joined" in err and "fix:" in err
     assert "this machine's own firewall may drop port" in err  # node 0 is told to look at itself too
 
-
-def test_duplicate_node_rank_is_reported() -> None:
-    # The usual mistake: three machines, and "1" typed twice instead of 1 and 2. Node 0 waits for
-    # rank 2 until its timeout, so both "rank 1"s meet it whatever order they arrive in (with two
-    # nodes, one duplicate may finish the whole check before the other arrives).
-    port = str(free_port())
-    base = ["--nnodes", "3", "--master-addr", "127.0.0.1", "--master-port", port]
-    procs = [_check([*base, "--node-rank", r]) for r in ("0", "1", "1")]
-    results = [_finish(p) for p in procs]
+    results = [_finish(p) for p in three]
     shown = [(code, err[-600:]) for code, _, err in results]
     dup = [r for r in results if "another machine already joined as --node-rank 1" in r[2]]
     assert len(dup) == 1 and dup[0][0] == 1 and "fix:" in dup[0][2], shown
@@ -125,19 +125,16 @@ def test_healthy_pair_across_two_network_namespaces(two_hosts: tuple[str, str]) 
         assert {n["interface"] for n in report["nodes"]} == {f"va{two_hosts[0][-6:]}", f"vb{two_hosts[0][-6:]}"}
 
 
-def test_wrong_master_ip_across_namespaces(two_hosts: tuple[str, str]) -> None:
+def test_a_wrong_master_address_and_a_master_not_started_across_namespaces(two_hosts: tuple[str, str]) -> None:
+    """From the second machine, started together: an address nobody has, then the first machine's address
+    with nothing started there."""
     t0 = time.perf_counter()
-    code, _, err = _finish(
-        _check(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.77.1.99", "--master-port", str(free_port())], two_hosts[1])
-    )
+    nobody = _check(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.77.1.99", "--master-port", str(free_port())], two_hosts[1])
+    idle = _check(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.77.1.1", "--master-port", str(free_port())], two_hosts[1])
+    code, _, err = _finish(nobody)
     assert code == 1 and "reach master:" in err and ("no answer" in err or "no route" in err) and "fix:" in err, err
     assert time.perf_counter() - t0 < 2 * TIMEOUT + 30  # it gives up at its timeout: no hang
-
-
-def test_master_not_started_across_namespaces(two_hosts: tuple[str, str]) -> None:
-    code, _, err = _finish(
-        _check(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.77.1.1", "--master-port", str(free_port())], two_hosts[1])
-    )
+    code, _, err = _finish(idle)
     assert code == 1 and "connection refused" in err and "open TCP port" in err, err
 
 

@@ -460,14 +460,15 @@ def test_a_stopped_rank_of_a_two_node_job_is_named_by_its_nodes_watchdog_and_the
     slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path
 ) -> None:
     """Rank 1 (node 2) stops after step 12 of a 2-node job: the watchdog beside that node's task names it
-    within a minute of its last step (default settings), keeps the stacks in the shared run directory,
+    within 40 s of its last step (a 10 s floor: the defaults' 30 s, named within a minute, are the single-node
+    test's in test_faults.py; the watchdog is the same), keeps the stacks in the shared run directory,
     requeues the job and kills the node's ranks; the requeued job resumes from step 10 and ends with the
     bits of the same job never stopped (beside it)."""
     out = tmp_path / "runs"
     common = [*TINY, "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=20"]
     common += ["--set", "train.checkpoint_every=5"]
     straight = run_cli(["submit", *common, "--run-name", "straight"])
-    hung = run_cli(["submit", *common, "--run-name", "hung"], AURA_FAULT_STOP="1:12")
+    hung = run_cli(["submit", *common, "--run-name", "hung", "--set", "health.hang_step_floor_s=10"], AURA_FAULT_STOP="1:12")
     assert straight.returncode == 0 and hung.returncode == 0, straight.stderr + hung.stderr
     job, run_dir = _job_id(out / "hung"), out / "hung"
     _wait_gone(job, timeout=420)
@@ -476,7 +477,7 @@ def test_a_stopped_rank_of_a_two_node_job_is_named_by_its_nodes_watchdog_and_the
     log0 = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
     stopped_at = float(re.search(r"SIGSTOP rank 1 after step 12 at ([\d.]+)", log1).group(1))
     [record] = [json.loads(p.read_text()) for p in (run_dir / "hangs").glob("*/hang.json") if json.loads(p.read_text())["culprits"]]
-    assert record["culprits"] == [1] and record["declared_at"] - stopped_at <= 60, record
+    assert record["culprits"] == [1] and record["declared_at"] - stopped_at <= 40, record
     # Named by Slurm's node name: the test cluster's two slurmd share one host (and /dev/shm), and each
     # node's watchdog watches its own ranks only (node 1 saw its rank 0 wait for a peer).
     assert re.fullmatch(r"n\d+", record["host"]) and set(record["ranks"]) == {"1"}, record
@@ -492,7 +493,7 @@ def test_a_stopped_rank_of_a_two_node_job_is_named_by_its_nodes_watchdog_and_the
     ]
     assert "resumed from checkpoint step_00000010 at step 10" in log0, log0[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["finished"] and summary["goodput"]["seconds"]["hangs"] >= 25, summary["goodput"]
+    assert summary["finished"] and summary["goodput"]["seconds"]["hangs"] >= 8, summary["goodput"]  # the 10 s floor, less the step in flight
     assert abs(summary["goodput"]["seconds"]["other"]) <= 0.02 * summary["goodput"]["wall_s"], summary["goodput"]
     _ends_equal_to_the_straight_run(run_dir, out, "hang requeue")
 
