@@ -109,8 +109,14 @@ def exit_process(status: int) -> NoReturn:
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
     if "torch" not in sys.modules or others:
         sys.exit(status)
+    with contextlib.suppress(SystemExit):
+        sys.exit(status)  # what wraps sys.exit learns the status (wandb's exit hook reports it to its run)
     atexit._run_exitfuncs()  # logging's shutdown (it flushes and closes every handler) among them
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)  # C's buffered output (a native library's printf), which os._exit does not flush
     os._exit(status)

@@ -325,15 +325,21 @@ def test_a_flight_record_is_read_as_plain_values_only(tmp_path: Path) -> None:
     assert flight_records.load(tmp_path / "evil") is None and not ran.exists()
     assert flight_records.load(tmp_path / "cut") is None and flight_records.load(tmp_path / "absent") is None
 
-    def nccl(seq_done: int) -> dict[str, Any]:
-        entry = {"pg_id": 0, "collective_seq_id": 7, "profiling_name": "nccl:all_reduce", "frames": []}
-        return {
-            "entries": [entry],
-            "pg_status": {"0": {"last_enqueued_collective": 7, "last_started_collective": 7, "last_completed_collective": seq_done}},
-        }
+    def nccl(seq_done: int, pg_id: int = 0, save: bool = False) -> dict[str, Any]:
+        """A record shaped as NCCL writes it: its group ids are per process (here `pg_id`), the names shared."""
+        entry = {"pg_id": pg_id, "process_group": ("0", "default_pg"), "collective_seq_id": 7, "profiling_name": "nccl:all_reduce"}
+        done = {"last_enqueued_collective": 7, "last_started_collective": 7, "last_completed_collective": seq_done}
+        status, entries = {str(pg_id): done}, [entry]
+        if save:  # the save group ("5"), whose first collective this rank entered
+            entries.append({"pg_id": 9, "process_group": ("5", "checkpoint-io"), "collective_seq_id": 1, "profiling_name": "nccl:barrier"})
+            status["9"] = {"last_enqueued_collective": 1, "last_started_collective": 1, "last_completed_collective": 0}
+        return {"entries": entries, "pg_status": status, "pg_config": {"5": {"name": "5", "desc": "checkpoint-io", "ranks": "[0, 1, 2]"}}}
 
-    (tmp_path / "r2").write_bytes(pickle.dumps(nccl(7)))
+    (tmp_path / "r2").write_bytes(pickle.dumps(nccl(7, pg_id=3)))
     records = {0: nccl(7), 1: nccl(6), 2: flight_records.load(tmp_path / "r2") or {}}
     stuck = flight_records.judge(records, [0, 1, 2])
     assert stuck is not None and stuck.culprits == [1]
     assert stuck.line == "rank 1 entered nccl:all_reduce #7 of group 0 and never finished it (the others did)"
+    # Rank 2 never entered the save group's first collective: it has no status for that group at all.
+    stuck = flight_records.judge({0: nccl(7, save=True), 1: nccl(7, save=True), 2: nccl(7)}, [0, 1, 2])
+    assert stuck is not None and stuck.culprits == [2] and stuck.line.startswith("rank 2 never entered nccl:barrier #1 of group 5"), stuck

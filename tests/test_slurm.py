@@ -493,7 +493,9 @@ def test_a_stopped_rank_of_a_two_node_job_is_named_by_its_nodes_watchdog_and_the
     ]
     assert "resumed from checkpoint step_00000010 at step 10" in log0, log0[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["finished"] and summary["goodput"]["seconds"]["hangs"] >= 8, summary["goodput"]  # the 10 s floor, less the step in flight
+    assert summary["finished"] and summary["goodput"]["seconds"]["hangs"] >= 8, summary[
+        "goodput"
+    ]  # the 10 s floor, less the step in flight
     assert abs(summary["goodput"]["seconds"]["other"]) <= 0.02 * summary["goodput"]["wall_s"], summary["goodput"]
     _ends_equal_to_the_straight_run(run_dir, out, "hang requeue")
 

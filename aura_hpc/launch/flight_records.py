@@ -55,21 +55,41 @@ def _int(value: Any, default: int = -1) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
+def _group_names(record: dict[str, Any]) -> dict[str, str]:
+    """This rank's group ids (a per-process counter: a rank outside a group never makes it, so the same
+    group has other ids on other ranks) to the groups' names, which every rank shares."""
+    names: dict[str, str] = {}
+    for e in _entries(record):
+        pg = e.get("process_group")
+        if isinstance(pg, (list, tuple)) and pg and isinstance(pg[0], str):
+            names.setdefault(str(e.get("pg_id")), pg[0])
+    return names
+
+
+def _default_group(record: dict[str, Any]) -> str | None:
+    for e in _entries(record):
+        pg = e.get("process_group")
+        if isinstance(pg, (list, tuple)) and len(pg) > 1 and pg[1] == "default_pg" and isinstance(pg[0], str):
+            return pg[0]
+    return None
+
+
 def _status(record: dict[str, Any]) -> dict[str, dict[str, int]]:
-    """Per group id: the last collective enqueued, started and completed (from the entries when the
+    """Per group name: the last collective enqueued, started and completed (from the entries when the
     record has no pg_status, as older releases write)."""
+    names = _group_names(record)
     status = record.get("pg_status")
     out: dict[str, dict[str, int]] = {}
     if isinstance(status, dict):
         for pg, s in status.items():
-            if isinstance(s, dict):
-                out[str(pg)] = {k: _int(s.get(f"last_{k}_collective")) for k in ("enqueued", "started", "completed")}
+            if isinstance(s, dict) and str(pg) in names:
+                out[names[str(pg)]] = {k: _int(s.get(f"last_{k}_collective")) for k in ("enqueued", "started", "completed")}
         if out:
             return out
     for e in _entries(record):
-        if e.get("is_p2p"):
+        if e.get("is_p2p") or str(e.get("pg_id")) not in names:
             continue
-        s = out.setdefault(str(e.get("pg_id")), {"enqueued": -1, "started": -1, "completed": -1})
+        s = out.setdefault(names[str(e.get("pg_id"))], {"enqueued": -1, "started": -1, "completed": -1})
         seq = _int(e.get("collective_seq_id"))
         s["enqueued"] = max(s["enqueued"], seq)
         if e.get("state") in ("started", "completed"):
@@ -79,14 +99,32 @@ def _status(record: dict[str, Any]) -> dict[str, dict[str, int]]:
     return out
 
 
+def _members(records: dict[int, dict[str, Any]], group: str) -> set[int] | None:
+    """The ranks of a group where a record says (NCCL's pg_config lists them; gloo's does not); else None."""
+    for record in records.values():
+        config = record.get("pg_config")
+        entry = config.get(group) if isinstance(config, dict) else None
+        ranks = entry.get("ranks") if isinstance(entry, dict) else None
+        if isinstance(ranks, str):
+            try:
+                parsed = [int(x) for x in ranks.strip("[] ").split(",") if x.strip()]
+            except ValueError:
+                continue
+            if parsed:
+                return set(parsed)
+    return None
+
+
 def _entries(record: dict[str, Any]) -> list[dict[str, Any]]:
     return [e for e in record.get("entries", []) if isinstance(e, dict)]
 
 
-def _entry(records: dict[int, dict[str, Any]], pg: str, seq: int) -> dict[str, Any] | None:
+def _entry(records: dict[int, dict[str, Any]], group: str, seq: int) -> dict[str, Any] | None:
     for record in records.values():
         for e in _entries(record):
-            if str(e.get("pg_id")) == pg and _int(e.get("collective_seq_id")) == seq and not e.get("is_p2p"):
+            pg = e.get("process_group")
+            named = isinstance(pg, (list, tuple)) and bool(pg) and pg[0] == group
+            if named and _int(e.get("collective_seq_id")) == seq and not e.get("is_p2p"):
                 return e
     return None
 
@@ -111,10 +149,15 @@ def judge(records: dict[int, dict[str, Any]], asked: list[int]) -> Stuck | None:
     wait in, else ranks that entered it and never finished it. `asked`: every rank whose record was asked
     for (one without a record is named as such, never as a culprit by itself)."""
     status = {r: _status(rec) for r, rec in records.items()}
-    groups = sorted({pg for s in status.values() for pg in s}, key=lambda g: (g != "0", g))
+    default = next((d for rec in records.values() if (d := _default_group(rec)) is not None), None)
+    groups = sorted({pg for s in status.values() for pg in s}, key=lambda g: (g != default, g))
     silent = sorted(set(asked) - set(records))
+    never = {"enqueued": -1, "started": -1, "completed": -1}
     for pg in groups:
-        have = {r: s[pg] for r, s in status.items() if pg in s}
+        # A group appears in a rank's status only once that rank entered its first collective: a member that
+        # never did (the culprit at a group's first use) is counted at -1, where membership is known.
+        members = set(records) if pg == default else (_members(records, pg) or set()) & set(records)
+        have = {r: s.get(pg, never) for r, s in status.items() if pg in s or r in members}
         top = max(s["enqueued"] for s in have.values())
         if top < 0:
             continue

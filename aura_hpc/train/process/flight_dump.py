@@ -54,14 +54,16 @@ def serve(rank: int) -> bool:
             try:
                 if not os.read(requests, 64):
                     return
+            except OSError:
+                return
+            try:
                 data = dump()
                 # Whole or absent: the watchdog copies it as soon as it changes.
                 tmp = out.with_name(f".{out.name}.tmp")
                 tmp.write_bytes(data)
                 os.replace(tmp, out)
-            except Exception as exc:
+            except Exception as exc:  # a full disk, say: the next hang asks again
                 log.warning("the flight record of rank %d could not be written (%s)", rank, exc)
-                return
 
     threading.Thread(target=answer, name="aura-flight-record", daemon=True).start()
     _serving = True
