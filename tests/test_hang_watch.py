@@ -230,7 +230,7 @@ def test_the_watchdog_asks_each_ranks_flight_recorder_through_its_pipe_and_keeps
         t0 = time.monotonic()
         asked = ask_flight_recorders([0, 1, 2, 3])
         assert list(asked) == [0] and time.monotonic() - t0 < 1, "a pipe nobody reads must not block the watchdog"
-        assert keep_flight_records(asked, where, time.time() + 10) == ["nccl_flight_record_rank0"]
+        assert keep_flight_records(asked, where, time.time() + 10) == {0: "nccl_flight_record_rank0"}
         assert (where / "nccl_flight_record_rank0").read_bytes() == b"record of rank 0 ends."  # whole, not half
     finally:
         monitor.kill()
@@ -287,7 +287,7 @@ def test_gloo_ranks_dump_their_flight_records_on_request_and_the_one_that_never_
         asked = ask_flight_recorders([0, 1])
         assert sorted(asked) == [0, 1]
         kept = keep_flight_records(asked, where, time.time() + 20)
-        assert kept == ["nccl_flight_record_rank0", "nccl_flight_record_rank1"]
+        assert kept == {0: "nccl_flight_record_rank0", 1: "nccl_flight_record_rank1"}
         records = flight_records.read_kept(where, kept)
         stuck = flight_records.judge(records, [0, 1])
         assert stuck is not None and stuck.culprits == [1] and (stuck.op, stuck.seq) == ("gloo:all_reduce", 4), stuck

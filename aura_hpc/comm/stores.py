@@ -86,8 +86,9 @@ def _libuv_takes_a_listen_fd() -> bool:
     legacy backend does (the libuv one raises NotImplementedError)."""
     import torch
 
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    return (major, minor) >= (2, 8)
+    from aura_hpc.config.device import release
+
+    return release(torch.__version__) >= (2, 8)
 
 
 def client(addr: str, port: int, timeout: timedelta, give_up_s: float | None = None) -> Any:

@@ -8,11 +8,16 @@ from aura_hpc.config.tree import RunConfig
 from aura_hpc.errors import ConfigError
 
 
+def release(torch_version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string ("2.13.0+cpu", "2.8.0a0+git1234" alike)."""
+    major, minor = (int(x) for x in re.findall(r"\d+", torch_version)[:2])
+    return major, minor
+
+
 def fsdp_on_cpu(torch_version: str) -> None:
     """torch 2.6's FSDP2 fails at the first forward on CPU: it records events on the CPU's stream,
     which has none before 2.7 (torch.cpu.Stream.record_event)."""
-    major, minor = (int(x) for x in re.findall(r"\d+", torch_version)[:2])
-    if (major, minor) < (2, 7):
+    if release(torch_version) < (2, 7):
         raise ConfigError(
             f"dist.strategy=fsdp on CPU needs torch 2.7 or newer, this is torch {torch_version} (its FSDP2 records stream "
             "events a CPU stream does not have) (fix: --set dist.strategy=ddp or zero2, or a newer torch)"

@@ -186,11 +186,6 @@ def _no_record(silent: list[int]) -> str:
     return f"; {_ranks(silent)} gave no record" if silent else ""
 
 
-def read_kept(where: Path, kept: list[str]) -> dict[int, dict[str, Any]]:
-    """The records copied into a hang's folder, by rank."""
-    out: dict[int, dict[str, Any]] = {}
-    for name in kept:
-        suffix = name.rsplit("rank", 1)[-1]
-        if suffix.isdigit() and (record := load(where / name)) is not None:
-            out[int(suffix)] = record
-    return out
+def read_kept(where: Path, kept: dict[int, str]) -> dict[int, dict[str, Any]]:
+    """The records copied into a hang's folder (file names by rank), read back by rank."""
+    return {r: record for r, name in kept.items() if (record := load(where / name)) is not None}

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aura_hpc.config.device import release
 from aura_hpc.train.process.flight_dump import DUMP_VARS, PIPE_VAR
 
 STACK_HEADER = "(most recent call first):"
@@ -215,7 +216,7 @@ def prepare_flight_recorder(progress_folder: Path, run_dir: Path) -> None:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     os.environ.setdefault(PIPE_VAR, str(progress_folder / PIPE_STEM))
     prefix = next((os.environ[v] for v in DUMP_VARS if os.environ.get(v)), str(run_dir / "logs" / TRACE_STEM))
-    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+    if release(torch.__version__) >= (2, 13):
         os.environ["TORCH_FR_DUMP_TEMP_FILE"] = prefix
         return
     if not os.environ.get("TORCH_FR_BUFFER_SIZE"):
@@ -261,11 +262,11 @@ def _identity(path: Path) -> tuple[int, int, int]:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def keep_flight_records(asked: dict[int, tuple[int, int, int]], where: Path, deadline: float) -> list[str]:
+def keep_flight_records(asked: dict[int, tuple[int, int, int]], where: Path, deadline: float) -> dict[int, str]:
     """Copy each asked rank's new dump into the hang's folder once it is whole (a pickle ends in b"."; torch
-    writes it in place, not atomically); the names kept. A rank whose dump never comes is left out."""
+    writes it in place, not atomically); the names kept, by rank. A rank whose dump never comes is left out."""
     _, prefix = _paths()
-    kept: list[str] = []
+    kept: dict[int, str] = {}
     pending = dict(asked)
     while pending and time.time() < deadline:
         for r, before in list(pending.items()):
@@ -280,11 +281,11 @@ def keep_flight_records(asked: dict[int, tuple[int, int, int]], where: Path, dea
                 continue
             if len(data) != _identity(dump)[1] or not data.endswith(b"."):
                 continue  # still being written
-            (where / f"nccl_flight_record_rank{r}").write_bytes(data)
-            kept.append(f"nccl_flight_record_rank{r}")
+            kept[r] = f"nccl_flight_record_rank{r}"
+            (where / kept[r]).write_bytes(data)
             del pending[r]
         time.sleep(0.2)
-    return sorted(kept)
+    return dict(sorted(kept.items()))
 
 
 def remove_pipes(progress_folder: Path) -> None:

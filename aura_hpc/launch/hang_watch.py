@@ -252,7 +252,7 @@ class HangWatch:
         # torch allows its own dump 15 s; the monitor thread reads the pipe once a second. A rank that did not
         # answer for its stack (stuck in the kernel) will not dump its record either.
         flight = {r: before for r, before in flight.items() if r in stacks}
-        records = keep_flight_records(flight, where, asked_at + FLIGHT_RECORD_WAIT_S) if flight else []
+        records = keep_flight_records(flight, where, asked_at + FLIGHT_RECORD_WAIT_S) if flight else {}
         stuck = flight_records.judge(flight_records.read_kept(where, records), sorted(ranks)) if records else None
         natives = py_spies({r: p["pid"] for r, p in ranks.items()})
         for r, p in ranks.items():
@@ -274,7 +274,8 @@ class HangWatch:
             "ranks": ranks,
             "timeouts": {p["section"]: self.timeout(p["section"]) for p in ranks.values()},
             "calibration": self.calibration,
-            "nccl_flight_records": records,  # torch's analyzer reads them: python -m torch.distributed.flight_recorder.fr_trace
+            # torch's analyzer reads them: python -m torch.distributed.flight_recorder.fr_trace
+            "nccl_flight_records": list(records.values()),
             "flight_recorder": stuck.as_dict() if stuck else None,
         }
         (where / "hang.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
