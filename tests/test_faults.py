@@ -226,6 +226,9 @@ def test_a_rank_stopped_on_another_node_is_named_on_both_and_both_nodes_restart_
         assert "hang: rank 1 on " in line and "did not answer" in line and "training after step 12" in line, (node, line)
         assert "restarting the workers on every node" in out.stdout, out.stdout[-2000:]
     assert "named by node 1" in next(x for x in node0.stderr.splitlines() if "hang: " in x)
+    # Node 0's rank only waited: its stack was taken before node 1's kill broke its connection.
+    [waited] = [f.read_text() for f in (run0 / "hangs").glob("*/rank0.txt")]
+    assert "most recent call first" in waited and "aura_hpc/train/worker.py" in waited, waited
     record = json.loads((tmp_path / "m1" / "lan" / "hangs" / "last.json").read_text())
     assert record["culprits"] == [1] and record["declared_at"] - stopped_at <= 40
     assert "resumed from checkpoint step_00000010 at step 10" in node0.stdout, node0.stdout[-3000:]

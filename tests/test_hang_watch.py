@@ -1,6 +1,7 @@
 """The hang watchdog's judgement (launch/hang_watch.py) and the progress page it reads
-(train/process/progress.py), without processes: timeouts, calibration kept across restarts, who is
-named. The whole path (a stopped rank in a real run, named, restarted, the same bits) is in
+(train/process/progress.py), without training processes: timeouts, calibration kept across restarts,
+who is named, how the nodes' watchdogs wait for each other's evidence. The whole path (a stopped rank in
+a real run, named, restarted, the same bits) is in
 test_faults.py::test_a_stopped_rank_is_named_within_a_minute_and_the_run_restarts_bit_identical."""
 
 from __future__ import annotations
@@ -343,3 +344,104 @@ def test_a_flight_record_is_read_as_plain_values_only(tmp_path: Path) -> None:
     # Rank 2 never entered the save group's first collective: it has no status for that group at all.
     stuck = flight_records.judge({0: nccl(7, save=True), 1: nccl(7, save=True), 2: nccl(7)}, [0, 1, 2])
     assert stuck is not None and stuck.culprits == [2] and stuck.line.startswith("rank 2 never entered nccl:barrier #1 of group 5"), stuck
+
+
+_WAITS = """
+import faulthandler, signal, sys, threading
+faulthandler.register(signal.SIGWINCH, file=open(sys.argv[1], "a"), all_threads=True)
+print("ready", flush=True)
+threading.Event().wait()  # a rank that only waits for its peer
+"""
+
+
+def _old_page(folder: Path, rank: int, pid: int, step: int, idle_s: float) -> None:
+    beat = time.time() - idle_s
+    progress.file_for(folder, rank).write_bytes(progress.LAYOUT.pack(pid, progress.SECTIONS.index("step"), step, 60, 1, beat, beat))
+
+
+def test_a_node_whose_ranks_only_wait_keeps_their_stacks_before_the_naming_node_kills(tmp_path: Path) -> None:
+    """Two nodes' watchdogs on one board. Node 1's rank is silent (the culprit); node 0's rank waits, and
+    node 0's own timeout is far off (1,000 s). Node 0 still takes its rank's stack as soon as it reads node
+    1's verdict, and node 1 kills only after node 0's verdict is on the board: a kill first would have ended
+    node 0's rank on a broken connection, with no stack."""
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    from aura_hpc.comm import stores
+    from aura_hpc.launch.hang_board import HangBoard
+
+    store = stores.bound_server("127.0.0.1", 0, timedelta(seconds=10), multi_tenant=True)
+    watches = [_watch(tmp_path / "n0", "health.hang_step_floor_s=1000"), _watch(tmp_path / "n1", "health.hang_step_floor_s=10")]
+    log0 = watches[0].cfg.run_dir / "logs" / "rank_0.log"
+    log0.parent.mkdir(exist_ok=True)
+    waits = subprocess.Popen([sys.executable, "-c", _WAITS, str(log0)], stdout=subprocess.PIPE, text=True)
+    silent = subprocess.Popen(["sleep", "600"])  # SIGWINCH is ignored: it never answers for its stack
+    try:
+        assert waits.stdout is not None and waits.stdout.readline().strip() == "ready"
+        for node, (w, proc) in enumerate(zip(watches, (waits, silent), strict=True)):
+            w.board, w.poll_s = HangBoard("127.0.0.1", store.port, node, 2, "the-run-secret"), 0.2
+            _old_page(w.folder, node, proc.pid, 12, idle_s=20)
+        for w in watches:
+            w.start()
+        deadline = time.monotonic() + 60
+        while not all(w.hangs for w in watches) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(w.hangs for w in watches), [w.hangs for w in watches]
+        here, named = watches[0].hangs[0], watches[1].hangs[0]
+        assert named.culprits == [1] and here.culprits == [1] and "named by node 1" in here.line, (here.line, named.line)
+        stack = (here.folder / "rank0.txt").read_text()
+        assert "most recent call first" in stack and "in wait" in stack, stack
+        [verdict0] = watches[1].board.others(0) if watches[1].board else []
+        assert verdict0.node == 0 and named.killed_at >= verdict0.declared_at, (named.killed_at, verdict0)
+        assert waits.wait(10) == -9 and silent.wait(10) == -9  # each node killed its own
+    finally:
+        for w in watches:
+            w.close()
+        for proc in (waits, silent):
+            proc.kill()
+            proc.wait()
+
+
+def test_a_slurm_node_takes_its_evidence_on_another_nodes_record_and_the_naming_node_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same on Slurm, where the nodes meet in the shared RUN_DIR/hangs/ (the requeue ends every node's
+    ranks): another node's record of this attempt with a culprit makes a node whose ranks wait declare now;
+    its own, an older attempt's or a torn record do not; the naming node waits for the other nodes' records,
+    EVIDENCE_WAIT_S at most."""
+    import json
+
+    from aura_hpc.slurm import watch as slurm_watch
+
+    cfg = load_config(None, ["health.hang_step_floor_s=1000"], output_dir=str(tmp_path), run_name="run")
+    (tmp_path / "progress").mkdir()
+    w = slurm_watch.SlurmHangWatch(cfg, tmp_path / "progress")
+    w.nodes, w.started = 3, time.time()
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+
+    def record(folder: str, host: str, culprits: list[int], at: float) -> None:
+        (cfg.run_dir / "hangs" / folder).mkdir(parents=True)
+        body = {"host": host, "line": f"hang: on {host}", "culprits": culprits, "declared_at": at}
+        (cfg.run_dir / "hangs" / folder / "hang.json").write_text(json.dumps(body))
+
+    now = time.time()
+    ranks = {0: _page("step", 12, 60, now - 20, pid=os.getpid())}
+    record("old-n2", "n2", [1], w.started - 100)  # an earlier attempt's
+    record("mine-n1", "n1", [0], now)  # this node's own
+    (cfg.run_dir / "hangs" / "torn-n3").mkdir()
+    (cfg.run_dir / "hangs" / "torn-n3" / "hang.json").write_text('{"host": "n3", "cul')
+    w.peer_hangs = w.peer_verdicts()
+    assert w.peer_hangs == [] and not w.named_elsewhere(ranks, now)
+    monkeypatch.setattr(slurm_watch, "EVIDENCE_WAIT_S", 1.5)
+    t0 = time.monotonic()
+    w._wait_for_evidence_elsewhere()  # nobody else has spoken: it gives up after EVIDENCE_WAIT_S
+    assert 1.4 <= time.monotonic() - t0 < 5
+    record("now-n2", "n2", [2], now)
+    w.peer_hangs = w.peer_verdicts()
+    assert [(v.host, v.culprits) for v in w.peer_hangs] == [("n2", [2])] and w.named_elsewhere(ranks, now)
+    assert not w.named_elsewhere({0: _page("step", 12, 60, now - 2, pid=os.getpid())}, now)  # it still moves: not waiting
+    record("now-n3", "n3", [], now)  # every other node has its record: no wait
+    t0 = time.monotonic()
+    w._wait_for_evidence_elsewhere()
+    assert time.monotonic() - t0 < 1

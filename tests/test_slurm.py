@@ -481,6 +481,9 @@ def test_a_stopped_rank_of_a_two_node_job_is_named_by_its_nodes_watchdog_and_the
     # Named by Slurm's node name: the test cluster's two slurmd share one host (and /dev/shm), and each
     # node's watchdog watches its own ranks only (node 1 saw its rank 0 wait for a peer).
     assert re.fullmatch(r"n\d+", record["host"]) and set(record["ranks"]) == {"1"}, record
+    # The other node's rank only waited; its stack was kept before the requeue ended it.
+    [waited] = [f.read_text() for f in (run_dir / "hangs").glob("*/rank0.txt")]
+    assert "most recent call first" in waited and "aura_hpc/train/worker.py" in waited, waited
     assert f"[watchdog] hang: rank 1 on {record['host']} " in log1, log1[-3000:]
     # The requeued job left that node out (the test cluster has 4 nodes for 2 jobs of 2) and ran without it.
     assert f"the requeued job leaves out {record['host']} (rank 1 hung there)" in log1, log1[-3000:]

@@ -105,6 +105,15 @@ class HangBoard:
                 return found
             time.sleep(0.5)
 
+    def wait_for_all(self, after: float, wait_s: float) -> list[Verdict]:
+        """The other nodes' verdicts, waiting up to `wait_s` for every other node's."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            found = self.others(after)
+            if len(found) >= self.nnodes - 1 or time.monotonic() > deadline:
+                return found
+            time.sleep(0.5)
+
     def note_round(self) -> None:
         """The mark node 0's launcher left in this attempt's rendezvous store (comm/stores.py: ROUND_KEY)."""
         if self.round_seen is None:

@@ -51,6 +51,9 @@ FACTOR = 5.0  # a section may take this many times the longest seen before it co
 PEER_WAIT_S = 20.0  # a node whose ranks all wait, for the node that names the culprit
 STOPPING_STALL_S = 15.0  # after a stop signal, a training rank this long without moving is hung (it would not stop)
 PEER_POLL_IDLE_S = 10.0  # the board is read while this node's ranks have not moved for this long
+# The node that names a culprit waits this long at most for the other nodes' verdicts (each takes its ranks'
+# stacks and records on reading the culprit's: ANSWER_WAIT_S + FLIGHT_RECORD_WAIT_S at worst) before it kills.
+EVIDENCE_WAIT_S = 25.0
 
 
 @dataclass
@@ -164,10 +167,10 @@ class HangWatch:
             self.last_beat = max(self.last_beat, *(p["beat"] for p in ranks.values()))
             if self.board is not None:
                 self.board.note_round()
-                if now - max(p["beat"] for p in ranks.values()) > PEER_POLL_IDLE_S:
-                    self.peer_hangs = self.board.others(self.started)
+            if now - max(p["beat"] for p in ranks.values()) > PEER_POLL_IDLE_S:
+                self.peer_hangs = self.peer_verdicts()
             asked = self.stops.poll() if self.stops is not None else None
-            if self.hung(ranks, now, stopping=asked is not None):
+            if self.hung(ranks, now, stopping=asked is not None) or self.named_elsewhere(ranks, now):
                 from aura_hpc import console
 
                 try:
@@ -190,7 +193,9 @@ class HangWatch:
         here = Verdict(self.board.node_rank, node_name(), hang.line, hang.culprits, time.time(), hang.progress_step)
         self.board.publish(here)
         if hang.culprits:
-            time.sleep(2 * self.poll_s)  # the peers read the board once a second while their ranks wait
+            # The other nodes' ranks wait for this culprit: their watchdogs take their stacks on reading this
+            # verdict and answer with their own. Killing first would end them without any (a broken connection).
+            self.board.wait_for_all(self.started, EVIDENCE_WAIT_S)
             return hang
         named = [v for v in self.board.wait_for_others(self.started, PEER_WAIT_S) if v.culprits]
         if not named:
@@ -203,6 +208,16 @@ class HangWatch:
                 record.update(line=line, culprits=v.culprits, named_by=v.as_dict())
                 path.write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
         return Hang(line, hang.folder, v.culprits, v.step, hang.last_progress)
+
+    def peer_verdicts(self) -> list[Verdict]:
+        """The other nodes' verdicts in this attempt (a LAN run's board; none on one machine)."""
+        return self.board.others(self.started) if self.board is not None else []
+
+    def named_elsewhere(self, ranks: dict[int, dict[str, Any]], now: float) -> bool:
+        """Another node named a culprit while every live rank here waits: this node's evidence is taken now,
+        whatever its own timeouts say, before that node's kill ends these ranks too."""
+        live = [p for p in ranks.values() if p["section"] != "finished" and process_alive(p["pid"])]
+        return bool(live) and now - max(p["beat"] for p in live) > PEER_POLL_IDLE_S and any(v.culprits for v in self.peer_hangs)
 
     def peer_hang(self) -> Hang | None:
         """A hang another node declared in this attempt, when this node's workers ended on the broken

@@ -9,7 +9,10 @@ health.hang_restarts; past it, the job is not requeued, and the line says why.
 
 Only the node that names a culprit acts. A node whose ranks all wait for a peer elsewhere leaves it to
 that node's watchdog (its verdict appears in the shared RUN_DIR/hangs/), and acts itself only when
-none appears within ELSEWHERE_WAIT_S (a culprit stuck outside any watchdog's view).
+none appears within ELSEWHERE_WAIT_S (a culprit stuck outside any watchdog's view). The requeue ends
+every node's ranks, so the acting node first waits (EVIDENCE_WAIT_S at most) for the other nodes'
+records: a node whose ranks wait takes their stacks as soon as it reads a culprit's record, whatever
+its own timeouts say.
 
     python -m aura_hpc.slurm.watch CONFIG PROGRESS_DIR JOB_ID RESTART_COUNT TASK_PID
 """
@@ -26,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.launch.goodput import record_hang
+from aura_hpc.launch.hang_board import Verdict
 from aura_hpc.launch.hang_evidence import remove_pipes
-from aura_hpc.launch.hang_watch import Hang, HangWatch, process_alive, read_calibration
+from aura_hpc.launch.hang_watch import EVIDENCE_WAIT_S, PEER_POLL_IDLE_S, Hang, HangWatch, process_alive, read_calibration
 from aura_hpc.ops import excluded_nodes
 from aura_hpc.slurm import exclude
 from aura_hpc.train.process.dist_env import node_name
@@ -40,10 +44,15 @@ class SlurmHangWatch(HangWatch):
     job_id: int = 0
     restarts: int = 0
 
-    def act(self, hang: Hang, ranks: dict[int, dict[str, Any]]) -> bool:
-        """Requeue (within budget) and kill this node's ranks; False when another node acts."""
-        if not hang.culprits and self._another_node_named(hang):
+    nodes: int = 1
+
+    def act(self, hang: Hang, ranks: dict[int, dict[str, Any]], alone: bool = False) -> bool:
+        """Requeue (within budget) and kill this node's ranks; False when another node acts (unless `alone`:
+        this node already left it to one that did not)."""
+        if not hang.culprits and not alone and self._another_node_named(hang):
             return False
+        if hang.culprits and self.nodes > 1:
+            self._wait_for_evidence_elsewhere()
         requeue, why = self._within_budget(hang.progress_step)
         if hang.culprits and self.cfg.health.hang_exclude_node:
             ranks_named = ", ".join(map(str, hang.culprits))
@@ -62,21 +71,35 @@ class SlurmHangWatch(HangWatch):
         self.kill(ranks)
         return True
 
+    def peer_verdicts(self) -> list[Verdict]:
+        """The other nodes' hang records of this attempt, from the shared RUN_DIR/hangs/."""
+        me, found = node_name(), []
+        for record in (self.cfg.run_dir / "hangs").glob("*/hang.json"):
+            try:
+                data = json.loads(record.read_text(encoding="utf-8"))
+                v = Verdict(-1, str(data["host"]), str(data["line"]), [int(c) for c in data["culprits"]], float(data["declared_at"]), 0)
+            except (OSError, ValueError, TypeError, KeyError):
+                continue
+            if v.host != me and v.declared_at > self.started:
+                found.append(v)
+        return sorted(found, key=lambda v: (not v.culprits, v.declared_at))
+
     def _another_node_named(self, hang: Hang) -> bool:
         """Another node's watchdog named the culprit (its record in the shared hangs/ folder)."""
         deadline = time.time() + ELSEWHERE_WAIT_S
-        me = node_name()
         while time.time() < deadline:
-            for record in (self.cfg.run_dir / "hangs").glob("*/hang.json"):
-                try:
-                    data = json.loads(record.read_text(encoding="utf-8"))
-                except (OSError, ValueError):
-                    continue
-                if data.get("host") != me and data.get("culprits") and float(data.get("declared_at", 0)) > self.started:
-                    print(f"[watchdog] {data.get('line', '')[:2000]}", flush=True)
-                    return True
+            named = [v for v in self.peer_verdicts() if v.culprits]
+            if named:
+                print(f"[watchdog] {named[0].line[:2000]}", flush=True)
+                return True
             time.sleep(1.0)
         return False
+
+    def _wait_for_evidence_elsewhere(self) -> None:
+        """Until every other node of the job has kept its ranks' stacks (its record), or EVIDENCE_WAIT_S."""
+        deadline = time.time() + EVIDENCE_WAIT_S
+        while len({v.host for v in self.peer_verdicts()}) < self.nodes - 1 and time.time() < deadline:
+            time.sleep(0.5)
 
     def _within_budget(self, step: int) -> tuple[bool, str]:
         """Hangs without progress in a row (kept in the run directory across the job's requeues)."""
@@ -104,6 +127,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(config)
     watch = SlurmHangWatch(cfg, Path(folder))
     watch.job_id, watch.restarts = int(job_id), int(restarts)
+    watch.nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
     watch.calibration = read_calibration(cfg.run_dir / "hang_calibration.json")
     watch.started = time.time()
     os.environ[progress.ENV] = folder
@@ -118,6 +142,7 @@ def main(argv: list[str]) -> int:
 
 
 def _watch(watch: SlurmHangWatch, task_pid: int) -> int:
+    left_at: tuple[float, float] | None = None  # when this node left the hang to another's (and its ranks' newest beat)
     while process_alive(task_pid):
         ranks = watch.read()
         if ranks:
@@ -125,15 +150,22 @@ def _watch(watch: SlurmHangWatch, task_pid: int) -> int:
                 watch._learn(r, p)
             if all(p["section"] == "finished" for p in ranks.values()):
                 return 0
-            if watch.hung(ranks, time.time()):
+            now, newest = time.time(), max(p["beat"] for p in ranks.values())
+            still = left_at is not None and newest <= left_at[1]  # no rank moved since
+            if still and left_at is not None and now - left_at[0] < ELSEWHERE_WAIT_S:
+                time.sleep(watch.poll_s)  # the node that named the culprit requeues the job (which ends this task)
+                continue
+            if now - newest > PEER_POLL_IDLE_S:
+                watch.peer_hangs = watch.peer_verdicts()
+            if watch.hung(ranks, now) or watch.named_elsewhere(ranks, now):
                 hang = watch.investigate(ranks)
                 print(f"[watchdog] {hang.line}", flush=True)
                 sys.stderr.write(f"error: {hang.line}\n")
-                if watch.act(hang, ranks):
+                if watch.act(hang, ranks, alone=still):
                     record_hang(watch.cfg.run_dir, f"slurm-{watch.job_id}", hang.last_progress, time.time())
                     watch.notify(hang)
                     return 0
-                watch._seen = {}
+                watch._seen, left_at = {}, (time.time(), newest)
         time.sleep(watch.poll_s)
     return 0
 
