@@ -347,9 +347,26 @@ def test_nan_burst_rolls_back_to_the_last_good_checkpoint(tmp_path: Path, prepar
 
 
 def test_nan_forever_stops_with_a_clear_error(tmp_path: Path, prepared: Path) -> None:
-    r = run_cli(_args(tmp_path, "run", prepared, extra=("--set", "train.nan_max_rollbacks=1")), AURA_FAULT_NAN="0:6:100", timeout=180)
+    """...and a failed run keeps its last rows in TensorBoard and reads as failed in the trackers (before,
+    the MLflow run of a failed attempt was never even written)."""
+    import importlib.util
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    mlflow = importlib.util.find_spec("mlflow") is not None
+    extra = ("--set", "train.nan_max_rollbacks=1", "--set", f"tracking.backends=tensorboard{',mlflow' if mlflow else ''}")
+    r = run_cli(_args(tmp_path, "run", prepared, extra=extra), AURA_FAULT_NAN="0:6:100", timeout=180)
     assert r.returncode != 0
     assert "the loss stayed non-finite after 1 rollbacks" in r.stdout and "fix: lower train.lr" in r.stdout
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [5], events.Tags()
+    if mlflow:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'run' / 'tracking' / 'mlflow.db'}")
+        [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        assert run.info.status == "FAILED", run.info
     for c in checkpoint.list_complete(tmp_path / "run" / "checkpoints"):
         from safetensors.torch import load_file
 

@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
     from aura_hpc.train.loop.trainer import Trainer
 
     trainer = Trainer(cfg, env, why_not_leave_out)
+    status = EXIT_TRAIN_FAILED
     with _process_group_cleanup():
         try:
             status = trainer.run()
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
             worker_log.to_file_only("the failed collective, in full:")
             log.error("%s", PEER_LOST.format(peer=peer, step=trainer.pos.step + 1))
             return EXIT_TRAIN_FAILED
+        finally:
+            trainer.close_outputs(failed=status != 0)
 
 
 def _exiting(code: int) -> int:

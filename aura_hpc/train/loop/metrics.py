@@ -95,12 +95,16 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.add_text(tag, text, step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Every row flushed (TensorBoard's writer may hold two minutes of them) and the trackers finished
+        (their thread, never joined otherwise, dies with the process); again later, nothing. `failed`: the
+        run ends on an error."""
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
         if self.trackers is not None:
-            self.trackers.finish()
+            self.trackers.finish(failed)
             self.trackers = None
 
 

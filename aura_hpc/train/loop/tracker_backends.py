@@ -79,8 +79,8 @@ class Trackio:
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
 
-    def finish(self) -> None:
-        self.run.finish()
+    def finish(self, failed: bool) -> None:
+        self.run.finish()  # trackio keeps no run status
 
     def last_step(self) -> int | None:
         from trackio.sqlite_storage import SQLiteStorage
@@ -119,8 +119,8 @@ class Wandb:
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
 
-    def finish(self) -> None:
-        self.run.finish()
+    def finish(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
 
     def last_step(self) -> int | None:
         return None  # an offline run's rows are in its service's files: not read back here
@@ -190,8 +190,8 @@ class Mlflow:
         metrics = [Metric(k.replace(":", "_"), v, now, step) for k, v in values.items()]
         self.client.log_batch(self.run_id, metrics=metrics)
 
-    def finish(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def finish(self, failed: bool) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
     def last_step(self) -> int | None:
         steps = [m.step for m in self.client.get_metric_history(self.run_id, "loss")]

@@ -125,11 +125,12 @@ class Trackers:
             with contextlib.suppress(queue.Full):
                 self._queue.put_nowait(("copy", None))
 
-    def finish(self) -> None:
+    def finish(self, failed: bool = False) -> None:
+        """`failed`: the run ends on an error (the trackers mark it so: a failed run must not read as finished)."""
         if self._thread is None:
             return
         with contextlib.suppress(queue.Full):
-            self._queue.put(("finish", None), timeout=5)
+            self._queue.put(("finish", failed), timeout=5)
         self._thread.join(FINISH_WAIT_S)
         if self._thread.is_alive():
             log.warning("tracking: the trackers did not finish within %.0f s (left behind; the run is saved)", FINISH_WAIT_S)
@@ -154,7 +155,7 @@ class Trackers:
                 if self.local != self.folder:
                     self._copy_out()  # first: a tracker slow to finish must not cost the run directory its copy
                 for name in list(self._live):
-                    self._call(name, "finish")
+                    self._call(name, "finish", bool(payload))
                 if self.local != self.folder:
                     self._copy_out()
                 return
