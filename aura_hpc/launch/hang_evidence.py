@@ -131,9 +131,14 @@ def process_state(pid: Any) -> tuple[str, str]:
     return state, "" if wchan in ("", "0") else wchan
 
 
+def stopped(pid: Any) -> bool:
+    """Stopped by a signal (SIGSTOP, SIGTSTP) or a debugger: all its threads are, its watchdog's helpers too."""
+    return process_state(pid)[0] in ("T", "t")
+
+
 def _silent_why(pid: Any) -> str:
     state, wchan = process_state(pid)
-    if state == "T" or state == "t":
+    if stopped(pid):
         return ": it is stopped (state T: SIGSTOP, or a debugger)"
     if state == "D":
         where = f" in {wchan}" if wchan else ""

@@ -38,6 +38,7 @@ from aura_hpc.launch.hang_evidence import (
     process_state,
     py_spies,
     remove_pipes,
+    stopped,
     wait_for_stacks,
 )
 from aura_hpc.launch.stop_signals import StopSignals
@@ -260,7 +261,7 @@ class HangWatch:
         offsets = {r: log_size(logs[r]) for r in ranks}
         asked_at = time.time()
         # A stopped process's threads are stopped too: its record is not asked for (nor waited for).
-        flight = ask_flight_recorders(sorted(r for r, p in ranks.items() if process_state(p["pid"])[0] not in ("T", "t")))
+        flight = ask_flight_recorders(sorted(r for r, p in ranks.items() if not stopped(p["pid"])))
         for p in ranks.values():
             _signal(p["pid"], progress.STACK_SIGNAL)
         stacks = wait_for_stacks(logs, offsets, ANSWER_WAIT_S)
