@@ -123,7 +123,12 @@ import os, re, sys, torch, torch.distributed as dist
 from aura_hpc.train.process.malloc_tuning import pin_thresholds
 pin_thresholds()  # as the worker does
 dist.init_process_group("gloo")
+from aura_hpc.train.process.deepspeed_import import quiet_deepspeed
+quiet_deepspeed(needed=True)  # as the worker does: DeepSpeed's autotuner does not pull in MLflow...
+import importlib.util
 import deepspeed
+# ...and MLflow, where installed, still imports afterwards (our tracker's)
+mlflow_kept = int("mlflow" not in sys.modules and (importlib.util.find_spec("mlflow") is None or bool(__import__("mlflow").__version__)))
 from aura_hpc.config import load_config
 from aura_hpc.train.model.gpt import GPT, GPTConfig
 from aura_hpc.train.process.runtime import Runtime
@@ -154,7 +159,7 @@ _place_gathered(probe, want.detach() * 2)
 with deepspeed.zero.GatheredParameters([probe]):
     fallback = torch.equal(probe, want.detach() * 2)
 if dist.get_rank() == 0:
-    print(extra, held, total, int(torch.equal(got, want) and fallback), int(probe.numel() == 0), flush=True)
+    print(mlflow_kept, extra, held, total, int(torch.equal(got, want) and fallback), int(probe.numel() == 0), flush=True)
 dist.destroy_process_group()
 # Out without the interpreter's native teardown: in about one run of four a C++ thread object of the
 # DeepSpeed/gloo pair was destroyed still joinable there ("terminate called without an active exception"),
@@ -167,7 +172,8 @@ os._exit(0)
 def test_zero3_builds_partitioned_and_no_rank_holds_the_model() -> None:
     """Two gloo ranks build a 210 MB model under ZeRO-3: each rank's resident high-water mark grows by
     its half and a module at a time, not by the model, and a gathered parameter holds the bits of
-    the model built whole from the same seed."""
+    the model built whole from the same seed. (DeepSpeed imported as the worker does: without MLflow,
+    which stays importable.)"""
     pytest.importorskip("deepspeed")
     from tests.conftest import free_port
 
@@ -179,8 +185,8 @@ def test_zero3_builds_partitioned_and_no_rank_holds_the_model() -> None:
         procs.append(subprocess.Popen([sys.executable, "-c", _ZERO3], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][1][-3000:] + outs[1][1][-3000:]
-    extra, held, total, same, empty = (int(x) for x in outs[0][0].split()[-5:])
-    assert same == 1 and empty == 1
+    mlflow_kept, extra, held, total, same, empty = (int(x) for x in outs[0][0].split()[-6:])
+    assert same == 1 and empty == 1 and mlflow_kept == 1
     assert total > 200 * 2**20 and abs(held - total / 2) < 2**20  # this rank's half, from construction on
     # Built whole first, a rank would peak at the model and its half (+315 MB) before DeepSpeed freed the
     # whole; gathered for writing, 1.2x the model (measured). Written piece by piece: 1.1-1.5x its half.
