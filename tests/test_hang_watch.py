@@ -445,3 +445,37 @@ def test_a_slurm_node_takes_its_evidence_on_another_nodes_record_and_the_naming_
     t0 = time.monotonic()
     w._wait_for_evidence_elsewhere()
     assert time.monotonic() - t0 < 1
+    # The hang budget: counted once per hang, not again by a node acting alone after the naming node did.
+    assert w._within_budget(12) == (True, "hang restart 1 of at most 2 in a row without progress")
+    assert w._within_budget(12, count=False)[0] and w._within_budget(12)[1] == "hang restart 2 of at most 2 in a row without progress"
+    assert not w._within_budget(12)[0] and not w._within_budget(12, count=False)[0]
+
+
+def test_a_verdict_of_an_earlier_attempt_does_not_stop_the_restarted_workers(tmp_path: Path) -> None:
+    """The elastic agent restarts the workers in place: node 1's verdict from before that restart stays on the
+    board, and the new workers' pages (quiet for more than 10 s in their start-up) must not be read as
+    waiting for it."""
+    import subprocess
+    from datetime import timedelta
+
+    from aura_hpc.comm import stores
+    from aura_hpc.launch.hang_board import HangBoard, Verdict
+
+    store = stores.bound_server("127.0.0.1", 0, timedelta(seconds=10), multi_tenant=True)
+    w = _watch(tmp_path, "health.hang_step_floor_s=1000")
+    old, new = subprocess.Popen(["sleep", "600"]), subprocess.Popen(["sleep", "600"])
+    try:
+        w.board, w.poll_s = HangBoard("127.0.0.1", store.port, 0, 2, "the-run-secret"), 0.2
+        _old_page(w.folder, 0, old.pid, 12, idle_s=0)
+        w.start()
+        time.sleep(0.5)
+        HangBoard("127.0.0.1", store.port, 1, 2, "the-run-secret").publish(Verdict(1, "b", "hang: rank 1 on b", [1], time.time(), 12))
+        _old_page(w.folder, 0, new.pid, 10, idle_s=20)  # the restarted worker, quiet in its start-up
+        time.sleep(3)
+        declared = list((w.cfg.run_dir / "hangs").glob("*")) if (w.cfg.run_dir / "hangs").exists() else []
+        assert declared == [] and w.hangs == [] and new.poll() is None, declared
+    finally:
+        w.close()
+        for proc in (old, new):
+            proc.kill()
+            proc.wait()

@@ -419,3 +419,29 @@ def test_a_row_with_only_an_attempts_first_step_says_so_instead_of_zero_speed(ca
     first, second = caplog.messages[-2:]
     assert "tokens/s from the next row" in first and "tokens/s 0" not in first, first
     assert second.endswith("tokens/s 11,737 step_time 0.174s"), second
+
+
+def test_closing_the_metrics_survives_a_full_disk_and_is_done_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A run that fails on a full disk closes its outputs on the way out: TensorBoard's flush failing there
+    costs a warning, never the run's own exit status and line (nor the trackers their end); closing again
+    does nothing."""
+    import errno
+    import logging
+
+    from aura_hpc.train.loop.metrics import MetricsWriter
+
+    w = MetricsWriter(tmp_path, 0, None)
+    w.write({"step": 5, "loss": 3.0, "lr": 1e-4, "tokens_per_s": 10.0})
+    tb = w._tb
+
+    def full() -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    tb.close, real_close = full, tb.close
+    with caplog.at_level(logging.WARNING, logger="aura_hpc"):
+        w.close(failed=True)
+        w.close(failed=True)
+    said = [m for m in caplog.messages if "could not be closed" in m]
+    assert said == ["TensorBoard could not be closed ([Errno 28] No space left on device)"], said
+    assert w._tb is None and w._file.closed
+    real_close()

@@ -86,7 +86,7 @@ def run_workers(plan: LocalPlan) -> int:
     from aura_hpc import console
     from aura_hpc.launch.goodput import Launch
     from aura_hpc.launch.goodput import line as goodput_line
-    from aura_hpc.launch.hang_watch import HangWatch
+    from aura_hpc.launch.hang_watch import EVIDENCE_WAIT_S, HangWatch
     from aura_hpc.launch.stop_signals import StopSignals
     from aura_hpc.train.process.time_ledger import process_started
 
@@ -131,6 +131,8 @@ def run_workers(plan: LocalPlan) -> int:
             try:
                 return _launch_once(plan, lc, stops)
             except TrainingFailed as failed:
+                if watch is not None:
+                    watch.settle(EVIDENCE_WAIT_S + 30)  # the other nodes' kill may come while this node's watchdog still waits
                 peer = watch.peer_hang() if watch is not None and len(watch.hangs) == seen else None
                 if peer is not None and launch is not None and failed.exit_code == EXIT_TRAIN_FAILED:
                     launch.hang(peer.last_progress, time.time())

@@ -53,8 +53,9 @@ PEER_WAIT_S = 20.0  # a node whose ranks all wait, for the node that names the c
 STOPPING_STALL_S = 15.0  # after a stop signal, a training rank this long without moving is hung (it would not stop)
 PEER_POLL_IDLE_S = 10.0  # the board is read while this node's ranks have not moved for this long
 # The node that names a culprit waits this long at most for the other nodes' verdicts (each takes its ranks'
-# stacks and records on reading the culprit's: ANSWER_WAIT_S + FLIGHT_RECORD_WAIT_S at worst) before it kills.
-EVIDENCE_WAIT_S = 25.0
+# stacks and records on reading the culprit's: a poll + ANSWER_WAIT_S + FLIGHT_RECORD_WAIT_S at worst; py-spy's
+# native frames come after the verdict) before it kills.
+EVIDENCE_WAIT_S = 30.0
 
 
 @dataclass
@@ -89,6 +90,8 @@ class HangWatch:
     last_beat: float = 0.0  # the newest beat read from this node's ranks
     stops: StopSignals | None = None  # the launcher's stop signals (Ctrl+C during a hang must not wait it out)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _busy: threading.Event = field(default_factory=threading.Event)  # set while a hang is handled (evidence, verdicts, kill)
+    _pids: frozenset[int] = frozenset()  # the ranks' processes this attempt
     _seen: dict[int, _Seen] = field(default_factory=dict)
     _thread: threading.Thread | None = None
 
@@ -139,7 +142,7 @@ class HangWatch:
     def start(self) -> None:
         os.environ[progress.ENV] = str(self.folder)
         prepare_flight_recorder(self.folder, self.cfg.run_dir)
-        self._seen = {}
+        self._seen, self._pids = {}, frozenset()
         self.peer_hangs, self.started = [], time.time()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="aura-hang-watch", daemon=True)
@@ -165,6 +168,11 @@ class HangWatch:
             for r, p in ranks.items():
                 self._learn(r, p)
             now = time.time()
+            pids = frozenset(p["pid"] for p in ranks.values())
+            if self._pids and pids != self._pids:
+                # New workers (the agent restarted them in place): the verdicts so far were another attempt's.
+                self.peer_hangs, self.started = [], now
+            self._pids = pids
             self.last_beat = max(self.last_beat, *(p["beat"] for p in ranks.values()))
             if self.board is not None:
                 self.board.note_round()
@@ -174,17 +182,29 @@ class HangWatch:
             if self.hung(ranks, now, stopping=asked is not None) or self.named_elsewhere(ranks, now):
                 from aura_hpc import console
 
+                self._busy.set()
                 try:
-                    hang = self.investigate(ranks)
-                except Exception as exc:  # the evidence failed (a full disk?): the run is still hung
-                    hang = Hang(f"hang: no rank of this node made progress; its evidence could not be kept ({exc})", self.folder, [], 0)
-                hang = self._agree(hang)
-                console.error(hang.line)
-                self.hangs.append(hang)
-                self.kill(ranks)
-                hang.killed_at = time.time()
-                self._seen = {}
+                    try:
+                        hang = self.investigate(ranks)
+                    except Exception as exc:  # the evidence failed (a full disk?): the run is still hung
+                        hang = Hang(f"hang: no rank of this node made progress; its evidence could not be kept ({exc})", self.folder, [], 0)
+                    hang = self._agree(hang)
+                    self.add_native_stacks(hang, ranks)
+                    console.error(hang.line)
+                    self.hangs.append(hang)
+                    self.kill(ranks)
+                    hang.killed_at = time.time()
+                    self._seen = {}
+                finally:
+                    self._busy.clear()
                 self.notify(hang)
+
+    def settle(self, wait_s: float) -> None:
+        """Until a hang being handled is handled (its verdict known, its kill done): the launcher asks before
+        it reads its workers' failure, which the other nodes' kill may cause while this node still waits."""
+        deadline = time.monotonic() + wait_s
+        while self._busy.is_set() and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def _agree(self, hang: Hang) -> Hang:
         """With other nodes: this node's verdict on the board (peers read it before anything is killed), or,
@@ -270,12 +290,10 @@ class HangWatch:
         flight = {r: before for r, before in flight.items() if r in stacks}
         records = keep_flight_records(flight, where, asked_at + FLIGHT_RECORD_WAIT_S) if flight else {}
         stuck = flight_records.judge(flight_records.read_kept(where, records), sorted(ranks)) if records else None
-        natives = py_spies({r: p["pid"] for r, p in ranks.items()})
         for r, p in ranks.items():
             state, wchan = process_state(p["pid"])
             text = stacks.get(r) or f"(no answer to the stack request; kernel state {state or '?'}{f' in {wchan}' if wchan else ''})\n"
-            native = natives.get(r, "")
-            (where / f"rank{r}.txt").write_text(text + (f"\n--- py-spy dump --native ---\n{native}" if native else ""), encoding="utf-8")
+            (where / f"rank{r}.txt").write_text(text, encoding="utf-8")
         culprits, reason = name_culprits(ranks, stacks)
         if not culprits and stuck is not None and stuck.culprits:
             culprits, reason = stuck.culprits, "flight"  # every stack waits; the records tell which rank's device is stuck
@@ -297,6 +315,15 @@ class HangWatch:
         (where / "hang.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
         (self.cfg.run_dir / "hangs" / "last.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
         return Hang(line, where, culprits, min(p["step"] for p in ranks.values()), max(p["beat"] for p in ranks.values()))
+
+    def add_native_stacks(self, hang: Hang, ranks: dict[int, dict[str, Any]]) -> None:
+        """py-spy's native frames (where installed), after each rank's file: after the verdict is out, since
+        py-spy may take 20 s and the other nodes wait for that verdict before they kill."""
+        with contextlib.suppress(OSError):
+            for r, native in py_spies({r: p["pid"] for r, p in ranks.items()}).items():
+                if native and (hang.folder / f"rank{r}.txt").is_file():
+                    with open(hang.folder / f"rank{r}.txt", "a", encoding="utf-8") as f:
+                        f.write(f"\n--- py-spy dump --native ---\n{native}")
 
     def notify(self, hang: Hang) -> None:
         """The `training.hang` event to health.webhook_url, when one is set (after the kill: a slow

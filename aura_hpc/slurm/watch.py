@@ -53,7 +53,9 @@ class SlurmHangWatch(HangWatch):
             return False
         if hang.culprits and self.nodes > 1:
             self._wait_for_evidence_elsewhere()
-        requeue, why = self._within_budget(hang.progress_step)
+        # Alone, after the node that named the culprit acted (and counted the hang) without ending this task:
+        # the same hang, not one more against the budget.
+        requeue, why = self._within_budget(hang.progress_step, count=not alone)
         if hang.culprits and self.cfg.health.hang_exclude_node:
             ranks_named = ", ".join(map(str, hang.culprits))
             excluded_nodes.record(self.cfg.run_dir, node_name(), f"rank {ranks_named} hung there")
@@ -101,19 +103,21 @@ class SlurmHangWatch(HangWatch):
         while len({v.host for v in self.peer_verdicts()}) < self.nodes - 1 and time.time() < deadline:
             time.sleep(0.5)
 
-    def _within_budget(self, step: int) -> tuple[bool, str]:
-        """Hangs without progress in a row (kept in the run directory across the job's requeues)."""
+    def _within_budget(self, step: int, count: bool = True) -> tuple[bool, str]:
+        """Hangs without progress in a row (kept in the run directory across the job's requeues); `count`:
+        this hang is one more (not one another node counted already)."""
         path = self.cfg.run_dir / "hangs" / BUDGET_FILE
         try:
             kept = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             kept = {}
         furthest, in_a_row = int(kept.get("furthest", -1)), int(kept.get("in_a_row", 0))
-        in_a_row = 1 if step > furthest else in_a_row + 1
         budget = self.cfg.health.hang_restarts
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"furthest": max(step, furthest), "in_a_row": in_a_row}), encoding="utf-8")
-        os.replace(tmp, path)
+        if count or in_a_row == 0:
+            in_a_row = 1 if step > furthest else in_a_row + 1
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({"furthest": max(step, furthest), "in_a_row": in_a_row}), encoding="utf-8")
+            os.replace(tmp, path)
         if in_a_row > budget:
             return False, f"it hung {in_a_row} times in a row without progress (health.hang_restarts={budget})"
         return True, f"hang restart {in_a_row} of at most {budget} in a row without progress"
@@ -161,6 +165,7 @@ def _watch(watch: SlurmHangWatch, task_pid: int) -> int:
                 hang = watch.investigate(ranks)
                 print(f"[watchdog] {hang.line}", flush=True)
                 sys.stderr.write(f"error: {hang.line}\n")
+                watch.add_native_stacks(hang, ranks)  # after the record: the other nodes wait for it, py-spy may take 20 s
                 if watch.act(hang, ranks, alone=still):
                     record_hang(watch.cfg.run_dir, f"slurm-{watch.job_id}", hang.last_progress, time.time())
                     watch.notify(hang)

@@ -121,7 +121,10 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
             log.error("%s", PEER_LOST.format(peer=peer, step=trainer.pos.step + 1))
             return EXIT_TRAIN_FAILED
         finally:
-            trainer.close_outputs(failed=status != 0)
+            try:
+                trainer.close_outputs(failed=status != 0)
+            except Exception as exc:  # never instead of the run's own status and line
+                log.warning("the run's outputs could not be closed (%s)", type(exc).__name__)
 
 
 def _exiting(code: int) -> int:

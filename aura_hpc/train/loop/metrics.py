@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -11,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from aura_hpc.config import RunConfig
+
+log = logging.getLogger("aura_hpc")
 
 
 class MetricsWriter:
@@ -99,13 +102,21 @@ class MetricsWriter:
         """Every row flushed (TensorBoard's writer may hold two minutes of them) and the trackers finished
         (their thread, never joined otherwise, dies with the process); again later, nothing. `failed`: the
         run ends on an error."""
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        # Each part on its own: a full disk failing TensorBoard's flush must not cost the trackers their end,
+        # nor the run its own exit status and line.
+        for part, close in (("metrics.jsonl", self._file.close), ("TensorBoard", self._tb.close if self._tb is not None else None)):
+            try:
+                if close is not None:
+                    close()
+            except Exception as exc:
+                log.warning("%s could not be closed (%s)", part, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+        self._tb = None
         if self.trackers is not None:
-            self.trackers.finish(failed)
-            self.trackers = None
+            trackers, self.trackers = self.trackers, None
+            try:
+                trackers.finish(failed)
+            except Exception as exc:
+                log.warning("tracking: the trackers could not finish (%s)", type(exc).__name__)
 
 
 @dataclass

@@ -53,6 +53,7 @@ class Trainer:
     def close_outputs(self, failed: bool) -> None:
         """Rank 0's metrics, TensorBoard and trackers, on every way out of the run (a failure's last rows
         and its status included; once closed, nothing more)."""
+        self.health.stop()  # its monitor writes resource rows: not into a closed writer
         if self.metrics is not None:
             self.metrics.close(failed)
 
