@@ -60,7 +60,8 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "selftest",
         help="prove the GPU contract on this node (no sync, no recompile, NaN skip, resume) and measure tokens/s",
-        description="For each strategy a short real run with sync debug mode 'error' in quiet steps, error_on_recompile, "
+        description="For each strategy a short real run with CUDA's sync debug mode in quiet steps (each sync counted by "
+        "site: DeepSpeed's own allowed, none of ours), error_on_recompile, "
         "a NaN on one rank, a stop and a resume; then the trainer against an independent compiled reference loop "
         "(tokens/s, MFU). How to trust a new cluster image.",
     )

@@ -89,9 +89,16 @@ def _local(args: list[str], env: dict[str, str], timeout: float) -> subprocess.C
     return subprocess.run([sys.executable, "-m", "aura_hpc", "local", *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _syncs(run: Path, rank: int) -> dict[str, int]:
+    path = run / "probes" / f"rank{rank}.json"
+    return json.loads(path.read_text()).get("syncs", {}) if path.exists() else {}
+
+
 def _last_line(r: subprocess.CompletedProcess[str]) -> str:
+    """Why a run failed: its `error:` line (the goodput line follows it), else its last line."""
     lines = [ln for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else f"exit {r.returncode}"
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    return (errors or lines)[-1][:300] if lines else f"exit {r.returncode}"
 
 
 def contract(strategy: str, data: Path, runs: Path, nproc: int, model: list[str], cpu: bool) -> Check:
@@ -144,7 +151,9 @@ def contract(strategy: str, data: Path, runs: Path, nproc: int, model: list[str]
     if problems:
         return Check(name, False, "; ".join(problems)[:300])
     compiled = f", compiled graphs {max(graphs)}, no recompilation" if max(graphs, default=0) else ""
-    how = "no host read in quiet steps (CPU probes)" if cpu else "quiet steps ran with sync debug mode 'error'"
+    theirs = sum(n for rank in range(nproc) for k, n in _syncs(runs / run_name, rank).items() if "deepspeed/" in k)
+    how = "no host read in quiet steps (CPU probes)" if cpu else "no sync of ours in quiet steps (CUDA's sync debug mode)"
+    how += f"; DeepSpeed's own: {theirs}" if theirs else ""
     return Check(name, True, f"NaN at step {NAN_STEP} skipped on every rank, stopped at {STOP_STEP} and resumed, {how}{compiled}")
 
 
