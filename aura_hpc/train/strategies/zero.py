@@ -25,7 +25,7 @@ from aura_hpc.train.model.meta_init import build_on_meta
 from aura_hpc.train.process.deepspeed_import import quiet_deepspeed
 from aura_hpc.train.process.runtime import Runtime
 from aura_hpc.train.strategies.base import ShardedCheckpoints, Wrapped
-from aura_hpc.train.strategies.zero_skip import GroupNormWatch, NonFiniteSkip
+from aura_hpc.train.strategies.zero_skip import GroupNormWatch, NonFiniteSkip, guard_bf16_step
 
 TAG = "ds"  # the one tag of each checkpoint folder
 
@@ -43,6 +43,10 @@ class ZeroWrapped(Wrapped, ShardedCheckpoints):
         inner = [getattr(zero_optimizer, "optimizer", None), getattr(zero_optimizer, "backup_optimizer", None)]
         self._groups = GroupNormWatch(zero_optimizer, device)
         self._skips = [NonFiniteSkip(o, device, zero_optimizer, self._groups) for o in inner if isinstance(o, torch.optim.Optimizer)]
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+        if isinstance(zero_optimizer, BF16_Optimizer):
+            guard_bf16_step(zero_optimizer, self._groups)
 
     def backward(self, loss: torch.Tensor, scaler: Any) -> None:
         # The loss is already divided by train.grad_accum; the engine steps at its boundary.

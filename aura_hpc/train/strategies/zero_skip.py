@@ -59,6 +59,27 @@ class GroupNormWatch:
         self.bad = torch.zeros((), dtype=torch.bool, device=self.device)
 
 
+def guard_bf16_step(bf16_optimizer: Any, groups: GroupNormWatch) -> None:
+    """DeepSpeed's BF16_Optimizer (what ZeRO 1 runs under bf16 with fp32 gradient accumulation) asserts
+    that the global norm is > 0 before it steps: a NaN gradient ended the run there with an
+    AssertionError (seen on an H100, and on CPU). When any of its fp32 gradients is not finite, they
+    are made finite (ones) for that check, and the verdict goes to `groups`, which the guarded inner
+    step reads: the step is skipped, on the device, as under every other strategy."""
+    flats = list(getattr(bf16_optimizer, "fp32_groups_gradients_flat", []))
+    if not flats:
+        return
+    step = bf16_optimizer.step
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        bad = ~torch.stack([torch.isfinite(f).all() for f in flats]).all()
+        groups.bad = groups.bad | bad.to(groups.device)
+        for f in flats:
+            f.masked_fill_(bad, 1.0)  # all of them or none: the step is skipped whole
+        return step(*args, **kwargs)
+
+    bf16_optimizer.step = guarded  # on the instance only
+
+
 class NonFiniteSkip:
     def __init__(
         self, inner: torch.optim.Optimizer, device: torch.device, zero_optimizer: Any = None, groups: GroupNormWatch | None = None
