@@ -90,6 +90,11 @@ def measure(device: torch.device, node_ranks: list[list[int]], rank: int, slow_f
     return row
 
 
+def better(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """One device's two measurements as one row: each figure the better of the two."""
+    return {k: max(v, second.get(k, v)) if k.endswith(("_tflops", "_gbps")) else v for k, v in first.items()}
+
+
 @dataclass
 class Finding:
     node: str

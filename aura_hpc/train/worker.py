@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from aura_hpc.config import load_run_file
 from aura_hpc.errors import EXIT_TRAIN_FAILED, EXITING_LINE, AuraError
@@ -121,10 +122,18 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
             log.error("%s", PEER_LOST.format(peer=peer, step=trainer.pos.step + 1))
             return EXIT_TRAIN_FAILED
         finally:
-            try:
-                trainer.close_outputs(failed=status != 0)
-            except Exception as exc:  # never instead of the run's own status and line
-                log.warning("the run's outputs could not be closed (%s)", type(exc).__name__)
+            _close_outputs(trainer, failed=status != 0)
+
+
+def _close_outputs(trainer: Any, failed: bool) -> None:
+    """Rank 0's metrics, TensorBoard and trackers, on every way out of the run (a failure's last rows and its
+    status included; once closed, nothing more), never instead of the run's own status and line."""
+    try:
+        trainer.health.stop()  # its monitor writes resource rows: not into a closed writer
+        if trainer.metrics is not None:
+            trainer.metrics.close(failed)
+    except Exception as exc:
+        log.warning("the run's outputs could not be closed (%s)", type(exc).__name__)
 
 
 def _exiting(code: int) -> int:

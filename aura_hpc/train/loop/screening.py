@@ -16,6 +16,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -35,11 +36,16 @@ def screen_nodes(cfg: RunConfig, env: DistEnv, device: torch.device, why_not_lea
     h = cfg.health
     if h.screen == "skip":
         return None
-    row = screen.measure(device, env.node_ranks, env.rank, slow)
-    rows = collectives.gather_json(row) if env.world_size > 1 else [row]
+    rows = _measured(device, env, slow)
     hosts = collectives.gather_json(env.hostname) if env.world_size > 1 else [env.hostname]
     expected = screen.Expected(h.screen_gemm_tflops, h.screen_allreduce_gbps, h.screen_inter_gbps, h.screen_min_fraction)
     findings, fabric, fabric_warning = screen.judge(rows, hosts, expected, cfg.slurm.cluster)
+    if findings:
+        # A second opinion before a node is named (every rank judged the same rows, so all measure again):
+        # each figure the better of two, so that a moment of interference (another process on a shared
+        # node, a clock ramping up) costs no node its place. A slow device is slow in both.
+        rows = [screen.better(a, b) for a, b in zip(rows, _measured(device, env, slow), strict=True)]
+        findings, fabric, fabric_warning = screen.judge(rows, hosts, expected, cfg.slurm.cluster)
     named = sorted({f.node for f in findings}, key=hosts.index)
     if env.is_main:
         _keep(cfg, env, rows, hosts, findings, fabric, fabric_warning)
@@ -76,6 +82,12 @@ def screen_nodes(cfg: RunConfig, env: DistEnv, device: torch.device, why_not_lea
     if env.is_main:
         log.warning("screen: training goes on with %s: %s", ", ".join(named), why_not)
     return None
+
+
+def _measured(device: torch.device, env: DistEnv, slow: float) -> list[dict[str, Any]]:
+    """Every rank's figures, on every rank."""
+    row = screen.measure(device, env.node_ranks, env.rank, slow)
+    return collectives.gather_json(row) if env.world_size > 1 else [row]
 
 
 def _keep(

@@ -50,13 +50,6 @@ class Trainer:
         self.page = progress_page.current()  # where the launcher's hang watchdog sees this rank
         self.metrics: MetricsWriter | None = None
 
-    def close_outputs(self, failed: bool) -> None:
-        """Rank 0's metrics, TensorBoard and trackers, on every way out of the run (a failure's last rows
-        and its status included; once closed, nothing more)."""
-        self.health.stop()  # its monitor writes resource rows: not into a closed writer
-        if self.metrics is not None:
-            self.metrics.close(failed)
-
     def run(self) -> int:
         """Set up, resume, train to the end step (or a stop), finish; returns the exit status."""
         self.rt = runtime.start(self.cfg, self.env)
