@@ -174,7 +174,10 @@ def test_usr2_checkpoints_requeues_and_ends_equal_to_an_uninterrupted_run(
     )
 
     log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
-    assert "stop requested (SIGUSR2)" in log and f"requeuing job {job}" in log and f"scontrol requeue {job} failed" not in log, log[-3000:]
+    # Rank 0 may act on rank 1's copy of the signal first (the stop is agreed at the step boundary); it still
+    # requeues, on its own copy.
+    said = "stop requested (SIGUSR2)" in log or "stop requested (signal on another rank)" in log
+    assert said and f"requeuing job {job}" in log and f"scontrol requeue {job} failed" not in log, log[-3000:]
     assert "restart=0" in log and "restart=1" in log, "the log must show both parts (appended, not truncated)"
     m = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", log)
     assert m and 20 <= int(m.group(2)) < 150
@@ -197,7 +200,8 @@ def test_usr2_checkpoints_requeues_and_ends_equal_to_an_uninterrupted_run(
     _ends_equal_to_the_straight_run(run_dir, out, "ddp")
 
     log = (dl_dir / "slurm" / f"{dl_job}_0_log.out").read_text()
-    assert "strategy: diloco" in log and "stop requested (SIGUSR2)" in log and f"requeuing job {dl_job}" in log, log[-3000:]
+    said = "stop requested (SIGUSR2)" in log or "stop requested (signal on another rank)" in log
+    assert "strategy: diloco" in log and said and f"requeuing job {dl_job}" in log, log[-3000:]
     m = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", log)
     assert m and 20 <= int(m.group(2)) < 150, log[-3000:]
     _ends_equal_to_the_straight_run(dl_dir, dl_out, "diloco")
@@ -405,7 +409,8 @@ def test_a_sharded_strategy_requeues_and_resumes_from_its_shards(slurm_cluster: 
     requeued = _requeued_beside_a_reference(runs, timeout=240)
     for strategy, (run_dir, job, _), (_, out) in zip(("fsdp",), requeued, runs, strict=True):
         log = (run_dir / "slurm" / f"{job}_0_log.out").read_text()
-        assert f"strategy: {strategy}" in log and "stop requested (SIGUSR2)" in log and f"requeuing job {job}" in log, log[-3000:]
+        said = "stop requested (SIGUSR2)" in log or "stop requested (signal on another rank)" in log
+        assert f"strategy: {strategy}" in log and said and f"requeuing job {job}" in log, log[-3000:]
         m = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", log)
         assert m and 20 <= int(m.group(2)) < 150, log[-3000:]
         resumed_from = run_dir / "checkpoints" / f"step_{int(m.group(1)):08d}"

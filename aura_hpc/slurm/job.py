@@ -21,6 +21,7 @@ from aura_hpc.errors import EXIT_RESUMABLE, EXIT_SCREEN
 
 log = logging.getLogger("aura_hpc")
 
+SIGNAL_LAG_S = 15.0  # rank 0 waits this long for its own copy of a stop signal another rank acted on
 PORT_BASE = 11000  # below Linux's ephemeral range (32768+), so a client socket never holds it
 PORT_SPAN = 20000
 
@@ -127,6 +128,12 @@ class TrainJob:
                 print(f"[rank{rank}] this attempt stops here: rank 0 checkpoints and requeues the job", flush=True)
                 sys.stderr.flush()
                 os._exit(0)
+            # The stop may have been another rank's signal (at the step boundary every rank learns it): Slurm
+            # signals every task, but this one's can come seconds later on a loaded node, and the requeue is
+            # decided here by what this task received.
+            deadline = time.monotonic() + SIGNAL_LAG_S
+            while stop.last_signal is None and time.monotonic() < deadline:
+                time.sleep(0.1)
             if stop.last_signal == f"SIG{self.requeue_signal}":
                 self._requeue(job_id, restarts)
         if status != 0:
