@@ -98,19 +98,17 @@ class HangBoard:
 
     def wait_for_others(self, after: float, wait_s: float) -> list[Verdict]:
         """The other nodes' verdicts, waiting up to `wait_s` for one that names a culprit."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            found = self.others(after)
-            if any(v.culprits for v in found) or time.monotonic() > deadline:
-                return found
-            time.sleep(0.5)
+        return self._wait(after, wait_s, lambda found: any(v.culprits for v in found))
 
     def wait_for_all(self, after: float, wait_s: float) -> list[Verdict]:
         """The other nodes' verdicts, waiting up to `wait_s` for every other node's."""
+        return self._wait(after, wait_s, lambda found: len(found) >= self.nnodes - 1)
+
+    def _wait(self, after: float, wait_s: float, enough: Any) -> list[Verdict]:
         deadline = time.monotonic() + wait_s
         while True:
             found = self.others(after)
-            if len(found) >= self.nnodes - 1 or time.monotonic() > deadline:
+            if enough(found) or time.monotonic() > deadline:
                 return found
             time.sleep(0.5)
 
