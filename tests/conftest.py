@@ -209,32 +209,41 @@ def s3() -> Iterator[Any]:
 # Files that share one machine-wide resource form one group: the test Slurm cluster is started and
 # stopped by whichever worker holds the group, and its four nodes would queue two files' jobs.
 _SHARED_GROUP = {"test_slurm.py": "slurm", "test_containers.py": "slurm", "test_script_safety.py": "slurm"}
-# Seconds per group on one of two busy workers (`-n auto` on 2 cores, `--durations`, 2026-11-25): the
-# longest are handed out first, so that no long file starts last while the other worker sits idle.
+# Seconds per group on one of three workers on 2 cores (`-n auto`, `--durations`, 2026-11-26): the
+# longest are handed out first, so that no long file starts last while the other workers sit idle.
 _GROUP_SECONDS = {
-    "test_strategies.py": 270,
-    "test_faults.py": 360,  # 2026-11-26: + hangs across nodes, in sections, Ctrl+C during one
-    "slurm": 260,  # + the Slurm hang watchdog's requeue
-    "test_ps.py": 150,
-    "test_users_shapes.py": 130,
-    "test_slow_links.py": 125,
-    "test_training.py": 120,
-    "test_gpu_contract.py": 86,
-    "test_s3.py": 63,
-    "test_memory_plan.py": 54,
-    "test_disk_full.py": 44,
-    "test_stream.py": 38,
-    "test_ps_hostile.py": 35,
-    "test_wire.py": 32,
-    "test_compute_options.py": 31,
-    "test_check.py": 29,
-    "test_data_position.py": 28,
-    "test_wheel.py": 25,
-    "test_health.py": 24,
-    "test_docs.py": 20,
-    "test_bad_inputs.py": 60,
-    "test_tracking.py": 30,
+    "test_faults.py": 370,
+    "slurm": 240,
+    "test_ps.py": 160,
+    "test_users_shapes.py": 160,
+    "test_strategies.py": 125,
+    "test_training.py": 110,
+    "test_slow_links.py": 85,
+    "test_bad_inputs.py": 80,
+    "test_s3.py": 66,
+    "test_gpu_contract.py": 58,
+    "test_memory_plan.py": 57,
+    "test_compute_options.py": 55,
+    "test_disk_full.py": 55,
+    "test_health.py": 51,
+    "test_check.py": 49,
+    "test_tracking.py": 46,
+    "test_exit_statuses.py": 42,
+    "test_ps_hostile.py": 31,
+    "test_stream.py": 26,
+    "test_wire.py": 23,
+    "test_benchmarks.py": 21,
+    "test_hang_watch.py": 19,
+    "test_data_position.py": 19,
 }
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, where it is installed
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one worker more than this machine's cores. A third of the suite's time on 2 cores is spent
+    waiting (a hang's detection window, Slurm's scheduler, a join's timeout) with a core free; one more
+    worker fills it (2026-11-26: 1,605 CPU-s in 1,021 s on 2 cores, 1.57 of 2 busy)."""
+    return len(os.sched_getaffinity(0)) + 1
 
 
 def _group(item: pytest.Item) -> str:

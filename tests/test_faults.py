@@ -19,6 +19,7 @@ import psutil
 import pytest
 import torch
 
+from aura_hpc import errors
 from aura_hpc.errors import EXIT_RESUMABLE
 from aura_hpc.train.checkpoint import files as checkpoint
 from tests.conftest import SMALL_MODEL, cli_env, final_weights, run_cli, run_cli_together
@@ -104,7 +105,7 @@ def test_sigkill_of_a_rank_restarts_and_ends_bit_identical(tmp_path: Path, prepa
 
 def test_beyond_max_restarts_says_how_to_resume_and_rerun_resumes(tmp_path: Path, prepared: Path, reference: dict) -> None:
     r = run_cli(_args(tmp_path, "run", prepared), AURA_FAULT_KILL="1:12")
-    assert r.returncode != 0
+    assert r.returncode == errors.EXIT_TRAIN_FAILED == 1, _diagnose(r, tmp_path / "run")
     err = r.stderr.strip().splitlines()[-1]
     assert "training failed: rank 1 was killed by SIGKILL" in err  # the cause first, even if rank 0 failed too
     assert "to resume from step_00000010" in err and "re-run the same command" in err
@@ -356,8 +357,12 @@ def test_nan_forever_stops_with_a_clear_error(tmp_path: Path, prepared: Path) ->
     mlflow = importlib.util.find_spec("mlflow") is not None
     extra = ("--set", "train.nan_max_rollbacks=1", "--set", f"tracking.backends=tensorboard{',mlflow' if mlflow else ''}")
     r = run_cli(_args(tmp_path, "run", prepared, extra=extra), AURA_FAULT_NAN="0:6:100", timeout=180)
-    assert r.returncode != 0
+    assert r.returncode == errors.EXIT_DIVERGED == 3, _diagnose(r, tmp_path / "run")
     assert "the loss stayed non-finite after 1 rollbacks" in r.stdout and "fix: lower train.lr" in r.stdout
+    # One line naming what happened and the fix, taken from the worker that stopped.
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: training stopped: the loss stayed non-finite"), r.stderr
+    assert "fix: lower train.lr" in lines[0]
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [5], events.Tags()

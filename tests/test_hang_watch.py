@@ -293,8 +293,10 @@ def test_gloo_ranks_dump_their_flight_records_on_request_and_the_one_that_never_
         stuck = flight_records.judge(records, [0, 1])
         assert stuck is not None and stuck.culprits == [1] and (stuck.op, stuck.seq) == ("gloo:all_reduce", 4), stuck
         assert stuck.line.startswith("rank 1 never entered gloo:all_reduce #4 of group 0 (rank 0 did, at ")
-        # Rank 1 alone (rank 0 gave nothing): it waits for no one, nothing to name from one record.
-        assert flight_records.judge({1: records[1]}, [0, 1]) is None
+        # Rank 1 alone (rank 0 gave nothing): nothing to name from one record. (gloo marks a collective
+        # completed late: on a busy machine rank 1's third may still read as unfinished, said, never named.)
+        lone = flight_records.judge({1: records[1]}, [0, 1])
+        assert lone is None or lone.culprits == [], lone
         alone = flight_records.judge({0: records[0]}, [0, 1])
         assert (
             alone is not None
