@@ -211,8 +211,8 @@ def s3() -> Iterator[Any]:
 _SHARED_GROUP = {"test_slurm.py": "slurm", "test_containers.py": "slurm", "test_script_safety.py": "slurm"}
 # Seconds per group on one of two busy workers (`-n auto` on 2 cores, a per-test profile, 2026-11-26): the
 # longest are handed out first, so that no long file starts last while the other worker sits idle.
-# One worker more than the cores was measured (15:50 against 17:00) and left: the load made ZeRO-3's
-# rare non-finite loss under load (docs/troubleshooting.md) show in test_users_shapes.
+# One worker more than the cores was measured (15:50 against 17:00) and left: its load showed a ZeRO-3
+# race on CPUs in test_users_shapes (fixed since: config/deepspeed.py, CPU_ZERO3), and was not re-tried.
 _GROUP_SECONDS = {
     "test_faults.py": 370,
     "slurm": 240,

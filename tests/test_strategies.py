@@ -202,3 +202,23 @@ def test_zero_shards_are_written_behind_the_loop_and_a_failed_shard_write_keeps_
         assert [c.step for c in ckpts][:2] == [20, 15] and all(checkpoint.verify(c.path) is None for c in ckpts), name
         shards = sorted(p.name for p in (ckpts[0].path / "sharded").rglob("*optim_states.pt"))
         assert len(shards) == 2, shards  # one per rank
+
+
+def test_zero3_on_cpus_keeps_no_persistent_parameters_unless_the_users_json_says(tmp_path: Path) -> None:
+    """DeepSpeed re-gathers ZeRO-3's persistent parameters after every step and, on a CPU, waits for the
+    last of those all-gathers only: the next forward read a buffer gloo was still filling (a non-finite
+    loss at a random step on a loaded machine, 3 runs in 25). On CPUs there are none; on GPUs, DeepSpeed's
+    default; a user's JSON decides over both."""
+    from aura_hpc.config import RunConfig
+    from aura_hpc.config.deepspeed import deepspeed_config
+
+    cfg = RunConfig()
+    cfg.dist.strategy = "zero3"
+    assert deepspeed_config(cfg, 2, bf16=True, on_cpu=True)["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+    assert "stage3_param_persistence_threshold" not in deepspeed_config(cfg, 2, bf16=True, on_cpu=False)["zero_optimization"]
+    cfg.dist.strategy = "zero2"
+    assert "stage3_param_persistence_threshold" not in deepspeed_config(cfg, 2, bf16=True, on_cpu=True)["zero_optimization"]
+    own = tmp_path / "ds.json"
+    own.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 1000}}))
+    cfg.dist.strategy, cfg.dist.deepspeed_config = "zero3", str(own)
+    assert deepspeed_config(cfg, 2, bf16=True, on_cpu=True)["zero_optimization"]["stage3_param_persistence_threshold"] == 1000

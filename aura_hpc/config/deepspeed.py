@@ -12,9 +12,20 @@ from typing import Any
 from aura_hpc.config.tree import RunConfig
 from aura_hpc.errors import ConfigError
 
+# ZeRO-3 on CPUs (gloo), unless the user's JSON says otherwise: no "persistent" (small, never released)
+# parameters. After every step DeepSpeed 0.16-0.19 re-gathers those with one async all-gather each and
+# waits for the last one only (runtime/zero/partition_parameters.py, _allgather_params_coalesced: "Wait
+# ensures the operation is enqueued, but not necessarily complete"), then synchronises the device, which
+# its CPU accelerator skips (resolves_data_dependency). gloo may run queued work on more than one thread, so the next
+# forward could read a buffer still being filled: a non-finite loss on some ranks at a random step on a
+# loaded machine (2026-11-26: 3 runs in 25 of 2 nodes x 2 processes). Partitioned, those parameters are
+# gathered by the forward's own fetches, each waited for. On a GPU the device synchronisation covers it.
+CPU_ZERO3 = {"stage3_param_persistence_threshold": 0}
 
-def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool) -> dict[str, Any]:
-    """What the trainer controls, merged over the user's dist.deepspeed_config (conflicts refused)."""
+
+def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool, on_cpu: bool = False) -> dict[str, Any]:
+    """What the trainer controls, merged over the user's dist.deepspeed_config (conflicts refused).
+    `on_cpu`: the ranks train on CPUs over gloo (see CPU_ZERO3 above)."""
     t, d = cfg.train, cfg.dist
     ours: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.batch_size,
@@ -49,7 +60,8 @@ def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool) -> dict[str, A
             "train.precision and dist.strategy)"
         )
     merged = {**user, **ours}
-    merged["zero_optimization"] = {**user_zero, **zero}
+    defaults = CPU_ZERO3 if on_cpu and zero["stage"] == 3 else {}
+    merged["zero_optimization"] = {**defaults, **user_zero, **zero}
     for key in ("optimizer", "scheduler"):
         if key in user:
             raise ConfigError(

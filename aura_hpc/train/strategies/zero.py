@@ -184,7 +184,7 @@ def build_partitioned(factory: Callable[[], torch.nn.Module], cfg: RunConfig, rt
     # As deepspeed.initialize does: DeepSpeed's comm on our process group, before the config is read
     # (it takes the world size from there, 1 otherwise, and then refuses the batch arithmetic).
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), dist_init_required=False)
-    config = deepspeed_config(cfg, world_size, bf16=rt.autocast_dtype == torch.bfloat16)
+    config = deepspeed_config(cfg, world_size, bf16=rt.autocast_dtype == torch.bfloat16, on_cpu=rt.device.type == "cpu")
     # zero.Init would otherwise replace torch.nn.functional.linear for the rest of the process with
     # its own autograd function (other gradient bits than zero1/2 and ddp, every later F.linear
     # caught); the user's JSON may still ask for it.
@@ -237,6 +237,6 @@ def wrap_zero(
     quiet_deepspeed(needed=True)
     import deepspeed
 
-    config = deepspeed_config(cfg, world_size, bf16=rt.autocast_dtype == torch.bfloat16)
+    config = deepspeed_config(cfg, world_size, bf16=rt.autocast_dtype == torch.bfloat16, on_cpu=rt.device.type == "cpu")
     engine, *_ = deepspeed.initialize(model=loss_model, optimizer=optimizer, config=config, dist_init_required=False)
     return ZeroWrapped(engine, model, int(cfg.dist.strategy[-1]), rt.device)
