@@ -499,7 +499,11 @@ def test_a_stopped_rank_of_a_two_node_job_is_named_by_its_nodes_watchdog_and_the
     assert "[watchdog] hang: rank 1 on " in log1 and "did not answer" in log1 and f"requeuing job {job} after the hang" in log1, log1[
         -3000:
     ]
-    assert "resumed from checkpoint step_00000010 at step 10" in log0, log0[-3000:]
+    # From step 10, or from the checkpoint rank 0 writes when the requeue's signal reaches it while it waits:
+    # on a loaded machine rank 1 stops a step or two after the step its line names (reports are read one step
+    # late), and both ranks had completed those steps (a CI run resumed at 14). The end is bit-identical either way.
+    resumed = re.search(r"resumed from checkpoint step_(\d+) at step (\d+)", log0)
+    assert resumed and int(resumed.group(1)) == int(resumed.group(2)) and 10 <= int(resumed.group(2)) <= 15, log0[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["finished"] and summary["goodput"]["seconds"]["hangs"] >= 8, summary[
         "goodput"
