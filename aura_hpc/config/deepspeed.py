@@ -16,10 +16,11 @@ from aura_hpc.errors import ConfigError
 # parameters. After every step DeepSpeed 0.16-0.19 re-gathers those with one async all-gather each and
 # waits for the last one only (runtime/zero/partition_parameters.py, _allgather_params_coalesced: "Wait
 # ensures the operation is enqueued, but not necessarily complete"), then synchronises the device, which
-# its CPU accelerator skips (resolves_data_dependency). gloo may run queued work on more than one thread, so the next
-# forward could read a buffer still being filled: a non-finite loss on some ranks at a random step on a
-# loaded machine (2026-11-26: 3 runs in 25 of 2 nodes x 2 processes). Partitioned, those parameters are
-# gathered by the forward's own fetches, each waited for. On a GPU the device synchronisation covers it.
+# its CPU accelerator skips (resolves_data_dependency). gloo may run queued work on more than one thread,
+# so the next forward could read a buffer still being filled: a non-finite loss on some ranks at a random
+# step on a loaded machine (2026-11-26, 2 nodes x 2 processes, 20+ processes on 2 cores: 5 runs in 55
+# before, 0 in 20 after). Partitioned, those parameters are gathered by the forward's own fetches, each
+# waited for. On a GPU the device synchronisation covers it.
 CPU_ZERO3 = {"stage3_param_persistence_threshold": 0}
 
 

@@ -184,7 +184,7 @@ def build_partitioned(factory: Callable[[], torch.nn.Module], cfg: RunConfig, rt
     # As deepspeed.initialize does: DeepSpeed's comm on our process group, before the config is read
     # (it takes the world size from there, 1 otherwise, and then refuses the batch arithmetic).
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), dist_init_required=False)
-    config = deepspeed_config(cfg, world_size, bf16=rt.autocast_dtype == torch.bfloat16, on_cpu=rt.device.type == "cpu")
+    config = _config(cfg, rt, world_size)
     # zero.Init would otherwise replace torch.nn.functional.linear for the rest of the process with
     # its own autograd function (other gradient bits than zero1/2 and ddp, every later F.linear
     # caught); the user's JSON may still ask for it.
@@ -193,6 +193,11 @@ def build_partitioned(factory: Callable[[], torch.nn.Module], cfg: RunConfig, rt
         model = factory()
     record.materialize(model, rt.param_dtype, _place_partition)
     return model
+
+
+def _config(cfg: RunConfig, rt: Runtime, world_size: int) -> dict:
+    """The one DeepSpeed config of this run, for zero.Init and for initialize alike."""
+    return deepspeed_config(cfg, world_size, bf16=rt.autocast_dtype == torch.bfloat16, on_cpu=rt.device.type == "cpu")
 
 
 def _place_partition(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -237,6 +242,6 @@ def wrap_zero(
     quiet_deepspeed(needed=True)
     import deepspeed
 
-    config = deepspeed_config(cfg, world_size, bf16=rt.autocast_dtype == torch.bfloat16, on_cpu=rt.device.type == "cpu")
+    config = _config(cfg, rt, world_size)
     engine, *_ = deepspeed.initialize(model=loss_model, optimizer=optimizer, config=config, dist_init_required=False)
     return ZeroWrapped(engine, model, int(cfg.dist.strategy[-1]), rt.device)
