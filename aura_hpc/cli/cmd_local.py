@@ -12,6 +12,11 @@ def cmd_local(a: argparse.Namespace) -> int:
     from aura_hpc.launch.local import launch, plan_local, summary
 
     flags_from_env(a, {"nnodes": 1, "node_rank": 0})
+    if not a.dry_run:
+        from aura_hpc.train.process.startup_gc import imports_unscanned
+
+        with imports_unscanned():
+            import torch.distributed.launcher.api  # noqa: F401  (the elastic agent's, most of this launcher's start-up)
 
     plan = plan_local(
         a.config,

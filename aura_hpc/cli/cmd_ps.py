@@ -28,7 +28,10 @@ def cmd_ps(a: argparse.Namespace) -> int:
     lock = prepare_run_dir(cfg, 1, lock=True, secret=False)
     assert lock is not None
     try:
-        from aura_hpc.ps.server import ParameterServer
+        from aura_hpc.train.process.startup_gc import imports_unscanned
+
+        with imports_unscanned():
+            from aura_hpc.ps.server import ParameterServer
 
         secret, origin = auth.server_secret(cfg.run_dir, a.secret_file)
         addrs = lan_addresses()
@@ -63,8 +66,11 @@ def cmd_worker(a: argparse.Namespace) -> int:
     from aura_hpc.launch.run_setup import ensure_data
     from aura_hpc.ps import auth
     from aura_hpc.ps.commands import load_ps_config
-    from aura_hpc.ps.worker import PsWorker, parse_server
     from aura_hpc.train.process import worker_log
+    from aura_hpc.train.process.startup_gc import imports_unscanned
+
+    with imports_unscanned():
+        from aura_hpc.ps.worker import PsWorker, parse_server
 
     cfg = load_ps_config(a.config, a.overrides, a.output_dir, a.run_name, None, None)
     key = auth.key_of(auth.worker_secret(a.secret_file))

@@ -74,8 +74,13 @@ class TrainJob:
         restarts = int(e.get("SLURM_RESTART_COUNT", "0"))
         os.environ["MASTER_ADDR"] = first_node(e["SLURM_JOB_NODELIST"])
         os.environ["MASTER_PORT"] = str(rendezvous_port(job_id, restarts))
-        from aura_hpc.train import worker
-        from aura_hpc.train.process import stop
+        from aura_hpc.train.process.startup_gc import imports_unscanned
+
+        with imports_unscanned():
+            import torch._dynamo  # noqa: F401  (every optimizer imports it on its first parameter group)
+
+            from aura_hpc.train import worker
+            from aura_hpc.train.process import stop
 
         rank = int(e.get("SLURM_PROCID", "0"))
         watcher = _start_watchdog(self.config_path, job_id, restarts)
