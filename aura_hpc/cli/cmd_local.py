@@ -12,29 +12,29 @@ def cmd_local(a: argparse.Namespace) -> int:
     from aura_hpc.launch.local import launch, plan_local, summary
 
     flags_from_env(a, {"nnodes": 1, "node_rank": 0})
-    if not a.dry_run:
-        from aura_hpc.train.process.startup_gc import imports_unscanned
+    from aura_hpc.train.process.startup_gc import imports_unscanned
 
-        with imports_unscanned():
-            import torch.distributed.launcher.api  # noqa: F401  (the elastic agent's, most of this launcher's start-up)
-
-    plan = plan_local(
-        a.config,
-        a.overrides,
-        a.output_dir,
-        a.run_name,
-        nnodes=a.nnodes,
-        node_rank=a.node_rank,
-        nproc=a.nproc_per_node,
-        master_addr=a.master_addr,
-        master_port=a.master_port,
-        max_restarts=a.max_restarts,
-        rdzv_timeout=a.rdzv_timeout,
-        backend=a.backend,
-        ifname=a.ifname,
-        force=a.force,
-        dry_run=a.dry_run,
-    )
+    # The plan imports torch once the config has passed its checks (a bad key is refused before it); then the agent's modules.
+    with imports_unscanned():
+        plan = plan_local(
+            a.config,
+            a.overrides,
+            a.output_dir,
+            a.run_name,
+            nnodes=a.nnodes,
+            node_rank=a.node_rank,
+            nproc=a.nproc_per_node,
+            master_addr=a.master_addr,
+            master_port=a.master_port,
+            max_restarts=a.max_restarts,
+            rdzv_timeout=a.rdzv_timeout,
+            backend=a.backend,
+            ifname=a.ifname,
+            force=a.force,
+            dry_run=a.dry_run,
+        )
+        if not a.dry_run:
+            import torch.distributed.launcher.api  # noqa: F401  (run_workers')
 
     def warn() -> None:
         for w in plan.warnings:

@@ -77,8 +77,6 @@ class TrainJob:
         from aura_hpc.train.process.startup_gc import imports_unscanned
 
         with imports_unscanned():
-            import torch._dynamo  # noqa: F401  (every optimizer imports it on its first parameter group)
-
             from aura_hpc.train import worker
             from aura_hpc.train.process import stop
 

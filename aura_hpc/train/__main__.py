@@ -1,8 +1,6 @@
 from aura_hpc.train.process.startup_gc import imports_unscanned
 
 with imports_unscanned():
-    import torch._dynamo  # noqa: F401  (every optimizer imports it on its first parameter group)
-
     from aura_hpc.errors import exit_process
     from aura_hpc.train.checkpoint import background
     from aura_hpc.train.worker import main

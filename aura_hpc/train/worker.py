@@ -20,6 +20,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch._dynamo  # noqa: F401  (every optimizer imports it on its first parameter group: here, where the entry points import unscanned)
+
 from aura_hpc.config import load_run_file
 from aura_hpc.errors import EXIT_TRAIN_FAILED, EXITING_LINE, AuraError
 from aura_hpc.ops.disk import disk_full, disk_of
