@@ -209,35 +209,47 @@ def s3() -> Iterator[Any]:
 # Files that share one machine-wide resource form one group: the test Slurm cluster is started and
 # stopped by whichever worker holds the group, and its four nodes would queue two files' jobs.
 _SHARED_GROUP = {"test_slurm.py": "slurm", "test_containers.py": "slurm", "test_script_safety.py": "slurm"}
-# Seconds per group on one of two busy workers (`-n auto` on 2 cores, a per-test profile, 2026-11-26): the
-# longest are handed out first, so that no long file starts last while the other worker sits idle.
-# One worker more than the cores was measured (15:50 against 17:00) and left: its load showed a ZeRO-3
-# race on CPUs in test_users_shapes (fixed since: config/deepspeed.py, CPU_ZERO3), and was not re-tried.
+# Seconds per group on one of two busy workers (`-n 2` on 2 slow cores, a per-test profile, 2026-11-26,
+# 30:17 in all): the longest are handed out first, so that no long file starts last while the others idle.
 _GROUP_SECONDS = {
-    "test_faults.py": 370,
-    "slurm": 240,
-    "test_ps.py": 160,
-    "test_users_shapes.py": 160,
-    "test_strategies.py": 125,
-    "test_training.py": 110,
-    "test_slow_links.py": 85,
-    "test_bad_inputs.py": 80,
-    "test_s3.py": 66,
-    "test_gpu_contract.py": 58,
-    "test_memory_plan.py": 57,
-    "test_compute_options.py": 55,
-    "test_disk_full.py": 55,
-    "test_health.py": 51,
-    "test_check.py": 49,
-    "test_tracking.py": 46,
-    "test_exit_statuses.py": 42,
-    "test_ps_hostile.py": 31,
-    "test_stream.py": 26,
-    "test_wire.py": 23,
-    "test_benchmarks.py": 21,
-    "test_hang_watch.py": 19,
-    "test_data_position.py": 19,
+    "test_faults.py": 570,
+    "slurm": 401,
+    "test_users_shapes.py": 310,
+    "test_ps.py": 310,
+    "test_strategies.py": 257,
+    "test_training.py": 193,
+    "test_s3.py": 149,
+    "test_slow_links.py": 138,
+    "test_bad_inputs.py": 132,
+    "test_gpu_contract.py": 131,
+    "test_memory_plan.py": 125,
+    "test_check.py": 89,
+    "test_compute_options.py": 88,
+    "test_disk_full.py": 79,
+    "test_tracking.py": 76,
+    "test_health.py": 52,
+    "test_wheel.py": 48,
+    "test_screen.py": 41,
+    "test_stream.py": 39,
+    "test_ps_hostile.py": 37,
+    "test_exit_statuses.py": 37,
+    "test_wire.py": 35,
+    "test_prepare.py": 34,
+    "test_meta_init.py": 32,
+    "test_data_position.py": 28,
+    "test_submit_dryrun.py": 21,
+    "test_benchmarks.py": 19,
+    "test_hang_watch.py": 18,
 }
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, where it is installed
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one worker more than this machine's cores. The same profile: of 3,540 worker-seconds on
+    2 cores, 2,915 were the tests' own CPU (Slurm's and Docker's jobs aside); the rest waits with a core
+    free (a hang's detection window, Slurm's scheduler, a server's join). Tried before, 15:50 against 17:00,
+    and left while ZeRO-3 on CPUs lost a step under load (fixed since: config/deepspeed.py, CPU_ZERO3)."""
+    return len(os.sched_getaffinity(0)) + 1
 
 
 def _group(item: pytest.Item) -> str:

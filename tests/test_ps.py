@@ -440,7 +440,9 @@ def lan() -> Iterator[list[str]]:
 def test_server_and_workers_on_three_lan_addresses_and_a_wifi_drop(tmp_path: Path, base: list[str], lan: list[str]) -> None:
     port = 30005  # the default: every namespace has its own ports
     run_dir = tmp_path / "runs" / "ps"
-    common = [*base, "--set", "train.max_steps=1000", "--set", "train.log_every=20", "--set", "train.eval_every=500"]
+    # No end of its own: once the drops are seen, Ctrl-C ends it (a fixed version count cost minutes of training on
+    # busy cores after the last assertion, 193 s in all against 57 s idle).
+    common = [*base, "--set", "train.max_steps=100000", "--set", "train.log_every=20", "--set", "train.eval_every=0"]
     common += ["--set", "ps.worker_timeout_s=4", "--set", "ps.join_timeout_s=8"]
     server = Proc(["ps", *common], tmp_path / "ps.log", netns=lan[0])
     server.wait_for("worker --server 10.78.1.1:30005")  # its LAN address, in the command it prints
@@ -475,8 +477,9 @@ def test_server_and_workers_on_three_lan_addresses_and_a_wifi_drop(tmp_path: Pat
         assert dropped.finish(timeout=60) == 1, dropped.text
         last = dropped.text.strip().splitlines()[-1]
         assert "lost the parameter server at 10.78.1.1:30005" in last and "could not rejoin" in last and "fix:" in last, last
-        assert server.finish() == 0, server.text
-        assert workers[0].finish() == 0, workers[0].text
+        server.signal(signal.SIGINT)
+        assert server.finish() == 75, server.text
+        assert workers[0].finish() == 0 and "the server is stopping" in workers[0].text, workers[0].text
     finally:
         for proc in (server, *workers):
             if proc.p.poll() is None:
@@ -484,7 +487,7 @@ def test_server_and_workers_on_three_lan_addresses_and_a_wifi_drop(tmp_path: Pat
     assert "joined from" in server.text and "(10.78.1.2)" in server.text and "(10.78.1.3)" in server.text, server.text
     assert "rejoined from" in server.text, server.text
     rows = _rows(run_dir)
-    assert rows[-1]["version"] == 1000 and {"1", "2"} <= {k for r in rows for k in r["contributions"]}
+    assert rows[-1]["version"] >= rejoined_at and {"1", "2"} <= {k for r in rows for k in r["contributions"]}
     rank = dropped.text.split("rejoined the parameter server at 10.78.1.1:30005 as worker ")[1][0]
     after = [r for r in rows if at_drop + 40 < r["version"] <= rejoined_at]
     assert any(int(r["contributions"].get(rank, 0)) > 0 for r in after), "the dropped worker never contributed again"
