@@ -211,6 +211,9 @@ def s3() -> Iterator[Any]:
 _SHARED_GROUP = {"test_slurm.py": "slurm", "test_containers.py": "slurm", "test_script_safety.py": "slurm"}
 # Seconds per group on one of two busy workers (`-n 2` on 2 slow cores, a per-test profile, 2026-11-26,
 # 30:17 in all): the longest are handed out first, so that no long file starts last while the others idle.
+# One worker more than the cores (xdist's pytest_xdist_auto_num_workers) was tried again on that machine
+# after ZeRO-3's loss under load was fixed: 29:03 against 30:17, and 3 failures of load alone (a ps server
+# not listening within 60 s, a 1.5 s lock window, check's own timeout). Left at one worker per core.
 _GROUP_SECONDS = {
     "test_faults.py": 570,
     "slurm": 401,
@@ -241,15 +244,6 @@ _GROUP_SECONDS = {
     "test_benchmarks.py": 19,
     "test_hang_watch.py": 18,
 }
-
-
-@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, where it is installed
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto`: one worker more than this machine's cores. The same profile: of 3,540 worker-seconds on
-    2 cores, 2,915 were the tests' own CPU (Slurm's and Docker's jobs aside); the rest waits with a core
-    free (a hang's detection window, Slurm's scheduler, a server's join). Tried before, 15:50 against 17:00,
-    and left while ZeRO-3 on CPUs lost a step under load (fixed since: config/deepspeed.py, CPU_ZERO3)."""
-    return len(os.sched_getaffinity(0)) + 1
 
 
 def _group(item: pytest.Item) -> str:
