@@ -61,6 +61,9 @@ def test_a_page_is_what_the_rank_wrote_and_a_torn_one_is_ignored(tmp_path: Path)
     (tmp_path / "rank4").write_bytes(b"\x00" * 10)
     (tmp_path / "rank5").write_bytes(b"\xff" * progress.LAYOUT.size)  # a section index out of range
     assert progress.read(tmp_path / "rank4") is None and progress.read(tmp_path / "rank5") is None
+    # Whole in size, but its times never written (the file's zeros): not a rank that stopped in 1970.
+    (tmp_path / "rank6").write_bytes(progress.LAYOUT.pack(13022, 0, 17, 65, 1, 0.0, 0.0))
+    assert progress.read(tmp_path / "rank6") is None
 
 
 def test_timeouts_have_floors_follow_the_run_and_survive_a_restart(tmp_path: Path) -> None:

@@ -126,4 +126,8 @@ def read(path: Path) -> dict[str, Any] | None:
     pid, section, step, entered, op, since, beat = LAYOUT.unpack(data)
     if not 0 <= section < len(SECTIONS) or not 0 <= op < len(OPS):
         return None
+    # Every write stamps both times; a zero is a page read before its write landed (seen in CI under load:
+    # read as "no progress since 1970", it declared a hang on a rank that was training).
+    if beat <= 0 or since <= 0:
+        return None
     return {"pid": pid, "section": SECTIONS[section], "step": step, "entered": entered, "op": OPS[op], "since": since, "beat": beat}
