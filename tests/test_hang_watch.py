@@ -62,8 +62,56 @@ def test_a_page_is_what_the_rank_wrote_and_a_torn_one_is_ignored(tmp_path: Path)
     (tmp_path / "rank5").write_bytes(b"\xff" * progress.LAYOUT.size)  # a section index out of range
     assert progress.read(tmp_path / "rank4") is None and progress.read(tmp_path / "rank5") is None
     # Whole in size, but its times never written (the file's zeros): not a rank that stopped in 1970.
-    (tmp_path / "rank6").write_bytes(progress.LAYOUT.pack(13022, 0, 17, 65, 1, 0.0, 0.0))
+    (tmp_path / "rank6").write_bytes(progress.page_bytes(13022, 0, 17, 65, 1, 0.0, 0.0))
     assert progress.read(tmp_path / "rank6") is None
+    # Read while a write was under way: the new write's start, the old one's end (and the reverse).
+    old, new = progress.page_bytes(13022, 1, 16, 64, 1, 100.0, 200.0, 7), progress.page_bytes(13022, 2, 17, 65, 1, 300.0, 300.0, 8)
+    for torn in (new[:24] + old[24:], old[:40] + new[40:]):
+        (tmp_path / "rank7").write_bytes(torn)
+        assert progress.read(tmp_path / "rank7") is None
+    (tmp_path / "rank7").write_bytes(new)
+    whole = {"pid": 13022, "section": "evaluation", "step": 17, "entered": 65, "op": "all_reduce", "since": 300.0, "beat": 300.0}
+    assert progress.read(tmp_path / "rank7") == whole
+    (tmp_path / "rank8").write_bytes(b"\x00" * progress.LAYOUT.size)  # made, never written
+    assert progress.read(tmp_path / "rank8") is None
+
+
+WRITER = """
+import sys, time
+from pathlib import Path
+from aura_hpc.train.process import progress
+page = progress.Progress(Path(sys.argv[1]))
+print("ready", flush=True)
+end, i = time.time() + float(sys.argv[2]), 0
+while time.time() < end:
+    i += 1
+    page.step, page.entered = i, i - 1  # the write counts it to i: a read that mixes two writes shows them apart
+    page.collective("all_reduce", [], None)
+"""
+
+
+def test_a_page_read_while_another_process_writes_it_is_whole_or_nothing(tmp_path: Path) -> None:
+    """The watchdog reads from another process as the rank writes, many times per step. Written field by
+    field (struct.pack_into zeroes the page first), about one read in twenty here saw a new step with zero
+    times: read as "no progress since 1970", it declared a hang on a training rank in CI."""
+    import subprocess
+    import sys
+
+    page = tmp_path / "rank0"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(page), "1.5"], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == "ready\n"
+        whole, torn = 0, []
+        while writer.poll() is None:
+            if (p := progress.read(page)) is not None:
+                whole += 1
+                if p["step"] != p["entered"] or p["beat"] <= 0 or p["since"] <= 0:
+                    torn.append(p)
+        assert writer.wait(timeout=30) == 0
+    finally:
+        writer.kill()
+    assert whole > 1000 and not torn, (whole, torn[:3])
 
 
 def test_timeouts_have_floors_follow_the_run_and_survive_a_restart(tmp_path: Path) -> None:
@@ -361,7 +409,7 @@ threading.Event().wait()  # a rank that only waits for its peer
 
 def _old_page(folder: Path, rank: int, pid: int, step: int, idle_s: float) -> None:
     beat = time.time() - idle_s
-    progress.file_for(folder, rank).write_bytes(progress.LAYOUT.pack(pid, progress.SECTIONS.index("step"), step, 60, 1, beat, beat))
+    progress.file_for(folder, rank).write_bytes(progress.page_bytes(pid, progress.SECTIONS.index("step"), step, 60, 1, beat, beat))
 
 
 def test_a_node_whose_ranks_only_wait_keeps_their_stacks_before_the_naming_node_kills(tmp_path: Path) -> None:

@@ -29,8 +29,15 @@ STACK_SIGNAL = signal.SIGWINCH
 SECTIONS = ("start-up", "step", "evaluation", "checkpoint", "meeting", "data", "finished")
 # The ops a rank can be in or have entered last (comm/collectives.py's names).
 OPS = ("", "all_reduce", "all_gather", "broadcast", "barrier", "send", "recv", "gather", "other")
-# pid, section, step done, collectives entered, last op, section began (unix s), last update (unix s)
-LAYOUT = struct.Struct("<qqqqqdd")
+# write number, pid, section, step done, collectives entered, last op, section began (unix s), last update
+# (unix s), the write number again. The page is read by another process while it is written: a read that
+# overlaps a write sees two write numbers and is not whole (struct.pack_into would zero the page first,
+# then fill it field by field, and a read in between saw a new step with times of zero).
+LAYOUT = struct.Struct("<qqqqqqddq")
+
+
+def page_bytes(pid: int, section: int, step: int, entered: int, op: int, since: float, beat: float, write: int = 1) -> bytes:
+    return LAYOUT.pack(write, pid, section, step, entered, op, since, beat, write)
 
 
 def file_for(folder: Path, rank: int) -> Path:
@@ -43,6 +50,7 @@ class Progress:
         self.ledger: TimeLedger | None = None  # rank 0's: where the time went (time_ledger.py)
         self.on_enter: list[Any] = []  # called with (section, step) as a section begins (the instruments' seam)
         self.section_index, self.step, self.entered, self.op, self.since = 0, 0, 0, 0, time.time()
+        self._writes = 0
         if path is None:
             return
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -55,7 +63,11 @@ class Progress:
 
     def _write(self) -> None:
         if self._map is not None:
-            LAYOUT.pack_into(self._map, 0, os.getpid(), self.section_index, self.step, self.entered, self.op, self.since, time.time())
+            self._writes += 1
+            # One copy into the page (mmap's slice assignment), the write number at both ends.
+            self._map[: LAYOUT.size] = page_bytes(
+                os.getpid(), self.section_index, self.step, self.entered, self.op, self.since, time.time(), self._writes
+            )
 
     def enter(self, section: str) -> None:
         now = time.time()
@@ -123,11 +135,13 @@ def read(path: Path) -> dict[str, Any] | None:
         return None
     if len(data) != LAYOUT.size:
         return None
-    pid, section, step, entered, op, since, beat = LAYOUT.unpack(data)
+    first, pid, section, step, entered, op, since, beat, last = LAYOUT.unpack(data)
+    if first != last or first <= 0:  # read while it was written, or before its first write
+        return None
     if not 0 <= section < len(SECTIONS) or not 0 <= op < len(OPS):
         return None
-    # Every write stamps both times; a zero is a page read before its write landed (seen in CI under load:
-    # read as "no progress since 1970", it declared a hang on a rank that was training).
+    # Every write stamps both times; a zero is not a rank that stopped in 1970 (seen in CI under load, when
+    # pages were written field by field: read so, it declared a hang on a rank that was training).
     if beat <= 0 or since <= 0:
         return None
     return {"pid": pid, "section": SECTIONS[section], "step": step, "entered": entered, "op": OPS[op], "since": since, "beat": beat}
