@@ -16,9 +16,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def _wait_http(url: str, timeout: float = 30) -> None:
+def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 240) -> None:
+    """Long: a server that died ends the wait at once, and one alive is only slow to start on busy cores."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
             urllib.request.urlopen(url, timeout=2)
             return
@@ -26,7 +27,7 @@ def _wait_http(url: str, timeout: float = 30) -> None:
             return  # it answers
         except OSError:
             time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer within {timeout}s")
+    raise RuntimeError(f"{url} did not answer within {timeout}s (exit {proc.poll()})")
 
 
 @dataclass
@@ -66,11 +67,11 @@ class S3Server:
              "--mode", mode, "--log", str(log), "--ready", str(ready)],
         )  # fmt: skip
         self.proxies.append(p)
-        deadline = time.monotonic() + 20
-        while not ready.exists() and time.monotonic() < deadline:
+        deadline = time.monotonic() + 240
+        while not ready.exists() and time.monotonic() < deadline and p.poll() is None:
             time.sleep(0.05)
         endpoint = f"http://127.0.0.1:{ready.read_text()}"
-        _wait_http(endpoint)
+        _wait_http(endpoint, p)
         return endpoint, log
 
     def stop(self) -> None:
@@ -96,7 +97,7 @@ def start(port: int) -> S3Server:
         stderr=subprocess.DEVNULL,
     )
     endpoint = f"http://127.0.0.1:{port}"
-    _wait_http(endpoint + "/moto-api/")
+    _wait_http(endpoint + "/moto-api/", proc)
     import boto3
 
     iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")

@@ -481,8 +481,8 @@ def test_sigkill_at_random_moments_of_a_save_never_breaks_the_previous(tmp_path:
         assert any(proc.stdout.readline().strip() == "ready" for _ in range(20))
         # A kill before the first save completes would prove nothing (and on a busy machine the first
         # save can take longer than any fixed delay): the random instant counts from one being there.
-        deadline = time.monotonic() + 60
-        while not checkpoint.list_complete(root) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 240
+        while not checkpoint.list_complete(root) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.02)
         time.sleep(rng.uniform(0.05, 1.2))
         proc.send_signal(signal.SIGKILL)
