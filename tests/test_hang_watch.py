@@ -7,6 +7,8 @@ test_faults.py::test_a_stopped_rank_is_named_within_a_minute_and_the_run_restart
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -94,9 +96,6 @@ def test_a_page_read_while_another_process_writes_it_is_whole_or_nothing(tmp_pat
     """The watchdog reads from another process as the rank writes, many times per step. Written field by
     field (struct.pack_into zeroes the page first), about one read in twenty here saw a new step with zero
     times: read as "no progress since 1970", it declared a hang on a training rank in CI."""
-    import subprocess
-    import sys
-
     page = tmp_path / "rank0"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(page), "1.5"], stdout=subprocess.PIPE, text=True, env=env)

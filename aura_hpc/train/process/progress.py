@@ -9,6 +9,7 @@ updating it; the watchdog, which keeps running, sees that. Inert without the var
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 import os
 import signal
@@ -50,7 +51,9 @@ class Progress:
         self.ledger: TimeLedger | None = None  # rank 0's: where the time went (time_ledger.py)
         self.on_enter: list[Any] = []  # called with (section, step) as a section begins (the instruments' seam)
         self.section_index, self.step, self.entered, self.op, self.since = 0, 0, 0, 0, time.time()
-        self._writes = 0
+        # next() on a count is one step under the GIL: writes from two threads (the loop, a collective on the
+        # checkpoint thread) never share a number, which would let a read that mixes them pass.
+        self._writes = itertools.count(1)
         if path is None:
             return
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -63,10 +66,10 @@ class Progress:
 
     def _write(self) -> None:
         if self._map is not None:
-            self._writes += 1
             # One copy into the page (mmap's slice assignment), the write number at both ends.
+            number = next(self._writes)
             self._map[: LAYOUT.size] = page_bytes(
-                os.getpid(), self.section_index, self.step, self.entered, self.op, self.since, time.time(), self._writes
+                os.getpid(), self.section_index, self.step, self.entered, self.op, self.since, time.time(), number
             )
 
     def enter(self, section: str) -> None:
@@ -140,8 +143,8 @@ def read(path: Path) -> dict[str, Any] | None:
         return None
     if not 0 <= section < len(SECTIONS) or not 0 <= op < len(OPS):
         return None
-    # Every write stamps both times; a zero is not a rank that stopped in 1970 (seen in CI under load, when
-    # pages were written field by field: read so, it declared a hang on a rank that was training).
+    # Every write stamps both times: a whole page with a zero was not written by a rank, and read as one it
+    # would be a rank that stopped in 1970 (declared hung at once).
     if beat <= 0 or since <= 0:
         return None
     return {"pid": pid, "section": SECTIONS[section], "step": step, "entered": entered, "op": OPS[op], "since": since, "beat": beat}
