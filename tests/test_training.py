@@ -308,6 +308,48 @@ def test_a_lan_node_lost_mid_run_is_named_in_one_line(tmp_path: Path, prepared: 
     assert any(w in kept for w in ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "c10d")), kept[-3000:]
 
 
+def test_a_stranger_who_deletes_the_rendezvous_state_mid_run_stops_it_at_once_named_and_resumable(tmp_path: Path, prepared: Path) -> None:
+    """Anyone who reaches node 0's port can delete the keys of torch's rendezvous. Before, the launchers
+    waited on the missing state for three of the store's 60 s timeouts, then node 0 said it had lost
+    node 0. Now every node stops within seconds, node 0 names what happened and the fix, and the
+    workers' checkpoint is there to resume from."""
+    from datetime import timedelta
+
+    from aura_hpc.comm import stores
+    from aura_hpc.launch.agent import RDZV_RUN_ID
+
+    port = free_port()
+    args = ["local", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "1"]
+    args += ["--set", f"data.path={prepared}", *SMALL_MODEL, "--set", "train.max_steps=100000", "--set", "train.warmup_steps=1"]
+    args += ["--set", "train.checkpoint_every=1000", "--run-name", "lan", "--output-dir", str(tmp_path)]
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "aura_hpc", *args, "--node-rank", str(node)]
+        procs.append(subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        time.sleep(0.5)
+    try:
+        deadline = time.monotonic() + 240
+        metrics = tmp_path / "lan" / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the LAN run never trained"
+            time.sleep(0.2)
+        stranger = stores.client("127.0.0.1", port, timedelta(seconds=10))
+        stranger.delete_key(f"torch.rendezvous.{RDZV_RUN_ID}")
+        # Before: node 0 exited after 181 s (3 x 60 s); a stop with a checkpoint takes seconds.
+        outs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    err0 = [ln for ln in outs[0][1].splitlines() if ln.strip()]
+    assert procs[0].returncode == 1 and len(err0) == 1, outs[0][0][-3000:] + outs[0][1][-3000:] + outs[1][0][-2000:] + outs[1][1][-2000:]
+    assert "the rendezvous state in node 0's store at 127.0.0.1" in err0[0] and "was deleted by a program that is not" in err0[0]
+    assert "to resume from step_" in err0[0] and f"reach port {port}" in err0[0], err0[0]
+    # Node 1 names it too when it reads the state before node 0 has closed the store, else node 0's exit.
+    assert procs[1].returncode in (1, 75), outs[1][1][-3000:]
+    assert "stop requested" in (tmp_path / "lan" / "logs" / "rank_0.log").read_text()  # the stop wrote a checkpoint
+
+
 def test_node_0_gone_is_named_also_when_the_workers_notice_before_the_agent(tmp_path: Path) -> None:
     """The race the test above can lose either way: node 1's worker fails its collective before
     its agent sees the rendezvous gone. With node 0's port closed, the line still names node 0."""

@@ -98,6 +98,69 @@ def test_a_store_listens_on_its_address_alone() -> None:
         del server
 
 
+class _MakesADirectory:
+    """What a stranger at node 0's port would write in place of the rendezvous state: code, once unpickled."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        import os
+
+        return (os.mkdir, (str(self.path),))
+
+
+def test_the_rendezvous_state_is_read_with_its_own_classes_alone_and_a_deleted_one_stops_at_once(tmp_path: Path) -> None:
+    """torch's c10d rendezvous keeps its state pickled in node 0's store, and every launcher unpickles it.
+    A stranger who rewrites it (code, a huge value, another object) or deletes it stops the run, named:
+    nothing of it runs, and a deleted state does not hold the agent for the store's 60 s timeout."""
+    import base64
+    import pickle
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError, rendezvous_handler_registry
+
+    stores.register_rendezvous()
+    port = free_port()
+    params = RendezvousParameters(
+        backend=stores.RDZV_BACKEND, endpoint=f"127.0.0.1:{port}", run_id="wire", min_nodes=1, max_nodes=1,
+        is_host=True, read_timeout=60, local_addr="127.0.0.1",
+    )  # fmt: skip
+    handler = rendezvous_handler_registry.create_handler(params)
+    try:
+        handler.next_rendezvous()  # one node: the state now holds a round, a participant, its heartbeat
+        stranger = stores.client("127.0.0.1", port, timedelta(seconds=10))
+        key = "torch.rendezvous.wire"
+        real = base64.b64decode(stranger.get(key))
+        stores.check_rendezvous_state(real)  # what torch wrote passes
+        made = tmp_path / "made-by-the-state"
+        rewrites = {
+            "it names posix.mkdir": pickle.dumps(_MakesADirectory(made)),
+            "a list, not a rendezvous state": pickle.dumps([1, 2]),
+            "a value of 2,097,152 bytes": b"x" * (2 << 20),
+            "not a rendezvous state": real[: len(real) // 2],
+        }
+        for said, bits in rewrites.items():
+            stores.forget_tampering()
+            stranger.set(key, base64.b64encode(bits))
+            time.sleep(1.1)  # past the state's 1 s cache
+            with pytest.raises(RendezvousStateError, match="rendezvous state in the store was rewritten"):
+                handler.num_nodes_waiting()
+            seen = stores.tampering_seen()
+            assert seen is not None and said in str(seen), (said, seen)
+        assert not made.exists()
+        stores.forget_tampering()
+        stranger.delete_key(key)
+        time.sleep(1.1)
+        began = time.monotonic()
+        with pytest.raises(RendezvousStateError, match="was deleted"):
+            handler.num_nodes_waiting()
+        assert time.monotonic() - began < 30  # torch's own `get` waited out read_timeout (60 s) on a missing key
+        assert str(stores.tampering_seen()) == "deleted"
+    finally:
+        stores.forget_tampering()
+        handler.shutdown()
+
+
 def _prove(rank: int, port: int, secret: str, out: str) -> None:
     store = stores.client("127.0.0.1", port, timedelta(seconds=20))
     try:

@@ -52,7 +52,7 @@ def cmd_ps(a: argparse.Namespace) -> int:
         worker_log.setup(cfg.run_dir / "logs", 0, label="ps")
         server = ParameterServer(cfg, auth.key_of(secret))
         server.resume()
-        from aura_hpc.launch.agent import native_stderr_to
+        from aura_hpc.launch.native_stderr import native_stderr_to
 
         # torch's C++ store prints its own traces (a peer that sends what it refuses): to a file, not this terminal.
         with native_stderr_to(cfg.run_dir / "logs" / "stderr_ps.log"):

@@ -7,14 +7,12 @@ assumed, and replaced by the older behaviour with a one-line note.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import signal
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -33,6 +31,7 @@ from aura_hpc.errors import (
     LaunchError,
     TrainingFailed,
 )
+from aura_hpc.launch.native_stderr import native_stderr_to
 from aura_hpc.launch.plan import LocalPlan
 
 if TYPE_CHECKING:
@@ -198,12 +197,15 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
 
     cmd = plan.worker_cmd
     started = time.time()
+    stores.forget_tampering()
     try:
         with native_stderr_to(plan.cfg.run_dir / "logs" / f"stderr_node{plan.node_rank}.log"):
             elastic_launch(lc, cmd[0])(*cmd[1:])
     except SignalException as exc:
         return _resumable(plan, exc.sigval.name, stops.poll() if stops is not None else None)
     except ChildFailedError as exc:
+        if (what := stores.tampering_seen()) is not None:
+            raise _tampered(plan, what) from None  # the workers stopped because the agent (here or on another node) did
         # Every rank stopped resumably; one still shutting down when a peer had already exited is
         # SIGTERMed by the agent, after the (collective) checkpoint: that is no failure.
         codes = [f.exitcode for f in exc.failures.values()]
@@ -226,6 +228,8 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
             return EXIT_GPU_FAULT
         raise _failure(plan, exc.failures) from None
     except RendezvousError as exc:
+        if (what := stores.tampering_seen()) is not None:
+            raise _tampered(plan, what) from None
         if _trained_since(plan, started):
             refused = _refused_here(plan)
             if refused:
@@ -260,36 +264,22 @@ def _trained_since(plan: LocalPlan, started: float) -> bool:
     return False
 
 
-@contextlib.contextmanager
-def native_stderr_to(path: Path) -> Iterator[None]:
-    """While the workers run, what writes to file descriptor 2 directly (torch's C++ warnings and stack
-    traces from the rendezvous and the collectives, the workers' own stderr, faulthandler dumps) goes
-    to `path`; Python's sys.stderr (our one-line messages) stays on the terminal."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sys.stderr.flush()
-    terminal = os.dup(2)
-    with open(path, "ab") as sink:
-        os.dup2(sink.fileno(), 2)
-    saved = sys.stderr
-    sys.stderr = os.fdopen(os.dup(terminal), "w", buffering=1, encoding=saved.encoding, errors="replace")
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        sys.stderr.close()
-        sys.stderr = saved
-        os.dup2(terminal, 2)
-        os.close(terminal)
-        with contextlib.suppress(OSError):
-            if path.stat().st_size == 0:
-                path.unlink()  # nothing was said: no empty file in the logs
-
-
 def _lost_master(plan: LocalPlan) -> TrainingFailed:
     return TrainingFailed(
         f"lost node 0 (the master at {plan.master_addr}:{plan.master_port}, which hosts the rendezvous) while "
         f"training: its launcher or machine stopped (see {plan.cfg.run_dir / 'logs'}); rank 0 runs there, so the "
         f"re-run resumes from node 0's newest checkpoint (fix: start node 0 again, then this command on every node)",
+        EXIT_TRAIN_FAILED,
+    )
+
+
+def _tampered(plan: LocalPlan, what: stores.StateTampered) -> TrainingFailed:
+    """Someone who is not one of the run's launchers deleted or rewrote the rendezvous state in node 0's store."""
+    return TrainingFailed(
+        f"the rendezvous state in node 0's store at {plan.master_addr}:{plan.master_port} was {what} by a program that is "
+        f"not one of this run's launchers (anyone who reaches that port can: docs/lan.md, Trust), so the run stopped; "
+        f"{_resume_hint(plan)} on every node (fix: let only your own machines reach port {plan.master_port}: a firewall "
+        "rule, a VPN)",
         EXIT_TRAIN_FAILED,
     )
 

@@ -1,0 +1,38 @@
+"""Where torch's C++ output goes while a launcher runs its workers or its server: a log file, not the terminal.
+
+Slurm log files and terminals get our one-line verdicts; the C++ warnings and stack traces of the
+rendezvous and the collectives stay in the run's logs for whoever looks into a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def native_stderr_to(path: Path) -> Iterator[None]:
+    """While the workers run, what writes to file descriptor 2 directly (torch's C++ warnings and stack
+    traces from the rendezvous and the collectives, the workers' own stderr, faulthandler dumps) goes
+    to `path`; Python's sys.stderr (our one-line messages) stays on the terminal."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    with open(path, "ab") as sink:
+        os.dup2(sink.fileno(), 2)
+    saved = sys.stderr
+    sys.stderr = os.fdopen(os.dup(terminal), "w", buffering=1, encoding=saved.encoding, errors="replace")
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        sys.stderr.close()
+        sys.stderr = saved
+        os.dup2(terminal, 2)
+        os.close(terminal)
+        with contextlib.suppress(OSError):
+            if path.stat().st_size == 0:
+                path.unlink()  # nothing was said: no empty file in the logs
