@@ -110,14 +110,24 @@ class _MakesADirectory:
         return (os.mkdir, (str(self.path),))
 
 
-def test_the_rendezvous_state_is_read_with_its_own_classes_alone_and_a_deleted_one_stops_at_once(tmp_path: Path) -> None:
+def _short_string(text: str) -> bytes:
+    raw = text.encode()
+    return b"\x8c" + bytes([len(raw)]) + raw
+
+
+def test_the_rendezvous_state_is_read_as_data_and_a_deleted_one_stops_at_once(tmp_path: Path) -> None:
     """torch's c10d rendezvous keeps its state pickled in node 0's store, and every launcher unpickles it.
-    A stranger who rewrites it (code, a huge value, another object) or deletes it stops the run, named:
-    nothing of it runs, and a deleted state does not hold the agent for the store's 60 s timeout."""
+    A stranger who rewrites it (code, a change to torch's classes, another object or shape, a huge value)
+    or deletes it stops the run, named: nothing of it runs, and a deleted state does not hold the agent
+    for the store's 60 s timeout."""
     import base64
+    import datetime
     import pickle
 
     from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError, rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    from aura_hpc.comm import rendezvous_state
 
     stores.register_rendezvous()
     port = free_port()
@@ -126,38 +136,54 @@ def test_the_rendezvous_state_is_read_with_its_own_classes_alone_and_a_deleted_o
         is_host=True, read_timeout=60, local_addr="127.0.0.1",
     )  # fmt: skip
     handler = rendezvous_handler_registry.create_handler(params)
+    eq_before = _RendezvousState.__dict__.get("__eq__")
     try:
         handler.next_rendezvous()  # one node: the state now holds a round, a participant, its heartbeat
         stranger = stores.client("127.0.0.1", port, timedelta(seconds=10))
         key = "torch.rendezvous.wire"
         real = base64.b64decode(stranger.get(key))
-        stores.check_rendezvous_state(real)  # what torch wrote passes
+        rendezvous_state.check(real, 1)  # what torch wrote passes
         made = tmp_path / "made-by-the-state"
-        rewrites = {
-            "it names posix.mkdir": pickle.dumps(_MakesADirectory(made)),
-            "a list, not a rendezvous state": pickle.dumps([1, 2]),
-            "a value of 2,097,152 bytes": b"x" * (2 << 20),
-            "not a rendezvous state": real[: len(real) // 2],
-        }
-        for said, bits in rewrites.items():
-            stores.forget_tampering()
+        extra = _RendezvousState()
+        extra.round = 2**40  # type: ignore[attr-defined]
+        extra.owner = "someone"  # type: ignore[attr-defined]
+        on_the_class = (
+            b"\x80\x04" + _short_string("torch.distributed.elastic.rendezvous.dynamic_rendezvous") + _short_string("_RendezvousState")
+            + b"\x93N}" + _short_string("__eq__") + b"Ns\x86b."
+        )  # fmt: skip
+        naive = _RendezvousState()
+        naive.last_heartbeats[next(iter(pickle.loads(real).participants))] = datetime.datetime(2026, 11, 27)  # type: ignore[attr-defined]
+        rewrites = [
+            ("it names posix.mkdir", pickle.dumps(_MakesADirectory(made))),
+            ("not a rendezvous state", on_the_class),  # a BUILD on torch's class itself: refused, the class untouched
+            ("a dict, not a rendezvous state", pickle.dumps({"round": 1})),
+            ("pickle opcode EMPTY_LIST", pickle.dumps([1, 2])),
+            ("fields are not torch's", pickle.dumps(extra)),
+            ("heartbeats that are not torch's", pickle.dumps(naive)),
+            ("a value of", b"x" * (2 << 20)),
+            ("not a rendezvous state", real[: len(real) // 2]),
+            ("not a rendezvous state", real[:-1] + b"N."),  # two objects left at STOP: a pile of them costs memory
+        ]
+        for said, bits in rewrites:
+            rendezvous_state.forget_tampering()
             stranger.set(key, base64.b64encode(bits))
             time.sleep(1.1)  # past the state's 1 s cache
             with pytest.raises(RendezvousStateError, match="rendezvous state in the store was rewritten"):
                 handler.num_nodes_waiting()
-            seen = stores.tampering_seen()
+            seen = rendezvous_state.tampering_seen()
             assert seen is not None and said in str(seen), (said, seen)
         assert not made.exists()
-        stores.forget_tampering()
+        assert _RendezvousState.__dict__.get("__eq__") is eq_before  # torch's own class is never what a pickle changes
+        rendezvous_state.forget_tampering()
         stranger.delete_key(key)
         time.sleep(1.1)
         began = time.monotonic()
         with pytest.raises(RendezvousStateError, match="was deleted"):
             handler.num_nodes_waiting()
         assert time.monotonic() - began < 30  # torch's own `get` waited out read_timeout (60 s) on a missing key
-        assert str(stores.tampering_seen()) == "deleted"
+        assert str(rendezvous_state.tampering_seen()) == "deleted"
     finally:
-        stores.forget_tampering()
+        rendezvous_state.forget_tampering()
         handler.shutdown()
 
 

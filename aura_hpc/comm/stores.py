@@ -11,9 +11,9 @@ Reaching a store proves nothing: before any collective every rank proves the run
 the port can stop a run, but cannot stand in for a rank.
 
 torch's rendezvous keeps its state pickled in node 0's store, and every launcher unpickles it. Ours reads
-it first with an unpickler that knows the state's own classes alone (`check_rendezvous_state`): a state
-rewritten by a stranger stops the run instead of running code on every node, and a deleted one stops it
-at once instead of after three of the store's 60 s timeouts.
+it first as data (comm/rendezvous_state.py): a state rewritten by a stranger stops the run instead of
+running code on every node, and a deleted one stops it at once instead of after three of the store's
+60 s timeouts.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import contextlib
 import errno
 import hashlib
 import hmac
-import io
 import logging
 import os
-import pickle
 import secrets
 import socket
 import time
 from datetime import timedelta
 from typing import Any
+
+from aura_hpc.comm import rendezvous_state
 
 log = logging.getLogger("aura_hpc")
 
@@ -48,56 +48,6 @@ class StoreAddressInUse(OSError):
 
 class NotAStore(Exception):
     """The port accepted the connection but never answered as a torch store."""
-
-
-class StateTampered(Exception):
-    """The rendezvous state in the store is gone, or is not one torch's rendezvous wrote: what happened to it."""
-
-
-# What torch's c10d rendezvous state (dynamic_rendezvous._RendezvousState) is made of, from torch 2.6 on:
-# itself, its nodes' descriptions and their heartbeats' times. Sets, dicts and scalars need no class.
-_STATE_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
-_STATE_CLASSES = frozenset(
-    {(_STATE_MODULE, "_RendezvousState"), (_STATE_MODULE, "_NodeDesc"), ("datetime", "datetime"), ("datetime", "timezone"),
-     ("datetime", "timedelta")}
-)  # fmt: skip
-# About 100 bytes a node: far above any real run's state, far below a value that costs memory to read.
-MAX_STATE_BYTES = 1 << 20
-
-
-# What this process's rendezvous found tampered with, newest last: torch's agent swallows the error where it
-# closes the rendezvous (after the workers of a node that noticed nothing itself stopped), so the launcher reads it here.
-_TAMPERING: list[StateTampered] = []
-
-
-def tampering_seen() -> StateTampered | None:
-    return _TAMPERING[-1] if _TAMPERING else None
-
-
-def forget_tampering() -> None:
-    _TAMPERING.clear()
-
-
-class _StateClassesOnly(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _STATE_CLASSES:
-            raise StateTampered(f"rewritten (it names {module[:80]}.{name[:80]}, which no rendezvous state holds)")
-        return super().find_class(module, name)
-
-
-def check_rendezvous_state(bits: bytes) -> None:
-    """Raises StateTampered unless `bits` is a pickled rendezvous state and nothing else: read here with the
-    state's own classes alone, before torch unpickles the same bytes with every class there is."""
-    if len(bits) > MAX_STATE_BYTES:
-        raise StateTampered(f"rewritten (a value of {len(bits):,} bytes, where a rendezvous state has a few hundred)")
-    try:
-        state = _StateClassesOnly(io.BytesIO(bits)).load()
-    except StateTampered:
-        raise
-    except Exception as exc:  # any damage at all: a truncated or hand-made pickle, a frozen class's setattr
-        raise StateTampered(f"rewritten (not a rendezvous state: {type(exc).__name__})") from None
-    if type(state).__name__ != "_RendezvousState":
-        raise StateTampered(f"rewritten (a {type(state).__name__[:80]}, not a rendezvous state)")
 
 
 def bound_server(addr: str, port: int, timeout: timedelta, multi_tenant: bool = False, wait_for_workers: bool = False) -> Any:
@@ -199,12 +149,16 @@ def register_rendezvous() -> None:
         def name(self) -> str:
             return RDZV_BACKEND
 
+        def __init__(self, store: Any, run_id: str, max_nodes: int) -> None:
+            super().__init__(store, run_id)
+            self.max_nodes = max_nodes
+
         def _still_there(self) -> None:
             # Every backend writes torch's sentinel under the key when it is made, so a key that is gone was
             # deleted: torch's `get` would wait on it for the store's whole timeout, three times on the way out,
             # and its compare_set on a missing key answers with the old state, as if nothing had happened.
             if not self._call_store("check", [self._key]):
-                raise _tampered(StateTampered("deleted"))
+                raise _tampered(rendezvous_state.StateTampered("deleted"))
 
         def get_state(self) -> Any:
             self._still_there()
@@ -217,21 +171,22 @@ def register_rendezvous() -> None:
         def _decode_state(self, base64_state: bytes) -> Any:
             # Both get_state and set_state (compare_set answers with what the store holds) come through here,
             # and torch unpickles what this returns.
+            if len(base64_state) > 2 * rendezvous_state.max_bytes(self.max_nodes):
+                raise _tampered(rendezvous_state.StateTampered(f"rewritten (a value of {len(base64_state):,} bytes)"))
             try:
                 pair = super()._decode_state(base64_state)
             except RendezvousStateError:
-                raise _tampered(StateTampered("rewritten (not base64)"))  # noqa: B904 (the cause is set there)
+                raise _tampered(rendezvous_state.StateTampered("rewritten (not base64)"))  # noqa: B904 (the cause is set there)
             if pair is not None:
                 try:
-                    check_rendezvous_state(pair[0])
-                except StateTampered as exc:
+                    rendezvous_state.check(pair[0], self.max_nodes)
+                except rendezvous_state.StateTampered as exc:
                     raise _tampered(exc)  # noqa: B904 (the cause is set there)
             return pair
 
-    def _tampered(what: StateTampered) -> Exception:
-        _TAMPERING.append(what)
-        err = RendezvousStateError(f"the rendezvous state in the store was {what}")
-        err.__cause__, err.__suppress_context__ = what, True  # the launcher finds `what` here (launch/agent.py)
+    def _tampered(what: rendezvous_state.StateTampered) -> Exception:
+        err = RendezvousStateError(f"the rendezvous state in the store was {rendezvous_state.seen(what)}")
+        err.__cause__, err.__suppress_context__ = what, True
         return err
 
     def create(params: Any) -> Any:
@@ -260,7 +215,7 @@ def register_rendezvous() -> None:
             raise RendezvousConnectionError(f"the connection to the rendezvous store at {host}:{port} failed: {exc}") from exc
         except (ValueError, RuntimeError, TimeoutError) as exc:
             raise RendezvousConnectionError(f"the connection to the rendezvous store at {host}:{port} failed: {exc}") from exc
-        handler = create_handler(store, BoundBackend(store, params.run_id), params)
+        handler = create_handler(store, BoundBackend(store, params.run_id, params.max_nodes), params)
         own = params.local_addr or host
         if hasattr(handler, "_create_tcp_store_server"):  # the store the workers share (torch >= 2.6)
             handler._create_tcp_store_server = lambda _addr, p: bound_server(own, p, timeout, multi_tenant=True)

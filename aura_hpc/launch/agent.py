@@ -17,7 +17,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from aura_hpc.comm import stores
+from aura_hpc.comm import rendezvous_state, stores
 from aura_hpc.errors import (
     EXIT_DATA_UNAVAILABLE,
     EXIT_DIVERGED,
@@ -197,14 +197,14 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
 
     cmd = plan.worker_cmd
     started = time.time()
-    stores.forget_tampering()
+    rendezvous_state.forget_tampering()
     try:
         with native_stderr_to(plan.cfg.run_dir / "logs" / f"stderr_node{plan.node_rank}.log"):
             elastic_launch(lc, cmd[0])(*cmd[1:])
     except SignalException as exc:
         return _resumable(plan, exc.sigval.name, stops.poll() if stops is not None else None)
     except ChildFailedError as exc:
-        if (what := stores.tampering_seen()) is not None:
+        if (what := rendezvous_state.tampering_seen()) is not None:
             raise _tampered(plan, what) from None  # the workers stopped because the agent (here or on another node) did
         # Every rank stopped resumably; one still shutting down when a peer had already exited is
         # SIGTERMed by the agent, after the (collective) checkpoint: that is no failure.
@@ -228,7 +228,7 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
             return EXIT_GPU_FAULT
         raise _failure(plan, exc.failures) from None
     except RendezvousError as exc:
-        if (what := stores.tampering_seen()) is not None:
+        if (what := rendezvous_state.tampering_seen()) is not None:
             raise _tampered(plan, what) from None
         if _trained_since(plan, started):
             refused = _refused_here(plan)
@@ -273,7 +273,7 @@ def _lost_master(plan: LocalPlan) -> TrainingFailed:
     )
 
 
-def _tampered(plan: LocalPlan, what: stores.StateTampered) -> TrainingFailed:
+def _tampered(plan: LocalPlan, what: rendezvous_state.StateTampered) -> TrainingFailed:
     """Someone who is not one of the run's launchers deleted or rewrote the rendezvous state in node 0's store."""
     return TrainingFailed(
         f"the rendezvous state in node 0's store at {plan.master_addr}:{plan.master_port} was {what} by a program that is "
