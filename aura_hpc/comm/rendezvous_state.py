@@ -45,9 +45,8 @@ class StateTampered(Exception):
 _SEEN: list[StateTampered] = []
 
 
-def seen(what: StateTampered) -> StateTampered:
+def record(what: StateTampered) -> None:
     _SEEN.append(what)
-    return what
 
 
 def tampering_seen() -> StateTampered | None:
@@ -101,7 +100,7 @@ def _check_opcodes(bits: bytes) -> None:
         raise StateTampered("rewritten (not a rendezvous state: more than one object)")
 
 
-def _stand_in(name: str, fields: tuple[str, ...], hashed_by: tuple[str, ...]) -> type:
+def _stand_in(name: str, fields: tuple[str, ...], hashed: bool) -> type:
     """A class in place of torch's: made only as torch's pickle makes it (NEWOBJ, then one BUILD with a
     dict of exactly its fields), and hashed as torch's frozen dataclass is, so what fails torch's load
     fails here first."""
@@ -120,21 +119,21 @@ def _stand_in(name: str, fields: tuple[str, ...], hashed_by: tuple[str, ...]) ->
         vars(self).update(state)
 
     def __hash__(self: Any) -> int:
-        return hash(tuple(vars(self)[f] for f in hashed_by))
+        return hash(tuple(vars(self)[f] for f in fields))
 
     def __eq__(self: Any, other: Any) -> bool:
         return type(other) is type(self) and vars(self) == vars(other)
 
     methods = {"__new__": __new__, "__init__": __init__, "__setstate__": __setstate__}
-    if hashed_by:
+    if hashed:
         methods |= {"__hash__": __hash__, "__eq__": __eq__}
     # A BUILD aimed at the class itself calls its __setstate__ unbound, and fails: nothing sets attributes on it.
     return type(name, (), methods)
 
 
 def _read(bits: bytes) -> tuple[Any, type]:
-    state_cls = _stand_in("State", tuple(_FIELDS), ())
-    node_cls = _stand_in("Node", tuple(_NODE_FIELDS), tuple(_NODE_FIELDS))
+    state_cls = _stand_in("State", tuple(_FIELDS), hashed=False)
+    node_cls = _stand_in("Node", tuple(_NODE_FIELDS), hashed=True)
     stand_ins = {"_RendezvousState": state_cls, "_NodeDesc": node_cls}
 
     class Reader(pickle.Unpickler):

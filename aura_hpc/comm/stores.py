@@ -176,18 +176,17 @@ def register_rendezvous() -> None:
             try:
                 pair = super()._decode_state(base64_state)
             except RendezvousStateError:
-                raise _tampered(rendezvous_state.StateTampered("rewritten (not base64)"))  # noqa: B904 (the cause is set there)
+                raise _tampered(rendezvous_state.StateTampered("rewritten (not base64)")) from None
             if pair is not None:
                 try:
                     rendezvous_state.check(pair[0], self.max_nodes)
                 except rendezvous_state.StateTampered as exc:
-                    raise _tampered(exc)  # noqa: B904 (the cause is set there)
+                    raise _tampered(exc) from None
             return pair
 
     def _tampered(what: rendezvous_state.StateTampered) -> Exception:
-        err = RendezvousStateError(f"the rendezvous state in the store was {rendezvous_state.seen(what)}")
-        err.__cause__, err.__suppress_context__ = what, True
-        return err
+        rendezvous_state.record(what)  # torch's close swallows the error: the launcher reads the record (launch/agent.py)
+        return RendezvousStateError(f"the rendezvous state in the store was {what}")
 
     def create(params: Any) -> Any:
         from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
