@@ -222,3 +222,23 @@ def test_zero3_on_cpus_keeps_no_persistent_parameters_unless_the_users_json_says
     own.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 1000}}))
     cfg.dist.strategy, cfg.dist.deepspeed_config = "zero3", str(own)
     assert deepspeed_config(cfg, 2, bf16=True, on_cpu=True)["zero_optimization"]["stage3_param_persistence_threshold"] == 1000
+
+
+def test_deepspeed_is_not_asked_to_synchronise_the_device_each_micro_step(tmp_path: Path) -> None:
+    """DeepSpeed's throughput timer (on unless the JSON says) synchronises the device as each forward starts
+    and each step ends: two host waits a micro-step on a GPU (a no-op on CPU, so no run here shows it).
+    Read by DeepSpeed's own parser of our config; a user's JSON may turn it back on."""
+    from deepspeed.utils.config import get_timers_config
+
+    from aura_hpc.config import RunConfig
+    from aura_hpc.config.deepspeed import deepspeed_config
+
+    cfg = RunConfig()
+    for stage in ("zero1", "zero2", "zero3"):
+        cfg.dist.strategy = stage
+        assert not get_timers_config(deepspeed_config(cfg, 8, bf16=True)).enabled, stage
+    own = tmp_path / "ds.json"
+    own.write_text(json.dumps({"timers": {"throughput": {"enabled": True, "synchronized": False}}}))
+    cfg.dist.deepspeed_config = str(own)
+    timers = get_timers_config(deepspeed_config(cfg, 8, bf16=True))
+    assert timers.enabled and not timers.synchronized

@@ -10,6 +10,7 @@ of a GPU (docs/speed.md names that gap)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ import torch
 
 from tests.conftest import SMALL_MODEL, cli_env, free_port
 
-STEPS, NAN_STEP = 20, 7
+STEPS, NAN_STEP, INF_STEP = 20, 7, 13
 # Meetings every 4 steps in int8, each landing 2 steps later (selftest's settings), one replica per node.
 DILOCO = ("dist.sync_every=4", "dist.diloco_overlap=2", "dist.diloco_wire=int8", "dist.diloco_replicas=0")
 DEEPSPEED_SITES = ("deepspeed/runtime/utils.py", "deepspeed/runtime/zero/stage3.py", "deepspeed/runtime/zero/stage_1_and_2.py")
@@ -93,7 +94,8 @@ def _run_probe(run: Path, rank: int) -> dict:
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> tuple[Path, dict[str, list[str]]]:
     """ddp, fsdp, zero2, zero3 and DiLoCo (one replica per node) on 2 nodes x 2 processes, bf16, sharing
-    one run folder: 20 steps, a NaN on the last rank at step 7, evaluation of 9 sequences in batches of 2
+    one run folder: 20 steps, a NaN loss on the last rank at step 7, an inf in one gradient of rank 1 at
+    step 13 (its loss finite: DeepSpeed 0.17+ under bf16 skipped that step itself, unsaid), evaluation of 9 sequences in batches of 2
     (rank 0 holds 3, two forwards; the others 2, one: the shorter ranks run one more, counted zero),
     checkpoints and samples at 10."""
     folder = tmp_path_factory.mktemp("shapes")
@@ -105,6 +107,7 @@ def shapes(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> tuple[Pa
     )  # fmt: skip
     strategies = {"ddp": (), "fsdp": (), "zero2": (), "zero3": (), "diloco": DILOCO}
     env = {"AURA_PROBE_STEPS": f"3-{STEPS - 2}", "AURA_PROBE_RUN": "1", "AURA_FAULT_NAN": f"3:{NAN_STEP}:1"}
+    env["AURA_FAULT_GRADINF"] = f"1:{INF_STEP}"
     runs = {}
     for name, extra in strategies.items():
         port = free_port()
@@ -125,9 +128,11 @@ def test_two_nodes_of_two_processes_train_in_bf16_with_nothing_a_gpu_would_refus
     run = folder / name
     # Ranks numbered node by node from the node the user calls 0; each node read its own settings file.
     assert "start rank=0 local_rank=0 world_size=4 node_rank=0" in node0 and (run / "config.node1.yaml").is_file()
-    # The NaN on rank 3 skipped that update on every rank, alone: no rollback followed.
-    assert f"non-finite loss or gradient on rank(s) [3] at step {NAN_STEP}: update skipped" in node0
-    assert node0.count("update skipped") == 1 and "rolled back" not in node0
+    # The NaN on rank 3 skipped that update on every rank, alone, and so did the inf gradient (named where it
+    # was seen: the rank, or under ZeRO the ranks whose partitions it reached); no rollback followed.
+    assert f"non-finite loss or gradient on rank(s) [3] at step {NAN_STEP}: update skipped (1 in a row)" in node0
+    assert re.search(rf"on rank\(s\) \[[\d, ]*\] at step {INF_STEP}: update skipped \(1 in a row\)", node0), node0[-3000:]
+    assert node0.count("update skipped") == 2 and "rolled back" not in node0
     # Evaluation of 9 sequences in batches of 2 over 4 ranks (sharded: every forward is collective) finished.
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval_loss" in r] == [10, 20], rows

@@ -33,7 +33,11 @@ def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool, on_cpu: bool =
         "gradient_accumulation_steps": t.grad_accum,
         "train_batch_size": t.batch_size * t.grad_accum * world_size,
         "gradient_clipping": t.grad_clip,
-        "bf16": {"enabled": bf16},
+        # check_grad_overflow: DeepSpeed 0.17+ (default on for bf16) skips a step with a non-finite gradient
+        # itself, inside its step: our skip on the device (zero_skip.py) never hears of it, no "update skipped"
+        # is logged, nan_rollback_after never counts it and the logged norm is the step before's; its check also
+        # reads a flag back to the host every step. 0.16 reads no such key (its check is fp16's alone).
+        "bf16": {"enabled": bf16, "check_grad_overflow": False},
         "fp16": {"enabled": False},
         # Gradients accumulated and reduced in fp32, as FSDP's MixedPrecisionPolicy(reduce_dtype=fp32)
         # does (DeepSpeed defaults both to the model dtype, bf16).
@@ -60,7 +64,10 @@ def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool, on_cpu: bool =
             "(fix: remove those keys from the JSON; set them with train.batch_size, train.grad_accum, train.grad_clip, "
             "train.precision and dist.strategy)"
         )
-    merged = {**user, **ours}
+    # DeepSpeed's throughput timer (on unless the JSON says) synchronises the device as each forward starts and
+    # each step ends: two host waits every micro-step on a GPU, the host never queueing ahead (its CPU
+    # accelerator's synchronize is a no-op, so a CPU run cannot show it). Ours: tokens/s in the metrics.
+    merged = {"timers": {"throughput": {"enabled": False}}, **user, **ours}
     defaults = CPU_ZERO3 if on_cpu and zero["stage"] == 3 else {}
     merged["zero_optimization"] = {**defaults, **user_zero, **zero}
     for key in ("optimizer", "scheduler"):

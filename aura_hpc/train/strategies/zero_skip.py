@@ -1,7 +1,8 @@
 """The skip of a non-finite step under ZeRO, which DeepSpeed does not do outside fp16.
 
-DeepSpeed's ZeRO optimizers check for overflow only under fp16 (bf16 only with its
-`check_grad_overflow`, off by default; fp32 never). Otherwise a NaN loss on one rank reaches our
+DeepSpeed's ZeRO optimizers check for overflow only under fp16 (fp32 never; bf16 with its
+`check_grad_overflow`, on by default from 0.17: config/deepspeed.py turns it off, so that the skip is
+ours on every version, logged, counted for nan_rollback_after, with no host read). Otherwise a NaN loss on one rank reaches our
 AdamW through the averaged gradients and every weight becomes NaN: DeepSpeed masks the norm to -1,
 which clipping reads as "no clipping needed". The guard sits on the step of the torch optimizer
 DeepSpeed drives: each rank checks the gradients of the partitions it is about to update on the
