@@ -412,3 +412,33 @@ def _tokenizer_json(root: Path, text: str) -> Path:
     path = root / "tokenizer.json"
     tok.save(str(path))
     return path
+
+
+GROUP_TIMEOUTS = """
+import json, torch
+from aura_hpc.comm import collectives
+from aura_hpc.train.process import distributed
+from aura_hpc.train.process.dist_env import DistEnv
+
+distributed.init_process_group(DistEnv(), "gloo", torch.device("cpu"), 30, 1234)
+def seconds(g):
+    return g.pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+out = {"split": seconds(collectives.new_group("diloco-outer", [0])), "host": seconds(collectives.new_group("io", host_only=True))}
+try:
+    collectives.new_group("io", [], host_only=True)
+except ValueError as exc:
+    out["refused"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_every_group_waits_for_a_collective_as_long_as_the_world_does() -> None:
+    """torch gives a group made without a timeout its backend's default (gloo 30 min, NCCL 10), not the
+    world's: a raised dist.timeout_s never reached DiLoCo's groups (NCCL ended a slow meeting at 10 min),
+    and the watchdog's rule, to speak before the collective timeout, did not hold there. A host-only group
+    over some ranks only is refused: on an NCCL world the ranks outside it would wait in a split for ever."""
+    r = subprocess.run([sys.executable, "-c", GROUP_TIMEOUTS], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["split"] == 1234 and out["host"] == 1234, out
+    assert "over every rank" in out["refused"], out

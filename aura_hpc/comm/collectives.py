@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -52,15 +53,20 @@ Observer = Callable[[str, list[torch.Tensor], Group], None]
 observers: list[Observer] = []
 sent: Counter[str] = Counter()  # bytes handed to collectives, per group name
 _world: Group | None = None
+# The world's collective timeout (dist.timeout_s): torch gives a group made without one its backend's default
+# (NCCL 10 min, gloo 30), not the world's, so a raised dist.timeout_s would not reach DiLoCo's groups.
+_timeout: timedelta | None = None
 
 
 def active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def set_world(device: torch.device) -> Group:
-    """The default group, once the process group is up: its collectives take tensors on `device`."""
-    global _world
+def set_world(device: torch.device, timeout: timedelta | None = None) -> Group:
+    """The default group, once the process group is up: its collectives take tensors on `device`; the
+    groups made after it wait `timeout` (the world's) for a collective, as the world does."""
+    global _world, _timeout
+    _timeout = timeout
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # "cuda" names the current one: compare by index
         device = torch.device("cuda", torch.cuda.current_device())
@@ -80,7 +86,11 @@ def backend(group: Group | None = None) -> str:
 def new_group(name: str, ranks: list[int] | None = None, host_only: bool = False) -> Group:
     """A group of `ranks` (every rank, if None) made collectively: every rank of the world calls this,
     in the same order. host_only: a gloo group for host tensors beside a device world."""
-    pg = dist.new_group(ranks, backend="gloo" if host_only else None)
+    if host_only and ranks is not None and active() and len(set(ranks)) < dist.get_world_size():
+        # On an NCCL world the ranks outside a new group split the world's communicator whatever the group's
+        # backend, and a gloo group's members never do: those outside would wait there for ever.
+        raise ValueError(f"a host-only group is made over every rank, not {ranks}")
+    pg = dist.new_group(ranks, timeout=_timeout, backend="gloo" if host_only else None)
     return Group(name, torch.device("cpu") if host_only else world().device, pg, host_only)
 
 

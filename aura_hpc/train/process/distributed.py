@@ -209,7 +209,7 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, init_ti
                 "NCCL_SOCKET_IFNAME / InfiniBand settings in the cluster profile; or --backend gloo)"
             )
     if not failed:
-        collectives.set_world(device)
+        collectives.set_world(device, timeout)
         if wanted == "gloo":
             flight_dump.serve(env.rank)
         return wanted
@@ -230,7 +230,7 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, init_ti
 def _gloo(store: Any, env: DistEnv, device: torch.device, timeout: timedelta) -> str:
     """gloo, on this rank's device: gloo carries CUDA tensors too (through host memory)."""
     dist.init_process_group("gloo", store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
-    collectives.set_world(device)
+    collectives.set_world(device, timeout)
     flight_dump.serve(env.rank)
     return "gloo"
 
@@ -280,7 +280,7 @@ def _connect(backend: str, store: Any, env: DistEnv, device: torch.device, init_
         kw: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **kw)
         probe_device = device if backend == "nccl" else torch.device("cpu")
-        collectives.set_world(probe_device)
+        collectives.set_world(probe_device, timeout)
         # NCCL connects lazily on some releases; one collective, read back, makes a broken fabric show up here.
         probe = torch.ones(1, device=probe_device)
         collectives.all_reduce(probe)
