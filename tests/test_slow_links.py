@@ -273,3 +273,56 @@ def test_link_advice_hides_a_slow_meeting_behind_a_tenth_of_the_interval() -> No
     busy = link_advice.Link(nodes=2, bandwidth=10e6 / 8, latency=3e-4, spread=2.4)
     assert "(uncertain: three timings differed 2.4x" in link_advice.advice(opts, busy)
     assert "uncertain" not in link_advice.advice(opts, link)
+
+
+MEETING_WAITS = """
+import json, sys, time, torch, torch.distributed as dist
+from aura_hpc.comm import collectives
+from aura_hpc.train.process import progress
+from aura_hpc.train.strategies.diloco import Meeting
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+collectives.set_world(torch.device("cpu"))
+seen = []
+progress.current().on_enter.append(lambda section, step: seen.append(section))
+# What a GPU's host wait would be: when it comes, and in which section (on CPU it does nothing).
+collectives.synchronize = lambda device: seen.append("host wait in " + progress.SECTIONS[progress.current().section_index])
+events = {}
+m = Meeting(4, 2, torch.full((1000,), float(rank + 1)), [], collectives.world(), 2, False)
+if rank == 1:
+    time.sleep(2.0)  # rank 1's portion comes late: rank 0 waits for it
+m.send_next()
+events["late"] = (m.landed(False, torch.device("cpu")), seen[:])
+seen.clear()
+m.send_next()
+deadline = time.monotonic() + 60
+while rank == 0 and not m.in_time() and time.monotonic() < deadline:
+    time.sleep(0.05)  # here by now, as a portion that crossed during its step
+events["in time"] = (m.landed(False, torch.device("cpu")), seen[:], m.out[0][0].item())
+seen.clear()
+m = Meeting(8, 3, torch.ones(1000), [], collectives.world(), 2, False)
+m.send_next()
+events["last"] = (m.landed(True, torch.device("cpu")), seen[:], m.done)
+print(json.dumps(events))
+dist.destroy_process_group()
+"""
+
+
+def test_a_late_portion_of_a_meeting_is_waited_for_in_the_meeting_on_the_host() -> None:
+    """An overlapped meeting's portion not yet here when its step comes (a slow link) is waited for in the
+    "meeting" section (the watchdog allows a meeting longer than a step) and on the host (on a GPU, a
+    collective's wait() only makes the stream wait: the host went on and blocked in the next step, where
+    a 30 s step floor declared a hang). A portion already here costs no section and no host wait; the
+    last step's meeting is waited for whole, in the section. Two gloo ranks, real portions."""
+    port = free_port()
+    procs = []
+    for r in (0, 1):
+        cmd = [sys.executable, "-c", MEETING_WAITS, str(r), str(port)]
+        procs.append(subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    events = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert events["late"] == [False, ["meeting", "host wait in meeting", "step"]], events
+    assert events["in time"] == [True, [], 3.0], events
+    assert events["last"] == [True, ["meeting", "host wait in meeting", "step"], 3], events

@@ -128,6 +128,10 @@ class Meeting:
                 self.out[0][sl].copy_(self.mine[sl])
                 self.work.append(collectives.all_reduce(self.out[0][sl], self.group, async_op=True))
 
+    def in_time(self) -> bool:
+        """Whether the portion in flight is here already (asked without waiting)."""
+        return self.work is None or all(w.is_completed() for w in self.work)
+
     def arrived(self) -> bool:
         """Wait for the portion in flight; True once every portion is here."""
         if self.work is not None:
@@ -141,6 +145,20 @@ class Meeting:
         """The remaining portions, one after the other."""
         while not self.arrived():
             self.send_next()
+
+    def landed(self, last: bool, device: torch.device) -> bool:
+        """The portion in flight waited for (at the last step: every portion left); True once the meeting
+        is whole. A wait that is not over at once is the meeting's: in its section, which the watchdog
+        allows longer than a step, and on the host, since on a GPU a collective's wait() only makes the
+        stream wait, and the host would block later, in the step, for the same link."""
+        late = last or not self.in_time()
+        with progress.current().section("meeting") if late else contextlib.nullcontext():
+            whole = self.arrived()
+            if last:
+                self.finish()
+            if late:
+                collectives.synchronize(device)
+        return whole or last
 
     def state(self) -> dict[str, Any]:
         end = min(self.mine.numel(), self.done * self.portion) if self.mine is not None else 0
@@ -255,12 +273,11 @@ class DilocoWrapped(Wrapped, OuterLoop, PerRankState):
         sync_every, and end on their mean: the final checkpoint holds every replica's work, not rank
         0's alone, and no outer momentum extrapolates past it once training is over (measured: docs/lan.md)."""
         last = step == self.last_step
-        if self.meeting is not None and (self.meeting.arrived() or last):
-            with progress.current().section("meeting"):
-                self.meeting.finish()  # the last step: the rest of the portions now
-            self._land(self.meeting)
-        elif self.meeting is not None:
-            self.meeting.send_next()
+        if self.meeting is not None:
+            if self.meeting.landed(last, self._flat.device):
+                self._land(self.meeting)
+            else:
+                self.meeting.send_next()
         if step % self.sync_every and not last:
             return
         with torch.no_grad():
@@ -287,6 +304,7 @@ class DilocoWrapped(Wrapped, OuterLoop, PerRankState):
                         m.finish()
                         self._flat.copy_(self._decode_mean(m.out) if self.int8 else m.out[0])
                     self._share(self._flat)
+                    collectives.synchronize(self._flat.device)  # on a GPU the waits above ordered the stream only
             self._outer_step(self._flat, last)
             for p, a in zip(self.params, self.anchor, strict=True):
                 p.copy_(a)
