@@ -135,3 +135,45 @@ def test_a_hang_with_no_restart_left_exits_77_naming_the_rank_and_tells_the_webh
     assert "to resume" in last, last
     assert len(received) == 1 and received[0]["event"] == "training.hang" and received[0]["culprits"] == [0], received
     assert received[0]["line"] in last
+
+
+# torch's own lines (ProcessGroupNCCL's watchdog, c10's `[rankN]:` prefix), as it logs a timeout, a peer gone
+# (NCCL's ncclRemoteError, the next line unprefixed) and a CUDA error, each before its SIGABRT.
+NCCL_STDERR = """[rank0]:[E1127 10:00:01.1 ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught collective operation timeout: \
+WorkNCCL(SeqNum=77, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600047 milliseconds before timing out.
+[rank0]:[E1127 10:00:01.2 ProcessGroupNCCL.cpp:630] [Rank 0] To avoid data inconsistency, we are taking the entire process down.
+[rank2]:[E1127 10:00:02.3 ProcessGroupNCCL.cpp:1785] [PG ID 0 PG GUID 0(default_pg) Rank 2] Process group watchdog thread \
+terminated with exception: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:317, remote process exited or there was \
+a network error, NCCL version 2.21.5
+ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.
+[rank3]:[E1127 10:00:03.4 ProcessGroupNCCL.cpp:1785] [PG ID 0 PG GUID 0(default_pg) Rank 3] Process group watchdog thread \
+terminated with exception: CUDA error: an illegal memory access was encountered
+"""
+
+
+def test_ranks_nccl_took_down_for_waiting_on_a_peer_are_named_after_the_cause(tmp_path: Path) -> None:
+    """On NCCL a rank whose collective timed out, or whose peer went away, is taken down by torch's watchdog
+    with SIGABRT: killed by a signal, it was named first, as the cause. Its own lines say it waited; a CUDA
+    error taking the same way out is a cause, named first still."""
+    import signal
+    from types import SimpleNamespace
+
+    from aura_hpc.config import RunConfig
+    from aura_hpc.launch.agent import _failure
+    from aura_hpc.launch.plan import LocalPlan
+
+    cfg = RunConfig()
+    cfg.output_dir, cfg.run_name = str(tmp_path), "nccl"
+    (cfg.run_dir / "logs").mkdir(parents=True)
+    (cfg.run_dir / "logs" / "stderr_node0.log").write_text(NCCL_STDERR)
+    abort = -signal.SIGABRT
+    ended = ((0, abort, 20.0), (1, 1, 10.0), (2, abort, 21.0), (3, abort, 22.0))  # rank, exit code, when
+    failures = {r: SimpleNamespace(exitcode=code, timestamp=t) for r, code, t in ended}
+    line = str(_failure(LocalPlan(cfg, 1, 0, 4, "127.0.0.1", 29500, 0, 60, None), failures))
+    named = re.findall(r"rank (\d) (was killed by SIGABRT|exited with status 1|was ended by NCCL \(([^:]+): it waited)", line)
+    assert [(r, w.split(" (")[0], why) for r, w, why in named] == [
+        ("3", "was killed by SIGABRT", ""),
+        ("1", "exited with status 1", ""),
+        ("0", "was ended by NCCL", "a collective timed out (dist.timeout_s)"),
+        ("2", "was ended by NCCL", "a peer went away"),
+    ], line

@@ -116,8 +116,9 @@ def test_a_page_read_while_another_process_writes_it_is_whole_or_nothing(tmp_pat
 def test_timeouts_have_floors_follow_the_run_and_survive_a_restart(tmp_path: Path) -> None:
     w = _watch(tmp_path)
     try:
-        # Start-up's 1,200 s is capped below the collective timeout (600 s), which would end the waiting ranks first.
-        assert w.timeout("step") == 30 and w.timeout("checkpoint") == 300 and w.timeout("start-up") == 570
+        # Start-up's 1,200 s is capped below the collective timeout (600 s), which would end the waiting ranks
+        # first, by a margin (30 s), the evidence's time before the kill (50 s) and the longest step (none yet).
+        assert w.timeout("step") == 30 and w.timeout("checkpoint") == 300 and w.timeout("start-up") == 520
         assert w.timeout("data") > 600  # the ranks' own patience for a data window comes first
         assert w.timeout("finished") == float("inf")
         t0 = time.time()
@@ -125,12 +126,16 @@ def test_timeouts_have_floors_follow_the_run_and_survive_a_restart(tmp_path: Pat
         w._learn(0, _page("step", 12, 7, t0 + 20))  # 10 s a step: 5x is above the floor
         w._learn(0, _page("checkpoint", 12, 7, t0 + 21))
         w._learn(0, _page("step", 13, 8, t0 + 101))  # left the checkpoint after 80 s
-        assert w.timeout("step") == 50 and w.timeout("checkpoint") == 400
+        assert w.timeout("step") == 50 and w.timeout("checkpoint") == 400 and w.timeout("start-up") == 510
+        w._learn(0, _page("checkpoint", 13, 8, t0 + 102))
+        w._learn(0, _page("step", 14, 9, t0 + 252))  # a 150 s checkpoint: 5x would be 750 s, past NCCL's 600
+        took = w.timeout("checkpoint")
+        assert took == 510 and took + w.calibration["step"] + 5 + 15 + 30 < 600, took
     finally:
         w.close()
     again = _watch(tmp_path)  # a resumed run: calibrated from the start
     try:
-        assert again.timeout("step") == 50 and again.timeout("checkpoint") == 400
+        assert again.timeout("step") == 50 and again.timeout("checkpoint") == 510
     finally:
         again.close()
 
@@ -260,6 +265,10 @@ def test_the_watchdog_asks_each_ranks_flight_recorder_through_its_pipe_and_keeps
         assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(mine) and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ
     else:  # 2.6: nothing recorded, the pipe read every 8 minutes, unless told
         assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+        monkeypatch.delenv("TORCH_NCCL_TRACE_BUFFER_SIZE")
+        monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "500")  # the user's size, under the newer name 2.6 does not read
+        prepare_flight_recorder(folder, run_dir)
+        assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"
     (tmp_path / "mine" / "fr_0").write_bytes(b"an old dump.")  # from an earlier timeout: not this hang's
     os.mkfifo(folder / "nccl_pipe_0.pipe")  # rank 0: its monitor thread reads the pipe
     os.mkfifo(folder / "nccl_pipe_1.pipe")  # rank 1: nobody reads it (stuck outside, or gone)

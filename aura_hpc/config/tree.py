@@ -146,7 +146,7 @@ class HealthConfig:
     hang_watch: bool = True  # `local`: a watchdog outside the loop names a hung rank, keeps stacks in RUN_DIR/hangs/, restarts the run
     hang_step_floor_s: float = 30.0  # no step on any rank of a node for this long is a hang (or 5x the longest step seen, if more)
     hang_section_floor_s: float = 300.0  # the same for an evaluation, a checkpoint, a DiLoCo meeting or a data window
-    hang_startup_s: float = 1200.0  # from a worker's start to its first step (process group, build, compilation)
+    hang_startup_s: float = 1200.0  # from a worker's start to its first step (group, build, compile), capped under dist.timeout_s
     hang_restarts: int = 2  # restarts from the newest checkpoint after hangs that made no progress; then exit 77
     hang_exclude_node: bool = True  # Slurm: the requeued job leaves out the node whose rank hung (where the partition has spares)
     straggler_action: str = "warn"  # warn | exclude (Slurm: the next requeue leaves out the node of a rank named a straggler)

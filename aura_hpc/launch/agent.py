@@ -32,6 +32,7 @@ from aura_hpc.errors import (
     TrainingFailed,
 )
 from aura_hpc.launch.native_stderr import native_stderr_to
+from aura_hpc.launch.nccl_aborts import waited_on_a_peer
 from aura_hpc.launch.plan import LocalPlan
 
 if TYPE_CHECKING:
@@ -317,10 +318,13 @@ def _failure(plan: LocalPlan, failures: dict[int, Any]) -> TrainingFailed:
         if plan.node_rank > 0 and _master_gone(plan):
             return _lost_master(plan)
         return TrainingFailed(f"training failed: {said} (see {log_dir}); {_resume_hint(plan)}", EXIT_TRAIN_FAILED)
-    # A killed rank makes its peers fail too (broken collectives): name every failed rank,
-    # the ones killed by a signal first, since they are usually the cause.
-    ordered = sorted(failures.items(), key=lambda kv: (kv[1].exitcode >= 0, kv[1].timestamp))
-    what = "; ".join(f"rank {r} {_exit_description(f.exitcode)}" for r, f in ordered)
+    # A killed rank makes its peers fail too (broken collectives): name every failed rank, the ones killed by
+    # a signal first, since they are usually the cause, unless NCCL took them down for waiting on a peer.
+    aborted = [r for r, f in failures.items() if f.exitcode == -signal.SIGABRT]
+    waited = waited_on_a_peer(log_dir / f"stderr_node{plan.node_rank}.log", aborted) if aborted else {}
+    ordered = sorted(failures.items(), key=lambda kv: (kv[0] in waited, kv[1].exitcode >= 0, kv[1].timestamp))
+    why = {r: f"was ended by NCCL ({waited[r]}: it waited on another rank)" for r in waited}
+    what = "; ".join(f"rank {r} {why.get(r) or _exit_description(f.exitcode)}" for r, f in ordered)
     restarts = f" after {plan.max_restarts} restart(s)" if plan.max_restarts else ""
     return TrainingFailed(f"training failed{restarts}: {what} (see {log_dir}); {_resume_hint(plan)}", EXIT_TRAIN_FAILED)
 

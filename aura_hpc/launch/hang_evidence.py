@@ -224,8 +224,8 @@ def prepare_flight_recorder(progress_folder: Path, run_dir: Path) -> None:
     if release(torch.__version__) >= (2, 13):
         os.environ["TORCH_FR_DUMP_TEMP_FILE"] = prefix
         return
-    if not os.environ.get("TORCH_FR_BUFFER_SIZE"):
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    # A size the user gave under the newer name, under the one these releases read (they know no TORCH_FR_*).
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", os.environ.get("TORCH_FR_BUFFER_SIZE") or "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = prefix
 

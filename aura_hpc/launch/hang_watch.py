@@ -56,6 +56,8 @@ PEER_POLL_IDLE_S = 10.0  # the board is read while this node's ranks have not mo
 # stacks and records on reading the culprit's: a poll + ANSWER_WAIT_S + FLIGHT_RECORD_WAIT_S at worst; py-spy's
 # native frames come after the verdict) before it kills.
 EVIDENCE_WAIT_S = 30.0
+# What a declared hang takes before its kill at most: the stacks, torch's flight records, the other nodes' verdicts.
+EVIDENCE_S = ANSWER_WAIT_S + FLIGHT_RECORD_WAIT_S + EVIDENCE_WAIT_S
 
 
 @dataclass
@@ -120,8 +122,10 @@ class HangWatch:
             floor = h.hang_step_floor_s if section == "step" else h.hang_section_floor_s
             limit = max(float(floor), FACTOR * self.calibration.get(section, 0.0))
         # Past the collective timeout the waiting ranks' collective fails first (NCCL aborts them without a
-        # stack): the watchdog must speak before it.
-        return min(limit, max(float(h.hang_step_floor_s), self.cfg.dist.timeout_s - 30.0))
+        # stack): the watchdog must have spoken, kept its evidence and killed before it. NCCL's clock starts as
+        # a collective is queued, which on a GPU can be a step before the newest beat (the host runs ahead).
+        before_nccl = self.cfg.dist.timeout_s - 30.0 - EVIDENCE_S - self.calibration.get("step", 0.0)
+        return min(limit, max(float(h.hang_step_floor_s), before_nccl))
 
     def _learn(self, rank: int, now: dict[str, Any]) -> None:
         """The longest step (per step, between two readings) and section seen, kept across restarts."""

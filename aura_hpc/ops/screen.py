@@ -75,14 +75,21 @@ def allreduce_gbps(group: collectives.Group, nbytes: int, rounds: int) -> float:
     return t.numel() * 4 / best * 2 * (n - 1) / n / 1e9
 
 
+_node_groups: dict[tuple[tuple[int, ...], ...], collectives.Group | None] = {}
+
+
 def measure(device: torch.device, node_ranks: list[list[int]], rank: int, slow_fraction: float = 0.0) -> dict[str, Any]:
     """This rank's figures; every rank calls it (the all-reduces are collective)."""
     cuda = device.type == "cuda"
     row: dict[str, Any] = {"rank": rank, "gemm_tflops": round(gemm_tflops(device, 0.5 if cuda else 0.6, slow_fraction), 4)}
     nbytes, rounds = (256 << 20, 5) if cuda else (4 << 20, 3)
     if any(len(ranks) > 1 for ranks in node_ranks):
-        # Every rank takes part in making every node's group; each times its own node's.
-        node_group = collectives.split("screen-node", node_ranks)
+        # Every rank takes part in making every node's group (once: each NCCL group holds device memory until the
+        # world ends, and a screen with findings measures twice); each times its own node's.
+        key = tuple(tuple(ranks) for ranks in node_ranks)
+        if key not in _node_groups:
+            _node_groups[key] = collectives.split("screen-node", node_ranks)
+        node_group = _node_groups[key]
         if node_group is not None:
             row["node_gbps"] = round(allreduce_gbps(node_group, nbytes, rounds), 3)
     if len(node_ranks) > 1:
