@@ -137,24 +137,34 @@ def test_a_hang_with_no_restart_left_exits_77_naming_the_rank_and_tells_the_webh
     assert received[0]["line"] in last
 
 
-# torch's own lines (ProcessGroupNCCL's watchdog, c10's `[rankN]:` prefix), as it logs a timeout, a peer gone
-# (NCCL's ncclRemoteError, the next line unprefixed) and a CUDA error, each before its SIGABRT.
-NCCL_STDERR = """[rank0]:[E1127 10:00:01.1 ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught collective operation timeout: \
-WorkNCCL(SeqNum=77, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600047 milliseconds before timing out.
-[rank0]:[E1127 10:00:01.2 ProcessGroupNCCL.cpp:630] [Rank 0] To avoid data inconsistency, we are taking the entire process down.
-[rank2]:[E1127 10:00:02.3 ProcessGroupNCCL.cpp:1785] [PG ID 0 PG GUID 0(default_pg) Rank 2] Process group watchdog thread \
-terminated with exception: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:317, remote process exited or there was \
-a network error, NCCL version 2.21.5
+# torch's own lines (c10's `[rankN]:` prefix, ProcessGroupNCCL's watchdog), as it logs its abort after a timeout,
+# after a peer gone (NCCL's words) and after a CUDA error, each before its SIGABRT; node 1 of 2 runs ranks 1-4.
+EARLIER = """[rank1]:[E1127 09:00:01.1 ProcessGroupNCCL.cpp:1785] [PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog \
+thread terminated with exception: [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, \
+NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600047 milliseconds before timing out.
+"""
+NOW = """[rank1]:[E1127 10:00:01.1 ProcessGroupNCCL.cpp:1785] [PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog \
+thread terminated with exception: CUDA error: an illegal memory access was encountered
+[rank2]:[E1127 10:00:02.2 ProcessGroupNCCL.cpp:616] [Rank 2] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=77, \
+OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600047 milliseconds before timing out.
+[rank2]:[E1127 10:00:02.3 ProcessGroupNCCL.cpp:1785] [PG ID 0 PG GUID 0(default_pg) Rank 2] Process group watchdog \
+thread terminated with exception: [Rank 2] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=77, OpType=ALLREDUCE, \
+NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600047 milliseconds before timing out.
+[rank3]:[W1127 10:00:02.4 ProcessGroupNCCL.cpp:1000] [PG ID 0 PG GUID 0(default_pg) Rank 3] a warning
+torch.distributed.DistBackendError: NCCL error in: ../NCCLUtils.hpp:317, remote process exited or there was a network error
+[rank4]:[E1127 10:00:03.4 ProcessGroupNCCL.cpp:1785] [PG ID 0 PG GUID 0(default_pg) Rank 4] Process group watchdog \
+thread terminated with exception: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:317, remote process exited or \
+there was a network error, NCCL version 2.21.5
 ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.
-[rank3]:[E1127 10:00:03.4 ProcessGroupNCCL.cpp:1785] [PG ID 0 PG GUID 0(default_pg) Rank 3] Process group watchdog thread \
-terminated with exception: CUDA error: an illegal memory access was encountered
 """
 
 
 def test_ranks_nccl_took_down_for_waiting_on_a_peer_are_named_after_the_cause(tmp_path: Path) -> None:
     """On NCCL a rank whose collective timed out, or whose peer went away, is taken down by torch's watchdog
-    with SIGABRT: killed by a signal, it was named first, as the cause. Its own lines say it waited; a CUDA
-    error taking the same way out is a cause, named first still."""
+    with SIGABRT: killed by a signal, it was named first, as the cause. Its own abort line says it waited.
+    Not demoted: a CUDA error leaving the same way, a rank whose wait was in an earlier launch, one that an
+    unprefixed line (any process's traceback) follows. The launcher numbers this node's ranks 0-3, torch's
+    lines 1-4 (node 0 holds rank 0): matched by local rank."""
     import signal
     from types import SimpleNamespace
 
@@ -164,16 +174,25 @@ def test_ranks_nccl_took_down_for_waiting_on_a_peer_are_named_after_the_cause(tm
 
     cfg = RunConfig()
     cfg.output_dir, cfg.run_name = str(tmp_path), "nccl"
-    (cfg.run_dir / "logs").mkdir(parents=True)
-    (cfg.run_dir / "logs" / "stderr_node0.log").write_text(NCCL_STDERR)
+    logs = cfg.run_dir / "logs"
+    logs.mkdir(parents=True)
+    for local in range(4):
+        (logs / f"rank_{local + 1}.log").write_text(
+            f"[rank{local + 1}] 2026-11-27 09:59:00 INFO start rank={local + 1} local_rank={local} world_size=5 node_rank=1 host=b\n"
+        )
+    (logs / "stderr_node1.log").write_text(EARLIER + NOW)
     abort = -signal.SIGABRT
-    ended = ((0, abort, 20.0), (1, 1, 10.0), (2, abort, 21.0), (3, abort, 22.0))  # rank, exit code, when
-    failures = {r: SimpleNamespace(exitcode=code, timestamp=t) for r, code, t in ended}
-    line = str(_failure(LocalPlan(cfg, 1, 0, 4, "127.0.0.1", 29500, 0, 60, None), failures))
-    named = re.findall(r"rank (\d) (was killed by SIGABRT|exited with status 1|was ended by NCCL \(([^:]+): it waited)", line)
+    failures = {r: SimpleNamespace(exitcode=abort, timestamp=t, local_rank=r) for r, t in ((0, 22.0), (1, 20.0), (2, 21.0), (3, 23.0))}
+    line = str(_failure(LocalPlan(cfg, 2, 1, 4, "127.0.0.1", 29500, 0, 60, None), failures, since=len(EARLIER.encode())))
+    named = re.findall(r"rank (\d) (was killed by SIGABRT|was ended by NCCL \(([^:]+): it waited)", line)
     assert [(r, w.split(" (")[0], why) for r, w, why in named] == [
-        ("3", "was killed by SIGABRT", ""),
-        ("1", "exited with status 1", ""),
-        ("0", "was ended by NCCL", "a collective timed out (dist.timeout_s)"),
-        ("2", "was ended by NCCL", "a peer went away"),
+        ("2", "was killed by SIGABRT", ""),
+        ("0", "was killed by SIGABRT", ""),
+        ("1", "was ended by NCCL", "a collective timed out (dist.timeout_s)"),
+        ("3", "was ended by NCCL", "a peer went away"),
     ], line
+    # Rank 1 (local 0) aborting with no line of its own in this launch: the earlier launch's wait does not count.
+    (logs / "stderr_node1.log").write_text(EARLIER + "[rank1]:[F1127 10:00:01.1 some.cpp:1] Check failed: a C++ assertion\n")
+    plan, one = LocalPlan(cfg, 2, 1, 4, "127.0.0.1", 29500, 0, 60, None), {0: failures[0]}
+    assert "rank 0 was killed by SIGABRT" in str(_failure(plan, one, since=len(EARLIER.encode())))
+    assert "rank 0 was ended by NCCL" in str(_failure(plan, one))  # what the offset keeps out

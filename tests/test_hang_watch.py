@@ -117,8 +117,8 @@ def test_timeouts_have_floors_follow_the_run_and_survive_a_restart(tmp_path: Pat
     w = _watch(tmp_path)
     try:
         # Start-up's 1,200 s is capped below the collective timeout (600 s), which would end the waiting ranks
-        # first, by a margin (30 s), the evidence's time before the kill (50 s) and the longest step (none yet).
-        assert w.timeout("step") == 30 and w.timeout("checkpoint") == 300 and w.timeout("start-up") == 520
+        # first, by a margin (30 s), the evidence's time before the kill (65 s) and the longest step (none yet).
+        assert w.timeout("step") == 30 and w.timeout("checkpoint") == 300 and w.timeout("start-up") == 505
         assert w.timeout("data") > 600  # the ranks' own patience for a data window comes first
         assert w.timeout("finished") == float("inf")
         t0 = time.time()
@@ -126,16 +126,24 @@ def test_timeouts_have_floors_follow_the_run_and_survive_a_restart(tmp_path: Pat
         w._learn(0, _page("step", 12, 7, t0 + 20))  # 10 s a step: 5x is above the floor
         w._learn(0, _page("checkpoint", 12, 7, t0 + 21))
         w._learn(0, _page("step", 13, 8, t0 + 101))  # left the checkpoint after 80 s
-        assert w.timeout("step") == 50 and w.timeout("checkpoint") == 400 and w.timeout("start-up") == 510
+        assert w.timeout("step") == 50 and w.timeout("checkpoint") == 400 and w.timeout("start-up") == 495
         w._learn(0, _page("checkpoint", 13, 8, t0 + 102))
         w._learn(0, _page("step", 14, 9, t0 + 252))  # a 150 s checkpoint: 5x would be 750 s, past NCCL's 600
         took = w.timeout("checkpoint")
-        assert took == 510 and took + w.calibration["step"] + 5 + 15 + 30 < 600, took
+        assert took == 495 and took + w.calibration["step"] + 15 + 30 + 20 < 600, took
     finally:
         w.close()
+    slow = _watch(tmp_path / "slow", "dist.timeout_s=300")  # 120 s steps on a slow link, a short collective timeout
+    try:
+        t0 = time.time()
+        slow._learn(0, _page("step", 10, 5, t0))
+        slow._learn(0, _page("step", 11, 6, t0 + 120))
+        assert slow.timeout("step") == 240  # two steps, not 300 - 95 - 120 = 85: a step is not a hang
+    finally:
+        slow.close()
     again = _watch(tmp_path)  # a resumed run: calibrated from the start
     try:
-        assert again.timeout("step") == 50 and again.timeout("checkpoint") == 510
+        assert again.timeout("step") == 50 and again.timeout("checkpoint") == 495
     finally:
         again.close()
 

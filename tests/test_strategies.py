@@ -227,11 +227,14 @@ def test_zero3_on_cpus_keeps_no_persistent_parameters_unless_the_users_json_says
 def test_deepspeed_is_not_asked_to_synchronise_the_device_each_micro_step(tmp_path: Path) -> None:
     """DeepSpeed's throughput timer (on unless the JSON says) synchronises the device as each forward starts
     and each step ends: two host waits a micro-step on a GPU (a no-op on CPU, so no run here shows it).
-    Read by DeepSpeed's own parser of our config; a user's JSON may turn it back on."""
+    Read by DeepSpeed's own parser of our config; a user's JSON may turn it back on. Its bf16 skip of a
+    non-finite step stays off (ours is logged and counted; the users' shapes runs show it) under a user's
+    bf16 section, which is kept otherwise; asking for DeepSpeed's own skip is refused."""
     from deepspeed.utils.config import get_timers_config
 
     from aura_hpc.config import RunConfig
     from aura_hpc.config.deepspeed import deepspeed_config
+    from aura_hpc.errors import ConfigError
 
     cfg = RunConfig()
     for stage in ("zero1", "zero2", "zero3"):
@@ -242,3 +245,8 @@ def test_deepspeed_is_not_asked_to_synchronise_the_device_each_micro_step(tmp_pa
     cfg.dist.deepspeed_config = str(own)
     timers = get_timers_config(deepspeed_config(cfg, 8, bf16=True))
     assert timers.enabled and not timers.synchronized
+    own.write_text(json.dumps({"bf16": {"enabled": True, "immediate_grad_update": True}}))  # a copied config's
+    assert deepspeed_config(cfg, 8, bf16=True)["bf16"] == {"enabled": True, "immediate_grad_update": True, "check_grad_overflow": False}
+    own.write_text(json.dumps({"bf16": {"enabled": True, "check_grad_overflow": True}}))
+    with pytest.raises(ConfigError, match=r"bf16.check_grad_overflow \(True vs False\)"):
+        deepspeed_config(cfg, 8, bf16=True)

@@ -33,11 +33,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool, on_cpu: bool =
         "gradient_accumulation_steps": t.grad_accum,
         "train_batch_size": t.batch_size * t.grad_accum * world_size,
         "gradient_clipping": t.grad_clip,
-        # check_grad_overflow: DeepSpeed 0.17+ (default on for bf16) skips a step with a non-finite gradient
-        # itself, inside its step: our skip on the device (zero_skip.py) never hears of it, no "update skipped"
-        # is logged, nan_rollback_after never counts it and the logged norm is the step before's; its check also
-        # reads a flag back to the host every step. 0.16 reads no such key (its check is fp16's alone).
-        "bf16": {"enabled": bf16, "check_grad_overflow": False},
+        "bf16": {"enabled": bf16},  # and check_grad_overflow off (below)
         "fp16": {"enabled": False},
         # Gradients accumulated and reduced in fp32, as FSDP's MixedPrecisionPolicy(reduce_dtype=fp32)
         # does (DeepSpeed defaults both to the model dtype, bf16).
@@ -54,7 +50,15 @@ def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool, on_cpu: bool =
         # refuse it at initialize and ask for its own DeepSpeedCPUAdam, a C++ op built on first use).
         ours["zero_force_ds_cpu_optimizer"] = False
     user = load_user_config(d.deepspeed_config) if d.deepspeed_config else {}
-    conflicts = [f"{k} ({user[k]!r} vs {v!r})" for k, v in ours.items() if k in user and user[k] != v]
+    user_bf16 = user.get("bf16") if isinstance(user.get("bf16"), dict) else {}
+    # check_grad_overflow: DeepSpeed 0.17+ (on by default under bf16) skips a step with a non-finite gradient
+    # itself, inside its step: our skip on the device (zero_skip.py) never hears of it, no "update skipped" is
+    # logged, nan_rollback_after never counts it and the logged norm is the step before's; its check also reads
+    # a flag back to the host every step. 0.16 reads no such key (its check is fp16's alone). The rest of the
+    # user's bf16 section stands.
+    bf16_section = {**user_bf16, "enabled": bf16, "check_grad_overflow": False}
+    conflicts = [f"{k} ({user[k]!r} vs {v!r})" for k, v in ours.items() if k in user and user[k] != v and (k != "bf16" or not user_bf16)]
+    conflicts += [f"bf16.{k} ({user_bf16[k]!r} vs {v!r})" for k, v in bf16_section.items() if k in user_bf16 and user_bf16[k] != v]
     user_zero = user.get("zero_optimization") or {}
     if "stage" in user_zero and int(user_zero["stage"]) != zero["stage"]:
         conflicts.append(f"zero_optimization.stage ({user_zero['stage']} vs {zero['stage']})")
@@ -67,7 +71,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool, on_cpu: bool =
     # DeepSpeed's throughput timer (on unless the JSON says) synchronises the device as each forward starts and
     # each step ends: two host waits every micro-step on a GPU, the host never queueing ahead (its CPU
     # accelerator's synchronize is a no-op, so a CPU run cannot show it). Ours: tokens/s in the metrics.
-    merged = {"timers": {"throughput": {"enabled": False}}, **user, **ours}
+    merged = {"timers": {"throughput": {"enabled": False}}, **user, **ours, "bf16": bf16_section}
     defaults = CPU_ZERO3 if on_cpu and zero["stage"] == 3 else {}
     merged["zero_optimization"] = {**defaults, **user_zero, **zero}
     for key in ("optimizer", "scheduler"):

@@ -199,8 +199,10 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
     cmd = plan.worker_cmd
     started = time.time()
     rendezvous_state.forget_tampering()
+    stderr_log = plan.cfg.run_dir / "logs" / f"stderr_node{plan.node_rank}.log"
+    since = stderr_log.stat().st_size if stderr_log.is_file() else 0
     try:
-        with native_stderr_to(plan.cfg.run_dir / "logs" / f"stderr_node{plan.node_rank}.log"):
+        with native_stderr_to(stderr_log):
             elastic_launch(lc, cmd[0])(*cmd[1:])
     except SignalException as exc:
         return _resumable(plan, exc.sigval.name, stops.poll() if stops is not None else None)
@@ -227,7 +229,7 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
                 "service before training on it again; re-run the same command on healthy hardware to resume"
             )
             return EXIT_GPU_FAULT
-        raise _failure(plan, exc.failures) from None
+        raise _failure(plan, exc.failures, since) from None
     except RendezvousError as exc:
         if (what := rendezvous_state.tampering_seen()) is not None:
             raise _tampered(plan, what) from None
@@ -296,8 +298,9 @@ def _master_gone(plan: LocalPlan) -> bool:
         return True
 
 
-def _failure(plan: LocalPlan, failures: dict[int, Any]) -> TrainingFailed:
-    """The one-line verdict on failed workers, with the exit status README.md documents."""
+def _failure(plan: LocalPlan, failures: dict[int, Any], since: int = 0) -> TrainingFailed:
+    """The one-line verdict on failed workers, with the exit status README.md documents (`since`: where this
+    launch began in the node's stderr log)."""
     log_dir = plan.cfg.run_dir / "logs"
     # The agent stops the remaining workers with SIGTERM once one has failed; a worker already
     # on its way out then dies of it. Those are not what went wrong.
@@ -320,8 +323,7 @@ def _failure(plan: LocalPlan, failures: dict[int, Any]) -> TrainingFailed:
         return TrainingFailed(f"training failed: {said} (see {log_dir}); {_resume_hint(plan)}", EXIT_TRAIN_FAILED)
     # A killed rank makes its peers fail too (broken collectives): name every failed rank, the ones killed by
     # a signal first, since they are usually the cause, unless NCCL took them down for waiting on a peer.
-    aborted = [r for r, f in failures.items() if f.exitcode == -signal.SIGABRT]
-    waited = waited_on_a_peer(log_dir / f"stderr_node{plan.node_rank}.log", aborted) if aborted else {}
+    waited = waited_on_a_peer(log_dir, plan.node_rank, failures, since)
     ordered = sorted(failures.items(), key=lambda kv: (kv[0] in waited, kv[1].exitcode >= 0, kv[1].timestamp))
     why = {r: f"was ended by NCCL ({waited[r]}: it waited on another rank)" for r in waited}
     what = "; ".join(f"rank {r} {why.get(r) or _exit_description(f.exitcode)}" for r, f in ordered)

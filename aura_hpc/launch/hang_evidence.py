@@ -191,12 +191,15 @@ def py_spies(pids: dict[int, int]) -> dict[int, str]:
         return dict(zip(pids, pool.map(py_spy, pids.values()), strict=True))
 
 
+PY_SPY_S = 20.0  # one dump's limit
+
+
 def py_spy(pid: int) -> str:
     exe = shutil.which("py-spy")
     if exe is None:
         return ""
     try:
-        out = subprocess.run([exe, "dump", "--pid", str(pid), "--native"], capture_output=True, text=True, timeout=20)
+        out = subprocess.run([exe, "dump", "--pid", str(pid), "--native"], capture_output=True, text=True, timeout=PY_SPY_S)
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return out.stdout or out.stderr

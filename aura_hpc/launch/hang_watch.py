@@ -29,6 +29,7 @@ from aura_hpc.config import RunConfig
 from aura_hpc.launch import flight_records
 from aura_hpc.launch.hang_board import HangBoard, Verdict
 from aura_hpc.launch.hang_evidence import (
+    PY_SPY_S,
     ask_flight_recorders,
     hang_line,
     keep_flight_records,
@@ -56,8 +57,9 @@ PEER_POLL_IDLE_S = 10.0  # the board is read while this node's ranks have not mo
 # stacks and records on reading the culprit's: a poll + ANSWER_WAIT_S + FLIGHT_RECORD_WAIT_S at worst; py-spy's
 # native frames come after the verdict) before it kills.
 EVIDENCE_WAIT_S = 30.0
-# What a declared hang takes before its kill at most: the stacks, torch's flight records, the other nodes' verdicts.
-EVIDENCE_S = ANSWER_WAIT_S + FLIGHT_RECORD_WAIT_S + EVIDENCE_WAIT_S
+# What a declared hang takes before its kill at most: the stacks and torch's flight records (the stacks' wait is
+# inside the records' 15 s), the other nodes' verdicts, py-spy's native frames.
+EVIDENCE_S = FLIGHT_RECORD_WAIT_S + EVIDENCE_WAIT_S + PY_SPY_S
 
 
 @dataclass
@@ -124,7 +126,10 @@ class HangWatch:
         # Past the collective timeout the waiting ranks' collective fails first (NCCL aborts them without a
         # stack): the watchdog must have spoken, kept its evidence and killed before it. NCCL's clock starts as
         # a collective is queued, which on a GPU can be a step before the newest beat (the host runs ahead).
-        before_nccl = self.cfg.dist.timeout_s - 30.0 - EVIDENCE_S - self.calibration.get("step", 0.0)
+        # Never below two steps, though: a step's own collectives (DDP's) do not beat, and a long step on a slow
+        # link under a short dist.timeout_s is not a hang (NCCL then speaks first on a real one).
+        step = self.calibration.get("step", 0.0)
+        before_nccl = max(self.cfg.dist.timeout_s - 30.0 - EVIDENCE_S - step, 2 * step)
         return min(limit, max(float(h.hang_step_floor_s), before_nccl))
 
     def _learn(self, rank: int, now: dict[str, Any]) -> None:

@@ -99,6 +99,11 @@ class ZeroWrapped(Wrapped, ShardedCheckpoints):
         )
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {folder}")
+        # The overflow flag comes back with the optimizer's state: a checkpoint written where DeepSpeed skipped its
+        # step itself (bf16 before its check was turned off: config/deepspeed.py) says True, and with the check
+        # off nothing would clear it: every later step returned early, skipped unsaid.
+        if hasattr(self.engine.optimizer, "overflow"):
+            self.engine.optimizer.overflow = False
 
     def own_shard_files(self, folder: Path, rank: int) -> list[Path]:
         return sorted(folder.rglob(f"*zero_pp_rank_{rank}_*")) if rank else []
