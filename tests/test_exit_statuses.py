@@ -138,33 +138,42 @@ def test_a_hang_with_no_restart_left_exits_77_naming_the_rank_and_tells_the_webh
 
 
 # torch's own lines (c10's `[rankN]:` prefix, ProcessGroupNCCL's watchdog), as it logs its abort after a timeout,
-# after a peer gone (NCCL's words) and after a CUDA error, each before its SIGABRT; node 1 of 2 runs ranks 1-4.
-EARLIER = """[rank1]:[E1127 09:00:01.1 ProcessGroupNCCL.cpp:1785] [PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog \
-thread terminated with exception: [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE, \
-NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600047 milliseconds before timing out.
-"""
-NOW = """[rank1]:[E1127 10:00:01.1 ProcessGroupNCCL.cpp:1785] [PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog \
-thread terminated with exception: CUDA error: an illegal memory access was encountered
-[rank2]:[E1127 10:00:02.2 ProcessGroupNCCL.cpp:616] [Rank 2] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=77, \
-OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600047 milliseconds before timing out.
-[rank2]:[E1127 10:00:02.3 ProcessGroupNCCL.cpp:1785] [PG ID 0 PG GUID 0(default_pg) Rank 2] Process group watchdog \
-thread terminated with exception: [Rank 2] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=77, OpType=ALLREDUCE, \
-NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600047 milliseconds before timing out.
-[rank3]:[W1127 10:00:02.4 ProcessGroupNCCL.cpp:1000] [PG ID 0 PG GUID 0(default_pg) Rank 3] a warning
-torch.distributed.DistBackendError: NCCL error in: ../NCCLUtils.hpp:317, remote process exited or there was a network error
-[rank4]:[E1127 10:00:03.4 ProcessGroupNCCL.cpp:1785] [PG ID 0 PG GUID 0(default_pg) Rank 4] Process group watchdog \
-thread terminated with exception: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:317, remote process exited or \
-there was a network error, NCCL version 2.21.5
-ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.
-"""
+# after a peer gone (NCCL's words) and after a CUDA error, each before its SIGABRT; among them the lines our
+# workers write as an attempt starts and once its rank is known. Node 1 of 2 runs ranks 1-5 (local ranks 0-4).
+def _started(local: int) -> str:
+    return f"[aura_hpc] aura_hpc worker started: local rank {local}\n[rank{local + 1}]: aura_hpc worker joined: local rank {local}\n"
+
+
+def _abort(rank: int, why: str) -> str:
+    return f"[rank{rank}]:[E1127 10:00:0{rank}.1 ProcessGroupNCCL.cpp:1785] [PG ID 0 PG GUID 0(default_pg) Rank {rank}] Process group \
+watchdog thread terminated with exception: {why}\n"
+
+
+TIMEOUT = "[Rank 2] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=77, OpType=ALLREDUCE, NumelIn=1, \
+NumelOut=1, Timeout(ms)=600000) ran for 600047 milliseconds before timing out."
+GONE = "NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:317, remote process exited or there was a network \
+error, NCCL version 2.21.5"
+EARLIER = _started(0) + _abort(1, TIMEOUT)  # a launch before this one
+NOW = (
+    "".join(_started(local) for local in range(5))
+    + _abort(1, "CUDA error: an illegal memory access was encountered")
+    + _abort(2, TIMEOUT)
+    + _started(1)  # local rank 1 restarted by the agent: its new attempt died otherwise (no abort line)
+    + "[rank2]:[F1127 10:00:04.1 some.cpp:1] Check failed: a C++ assertion\n"
+    + "[rank3]:[W1127 10:00:04.2 ProcessGroupNCCL.cpp:1000] a warning\n"
+    + f"torch.distributed.DistBackendError: {GONE}\n"  # unprefixed: any process's (a traceback)
+    + _abort(4, GONE)
+    + "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely.\n"
+    + _abort(5, TIMEOUT)
+)
 
 
 def test_ranks_nccl_took_down_for_waiting_on_a_peer_are_named_after_the_cause(tmp_path: Path) -> None:
     """On NCCL a rank whose collective timed out, or whose peer went away, is taken down by torch's watchdog
     with SIGABRT: killed by a signal, it was named first, as the cause. Its own abort line says it waited.
-    Not demoted: a CUDA error leaving the same way, a rank whose wait was in an earlier launch, one that an
-    unprefixed line (any process's traceback) follows. The launcher numbers this node's ranks 0-3, torch's
-    lines 1-4 (node 0 holds rank 0): matched by local rank."""
+    Not demoted: a CUDA error leaving the same way, a wait in an earlier attempt or launch, a rank that an
+    unprefixed line (any process's traceback) follows. The launcher numbers this node's ranks 0-4, torch's
+    lines 1-5 (node 0 holds rank 0): matched by the workers' own lines."""
     import signal
     from types import SimpleNamespace
 
@@ -176,23 +185,22 @@ def test_ranks_nccl_took_down_for_waiting_on_a_peer_are_named_after_the_cause(tm
     cfg.output_dir, cfg.run_name = str(tmp_path), "nccl"
     logs = cfg.run_dir / "logs"
     logs.mkdir(parents=True)
-    for local in range(4):
-        (logs / f"rank_{local + 1}.log").write_text(
-            f"[rank{local + 1}] 2026-11-27 09:59:00 INFO start rank={local + 1} local_rank={local} world_size=5 node_rank=1 host=b\n"
-        )
     (logs / "stderr_node1.log").write_text(EARLIER + NOW)
-    abort = -signal.SIGABRT
-    failures = {r: SimpleNamespace(exitcode=abort, timestamp=t, local_rank=r) for r, t in ((0, 22.0), (1, 20.0), (2, 21.0), (3, 23.0))}
-    line = str(_failure(LocalPlan(cfg, 2, 1, 4, "127.0.0.1", 29500, 0, 60, None), failures, since=len(EARLIER.encode())))
+    abort, since = -signal.SIGABRT, len(EARLIER.encode())
+    when = {0: 22.0, 1: 21.0, 2: 20.0, 3: 23.0, 4: 19.0}
+    failures = {r: SimpleNamespace(exitcode=abort, timestamp=t, local_rank=r) for r, t in when.items()}
+    plan = LocalPlan(cfg, 2, 1, 5, "127.0.0.1", 29500, 0, 60, None)
+    line = str(_failure(plan, failures, since))
     named = re.findall(r"rank (\d) (was killed by SIGABRT|was ended by NCCL \(([^:]+): it waited)", line)
     assert [(r, w.split(" (")[0], why) for r, w, why in named] == [
         ("2", "was killed by SIGABRT", ""),
+        ("1", "was killed by SIGABRT", ""),
         ("0", "was killed by SIGABRT", ""),
-        ("1", "was ended by NCCL", "a collective timed out (dist.timeout_s)"),
+        ("4", "was ended by NCCL", "a collective timed out (dist.timeout_s)"),
         ("3", "was ended by NCCL", "a peer went away"),
     ], line
-    # Rank 1 (local 0) aborting with no line of its own in this launch: the earlier launch's wait does not count.
+    # Local rank 0 aborting with no line of its own in this launch: the earlier launch's wait does not count.
     (logs / "stderr_node1.log").write_text(EARLIER + "[rank1]:[F1127 10:00:01.1 some.cpp:1] Check failed: a C++ assertion\n")
-    plan, one = LocalPlan(cfg, 2, 1, 4, "127.0.0.1", 29500, 0, 60, None), {0: failures[0]}
-    assert "rank 0 was killed by SIGABRT" in str(_failure(plan, one, since=len(EARLIER.encode())))
+    one = {0: failures[0]}
+    assert "rank 0 was killed by SIGABRT" in str(_failure(plan, one, since))
     assert "rank 0 was ended by NCCL" in str(_failure(plan, one))  # what the offset keeps out

@@ -247,6 +247,8 @@ def test_deepspeed_is_not_asked_to_synchronise_the_device_each_micro_step(tmp_pa
     assert timers.enabled and not timers.synchronized
     own.write_text(json.dumps({"bf16": {"enabled": True, "immediate_grad_update": True}}))  # a copied config's
     assert deepspeed_config(cfg, 8, bf16=True)["bf16"] == {"enabled": True, "immediate_grad_update": True, "check_grad_overflow": False}
+    own.write_text(json.dumps({"bf16": {}}))
+    assert deepspeed_config(cfg, 8, bf16=True)["bf16"] == {"enabled": True, "check_grad_overflow": False}
     own.write_text(json.dumps({"bf16": {"enabled": True, "check_grad_overflow": True}}))
     with pytest.raises(ConfigError, match=r"bf16.check_grad_overflow \(True vs False\)"):
         deepspeed_config(cfg, 8, bf16=True)

@@ -56,6 +56,7 @@ _world: Group | None = None
 # The world's collective timeout (dist.timeout_s): torch gives a group made without one its backend's default
 # (NCCL 10 min, gloo 30), not the world's, so a changed dist.timeout_s would not reach DiLoCo's groups.
 _timeout: timedelta | None = None
+GLOO_DEFAULT = timedelta(minutes=30)
 
 
 def active() -> bool:
@@ -90,8 +91,9 @@ def new_group(name: str, ranks: list[int] | None = None, host_only: bool = False
         # On an NCCL world the ranks outside a new group split the world's communicator whatever the group's
         # backend, and a gloo group's members never do: those outside would wait there for ever.
         raise ValueError(f"a host-only group is made over every rank, not {ranks}")
-    # A host-only group keeps gloo's own 30 min: its gathers wait for other ranks' background disk writes.
-    pg = dist.new_group(ranks, timeout=None if host_only else _timeout, backend="gloo" if host_only else None)
+    # A host-only group waits 30 min at least (gloo's own): its gathers wait for other ranks' background disk writes.
+    timeout = max(_timeout or GLOO_DEFAULT, GLOO_DEFAULT) if host_only else _timeout
+    pg = dist.new_group(ranks, timeout=timeout, backend="gloo" if host_only else None)
     return Group(name, torch.device("cpu") if host_only else world().device, pg, host_only)
 
 

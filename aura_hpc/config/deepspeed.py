@@ -57,7 +57,8 @@ def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool, on_cpu: bool =
     # a flag back to the host every step. 0.16 reads no such key (its check is fp16's alone). The rest of the
     # user's bf16 section stands.
     bf16_section = {**user_bf16, "enabled": bf16, "check_grad_overflow": False}
-    conflicts = [f"{k} ({user[k]!r} vs {v!r})" for k, v in ours.items() if k in user and user[k] != v and (k != "bf16" or not user_bf16)]
+    merged_bf16 = isinstance(user.get("bf16"), dict)
+    conflicts = [f"{k} ({user[k]!r} vs {v!r})" for k, v in ours.items() if k in user and user[k] != v and (k != "bf16" or not merged_bf16)]
     conflicts += [f"bf16.{k} ({user_bf16[k]!r} vs {v!r})" for k, v in bf16_section.items() if k in user_bf16 and user_bf16[k] != v]
     user_zero = user.get("zero_optimization") or {}
     if "stage" in user_zero and int(user_zero["stage"]) != zero["stage"]:

@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
     args = parser.parse_args(argv)
     _stop_when_launcher_dies()
     env = DistEnv.from_environ()
+    worker_log.mark_stderr(f"[aura_hpc] {worker_log.STARTED}{env.local_rank}")
     from aura_hpc.console import ProgressAwareHandler
 
     try:
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
         worker_log.setup(cfg.run_dir / "logs", env.rank)
         log.error("%s", exc)
         return _exiting(exc.exit_code)
+    worker_log.mark_stderr(f"[rank{env.rank}]: {worker_log.JOINED}{env.local_rank}")  # before any NCCL group
     stream = ProgressAwareHandler(sys.stdout) if env.is_main else None
     worker_log.setup(cfg.run_dir / "logs", env.rank, stream)
     worker_log.dump_stacks_on(progress.STACK_SIGNAL)

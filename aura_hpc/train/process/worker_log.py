@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 from pathlib import Path
 
 log = logging.getLogger("aura_hpc")
+# Lines each `local` worker writes to file descriptor 2 (the node's stderr log, beside torch's C++ lines, which
+# carry `[rankN]:`): where an attempt of local rank L begins, and once the ranks have met, which rank it is.
+# launch/nccl_aborts.py reads an abort of torch's by them.
+STARTED = "aura_hpc worker started: local rank "
+JOINED = "aura_hpc worker joined: local rank "
+
+
+def mark_stderr(line: str) -> None:
+    """One line to file descriptor 2, under `local` only (Slurm's logs have no reader for it)."""
+    if os.environ.get("AURA_LAUNCHER_PID"):
+        with contextlib.suppress(OSError):
+            os.write(2, line.encode() + b"\n")
 
 
 def setup(log_dir: Path | None, rank: int, stream_handler: logging.Handler | None = None, label: str = "") -> logging.Logger:

@@ -104,6 +104,9 @@ class ZeroWrapped(Wrapped, ShardedCheckpoints):
         # off nothing would clear it: every later step returned early, skipped unsaid.
         if hasattr(self.engine.optimizer, "overflow"):
             self.engine.optimizer.overflow = False
+        # The clipping threshold comes back too: a train.grad_clip changed for the resume (the rollback's advice) was ignored.
+        if hasattr(self.engine.optimizer, "clip_grad"):
+            self.engine.optimizer.clip_grad = self.engine.gradient_clipping()
 
     def own_shard_files(self, folder: Path, rank: int) -> list[Path]:
         return sorted(folder.rglob(f"*zero_pp_rank_{rank}_*")) if rank else []
