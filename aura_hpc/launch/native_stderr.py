@@ -12,6 +12,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+MAX_OURS = 1 << 20  # past this, whatever was added is kept as it is
+
 
 @contextlib.contextmanager
 def native_stderr_to(path: Path) -> Iterator[None]:
@@ -19,6 +21,7 @@ def native_stderr_to(path: Path) -> Iterator[None]:
     traces from the rendezvous and the collectives, the workers' own stderr, faulthandler dumps) goes
     to `path`; Python's sys.stderr (our one-line messages) stays on the terminal."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    existed = path.stat().st_size if path.is_file() else 0
     sys.stderr.flush()
     terminal = os.dup(2)
     with open(path, "ab") as sink:
@@ -34,5 +37,20 @@ def native_stderr_to(path: Path) -> Iterator[None]:
         os.dup2(terminal, 2)
         os.close(terminal)
         with contextlib.suppress(OSError):
-            if path.stat().st_size == 0:
-                path.unlink()  # nothing was said: no empty file in the logs
+            _drop_if_only_ours(path, existed)
+
+
+def _drop_if_only_ours(path: Path, existed: int) -> None:
+    """Nothing said past byte `existed` but the lines `local`'s workers write to place their attempts (a clean
+    launch): those go, and the file with them when this launch made it. No empty file in the logs."""
+    from aura_hpc.train.process.worker_log import JOINED, STARTED
+
+    with open(path, "rb") as f:
+        f.seek(existed)
+        added = f.read(MAX_OURS + 1)
+    if len(added) > MAX_OURS or not all(STARTED in line or JOINED in line for line in added.decode("utf-8", "replace").splitlines()):
+        return
+    if existed == 0:
+        path.unlink()
+    else:
+        os.truncate(path, existed)
