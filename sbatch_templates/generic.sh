@@ -15,5 +15,6 @@
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 # NCCL prints warnings only; `submit --nccl-debug` switches to INFO with a file per host.
 export NCCL_DEBUG=WARN
-# A failed or hung collective tears the job down (and Slurm can requeue) instead of hanging.
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# A failed or hung collective tears the job down (and Slurm can requeue) instead of hanging: 3, torch's
+# default, ends the process at once; 1 and 2 first abort NCCL's communicators, which can hang themselves.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=3

@@ -35,7 +35,8 @@ export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 export NCCL_SOCKET_IFNAME=^lo,docker
 export NCCL_IB_HCA=mlx5
 export NCCL_DEBUG=WARN
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# 3, torch's default: a failed collective ends the process at once (1 and 2 abort the communicators first, which can hang).
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=3
 export TORCH_NCCL_DUMP_ON_TIMEOUT=1
 export TORCH_NCCL_TRACE_BUFFER_SIZE=2000
 export TORCH_FR_DUMP_TEMP_FILE=${AURA_RUN_DIR:-.}/nccl_trace/rank_

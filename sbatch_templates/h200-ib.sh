@@ -51,8 +51,9 @@ export NCCL_IB_HCA=mlx5
 # Set it (e.g. PHB) only when nvidia-smi topo -m shows GPU and HCA behind different switches.
 # NCCL prints warnings only; `submit --nccl-debug` switches to INFO with a file per host.
 export NCCL_DEBUG=WARN
-# A failed or hung collective tears the job down (and Slurm can requeue) instead of hanging.
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# A failed or hung collective tears the job down (and Slurm can requeue) instead of hanging: 3, torch's
+# default, ends the process at once; 1 and 2 first abort NCCL's communicators, which can hang themselves.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=3
 # On a collective timeout, dump the flight recorder (last collectives per rank) for debugging.
 export TORCH_NCCL_DUMP_ON_TIMEOUT=1
 export TORCH_NCCL_TRACE_BUFFER_SIZE=2000

@@ -57,6 +57,9 @@ def test_dry_run_script_matches_golden(profile: str, tmp_path: Path) -> None:
         golden.write_text(script)
     assert script == golden.read_text(), f"the generated sbatch script for {profile} changed: review and regenerate {golden}"
     assert not out.exists(), "--dry-run must not write anything"
+    # torch's own default: a failed or timed-out collective ends the process at once. 1 and 2 first call
+    # ncclCommAbort, which can itself hang on a wedged link: the hang the setting is there to end.
+    assert re.findall(r"^export TORCH_NCCL_ASYNC_ERROR_HANDLING=(\S*)$", script, re.M) == ["3"], script
 
 
 def test_precedence_cli_over_config_over_profile(tmp_path: Path) -> None:

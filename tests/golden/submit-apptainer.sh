@@ -20,7 +20,7 @@ export PYTHONUNBUFFERED=1
 # cluster profile: REPO/sbatch_templates/generic.sh
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 export NCCL_DEBUG=WARN
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=3
 
 # command
 export SUBMITIT_EXECUTOR=slurm
