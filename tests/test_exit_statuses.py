@@ -172,8 +172,9 @@ def test_ranks_nccl_took_down_for_waiting_on_a_peer_are_named_after_the_cause(tm
     """On NCCL a rank whose collective timed out, or whose peer went away, is taken down by torch's watchdog
     with SIGABRT: killed by a signal, it was named first, as the cause. Its own abort line says it waited.
     Not demoted: a CUDA error leaving the same way, a wait in an earlier attempt or launch, a rank that an
-    unprefixed line (any process's traceback) follows. The launcher numbers this node's ranks 0-4, torch's
-    lines 1-5 (node 0 holds rank 0): matched by the workers' own lines."""
+    unprefixed line (any process's traceback) follows. The launcher numbers this node's ranks 0-4 (torchrun
+    counted it first), torch's lines and ours 1-5 (node 0 holds rank 0): matched by the workers' own lines, and
+    named as ours, the N of the rank_N.log the user opens next."""
     import signal
     from types import SimpleNamespace
 
@@ -193,14 +194,15 @@ def test_ranks_nccl_took_down_for_waiting_on_a_peer_are_named_after_the_cause(tm
     line = str(_failure(plan, failures, since))
     named = re.findall(r"rank (\d) (was killed by SIGABRT|was ended by NCCL \(([^:]+): it waited)", line)
     assert [(r, w.split(" (")[0], why) for r, w, why in named] == [
+        ("3", "was killed by SIGABRT", ""),
         ("2", "was killed by SIGABRT", ""),
         ("1", "was killed by SIGABRT", ""),
-        ("0", "was killed by SIGABRT", ""),
-        ("4", "was ended by NCCL", "a collective timed out (dist.timeout_s)"),
-        ("3", "was ended by NCCL", "a peer went away"),
+        ("5", "was ended by NCCL", "a collective timed out (dist.timeout_s)"),
+        ("4", "was ended by NCCL", "a peer went away"),
     ], line
-    # Local rank 0 aborting with no line of its own in this launch: the earlier launch's wait does not count.
+    # Local rank 0 aborting with no line of its own in this launch: the earlier launch's wait does not count, nor
+    # its rank (a worker that died before the ranks met is named by its place).
     (logs / "stderr_node1.log").write_text(EARLIER + "[rank1]:[F1127 10:00:01.1 some.cpp:1] Check failed: a C++ assertion\n")
     one = {0: failures[0]}
-    assert "rank 0 was killed by SIGABRT" in str(_failure(plan, one, since))
-    assert "rank 0 was ended by NCCL" in str(_failure(plan, one))  # what the offset keeps out
+    assert "training failed: local rank 0 of node 1 was killed by SIGABRT" in str(_failure(plan, one, since))
+    assert "training failed: rank 1 was ended by NCCL" in str(_failure(plan, one))  # what the offset keeps out

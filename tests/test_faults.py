@@ -115,6 +115,21 @@ def test_beyond_max_restarts_says_how_to_resume_and_rerun_resumes(tmp_path: Path
     assert _same(final_weights(tmp_path / "run"), reference[STEPS])
 
 
+def test_a_killed_rank_of_a_node_torchrun_counted_first_is_named_by_its_own_rank(tmp_path: Path, prepared: Path) -> None:
+    """torchrun numbers LAN nodes by address, then by the launcher's pid: node 1's launcher, started first on one
+    host, gets torchrun's rank 0 for its worker, which is our rank 1 (rank_1.log). Killed, it is named rank 1."""
+    from tests.conftest import free_port
+
+    args = ["local", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--nproc-per-node", "1"]
+    args += ["--set", f"data.path={prepared}", *BASE, "--set", "train.max_steps=6", "--run-name", "lan"]
+    runs = [[*args, "--node-rank", str(n), "--output-dir", str(tmp_path / f"m{n}")] for n in (1, 0)]  # node 1 first
+    node1, node0 = run_cli_together(runs, timeout=300, AURA_FAULT_KILL="1:3")
+    assert node1.returncode == errors.EXIT_TRAIN_FAILED and node0.returncode != 0, _diagnose(node1, tmp_path / "m1" / "lan")
+    line = node1.stderr.strip().splitlines()[-1]
+    assert "training failed: rank 1 was killed by SIGKILL" in line and "rank 0" not in line, line
+    assert (tmp_path / "m1" / "lan" / "logs" / "rank_1.log").is_file() and not (tmp_path / "m1" / "lan" / "logs" / "rank_0.log").exists()
+
+
 def test_a_rank_hung_inside_a_checkpoint_or_a_diloco_meeting_is_named_there_and_the_run_restarts(
     tmp_path: Path, prepared: Path, reference: dict
 ) -> None:

@@ -32,7 +32,7 @@ from aura_hpc.errors import (
     TrainingFailed,
 )
 from aura_hpc.launch.native_stderr import native_stderr_to
-from aura_hpc.launch.nccl_aborts import waited_on_a_peer
+from aura_hpc.launch.nccl_aborts import latest_attempts, waited_on_a_peer
 from aura_hpc.launch.plan import LocalPlan
 
 if TYPE_CHECKING:
@@ -323,10 +323,12 @@ def _failure(plan: LocalPlan, failures: dict[int, Any], since: int = 0) -> Train
         return TrainingFailed(f"training failed: {said} (see {log_dir}); {_resume_hint(plan)}", EXIT_TRAIN_FAILED)
     # A killed rank makes its peers fail too (broken collectives): name every failed rank, the ones killed by
     # a signal first, since they are usually the cause, unless NCCL took them down for waiting on a peer.
-    waited = waited_on_a_peer(log_dir, plan.node_rank, failures, since)
+    attempts = latest_attempts(log_dir, plan.node_rank, since)
+    waited = waited_on_a_peer(attempts, failures)
     ordered = sorted(failures.items(), key=lambda kv: (kv[0] in waited, kv[1].exitcode >= 0, kv[1].timestamp))
     why = {r: f"was ended by NCCL ({waited[r]}: it waited on another rank)" for r in waited}
-    what = "; ".join(f"rank {r} {why.get(r) or _exit_description(f.exitcode)}" for r, f in ordered)
+    name = {r: attempts.name(f, r, plan.nnodes, plan.node_rank) for r, f in failures.items()}  # its rank_N.log's N
+    what = "; ".join(f"{name[r]} {why.get(r) or _exit_description(f.exitcode)}" for r, f in ordered)
     restarts = f" after {plan.max_restarts} restart(s)" if plan.max_restarts else ""
     return TrainingFailed(f"training failed{restarts}: {what} (see {log_dir}); {_resume_hint(plan)}", EXIT_TRAIN_FAILED)
 

@@ -28,8 +28,10 @@ def native_stderr_to(path: Path) -> Iterator[None]:
         os.dup2(sink.fileno(), 2)
     saved = sys.stderr
     sys.stderr = os.fdopen(os.dup(terminal), "w", buffering=1, encoding=saved.encoding, errors="replace")
+    failed = True
     try:
         yield
+        failed = False
     finally:
         sys.stderr.flush()
         sys.stderr.close()
@@ -37,18 +39,20 @@ def native_stderr_to(path: Path) -> Iterator[None]:
         os.dup2(terminal, 2)
         os.close(terminal)
         with contextlib.suppress(OSError):
-            _drop_if_only_ours(path, existed)
+            _drop_if_only_ours(path, existed, keep_ours=failed)
 
 
-def _drop_if_only_ours(path: Path, existed: int) -> None:
+def _drop_if_only_ours(path: Path, existed: int, keep_ours: bool = False) -> None:
     """Nothing said past byte `existed` but the lines `local`'s workers write to place their attempts (a clean
-    launch): those go, and the file with them when this launch made it. No empty file in the logs."""
+    launch): those go, and the file with them when this launch made it. No empty file in the logs. After a
+    failure (`keep_ours`) they stay: they tell which rank each failed worker was (launch/nccl_aborts.py)."""
     from aura_hpc.train.process.worker_log import JOINED, STARTED
 
     with open(path, "rb") as f:
         f.seek(existed)
         added = f.read(MAX_OURS + 1)
-    if len(added) > MAX_OURS or not all(STARTED in line or JOINED in line for line in added.decode("utf-8", "replace").splitlines()):
+    lines = added.decode("utf-8", "replace").splitlines()
+    if len(added) > MAX_OURS or (keep_ours and lines) or not all(STARTED in line or JOINED in line for line in lines):
         return
     if existed == 0:
         path.unlink()
