@@ -229,7 +229,9 @@ def test_deepspeed_is_not_asked_to_synchronise_the_device_each_micro_step(tmp_pa
     and each step ends: two host waits a micro-step on a GPU (a no-op on CPU, so no run here shows it).
     Read by DeepSpeed's own parser of our config; a user's JSON may turn it back on. Its bf16 skip of a
     non-finite step stays off (ours is logged and counted; the users' shapes runs show it) under a user's
-    bf16 section, which is kept otherwise; asking for DeepSpeed's own skip is refused."""
+    bf16 section, which is kept otherwise; asking for DeepSpeed's own skip is refused. A copied fp16 section
+    is kept while it leaves fp16 off."""
+    from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.utils.config import get_timers_config
 
     from aura_hpc.config import RunConfig
@@ -252,3 +254,13 @@ def test_deepspeed_is_not_asked_to_synchronise_the_device_each_micro_step(tmp_pa
     own.write_text(json.dumps({"bf16": {"enabled": True, "check_grad_overflow": True}}))
     with pytest.raises(ConfigError, match=r"bf16.check_grad_overflow \(True vs False\)"):
         deepspeed_config(cfg, 8, bf16=True)
+    # A copied fp16 section that leaves fp16 off stands, as DeepSpeed's own parser reads it; one that turns it on is refused.
+    copied = {"enabled": False, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2}
+    own.write_text(json.dumps({"fp16": copied}))
+    merged = deepspeed_config(cfg, 1, bf16=True)
+    assert merged["fp16"] == copied and merged["bf16"]["enabled"]
+    DeepSpeedConfig(merged)  # asserts that bf16 and fp16 are not both on
+    for on in (True, "auto"):
+        own.write_text(json.dumps({"fp16": {"enabled": on}}))
+        with pytest.raises(ConfigError, match=rf"fp16.enabled \({on!r} vs False\)"):
+            deepspeed_config(cfg, 8, bf16=True)

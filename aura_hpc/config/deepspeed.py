@@ -57,9 +57,16 @@ def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool, on_cpu: bool =
     # a flag back to the host every step. 0.16 reads no such key (its check is fp16's alone). The rest of the
     # user's bf16 section stands.
     bf16_section = {**user_bf16, "enabled": bf16, "check_grad_overflow": False}
-    merged_bf16 = isinstance(user.get("bf16"), dict)
-    conflicts = [f"{k} ({user[k]!r} vs {v!r})" for k, v in ours.items() if k in user and user[k] != v and (k != "bf16" or not merged_bf16)]
+    # A copied fp16 section that leaves fp16 off ({"enabled": false, "loss_scale": 0, ...}) stands too: its
+    # other keys are read only when fp16 is on, which is never here.
+    user_fp16 = user.get("fp16") if isinstance(user.get("fp16"), dict) else {}
+    fp16_section = {**user_fp16, "enabled": False}
+    sections = {"bf16": bf16_section, "fp16": fp16_section}
+    merged_here = {k for k in sections if isinstance(user.get(k), dict)}
+    conflicts = [f"{k} ({user[k]!r} vs {v!r})" for k, v in ours.items() if k in user and user[k] != v and k not in merged_here]
     conflicts += [f"bf16.{k} ({user_bf16[k]!r} vs {v!r})" for k, v in bf16_section.items() if k in user_bf16 and user_bf16[k] != v]
+    if user_fp16.get("enabled", False) is not False:
+        conflicts.append(f"fp16.enabled ({user_fp16['enabled']!r} vs False)")
     user_zero = user.get("zero_optimization") or {}
     if "stage" in user_zero and int(user_zero["stage"]) != zero["stage"]:
         conflicts.append(f"zero_optimization.stage ({user_zero['stage']} vs {zero['stage']})")
@@ -72,7 +79,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool, on_cpu: bool =
     # DeepSpeed's throughput timer (on unless the JSON says) synchronises the device as each forward starts and
     # each step ends: two host waits every micro-step on a GPU, the host never queueing ahead (its CPU
     # accelerator's synchronize is a no-op, so a CPU run cannot show it). Ours: tokens/s in the metrics.
-    merged = {"timers": {"throughput": {"enabled": False}}, **user, **ours, "bf16": bf16_section}
+    merged = {"timers": {"throughput": {"enabled": False}}, **user, **ours, **sections}
     defaults = CPU_ZERO3 if on_cpu and zero["stage"] == 3 else {}
     merged["zero_optimization"] = {**defaults, **user_zero, **zero}
     for key in ("optimizer", "scheduler"):
