@@ -33,11 +33,23 @@ def quiet_deepspeed(needed: bool = False) -> None:
     # Naming the accelerator skips the probe's warning where there is no CUDA.
     if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
-    if "deepspeed" in sys.modules or not (needed or _transformers_imports_it()) or importlib.util.find_spec("deepspeed") is None:
-        return
-    logging.getLogger("DeepSpeed").addFilter(_warnings_and_up)
-    with contextlib.redirect_stdout(sys.stderr), _hidden("mlflow"):
-        import deepspeed  # noqa: F401  (its logger's handler is made now, on the redirected stream)
+    if "deepspeed" not in sys.modules and (needed or _transformers_imports_it()) and importlib.util.find_spec("deepspeed") is not None:
+        logging.getLogger("DeepSpeed").addFilter(_warnings_and_up)
+        with contextlib.redirect_stdout(sys.stderr), _hidden("mlflow"):
+            import deepspeed  # noqa: F401  (its logger's handler is made now, on the redirected stream)
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        _no_shared_memory_op()
+
+
+def _no_shared_memory_op() -> None:
+    """On CPUs DeepSpeed's comm backend builds a C++ op as it starts (`deepspeed_shm_comm`, JIT-compiled into
+    ~/.cache/torch_extensions: 55 s and 80 CPU-s on the first run of a 2-vCPU machine, again for each DeepSpeed
+    release; a compiler and ninja required; a line on stdout), for its inference all-reduce alone, which
+    training never calls. It is marked unavailable, as DeepSpeed marks it on platforms without it: its
+    backend then starts without it (`build_shm_op` returns None) and all-reduces through torch."""
+    compatible = getattr(sys.modules.get("deepspeed.ops"), "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
 
 
 @contextlib.contextmanager

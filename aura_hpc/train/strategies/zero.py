@@ -152,28 +152,6 @@ class ZeroWrapped(Wrapped, ShardedCheckpoints):
             return param.detach().clone()
 
 
-def _say_first_build(rt: Runtime) -> None:
-    """DeepSpeed compiles its shared-memory op on a CPU run's first use (~1-2 min here, no output until
-    "built successfully"): said before it starts, so a silent minute is not taken for a hang."""
-    if rt.device.type != "cpu":
-        return
-    import logging
-    import os
-
-    from torch.utils.cpp_extension import _get_build_directory  # private, stable since torch 1.x
-
-    try:
-        built = any(f.endswith(".so") for f in os.listdir(_get_build_directory("deepspeed_shm_comm", verbose=False)))
-    except OSError:
-        built = False
-    except Exception:  # a torch without this helper: say nothing rather than guess
-        built = True
-    if not built and int(os.environ.get("RANK", "0")) == 0:
-        logging.getLogger("aura_hpc").info(
-            "compiling DeepSpeed's shm_comm op (first use only, ~1-2 min; cached in TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions)"
-        )
-
-
 def build_partitioned(factory: Callable[[], torch.nn.Module], cfg: RunConfig, rt: Runtime, world_size: int) -> torch.nn.Module | None:
     """ZeRO-3: the model made under DeepSpeed's `zero.Init`, each module's parameters partitioned over
     the ranks as soon as the module exists, so no rank ever holds the whole model. The constructor's
@@ -184,7 +162,6 @@ def build_partitioned(factory: Callable[[], torch.nn.Module], cfg: RunConfig, rt
     if built is None:
         return None
     record = built[1]
-    _say_first_build(rt)
     quiet_deepspeed(needed=True)
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -246,7 +223,6 @@ def _place_gathered(param: torch.Tensor, value: torch.Tensor) -> None:
 def wrap_zero(
     loss_model: torch.nn.Module, model: torch.nn.Module, cfg: RunConfig, rt: Runtime, world_size: int, optimizer: torch.optim.Optimizer
 ) -> ZeroWrapped:
-    _say_first_build(rt)
     quiet_deepspeed(needed=True)
     import deepspeed
 
