@@ -131,6 +131,7 @@ import deepspeed
 mlflow_kept = int("mlflow" not in sys.modules and (importlib.util.find_spec("mlflow") is None or bool(__import__("mlflow").__version__)))
 from aura_hpc.config import load_config
 from aura_hpc.train.model.gpt import GPT, GPTConfig
+from aura_hpc.train.process import distributed
 from aura_hpc.train.process.runtime import Runtime
 from aura_hpc.train.strategies.zero import build_partitioned
 shape = GPTConfig(vocab_size=4000, n_positions=64, n_embd=512, n_layer=16, n_head=8)
@@ -160,7 +161,7 @@ with deepspeed.zero.GatheredParameters([probe]):
     fallback = torch.equal(probe, want.detach() * 2)
 if dist.get_rank() == 0:
     print(mlflow_kept, extra, held, total, int(torch.equal(got, want) and fallback), int(probe.numel() == 0), flush=True)
-dist.destroy_process_group()
+distributed.shutdown()  # not destroy_process_group alone: torch < 2.8's gloo could deadlock there
 # Out without the interpreter's native teardown: in about one run of four a C++ thread object of the
 # DeepSpeed/gloo pair was destroyed still joinable there ("terminate called without an active exception"),
 # after everything this script checks was printed.
