@@ -8,6 +8,7 @@ ZeRO-2 does with gradient accumulation (it reduces each micro-step, then accumul
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -238,6 +239,7 @@ def test_deepspeed_is_not_asked_to_synchronise_the_device_each_micro_step(tmp_pa
     from deepspeed.utils.config import get_timers_config
 
     from aura_hpc.config import RunConfig
+    from aura_hpc.config.checks import validate_strategy
     from aura_hpc.config.deepspeed import deepspeed_config
     from aura_hpc.errors import ConfigError
 
@@ -257,12 +259,21 @@ def test_deepspeed_is_not_asked_to_synchronise_the_device_each_micro_step(tmp_pa
     own.write_text(json.dumps({"bf16": {"enabled": True, "check_grad_overflow": True}}))
     with pytest.raises(ConfigError, match=r"bf16.check_grad_overflow \(True vs False\)"):
         deepspeed_config(cfg, 8, bf16=True)
-    # A copied fp16 section that leaves fp16 off stands, as DeepSpeed's own parser reads it; one that turns it on is refused.
-    copied = {"enabled": False, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2}
+    # A copied fp16 section that leaves fp16 off is accepted, and DeepSpeed gets fp16 off alone: 0.17+ would read
+    # fp16_master_weights_and_grads (then ask for its own CPU Adam) and refuse keys it does not know, fp16 off or
+    # not. One that turns fp16 on is refused.
+    copied = {"enabled": False, "loss_scale": 0, "initial_scale_power": 16, "fp16_master_weights_and_grads": True, "fp16_opt_level": "O2"}
     own.write_text(json.dumps({"fp16": copied}))
     merged = deepspeed_config(cfg, 1, bf16=True)
-    assert merged["fp16"] == copied and merged["bf16"]["enabled"]
-    DeepSpeedConfig(merged)  # asserts that bf16 and fp16 are not both on
+    assert merged["fp16"] == {"enabled": False} and merged["bf16"]["enabled"]
+    DeepSpeedConfig(merged)  # DeepSpeed's own parser: bf16 and fp16 not both on
+    # Before launch, a JSON that turns bf16 on passes where the run trains in bf16 or may (precision auto: the
+    # workers' GPUs decide, and check again), and is refused where it does not.
+    own.write_text(json.dumps({"bf16": {"enabled": True}}))
+    for precision in ("bf16", "auto", "fp32"):
+        cfg.train.precision = precision
+        with pytest.raises(ConfigError, match=r"bf16.enabled \(True vs False\)") if precision == "fp32" else contextlib.nullcontext():
+            validate_strategy(cfg)
     for on in (True, "auto"):
         own.write_text(json.dumps({"fp16": {"enabled": on}}))
         with pytest.raises(ConfigError, match=rf"fp16.enabled \({on!r} vs False\)"):

@@ -24,8 +24,9 @@ from aura_hpc.errors import ConfigError
 CPU_ZERO3 = {"stage3_param_persistence_threshold": 0}
 
 
-def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool, on_cpu: bool = False) -> dict[str, Any]:
+def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool | None, on_cpu: bool = False) -> dict[str, Any]:
     """What the trainer controls, merged over the user's dist.deepspeed_config (conflicts refused).
+    `bf16` None: not known yet (before launch, under train.precision auto), the JSON's bf16.enabled unchecked.
     `on_cpu`: the ranks train on CPUs over gloo (see CPU_ZERO3 above)."""
     t, d = cfg.train, cfg.dist
     ours: dict[str, Any] = {
@@ -56,11 +57,12 @@ def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool, on_cpu: bool =
     # logged, nan_rollback_after never counts it and the logged norm is the step before's; its check also reads
     # a flag back to the host every step. 0.16 reads no such key (its check is fp16's alone). The rest of the
     # user's bf16 section stands.
-    bf16_section = {**user_bf16, "enabled": bf16, "check_grad_overflow": False}
-    # A copied fp16 section that leaves fp16 off ({"enabled": false, "loss_scale": 0, ...}) stands too: its
-    # other keys are read only when fp16 is on, which is never here.
+    bf16_section = {**user_bf16, "enabled": user_bf16.get("enabled", False) if bf16 is None else bf16, "check_grad_overflow": False}
+    # A copied fp16 section that leaves fp16 off ({"enabled": false, "loss_scale": 0, ...}) is accepted, and
+    # DeepSpeed gets {"enabled": false} alone: 0.17+ parses the section strictly whatever `enabled` says, and
+    # reads some keys even then (fp16_master_weights_and_grads asks for its CPU Adam, auto_cast casts inputs).
     user_fp16 = user.get("fp16") if isinstance(user.get("fp16"), dict) else {}
-    fp16_section = {**user_fp16, "enabled": False}
+    fp16_section = {"enabled": False}
     sections = {"bf16": bf16_section, "fp16": fp16_section}
     merged_here = {k for k in sections if isinstance(user.get(k), dict)}
     conflicts = [f"{k} ({user[k]!r} vs {v!r})" for k, v in ours.items() if k in user and user[k] != v and k not in merged_here]
