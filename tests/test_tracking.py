@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from aura_hpc.train.loop.trackers import node_local_store
 from tests.conftest import SMALL_MODEL, free_port, run_cli, run_cli_together
 
 pytestmark = pytest.mark.slow
@@ -136,8 +137,10 @@ def test_every_tracker_reads_back_one_run_across_a_restart_and_an_unreachable_on
     assert found[0].data.params["train.max_steps"] == str(STEPS) and found[0].info.status == "FINISHED"
     assert {m.step for m in client.get_metric_history(ids["mlflow"], "loss")} >= {10, 20}
 
-    # Read above from the copies in the run directory; the stores themselves lived on "node-local" disk.
+    # Read above from the copies in the run directory; the stores themselves lived on "node-local" disk,
+    # which keeps nothing of a finished run (the killed attempt's stores included).
     assert not (run / "tracking" / ".mlflow.db.tmp").exists() and (run / "tracking" / "trackio" / "aura_hpc.db").is_file()
+    assert not node_local_store(run).exists(), sorted(node_local_store(run).rglob("*"))
     log0 = (run / "logs" / "rank_0.log").read_text()
     assert "trackio show --project aura_hpc" in log0 and "wandb sync" in log0 and "mlflow server --backend-store-uri" in log0
 
@@ -149,6 +152,7 @@ def test_every_tracker_reads_back_one_run_across_a_restart_and_an_unreachable_on
     assert again.returncode == 0 and "nothing to do" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
     assert json.loads((run / "tracking" / "ids.json").read_text())["mlflow"] == ids["mlflow"]
     assert "mlflow could not start" not in (run / "logs" / "rank_0.log").read_text()
+    assert not node_local_store(run).exists()
 
     # A tracker nobody answers: a warning, and the run ends like any other.
     assert unreachable.returncode == 0, unreachable.stdout[-3000:] + unreachable.stderr[-3000:]

@@ -12,7 +12,8 @@ SQLite-backed stores (trackio's, MLflow's default) are unsafe on NFS/Lustre/GPFS
 mmap: trackio #555 crashed distributed jobs with SIGBUS). When the run directory is on a network
 filesystem they are kept on node-local disk and copied into RUN_DIR/tracking/ with SQLite's backup
 API at every checkpoint, every `tracking.copy_every_s` and at the end; a resumed run on another node
-starts from that copy.
+starts from that copy. Once the last copy is in the run directory, the node-local stores are removed:
+a node that runs many jobs must not keep each one's stores in its temporary folder.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import math
 import os
 import queue
+import shutil
 import sqlite3
 import tempfile
 import threading
@@ -62,6 +64,12 @@ def scalars(row: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
+def node_local_store(run_dir: Path) -> Path:
+    """Where a run directory's SQLite stores live on this node when they are kept off its network filesystem."""
+    key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"aura-tracking-{os.getuid()}-{key}"
+
+
 class Trackers:
     def __init__(self, cfg: RunConfig, resume_step: int) -> None:
         self.cfg = cfg
@@ -74,6 +82,7 @@ class Trackers:
         self._live: dict[str, Any] = {}
         self._dropped = 0
         self._copied = 0.0
+        self._copy_failed = False  # the last copy into the run directory missed a store
         self._thread: threading.Thread | None = None
         self.hints: list[str] = []
 
@@ -82,8 +91,7 @@ class Trackers:
         local = t.sqlite_local == "true" or (t.sqlite_local == "auto" and is_network_fs(self.cfg.run_dir))
         if not local:
             return self.folder
-        key = hashlib.sha256(str(self.cfg.run_dir.resolve()).encode()).hexdigest()[:12]
-        return Path(tempfile.gettempdir()) / f"aura-tracking-{os.getuid()}-{key}"
+        return node_local_store(self.cfg.run_dir)
 
     # ---- the training side: never waits ---------------------------------------------------------
     def start(self) -> None:
@@ -134,6 +142,9 @@ class Trackers:
         self._thread.join(FINISH_WAIT_S)
         if self._thread.is_alive():
             log.warning("tracking: the trackers did not finish within %.0f s (left behind; the run is saved)", FINISH_WAIT_S)
+        elif self.local != self.folder and not self._copy_failed:
+            # Every store is in the run directory now, and a resumed run copies it back in.
+            shutil.rmtree(self.local, ignore_errors=True)
         for hint in self.hints:
             log.info("tracking: %s", hint)
 
@@ -219,13 +230,15 @@ class Trackers:
                 _backup(kept, here)
 
     def _copy_out(self) -> None:
+        self._copy_failed = False
         for db in self.local.glob("**/*.db"):
             kept = self.folder / db.relative_to(self.local)
             kept.parent.mkdir(parents=True, exist_ok=True)
             try:
                 _backup(db, kept)
             except (OSError, sqlite3.Error) as exc:
-                log.warning("tracking: could not copy %s into the run directory (%s)", db.name, exc)
+                log.warning("tracking: could not copy %s into the run directory (%s); it stays in %s", db.name, exc, db.parent)
+                self._copy_failed = True
         self._copied = time.monotonic()
 
 
