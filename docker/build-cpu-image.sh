@@ -41,4 +41,5 @@ docker build --network host -t "$TAG" \
   --build-arg BASE_IMAGE="$BASE" \
   --build-arg PIP_INSTALL_ARGS="--no-index --find-links /opt/aura_hpc/src/docker/wheels" . >"$log" 2>&1 \
   || { tail -40 "$log"; echo "docker build failed (whole log: $log)" >&2; exit 1; }
+rm -f "$log"  # kept only when the build failed
 echo "image $TAG: $(( $(date +%s) - t0 ))s, $(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.2f GB", $1/1e9}')"
