@@ -132,10 +132,10 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
 def _close_outputs(trainer: Any, failed: bool) -> None:
     """Rank 0's metrics, TensorBoard and trackers, on every way out of the run (a failure's last rows and its
     status included; once closed, nothing more), never instead of the run's own status and line."""
+    from aura_hpc.train.loop import endings
+
     try:
-        trainer.health.stop()  # its monitor writes resource rows: not into a closed writer
-        if trainer.metrics is not None:
-            trainer.metrics.close(failed)
+        endings.close_outputs(trainer, failed)
     except Exception as exc:
         log.warning("the run's outputs could not be closed (%s)", type(exc).__name__)
 

@@ -1,10 +1,16 @@
 """How a run stops before its end step, every rank together: on a signal, or when the data cannot
-be read. Each writes one checkpoint (collective: every rank is here), says why on rank 0 and
-returns the exit status."""
+be read. Each writes one checkpoint (collective: every rank is here), says why on rank 0, closes the
+run's outputs (metrics, TensorBoard, trackers) and returns the exit status.
+
+The outputs close after the checkpoint and before the last barrier. After: a tracker slow to finish
+(a server that does not answer: up to its 30 s) must not spend a preempted job's grace window, or
+the launcher's wait for its workers, before the save. Before the barrier: the launcher stops a rank
+still closing once its peers have exited."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from aura_hpc.comm import collectives
@@ -16,7 +22,15 @@ from aura_hpc.train.process.stop import StopRequest
 log = logging.getLogger("aura_hpc")
 
 
-def stop_on_signal(stop: StopRequest, ckpt: Any, pos: Position, env: DistEnv) -> int:
+def close_outputs(trainer: Any, failed: bool) -> None:
+    """Rank 0's metrics, TensorBoard and trackers, once (later calls do nothing); the resource monitor first,
+    whose rows go to them. `failed`: the trackers mark the run so."""
+    trainer.health.stop()
+    if trainer.metrics is not None:
+        trainer.metrics.close(failed)
+
+
+def stop_on_signal(stop: StopRequest, ckpt: Any, pos: Position, env: DistEnv, close_outputs: Callable[[bool], None]) -> int:
     path = ckpt.save()
     ckpt.wait()
     if env.is_main:
@@ -28,11 +42,12 @@ def stop_on_signal(stop: StopRequest, ckpt: Any, pos: Position, env: DistEnv) ->
             what,
             EXIT_RESUMABLE,
         )
+    close_outputs(False)  # resumable: the trackers' run goes on when the run does, not a failure
     collectives.barrier()
     return EXIT_RESUMABLE
 
 
-def data_unavailable(exc: Exception, ckpt: Any, pos: Position, env: DistEnv, progress: Any) -> int:
+def data_unavailable(exc: Exception, ckpt: Any, pos: Position, env: DistEnv, progress: Any, close_outputs: Callable[[bool], None]) -> int:
     """Every rank agreed the next steps' data cannot be read (train/loop/data_feed.py): one checkpoint, then stop."""
     if progress is not None:
         progress.stop()
@@ -41,5 +56,6 @@ def data_unavailable(exc: Exception, ckpt: Any, pos: Position, env: DistEnv, pro
     if env.is_main:
         saved = f"checkpoint {path.name} written at step {pos.step}" if path else f"nothing new to save at step {pos.step}"
         log.error("data unavailable: %s; %s; re-run the same command to resume once it can be read", exc, saved)
+    close_outputs(True)
     collectives.barrier()
     return EXIT_DATA_UNAVAILABLE

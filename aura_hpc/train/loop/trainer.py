@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from functools import partial
 from typing import Any
 
 from aura_hpc.comm import collectives
@@ -71,7 +72,8 @@ class Trainer:
         try:
             self.feed.setup(cfg.train.eval_sequences or cfg.train.eval_batches * cfg.train.batch_size)
         except DataUnavailable as exc:
-            return endings.data_unavailable(exc, self.ckpt, self.pos, self.env, getattr(self, "progress", None))
+            closing = partial(endings.close_outputs, self)
+            return endings.data_unavailable(exc, self.ckpt, self.pos, self.env, getattr(self, "progress", None), closing)
         batches = Batches(self.parts, self.layout, env.rank, self.rt.device, self.feed)
         stepper = Stepper(cfg.train, env.rank, self.layout.world, self.rt, self.parts, wrapped, batches)
         self.clock = stepper.clock
@@ -93,7 +95,7 @@ class Trainer:
                 if (outer := capability(wrapped, OuterLoop)) is not None:
                     outer.drain()  # a portion of a DiLoCo meeting still crossing: no collective in flight as the group goes
             except DataUnavailable as exc:
-                status = endings.data_unavailable(exc, self.ckpt, self.pos, self.env, self.progress)
+                status = endings.data_unavailable(exc, self.ckpt, self.pos, self.env, self.progress, partial(endings.close_outputs, self))
             finally:
                 self.feed.close()
         if status is not None:
@@ -205,10 +207,8 @@ class Trainer:
                 self.interval.add(r.loss, self.layout.tokens_per_step)
             if r.stop:
                 self.progress.stop()
-                if self.metrics is not None:
-                    self.metrics.close()
                 with self.page.section("checkpoint"):
-                    return endings.stop_on_signal(stop, self.ckpt, self.pos, self.env)
+                    return endings.stop_on_signal(stop, self.ckpt, self.pos, self.env, partial(endings.close_outputs, self))
         return None
 
     def _after_step(self, r: StepResult) -> None:
