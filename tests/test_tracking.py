@@ -175,6 +175,9 @@ def test_every_tracker_reads_back_one_run_across_a_restart_and_a_silent_one_cost
     assert not node_local_store(run).exists(), sorted(node_local_store(run).rglob("*"))
     log0 = (run / "logs" / "rank_0.log").read_text()
     assert "trackio show --project aura_hpc" in log0 and "wandb sync" in log0 and "mlflow server --backend-store-uri" in log0
+    # trackio's own printed lines (the node-local folder, an "upload") are in rank 0's log, not bare on the terminal.
+    assert "tracking: trackio said: * Trackio metrics logged to:" in log0, log0[-3000:]
+    assert not [x for x in tracked.stdout.splitlines() if x.startswith("* ")], tracked.stdout[-3000:]
 
     # A kept MLflow id that names nothing (its store was lost, or another one is used): the run is found
     # again by its tag, not switched off for good.

@@ -3,9 +3,11 @@ the trackers' thread (trackers.py). Imported only when a run asks for one: none 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import string
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,7 @@ class Trackio:
         # offline compute node would hang there. The user name is not ours to need.
         trackio.run._get_default_namespace = lambda: None
 
+        _trackio_lines_to_the_log()
         name = run_id or self.cfg.run_name
         self.run = trackio.init(
             project=self.cfg.tracking.project,
@@ -80,6 +83,7 @@ class Trackio:
         self.run.log(values, step=step)
 
     def finish(self, failed: bool) -> None:
+        _trackio_lines_to_the_log()  # its modules imported since start
         self.run.finish()  # trackio keeps no run status
 
     def last_step(self) -> int | None:
@@ -89,6 +93,25 @@ class Trackio:
 
     def hint(self) -> str:
         return f"view with: TRACKIO_DIR={self.kept} trackio show --project {self.cfg.tracking.project} (or `trackio sync` to a Space)"
+
+
+def _trackio_lines_to_the_log() -> None:
+    """trackio prints to stdout ("* Trackio metrics logged to: <TRACKIO_DIR>", "* Run finished. Uploading
+    logs to Trackio..."): bare lines among the ranks' prefixed ones on the terminal and in Slurm's log,
+    naming the node-local folder that is removed at the end, and an upload that does not happen. They go
+    to rank 0's log file instead; `hint()` says where the store is kept. A `print` in a module's namespace
+    is the one its functions call."""
+    from aura_hpc.train.process.worker_log import to_file_only
+
+    def into_log(*args: object, **_kwargs: object) -> None:
+        text = " ".join(str(a) for a in args).strip()
+        if text:
+            to_file_only(f"tracking: trackio said: {text}", exc_info=False)
+
+    for name, module in list(sys.modules.items()):
+        if module is not None and (name == "trackio" or name.startswith("trackio.")):
+            with contextlib.suppress(AttributeError, TypeError):  # a module that takes no attribute keeps its own
+                module.print = into_log  # type: ignore[attr-defined]
 
 
 class Wandb:
