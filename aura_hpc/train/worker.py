@@ -134,10 +134,7 @@ def _close_outputs(trainer: Any, failed: bool) -> None:
     status included; once closed, nothing more), never instead of the run's own status and line."""
     from aura_hpc.train.loop import endings
 
-    try:
-        endings.close_outputs(trainer, failed)
-    except Exception as exc:
-        log.warning("the run's outputs could not be closed (%s)", type(exc).__name__)
+    endings.close_outputs(trainer, failed)
 
 
 def _exiting(code: int) -> int:

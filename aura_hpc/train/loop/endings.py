@@ -24,10 +24,14 @@ log = logging.getLogger("aura_hpc")
 
 def close_outputs(trainer: Any, failed: bool) -> None:
     """Rank 0's metrics, TensorBoard and trackers, once (later calls do nothing); the resource monitor first,
-    whose rows go to them. `failed`: the trackers mark the run so."""
-    trainer.health.stop()
-    if trainer.metrics is not None:
-        trainer.metrics.close(failed)
+    whose rows go to them. `failed`: the trackers mark the run so. Never raises: an output that cannot close
+    costs a warning, not the run's own status, nor the barrier its peers wait in."""
+    try:
+        trainer.health.stop()
+        if trainer.metrics is not None:
+            trainer.metrics.close(failed)
+    except Exception as exc:
+        log.warning("the run's outputs could not be closed (%s)", type(exc).__name__)
 
 
 def stop_on_signal(stop: StopRequest, ckpt: Any, pos: Position, env: DistEnv, close_outputs: Callable[[bool], None]) -> int:
