@@ -124,11 +124,13 @@ from aura_hpc.train.process.malloc_tuning import pin_thresholds
 pin_thresholds()  # as the worker does
 dist.init_process_group("gloo")
 from aura_hpc.train.process.deepspeed_import import quiet_deepspeed
-quiet_deepspeed(needed=True)  # as the worker does: DeepSpeed's autotuner does not pull in MLflow...
+quiet_deepspeed(needed=True)  # as the worker does: DeepSpeed does not pull in MLflow or transformers...
 import importlib.util
 import deepspeed
-# ...and MLflow, where installed, still imports afterwards (our tracker's)
-mlflow_kept = int("mlflow" not in sys.modules and (importlib.util.find_spec("mlflow") is None or bool(__import__("mlflow").__version__)))
+# ...and both, where installed, still import afterwards (our tracker's MLflow, generate's transformers)
+def kept(m):
+    return m not in sys.modules and (importlib.util.find_spec(m) is None or bool(__import__(m).__version__))
+mlflow_kept = int(kept("mlflow") and kept("transformers"))
 from aura_hpc.config import load_config
 from aura_hpc.train.model.gpt import GPT, GPTConfig
 from aura_hpc.train.process import distributed
@@ -173,8 +175,8 @@ os._exit(0)
 def test_zero3_builds_partitioned_and_no_rank_holds_the_model() -> None:
     """Two gloo ranks build a 210 MB model under ZeRO-3: each rank's resident high-water mark grows by
     its half and a module at a time, not by the model, and a gathered parameter holds the bits of
-    the model built whole from the same seed. (DeepSpeed imported as the worker does: without MLflow,
-    which stays importable.)"""
+    the model built whole from the same seed. (DeepSpeed imported as the worker does: without MLflow
+    and transformers, which stay importable.)"""
     pytest.importorskip("deepspeed")
     from tests.conftest import free_port
 

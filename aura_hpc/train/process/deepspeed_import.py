@@ -35,7 +35,7 @@ def quiet_deepspeed(needed: bool = False) -> None:
         os.environ["DS_ACCELERATOR"] = "cpu"
     if "deepspeed" not in sys.modules and (needed or _transformers_imports_it()) and importlib.util.find_spec("deepspeed") is not None:
         logging.getLogger("DeepSpeed").addFilter(_warnings_and_up)
-        with contextlib.redirect_stdout(sys.stderr), _hidden("mlflow"):
+        with contextlib.redirect_stdout(sys.stderr), _hidden("mlflow", "transformers"):
             import deepspeed  # noqa: F401  (its logger's handler is made now, on the redirected stream)
     if os.environ.get("DS_ACCELERATOR") == "cpu":
         _no_shared_memory_op()
@@ -53,20 +53,23 @@ def _no_shared_memory_op() -> None:
 
 
 @contextlib.contextmanager
-def _hidden(module: str) -> Iterator[None]:
-    """`module` unimportable for a moment, unless already imported. DeepSpeed's autotuner, which we never
-    run, imports MLflow whenever it is installed, for its own experiment logs: 1.1 to 1.4 s of CPU in every
-    ZeRO rank's start-up (measured on a 2-vCPU machine). Our own MLflow tracker imports it later, in the
-    trackers' thread, once this is over (and nothing else imports while the main thread is here)."""
-    if module in sys.modules:
-        yield
-        return
-    sys.modules[module] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError, find_spec says None
+def _hidden(*modules: str) -> Iterator[None]:
+    """`modules` unimportable for a moment, those not yet imported. DeepSpeed imports both at module level, only
+    for parts we never run, and each costs every ZeRO rank's start-up more CPU than the rest of DeepSpeed's
+    import: MLflow for its autotuner's experiment logs (1.1 to 1.4 s); transformers for its RLHF hybrid engine
+    and OptimizedLinear's patching of AutoModelForCausalLM (1.5 to 1.7 s; measured on a 2-vCPU machine), where
+    our workers never import transformers (the model is ours). Both imports are guarded in DeepSpeed: without
+    the module those parts are off. Our own MLflow tracker imports it later, in the trackers' thread, and
+    `generate` imports transformers after this; nothing else imports while the main thread is here."""
+    hidden = [m for m in modules if m not in sys.modules]
+    for module in hidden:
+        sys.modules[module] = None  # type: ignore[assignment]  # `import m` raises ImportError, find_spec says None
     try:
         yield
     finally:
-        if sys.modules.get(module, 0) is None:
-            del sys.modules[module]
+        for module in hidden:
+            if sys.modules.get(module, 0) is None:
+                del sys.modules[module]
 
 
 def _warnings_and_up(record: logging.LogRecord) -> bool:
