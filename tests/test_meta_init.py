@@ -194,3 +194,25 @@ def test_zero3_builds_partitioned_and_no_rank_holds_the_model() -> None:
     # Built whole first, a rank would peak at the model and its half (+315 MB) before DeepSpeed freed the
     # whole; gathered for writing, 1.2x the model (measured). Written piece by piece: 1.1-1.5x its half.
     assert extra < 0.9 * total, (extra, held, total)
+
+
+_NEEDS_A_KEPT_OUT_MODULE = r"""
+import sys
+from aura_hpc.train.process import deepspeed_import
+# A DeepSpeed release that imports a kept-out module unguarded, as every release imports pydantic (its config).
+deepspeed_import.KEPT_OUT = (*deepspeed_import.KEPT_OUT, "pydantic")
+deepspeed_import.quiet_deepspeed(needed=True)
+import deepspeed
+from deepspeed.runtime.zero.partition_parameters import Init
+print(int("pydantic" in sys.modules), int(callable(Init)), flush=True)
+"""
+
+
+def test_a_deepspeed_that_needs_a_kept_out_module_as_it_imports_still_imports() -> None:
+    """The modules DeepSpeed is imported without (start-up time: deepspeed_import.py) are a saving, never a failure:
+    our DeepSpeed range is open, and a release that needs one of them at import is imported again with it."""
+    pytest.importorskip("deepspeed")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _NEEDS_A_KEPT_OUT_MODULE], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-2:] == ["1", "1"], r.stdout

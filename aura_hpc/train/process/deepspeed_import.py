@@ -35,8 +35,14 @@ def quiet_deepspeed(needed: bool = False) -> None:
         os.environ["DS_ACCELERATOR"] = "cpu"
     if "deepspeed" not in sys.modules and (needed or _transformers_imports_it()) and importlib.util.find_spec("deepspeed") is not None:
         logging.getLogger("DeepSpeed").addFilter(_warnings_and_up)
-        with contextlib.redirect_stdout(sys.stderr), _hidden("mlflow", "transformers"):
-            import deepspeed  # noqa: F401  (its logger's handler is made now, on the redirected stream)
+        with contextlib.redirect_stdout(sys.stderr):  # its logger's handler is made now, on the redirected stream
+            try:
+                with _hidden(*KEPT_OUT):
+                    import deepspeed
+            except ImportError:
+                # A DeepSpeed release that needs one of them as it imports (ours are ranges, not one pin): the
+                # import again with nothing kept out. What did import stays; what failed is imported anew.
+                import deepspeed  # noqa: F401
     if os.environ.get("DS_ACCELERATOR") == "cpu":
         _no_shared_memory_op()
 
@@ -52,15 +58,20 @@ def _no_shared_memory_op() -> None:
         compatible["deepspeed_shm_comm"] = False
 
 
+# Imported by DeepSpeed only for parts we never run (see `_hidden`).
+KEPT_OUT = ("mlflow", "transformers")
+
+
 @contextlib.contextmanager
 def _hidden(*modules: str) -> Iterator[None]:
     """`modules` unimportable for a moment, those not yet imported. DeepSpeed imports both at module level, only
-    for parts we never run, and each costs every ZeRO rank's start-up more CPU than the rest of DeepSpeed's
-    import: MLflow for its autotuner's experiment logs (1.1 to 1.4 s); transformers for its RLHF hybrid engine
-    and OptimizedLinear's patching of AutoModelForCausalLM (1.5 to 1.7 s; measured on a 2-vCPU machine), where
-    our workers never import transformers (the model is ours). Both imports are guarded in DeepSpeed: without
-    the module those parts are off. Our own MLflow tracker imports it later, in the trackers' thread, and
-    `generate` imports transformers after this; nothing else imports while the main thread is here."""
+    for parts we never run: MLflow for its autotuner's experiment logs (1.1 to 1.4 CPU-s of every ZeRO rank's
+    start-up); transformers for its RLHF hybrid engine and OptimizedLinear's patching of AutoModelForCausalLM
+    (1.5 to 1.7 CPU-s, where the rest of DeepSpeed's import takes about 2; measured on a 2-vCPU machine), and
+    our workers never import transformers (the model is ours). Both imports are guarded in DeepSpeed 0.16-0.19:
+    without the module those parts are off (a release that needs one is imported again with it: quiet_deepspeed).
+    Our own MLflow tracker imports it later, in the trackers' thread, and `generate` imports transformers after
+    this; nothing else imports while the main thread is here."""
     hidden = [m for m in modules if m not in sys.modules]
     for module in hidden:
         sys.modules[module] = None  # type: ignore[assignment]  # `import m` raises ImportError, find_spec says None
