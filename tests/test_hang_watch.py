@@ -66,9 +66,10 @@ def test_a_page_is_what_the_rank_wrote_and_a_torn_one_is_ignored(tmp_path: Path)
     # Whole in size, but its times never written (the file's zeros): not a rank that stopped in 1970.
     (tmp_path / "rank6").write_bytes(progress.page_bytes(13022, 0, 17, 65, 1, 0.0, 0.0))
     assert progress.read(tmp_path / "rank6") is None
-    # Read while a write was under way: the new write's start, the old one's end (and the reverse).
+    # Read while a write was under way: the new write's start, the old one's end (and the reverse); both ends
+    # new and the step between them old (memcpy stores the ends first: seen in CI).
     old, new = progress.page_bytes(13022, 1, 16, 64, 1, 100.0, 200.0, 7), progress.page_bytes(13022, 2, 17, 65, 1, 300.0, 300.0, 8)
-    for torn in (new[:24] + old[24:], old[:40] + new[40:]):
+    for torn in (new[:24] + old[24:], old[:40] + new[40:], new[:8] + old[8:40] + new[40:]):
         (tmp_path / "rank7").write_bytes(torn)
         assert progress.read(tmp_path / "rank7") is None
     (tmp_path / "rank7").write_bytes(new)

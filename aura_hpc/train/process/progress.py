@@ -15,6 +15,7 @@ import os
 import signal
 import struct
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,14 +32,18 @@ SECTIONS = ("start-up", "step", "evaluation", "checkpoint", "meeting", "data", "
 # The ops a rank can be in or have entered last (comm/collectives.py's names).
 OPS = ("", "all_reduce", "all_gather", "broadcast", "barrier", "send", "recv", "gather", "other")
 # write number, pid, section, step done, collectives entered, last op, section began (unix s), last update
-# (unix s), the write number again. The page is read by another process while it is written: a read that
-# overlaps a write sees two write numbers and is not whole (struct.pack_into would zero the page first,
-# then fill it field by field, and a read in between saw a new step with times of zero).
-LAYOUT = struct.Struct("<qqqqqqddq")
+# (unix s), the write number again; then the CRC-32 of all that. The page is read by another process while
+# it is written (struct.pack_into would zero the page first, then fill it field by field, and a read in
+# between saw a new step with times of zero). One copy is not in order either: memcpy stores a 76-byte page
+# as overlapping vectors, both ends first (a read in CI saw both write numbers new and the step between them
+# old), and the reader's copy has no order of its own. The checksum tells a whole page in any order.
+BODY = struct.Struct("<qqqqqqddq")
+LAYOUT = struct.Struct(f"<{BODY.format.lstrip('<')}I")
 
 
 def page_bytes(pid: int, section: int, step: int, entered: int, op: int, since: float, beat: float, write: int = 1) -> bytes:
-    return LAYOUT.pack(write, pid, section, step, entered, op, since, beat, write)
+    body = BODY.pack(write, pid, section, step, entered, op, since, beat, write)
+    return body + struct.pack("<I", zlib.crc32(body))
 
 
 def file_for(folder: Path, rank: int) -> Path:
@@ -138,8 +143,11 @@ def read(path: Path) -> dict[str, Any] | None:
         return None
     if len(data) != LAYOUT.size:
         return None
-    first, pid, section, step, entered, op, since, beat, last = LAYOUT.unpack(data)
-    if first != last or first <= 0:  # read while it was written, or before its first write
+    *fields, crc = LAYOUT.unpack(data)
+    if crc != zlib.crc32(data[: BODY.size]):  # read while it was written, or before its first write
+        return None
+    first, pid, section, step, entered, op, since, beat, last = fields
+    if first != last or first <= 0:
         return None
     if not 0 <= section < len(SECTIONS) or not 0 <= op < len(OPS):
         return None
