@@ -18,7 +18,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch._dynamo  # noqa: F401  (every optimizer imports it on its first parameter group: here, where the entry points import unscanned)
 
@@ -95,6 +94,7 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
     worker_log.setup(cfg.run_dir / "logs", env.rank, stream)
     worker_log.dump_stacks_on(progress.STACK_SIGNAL)
     page = progress.start(env.rank, cfg.run_dir)
+    from aura_hpc.train.loop import endings
     from aura_hpc.train.loop.trainer import Trainer
 
     trainer = Trainer(cfg, env, why_not_leave_out)
@@ -126,15 +126,8 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
             log.error("%s", PEER_LOST.format(peer=peer, step=trainer.pos.step + 1))
             return EXIT_TRAIN_FAILED
         finally:
-            _close_outputs(trainer, failed=status != 0)
-
-
-def _close_outputs(trainer: Any, failed: bool) -> None:
-    """Rank 0's metrics, TensorBoard and trackers, on every way out of the run (a failure's last rows and its
-    status included; once closed, nothing more), never instead of the run's own status and line."""
-    from aura_hpc.train.loop import endings
-
-    endings.close_outputs(trainer, failed)
+            # On every way out (a failure's last rows and status included), never instead of the run's own line.
+            endings.close_outputs(trainer, failed=status != 0)
 
 
 def _exiting(code: int) -> int:

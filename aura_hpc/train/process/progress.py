@@ -38,7 +38,7 @@ OPS = ("", "all_reduce", "all_gather", "broadcast", "barrier", "send", "recv", "
 # as overlapping vectors, both ends first (a read in CI saw both write numbers new and the step between them
 # old), and the reader's copy has no order of its own. The checksum tells a whole page in any order.
 BODY = struct.Struct("<qqqqqqddq")
-LAYOUT = struct.Struct(f"<{BODY.format.lstrip('<')}I")
+LAYOUT = struct.Struct(BODY.format + "I")
 
 
 def page_bytes(pid: int, section: int, step: int, entered: int, op: int, since: float, beat: float, write: int = 1) -> bytes:
