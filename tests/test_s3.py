@@ -178,6 +178,19 @@ def test_storage_that_stops_answering_mid_run_stops_every_rank_with_a_checkpoint
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a), "the interrupted run differs from the uninterrupted one"
 
 
+def test_validation_shards_unreadable_at_the_start_stop_the_run_before_its_first_step(
+    bucket_data: dict[str, Any], tmp_path: Path, s3: Any
+) -> None:
+    """The data's first read (the validation set evaluation needs) fails after its retries: the run stops
+    before its first step with status 74, saves nothing (there is nothing new) and says how to resume."""
+    endpoint, _ = s3.proxy(tmp_path, fail=r"^/prep/es/shards/val-", times=1000)
+    extra = ["--set", "data.read_tries=2", "--set", "data.read_timeout_s=5"]
+    r = run_cli(_train_args(tmp_path, "novalid", tmp_path / "cache", extra, nproc=1), timeout=300, **s3.env(endpoint=endpoint))
+    assert r.returncode == 74, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "nothing new to save at step 0" in r.stderr and "re-run the same command to resume" in r.stderr, r.stderr[-3000:]
+    assert not list((tmp_path / "novalid" / "checkpoints").glob("step_*"))
+
+
 def test_credentials_in_a_url_are_refused(tmp_path: Path) -> None:
     r = run_cli(["local", "--dry-run", "--set", "data.path=s3://AKIAXXXX:secretvalue@bucket/p"], timeout=60)
     assert r.returncode == 2 and "holds credentials" in r.stderr and "secretvalue" not in r.stderr + r.stdout

@@ -10,13 +10,10 @@ still closing once its peers have exited."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from aura_hpc.comm import collectives
 from aura_hpc.errors import EXIT_DATA_UNAVAILABLE, EXIT_RESUMABLE
-from aura_hpc.train.parts.state import Position
-from aura_hpc.train.process.dist_env import DistEnv
 from aura_hpc.train.process.stop import StopRequest
 
 log = logging.getLogger("aura_hpc")
@@ -34,7 +31,8 @@ def close_outputs(trainer: Any, failed: bool) -> None:
         log.warning("the run's outputs could not be closed (%s)", type(exc).__name__)
 
 
-def stop_on_signal(stop: StopRequest, ckpt: Any, pos: Position, env: DistEnv, close_outputs: Callable[[bool], None]) -> int:
+def stop_on_signal(trainer: Any, stop: StopRequest) -> int:
+    ckpt, pos, env = trainer.ckpt, trainer.pos, trainer.env
     path = ckpt.save()
     ckpt.wait()
     if env.is_main:
@@ -46,13 +44,16 @@ def stop_on_signal(stop: StopRequest, ckpt: Any, pos: Position, env: DistEnv, cl
             what,
             EXIT_RESUMABLE,
         )
-    close_outputs(False)  # resumable: the trackers' run goes on when the run does, not a failure
+    close_outputs(trainer, failed=False)  # resumable: the trackers' run goes on when the run does, not a failure
     collectives.barrier()
     return EXIT_RESUMABLE
 
 
-def data_unavailable(exc: Exception, ckpt: Any, pos: Position, env: DistEnv, progress: Any, close_outputs: Callable[[bool], None]) -> int:
-    """Every rank agreed the next steps' data cannot be read (train/loop/data_feed.py): one checkpoint, then stop."""
+def data_unavailable(trainer: Any, exc: Exception) -> int:
+    """Every rank agreed the next steps' data cannot be read (train/loop/data_feed.py): one checkpoint, then stop.
+    It may come before the progress bar exists (the data's first read, at setup)."""
+    ckpt, pos, env = trainer.ckpt, trainer.pos, trainer.env
+    progress = getattr(trainer, "progress", None)
     if progress is not None:
         progress.stop()
     path = ckpt.save() if pos.step > max(pos.saved_step, 0) else None
@@ -60,6 +61,6 @@ def data_unavailable(exc: Exception, ckpt: Any, pos: Position, env: DistEnv, pro
     if env.is_main:
         saved = f"checkpoint {path.name} written at step {pos.step}" if path else f"nothing new to save at step {pos.step}"
         log.error("data unavailable: %s; %s; re-run the same command to resume once it can be read", exc, saved)
-    close_outputs(True)
+    close_outputs(trainer, failed=True)
     collectives.barrier()
     return EXIT_DATA_UNAVAILABLE

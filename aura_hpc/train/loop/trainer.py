@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from functools import partial
 from typing import Any
 
 from aura_hpc.comm import collectives
@@ -72,8 +71,7 @@ class Trainer:
         try:
             self.feed.setup(cfg.train.eval_sequences or cfg.train.eval_batches * cfg.train.batch_size)
         except DataUnavailable as exc:
-            closing = partial(endings.close_outputs, self)
-            return endings.data_unavailable(exc, self.ckpt, self.pos, self.env, getattr(self, "progress", None), closing)
+            return endings.data_unavailable(self, exc)
         batches = Batches(self.parts, self.layout, env.rank, self.rt.device, self.feed)
         stepper = Stepper(cfg.train, env.rank, self.layout.world, self.rt, self.parts, wrapped, batches)
         self.clock = stepper.clock
@@ -95,7 +93,7 @@ class Trainer:
                 if (outer := capability(wrapped, OuterLoop)) is not None:
                     outer.drain()  # a portion of a DiLoCo meeting still crossing: no collective in flight as the group goes
             except DataUnavailable as exc:
-                status = endings.data_unavailable(exc, self.ckpt, self.pos, self.env, self.progress, partial(endings.close_outputs, self))
+                status = endings.data_unavailable(self, exc)
             finally:
                 self.feed.close()
         if status is not None:
@@ -208,7 +206,7 @@ class Trainer:
             if r.stop:
                 self.progress.stop()
                 with self.page.section("checkpoint"):
-                    return endings.stop_on_signal(stop, self.ckpt, self.pos, self.env, partial(endings.close_outputs, self))
+                    return endings.stop_on_signal(self, stop)
         return None
 
     def _after_step(self, r: StepResult) -> None:
