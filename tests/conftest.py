@@ -209,41 +209,49 @@ def s3() -> Iterator[Any]:
 # Files that share one machine-wide resource form one group: the test Slurm cluster is started and
 # stopped by whichever worker holds the group, and its four nodes would queue two files' jobs.
 _SHARED_GROUP = {"test_slurm.py": "slurm", "test_containers.py": "slurm", "test_script_safety.py": "slurm"}
-# Seconds per group on one of two busy workers (`-n 2` on 2 slow cores, a per-test profile, 2026-11-26,
-# 30:17 in all): the longest are handed out first, so that no long file starts last while the others idle.
-# One worker more than the cores (xdist's pytest_xdist_auto_num_workers) was tried again on that machine
-# after ZeRO-3's loss under load was fixed: 29:03 against 30:17, and 3 failures of load alone (a ps server
-# not listening within 60 s, a 1.5 s lock window, check's own timeout). Left at one worker per core.
+# The order the groups are handed out in. xdist (3.7+) keeps it only with `--no-loadscope-reorder`
+# (pyproject.toml's addopts): by default it sorts the groups by their number of tests, which ran the
+# one-process refusals of test_bad_inputs.py (71 tests) beside the Slurm group first, both cores
+# half idle for the first five minutes (a per-test profile, 2026-11-28).
+# The Slurm group goes first: it waits on the scheduler and on its jobs (outside pytest) most of its
+# 290 s, which the other worker fills with the groups that use both cores most (CPU-s per second of
+# wall, measured beside it); then the longest first, so that no long file starts last.
+_FIRST = ("slurm", "test_users_shapes.py", "test_memory_plan.py", "test_slow_links.py", "test_disk_full.py")
+# Seconds per group on one of two busy workers (`-n 2` on 2 cores, a per-test profile, 2026-11-28, 19:24 in all).
 _GROUP_SECONDS = {
-    "test_faults.py": 570,
-    "slurm": 401,
-    "test_users_shapes.py": 310,
-    "test_ps.py": 310,
-    "test_strategies.py": 257,
-    "test_training.py": 193,
-    "test_s3.py": 149,
-    "test_slow_links.py": 138,
-    "test_bad_inputs.py": 132,
-    "test_gpu_contract.py": 131,
-    "test_memory_plan.py": 125,
-    "test_check.py": 89,
-    "test_compute_options.py": 88,
-    "test_disk_full.py": 79,
-    "test_tracking.py": 76,
-    "test_health.py": 52,
-    "test_wheel.py": 48,
-    "test_screen.py": 41,
-    "test_stream.py": 39,
-    "test_ps_hostile.py": 37,
-    "test_exit_statuses.py": 37,
-    "test_wire.py": 35,
-    "test_prepare.py": 34,
-    "test_meta_init.py": 32,
-    "test_data_position.py": 28,
-    "test_submit_dryrun.py": 21,
-    "test_benchmarks.py": 19,
-    "test_hang_watch.py": 18,
+    "test_faults.py": 417,
+    "slurm": 290,
+    "test_training.py": 156,
+    "test_strategies.py": 150,
+    "test_ps.py": 146,
+    "test_s3.py": 137,
+    "test_slow_links.py": 116,
+    "test_users_shapes.py": 95,
+    "test_bad_inputs.py": 80,
+    "test_memory_plan.py": 65,
+    "test_disk_full.py": 63,
+    "test_gpu_contract.py": 62,
+    "test_tracking.py": 62,
+    "test_compute_options.py": 53,
+    "test_health.py": 42,
+    "test_wire.py": 40,
+    "test_check.py": 39,
+    "test_stream.py": 33,
+    "test_ps_hostile.py": 32,
+    "test_exit_statuses.py": 29,
+    "test_benchmarks.py": 28,
+    "test_meta_init.py": 28,
+    "test_prepare.py": 26,
+    "test_wheel.py": 19,
+    "test_hang_watch.py": 19,
+    "test_screen.py": 18,
+    "test_data_position.py": 18,
+    "test_submit_dryrun.py": 15,
 }
+
+
+def _order(group: str) -> tuple[int, int]:
+    return (_FIRST.index(group), 0) if group in _FIRST else (len(_FIRST), -_GROUP_SECONDS.get(group, 0))
 
 
 def _group(item: pytest.Item) -> str:
@@ -255,4 +263,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_group(item)))
     # A stable sort: within a file the tests keep their order.
-    items.sort(key=lambda it: (-_GROUP_SECONDS.get(_group(it), 0), _group(it)))
+    items.sort(key=lambda it: (_order(_group(it)), _group(it)))
