@@ -348,8 +348,10 @@ def test_a_stranger_who_deletes_the_rendezvous_state_mid_run_stops_it_at_once_na
     assert procs[0].returncode == 1 and len(err0) == 1, outs[0][0][-3000:] + outs[0][1][-3000:] + outs[1][0][-2000:] + outs[1][1][-2000:]
     assert "the rendezvous state in node 0's store at 127.0.0.1" in err0[0] and "was deleted by a program that is not" in err0[0]
     assert "to resume from step_" in err0[0] and f"reach port {port}" in err0[0], err0[0]
-    # Node 1 names it too when it reads the state before node 0 has closed the store, else node 0's exit.
-    assert procs[1].returncode in (1, 75), outs[1][1][-3000:]
+    # Node 1 names it too: its own agent read the state, or its launcher read it in node 0's store, which
+    # node 0 keeps up until node 1 has (before, node 1 said it had lost node 0 when node 0 went first).
+    err1 = [ln for ln in outs[1][1].splitlines() if ln.strip()]
+    assert procs[1].returncode == 1 and "was deleted by a program that is not" in err1[-1], outs[1][0][-3000:] + outs[1][1][-3000:]
     assert "stop requested" in (tmp_path / "lan" / "logs" / "rank_0.log").read_text()  # the stop wrote a checkpoint
 
 

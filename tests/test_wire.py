@@ -143,6 +143,9 @@ def test_the_rendezvous_state_is_read_as_data_and_a_deleted_one_stops_at_once(tm
         key = "torch.rendezvous.wire"
         real = base64.b64decode(stranger.get(key))
         rendezvous_state.check(real, 1)  # what torch wrote passes
+        named = f"{stores.TAMPERING_NAMED}/1"
+        # Node 1's launcher, whose workers stopped, reads node 0's store too: torch's own state is no tampering.
+        assert stores.tampering_at("127.0.0.1", port, "wire", 2, 1, ran=True) is None and not stranger.check([named])
         made = tmp_path / "made-by-the-state"
         extra = _RendezvousState()
         extra.round = 2**40  # type: ignore[attr-defined]
@@ -172,6 +175,8 @@ def test_the_rendezvous_state_is_read_as_data_and_a_deleted_one_stops_at_once(tm
                 handler.num_nodes_waiting()
             seen = rendezvous_state.tampering_seen()
             assert seen is not None and said in str(seen), (said, seen)
+            rendezvous_state.forget_tampering()  # node 1, whose agent read nothing, finds the same in node 0's store
+            assert said in str(stores.tampering_at("127.0.0.1", port, "wire", 2, 1, ran=True)), said
         assert not made.exists()
         assert _RendezvousState.__dict__.get("__eq__") is eq_before  # torch's own class is never what a pickle changes
         rendezvous_state.forget_tampering()
@@ -182,8 +187,21 @@ def test_the_rendezvous_state_is_read_as_data_and_a_deleted_one_stops_at_once(tm
             handler.num_nodes_waiting()
         assert time.monotonic() - began < 30  # torch's own `get` waited out read_timeout (60 s) on a missing key
         assert str(rendezvous_state.tampering_seen()) == "deleted"
-    finally:
         rendezvous_state.forget_tampering()
+        assert str(stores.tampering_at("127.0.0.1", port, "wire", 2, 1, ran=True)) == "deleted" and stranger.check([named])
+        # Node 0 keeps its store up for the others until they have named it (or its wait ends): of three nodes,
+        # node 2 never does; of two, node 1 has, so node 0 goes at once.
+        began = time.monotonic()
+        stores.hold_for_the_other_nodes(3, wait_s=2)
+        assert time.monotonic() - began >= 2
+        time.sleep(1.1)
+        with pytest.raises(RendezvousStateError, match="was deleted"):
+            handler.num_nodes_waiting()
+        began = time.monotonic()
+        stores.hold_for_the_other_nodes(2, wait_s=120)
+        assert time.monotonic() - began < 60
+    finally:
+        stores.forget_tampering()
         handler.shutdown()
 
 

@@ -149,16 +149,17 @@ def register_rendezvous() -> None:
         def name(self) -> str:
             return RDZV_BACKEND
 
-        def __init__(self, store: Any, run_id: str, max_nodes: int) -> None:
+        def __init__(self, store: Any, run_id: str, max_nodes: int, hosted: bool = False) -> None:
             super().__init__(store, run_id)
             self.max_nodes = max_nodes
+            self.hosted = hosted
 
         def _still_there(self) -> None:
             # Every backend writes torch's sentinel under the key when it is made, so a key that is gone was
             # deleted: torch's `get` would wait on it for the store's whole timeout, three times on the way out,
             # and its compare_set on a missing key answers with the old state, as if nothing had happened.
             if not self._call_store("check", [self._key]):
-                raise _tampered(rendezvous_state.StateTampered("deleted"))
+                raise self._tampered(rendezvous_state.StateTampered("deleted"))
 
         def get_state(self) -> Any:
             self._still_there()
@@ -171,22 +172,17 @@ def register_rendezvous() -> None:
         def _decode_state(self, base64_state: bytes) -> Any:
             # Both get_state and set_state (compare_set answers with what the store holds) come through here,
             # and torch unpickles what this returns.
-            if len(base64_state) > 2 * rendezvous_state.max_bytes(self.max_nodes):
-                raise _tampered(rendezvous_state.StateTampered(f"rewritten (a value of {len(base64_state):,} bytes)"))
-            try:
-                pair = super()._decode_state(base64_state)
-            except RendezvousStateError:
-                raise _tampered(rendezvous_state.StateTampered("rewritten (not base64)")) from None
-            if pair is not None:
-                try:
-                    rendezvous_state.check(pair[0], self.max_nodes)
-                except rendezvous_state.StateTampered as exc:
-                    raise _tampered(exc) from None
-            return pair
+            if base64_state != self._NULL_SENTINEL.encode():
+                what = _tampering_in(base64_state, self.max_nodes)
+                if what is not None:
+                    raise self._tampered(what)
+            return super()._decode_state(base64_state)
 
-    def _tampered(what: rendezvous_state.StateTampered) -> Exception:
-        rendezvous_state.record(what)  # torch's close swallows the error: the launcher reads the record (launch/agent.py)
-        return RendezvousStateError(f"the rendezvous state in the store was {what}")
+        def _tampered(self, what: rendezvous_state.StateTampered) -> Exception:
+            rendezvous_state.record(what)  # torch's close swallows the error: the launcher reads the record (launch/agent.py)
+            if self.hosted:  # node 0: the state as the stranger left it stays readable for the other nodes
+                _EVIDENCE[:] = [self._store]
+            return RendezvousStateError(f"the rendezvous state in the store was {what}")
 
     def create(params: Any) -> Any:
         from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
@@ -214,7 +210,8 @@ def register_rendezvous() -> None:
             raise RendezvousConnectionError(f"the connection to the rendezvous store at {host}:{port} failed: {exc}") from exc
         except (ValueError, RuntimeError, TimeoutError) as exc:
             raise RendezvousConnectionError(f"the connection to the rendezvous store at {host}:{port} failed: {exc}") from exc
-        handler = create_handler(store, BoundBackend(store, params.run_id, params.max_nodes), params)
+        hosted = params.get_as_bool("is_host", False)
+        handler = create_handler(store, BoundBackend(store, params.run_id, params.max_nodes, hosted), params)
         own = params.local_addr or host
         if hasattr(handler, "_create_tcp_store_server"):  # the store the workers share (torch >= 2.6)
             handler._create_tcp_store_server = lambda _addr, p: bound_server(own, p, timeout, multi_tenant=True)
@@ -224,6 +221,76 @@ def register_rendezvous() -> None:
 
     rendezvous_handler_registry.register(RDZV_BACKEND, create)
     register_rendezvous.done = True  # type: ignore[attr-defined]
+
+
+def _tampering_in(base64_state: bytes, max_nodes: int) -> rendezvous_state.StateTampered | None:
+    """What is wrong with a value of the state's key (torch's sentinel aside), read as data; None: torch's own."""
+    import base64
+    import binascii
+
+    if len(base64_state) > 2 * rendezvous_state.max_bytes(max_nodes):
+        return rendezvous_state.StateTampered(f"rewritten (a value of {len(base64_state):,} bytes)")
+    try:
+        state = base64.b64decode(base64_state)  # as torch decodes it: not validating
+    except binascii.Error:
+        return rendezvous_state.StateTampered("rewritten (not base64)")
+    try:
+        rendezvous_state.check(state, max_nodes)
+    except rendezvous_state.StateTampered as exc:
+        return exc
+    return None
+
+
+# Node 0's rendezvous store, kept past its agent once the state in it was found tampered with: the other
+# nodes' launchers, whose workers then stop without their own agent having read the state, read it there and
+# name it too (else they could only say that node 0 went away). Each writes TAMPERING_NAMED/<its node> when it has.
+_EVIDENCE: list[Any] = []
+TAMPERING_NAMED = "aura-tampering-named"
+NAMING_WAIT_S = 15.0
+
+
+def tampering_at(addr: str, port: int, run_id: str, nnodes: int, node: int, ran: bool) -> rendezvous_state.StateTampered | None:
+    """What this launcher's agent found tampered with; on a node other than 0 whose workers ran and stopped,
+    else what node 0's store holds under the state's key, and node 0 is told this node has named it."""
+    what = rendezvous_state.tampering_seen()
+    if node == 0 or nnodes < 2 or not ran:
+        return what
+    try:
+        socket.create_connection((addr, port), timeout=2.0).close()  # refused at once where node 0 is gone (a client retries)
+        store = client(addr, port, timedelta(seconds=5), give_up_s=3.0)
+        key = f"torch.rendezvous.{run_id}"
+        if what is None and not store.check([key]):
+            what = rendezvous_state.StateTampered("deleted")
+        elif what is None:
+            from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+            value = store.get(key)
+            what = None if value == C10dRendezvousBackend._NULL_SENTINEL.encode() else _tampering_in(value, nnodes)
+        if what is not None:
+            store.set(f"{TAMPERING_NAMED}/{node}", "1")
+    except Exception:  # node 0's store gone (or never reached): nothing more to learn there
+        return what
+    return what
+
+
+def forget_tampering() -> None:
+    """Before a launch: nothing found yet, and no store of an earlier launch held (its port is this one's)."""
+    rendezvous_state.forget_tampering()
+    _EVIDENCE.clear()
+
+
+def hold_for_the_other_nodes(nnodes: int, wait_s: float = NAMING_WAIT_S) -> None:
+    """Node 0, having found the state tampered with: its store stays up until every other node has read it
+    and named it (or wait_s), then goes. A stranger who writes those keys only shortens the wait."""
+    if not _EVIDENCE:
+        return
+    store = _EVIDENCE[0]
+    keys = [f"{TAMPERING_NAMED}/{n}" for n in range(1, nnodes)]
+    deadline = time.monotonic() + wait_s
+    with contextlib.suppress(Exception):
+        while keys and not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    _EVIDENCE.clear()
 
 
 # ---- the run secret ----------------------------------------------------------------------

@@ -90,16 +90,14 @@ def run_workers(plan: LocalPlan) -> int:
     from aura_hpc.launch.stop_signals import StopSignals
     from aura_hpc.train.process.time_ledger import process_started
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        # The verdict on failed workers is ours (one line naming the ranks, the cause and the fix).
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):  # the verdict on failed workers is ours
         logging.getLogger(name).setLevel(logging.CRITICAL)
     stores.register_rendezvous()
     options, notes = agent_options(plan.shutdown_timeout)
     for note in notes:
         console.info(note)
     if "signals_to_handle" not in options and hasattr(signal, "SIGUSR2"):
-        # Older agents install handlers for TERM/INT/HUP/QUIT only; SIGUSR2 would kill the agent
-        # and orphan its workers.
+        # Older agents handle TERM/INT/HUP/QUIT only; SIGUSR2 would kill the agent and orphan its workers.
         signal.signal(signal.SIGUSR2, _forward_like_sigterm(signal.SIGUSR2))
     lc = LaunchConfig(
         min_nodes=plan.nnodes,
@@ -198,7 +196,7 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
 
     cmd = plan.worker_cmd
     started = time.time()
-    rendezvous_state.forget_tampering()
+    stores.forget_tampering()
     stderr_log = plan.cfg.run_dir / "logs" / f"stderr_node{plan.node_rank}.log"
     since = stderr_log.stat().st_size if stderr_log.is_file() else 0
     try:
@@ -207,7 +205,7 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
     except SignalException as exc:
         return _resumable(plan, exc.sigval.name, stops.poll() if stops is not None else None)
     except ChildFailedError as exc:
-        if (what := rendezvous_state.tampering_seen()) is not None:
+        if (what := _tampering(plan)) is not None:
             raise _tampered(plan, what) from None  # the workers stopped because the agent (here or on another node) did
         # Every rank stopped resumably; one still shutting down when a peer had already exited is
         # SIGTERMed by the agent, after the (collective) checkpoint: that is no failure.
@@ -231,7 +229,7 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
             return EXIT_GPU_FAULT
         raise _failure(plan, exc.failures, since) from None
     except RendezvousError as exc:
-        if (what := rendezvous_state.tampering_seen()) is not None:
+        if (what := _tampering(plan, ran=_trained_since(plan, started))) is not None:  # a failed join asks no one
             raise _tampered(plan, what) from None
         if _trained_since(plan, started):
             refused = _refused_here(plan)
@@ -276,8 +274,13 @@ def _lost_master(plan: LocalPlan) -> TrainingFailed:
     )
 
 
+def _tampering(plan: LocalPlan, ran: bool = True) -> rendezvous_state.StateTampered | None:
+    return stores.tampering_at(plan.master_addr, plan.master_port, RDZV_RUN_ID, plan.nnodes, plan.node_rank, ran)
+
+
 def _tampered(plan: LocalPlan, what: rendezvous_state.StateTampered) -> TrainingFailed:
     """Someone who is not one of the run's launchers deleted or rewrote the rendezvous state in node 0's store."""
+    stores.hold_for_the_other_nodes(plan.nnodes)  # node 0: until the others have read it there and named it too
     return TrainingFailed(
         f"the rendezvous state in node 0's store at {plan.master_addr}:{plan.master_port} was {what} by a program that is "
         f"not one of this run's launchers (anyone who reaches that port can: docs/lan.md, Trust), so the run stopped; "
