@@ -260,7 +260,9 @@ def tampering_at(addr: str, port: int, run_id: str, nnodes: int, node: int, ran:
         store = client(addr, port, timedelta(seconds=5), give_up_s=3.0)
         key = f"torch.rendezvous.{run_id}"
         if what is None and not store.check([key]):
-            what = rendezvous_state.StateTampered("deleted")
+            # Node 0 relaunching after a hang makes a new store, then writes torch's sentinel: absent twice is deleted.
+            time.sleep(0.5)
+            what = None if store.check([key]) else rendezvous_state.StateTampered("deleted")
         elif what is None:
             from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
