@@ -172,10 +172,9 @@ def register_rendezvous() -> None:
         def _decode_state(self, base64_state: bytes) -> Any:
             # Both get_state and set_state (compare_set answers with what the store holds) come through here,
             # and torch unpickles what this returns.
-            if base64_state != self._NULL_SENTINEL.encode():
-                what = _tampering_in(base64_state, self.max_nodes)
-                if what is not None:
-                    raise self._tampered(what)
+            what = _tampering_in(base64_state, self.max_nodes)
+            if what is not None:
+                raise self._tampered(what)
             return super()._decode_state(base64_state)
 
         def _tampered(self, what: rendezvous_state.StateTampered) -> Exception:
@@ -224,10 +223,15 @@ def register_rendezvous() -> None:
 
 
 def _tampering_in(base64_state: bytes, max_nodes: int) -> rendezvous_state.StateTampered | None:
-    """What is wrong with a value of the state's key (torch's sentinel aside), read as data; None: torch's own."""
+    """What is wrong with a value of the state's key, read as data; None: torch's own (its state, or the
+    sentinel every backend writes when it is made)."""
     import base64
     import binascii
 
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    if base64_state == C10dRendezvousBackend._NULL_SENTINEL.encode():
+        return None
     if len(base64_state) > 2 * rendezvous_state.max_bytes(max_nodes):
         return rendezvous_state.StateTampered(f"rewritten (a value of {len(base64_state):,} bytes)")
     try:
@@ -264,10 +268,7 @@ def tampering_at(addr: str, port: int, run_id: str, nnodes: int, node: int, ran:
             time.sleep(0.5)
             what = None if store.check([key]) else rendezvous_state.StateTampered("deleted")
         elif what is None:
-            from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-
-            value = store.get(key)
-            what = None if value == C10dRendezvousBackend._NULL_SENTINEL.encode() else _tampering_in(value, nnodes)
+            what = _tampering_in(store.get(key), nnodes)
         if what is not None:
             store.set(f"{TAMPERING_NAMED}/{node}", "1")
     except Exception:  # node 0's store gone (or never reached): nothing more to learn there
