@@ -214,39 +214,40 @@ _SHARED_GROUP = {"test_slurm.py": "slurm", "test_containers.py": "slurm", "test_
 # one-process refusals of test_bad_inputs.py (71 tests) beside the Slurm group first, both cores
 # half idle for the first five minutes (a per-test profile, 2026-11-28).
 # The Slurm group goes first: it waits on the scheduler and on its jobs (outside pytest) most of its
-# 290 s, which the other worker fills with the groups that use both cores most (CPU-s per second of
+# 340 s, which the other worker fills with the groups that use both cores most (CPU-s per second of
 # wall, measured beside it); then the longest first, so that no long file starts last.
 _FIRST = ("slurm", "test_users_shapes.py", "test_memory_plan.py", "test_slow_links.py", "test_disk_full.py")
-# Seconds per group on one of two busy workers (`-n 2` on 2 cores, a per-test profile, 2026-11-28, 19:24 in all).
+# Seconds per group on one of two busy workers (`-n 2` on 2 cores in this order, a per-test profile,
+# 2026-11-28, 15:28 in all; test_faults.py less the 62 s its file alone gained when its stopped runs started together).
 _GROUP_SECONDS = {
-    "test_faults.py": 417,
-    "slurm": 290,
-    "test_training.py": 156,
-    "test_strategies.py": 150,
-    "test_ps.py": 146,
-    "test_s3.py": 137,
-    "test_slow_links.py": 116,
-    "test_users_shapes.py": 95,
-    "test_bad_inputs.py": 80,
-    "test_memory_plan.py": 65,
-    "test_disk_full.py": 63,
-    "test_gpu_contract.py": 62,
-    "test_tracking.py": 62,
-    "test_compute_options.py": 53,
-    "test_health.py": 42,
-    "test_wire.py": 40,
-    "test_check.py": 39,
-    "test_stream.py": 33,
-    "test_ps_hostile.py": 32,
-    "test_exit_statuses.py": 29,
-    "test_benchmarks.py": 28,
-    "test_meta_init.py": 28,
-    "test_prepare.py": 26,
-    "test_wheel.py": 19,
+    "slurm": 339,
+    "test_faults.py": 286,
+    "test_strategies.py": 122,
+    "test_users_shapes.py": 100,
+    "test_training.py": 90,
+    "test_slow_links.py": 86,
+    "test_ps.py": 84,
+    "test_s3.py": 71,
+    "test_memory_plan.py": 70,
+    "test_bad_inputs.py": 56,
+    "test_gpu_contract.py": 53,
+    "test_tracking.py": 50,
+    "test_compute_options.py": 37,
+    "test_wire.py": 36,
+    "test_disk_full.py": 35,
+    "test_check.py": 34,
+    "test_ps_hostile.py": 31,
+    "test_health.py": 27,
+    "test_stream.py": 25,
+    "test_exit_statuses.py": 25,
     "test_hang_watch.py": 19,
-    "test_screen.py": 18,
-    "test_data_position.py": 18,
-    "test_submit_dryrun.py": 15,
+    "test_meta_init.py": 15,
+    "test_screen.py": 15,
+    "test_data_position.py": 15,
+    "test_prepare.py": 13,
+    "test_benchmarks.py": 12,
+    "test_wheel.py": 11,
+    "test_submit_dryrun.py": 8,
 }
 
 

@@ -13,7 +13,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import pytest
@@ -82,6 +85,97 @@ def reference(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> dict[
     for r in done:
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return {steps: final_weights(out / f"ref{steps}") for steps in (STEPS, LONG)}
+
+
+# The runs whose rank 1 stops (SIGSTOP) after step 12 spend most of their time idle, in a hang window: one
+# after another on one xdist worker they left a core idle for some 70 s (a per-test profile, 2026-11-28).
+# They start together, when the first of their tests asks, and each test reads its own.
+class Interrupted(NamedTuple):
+    returncode: int
+    took: float  # from Ctrl+C to the launcher's exit
+    stdout: str
+    stderr: str
+    left: list[psutil.Process]  # processes of the run still alive after the launcher's exit
+
+
+def _watched(out: Path, prepared: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    return out, run_cli(_args(out, "run", prepared), AURA_FAULT_STOP="1:12")
+
+
+def _interrupted(out: Path, prepared: Path) -> Interrupted:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aura_hpc", *_args(out, "run", prepared)],
+        env=cli_env(AURA_FAULT_STOP="1:12"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    stopped = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "SIGSTOP rank 1" in line:
+                stopped.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert stopped.wait(180), "".join(lines)[-2000:]
+        time.sleep(2)
+        sent_at = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=150)
+        took = time.monotonic() - sent_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    left = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if str(out) in " ".join(p.cmdline()):
+                left.append(p)
+    return Interrupted(proc.returncode, took, "".join(lines), proc.stderr.read() if proc.stderr else "", left)
+
+
+def _stopped_on_another_node(out: Path, prepared: Path) -> tuple[Path, list[subprocess.CompletedProcess[str]]]:
+    from tests.conftest import free_port, make_two_hosts, remove_hosts
+
+    hosts = make_two_hosts()
+    master, prefixes = (
+        ("127.0.0.1", None) if isinstance(hosts, str) else ("10.77.1.1", [["nsenter", f"--net=/run/netns/{h}"] for h in hosts])
+    )
+    print("the two nodes:", hosts if prefixes else f"127.0.0.1 ({hosts})")
+    args = ["local", "--nnodes", "2", "--master-addr", master, "--master-port", str(free_port()), "--nproc-per-node", "1"]
+    args += ["--set", f"data.path={prepared}", *BASE, "--set", f"train.max_steps={STEPS}", "--run-name", "lan"]
+    args += ["--set", "health.hang_step_floor_s=10"]  # the defaults' 30 s is the single-node test's; the mechanism is the same
+    runs = [[*args, "--node-rank", str(n), "--output-dir", str(out / f"m{n}")] for n in (0, 1)]
+    try:
+        node0, node1 = run_cli_together(runs, timeout=600, prefixes=prefixes, AURA_FAULT_STOP="1:12")
+    finally:
+        if prefixes:
+            remove_hosts(tuple(hosts))
+    return out, [node0, node1]
+
+
+_STOPPED = {
+    "watchdog": (_watched, "test_a_stopped_rank_is_named_within_a_minute_and_the_run_restarts_bit_identical"),
+    "ctrl_c": (_interrupted, "test_ctrl_c_during_a_hang_answers_in_seconds_names_the_rank_and_does_not_claim_a_checkpoint"),
+    "other_node": (_stopped_on_another_node, "test_a_rank_stopped_on_another_node_is_named_on_both_and_both_nodes_restart_bit_identical"),
+}
+
+
+@pytest.fixture(scope="module")
+def stopped(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> Iterator[dict[str, Future]]:
+    """Those of the runs above whose tests were collected, started at once; each test waits for its own."""
+    collected = {item.originalname for item in request.session.items}
+    with ThreadPoolExecutor(len(_STOPPED)) as pool:
+        yield {
+            name: pool.submit(run, tmp_path_factory.mktemp(name), prepared) for name, (run, test) in _STOPPED.items() if test in collected
+        }
 
 
 @pytest.mark.parametrize("seed", [1])  # rank 0 after step 19; test_beyond_max_restarts kills rank 1 at step 12
@@ -162,78 +256,29 @@ def test_a_rank_hung_inside_a_checkpoint_or_a_diloco_meeting_is_named_there_and_
     assert _same(final_weights(tmp_path / "meet"), final_weights(tmp_path / "meetref"))
 
 
-def test_ctrl_c_during_a_hang_answers_in_seconds_names_the_rank_and_does_not_claim_a_checkpoint(tmp_path: Path, prepared: Path) -> None:
+def test_ctrl_c_during_a_hang_answers_in_seconds_names_the_rank_and_does_not_claim_a_checkpoint(stopped: dict[str, Future]) -> None:
     """Rank 1 stops after step 12; Ctrl+C a few seconds later cannot be honoured with a checkpoint (rank 1
     never reaches one). The launcher names the hung rank well before the agent's 120 s shutdown wait, says
     which checkpoint a re-run resumes from, and exits 130, not 75 ("a checkpoint was written")."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aura_hpc", *_args(tmp_path, "run", prepared)],
-        env=cli_env(AURA_FAULT_STOP="1:12"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: list[str] = []
-    stopped = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "SIGSTOP rank 1" in line:
-                stopped.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert stopped.wait(180), "".join(lines)[-2000:]
-        time.sleep(2)
-        sent_at = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=150)
-        took = time.monotonic() - sent_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    reader.join(10)
-    out, err = "".join(lines), proc.stderr.read() if proc.stderr else ""
-    assert proc.returncode == 128 + signal.SIGINT, out[-2000:] + err[-2000:]
-    assert took < 60, took
+    r: Interrupted = stopped["ctrl_c"].result()
+    out, err = r.stdout, r.stderr
+    assert r.returncode == 128 + signal.SIGINT, out[-2000:] + err[-2000:]
+    assert r.took < 60, r.took
     assert "hang: rank 1 on " in err and "did not answer" in err, err[-2000:]
     said = err.strip().splitlines()[-1]
     assert "stopped by SIGINT before a checkpoint could be written" in said and "from step_00000010, the newest" in said, said
-    left = []
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if str(tmp_path) in " ".join(p.cmdline()):
-                left.append(p)
-    assert not left, f"workers were left: {left}"
+    assert not r.left, f"workers were left: {r.left}"
 
 
 def test_a_rank_stopped_on_another_node_is_named_on_both_and_both_nodes_restart_bit_identical(
-    tmp_path: Path, prepared: Path, reference: dict
+    stopped: dict[str, Future], reference: dict
 ) -> None:
     """Two LAN nodes of one process each, each in a network namespace of its own (two machines on one link;
     on 127.0.0.1 where namespaces cannot be made): the rank of node 1 stops after step 12. Node 1's watchdog
     names it; node 0, whose rank only waits, names the same rank through the board in node 0's store (not
     "another node", not its own rank); both launchers restart the run from step 10 and it ends as if nothing
     had hung."""
-    from tests.conftest import free_port, make_two_hosts, remove_hosts
-
-    hosts = make_two_hosts()
-    master, prefixes = (
-        ("127.0.0.1", None) if isinstance(hosts, str) else ("10.77.1.1", [["nsenter", f"--net=/run/netns/{h}"] for h in hosts])
-    )
-    print("the two nodes:", hosts if prefixes else f"127.0.0.1 ({hosts})")
-    args = ["local", "--nnodes", "2", "--master-addr", master, "--master-port", str(free_port()), "--nproc-per-node", "1"]
-    args += ["--set", f"data.path={prepared}", *BASE, "--set", f"train.max_steps={STEPS}", "--run-name", "lan"]
-    args += ["--set", "health.hang_step_floor_s=10"]  # the defaults' 30 s is the single-node test's; the mechanism is the same
-    runs = [[*args, "--node-rank", str(n), "--output-dir", str(tmp_path / f"m{n}")] for n in (0, 1)]
-    try:
-        node0, node1 = run_cli_together(runs, timeout=600, prefixes=prefixes, AURA_FAULT_STOP="1:12")
-    finally:
-        if prefixes:
-            remove_hosts(tuple(hosts))
+    tmp_path, (node0, node1) = stopped["other_node"].result()
     run0 = tmp_path / "m0" / "lan"
     assert node0.returncode == 0 and node1.returncode == 0, _diagnose(node0, run0) + _diagnose(node1, tmp_path / "m1" / "lan")
     stopped_at = float(re.search(r"SIGSTOP rank 1 after step 12 at ([\d.]+)", node1.stdout).group(1))
@@ -567,13 +612,11 @@ def test_a_killed_launcher_takes_its_workers_along_and_a_run_dir_admits_one_trai
     assert not (run / "run.lock").exists()
 
 
-def test_a_stopped_rank_is_named_within_a_minute_and_the_run_restarts_bit_identical(
-    tmp_path: Path, prepared: Path, reference: dict
-) -> None:
+def test_a_stopped_rank_is_named_within_a_minute_and_the_run_restarts_bit_identical(stopped: dict[str, Future], reference: dict) -> None:
     """Rank 1 stops (SIGSTOP) after step 12 and never moves again: the watchdog outside the loop declares
     the hang within 60 s of that step under the default settings, names rank 1 and what rank 0 waits
     in, keeps both stacks, and the same launch restarts from step 10 to the same bits as no hang."""
-    r = run_cli(_args(tmp_path, "run", prepared), AURA_FAULT_STOP="1:12")
+    tmp_path, r = stopped["watchdog"].result()
     run_dir = tmp_path / "run"
     assert r.returncode == 0, _diagnose(r, run_dir)
     stopped_at = float(re.search(r"fault injection: SIGSTOP rank 1 after step 12 at ([\d.]+)", r.stdout).group(1))
