@@ -549,3 +549,56 @@ def test_a_verdict_of_an_earlier_attempt_does_not_stop_the_restarted_workers(tmp
         for proc in (old, new):
             proc.kill()
             proc.wait()
+
+
+def test_a_slurm_attempts_pages_are_its_own_and_leave_with_it(tmp_path: Path) -> None:
+    """A controller restarted without its state hands job ids out again: the page a killed task left under
+    the same job, attempt and node (here: a finished rank 0) is not read as this attempt's, which would end
+    the watchdog before the first step. Slurm's SIGTERM at the attempt's end (a requeue, the time limit)
+    takes the attempt's folder out of the node's /dev/shm with the watchdog."""
+    cfg = load_config(None, [], output_dir=str(tmp_path), run_name="run")
+    cfg.run_dir.mkdir(parents=True)
+    (cfg.run_dir / "config.yaml").write_text(cfg.to_yaml())
+    job, node = 900_000 + os.getpid() % 90_000, "n-test"
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    folder = base / f"aura-progress-slurm-{job}-0-{node}"
+    folder.mkdir(mode=0o700)
+    env = {**os.environ, "SLURMD_NODENAME": node, "SLURM_LOCALID": "0"}
+    env.pop(progress.ENV, None)
+    leave_finished = (
+        "import sys, pathlib; from aura_hpc.train.process import progress; progress.Progress(pathlib.Path(sys.argv[1])).enter('finished')"
+    )
+    subprocess.run([sys.executable, "-c", leave_finished, str(folder / "rank0")], check=True, env=env)
+    assert progress.read(folder / "rank0")["section"] == "finished"
+    task = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from aura_hpc.slurm.job import _start_watchdog; import sys, time; "
+            "w = _start_watchdog(sys.argv[1], int(sys.argv[2]), 0); print(w.pid, flush=True); time.sleep(120)",
+            str(cfg.run_dir / "config.yaml"),
+            str(job),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert task.stdout is not None
+        watchdog = int(task.stdout.readline())
+        assert not (folder / "rank0").exists(), "the stale page is still there"
+        time.sleep(3)
+        assert os.path.exists(f"/proc/{watchdog}"), "the watchdog left at once: it read the stale page as this attempt's"
+        os.kill(watchdog, 15)
+        deadline = time.monotonic() + 20
+        while folder.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not folder.exists(), f"{folder} stayed in the node's {base} after Slurm's SIGTERM"
+        assert task.poll() is None  # the watchdog left on the signal, not because its task did
+    finally:
+        task.kill()
+        task.wait()
+        for f in folder.glob("*") if folder.exists() else []:
+            f.unlink()
+        if folder.exists():
+            folder.rmdir()

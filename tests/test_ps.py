@@ -259,7 +259,12 @@ def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, ba
     _wait_version(run_dir, version_at_join + 40, server)
     w2.p.kill()  # a crash (or the PC switched off) with three workers training
     assert w2.finish() < 0
-    server.wait_for("worker 3 (", timeout=30)
+    try:
+        server.wait_for("worker 3 (", timeout=30)
+    except AssertionError as exc:  # where the server's threads are: the seat of worker 3 was never given up
+        server.signal(signal.SIGWINCH)
+        time.sleep(2)
+        raise AssertionError(f"{exc}\n--- logs/ps.log:\n{(run_dir / 'logs' / 'ps.log').read_text()[-12000:]}") from None
     version_at_kill = _version(run_dir)
     assert server.finish() == 0, server.text
     assert w1.finish() == 0 and late.finish() == 0, w1.text + late.text
@@ -306,6 +311,11 @@ def test_ctrl_c_on_the_server_saves_and_resumes_then_a_killed_server_stops_the_w
     workers = [Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / f"w{i}.log") for i in (1, 2)]
     for w in workers:
         w.wait_for("gradient 10:")  # both have trained: both shards have a position to resume
+    server.signal(signal.SIGWINCH)  # every thread's stack into its log, and it goes on
+    deadline = time.monotonic() + 30
+    while "_serve_worker" not in (run_dir / "logs" / "ps.log").read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "_serve_worker" in (run_dir / "logs" / "ps.log").read_text(), "no stacks in logs/ps.log on SIGWINCH"
     server.signal(signal.SIGINT)
     assert server.finish() == 75, server.text
     for w in workers:

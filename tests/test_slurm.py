@@ -73,6 +73,18 @@ def _latest_step(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
+def _job_evidence(run_dir: Path, job: str, lines: int = 12) -> str:
+    """What a failed wait shows: Slurm's account of the job and the last lines of each task's logs."""
+    acct = subprocess.run(
+        ["sacct", "-j", job, "-n", "-P", "-o", "JobID,State,ExitCode,Restarts,NodeList,Elapsed"], capture_output=True, text=True
+    )
+    parts = [f"sacct {job}:\n{acct.stdout or acct.stderr}"]
+    for log in sorted((run_dir / "slurm").glob(f"{job}_*_log.*")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {log.name}:\n" + "\n".join(tail))
+    return "\n".join(parts)
+
+
 def _requeued_beside_a_reference(runs: list[tuple[list[str], Path]], timeout: float) -> list[tuple[Path, str, float]]:
     """For each (common args, output dir): submit an uninterrupted "straight" run and a "requeued" one
     side by side, USR2 the second once it reaches step 20; [(its run dir, job id, when signalled)]. `timeout`:
@@ -92,8 +104,12 @@ def _requeued_beside_a_reference(runs: list[tuple[list[str], Path]], timeout: fl
         if time.monotonic() > deadline:
             late = sorted(str(r) for r in pending if r not in signalled)
             queue = subprocess.run(["squeue", "-o", "%i %T %M %N %R"], capture_output=True, text=True).stdout
-            raise AssertionError(f"never reached step 20 in {timeout:.0f} s: {late}\n{queue}")
+            evidence = "\n".join(_job_evidence(r, pending[r]) for r in pending if r not in signalled)
+            raise AssertionError(f"never reached step 20 in {timeout:.0f} s: {late}\n{queue}\n{evidence}")
+        queued = _squeue_ids()
         for run_dir, job in pending.items():
+            if run_dir not in signalled and job not in queued and _latest_step(run_dir) < 20:
+                raise AssertionError(f"job {job} ended before step 20: {run_dir}\n{_job_evidence(run_dir, job)}")
             if run_dir not in signalled and _latest_step(run_dir) >= 20:
                 # Preemption or the pre-timeout warning: the same signal Slurm sends before the time limit.
                 signalled[run_dir] = time.time()
@@ -232,12 +248,19 @@ def test_sweep_is_an_array_and_after_waits(slurm_cluster: Path, prepared: Path, 
         assert json.loads((p / "summary.json").read_text())["finished"]
     assert lrs == [1e-3, 3e-3]
     # --after: no array element started before the first job had ended.
-    acct = subprocess.run(
-        ["sacct", "-n", "-X", "-P", "-S", since, "-j", f"{first_id},{next(iter(array))}", "-o", "JobID,Start,End"],
-        capture_output=True,
-        text=True,
-    ).stdout
-    times = {line.split("|")[0]: line.split("|")[1:] for line in acct.splitlines() if line}
+    # slurmctld hands finished jobs to slurmdbd asynchronously: on a busy host their records can lag the end.
+    deadline = time.monotonic() + 60
+    while True:
+        acct = subprocess.run(
+            ["sacct", "-n", "-X", "-P", "-S", since, "-j", f"{first_id},{next(iter(array))}", "-o", "JobID,Start,End"],
+            capture_output=True,
+            text=True,
+        ).stdout
+        times = {line.split("|")[0]: line.split("|")[1:] for line in acct.splitlines() if line}
+        if ({first_id, *ids} <= times.keys() and "Unknown" not in acct) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert {first_id, *ids} <= times.keys(), acct
     assert times[first_id][1] <= min(times[i][0] for i in ids), acct
 
 

@@ -50,6 +50,11 @@ def cmd_ps(a: argparse.Namespace) -> int:
             console.plain(f"  {auth.SECRET_ENV}={secret} {command}")
         console.info(f"open TCP port {cfg.ps.port} on this PC's firewall for the workers; Ctrl+C here saves and stops them all")
         worker_log.setup(cfg.run_dir / "logs", 0, label="ps")
+        from aura_hpc.train.process.progress import STACK_SIGNAL
+
+        # A seat that never leaves (a worker thread stuck where no error reaches it): `kill -WINCH <pid>`
+        # writes every thread's stack into logs/ps.log, as a worker rank's watchdog asks of it.
+        worker_log.dump_stacks_on(STACK_SIGNAL)
         server = ParameterServer(cfg, auth.key_of(secret))
         server.resume()
         from aura_hpc.launch.native_stderr import native_stderr_to

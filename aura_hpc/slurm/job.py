@@ -198,6 +198,11 @@ def _start_watchdog(config_path: str, job_id: int, restarts: int) -> subprocess.
     prepare_flight_recorder(folder, Path(config_path).parent)
     if os.environ.get("SLURM_LOCALID", "0") != "0":
         return None
+    # A page left by a task Slurm killed outright, under a job id a restarted controller handed out again:
+    # our own file (a rank's page, by name), and no rank of this attempt writes before this task has joined.
+    for stale in folder.glob("rank*"):
+        if stale.name.removeprefix("rank").isdigit():
+            stale.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "aura_hpc.slurm.watch", config_path, str(folder), str(job_id), str(restarts), str(os.getpid())]
     return subprocess.Popen(cmd, start_new_session=True)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -135,6 +136,9 @@ def main(argv: list[str]) -> int:
     watch.calibration = read_calibration(cfg.run_dir / "hang_calibration.json")
     watch.started = time.time()
     os.environ[progress.ENV] = folder
+    # Slurm ends an attempt (a requeue, the time limit, scancel) with SIGTERM to every process of the step,
+    # this one included: leave through `finally`, which removes the attempt's pages from the node's /dev/shm.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         return _watch(watch, int(task_pid))
     finally:  # the attempt's pages (ours alone: a folder holding anything else stays)
