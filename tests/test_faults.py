@@ -25,7 +25,7 @@ import torch
 from aura_hpc import errors
 from aura_hpc.errors import EXIT_RESUMABLE
 from aura_hpc.train.checkpoint import files as checkpoint
-from tests.conftest import SMALL_MODEL, cli_env, final_weights, run_cli, run_cli_together
+from tests.conftest import SMALL_MODEL, cli_env, final_weights, free_port, make_two_hosts, remove_hosts, run_cli, run_cli_together
 
 pytestmark = pytest.mark.slow
 
@@ -142,8 +142,6 @@ def _interrupted(out: Path, prepared: Path) -> Interrupted:
 
 
 def _stopped_on_another_node(out: Path, prepared: Path) -> tuple[Path, list[subprocess.CompletedProcess[str]]]:
-    from tests.conftest import free_port, make_two_hosts, remove_hosts
-
     hosts = make_two_hosts()
     master, prefixes = (
         ("127.0.0.1", None) if isinstance(hosts, str) else ("10.77.1.1", [["nsenter", f"--net=/run/netns/{h}"] for h in hosts])
@@ -212,8 +210,6 @@ def test_beyond_max_restarts_says_how_to_resume_and_rerun_resumes(tmp_path: Path
 def test_a_killed_rank_of_a_node_torchrun_counted_first_is_named_by_its_own_rank(tmp_path: Path, prepared: Path) -> None:
     """torchrun numbers LAN nodes by address, then by the launcher's pid: node 1's launcher, started first on one
     host, gets torchrun's rank 0 for its worker, which is our rank 1 (rank_1.log). Killed, it is named rank 1."""
-    from tests.conftest import free_port
-
     args = ["local", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--nproc-per-node", "1"]
     args += ["--set", f"data.path={prepared}", *BASE, "--set", "train.max_steps=6", "--run-name", "lan"]
     runs = [[*args, "--node-rank", str(n), "--output-dir", str(tmp_path / f"m{n}")] for n in (1, 0)]  # node 1 first
