@@ -7,6 +7,7 @@ test_faults.py::test_a_stopped_rank_is_named_within_a_minute_and_the_run_restart
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -555,7 +556,8 @@ def test_a_slurm_attempts_pages_are_its_own_and_leave_with_it(tmp_path: Path) ->
     """A controller restarted without its state hands job ids out again: the page a killed task left under
     the same job, attempt and node (here: a finished rank 0) is not read as this attempt's, which would end
     the watchdog before the first step. Slurm's SIGTERM at the attempt's end (a requeue, the time limit)
-    takes the attempt's folder out of the node's /dev/shm with the watchdog."""
+    takes the attempt's folder out of the node's /dev/shm with the watchdog; its USR2 before the time limit (which
+    Slurm sends to every process of the step) leaves the watchdog watching the ranks stop."""
     cfg = load_config(None, [], output_dir=str(tmp_path), run_name="run")
     cfg.run_dir.mkdir(parents=True)
     (cfg.run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -588,8 +590,12 @@ def test_a_slurm_attempts_pages_are_its_own_and_leave_with_it(tmp_path: Path) ->
         watchdog = int(task.stdout.readline())
         assert not (folder / "rank0").exists(), "the stale page is still there"
         time.sleep(3)
-        assert os.path.exists(f"/proc/{watchdog}"), "the watchdog left at once: it read the stale page as this attempt's"
-        os.kill(watchdog, 15)
+        assert _running(watchdog), "the watchdog left at once: it read the stale page as this attempt's"
+        os.kill(watchdog, signal.SIGUSR2)  # Slurm's pre-timeout warning reaches every process of the step
+        time.sleep(1.5)
+        assert _running(watchdog), "Slurm's USR2 ended the watchdog: the ranks' checkpoint and stop went unwatched"
+        assert folder.exists()
+        os.kill(watchdog, signal.SIGTERM)
         deadline = time.monotonic() + 20
         while folder.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -602,3 +608,11 @@ def test_a_slurm_attempts_pages_are_its_own_and_leave_with_it(tmp_path: Path) ->
             f.unlink()
         if folder.exists():
             folder.rmdir()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child not yet waited for keeps its /proc entry)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -9,6 +9,7 @@ aura_hpc.train.process.dist_env, exactly as under `local` they come from torchru
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -112,10 +113,12 @@ class TrainJob:
             if lock is not None:
                 lock.release()
             if watcher is not None and watcher.poll() is None:
-                try:  # it leaves by itself once the pages say finished; a failed worker writes no such page
+                # This node's ranks are done: the watchdog leaves now (SIGTERM, through its cleanup), not at its next
+                # look at the pages up to a second later, which the requeue and the goodput ledger would wait for.
+                # One that is requeuing the job after a hang ignores SIGTERM and gets a few seconds to finish.
+                watcher.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     watcher.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    watcher.terminate()
         if status == EXIT_SCREEN:  # the screen named nodes the allocation can spare: requeued without them
             if rank != 0:
                 print(f"[rank{rank}] this attempt stops here: rank 0 requeues the job without the nodes the screen named", flush=True)

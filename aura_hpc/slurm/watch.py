@@ -46,6 +46,7 @@ class SlurmHangWatch(HangWatch):
     restarts: int = 0
 
     nodes: int = 1
+    stop_asked: bool = False  # Slurm's pre-timeout signal (or scancel --signal) reached the step: the ranks stop
 
     def act(self, hang: Hang, ranks: dict[int, dict[str, Any]], alone: bool = False) -> bool:
         """Requeue (within budget) and kill this node's ranks; False when another node acts (unless `alone`:
@@ -136,8 +137,17 @@ def main(argv: list[str]) -> int:
     watch.calibration = read_calibration(cfg.run_dir / "hang_calibration.json")
     watch.started = time.time()
     os.environ[progress.ENV] = folder
-    # Slurm ends an attempt (a requeue, the time limit, scancel) with SIGTERM to every process of the step,
-    # this one included: leave through `finally`, which removes the attempt's pages from the node's /dev/shm.
+
+    # Slurm signals every process of the step, this one included. The pre-timeout warning (--signal=USR2@...)
+    # or `scancel --signal` asks the ranks to checkpoint and stop: keep watching them do it, a training rank
+    # that does not stop being a hang within seconds (as under `local`); by default the signal ended this
+    # process. SIGTERM ends the attempt (a requeue, the time limit, scancel): leave through `finally`, which
+    # removes the attempt's pages from the node's /dev/shm.
+    def stop_asked(*_: object) -> None:
+        watch.stop_asked = True
+
+    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, stop_asked)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         return _watch(watch, int(task_pid))
@@ -165,7 +175,7 @@ def _watch(watch: SlurmHangWatch, task_pid: int) -> int:
                 continue
             if now - newest > PEER_POLL_IDLE_S:
                 watch.peer_hangs = watch.peer_verdicts()
-            if watch.hung(ranks, now) or watch.named_elsewhere(ranks, now):
+            if watch.hung(ranks, now, stopping=watch.stop_asked) or watch.named_elsewhere(ranks, now):
                 hang = watch.investigate(ranks)
                 print(f"[watchdog] {hang.line}", flush=True)
                 sys.stderr.write(f"error: {hang.line}\n")
