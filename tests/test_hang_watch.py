@@ -18,7 +18,7 @@ import pytest
 
 from aura_hpc.config import load_config
 from aura_hpc.launch.hang_evidence import hang_line, name_culprits
-from aura_hpc.launch.hang_watch import HangWatch
+from aura_hpc.launch.hang_watch import HangWatch, process_alive
 from aura_hpc.train.process import progress
 
 WAITING = """Thread 0x1 (most recent call first):
@@ -590,10 +590,10 @@ def test_a_slurm_attempts_pages_are_its_own_and_leave_with_it(tmp_path: Path) ->
         watchdog = int(task.stdout.readline())
         assert not (folder / "rank0").exists(), "the stale page is still there"
         time.sleep(3)
-        assert _running(watchdog), "the watchdog left at once: it read the stale page as this attempt's"
+        assert process_alive(watchdog), "the watchdog left at once: it read the stale page as this attempt's"
         os.kill(watchdog, signal.SIGUSR2)  # Slurm's pre-timeout warning reaches every process of the step
         time.sleep(1.5)
-        assert _running(watchdog), "Slurm's USR2 ended the watchdog: the ranks' checkpoint and stop went unwatched"
+        assert process_alive(watchdog), "Slurm's USR2 ended the watchdog: the ranks' checkpoint and stop went unwatched"
         assert folder.exists()
         os.kill(watchdog, signal.SIGTERM)
         deadline = time.monotonic() + 20
@@ -608,11 +608,3 @@ def test_a_slurm_attempts_pages_are_its_own_and_leave_with_it(tmp_path: Path) ->
             f.unlink()
         if folder.exists():
             folder.rmdir()
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an exited child not yet waited for keeps its /proc entry)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (OSError, IndexError):
-        return False

@@ -108,9 +108,12 @@ def _requeued_beside_a_reference(runs: list[tuple[list[str], Path]], timeout: fl
             raise AssertionError(f"never reached step 20 in {timeout:.0f} s: {late}\n{queue}\n{evidence}")
         queued = _squeue_ids()
         for run_dir, job in pending.items():
-            if run_dir not in signalled and job not in queued and _latest_step(run_dir) < 20:
-                raise AssertionError(f"job {job} ended before step 20: {run_dir}\n{_job_evidence(run_dir, job)}")
-            if run_dir not in signalled and _latest_step(run_dir) >= 20:
+            if run_dir in signalled:
+                continue
+            if _latest_step(run_dir) < 20:
+                if job not in queued:  # read before the step: a job that left the queue wrote its last step already
+                    raise AssertionError(f"job {job} ended before step 20: {run_dir}\n{_job_evidence(run_dir, job)}")
+            else:
                 # Preemption or the pre-timeout warning: the same signal Slurm sends before the time limit.
                 signalled[run_dir] = time.time()
                 subprocess.run(["scancel", "--signal=USR2", job], check=True)

@@ -161,8 +161,7 @@ class HangWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        for f in self.folder.glob("rank*"):  # the next attempt's ranks write their own pages
-            f.unlink(missing_ok=True)
+        progress.remove_pages(self.folder)  # the next attempt's ranks write their own pages
         remove_pipes(self.folder)
 
     def close(self) -> None:
@@ -377,8 +376,7 @@ def _sweep(base: Path) -> None:
             pass
         except PermissionError:
             continue  # another user's live process
-        for page in folder.glob("rank*"):
-            page.unlink(missing_ok=True)
+        progress.remove_pages(folder)
         remove_pipes(folder)
         with contextlib.suppress(OSError):
             folder.rmdir()  # only when nothing else is in it

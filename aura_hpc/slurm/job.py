@@ -203,9 +203,7 @@ def _start_watchdog(config_path: str, job_id: int, restarts: int) -> subprocess.
         return None
     # A page left by a task Slurm killed outright, under a job id a restarted controller handed out again:
     # our own file (a rank's page, by name), and no rank of this attempt writes before this task has joined.
-    for stale in folder.glob("rank*"):
-        if stale.name.removeprefix("rank").isdigit():
-            stale.unlink(missing_ok=True)
+    progress.remove_pages(folder)
     cmd = [sys.executable, "-m", "aura_hpc.slurm.watch", config_path, str(folder), str(job_id), str(restarts), str(os.getpid())]
     return subprocess.Popen(cmd, start_new_session=True)
 

@@ -152,8 +152,7 @@ def main(argv: list[str]) -> int:
     try:
         return _watch(watch, int(task_pid))
     finally:  # the attempt's pages (ours alone: a folder holding anything else stays)
-        for page in Path(folder).glob("rank*"):
-            page.unlink(missing_ok=True)
+        progress.remove_pages(Path(folder))
         remove_pipes(Path(folder))
         with contextlib.suppress(OSError):
             Path(folder).rmdir()

@@ -50,6 +50,13 @@ def file_for(folder: Path, rank: int) -> Path:
     return folder / f"rank{rank}"
 
 
+def remove_pages(folder: Path) -> None:
+    """The ranks' pages in a progress folder (files named by file_for; nothing else in it is touched)."""
+    for page in folder.glob("rank*"):
+        if page.name.removeprefix("rank").isdigit():
+            page.unlink(missing_ok=True)
+
+
 class Progress:
     def __init__(self, path: Path | None) -> None:
         self._map: mmap.mmap | None = None
