@@ -14,7 +14,7 @@ from tests.conftest import REPO, cli_env
 @pytest.mark.slow
 def test_bench_gpu_smoke_run_prints_the_ratio_line() -> None:
     r = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "bench_gpu.py"), "--allow-cpu", "--steps", "12", "--warmup-steps", "4"],
+        [sys.executable, str(REPO / "bench" / "bench_gpu.py"), "--allow-cpu", "--steps", "6", "--warmup-steps", "2"],
         env=cli_env(OMP_NUM_THREADS="2"),
         capture_output=True,
         text=True,

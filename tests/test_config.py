@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import os
 import re
 import subprocess
 import sys
@@ -77,6 +79,7 @@ def test_cli_output_dir_and_run_name_win() -> None:
         (["run_name=../escape"], "run_name '../escape' must be"),
         (["model.preset=gpt5"], "model.preset 'gpt5' is unknown"),
         (["lr"], "is not KEY=VALUE"),
+        (["tracking.finish_wait_s=-1"], "tracking.finish_wait_s must be 0 or more seconds"),
     ],
 )
 def test_bad_overrides_give_one_line_errors(overrides: list[str], expected: str) -> None:
@@ -154,6 +157,20 @@ def test_help_does_not_import_heavy_libraries() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "local" in r.stdout and "prepare" in r.stdout
     assert "HEAVY []" in r.stdout
+
+
+def test_a_refusal_of_local_on_a_machine_without_gpus_imports_no_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from aura_hpc.cli import main\n"
+        "print('EXIT', main(['local', '--nproc-per-node', '0', '--output-dir', sys.argv[1]]))\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert "EXIT 2" in r.stdout and "--nproc-per-node must be at least 1" in r.stderr, r.stdout + r.stderr
+    gpu_nodes = glob.glob("/dev/nvidia*") + [p for p in ("/dev/dxg", "/dev/kfd") if os.path.exists(p)]
+    if sys.platform.startswith("linux") and not gpu_nodes:
+        assert "TORCH False" in r.stdout, r.stdout
 
 
 def test_a_literal_webhook_url_is_stored_redacted_and_reaches_the_workers_by_environment(tmp_path: Path) -> None:

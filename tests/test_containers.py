@@ -1,6 +1,6 @@
 """Containers: the compose file (validated by docker-compose itself, and golden), the launch
 variables the Docker guide uses, and real containers of the CPU image (docker/build-cpu-image.sh,
-built by CI before the tests): `check`, a short `local`, and two containers as two LAN nodes.
+built by CI before the tests): `check`, a plain program, and two containers training as two LAN nodes.
 The GPU service (NVIDIA Container Toolkit) cannot run without a GPU: only its configuration is
 checked here."""
 
@@ -123,32 +123,30 @@ def _finish(p: subprocess.Popen[str], timeout: float = 300) -> tuple[int, str, s
     return p.returncode, out, err
 
 
-def test_check_and_a_short_local_run_inside_a_container(tmp_path: Path, image: str) -> None:
-    runs = _runs_dir(tmp_path / "runs")
-    code, out, err = _finish(_compose_run(["check", "--json"], runs, image))
-    assert code == 0, out + err
-    findings = {f["name"]: f for f in json.loads(out)["findings"]}
-    assert findings["backend gloo"]["ok"], findings
-    code, out, err = _finish(_compose_run(["python", "-c", "import torch; print('torch', torch.__version__)"], runs, image))
-    assert code == 0 and out.startswith("torch "), out + err  # other programs run as given (nvidia-smi on GPU hosts)
-    code, out, err = _finish(_compose_run(["local", *TINY], runs, image, GPUS_PER_NODE="1"))
-    assert code == 0, out + err
-    summary = json.loads((runs / "tiny" / "summary.json").read_text())
-    assert summary["step"] == 12 and summary["finished"]
-    assert (runs / "tiny" / "checkpoints" / "step_00000012" / "COMPLETE.json").is_file()
-    assert (runs / "tiny" / "config.yaml").stat().st_uid == 1000  # written by the non-root user
-
-
-def test_two_containers_train_together_as_two_lan_nodes(tmp_path: Path, image: str) -> None:
+def test_check_a_plain_program_and_two_containers_training_as_two_lan_nodes(tmp_path: Path, image: str) -> None:
+    """Four containers at once: `check`, a plain program, and two `local` nodes of one run (each node's
+    own run folder, as on two machines; node 0's holds the checkpoints)."""
+    checked = _compose_run(["check", "--json"], _runs_dir(tmp_path / "check"), image)
+    plain = _compose_run(["python", "-c", "import torch; print('torch', torch.__version__)"], _runs_dir(tmp_path / "plain"), image)
     port = str(free_port())
     launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NNODES": "2", "GPUS_PER_NODE": "1"}
     nodes = [_compose_run(["local", *TINY], _runs_dir(tmp_path / f"node{k}"), image, NODE_RANK=str(k), **launch) for k in (0, 1)]
+    code, out, err = _finish(checked)
+    assert code == 0, out + err
+    findings = {f["name"]: f for f in json.loads(out)["findings"]}
+    assert findings["backend gloo"]["ok"], findings
+    code, out, err = _finish(plain)
+    assert code == 0 and out.startswith("torch "), out + err  # other programs run as given (nvidia-smi on GPU hosts)
     results = [_finish(p) for p in nodes]
     for code, out, err in results:
         assert code == 0, out + err
     logs = "".join(out + err for _, out, err in results)
     assert "world_size=2" in logs and "node_rank=1" in logs, logs
-    assert json.loads((tmp_path / "node0" / "tiny" / "summary.json").read_text())["step"] == 12
+    run = tmp_path / "node0" / "tiny"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["step"] == 12 and summary["finished"]
+    assert (run / "checkpoints" / "step_00000012" / "COMPLETE.json").is_file()
+    assert (run / "config.yaml").stat().st_uid == 1000  # written by the non-root user
     assert not (tmp_path / "node1" / "tiny" / "checkpoints").exists()  # rank 0 on node 0 writes the checkpoints
 
 

@@ -54,12 +54,12 @@ def test_the_activation_coefficients_are_our_blocks_measured(precision: str, dro
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
 def test_the_plan_matches_the_measured_peak_under_ddp_and_fsdp(tmp_path: Path, prepared: Path) -> None:
     """Real 2-rank runs on CPU, rank 0's heap peak sampled by the trainer (AURA_PROBE_HEAP), against the
-    plan. A checkpoint at step 2 of 4: under ddp the host copy rank 0 keeps for its checkpoints is part of
+    plan. A checkpoint at step 2 of 3: under ddp the host copy rank 0 keeps for its checkpoints is part of
     the peak that follows (-20% without it); fsdp's shards are copied only while they are written."""
     from tests.conftest import run_cli_together
 
     shape = ["model.n_layer=8", "model.n_embd=384", "model.n_head=6", "data.seq_len=128", "train.batch_size=16"]
-    shape += ["train.max_steps=4", "train.checkpoint_every=2"]
+    shape += ["train.max_steps=3", "train.checkpoint_every=2"]
     runs = {}
     for strategy in ("ddp", "fsdp"):
         args = ["local", "--nproc-per-node", "2", "--output-dir", str(tmp_path), "--run-name", strategy, "--set", f"data.path={prepared}"]

@@ -91,10 +91,11 @@ def _interrupt_after(proc: subprocess.Popen[str], run: Path, step: int) -> None:
 
 def test_every_tracker_reads_back_one_run_across_a_restart_and_a_silent_one_costs_a_warning(tmp_path: Path, prepared: Path) -> None:
     # A server that takes the connection and never answers (a hung host), with MLflow's client told to wait
-    # for it longer than the trackers' 30 s at the end. The run is stopped mid-way by Ctrl+C.
+    # for it longer than the trackers' wait at the end (5 s here, 30 by default). The run is stopped mid-way by Ctrl+C.
     silent = socket.create_server(("127.0.0.1", 0))
     uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
     blocked_args = _args(tmp_path, "blocked", prepared, "mlflow", "--set", f"tracking.mlflow_uri={uri}", "--set", "train.max_steps=5000")
+    blocked_args += ["--set", "tracking.finish_wait_s=5"]
     blocked = subprocess.Popen(
         [sys.executable, "-m", "aura_hpc", *blocked_args],
         env=cli_env(MLFLOW_HTTP_REQUEST_TIMEOUT="300"),
@@ -190,11 +191,11 @@ def test_every_tracker_reads_back_one_run_across_a_restart_and_a_silent_one_cost
     assert not node_local_store(run).exists()
 
     # The tracker that never answered cost no step (the run got past step 10 while its first call waited),
-    # and at the stop the checkpoint came first: the trackers' wait (30 s) follows it, where it no longer
+    # and at the stop the checkpoint came first: the trackers' wait (tracking.finish_wait_s) follows it, where it no longer
     # spends the launcher's wait for its workers (30 s where torch has no shutdown_timeout, as 2.6) or a Slurm job's grace window.
     assert blocked.returncode == EXIT_RESUMABLE, said[-3000:]
     log0 = (tmp_path / "blocked" / "logs" / "rank_0.log").read_text()
-    stopped, left = log0.find("stop requested ("), log0.find("tracking: the trackers did not finish within")
+    stopped, left = log0.find("stop requested ("), log0.find("tracking: the trackers did not finish within 5 s")
     assert 0 <= stopped < left and "written; exiting with status" in log0[stopped:left], log0[-3000:]
 
 

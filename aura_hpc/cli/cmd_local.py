@@ -14,7 +14,8 @@ def cmd_local(a: argparse.Namespace) -> int:
     flags_from_env(a, {"nnodes": 1, "node_rank": 0})
     from aura_hpc.train.process.startup_gc import imports_unscanned
 
-    # The plan imports torch once the config has passed its checks (a bad key is refused before it); then the agent's modules.
+    # The plan imports torch only where this machine has GPUs to count; the agent's modules come once the data
+    # and the run directory have passed their checks (launch): a refusal is answered without them.
     with imports_unscanned():
         plan = plan_local(
             a.config,
@@ -33,8 +34,6 @@ def cmd_local(a: argparse.Namespace) -> int:
             force=a.force,
             dry_run=a.dry_run,
         )
-        if not a.dry_run:
-            import torch.distributed.launcher.api  # noqa: F401  (run_workers')
 
     def warn() -> None:
         for w in plan.warnings:

@@ -42,6 +42,8 @@ def validate_tracking(cfg: RunConfig) -> None:
             )
     if t.copy_every_s <= 0 or t.queue_rows < 1:
         raise ConfigError("tracking.copy_every_s must be > 0 and tracking.queue_rows >= 1 (fix: --set tracking.copy_every_s=60)")
+    if not 0 <= t.finish_wait_s < float("inf"):
+        raise ConfigError(f"tracking.finish_wait_s must be 0 or more seconds, got {t.finish_wait_s} (fix: --set tracking.finish_wait_s=30)")
 
 
 def missing_packages(cfg: RunConfig) -> list[str]:

@@ -215,6 +215,7 @@ class TrackingConfig:
     sqlite_local: str = "auto"  # SQLite stores on node-local disk, copied into RUN_DIR/tracking/ (auto: RUN_DIR on NFS, Lustre...)
     copy_every_s: float = 60.0  # how often node-local SQLite stores are copied into the run directory (and at the end)
     queue_rows: int = 1000  # rows waiting for a slow tracker before rows are dropped (with one warning): a tracker never slows a step
+    finish_wait_s: float = 30.0  # how long the end of a run (after its last checkpoint) waits for the trackers to finish
 
 
 @dataclass

@@ -7,11 +7,13 @@ behind torchrun) with a c10d rendezvous hosted by node 0; the worker command is 
 
 from __future__ import annotations
 
+import glob
 import importlib.metadata
 import json
 import os
 import platform
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -96,6 +98,11 @@ def _check_master_addr(addr: str, nnodes: int, node_rank: int) -> list[str]:
 
 
 def _cuda_count() -> int:
+    # On Linux a GPU that CUDA (or ROCm, as torch.cuda) can use has its device nodes, in a container too (WSL2:
+    # /dev/dxg). Without any, `local`'s refusals and dry runs answer without importing torch (1-2 s of CPU).
+    nodes = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+    if sys.platform.startswith("linux") and not glob.glob("/dev/nvidia*") and not any(map(os.path.exists, nodes)):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -296,6 +303,10 @@ def launch(plan: LocalPlan, ready: Callable[[], None] | None = None) -> int:
     # Workers stop (checkpoint, exit) when this process is gone, even after a SIGKILL.
     os.environ["AURA_LAUNCHER_PID"] = str(os.getpid())
     try:
+        from aura_hpc.train.process.startup_gc import imports_unscanned
+
+        with imports_unscanned():
+            import torch.distributed.launcher.api  # noqa: F401  (run_workers')
         if ready is not None:
             ready()
         return run_workers(plan)

@@ -42,7 +42,6 @@ from aura_hpc.ops.disk import is_network_fs
 
 log = logging.getLogger("aura_hpc")
 IDS = "ids.json"
-FINISH_WAIT_S = 30.0
 
 
 def scalars(row: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -139,9 +138,12 @@ class Trackers:
             return
         with contextlib.suppress(queue.Full):
             self._queue.put(("finish", failed), timeout=5)
-        self._thread.join(FINISH_WAIT_S)
+        self._thread.join(self.cfg.tracking.finish_wait_s)
         if self._thread.is_alive():
-            log.warning("tracking: the trackers did not finish within %.0f s (left behind; the run is saved)", FINISH_WAIT_S)
+            log.warning(
+                "tracking: the trackers did not finish within %g s (left behind; the run is saved; more time: tracking.finish_wait_s)",
+                self.cfg.tracking.finish_wait_s,
+            )
         elif self.local != self.folder and not self._copy_failed:
             # Every store is in the run directory now, and a resumed run copies it back in.
             shutil.rmtree(self.local, ignore_errors=True)
