@@ -56,8 +56,11 @@ def _readme_lines() -> list[str]:
 
 def test_default_local_runs_to_completion(tmp_path: Path) -> None:
     """`python -m aura_hpc local` with no arguments: the tiny preset on the built-in corpus."""
-    r = run_cli(["local"], cwd=tmp_path, timeout=300)
+    scratch = tmp_path / "tmp"  # a launch leaves no folder of its own there (torch's agent would leave one each time)
+    scratch.mkdir()
+    r = run_cli(["local"], cwd=tmp_path, timeout=300, TMPDIR=str(scratch))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")] == []  # torch's compile cache stays
     run = tmp_path / "runs" / "tiny"
     out = r.stdout
     assert "training finished" in out and str(run) in out

@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from aura_hpc.comm import rendezvous_state, stores
@@ -69,25 +69,16 @@ def agent_options(shutdown_timeout: int) -> tuple[dict[str, Any], list[str]]:
     return options, notes
 
 
-def _forward_like_sigterm(sigval: signal.Signals) -> Callable[[int, FrameType | None], None]:
-    """What torch >= 2.8 does for the signals in `signals_to_handle`: the agent stops its workers with it."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    def handler(signum: int, _frame: FrameType | None) -> None:
-        raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
-
-    return handler
-
-
 def run_workers(plan: LocalPlan) -> int:
     """Run the plan's workers through the elastic agent; returns the exit status for the CLI."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
     from aura_hpc import console
     from aura_hpc.launch.goodput import Launch
     from aura_hpc.launch.goodput import line as goodput_line
     from aura_hpc.launch.hang_watch import EVIDENCE_WAIT_S, HangWatch
-    from aura_hpc.launch.stop_signals import StopSignals
+    from aura_hpc.launch.stop_signals import StopSignals, forward_like_sigterm
     from aura_hpc.train.process.time_ledger import process_started
 
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):  # the verdict on failed workers is ours
@@ -98,7 +89,10 @@ def run_workers(plan: LocalPlan) -> int:
         console.info(note)
     if "signals_to_handle" not in options and hasattr(signal, "SIGUSR2"):
         # Older agents handle TERM/INT/HUP/QUIT only; SIGUSR2 would kill the agent and orphan its workers.
-        signal.signal(signal.SIGUSR2, _forward_like_sigterm(signal.SIGUSR2))
+        signal.signal(signal.SIGUSR2, forward_like_sigterm(signal.SIGUSR2))
+    # The agent's per-rank folders (error files our workers do not write): without a folder of ours it
+    # leaves an empty torchelastic_* folder in /tmp per launch.
+    agent_dir = tempfile.mkdtemp(prefix="aura_agent_")
     lc = LaunchConfig(
         min_nodes=plan.nnodes,
         max_nodes=plan.nnodes,
@@ -112,6 +106,7 @@ def run_workers(plan: LocalPlan) -> int:
         monitor_interval=0.2,
         start_method="spawn",
         local_addr=plan.local_addr,
+        logs_specs=DefaultLogsSpecs(log_dir=agent_dir),
         **options,
     )
     watch = HangWatch.for_run(plan.cfg, _board(plan)) if plan.cfg.health.hang_watch else None
@@ -161,6 +156,7 @@ def run_workers(plan: LocalPlan) -> int:
                         launch.hang(h.last_progress, h.killed_at)
     finally:
         stops.close()
+        shutil.rmtree(agent_dir, ignore_errors=True)
         if launch is not None and (split := launch.finish()) is not None and split["seconds"]["start-up"] > 0:
             console.info(goodput_line(split))
         if watch is not None:

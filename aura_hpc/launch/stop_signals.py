@@ -15,7 +15,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import FrameType
 
 STOPS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, getattr(signal, "SIGUSR2", signal.SIGTERM)}
 
@@ -60,3 +62,13 @@ class StopSignals:
                 with contextlib.suppress(OSError):
                     os.close(fd)
             self._read = -1
+
+
+def forward_like_sigterm(sigval: signal.Signals) -> Callable[[int, FrameType | None], None]:
+    """What torch >= 2.8 does for the signals in `signals_to_handle`: the agent stops its workers with it."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+
+    return handler
