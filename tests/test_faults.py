@@ -488,11 +488,10 @@ def test_every_checkpoint_damaged_is_refused_not_restarted_from_zero_in_silence(
     assert _same(final_weights(tmp_path / "run"), reference[STEPS])
 
 
-def test_checkpoint_cannot_run_code(tmp_path: Path, prepared: Path) -> None:
+def test_checkpoint_cannot_run_code(tmp_path: Path, prepared: Path, stopped_at_10: Path) -> None:
     """A trainer_state.pt that would execute code on unpickling is refused (weights_only=True)."""
-    first = run_cli(_args(tmp_path, "run", prepared, extra=("--set", "train.stop_at=5")))
-    assert first.returncode == 0, _diagnose(first, tmp_path / "run")
-    ckpt = tmp_path / "run" / "checkpoints" / "step_00000005"
+    shutil.copytree(stopped_at_10, tmp_path / "run")
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000010"
     pwned = tmp_path / "pwned"
 
     class Evil:
@@ -506,8 +505,23 @@ def test_checkpoint_cannot_run_code(tmp_path: Path, prepared: Path) -> None:
     (ckpt / checkpoint.MARKER).write_text(json.dumps(marker))
     r = run_cli(_args(tmp_path, "run", prepared))
     assert r.returncode != 0
-    assert "step_00000005: checkpoint could not be loaded safely" in r.stdout
+    assert "step_00000010: checkpoint could not be loaded safely" in r.stdout
     assert not pwned.exists()
+
+
+def test_a_checkpoint_the_worker_refuses_exits_2(tmp_path: Path, prepared: Path, stopped_at_10: Path) -> None:
+    shutil.copytree(stopped_at_10, tmp_path / "run")
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000010"
+    meta = ckpt / "meta.json"
+    meta.write_text(meta.read_text().replace('"model_fingerprint": "', '"model_fingerprint": "x'))
+    # Re-seal it, so that it passes verification and reaches the worker's fingerprint check.
+    marker = ckpt / checkpoint.MARKER
+    m = json.loads(marker.read_text())
+    m["files"]["meta.json"] = {"size": meta.stat().st_size, "sha256": checkpoint._sha256(meta)}
+    marker.write_text(json.dumps(m))
+    r = run_cli(_args(tmp_path, "run", prepared))
+    assert r.returncode == errors.EXIT_USER_ERROR, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "was written with a different model shape" in r.stderr and "fix:" in r.stderr
 
 
 def test_sigkill_at_random_moments_of_a_save_never_breaks_the_previous(tmp_path: Path) -> None:
