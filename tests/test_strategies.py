@@ -84,12 +84,19 @@ def ddp_runs(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> Path:
     return out
 
 
-def test_fsdp_trains_and_skips_to_the_same_bits_as_ddp(tmp_path: Path, prepared: Path, ddp_runs: Path) -> None:
-    out = _run(tmp_path, "fsdp", prepared, "fsdp", env=FAULTS)
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> tuple[Path, str]:
+    """An fsdp run of 20 steps meeting the faults; the resume at another world size starts from a copy of it."""
+    out = tmp_path_factory.mktemp("fsdp")
+    return out / "fsdp", _run(out, "fsdp", prepared, "fsdp", env=FAULTS)
+
+
+def test_fsdp_trains_and_skips_to_the_same_bits_as_ddp(tmp_path: Path, ddp_runs: Path, fsdp_run: tuple[Path, str]) -> None:
+    run, out = fsdp_run
     assert "strategy: fsdp" in out
     _skipped_alike(out, "fsdp")
-    assert _diff(final_weights(tmp_path / "fsdp"), final_weights(ddp_runs / "clip")) == 0.0
-    newest = checkpoint.list_complete(tmp_path / "fsdp" / "checkpoints")[0].path
+    assert _diff(final_weights(run), final_weights(ddp_runs / "clip")) == 0.0
+    newest = checkpoint.list_complete(run / "checkpoints")[0].path
     assert sorted(p.name for p in (newest / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     # The consolidated weights beside the shards load with transformers alone.
     from safetensors.torch import load_file
@@ -100,7 +107,7 @@ def test_fsdp_trains_and_skips_to_the_same_bits_as_ddp(tmp_path: Path, prepared:
     # Only the run's last checkpoint gathered the full weights. `generate` on a run whose newest is an
     # earlier one makes them from its shards: DDP's weights at that step, bit for bit, and still verified.
     copy = tmp_path / "copy"
-    shutil.copytree(tmp_path / "fsdp", copy)
+    shutil.copytree(run, copy)
     shutil.rmtree(copy / "checkpoints" / newest.name)
     earlier = checkpoint.list_complete(copy / "checkpoints")[0].path
     assert earlier.name == "step_00000015" and not (earlier / "model" / "model.safetensors").exists()
@@ -150,8 +157,10 @@ def test_gradient_accumulation_is_the_same_under_every_strategy(tmp_path: Path, 
     assert _diff(final_weights(tmp_path / "zero2"), ddp) < 1e-5
 
 
-def test_fsdp_resumes_at_another_world_size_and_zero_says_it_cannot(tmp_path: Path, prepared: Path) -> None:
-    _run(tmp_path, "fsdp", prepared, "fsdp", "--set", "train.stop_at=10")
+def test_fsdp_resumes_at_another_world_size_and_zero_says_it_cannot(tmp_path: Path, prepared: Path, fsdp_run: tuple[Path, str]) -> None:
+    shutil.copytree(fsdp_run[0], tmp_path / "fsdp")  # its 2 ranks' shards of step 10 are the newest left
+    for late in ("step_00000015", "step_00000020"):
+        shutil.rmtree(tmp_path / "fsdp" / "checkpoints" / late)
     out = _run(tmp_path, "fsdp", prepared, "fsdp", nproc=1)
     assert "resumed from checkpoint step_00000010 at step 10" in out and "all 1 ranks finished at step 20" in out
     # A ZeRO-2 run's checkpoint of 2 ranks (what the launcher reads of it: its meta.json, its commit marker).
