@@ -74,7 +74,9 @@ def test_resume_at_2_then_3_then_1_ranks_trains_every_sample_exactly_once(tmp_pa
     data = _sharded(tmp_path)
     samples = tmp_path / "samples"
     common = ["--output-dir", str(tmp_path), "--run-name", "resharded", "--set", f"data.path={data}", *SMALL_MODEL]
-    common += ["--set", "data.shuffle_window=2", "--set", "train.batch_size=4", "--set", "train.max_steps=18"]
+    # A token budget, not a number of steps: 9,216 tokens = 18 steps of 2 x 4 x 64 at the first world size,
+    # a horizon the resumes at 3 and 1 processes keep (12 or 36 steps at their own world size).
+    common += ["--set", "data.shuffle_window=2", "--set", "train.batch_size=4", "--set", "train.max_tokens=9216"]
     common += ["--set", "train.checkpoint_every=0", "--set", "train.warmup_steps=2"]
     plan = [(2, 6), (3, 12), (1, 18)]
     for nproc, stop in plan:
@@ -84,6 +86,9 @@ def test_resume_at_2_then_3_then_1_ranks_trains_every_sample_exactly_once(tmp_pa
             AURA_PROBE_SAMPLES=str(samples),
         )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        kept = "keeping this run's schedule horizon of 18 steps" in r.stdout
+        assert (kept, f"stopped at step {stop} of 18" in r.stdout or stop == 18) == (nproc != 2, True), r.stdout[-2000:]
+    assert json.loads((tmp_path / "resharded" / "summary.json").read_text())["step"] == 18
     rows = [json.loads(line) for f in sorted(samples.glob("*.jsonl")) for line in f.read_text().splitlines()]
     assert {f.name for f in samples.glob("*.jsonl")} == {
         "samples_rank0_world2.jsonl", "samples_rank1_world2.jsonl",
