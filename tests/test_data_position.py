@@ -86,8 +86,9 @@ def test_resume_at_2_then_3_then_1_ranks_trains_every_sample_exactly_once(tmp_pa
             AURA_PROBE_SAMPLES=str(samples),
         )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        kept = "keeping this run's schedule horizon of 18 steps" in r.stdout
-        assert (kept, f"stopped at step {stop} of 18" in r.stdout or stop == 18) == (nproc != 2, True), r.stdout[-2000:]
+        # The first run sets the horizon; each resume keeps it.
+        assert ("keeping this run's schedule horizon of 18 steps" in r.stdout) == (nproc != 2), r.stdout[-2000:]
+        assert stop == 18 or f"stopped at step {stop} of 18" in r.stdout, r.stdout[-2000:]
     assert json.loads((tmp_path / "resharded" / "summary.json").read_text())["step"] == 18
     rows = [json.loads(line) for f in sorted(samples.glob("*.jsonl")) for line in f.read_text().splitlines()]
     assert {f.name for f in samples.glob("*.jsonl")} == {

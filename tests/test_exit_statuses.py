@@ -68,7 +68,6 @@ def test_bad_input_exits_2(tmp_path: Path) -> None:
     assert r.returncode == errors.EXIT_USER_ERROR == 2, r.stderr
 
 
-@pytest.mark.slow
 def test_a_node_whose_worker_refused_its_settings_says_so_even_when_node_0_left_first(tmp_path: Path) -> None:
     """Node 0 and node 1 both refuse a setting that differs between them; node 0's launcher may close
     the rendezvous before node 1's reads its worker's status. Node 1 then names the refusal (status 2),
@@ -91,6 +90,7 @@ def test_a_node_whose_worker_refused_its_settings_says_so_even_when_node_0_left_
     assert _refused_here(plan) is None  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_a_hang_with_no_restart_left_exits_77_naming_the_rank_and_tells_the_webhook(tmp_path: Path, prepared: Path) -> None:
     """health.hang_restarts=0: the first hang ends the run, with the watchdog's line, its own status and
     a `training.hang` event to the webhook."""
