@@ -1,4 +1,5 @@
-"""The speed options of the trainer change how it computes, not what it learns (checked on CPU)."""
+"""The speed options of the trainer change how it computes, not what it learns (checked on CPU). torch.compile's
+case is tests/test_gpu_contract.py's compile test, whose compiled run is compared there with an eager one."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from aura_hpc.train.checkpoint import files as checkpoint
 from tests.conftest import SMALL_MODEL, cli_env, final_weights, run_cli
 
 pytestmark = pytest.mark.slow
@@ -79,18 +79,6 @@ def test_activation_checkpointing_recomputes_the_same_numbers(tmp_path: Path, pr
     assert "activation checkpointing on" in out
     a = final_weights(tmp_path / "ac")
     assert all(torch.equal(a[k], plain[k]) for k in a), "recomputed activations must give bit-identical training"
-
-
-def test_compiled_blocks_train_like_eager(tmp_path: Path, prepared: Path, plain: dict[str, torch.Tensor]) -> None:
-    out = _train(tmp_path, "compiled", prepared, "--set", "train.compile=true")
-    assert "torch.compile on (per block)" in out and "including compilation" in out
-    diff = _max_diff(final_weights(tmp_path / "compiled"), plain)
-    assert diff < 1e-4, f"compiled and eager training differ by {diff}"
-    # The checkpoint of a compiled model is a plain transformers folder.
-    from aura_hpc.train.model.language_model import load_pretrained
-
-    newest = checkpoint.list_complete(tmp_path / "compiled" / "checkpoints")[0]
-    assert load_pretrained(str(newest.path / "model")).config.n_layer == 2
 
 
 def test_fused_optimizer_skips_a_non_finite_step_on_the_device(tmp_path: Path, prepared: Path) -> None:

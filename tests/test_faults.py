@@ -435,44 +435,39 @@ def test_nan_forever_stops_with_a_clear_error(tmp_path: Path, prepared: Path) ->
 
 
 @pytest.fixture(scope="module")
-def stopped_at_10(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> Path:
-    """A run stopped at step 10 (checkpoints 5 and 10); each damage test works on a copy."""
+def stopped_at_15(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> Path:
+    """A run stopped at step 15 (checkpoints 5, 10 and 15); each damage test works on a copy."""
     out = tmp_path_factory.mktemp("stopped")
-    first = run_cli(_args(out, "run", prepared, extra=("--set", "train.stop_at=10")))
+    first = run_cli(_args(out, "run", prepared, extra=("--set", "train.stop_at=15")))
     assert first.returncode == 0, _diagnose(first, out / "run")
     return out / "run"
 
 
-@pytest.mark.parametrize("damage", ["bad-file", "missing-marker", "truncated"])
-def test_corrupt_newest_checkpoint_falls_back_to_the_previous(
-    tmp_path: Path, prepared: Path, reference: dict, damage: str, stopped_at_10: Path
+def test_damaged_newest_checkpoints_fall_back_to_the_one_before_them(
+    tmp_path: Path, prepared: Path, reference: dict, stopped_at_15: Path
 ) -> None:
-    shutil.copytree(stopped_at_10, tmp_path / "run")
-    newest = tmp_path / "run" / "checkpoints" / "step_00000010"
-    if damage == "bad-file":
-        data = bytearray((newest / "trainer_state.pt").read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        (newest / "trainer_state.pt").write_bytes(bytes(data))
-    elif damage == "missing-marker":
-        (newest / checkpoint.MARKER).unlink()
-    else:
-        with open(newest / "model" / "model.safetensors", "r+b") as f:
-            f.truncate(100)
+    """Step 15 without its commit marker (its save interrupted), step 10 truncated: the run resumes from
+    step 5 and ends as an uninterrupted one. (A flipped byte, caught by the checksum, is the next test's damage.)"""
+    shutil.copytree(stopped_at_15, tmp_path / "run")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "step_00000015" / checkpoint.MARKER).unlink()
+    with open(checkpoints / "step_00000010" / "model" / "model.safetensors", "r+b") as f:
+        f.truncate(100)
     r = run_cli(_args(tmp_path, "run", prepared))
     assert r.returncode == 0, r.stdout[-2000:]
-    expected = "has no COMPLETE.json" if damage == "missing-marker" else "checkpoint step_00000010 is corrupt"
-    assert expected in r.stdout
+    assert "checkpoint step_00000015 has no COMPLETE.json" in r.stdout, r.stdout[-2000:]
+    assert "checkpoint step_00000010 is corrupt (model/model.safetensors has 100 bytes" in r.stdout, r.stdout[-2000:]
     assert "resumed from checkpoint step_00000005 at step 5" in r.stdout
     assert _same(final_weights(tmp_path / "run"), reference[STEPS])
 
 
 def test_every_checkpoint_damaged_is_refused_not_restarted_from_zero_in_silence(
-    tmp_path: Path, prepared: Path, reference: dict, stopped_at_10: Path
+    tmp_path: Path, prepared: Path, reference: dict, stopped_at_15: Path
 ) -> None:
-    """Both checkpoints damaged: the run used to start from step 0 while its warning said it used the
-    previous one. It stops with one line (the damaged ones kept aside); the re-run starts over."""
-    shutil.copytree(stopped_at_10, tmp_path / "run")
-    for step in (5, 10):
+    """Every checkpoint damaged (a flipped byte in each): the run used to start from step 0 while its warning
+    said it used the previous one. It stops with one line (the damaged ones kept aside); the re-run starts over."""
+    shutil.copytree(stopped_at_15, tmp_path / "run")
+    for step in (5, 10, 15):
         state = tmp_path / "run" / "checkpoints" / f"step_{step:08d}" / "trainer_state.pt"
         data = bytearray(state.read_bytes())
         data[len(data) // 2] ^= 0xFF
@@ -480,18 +475,18 @@ def test_every_checkpoint_damaged_is_refused_not_restarted_from_zero_in_silence(
     r = run_cli(_args(tmp_path, "run", prepared))
     assert r.returncode == 2, r.stdout[-2000:]
     said = r.stderr.strip().splitlines()[-1]
-    assert "every checkpoint in" in said and "is damaged (2 moved aside as corrupt-step_*)" in said, said
+    assert "every checkpoint in" in said and "is damaged (3 moved aside as corrupt-step_*)" in said, said
     assert "re-run the same command to start again from step 0" in said and "trying the one before it" in r.stdout
-    assert len(list((tmp_path / "run" / "checkpoints").glob("corrupt-step_*"))) == 2
+    assert len(list((tmp_path / "run" / "checkpoints").glob("corrupt-step_*"))) == 3
     again = run_cli(_args(tmp_path, "run", prepared))
     assert again.returncode == 0 and "starting from step 0" in again.stdout, again.stdout[-2000:]
     assert _same(final_weights(tmp_path / "run"), reference[STEPS])
 
 
-def test_checkpoint_cannot_run_code(tmp_path: Path, prepared: Path, stopped_at_10: Path) -> None:
+def test_checkpoint_cannot_run_code(tmp_path: Path, prepared: Path, stopped_at_15: Path) -> None:
     """A trainer_state.pt that would execute code on unpickling is refused (weights_only=True)."""
-    shutil.copytree(stopped_at_10, tmp_path / "run")
-    ckpt = tmp_path / "run" / "checkpoints" / "step_00000010"
+    shutil.copytree(stopped_at_15, tmp_path / "run")
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000015"
     pwned = tmp_path / "pwned"
 
     class Evil:
@@ -505,13 +500,13 @@ def test_checkpoint_cannot_run_code(tmp_path: Path, prepared: Path, stopped_at_1
     (ckpt / checkpoint.MARKER).write_text(json.dumps(marker))
     r = run_cli(_args(tmp_path, "run", prepared))
     assert r.returncode != 0
-    assert "step_00000010: checkpoint could not be loaded safely" in r.stdout
+    assert "step_00000015: checkpoint could not be loaded safely" in r.stdout
     assert not pwned.exists()
 
 
-def test_a_checkpoint_the_worker_refuses_exits_2(tmp_path: Path, prepared: Path, stopped_at_10: Path) -> None:
-    shutil.copytree(stopped_at_10, tmp_path / "run")
-    ckpt = tmp_path / "run" / "checkpoints" / "step_00000010"
+def test_a_checkpoint_the_worker_refuses_exits_2(tmp_path: Path, prepared: Path, stopped_at_15: Path) -> None:
+    shutil.copytree(stopped_at_15, tmp_path / "run")
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000015"
     meta = ckpt / "meta.json"
     meta.write_text(meta.read_text().replace('"model_fingerprint": "', '"model_fingerprint": "x'))
     # Re-seal it, so that it passes verification and reaches the worker's fingerprint check.

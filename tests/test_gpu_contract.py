@@ -137,16 +137,31 @@ def test_no_host_read_and_no_misplaced_tensor_in_a_quiet_step_under_every_strate
 def test_a_compiled_model_and_its_loss_compile_once_with_eval_and_samples_between_steps(tmp_path: Path, prepared: Path) -> None:
     """The blocks share one graph; after step 1 a recompilation is an error (torch._dynamo's
     error_on_recompile), also across the evaluation and the samples at step 10 (they run eagerly).
-    12 blocks: more than dynamo's default recompile limit of 8, so a graph per block would show."""
-    extra = ("--set", "model.n_layer=12", "--set", "model.n_embd=32", "--set", "train.compile=true", "--set", "train.loss=chunked")
+    12 blocks: more than dynamo's default recompile limit of 8, so a graph per block would show.
+    The compiled model trains like the eager one, and its checkpoint is a plain transformers folder."""
+    from aura_hpc.train.checkpoint import files as checkpoint
+    from aura_hpc.train.model.language_model import load_pretrained
+    from tests.conftest import final_weights
+
+    shape = ("--set", "model.n_layer=12", "--set", "model.n_embd=32", "--set", "train.loss=chunked")
+    extra = (*shape, "--set", "train.compile=true")
     runs = {"single": _args(tmp_path, "single", prepared, "ddp", 1, *extra)}
     runs["fsdp"] = _args(tmp_path, "fsdp", prepared, "fsdp", 2, *extra)  # FSDP2 shards each compiled block
+    runs["eager"] = _args(tmp_path, "eager", prepared, "ddp", 1, *shape)
     for name, r in zip(runs, run_cli_together(list(runs.values()), timeout=900, AURA_PROBE_STEPS="2-20"), strict=True):
         assert r.returncode == 0, (name, r.stdout[-3000:], r.stderr[-3000:])
-        assert "torch.compile on (per block)" in r.stdout
+        if name == "eager":
+            continue
+        assert "torch.compile on (per block)" in r.stdout and "including compilation" in r.stdout
         report = _probe(tmp_path / name, 0)
         # One graph for every block, one for the chunked loss's arithmetic.
         assert report["compiled_graphs"] == 2 and not report["graph_breaks"] and not report["recompile_limit_hits"], report
+    compiled, eager = final_weights(tmp_path / "single"), final_weights(tmp_path / "eager")
+    assert compiled.keys() == eager.keys()
+    diff = max((compiled[k] - eager[k]).abs().max().item() for k in compiled)
+    assert diff < 1e-4, f"compiled and eager training differ by {diff}"
+    newest = checkpoint.list_complete(tmp_path / "single" / "checkpoints")[0]
+    assert load_pretrained(str(newest.path / "model")).config.n_layer == 12
 
 
 def test_selftest_runs_its_sequence_and_writes_its_report(tmp_path: Path) -> None:

@@ -58,7 +58,7 @@ def test_the_plan_matches_the_measured_peak_under_ddp_and_fsdp(tmp_path: Path, p
     the peak that follows (-20% without it); fsdp's shards are copied only while they are written."""
     from tests.conftest import run_cli_together
 
-    shape = ["model.n_layer=8", "model.n_embd=384", "model.n_head=6", "data.seq_len=128", "train.batch_size=16"]
+    shape = ["model.n_layer=8", "model.n_embd=384", "model.n_head=6", "data.seq_len=128", "train.batch_size=8"]
     shape += ["train.max_steps=3", "train.checkpoint_every=2"]
     runs = {}
     for strategy in ("ddp", "fsdp"):
