@@ -90,25 +90,6 @@ def run_workers(plan: LocalPlan) -> int:
     if "signals_to_handle" not in options and hasattr(signal, "SIGUSR2"):
         # Older agents handle TERM/INT/HUP/QUIT only; SIGUSR2 would kill the agent and orphan its workers.
         signal.signal(signal.SIGUSR2, forward_like_sigterm(signal.SIGUSR2))
-    # The agent's per-rank folders (error files our workers do not write): without a folder of ours it
-    # leaves an empty torchelastic_* folder in /tmp per launch.
-    agent_dir = tempfile.mkdtemp(prefix="aura_agent_")
-    lc = LaunchConfig(
-        min_nodes=plan.nnodes,
-        max_nodes=plan.nnodes,
-        nproc_per_node=plan.nproc,
-        run_id=RDZV_RUN_ID,
-        role="trainer",
-        rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
-        rdzv_backend=stores.RDZV_BACKEND,  # torch's c10d, its stores bound to one address
-        rdzv_configs={"join_timeout": plan.rdzv_timeout, "is_host": plan.node_rank == 0},
-        max_restarts=plan.max_restarts,
-        monitor_interval=0.2,
-        start_method="spawn",
-        local_addr=plan.local_addr,
-        logs_specs=DefaultLogsSpecs(log_dir=agent_dir),
-        **options,
-    )
     watch = HangWatch.for_run(plan.cfg, _board(plan)) if plan.cfg.health.hang_watch else None
     stops = StopSignals()
     stops.install()
@@ -116,7 +97,26 @@ def run_workers(plan: LocalPlan) -> int:
     if watch is not None:
         watch.stops = stops
     hung_in_a_row, furthest = 0, -1
+    # The agent's per-rank folders (error files our workers do not write): without a folder of ours it
+    # leaves an empty torchelastic_* folder in /tmp per launch.
+    agent_dir = tempfile.mkdtemp(prefix="aura_agent_")
     try:
+        lc = LaunchConfig(
+            min_nodes=plan.nnodes,
+            max_nodes=plan.nnodes,
+            nproc_per_node=plan.nproc,
+            run_id=RDZV_RUN_ID,
+            role="trainer",
+            rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
+            rdzv_backend=stores.RDZV_BACKEND,  # torch's c10d, its stores bound to one address
+            rdzv_configs={"join_timeout": plan.rdzv_timeout, "is_host": plan.node_rank == 0},
+            max_restarts=plan.max_restarts,
+            monitor_interval=0.2,
+            start_method="spawn",
+            local_addr=plan.local_addr,
+            logs_specs=DefaultLogsSpecs(log_dir=agent_dir),
+            **options,
+        )
         while True:
             seen = len(watch.hangs) if watch is not None else 0
             if watch is not None:
