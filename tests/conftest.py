@@ -92,6 +92,12 @@ def final_weights(run_dir: Path) -> dict:
     return load_file(str(newest.path / "model" / "model.safetensors"))
 
 
+def max_diff(a: dict, b: dict) -> float:
+    """The largest elementwise difference between two state dicts with the same keys."""
+    assert sorted(a) == sorted(b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
 CLUSTER_SH = REPO / "tests" / "slurm" / "cluster.sh"
 SLURM_STATE = Path(os.environ.get("AURA_SLURM_STATE", "/tmp/aura-slurm"))
 SLURM_CONF = SLURM_STATE / "etc" / "slurm.conf"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import SMALL_MODEL, cli_env, final_weights, run_cli
+from tests.conftest import SMALL_MODEL, cli_env, final_weights, max_diff, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -54,11 +54,6 @@ def plain(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> dict[str,
     return final_weights(out / "plain")
 
 
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 def test_chunked_loss_trains_like_the_full_loss(tmp_path: Path, prepared: Path) -> None:
     # fp64 and SGD: the two routes differ only in summation order (~1e-16); Adam would amplify
     # that on near-zero gradients (update ~ g / eps), SGD passes it through as is.
@@ -69,9 +64,9 @@ def test_chunked_loss_trains_like_the_full_loss(tmp_path: Path, prepared: Path) 
         tmp_path, prepared, {"chunked": (*fp64, "--set", "train.loss=chunked"), "full": (*fp64, "--set", "train.loss=full"), "init": init}
     )
     assert "loss chunked" in outs["chunked"]
-    diff = _max_diff(final_weights(tmp_path / "chunked"), final_weights(tmp_path / "full"))
+    diff = max_diff(final_weights(tmp_path / "chunked"), final_weights(tmp_path / "full"))
     assert diff < 1e-12, f"chunked and full cross-entropy trained apart by {diff}"
-    assert _max_diff(final_weights(tmp_path / "full"), final_weights(tmp_path / "init")) > 1e-4, "the runs must have trained"
+    assert max_diff(final_weights(tmp_path / "full"), final_weights(tmp_path / "init")) > 1e-4, "the runs must have trained"
 
 
 def test_activation_checkpointing_recomputes_the_same_numbers(tmp_path: Path, prepared: Path, plain: dict[str, torch.Tensor]) -> None:
@@ -90,7 +85,7 @@ def test_fused_optimizer_skips_a_non_finite_step_on_the_device(tmp_path: Path, p
     fused, foreach = final_weights(tmp_path / "fused"), final_weights(tmp_path / "foreach")
     assert all(torch.isfinite(t).all() for t in fused.values())
     # Same skipped step, same Adam step count: only the kernels' rounding differs.
-    assert _max_diff(fused, foreach) < 1e-5
+    assert max_diff(fused, foreach) < 1e-5
 
 
 def test_padded_vocabulary_trains_saves_and_samples(tmp_path: Path, prepared: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import SMALL_MODEL, cli_env, final_weights, free_port, run_cli
+from tests.conftest import SMALL_MODEL, cli_env, final_weights, free_port, max_diff, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -38,11 +38,6 @@ def _together(runs: dict[str, tuple[list[str], dict[str, str]]]) -> dict[str, su
         stdout, stderr = p.communicate(timeout=600)
         out[name] = subprocess.CompletedProcess(runs[name][0], p.returncode, stdout, stderr)
     return out
-
-
-def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b)
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 DILOCO = (
@@ -85,12 +80,12 @@ def test_overlapped_meetings_resume_bit_identical_with_a_meeting_in_flight(tmp_p
     assert "each meeting crossing during 3 steps" in done[f"ov-{wire}"].stdout
     assert "resumed from checkpoint step_00000006 at step 6" in done[f"ov-{wire}-mid"].stdout
     straight = final_weights(tmp_path / f"ov-{wire}")
-    assert _diff(final_weights(tmp_path / f"ov-{wire}-mid"), straight) == 0.0
+    assert max_diff(final_weights(tmp_path / f"ov-{wire}-mid"), straight) == 0.0
     if wire == "int8":
         assert "resumed from checkpoint step_00000012 at step 12" in done[f"ov-{wire}-meeting"].stdout
-        assert _diff(final_weights(tmp_path / f"ov-{wire}-meeting"), straight) == 0.0
+        assert max_diff(final_weights(tmp_path / f"ov-{wire}-meeting"), straight) == 0.0
         # The overlap changes the training (the outer steps land 3 steps late), not whether it trains.
-        assert _diff(final_weights(tmp_path / f"blocking-{wire}"), straight) > 0.0
+        assert max_diff(final_weights(tmp_path / f"blocking-{wire}"), straight) > 0.0
     from aura_hpc.train.checkpoint.diloco_files import read_replica
 
     root = tmp_path / f"ov-{wire}" / "checkpoints"
@@ -222,7 +217,7 @@ def test_compressed_ddp_trains_and_resumes_bit_identical(tmp_path: Path, prepare
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"gradients compressed: {compress}" in straight.stdout
     assert "resumed from checkpoint step_00000010 at step 10" in killed.stdout
-    diff = _diff(final_weights(tmp_path / "killed"), final_weights(tmp_path / "straight"))
+    diff = max_diff(final_weights(tmp_path / "killed"), final_weights(tmp_path / "straight"))
     assert diff == 0.0, diff
     evals = [json.loads(line).get("eval_loss") for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     evals = [e for e in evals if e is not None]

@@ -19,7 +19,7 @@ import torch
 
 from aura_hpc.train.checkpoint import files as checkpoint
 from aura_hpc.train.checkpoint.consolidate import consolidate
-from tests.conftest import SMALL_MODEL, final_weights, run_cli, run_cli_together
+from tests.conftest import SMALL_MODEL, final_weights, max_diff, run_cli, run_cli_together
 
 pytestmark = pytest.mark.slow
 
@@ -69,11 +69,6 @@ def _weights_at(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "checkpoints" / checkpoint.step_dir_name(step) / "model" / "model.safetensors"))
 
 
-def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b)
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> Path:
     out = tmp_path_factory.mktemp("ddp")
@@ -95,7 +90,7 @@ def test_fsdp_trains_and_skips_to_the_same_bits_as_ddp(tmp_path: Path, ddp_runs:
     run, out = fsdp_run
     assert "strategy: fsdp" in out
     _skipped_alike(out, "fsdp")
-    assert _diff(final_weights(run), final_weights(ddp_runs / "clip")) == 0.0
+    assert max_diff(final_weights(run), final_weights(ddp_runs / "clip")) == 0.0
     newest = checkpoint.list_complete(run / "checkpoints")[0].path
     assert sorted(p.name for p in (newest / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     # The consolidated weights beside the shards load with transformers alone.
@@ -115,7 +110,7 @@ def test_fsdp_trains_and_skips_to_the_same_bits_as_ddp(tmp_path: Path, ddp_runs:
     g = run_cli(["generate", "--run", str(copy), "--max-new-tokens", "5"], timeout=300)
     assert g.returncode == 0 and g.stdout.strip(), g.stdout + g.stderr
     assert checkpoint.verify(earlier) is None and not consolidate(earlier)
-    assert _diff(load_file(str(earlier / "model" / "model.safetensors")), _weights_at(ddp_runs / "clip", 15)) == 0.0
+    assert max_diff(load_file(str(earlier / "model" / "model.safetensors")), _weights_at(ddp_runs / "clip", 15)) == 0.0
 
 
 # ZeRO-1 shares stage_1_and_2.py with ZeRO-2 (it partitions less): zero2 stands for both here, and zero1
@@ -128,7 +123,7 @@ def test_zero_trains_skips_and_resumes_to_the_same_bits_as_ddp(tmp_path: Path, p
     if stage == "zero2":
         printed = _run_together(tmp_path, prepared, {stage: (stage, "--set", "train.grad_clip=0"), "clipped": (stage,)}, **FAULTS)
         _skipped_alike(printed["clipped"], "clipped")
-        assert _diff(final_weights(tmp_path / "clipped"), final_weights(ddp_runs / "clip")) < 1e-5
+        assert max_diff(final_weights(tmp_path / "clipped"), final_weights(ddp_runs / "clip")) < 1e-5
     else:
         killed = {"AURA_FAULT_KILL": "1:13", **FAULTS}
         printed = _run_together(tmp_path, prepared, {stage: (stage, "--set", "train.grad_clip=0", "--max-restarts", "1")}, **killed)
@@ -144,17 +139,17 @@ def test_zero_trains_skips_and_resumes_to_the_same_bits_as_ddp(tmp_path: Path, p
     assert "shm_comm" not in printed[stage], printed[stage][-2000:]
     meta = json.loads((checkpoint.list_complete(tmp_path / stage / "checkpoints")[0].path / "meta.json").read_text())
     assert meta["strategy"] == stage and meta["step"] == 20
-    assert _diff(final_weights(tmp_path / stage), final_weights(ddp_runs / "noclip")) == 0.0
+    assert max_diff(final_weights(tmp_path / stage), final_weights(ddp_runs / "noclip")) == 0.0
 
 
 def test_gradient_accumulation_is_the_same_under_every_strategy(tmp_path: Path, prepared: Path) -> None:
     accum = ("--set", "train.grad_accum=2", "--set", "train.batch_size=4", "--set", "train.grad_clip=0", "--set", "train.max_steps=8")
     _run_together(tmp_path, prepared, {strategy: (strategy, *accum) for strategy in ("ddp", "fsdp", "zero2")})
     ddp = final_weights(tmp_path / "ddp")
-    assert _diff(final_weights(tmp_path / "fsdp"), ddp) == 0.0
+    assert max_diff(final_weights(tmp_path / "fsdp"), ddp) == 0.0
     # ZeRO-2 reduces every micro-step's gradients across ranks and then accumulates them, DDP the
     # other way round: the same sums in another order.
-    assert _diff(final_weights(tmp_path / "zero2"), ddp) < 1e-5
+    assert max_diff(final_weights(tmp_path / "zero2"), ddp) < 1e-5
 
 
 def test_fsdp_resumes_at_another_world_size_and_zero_says_it_cannot(tmp_path: Path, prepared: Path, fsdp_run: tuple[Path, str]) -> None:
@@ -209,7 +204,7 @@ def test_zero_shards_are_written_behind_the_loop_and_a_failed_shard_write_keeps_
     # Run again with synchronous saves: the same training, bit for bit, and the same files.
     again = _run(tmp_path, "full", prepared, "zero2", "--set", "train.async_checkpoint=false")
     assert "held 3 s" not in again
-    assert _diff(final_weights(tmp_path / "full"), final_weights(tmp_path / "slow")) == 0.0
+    assert max_diff(final_weights(tmp_path / "full"), final_weights(tmp_path / "slow")) == 0.0
     for name in ("slow", "full"):
         ckpts = checkpoint.list_complete(tmp_path / name / "checkpoints")
         assert [c.step for c in ckpts][:2] == [20, 15] and all(checkpoint.verify(c.path) is None for c in ckpts), name
