@@ -418,11 +418,52 @@ def test_a_flight_record_is_read_as_plain_values_only(tmp_path: Path) -> None:
 
 
 _WAITS = """
-import faulthandler, signal, sys, threading
-faulthandler.register(signal.SIGWINCH, file=open(sys.argv[1], "a"), all_threads=True)
+import sys, threading
+from pathlib import Path
+from aura_hpc.train.process import progress, worker_log
+worker_log.setup(Path(sys.argv[1]).parent, 0)
+worker_log.dump_stacks_on(progress.STACK_SIGNAL)
+def deep(n):
+    return 0 if n == 0 else deep(n - 1) + 1
+def come_and_go():  # threads that start and end all the time (the parameter server's links, a loader's)
+    while True:
+        t = threading.Thread(target=deep, args=(20,))
+        t.start()
+        t.join()
+for _ in range(int(sys.argv[2]) if len(sys.argv) > 2 else 0):
+    threading.Thread(target=come_and_go, daemon=True).start()
 print("ready", flush=True)
-threading.Event().wait()  # a rank that only waits for its peer
+def wait_for_peer():
+    threading.Event().wait()  # a rank that only waits for its peer
+wait_for_peer()
 """
+
+
+def test_a_rank_asked_for_its_stacks_again_and_again_while_threads_come_and_go_lives_and_answers(tmp_path: Path) -> None:
+    """faulthandler's signal handler walked the other threads without the GIL: with threads starting and ending,
+    a storm of stack requests killed the process asked (SIGSEGV in 8 of 8 tries of this storm; once on the
+    parameter server in the suite). The dump thread answers with the GIL, while the main thread waits."""
+    log = tmp_path / "logs" / "rank_0.log"
+    rank = subprocess.Popen([sys.executable, "-c", _WAITS, str(log), "4"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "ready"
+        sent, end = 0, time.monotonic() + 4
+        while time.monotonic() < end and rank.poll() is None:
+            rank.send_signal(progress.STACK_SIGNAL)
+            sent += 1
+            time.sleep(0.002)
+        assert rank.poll() is None, f"the rank died ({rank.returncode}) after {sent} stack requests"
+        before = log.stat().st_size
+        rank.send_signal(progress.STACK_SIGNAL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and "in wait_for_peer" not in log.read_bytes()[before:].decode(errors="replace"):
+            time.sleep(0.1)
+        last = log.read_bytes()[before:].decode(errors="replace")
+        assert "most recent call first" in last and "in wait_for_peer" in last, last[-3000:]
+        assert rank.poll() is None
+    finally:
+        rank.kill()
+        rank.wait()
 
 
 def _old_page(folder: Path, rank: int, pid: int, step: int, idle_s: float) -> None:

@@ -57,7 +57,9 @@ def _main_stack(stack: str) -> list[str]:
     for frames in threads:
         if any("aura_hpc/train/worker.py" in f and f.endswith(" in main") for f in frames):
             return frames
-    return threads[0] if threads else []
+    # Not the thread that wrote the dump (worker_log's), which is always busy writing it.
+    others = [frames for frames in threads if not any(f.endswith(" in _dump_when_asked") for f in frames)]
+    return others[0] if others else []
 
 
 def _top(stack: str) -> str:
