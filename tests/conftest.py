@@ -67,10 +67,34 @@ def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 300, **en
     )
 
 
+_PORTS_HANDED: list[int] = []
+PORT_BLOCK = 1000
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port for a test to give a launcher, which binds it seconds later. Below the kernel's ephemeral range
+    (where bind(0) and every outgoing connection take their ports, so one picked there can be taken meanwhile:
+    a run that failed to start in the suite), each xdist worker in a block of its own, never the same twice."""
+    try:
+        first = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = 0
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    base = 20000 + worker * PORT_BLOCK
+    if base + PORT_BLOCK > first:  # the ephemeral range starts low here: only bind(0) is left
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    for _ in range(PORT_BLOCK):
+        port = base + (len(_PORTS_HANDED) + os.getpid()) % PORT_BLOCK
+        _PORTS_HANDED.append(port)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {base}..{base + PORT_BLOCK - 1}")
 
 
 @pytest.fixture(scope="session")

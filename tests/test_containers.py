@@ -90,6 +90,7 @@ def test_the_guides_launch_variables_fill_locals_flags(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "NNODES='two' is not a whole number" in bad.stderr, bad.stderr
     outside = run_cli(["local", "--output-dir", str(tmp_path), "--dry-run"], MASTER_ADDR="10.9.9.9", NNODES="2")
     assert "node 0/1" in outside.stdout  # without the image's AURA_LOCAL_FROM_ENV, a shell's variables change nothing
+    assert "master 127.0.0.1 (a free port)" in outside.stdout  # bound by the rendezvous store as it starts
 
 
 # ---- real containers -------------------------------------------------------------------

@@ -98,6 +98,39 @@ def test_a_store_listens_on_its_address_alone() -> None:
         del server
 
 
+def test_a_single_machines_rendezvous_binds_a_free_port_itself_and_names_a_taken_one() -> None:
+    """`local` on one machine no longer picks a port at plan time and binds it seconds later (a port any connection
+    could take meanwhile as its local port: a failed start in the suite): its plan says port 0 and the store binds
+    a free one as it starts. A port the user gave that is taken by then is named with the fix."""
+    import psutil
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    def params(port: int) -> RendezvousParameters:
+        return RendezvousParameters(
+            stores.RDZV_BACKEND, f"127.0.0.1:{port}", "t", 1, 1, local_addr="127.0.0.1", is_host=True, join_timeout=10
+        )
+
+    def listening() -> set[int]:
+        me = psutil.Process().pid
+        return {c.laddr.port for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.pid == me}
+
+    stores.register_rendezvous()
+    before = listening()
+    handler = rendezvous_handler_registry.create_handler(params(0))
+    try:
+        new = listening() - before
+        assert len(new) == 1 and 0 not in new, new
+    finally:
+        handler.shutdown()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RendezvousConnectionError, match=rf"127.0.0.1:{port} is already in use.*\(fix: another --master-port"):
+            rendezvous_handler_registry.create_handler(params(port))
+
+
 class _MakesADirectory:
     """What a stranger at node 0's port would write in place of the rendezvous state: code, once unpickled."""
 

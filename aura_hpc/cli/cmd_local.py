@@ -43,7 +43,7 @@ def cmd_local(a: argparse.Namespace) -> int:
         warn()
     console.heading(
         f"aura_hpc local: run {plan.cfg.run_name!r}, node {plan.node_rank}/{plan.nnodes}, "
-        f"{plan.nproc} process{'es' if plan.nproc != 1 else ''}, master {plan.master_addr}:{plan.master_port}"
+        f"{plan.nproc} process{'es' if plan.nproc != 1 else ''}, master {plan.master}"
     )
     if a.dry_run:
         show_plan(plan.cfg, plan.nproc * plan.nnodes, plan.memory, plan.gpu_mem_gib or None)

@@ -200,6 +200,11 @@ def register_rendezvous() -> None:
             raise RendezvousConnectionError(
                 f"{exc} (fix: --master-addr and --master-port of node 0's `local`, which prints them; another port if that one is taken)"
             ) from None
+        except StoreAddressInUse:
+            raise RendezvousConnectionError(
+                f"{host}:{port} is already in use, so the rendezvous cannot listen there (fix: another --master-port, or omit "
+                "it on a single machine so a free one is taken)"
+            ) from None
         except OSError as exc:
             if exc.errno == errno.EADDRNOTAVAIL:
                 raise RendezvousConnectionError(

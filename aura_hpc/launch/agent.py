@@ -239,7 +239,7 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
             raise LaunchError(str(exc).strip().splitlines()[0]) from None
         if plan.nnodes == 1:
             raise LaunchError(
-                f"this machine's workers did not join at {plan.master_addr}:{plan.master_port} within {plan.rdzv_timeout}s "
+                f"this machine's workers did not join at {plan.master} within {plan.rdzv_timeout}s "
                 f"({type(exc).__name__}) (fix: another --master-port, or omit it so a free one is picked)"
             ) from None
         raise LaunchError(
@@ -263,7 +263,7 @@ def _trained_since(plan: LocalPlan, started: float) -> bool:
 
 def _lost_master(plan: LocalPlan) -> TrainingFailed:
     return TrainingFailed(
-        f"lost node 0 (the master at {plan.master_addr}:{plan.master_port}, which hosts the rendezvous) while "
+        f"lost node 0 (the master at {plan.master}, which hosts the rendezvous) while "
         f"training: its launcher or machine stopped (see {plan.cfg.run_dir / 'logs'}); rank 0 runs there, so the "
         f"re-run resumes from node 0's newest checkpoint (fix: start node 0 again, then this command on every node)",
         EXIT_TRAIN_FAILED,
@@ -278,7 +278,7 @@ def _tampered(plan: LocalPlan, what: rendezvous_state.StateTampered) -> Training
     """Someone who is not one of the run's launchers deleted or rewrote the rendezvous state in node 0's store."""
     stores.hold_for_the_other_nodes(plan.nnodes)  # node 0: until the others have read it there and named it too
     return TrainingFailed(
-        f"the rendezvous state in node 0's store at {plan.master_addr}:{plan.master_port} was {what} by a program that is "
+        f"the rendezvous state in node 0's store at {plan.master} was {what} by a program that is "
         f"not one of this run's launchers (anyone who reaches that port can: docs/lan.md, Trust), so the run stopped; "
         f"{_resume_hint(plan)} on every node (fix: let only your own machines reach port {plan.master_port}: a firewall "
         "rule, a VPN)",

@@ -29,12 +29,6 @@ from aura_hpc.launch.run_setup import ensure_run_secret, prepare_run_dir
 from aura_hpc.ops.network import is_own_address, is_trusted_range, loopback_interface, port_in_use, resolve, route_to
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_for_master(
     addr: str,
     port: int,
@@ -165,8 +159,10 @@ def plan_local(
     assert master_addr is not None
     warnings = _check_master_addr(master_addr, nnodes, node_rank)
     if master_port is None:
-        master_port = _free_port() if nnodes == 1 else 29500
-    if not 1 <= master_port <= 65535:
+        # One machine: port 0, the rendezvous store binds a free port itself when it starts (a port picked here and
+        # bound seconds later could be taken meanwhile, e.g. as some connection's local port: a start that failed).
+        master_port = 0 if nnodes == 1 else 29500
+    elif not 1 <= master_port <= 65535:
         raise LaunchError(f"--master-port must be 1..65535, got {master_port} (fix: --master-port 29500)")
 
     # PYTHONFAULTHANDLER: a worker that crashes in native code still leaves a Python stack in its log.
@@ -275,7 +271,7 @@ def launch(plan: LocalPlan, ready: Callable[[], None] | None = None) -> int:
     from aura_hpc.config.tracking import require_installed
 
     require_installed(plan.cfg)  # before any worker: a tracker that cannot start is bad input
-    if plan.node_rank == 0 and port_in_use(plan.master_port):
+    if plan.node_rank == 0 and plan.master_port and port_in_use(plan.master_port):
         where = " on every node" if plan.nnodes > 1 else " (or omit --master-port: a free one is picked)"
         raise LaunchError(
             f"port {plan.master_port} is already in use on this machine (fix: --master-port {plan.master_port + 1}{where}, "

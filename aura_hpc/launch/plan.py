@@ -33,6 +33,11 @@ class LocalPlan:
     refusal: str | None = None  # why the run would not start (a --dry-run shows the plan, then this)
 
     @property
+    def master(self) -> str:
+        """Where the rendezvous listens, as messages say it (port 0: a free one, which its store binds when it starts)."""
+        return f"{self.master_addr}:{self.master_port}" if self.master_port else f"{self.master_addr} (a free port)"
+
+    @property
     def config_path(self) -> Path:
         """Node 0's config.yaml; another node's own file beside it: LAN nodes may share the run folder
         (NFS), and each node's workers must read the settings that node was started with (the ranks
