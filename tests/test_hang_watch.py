@@ -190,7 +190,19 @@ def test_the_culprit_is_the_silent_rank_then_the_one_not_waiting_then_the_one_be
         stopped.kill()
         stopped.wait()
     ranks[2]["pid"] = 999999999  # gone: nothing more to say than the answer it did not give
-    assert "did not answer the request for its stack (stuck outside Python)" in hang_line(ranks, {}, [2], "silent", "h", 31.0, tmp_path)
+    gone = hang_line(ranks, {}, [2], "silent", "h", 31.0, tmp_path)
+    assert "did not answer the request for its stack (stuck outside Python: in native code that holds Python's GIL" in gone, gone
+    # A rank whose main thread is not under worker.py's main (a stack cut short): the main thread is the last one
+    # faulthandler lists (the newest first), never the dump thread, nor a helper thread busy at work.
+    helpers = """Current thread 0x3 (most recent call first):
+  File "/x/aura_hpc/train/process/worker_log.py", line 90 in _dump_when_asked
+Thread 0x4 (most recent call first):
+  File "/x/aura_hpc/data/background_shards.py", line 70 in _fetch
+Thread 0x1 (most recent call first):
+  File "/x/torch/distributed/distributed_c10d.py", line 2800 in all_reduce
+  File "/x/aura_hpc/comm/collectives.py", line 121 in all_reduce
+"""
+    assert name_culprits(ranks, {0: helpers, 1: READING, 2: helpers}) == ([1], "working")
 
 
 def test_a_killed_launchers_progress_folder_is_removed_by_the_next_and_a_live_ones_kept(tmp_path: Path) -> None:

@@ -57,9 +57,10 @@ def _main_stack(stack: str) -> list[str]:
     for frames in threads:
         if any("aura_hpc/train/worker.py" in f and f.endswith(" in main") for f in frames):
             return frames
-    # Not the thread that wrote the dump (worker_log's), which is always busy writing it.
+    # faulthandler lists the newest thread first: the main thread is the last one. Not the thread that wrote
+    # the dump (worker_log's), which is always busy writing it.
     others = [frames for frames in threads if not any(f.endswith(" in _dump_when_asked") for f in frames)]
-    return others[0] if others else []
+    return others[-1] if others else []
 
 
 def _top(stack: str) -> str:
@@ -148,7 +149,7 @@ def _silent_why(pid: Any) -> str:
             f": it is stuck in the kernel (state D{where}: uninterruptible I/O, such as a network filesystem that stopped "
             "answering; it dies only once that I/O ends)"
         )
-    return " (stuck outside Python)"
+    return " (stuck outside Python: in native code that holds Python's GIL, or in the kernel; py-spy's native stack shows where)"
 
 
 def log_size(path: Path) -> int:

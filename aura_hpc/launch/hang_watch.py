@@ -2,8 +2,8 @@
 
 Each rank keeps a progress page up to date (train/process/progress.py: section, steps done,
 collectives entered). When no rank of this node has moved for longer than its section allows,
-the run is hung. Before anything is killed, every rank is asked for its Python stack (faulthandler,
-into its log; py-spy with native frames where installed); a rank that does not answer is stopped
+the run is hung. Before anything is killed, every rank is asked for its Python stack (its own thread writes
+it into its log; py-spy with native frames where installed); a rank that does not answer is stopped
 or stuck outside Python. Everything goes to RUN_DIR/hangs/<time>/, one line names the culprit, and
 the workers are killed so the launcher can restart the run from its newest checkpoint.
 
