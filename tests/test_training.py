@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -58,9 +59,16 @@ def test_default_local_runs_to_completion(tmp_path: Path) -> None:
     """`python -m aura_hpc local` with no arguments: the tiny preset on the built-in corpus."""
     scratch = tmp_path / "tmp"  # a launch leaves no folder of its own there (torch's agent would leave one each time)
     scratch.mkdir()
+    # What launchers killed with SIGKILL left (no `finally` ran) goes; a live launcher's folder and others' stay.
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its PID is no one's now
+    kept = [f"aura_agent_{os.getpid()}_live1234", "aura_agent_notours"]
+    for name in [f"aura_agent_{gone.pid}_stale123", *kept]:
+        (scratch / name / "trainer_x" / "attempt_0").mkdir(parents=True)
     r = run_cli(["local"], cwd=tmp_path, timeout=300, TMPDIR=str(scratch))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")] == []  # torch's compile cache stays
+    left = sorted(p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_"))  # torch's compile cache stays
+    assert left == sorted(kept), left
     run = tmp_path / "runs" / "tiny"
     out = r.stdout
     assert "training finished" in out and str(run) in out

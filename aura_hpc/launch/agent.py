@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +30,7 @@ from aura_hpc.errors import (
     LaunchError,
     TrainingFailed,
 )
+from aura_hpc.launch import agent_folder
 from aura_hpc.launch.native_stderr import native_stderr_to
 from aura_hpc.launch.nccl_aborts import latest_attempts, waited_on_a_peer
 from aura_hpc.launch.plan import LocalPlan
@@ -99,7 +99,7 @@ def run_workers(plan: LocalPlan) -> int:
     hung_in_a_row, furthest = 0, -1
     # The agent's per-rank folders (error files our workers do not write): without a folder of ours it
     # leaves an empty torchelastic_* folder in /tmp per launch.
-    agent_dir = tempfile.mkdtemp(prefix="aura_agent_")
+    agent_dir = agent_folder.make()
     try:
         lc = LaunchConfig(
             min_nodes=plan.nnodes,
