@@ -277,10 +277,11 @@ def _tampering(plan: LocalPlan, ran: bool = True) -> rendezvous_state.StateTampe
 def _tampered(plan: LocalPlan, what: rendezvous_state.StateTampered) -> TrainingFailed:
     """Someone who is not one of the run's launchers deleted or rewrote the rendezvous state in node 0's store."""
     stores.hold_for_the_other_nodes(plan.nnodes)  # node 0: until the others have read it there and named it too
+    port = f"port {plan.master_port}" if plan.master_port else "its port"
     return TrainingFailed(
         f"the rendezvous state in node 0's store at {plan.master} was {what} by a program that is "
         f"not one of this run's launchers (anyone who reaches that port can: docs/lan.md, Trust), so the run stopped; "
-        f"{_resume_hint(plan)} on every node (fix: let only your own machines reach port {plan.master_port}: a firewall "
+        f"{_resume_hint(plan)} on every node (fix: let only your own machines reach {port}: a firewall "
         "rule, a VPN)",
         EXIT_TRAIN_FAILED,
     )
