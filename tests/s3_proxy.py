@@ -95,7 +95,10 @@ def main() -> None:
         do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
     server = ThreadingHTTPServer(("127.0.0.1", a.port), Handler)
-    Path(a.ready).write_text(str(server.server_address[1]))
+    # Whole or absent: the test polls for this file, and a read between its creation and its write saw no port.
+    partial = Path(a.ready + ".part")
+    partial.write_text(str(server.server_address[1]))
+    partial.replace(a.ready)
     server.serve_forever()
 
 

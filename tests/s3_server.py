@@ -68,9 +68,9 @@ class S3Server:
         )  # fmt: skip
         self.proxies.append(p)
         deadline = time.monotonic() + 240
-        while not ready.exists() and time.monotonic() < deadline and p.poll() is None:
+        while not (ready.exists() and ready.read_text().strip()) and time.monotonic() < deadline and p.poll() is None:
             time.sleep(0.05)
-        endpoint = f"http://127.0.0.1:{ready.read_text()}"
+        endpoint = f"http://127.0.0.1:{ready.read_text().strip()}"
         _wait_http(endpoint, p)
         return endpoint, log
 
