@@ -96,9 +96,7 @@ def _dump_when_asked(r: int, sig: int) -> None:
     while True:
         try:
             got = os.read(r, 512)  # one byte per signal with a Python handler; several requests, one dump
-        except InterruptedError:
-            continue
-        except OSError:
+        except OSError:  # (an interrupted read is retried by Python itself)
             return
         if not got:
             return
