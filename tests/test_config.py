@@ -80,6 +80,7 @@ def test_cli_output_dir_and_run_name_win() -> None:
         (["model.preset=gpt5"], "model.preset 'gpt5' is unknown"),
         (["lr"], "is not KEY=VALUE"),
         (["tracking.finish_wait_s=-1"], "tracking.finish_wait_s must be 0 or more seconds"),
+        (["health.screen_peer_fraction=1.5"], "health.screen_peer_fraction must be between 0 and 1, not 1.5"),
     ],
 )
 def test_bad_overrides_give_one_line_errors(overrides: list[str], expected: str) -> None:

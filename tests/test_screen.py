@@ -58,6 +58,19 @@ def test_a_device_is_named_only_when_slow_in_both_measurements() -> None:
     assert [f.node for f in judge(slow, hosts, Expected(), "generic")[0]] == ["n4"]
 
 
+def test_nodes_that_share_their_cpus_are_judged_against_their_peers_at_the_share_asked() -> None:
+    """health.screen_peer_fraction: a Slurm test node on the loaded CI machine measured 0.0191 against its
+    peer's 0.0342 in both measurements (2026-11-29), under the default 0.75; at 0.3 only a device idle most
+    of its time is named."""
+    hosts = ["n3", "n4"]
+    shared = _rows([0.0191, 0.0342], job=1.2)
+    assert [f.node for f in judge(shared, hosts, Expected(), "generic")[0]] == ["n3"]
+    lenient = Expected(peer_fraction=0.3)
+    assert judge(shared, hosts, lenient, "generic")[0] == []
+    [finding] = judge(_rows([0.0342, 0.0034], job=1.2), hosts, lenient, "generic")[0]
+    assert finding.line == "rank 1 on n4: matmul 0.0034 TFLOP/s, under 0.3 x the other devices' median 0.0342"
+
+
 def test_selftest_screen_names_the_slow_process_and_a_clean_screen_names_none(tmp_path: Path) -> None:
     out = tmp_path / "st"  # one folder: the second screen finds the corpus prepared
     clean = run_cli(["selftest", "--screen", "--cpu", "--out", str(out)], timeout=300)

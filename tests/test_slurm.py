@@ -611,7 +611,10 @@ def test_a_node_its_screen_finds_slow_is_left_out_and_the_job_completes_on_the_o
     any model is built, the job is requeued without it, screens clean on two other nodes and trains to the end."""
     out = tmp_path / "runs"
     args = ["submit", *TINY, "--screen", "--output-dir", str(out), "--run-name", "screened", "--set", f"data.path={prepared}"]
-    res = run_cli([*args, "--set", "train.max_steps=8"], AURA_FAULT_SCREEN_SLOW="1:0.6")
+    # The test nodes share two CPUs with the other tests: a clean one measured half its peer's speed (2026-11-29).
+    # So rank 1 idles 90 % of its screen and the peers are judged at 0.3, far from both.
+    args += ["--set", "health.screen_peer_fraction=0.3"]
+    res = run_cli([*args, "--set", "train.max_steps=8"], AURA_FAULT_SCREEN_SLOW="1:0.9")
     assert res.returncode == 0, res.stderr
     run_dir = out / "screened"
     job = _job_id(run_dir)
@@ -620,7 +623,7 @@ def test_a_node_its_screen_finds_slow_is_left_out_and_the_job_completes_on_the_o
     first = json.loads((run_dir / "screen" / "attempt-0.json").read_text())
     [finding] = first["findings"]
     slow = finding["node"]
-    assert finding["line"].startswith(f"rank 1 on {slow}: matmul ") and "under 0.75 x the other devices' median" in finding["line"]
+    assert finding["line"].startswith(f"rank 1 on {slow}: matmul ") and "under 0.3 x the other devices' median" in finding["line"]
     assert f"screen: leaving out {slow}" in log0 and f"the requeued job leaves out {slow} (failed screening: rank 1 on" in log0, log0[
         -3000:
     ]

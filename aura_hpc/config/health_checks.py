@@ -23,6 +23,11 @@ def validate_health(h: HealthConfig) -> None:
             "health.screen_gemm_tflops, screen_allreduce_gbps and screen_inter_gbps must be 0 (not judged) or more, and "
             "health.screen_min_fraction between 0 and 1 (fix: --set health.screen_min_fraction=0.8)"
         )
+    if not 0 < h.screen_peer_fraction <= 1:
+        raise ConfigError(
+            f"health.screen_peer_fraction must be between 0 and 1, not {h.screen_peer_fraction:g} "
+            "(fix: --set health.screen_peer_fraction=0.75; lower where the nodes share their CPUs with other jobs)"
+        )
     unknown = [r for r in h.throttle_reasons.split(",") if r.strip() and r.strip() not in THROTTLE_REASONS]
     if unknown:
         raise ConfigError(f"health.throttle_reasons: unknown {', '.join(unknown)} (fix: a comma list of {', '.join(THROTTLE_REASONS)})")

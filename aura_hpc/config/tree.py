@@ -155,6 +155,7 @@ class HealthConfig:
     screen_allreduce_gbps: float = 0.0  # all-reduce bus bandwidth within a node, GB/s (0: against the other nodes only)
     screen_inter_gbps: float = 0.0  # all-reduce bus bandwidth across the job's nodes, GB/s (0: not judged)
     screen_min_fraction: float = 0.8  # a figure under this share of the expected one names its node
+    screen_peer_fraction: float = 0.75  # a figure under this share of its peers' median names its node
 
 
 @dataclass

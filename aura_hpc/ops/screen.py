@@ -7,8 +7,8 @@ bandwidth (NCCL-tests' definition: bytes/time x 2(n-1)/n). A figure is judged tw
 - against what the cluster profile expects (`#AURA screen_gemm_tflops=790`, `screen_allreduce_gbps=440`,
   `screen_inter_gbps=370`, copied into health.screen_* by `submit`): below health.screen_min_fraction
   of it is a finding;
-- against its peers: a GPU or a node under 0.75 of the others' median is a finding (this is all the
-  `generic` profile and CPU runs have: their absolute figures mean nothing).
+- against its peers: a GPU or a node under health.screen_peer_fraction (0.75) of the others' median is a
+  finding (this is all the `generic` profile and CPU runs have: their absolute figures mean nothing).
 A finding names its node; the fabric figure names none (a slow all-reduce across nodes cannot say
 whose link is slow), so it is only said.
 """
@@ -33,6 +33,7 @@ class Expected:
     allreduce_gbps: float = 0.0  # bus bandwidth within a node
     inter_gbps: float = 0.0  # bus bandwidth across the job's nodes
     fraction: float = 0.8  # a figure under this share of the expected one is a finding
+    peer_fraction: float = RELATIVE  # a figure under this share of its peers' median is a finding
 
 
 def gemm_tflops(device: torch.device, min_s: float, slow_fraction: float = 0.0) -> float:
@@ -113,7 +114,7 @@ def judge(rows: list[dict[str, Any]], hosts: list[str], expected: Expected, prof
     findings: list[Finding] = []
     gemm = [float(r["gemm_tflops"]) for r in rows]
     for r, mine in enumerate(gemm):
-        why = _below(mine, [g for i, g in enumerate(gemm) if i != r], expected.gemm_tflops, expected.fraction, profile, "devices'")
+        why = _below(mine, [g for i, g in enumerate(gemm) if i != r], expected.gemm_tflops, expected, profile, "devices'")
         if why:
             findings.append(Finding(hosts[r], f"rank {r} on {hosts[r]}: matmul {mine:.3g} TFLOP/s, {why}"))
     nodes = sorted(set(hosts), key=hosts.index)
@@ -123,7 +124,7 @@ def judge(rows: list[dict[str, Any]], hosts: list[str], expected: Expected, prof
             per_node[hosts[i]] = max(per_node.get(hosts[i], 0.0), float(r["node_gbps"]))
     for h, mine in per_node.items():
         others = [v for k, v in per_node.items() if k != h]
-        why = _below(mine, others, expected.allreduce_gbps, expected.fraction, profile, "nodes'")
+        why = _below(mine, others, expected.allreduce_gbps, expected, profile, "nodes'")
         if why:
             findings.append(Finding(h, f"{h}: all-reduce within the node {mine:.3g} GB/s bus bandwidth, {why}"))
     job = [float(r["job_gbps"]) for r in rows if "job_gbps" in r]
@@ -141,10 +142,10 @@ def judge(rows: list[dict[str, Any]], hosts: list[str], expected: Expected, prof
     return findings, line, warning
 
 
-def _below(mine: float, others: list[float], expected: float, fraction: float, profile: str, whose: str) -> str:
+def _below(mine: float, others: list[float], figure: float, expected: Expected, profile: str, whose: str) -> str:
     why = []
-    if expected and mine < fraction * expected:
-        why.append(f"under {fraction:g} x the {expected:g} that profile {profile} expects")
-    if others and mine < RELATIVE * statistics.median(others):
-        why.append(f"under {RELATIVE} x the other {whose} median {statistics.median(others):.3g}")
+    if figure and mine < expected.fraction * figure:
+        why.append(f"under {expected.fraction:g} x the {figure:g} that profile {profile} expects")
+    if others and mine < expected.peer_fraction * statistics.median(others):
+        why.append(f"under {expected.peer_fraction:g} x the other {whose} median {statistics.median(others):.3g}")
     return " and ".join(why)

@@ -38,7 +38,9 @@ def screen_nodes(cfg: RunConfig, env: DistEnv, device: torch.device, why_not_lea
         return None
     rows = _measured(device, env, slow)
     hosts = collectives.gather_json(env.hostname) if env.world_size > 1 else [env.hostname]
-    expected = screen.Expected(h.screen_gemm_tflops, h.screen_allreduce_gbps, h.screen_inter_gbps, h.screen_min_fraction)
+    expected = screen.Expected(
+        h.screen_gemm_tflops, h.screen_allreduce_gbps, h.screen_inter_gbps, h.screen_min_fraction, h.screen_peer_fraction
+    )
     findings, fabric, fabric_warning = screen.judge(rows, hosts, expected, cfg.slurm.cluster)
     if findings:
         # A second opinion before a node is named (every rank judged the same rows, so all measure again):
@@ -106,7 +108,7 @@ def _keep(
             "allreduce_gbps": cfg.health.screen_allreduce_gbps,
             "inter_gbps": cfg.health.screen_inter_gbps,
             "min_fraction": cfg.health.screen_min_fraction,
-            "relative": screen.RELATIVE,
+            "relative": cfg.health.screen_peer_fraction,
         },
     }
     path = folder / f"attempt-{env.restart_count}.json"
