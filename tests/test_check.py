@@ -118,6 +118,47 @@ def test_a_directory_that_is_not_shared_is_reported(tmp_path: Path) -> None:
         assert "is not one shared directory" in err and "does not see the files of node" in err and "fix: mount the same NFS export" in err
 
 
+def test_what_a_stranger_writes_into_the_checks_store_never_becomes_a_path_or_a_node() -> None:
+    """Node 0's store takes writes from anyone who reaches its port: the folder name the other nodes
+    read there and each node's facts are checked before use (a real store, as `check` makes it)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from aura_hpc.comm import stores
+    from aura_hpc.ops.check_report import Failed, Report
+    from aura_hpc.ops.check_store import node_from_store, peer_token
+
+    tcp = stores.bound_server("127.0.0.1", 0, timedelta(seconds=5))
+    store = dist.PrefixStore("aura-check", tcp)
+    good = "0123456789abcdef" * 2
+    for hostile in ["/etc/sudoers.d", "../../home/user/.ssh", good + "/..", good + "\n", "g" * 32, good[:31]]:
+        store.set("shared-token", hostile)
+        assert peer_token(store) is None, hostile
+    store.set("shared-token", good)
+    assert peer_token(store) == good
+
+    facts = {"node_rank": 1, "hostname": "n1", "hostname_ip": None, "ip": "10.0.0.2", "interface": "eth0"}
+    facts |= {"uid": 1000, "gid": 1000, "user": "ana", "pid": 42}
+    store.set("info1", json.dumps(facts))
+    assert node_from_store(Report(), store, 1) == facts
+    for hostile, said in [
+        (json.dumps(facts | {"node_rank": "../x"}), "not a node's facts"),
+        (json.dumps(facts | {"node_rank": 0}), "it says node rank 0"),
+        (json.dumps({k: v for k, v in facts.items() if k != "hostname"}), "not a node's facts"),
+        ("[" * 20_000, "recursion"),  # too deep for json: RecursionError, a line, not a traceback
+        (b"\xff\xfe", ""),
+        ("x" * 70_000, "70000 bytes"),
+    ]:
+        store.set("info1", hostile)
+        report = Report()
+        with pytest.raises(Failed):
+            node_from_store(report, store, 1)
+        (line,) = [f.line() for f in report.findings]
+        assert line.startswith("rendezvous: node rank 1's facts in the master's store are not what `check` writes") and said in line, line
+        assert "fix: another program wrote into the check's port" in line
+
+
 # ---- two "machines": network namespaces with their own addresses -------------------------
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from aura_hpc.comm import collectives, stores
 from aura_hpc.ops.check_report import Failed, Report
+from aura_hpc.ops.check_store import node_from_store, peer_token
 from aura_hpc.ops.network import resolve, route_to
 
 
@@ -171,7 +172,7 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
             ),
         )
         raise Failed
-    nodes = [json.loads(store.get(f"info{r}")) for r in range(a.nnodes)]
+    nodes = [node_from_store(report, store, r) for r in range(a.nnodes)]
     report.nodes = nodes
     report.add("rendezvous", True, f"{a.nnodes} nodes joined: " + ", ".join(f"{n['node_rank']}={n['hostname']}/{n['ip']}" for n in nodes))
     _address_findings(report, a, nodes)
@@ -367,29 +368,33 @@ def _advice(report: Report, a: ClusterArgs, device: Any) -> None:
     report.add("link advice", True, f"{link_advice.advice(opts, link)} [per step: {rows}]")
 
 
+STRANGER = "the folder name node 0 published is not one `check` makes (another program wrote into its port)"
+
+
 def _shared_dir(report: Report, a: ClusterArgs, store: Any, nodes: list[dict[str, Any]]) -> None:
 
     root = Path(a.shared_dir or ".").expanduser()
-    token = store.get("shared-token").decode() if a.node_rank else uuid.uuid4().hex
+    token = peer_token(store) if a.node_rank else uuid.uuid4().hex
     if a.node_rank == 0:
         store.set("shared-token", token)
-    where = root / ".aura-check" / token
-    error = ""
+    where = root / ".aura-check" / (token or "refused")
+    error = "" if token else STRANGER
     try:
-        where.mkdir(parents=True, exist_ok=True)
-        (where / f"node{a.node_rank}").write_text(json.dumps({"node_rank": a.node_rank, "uid": os.getuid(), "token": token}))
+        if not error:
+            where.mkdir(parents=True, exist_ok=True)
+            (where / f"node{a.node_rank}").write_text(json.dumps({"node_rank": a.node_rank, "uid": os.getuid(), "token": token}))
     except OSError as exc:
         error = f"cannot write in {root} ({exc.strerror})"
     collectives.barrier()
     seen, foreign_owner = [], []
     if not error:
-        for n in nodes:
-            f = where / f"node{n['node_rank']}"
+        for r, n in enumerate(nodes):
+            f = where / f"node{r}"
             if f.exists():
-                seen.append(n["node_rank"])
+                seen.append(r)
                 st = f.stat()
                 if n["uid"] is not None and st.st_uid != n["uid"]:
-                    foreign_owner.append(f"node {n['node_rank']}'s file is owned by uid {st.st_uid}, not {n['uid']}")
+                    foreign_owner.append(f"node {r}'s file is owned by uid {st.st_uid}, not {n['uid']}")
     results = collectives.gather_json({"error": error, "seen": seen, "owners": foreign_owner})
     collectives.barrier()
     if a.node_rank == 0:
@@ -406,7 +411,9 @@ def _shared_dir(report: Report, a: ClusterArgs, store: Any, nodes: list[dict[str
             "shared dir",
             False,
             f"{root} is not one shared directory: " + "; ".join(problems),
-            "mount the same NFS export at this path on every node (see nfs_setup/) and pass that path",
+            "run the check again on a port only your machines reach (--master-port)"
+            if any(STRANGER in p for p in problems)
+            else "mount the same NFS export at this path on every node (see nfs_setup/) and pass that path",
         )
         return
     uids = {n["uid"] for n in nodes}
