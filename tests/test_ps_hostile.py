@@ -14,6 +14,7 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -249,3 +250,51 @@ def test_replays_huge_values_and_deletes_never_free_a_seat_nor_hold_the_server(t
     assert "reconnected before its old connection timed out" not in log  # no live seat was given up
     assert "signed for another start of the server" in log and "checkpoint step_" in log
     assert "frame #" not in log and "Exception raised from" not in log, log[-3000:]
+
+
+class _StrangerInTheGap:
+    """A client of the server's store with a stranger's delete landing between each `check` it answers
+    and the read that follows: the timing a stranger on the port aims for, here every time."""
+
+    def __init__(self, client: Any, stranger: Any) -> None:
+        self.client, self.stranger = client, stranger
+
+    def check(self, keys: list[str]) -> bool:
+        found = self.client.check(keys)
+        for key in keys:
+            self.stranger.delete_key(key)
+        return bool(found)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+def test_a_key_deleted_between_the_servers_check_and_its_read_costs_seconds_not_the_join_timeout(tmp_path: Path) -> None:
+    """A TCPStore `get` waits for its key for its client's whole timeout: a key deleted after the server
+    checked it held the serve loop, its joins and its stop signals for ps.join_timeout_s (60 s by default;
+    the server's store here has 300). The join queue and the workers' stats are read on clients of their
+    own (made as `ps` makes them) that give up after seconds, and each read's failure is a note."""
+    import torch.distributed as dist
+
+    from aura_hpc.ps import wire
+    from aura_hpc.ps.join import QUEUE, JoinQueue
+    from aura_hpc.ps.stats import copy_worker_stats
+
+    port = free_port()
+    store = wire.host_store(port, 300.0)  # the server's, with --set ps.join_timeout_s=300
+    stranger = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))
+    joins = JoinQueue(_StrangerInTheGap(wire.quick_client(store, port), stranger), b"k" * 32)
+    joins.publish_epoch()
+    stranger.append(QUEUE, "0" * 32 + "\n")
+    t0 = time.monotonic()
+    assert joins.poll() == []  # the epoch deleted under it: its read gave up, the poll is empty
+    took = time.monotonic() - t0
+    assert wire.QUICK_S * 0.8 <= took < wire.QUICK_S + 5, took
+
+    nonce = "1" * 32
+    store.set(f"stats/{nonce}", "{}")
+    t0 = time.monotonic()
+    problem = copy_worker_stats(_StrangerInTheGap(wire.quick_client(store, port), stranger), b"k" * 32, nonce, "pc", 1, 0.0, tmp_path)
+    took = time.monotonic() - t0
+    assert problem and wire.QUICK_S * 0.8 <= took < wire.QUICK_S + 5, (problem, took)
+    assert not list(tmp_path.iterdir()), "nothing written from a read that failed"

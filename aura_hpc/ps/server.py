@@ -92,8 +92,7 @@ class ParameterServer:
         self.optimizer = make_optimizer(self.model_copy.model, self.t)
         self.scheduler = make_scheduler(self.optimizer, self.t, self.t.max_steps)
         self.lock = threading.Lock()
-        self.version = 0
-        self.tokens = 0
+        self.version, self.tokens = 0, 0
         self.positions: dict[int, int] = {}
         self.best_eval: float | None = None
         self.hist: Counter[str] = Counter()
@@ -125,7 +124,8 @@ class ParameterServer:
         Whatever ends it, the updates applied since the last checkpoint are saved first."""
         self.port = port
         self.store = wire.host_store(port, self.p.join_timeout_s)
-        self.joins = JoinQueue(self.store, self.key)
+        self.joins = JoinQueue(wire.quick_client(self.store, port), self.key)
+        self.stats_store = wire.quick_client(self.store, port)  # read by the links' threads as workers leave
         self.joins.publish_epoch()
         self.pairing = Pairing(self.store, port, self.key, self.p.worker_timeout_s)
         self.sweeper = StoreSweeper(self.store, self.p.worker_timeout_s + 30)
@@ -277,7 +277,7 @@ class ParameterServer:
 
     def _copy_worker_stats(self, seat: Seat, final_within_s: float = 0.0) -> None:
         started = time.time() - (time.monotonic() - seat.joined)
-        problem = copy_worker_stats(self.store, self.key, seat.nonce, seat.host, seat.rank, started, self.cfg.run_dir, final_within_s)
+        problem = copy_worker_stats(self.stats_store, self.key, seat.nonce, seat.host, seat.rank, started, self.cfg.run_dir, final_within_s)
         if problem:
             log.warning("could not copy the stats of worker %d: %s", seat.rank, problem)
 

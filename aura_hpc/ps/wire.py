@@ -116,6 +116,20 @@ def another_client(store: dist.TCPStore, host: str, port: int, timeout_s: float,
         return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
 
 
+# The longest one read of the server's own may wait on its store. A key can be deleted by anyone
+# between the server's `check` and its `get`, and a TCPStore `get` waits for the key for the client's
+# whole timeout (ps.join_timeout_s): on the serve loop's client that held every join and stop signal.
+QUICK_S = 5.0
+
+
+def quick_client(store: dist.TCPStore, port: int) -> dist.TCPStore:
+    """A client of the server's store of its own whose reads give up after QUICK_S (the store is on
+    this machine: a read of a key that is there answers in milliseconds)."""
+    client = another_client(store, "127.0.0.1", port, QUICK_S)
+    client.set_timeout(timedelta(seconds=QUICK_S))  # a clone keeps the timeout of the store it was made from
+    return client
+
+
 # The most a pair's constructor may take once both ends said they are there: it runs under
 # REGISTRY_LOCK, which every link's message takes, so a peer that stalls it (one that died right
 # then, or a stranger who wrote a gloo address into the pair's keys) holds every link this long.
