@@ -104,10 +104,19 @@ def test_overlapped_meetings_resume_bit_identical_with_a_meeting_in_flight(tmp_p
     assert all(torch.equal(w0[k], w1[k]) for k in w0), "the run ends on the replicas' common weights"
 
 
-def test_diloco_skips_a_nan_on_every_rank_and_its_replicas_differ_between_meetings(tmp_path: Path, prepared: Path) -> None:
-    r = run_cli(_args(tmp_path, "nan", prepared, *DILOCO, "--set", "train.stop_at=6"), timeout=600, AURA_FAULT_NAN="1:3:1")
+def test_diloco_skips_a_nan_or_one_replicas_inf_gradient_on_every_rank_and_its_replicas_differ_between_meetings(
+    tmp_path: Path, prepared: Path
+) -> None:
+    """A NaN loss on rank 1 at step 3, and at step 5, a logged step, an inf in rank 1's gradients alone:
+    each replica has a gradient norm of its own, and only rank 1's is not finite. Every rank skips both
+    updates and logs alike (before: rank 0 logged step 5, a collective rank 1 skipped, and the run hung)."""
+    args = _args(tmp_path, "nan", prepared, *DILOCO, "--set", "train.stop_at=6", "--set", "train.log_every=5")
+    r = run_cli(args, timeout=600, AURA_FAULT_NAN="1:3:1", AURA_FAULT_GRADINF="1:5")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "non-finite loss or gradient on rank(s) [1] at step 3: update skipped" in r.stdout
+    assert "non-finite loss or gradient on rank(s) [1] at step 5: update skipped (1 in a row)" in r.stdout, r.stdout[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    assert 5 not in [row["step"] for row in rows], rows
     from aura_hpc.train.checkpoint.diloco_files import read_replica
 
     meta = json.loads((tmp_path / "nan" / "checkpoints" / "step_00000006" / "meta.json").read_text())

@@ -33,7 +33,7 @@ class StepResult:
     loss: float
     grad_norm: float
     stop: bool  # every rank agreed to stop (a signal reached at least one)
-    bad_ranks: list[int]  # ranks whose loss (or everyone's gradients) were not finite: the update was skipped
+    bad_ranks: list[int]  # ranks whose loss (or gradients) were not finite: the update was skipped on every rank
     gpu_fault: bool  # a GPU circuit breaker opened on at least one node
 
 
@@ -57,8 +57,9 @@ class StepOutcome:
         v = self.report.tolist()
         loss, norm = v[0], v[1]
         # Only the rank whose loss went bad is named: a NaN loss on one rank poisons every rank's
-        # gradients through DDP, so the gradients cannot say where it started.
-        bad = [r for r in range(self.world) if v[4 + r] > 0]
+        # gradients through DDP, so the gradients cannot say where it started. Where each replica
+        # has a norm of its own (DiLoCo), the ranks that found theirs not finite said so in the flags.
+        bad = [r for r in range(self.world) if v[4 + r] > 0] or [r for r in range(self.world) if v[4 + self.world + r] > 0]
         if not bad and not math.isfinite(norm) and not self.scaler_enabled:
             # After the all-reduce every rank holds the same gradients, so every rank sees this
             # alike. fp16's GradScaler skips inf-gradient steps itself; only a bad loss counts there.
@@ -100,9 +101,10 @@ class Stepper:
         t, rt, p, wrapped = self.t, self.rt, self.parts, self.wrapped
         total = torch.zeros((), device=rt.device, dtype=torch.float64)
         riding = False
-        # [stop requested, GPU breaker open, non-finite loss on rank 0..N-1], built on the device
-        # and summed over ranks with the gradients (or below).
-        flags = torch.zeros(2 + self.world, dtype=torch.float64, device=rt.device)
+        # [stop requested, GPU breaker open, non-finite loss on rank 0..N-1, non-finite gradient norm
+        # on rank 0..N-1 (where the norm is a replica's own)], built on the device and summed over
+        # ranks with the gradients (or below).
+        flags = torch.zeros(2 + 2 * self.world, dtype=torch.float64, device=rt.device)
         for micro in range(t.grad_accum):
             batch = self.batches.get(pos, micro)
             last = micro == t.grad_accum - 1
@@ -117,11 +119,19 @@ class Stepper:
                 riding = wrapped.send_flags(flags)
                 self.clock.exchange_begins()
             wrapped.backward(loss, p.scaler)
+        grad_norm = None
+        if not riding and wrapped.norm_is_local and not p.scaler.is_enabled():
+            # A replica's own norm: a non-finite one travels with the flags, so every rank skips the
+            # update and reads the same report (the loop's next collectives depend on it).
+            grad_norm = wrapped.grad_norm(p.optimizer, p.scaler, t.grad_clip)
+            own = 2 + self.world + self.rank
+            flags[own : own + 1].copy_((~torch.isfinite(grad_norm)).to(torch.float64).view(1))
         if riding:
             flags = wrapped.received_flags()
         elif self.world > 1:
             collectives.all_reduce(flags)
-        grad_norm = wrapped.grad_norm(p.optimizer, p.scaler, t.grad_clip)
+        if grad_norm is None:
+            grad_norm = wrapped.grad_norm(p.optimizer, p.scaler, t.grad_clip)
         bad = flags[2:].sum() > 0
         if not p.scaler.is_enabled():
             bad = bad | ~torch.isfinite(grad_norm)

@@ -121,6 +121,9 @@ def sharding(wrapped: Wrapped) -> ShardedCheckpoints | None:
 
 class Wrapped:
     name = "single"
+    # Whether grad_norm() is this rank's replica's alone (DiLoCo: each replica trains apart between
+    # meetings) rather than the same on every rank: the step then shares whether it was finite.
+    norm_is_local = False
 
     def __init__(self, module: torch.nn.Module, model: torch.nn.Module) -> None:
         self.module = module  # what the loop calls forward on: forward(batch) = loss

@@ -214,6 +214,7 @@ def replica_partition(env: Any, replicas: int) -> list[list[int]]:
 
 class DilocoWrapped(Wrapped, OuterLoop, PerRankState):
     name = "diloco"
+    norm_is_local = True  # the gradients are averaged within a replica only
     last_step = 0
 
     def __init__(
