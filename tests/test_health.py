@@ -204,6 +204,26 @@ def test_breaker_stops_all_ranks_checkpoints_alerts_and_exits_distinctly(
     assert oct((run_dir).stat().st_mode & 0o777) == "0o750", "run directories are not world-readable"
 
 
+def test_a_gpu_fault_surfacing_where_the_host_waits_for_a_step_is_a_gpu_fault(
+    tmp_path: Path, prepared: Path, webhook_server: tuple[str, type[_Hook]]
+) -> None:
+    """A step never waits for the GPU: an asynchronous CUDA error (an Xid) surfaces where the host next
+    waits, most often as the loop reads a step's report. There too it is the GPU's fault: the alert, exit
+    76 and the launcher's advice to take the GPU out of service (before: a crash, exit 1, no alert)."""
+    url, hook = webhook_server
+    args = ["local", "--nproc-per-node", "2", "--output-dir", str(tmp_path / "runs"), "--run-name", "xid"]
+    args += ["--set", f"data.path={prepared}", "--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2"]
+    args += ["--set", "data.seq_len=32", "--set", "train.max_steps=40", "--set", "train.eval_every=0"]
+    args += ["--set", f"health.webhook_url={url}", "--set", "health.webhook_retries=1"]
+    res = run_cli(args, timeout=240, AURA_FAULT_CUDA="1:5")
+    assert res.returncode == 76, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "take this machine's GPU out of service" in res.stdout + res.stderr
+    rank1 = (tmp_path / "runs" / "xid" / "logs" / "rank_1.log").read_text()
+    assert "CUDA error in the training loop: CUDA error: an illegal memory access" in rank1 and "status 76" in rank1, rank1[-2000:]
+    assert len(hook.received) == 1 and hook.received[0]["event"] == "gpu.fault", hook.received
+    assert "illegal memory access" in hook.received[0]["reason"] and hook.received[0]["step"] in (5, 6), hook.received
+
+
 def test_cuda_errors_that_mean_a_broken_gpu_are_recognised() -> None:
     from aura_hpc.ops.gpu_health import is_gpu_error
 

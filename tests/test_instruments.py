@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ VARIABLES = (
     "AURA_FAULT_GRADINF",
     "AURA_FAULT_KILL",
     "AURA_FAULT_SLOW",
+    "AURA_FAULT_CUDA",
     "AURA_PROBE_STEPS",
     "AURA_PROBE_RUN",
     "AURA_PROBE_HEAP",
@@ -45,6 +47,7 @@ def _steps(tmp_path: Path, rank: int, steps: int) -> list[tuple[float, bool]]:
             with inst.step(step, quiet=True):
                 loss = module(torch.ones(2, 4))
                 loss.backward()
+            assert inst.read(SimpleNamespace(step=step, read=lambda: "report")) == "report"  # as the loop reads one
             seen.append((loss.item(), all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())))
     assert not module._forward_hooks and not model[1]._forward_hooks, "the seam left a hook armed"
     return seen

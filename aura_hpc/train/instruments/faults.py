@@ -10,6 +10,8 @@ Inert unless one of these is set (never set them in production):
     AURA_FAULT_GRADINF=RANK:STEP      an inf in one element of the gradient of the last bias in the model
                                       on that rank (the no-decay group) at STEP (once); the loss stays finite
                                       (a forward hook: a compiled model recompiles for that step)
+    AURA_FAULT_CUDA=RANK:STEP         a CUDA error ("an illegal memory access") as that rank reads STEP's report,
+                                      where the host first waits for the step: a GPU's asynchronous fault (an Xid)
     AURA_FAULT_CKPT=MODE:STAGE        while writing a checkpoint, after STAGE (model, trainer_state, meta,
                                       config, tokenizer, files, marker): MODE=kill (SIGKILL the writer)
                                       or MODE=enospc (fail as a full disk would) or MODE=slow (hold the
@@ -105,6 +107,12 @@ def entering(rank: int, section: str, step: int, run_dir: Path) -> None:
     if len(spec) == 3 and int(spec[0]) == rank and spec[2] == section and step >= int(spec[1]) and _once(run_dir, "stop"):
         print(f"fault injection: SIGSTOP rank {rank} entering {section} after step {step} at {time.time():.3f}", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def cuda_error(rank: int, step: int) -> None:
+    spec = os.environ.get("AURA_FAULT_CUDA")
+    if spec and [int(x) for x in spec.split(":")] == [rank, step]:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected: AURA_FAULT_CUDA)")
 
 
 def poison_loss(rank: int, step: int) -> bool:

@@ -56,6 +56,12 @@ class Instruments:
         """As the rank enters a section (the progress page calls it): a rank stopped inside a checkpoint."""
         faults.entering(self.rank, section, step, self.run_dir)
 
+    def read(self, outcome: Any) -> Any:
+        """A step's report (loop/step.py's StepOutcome), read where the host first waits for the GPU's
+        work, and where a GPU's asynchronous fault surfaces (AURA_FAULT_CUDA)."""
+        faults.cuda_error(self.rank, outcome.step)
+        return outcome.read()
+
     @contextlib.contextmanager
     def step(self, step: int, quiet: bool) -> Iterator[None]:
         """Around step `step`: its probe (a quiet step in range), the poisons armed for it, and after it

@@ -134,6 +134,8 @@ class Trainer:
         first = True
         while pos.step < lay.end_step:
             quiet = not first and not self._due(pos.step + 1)
+            # A GPU's asynchronous fault (an Xid) surfaces where the host next waits for it: reading a
+            # report, most often, or in an evaluation or a checkpoint; anywhere in the loop it is the GPU's.
             try:
                 with self.instruments.step(pos.step + 1, quiet):
                     outcome = stepper.step(pos, stop, self.health.fault_seen)
@@ -141,28 +143,28 @@ class Trainer:
                     pos.tokens_seen += lay.tokens_per_step
                     batches.prefetch(pos)
                     self.page.step_done(pos.step)
+                due = first or self._due(pos.step)
+                reports = [pending] if pending is not None else []
+                pending = None if due else outcome
+                if due:
+                    reports.append(outcome)
+                results = [self.instruments.read(r) for r in reports]
+                status = self._settle(results, stop)
+                if status == ROLLED_BACK:
+                    pending = None
+                    continue
+                if status is not None:
+                    return status
+                if first:
+                    first = False
+                    self._first_step_done()
+                    self.instruments.first_step_done()
+                if due:
+                    self._after_step(results[-1])
             except RuntimeError as exc:
                 if not is_gpu_error(exc):
                     raise
                 return self.health.gpu_error(exc, self.rt.device, self.pos.step)
-            due = first or self._due(pos.step)
-            reports = [pending] if pending is not None else []
-            pending = None if due else outcome
-            if due:
-                reports.append(outcome)
-            results = [r.read() for r in reports]
-            status = self._settle(results, stop)
-            if status == ROLLED_BACK:
-                pending = None
-                continue
-            if status is not None:
-                return status
-            if first:
-                first = False
-                self._first_step_done()
-                self.instruments.first_step_done()
-            if due:
-                self._after_step(results[-1])
         return None
 
     def _due(self, step: int) -> bool:
