@@ -4,10 +4,14 @@
 # this machine is configured with). Used by CI; also the way to build on an air-gapped machine.
 #
 #   docker/build-cpu-image.sh [TAG]        (default aura-hpc:cpu; needs root, docker, debootstrap)
+#   docker/build-cpu-image.sh --base-only  (the Debian base alone: it needs no Python, so CI starts it
+#                                           before its venv exists; the next call then skips it)
 #
 # The GPU image is built from a CUDA PyTorch base instead: `docker compose build` (see Dockerfile).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+BASE_ONLY=0
+if [ "${1:-}" = "--base-only" ]; then BASE_ONLY=1; shift; fi
 TAG=${1:-aura-hpc:cpu}
 BASE=${AURA_CPU_BASE:-aura-base:bookworm}
 TORCH=${AURA_TORCH:-torch==2.13.0}
@@ -21,6 +25,7 @@ if ! docker image inspect "$BASE" >/dev/null 2>&1; then
   rm -rf "$root"
   echo "base image $BASE: $(( $(date +%s) - t0 ))s"
 fi
+if [ "$BASE_ONLY" = 1 ]; then exit 0; fi
 
 t0=$(date +%s)
 wheels=docker/wheels
