@@ -6,11 +6,14 @@ AURA_UPDATE_GOLDEN=1 python -m pytest tests/test_submit_dryrun.py, and review th
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import socket
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -158,6 +161,24 @@ def test_a_master_address_outside_private_ranges_is_warned_about(tmp_path: Path)
     assert public.returncode == 0 and "8.8.8.8 is neither private nor loopback" in public.stderr, public.stderr
     lan = run_cli(["local", "--nnodes", "2", "--node-rank", "1", "--master-addr", "192.168.1.10", "--dry-run"], cwd=tmp_path)
     assert lan.returncode == 0 and "neither private" not in lan.stderr
+
+
+def test_one_machine_listens_on_loopback_and_says_so_when_given_its_lan_address(tmp_path: Path) -> None:
+    alone = run_cli(["local", "--master-addr", "localhost", "--dry-run"], cwd=tmp_path)
+    assert alone.returncode == 0 and "listens on" not in alone.stderr, alone.stderr
+    stranger = run_cli(["local", "--master-addr", "8.8.8.8", "--dry-run"], cwd=tmp_path)
+    assert stranger.returncode == 2 and "8.8.8.8 is not an address of this machine (fix: omit --master-addr" in stranger.stderr
+    own = [
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback
+    ]
+    if not own:
+        pytest.skip("this machine has no IPv4 address beside loopback (CI's has docker0 at least)")
+    lan = run_cli(["local", "--master-addr", own[0], "--dry-run"], cwd=tmp_path)
+    assert lan.returncode == 0, lan.stderr
+    assert f"--master-addr {own[0]} with --nnodes 1: this run's rendezvous listens on {own[0]}" in lan.stderr
 
 
 def test_apptainer_wraps_the_jobs_python_and_matches_golden(tmp_path: Path) -> None:

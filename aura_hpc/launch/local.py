@@ -74,10 +74,10 @@ def wait_for_master(
 def _check_master_addr(addr: str, nnodes: int, node_rank: int) -> list[str]:
     """Node 0 hosts the rendezvous on --master-addr, so it must be one of its own addresses; and the
     peers there are trusted (the process group unpickles what they send)."""
-    if nnodes == 1:
-        return []
     if resolve(addr) is None:
         raise LaunchError(f"master address {addr!r} does not resolve (fix: use node 0's IP address, e.g. 192.168.1.10)")
+    if nnodes == 1:
+        return _one_machine_master_addr(addr)
     if node_rank == 0 and not is_own_address(addr):
         raise LaunchError(
             f"{addr} is not an address of this machine; node 0 must be started with its own address as --master-addr "
@@ -89,6 +89,20 @@ def _check_master_addr(addr: str, nnodes: int, node_rank: int) -> list[str]:
             "every peer that connects (fix: run LAN nodes on a private network or VPN, and firewall the port to them)"
         ]
     return []
+
+
+def _one_machine_master_addr(addr: str) -> list[str]:
+    """One machine listens on loopback unless told otherwise; told otherwise, it says where it listens."""
+    import ipaddress
+
+    if ipaddress.ip_address(resolve(addr) or "127.0.0.1").is_loopback:
+        return []
+    if not is_own_address(addr):
+        raise LaunchError(f"{addr} is not an address of this machine (fix: omit --master-addr on a single machine)")
+    return [
+        f"--master-addr {addr} with --nnodes 1: this run's rendezvous listens on {addr}, where other machines reach it "
+        "(fix: omit --master-addr on a single machine; it then listens on loopback only)"
+    ]
 
 
 def _cuda_count() -> int:
