@@ -285,6 +285,19 @@ def test_slurm_and_torchrun_layouts_are_read_into_nodes() -> None:
     assert unequal.node_sizes == ()
 
 
+def test_ranks_that_met_without_a_secret_where_other_machines_reach_are_told_so() -> None:
+    from aura_hpc.train.process.dist_env import DistEnv
+    from aura_hpc.train.process.distributed import unproven
+
+    by_hand = DistEnv(world_size=4, master_addr="192.168.1.10", master_port=29400)
+    said = unproven(by_hand, None)
+    assert said and "any machine that reaches 192.168.1.10:29400 can take a rank's place" in said
+    assert "fix: start every node with `python -m aura_hpc local`" in said and "AURA_RUN_SECRET" in said
+    assert unproven(by_hand, "s3cret") is None
+    assert unproven(DistEnv(world_size=4, master_addr="localhost"), None) is None
+    assert unproven(DistEnv(world_size=1, master_addr="192.168.1.10"), None) is None
+
+
 def test_diloco_replicas_follow_the_nodes_and_never_span_two() -> None:
     import dataclasses
 

@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
     worker_log.mark_stderr(f"[rank{env.rank}]: {worker_log.JOINED}{env.local_rank}")  # before any NCCL group
     stream = ProgressAwareHandler(sys.stdout) if env.is_main else None
     worker_log.setup(cfg.run_dir / "logs", env.rank, stream)
+    if env.is_main and (stranger_welcome := distributed.unproven(env, distributed.run_secret(cfg.run_dir))):
+        log.warning("%s", stranger_welcome)
     worker_log.dump_stacks_on(progress.STACK_SIGNAL)
     page = progress.start(env.rank, cfg.run_dir)
     from aura_hpc.train.loop import endings

@@ -84,6 +84,21 @@ def run_secret(run_dir: Path) -> str | None:
         return None
 
 
+def unproven(env: DistEnv, secret: str | None) -> str | None:
+    """What rank 0 says when ranks met without a secret (torchrun started by hand; `local` and Slurm
+    always hand one down) at an address other machines reach; None otherwise."""
+    import ipaddress
+
+    ip = resolve(env.master_addr)
+    if secret or env.world_size == 1 or ip is None or ipaddress.ip_address(ip).is_loopback:
+        return None
+    return (
+        f"this run has no secret ({stores.SECRET_ENV} unset, no {stores.SECRET_FILE} in the run directory): any machine "
+        f"that reaches {env.master_addr}:{env.master_port} can take a rank's place (fix: start every node with "
+        f"`python -m aura_hpc local`, which makes one, or export the same {stores.SECRET_ENV} on every node)"
+    )
+
+
 def join(env: DistEnv, run_dir: Path, timeout_s: float) -> DistEnv:
     """Meet the other ranks in the store, prove the run's secret, and take this rank's place in the
     nodes' layout. Returns the environment with the final rank and the ranks per node."""
