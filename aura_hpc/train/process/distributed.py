@@ -89,8 +89,10 @@ def unproven(env: DistEnv, secret: str | None) -> str | None:
     always hand one down) at an address other machines reach; None otherwise."""
     import ipaddress
 
+    if secret or env.world_size == 1:
+        return None
     ip = resolve(env.master_addr)
-    if secret or env.world_size == 1 or ip is None or ipaddress.ip_address(ip).is_loopback:
+    if ip is None or ipaddress.ip_address(ip).is_loopback:
         return None
     return (
         f"this run has no secret ({stores.SECRET_ENV} unset, no {stores.SECRET_FILE} in the run directory): any machine "
