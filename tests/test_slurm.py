@@ -269,7 +269,7 @@ def test_sweep_is_an_array_and_after_waits(slurm_cluster: Path, prepared: Path, 
 
 def test_hostile_names_and_paths_are_passed_literally(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
     out = tmp_path / "my runs $(touch PWNED1) `touch PWNED2` 'q' \"dq\""
-    name = "job $(touch PWNED3) `touch PWNED4` 'x' \"y\" ; touch PWNED5"
+    name = "job $(touch PWNED3) `touch PWNED4` 'x' \"y\" ; touch PWNED5 | wc"
     args = ["submit", *TINY, "--output-dir", str(out), "--run-name", "quoted", "--job-name", name]
     args += ["--set", f"data.path={prepared}", "--set", "train.max_steps=4"]
     dry = run_cli([*args, "--dry-run"])
@@ -369,6 +369,41 @@ def test_unknown_job_is_a_clear_error(slurm_cluster: Path, home: Path) -> None:
     assert res.returncode == 2 and "987654" in res.stderr and "fix:" in res.stderr, res.stderr
     res = run_cli(["cancel", "987654"])
     assert res.returncode == 2 and "not in the queue" in res.stderr
+
+
+def test_status_and_history_read_sweep_elements_and_names_with_a_pipe_as_slurm_holds_them(
+    slurm_cluster: Path, tmp_path: Path, home: Path
+) -> None:
+    """An array's elements are `N_0`, `N_1` (what a sweep's index and logs know), and a `|` in a job's
+    name, which arrives literally, shifts no field of squeue's or sacct's answer."""
+    since = _sacct_time(time.time() - 60)
+    name = f"lr|3e-4 {tmp_path.name}"
+    sub = ["sbatch", "--parsable", "--array=0-1", "--job-name", name, "--comment", "aura_hpc", "--wrap", "sleep 120"]
+    array = subprocess.run(sub, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip().split(";")[0]
+    elements = {f"{array}_0", f"{array}_1"}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            res = run_cli(["status", "--json"])
+            assert res.returncode == 0, res.stderr
+            rows = {r["job_id"]: r for r in json.loads(res.stdout)["jobs"] if r["name"] == name}
+            if (set(rows) == elements and all(r["state"] == "RUNNING" for r in rows.values())) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert set(rows) == elements and {r["state"] for r in rows.values()} == {"RUNNING"}, rows
+        one = run_cli(["status", "--json", f"{array}_1"])
+        assert [(r["job_id"], r["name"], r["state"]) for r in json.loads(one.stdout)["jobs"]] == [(f"{array}_1", name, "RUNNING")]
+    finally:
+        subprocess.run(["scancel", array], check=False)
+    deadline = time.monotonic() + 60  # slurmdbd records the ends asynchronously
+    while True:
+        res = run_cli(["history", "--json", "--since", since])
+        assert res.returncode == 0, res.stderr
+        done = {r["job_id"]: r["state"] for r in json.loads(res.stdout)["jobs"] if r.get("name") == name}
+        if done == dict.fromkeys(elements, "CANCELLED") or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert done == dict.fromkeys(elements, "CANCELLED"), res.stdout
 
 
 def test_cancel_stops_a_running_job(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:

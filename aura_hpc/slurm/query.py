@@ -22,7 +22,11 @@ FINAL_STATES = {
     "REVOKED",
     "SPECIAL_EXIT",
 }
-SQUEUE_FIELDS = ("JobID", "Name", "State", "NumNodes", "TimeUsed", "TimeLeft", "Reason", "Comment", "SubmitTime", "UserName")
+# A job's name and comment are free text (a `|` in --job-name arrives literally), so fields are split on
+# ASCII's unit separator, a control character our own values refuse (slurm/script_safety.py).
+SEP = "\x1f"
+# JobArrayID: a sweep's element as `123_4` (the id its index and logs know); squeue's JobID is the raw id.
+SQUEUE_FIELDS = ("JobArrayID", "Name", "State", "NumNodes", "TimeUsed", "TimeLeft", "Reason", "Comment", "SubmitTime", "UserName")
 
 
 @dataclass
@@ -133,7 +137,7 @@ def explain(command: str, stderr: str) -> str:
 
 
 def squeue(job_ids: list[str] | None = None, all_users: bool = False, all_states: bool = False) -> list[JobRow]:
-    cmd = ["squeue", "-h", "-O", ",".join(f"{f}:|" for f in SQUEUE_FIELDS)]
+    cmd = ["squeue", "-h", "-O", ",".join(f"{f}:{SEP}" for f in SQUEUE_FIELDS)]
     if job_ids:
         cmd += ["-j", ",".join(job_ids)]
     elif not all_users:
@@ -142,13 +146,13 @@ def squeue(job_ids: list[str] | None = None, all_users: bool = False, all_states
         cmd += ["-t", "all"]
     rows = []
     for line in _run(cmd).splitlines():
-        parts = [p.strip() for p in line.split("|")]
+        parts = [p.strip() for p in line.split(SEP)]
         if len(parts) < len(SQUEUE_FIELDS):
             continue
         v = dict(zip(SQUEUE_FIELDS, parts, strict=False))
         rows.append(
             JobRow(
-                job_id=v["JobID"],
+                job_id=v["JobArrayID"],
                 name=v["Name"],
                 state=v["State"],
                 nodes=v["NumNodes"],
@@ -173,7 +177,7 @@ def squeue_job(job_id: str) -> JobRow | None:
     for r in rows:
         if r.job_id == job_id:
             return r
-    return rows[0] if rows else None
+    return rows[0] if len(rows) == 1 else None
 
 
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "Submit", "NodeList", "Comment")
@@ -191,7 +195,7 @@ def accounting_enabled() -> bool:
 
 def sacct(job_ids: list[str] | None = None, since: str | None = None, all_users: bool = False, attempts: bool = False) -> list[JobRow]:
     """Accounting rows; with `attempts`, one row per attempt of a requeued job (sacct -D), oldest first."""
-    cmd = ["sacct", "-n", "-P", "-X", "-o", ",".join(SACCT_FIELDS)] + (["-D"] if attempts else [])
+    cmd = ["sacct", "-n", "-P", f"--delimiter={SEP}", "-X", "-o", ",".join(SACCT_FIELDS)] + (["-D"] if attempts else [])
     if job_ids:
         cmd += ["-j", ",".join(job_ids)]
     if since:
@@ -200,7 +204,7 @@ def sacct(job_ids: list[str] | None = None, since: str | None = None, all_users:
         cmd += ["-a"]
     rows = []
     for line in _run(cmd).splitlines():
-        parts = line.split("|")
+        parts = line.split(SEP)
         if len(parts) < len(SACCT_FIELDS):
             continue
         v = dict(zip(SACCT_FIELDS, parts, strict=False))
