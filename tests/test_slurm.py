@@ -345,6 +345,16 @@ def test_bad_submissions_are_refused_and_nothing_is_queued(
     assert not (tmp_path / "runs" / name / "job.json").exists()
 
 
+def test_a_requeue_where_the_slurm_client_is_missing_is_a_reason_not_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container image without scontrol: the watchdog still kills the hung ranks, a screen's requeue
+    that did not happen ends the job failed; both read this reason instead of a FileNotFoundError."""
+    from aura_hpc.slurm import exclude
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    said = exclude.requeue(123)
+    assert said is not None and "scontrol could not be run" in said and "lack the Slurm client" in said, said
+
+
 def test_relative_output_dir_is_refused(tmp_path: Path) -> None:
     res = run_cli(["submit", "--output-dir", "runs", "--dry-run"], cwd=tmp_path)
     assert res.returncode == 2 and "is not an absolute path" in res.stderr and "fix:" in res.stderr

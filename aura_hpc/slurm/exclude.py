@@ -35,6 +35,18 @@ def _scontrol(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=30)
 
 
+def requeue(job_id: int) -> str | None:
+    """Ask Slurm to requeue the job: why it could not, or None. A negative status is scontrol killed by the
+    requeue's own signal, after it asked."""
+    try:
+        done = _scontrol("requeue", str(job_id))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"scontrol could not be run ({exc}; a container image may lack the Slurm client)"
+    if done.returncode > 0:
+        return (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
+    return None
+
+
 def _job_fields(job_id: int) -> dict[str, str]:
     out = _scontrol("show", "job", "-o", str(job_id)).stdout
     return dict(f.split("=", 1) for f in out.split() if "=" in f)

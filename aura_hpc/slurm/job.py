@@ -124,8 +124,9 @@ class TrainJob:
                 print(f"[rank{rank}] this attempt stops here: rank 0 requeues the job without the nodes the screen named", flush=True)
                 sys.stderr.flush()
                 os._exit(0)
-            self._requeue(job_id, restarts)
-            return 0
+            if self._requeue(job_id, restarts):
+                return 0
+            raise SystemExit(EXIT_SCREEN)  # not requeued: the job did not train, and must not end COMPLETED
         if status == EXIT_RESUMABLE:
             if rank != 0:
                 # Rank 0 carries the job's outcome; exiting 0 here keeps srun --kill-on-bad-exit from
@@ -151,7 +152,7 @@ class TrainJob:
             print(f"[rank0] {line(split)}", flush=True)
         return 0
 
-    def _requeue(self, job_id: int, restarts: int) -> None:
+    def _requeue(self, job_id: int, restarts: int) -> bool:
         from aura_hpc.slurm import exclude
 
         def say(msg: str) -> None:
@@ -162,20 +163,20 @@ class TrainJob:
                 f"not requeued: this job was already requeued {restarts} times (slurm.max_requeues={self.max_requeues}) "
                 "(fix: submit the same command again to resume from the checkpoint, or raise slurm.max_requeues)"
             )
-            return
+            return False
         # Said before asking: a requeue signals the job's processes, scontrol and this one included.
         say(f"requeuing job {job_id} (requeue {restarts + 1} of at most {self.max_requeues}); it resumes from its newest checkpoint if any")
         sys.stdout.flush()
         exclude.outlive_the_requeue()
         self.launch.requeued(time.time())
-        done = subprocess.run(["scontrol", "requeue", str(job_id)], capture_output=True, text=True)
-        if done.returncode > 0:
-            reason = (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
-            say(f"scontrol requeue {job_id} failed: {reason} (fix: resubmit the same command to resume)")
-        else:
-            from pathlib import Path
+        failed = exclude.requeue(job_id)
+        if failed:
+            say(f"scontrol requeue {job_id} failed: {failed} (fix: resubmit the same command to resume)")
+            return False
+        from pathlib import Path
 
-            exclude.apply_after_requeue(job_id, Path(self.config_path).parent, say)
+        exclude.apply_after_requeue(job_id, Path(self.config_path).parent, say)
+        return True
 
 
 def _start_watchdog(config_path: str, job_id: int, restarts: int) -> subprocess.Popen[bytes] | None:
@@ -194,7 +195,11 @@ def _start_watchdog(config_path: str, job_id: int, restarts: int) -> subprocess.
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
     # The node's name in it: several slurmd on one host (the test cluster, a multi-slurmd setup) share /dev/shm.
     folder = base / f"aura-progress-slurm-{job_id}-{restarts}-{node_name()}"
-    folder.mkdir(mode=0o700, exist_ok=True)
+    untrusted = progress.shared_folder(folder)
+    if untrusted:
+        rank = os.environ.get("SLURM_PROCID", "?")
+        print(f"[rank{rank}] no hang watchdog on this node for this attempt: {untrusted} (fix: remove it; see who made it)", flush=True)
+        return None
     os.environ[progress.ENV] = str(folder)
     from aura_hpc.launch.hang_evidence import prepare_flight_recorder
 

@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,11 +63,10 @@ class SlurmHangWatch(HangWatch):
         if requeue:
             print(f"[watchdog] requeuing job {self.job_id} after the hang: it resumes from its newest checkpoint ({why})", flush=True)
             exclude.outlive_the_requeue()
-            done = subprocess.run(["scontrol", "requeue", str(self.job_id)], capture_output=True, text=True)
-            if done.returncode > 0:
-                reason = (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
-                print(f"[watchdog] scontrol requeue {self.job_id} failed: {reason} (fix: resubmit the same command)", flush=True)
-            if done.returncode <= 0:
+            failed = exclude.requeue(self.job_id)
+            if failed:
+                print(f"[watchdog] scontrol requeue {self.job_id} failed: {failed} (fix: resubmit the same command)", flush=True)
+            else:
                 exclude.apply_after_requeue(self.job_id, self.cfg.run_dir, lambda m: print(f"[watchdog] {m}", flush=True))
         else:
             print(f"[watchdog] not requeued: {why} (fix: see the hang's line and stacks, then resubmit)", flush=True)
