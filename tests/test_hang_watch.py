@@ -219,6 +219,33 @@ def test_a_killed_launchers_progress_folder_is_removed_by_the_next_and_a_live_on
     assert not gone.exists() and (alive / "rank0").exists() and (other / "notes.txt").exists()
 
 
+def test_a_slurm_nodes_page_folder_another_user_made_first_is_refused(tmp_path: Path) -> None:
+    """Its name is predictable (job, attempt, node): a folder another user made first, open to others, or a
+    link in its place is not used, and no page is written through a link."""
+    ours = tmp_path / "aura-progress-slurm-7-0-n1"
+    assert progress.shared_folder(ours) is None and progress.shared_folder(ours) is None  # made once, then taken
+    assert ours.stat().st_mode & 0o777 == 0o700
+    open_to_all = tmp_path / "aura-progress-slurm-8-0-n1"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("my data")
+    (open_to_all / "rank0").symlink_to(victim)
+    said = progress.shared_folder(open_to_all)
+    assert said and "made by another user or is open to others" in said and "mode 777" in said, said
+    with pytest.raises(OSError):
+        progress.Progress(open_to_all / "rank0")
+    assert victim.read_text() == "my data"
+    link = tmp_path / "aura-progress-slurm-9-0-n1"
+    link.symlink_to(ours)
+    assert "is not a folder" in (progress.shared_folder(link) or "")
+    if os.getuid() == 0:  # another user's folder, as root can make one
+        theirs = tmp_path / "aura-progress-slurm-10-0-n1"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        assert "owner uid 65534" in (progress.shared_folder(theirs) or "")
+
+
 def test_the_board_carries_signed_verdicts_between_nodes_and_ignores_strangers(tmp_path: Path) -> None:
     """The nodes of a LAN run tell each other about a hang in node 0's store: a verdict signed with the run's
     secret is read back (its text made safe for a terminal); an unsigned, forged or oversized one is not; a

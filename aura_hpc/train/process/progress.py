@@ -50,6 +50,22 @@ def file_for(folder: Path, rank: int) -> Path:
     return folder / f"rank{rank}"
 
 
+def shared_folder(folder: Path) -> str | None:
+    """Make (or take) the node's folder of pages for this attempt; why it cannot be trusted, or None. Its
+    name is predictable (every task of the node must find it), so one another user made first, or a link,
+    is refused: its pages could be links to our files, or read and forged by them."""
+    import stat
+
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{folder} is not a folder (a link or a file someone else put there)"
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return f"{folder} was made by another user or is open to others (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o})"
+    return None
+
+
 def remove_pages(folder: Path) -> None:
     """The ranks' pages in a progress folder (files named by file_for; nothing else in it is touched)."""
     for page in folder.glob("rank*"):
@@ -68,7 +84,7 @@ class Progress:
         self._writes = itertools.count(1)
         if path is None:
             return
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             os.ftruncate(fd, LAYOUT.size)
             self._map = mmap.mmap(fd, LAYOUT.size)
