@@ -192,6 +192,11 @@ ROWS = [
     # prepare
     Row("prepare: missing input", ["prepare", "/nonexistent.txt", "--out", "{tmp}/p"], "input '/nonexistent.txt' does not exist"),
     Row("prepare: unsupported type", ["prepare", "{tmp}/doc.docx", "--out", "{tmp}/p"], "unsupported type '.docx'", _files),
+    Row(
+        "prepare --submit: a line break in --partition",
+        ["prepare", "--out", "{tmp}/p", "--submit", "--partition", "gpu\n#SBATCH --exclusive"],
+        "--partition contains the character '\\n' (U+000A line feed), which would break the sbatch script",
+    ),
     Row("prepare: not UTF-8", ["prepare", "{tmp}/latin1.txt", "--out", "{tmp}/p"], "is not UTF-8 text", _files),
     Row("prepare: missing text column", ["prepare", "{tmp}/rows.jsonl", "--out", "{tmp}/p"], "column 'text' not in", _files),
     Row("prepare: nothing to do", ["prepare", "--out", "{tmp}/p"], "nothing to prepare"),

@@ -76,6 +76,13 @@ def submit(spec: PrepareSpec, nodes: int, partition: str | None, time_min: int, 
         )
     if nodes < 1:
         raise DataError(f"--nodes must be at least 1, got {nodes} (fix: --nodes 4)")
+    from aura_hpc.slurm import script_safety
+
+    # What reaches the jobs' #SBATCH lines, checked as `submit` checks its own (nothing made yet).
+    script_safety.check_directive("--partition", partition)
+    script_safety.check_directive("--account", account)
+    script_safety.check_path("--out", str(Path(spec.out_dir).expanduser().absolute()))
+    script_safety.check_text("the Python interpreter's path", sys.executable)
     slurm_query.require("sbatch")
     slurm_query.require_config()
     files = [] if (spec.builtin or spec.dataset) else resolve_inputs(spec.inputs)
