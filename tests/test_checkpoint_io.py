@@ -59,3 +59,54 @@ def test_a_snapshot_does_not_follow_later_training(tmp_path: Path) -> None:
     loaded = load_pretrained(str(path / "model"))
     assert torch.equal(loaded.transformer.wte.weight, before["transformer.wte.weight"])
     assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+
+
+class _Runs:
+    """A pickled object that runs a command when unpickled."""
+
+    def __init__(self, witness: Path) -> None:
+        self.witness = witness
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return (os.system, (f"touch {self.witness}",))
+
+
+def test_sharded_checkpoints_are_read_as_data_and_one_that_would_run_code_is_refused(tmp_path: Path) -> None:
+    """torch unpickles DCP's metadata with plain pickle and its non-tensor entries with weights_only=False,
+    DeepSpeed its files with weights_only=False: our readers check them first, the honest ones still load."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from aura_hpc.errors import CheckpointError
+    from aura_hpc.train.checkpoint import consolidate
+    from aura_hpc.train.checkpoint.data_only import check_deepspeed_files, load_dcp
+
+    warnings.simplefilter("ignore", UserWarning)  # DCP without a process group assumes one process: the intent
+    witness = tmp_path / "ran"
+    state = {"model": {"w": torch.arange(4, dtype=torch.bfloat16)}, "optim": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.95)}]}}
+    honest = tmp_path / "honest"
+    dcp.save(state, checkpoint_id=str(honest))
+    back = {"model": {"w": torch.zeros(4, dtype=torch.bfloat16)}, "optim": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0)}]}}
+    load_dcp(back, honest)
+    assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["optim"] == state["optim"]
+    assert torch.equal(consolidate._from_dcp(honest)["w"], state["model"]["w"])
+
+    (honest / ".metadata").write_bytes(__import__("pickle").dumps(_Runs(witness)))
+    with pytest.raises(CheckpointError, match=r"\.metadata asks to run posix\.system, which torch never writes there \(fix: "):
+        consolidate._from_dcp(honest)
+    entry = tmp_path / "entry"
+    dcp.save({"optim": {"param_groups": [{"lr": _Runs(witness)}]}}, checkpoint_id=str(entry))
+    with pytest.raises(CheckpointError, match=r"entry optim\.param_groups\.0\.lr of the checkpoint is not plain data"):
+        load_dcp({"optim": {"param_groups": [{"lr": 0.0}]}}, entry)
+
+    ds = tmp_path / "ds"
+    (ds / "global_step").mkdir(parents=True)
+    torch.save({"optimizer_state_dict": {"loss_scaler": _Runs(witness)}}, ds / "global_step" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError, match=r"optim_states\.pt asks to run posix\.system, which DeepSpeed never writes"):
+        check_deepspeed_files(ds)
+    with pytest.raises(CheckpointError, match="which DeepSpeed never writes"):
+        consolidate._from_deepspeed(ds)
+    assert not witness.exists()

@@ -63,10 +63,11 @@ def consolidate(ckpt: Path) -> bool:
 
 
 def _from_dcp(folder: Path) -> dict[str, torch.Tensor]:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(folder))
+    from aura_hpc.train.checkpoint.data_only import DataOnlyReader, load_dcp
+
+    reader = DataOnlyReader(str(folder))
     metadata = reader.read_metadata().state_dict_metadata
     model = {
         key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
@@ -78,7 +79,7 @@ def _from_dcp(folder: Path) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():
         # Without a process group DCP says it assumes one process: that is the intent here.
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": model}, storage_reader=reader)
+        load_dcp({"model": model}, folder)
     return model
 
 
@@ -88,8 +89,10 @@ def _from_deepspeed(folder: Path) -> dict[str, torch.Tensor]:
     quiet_deepspeed(needed=True)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    from aura_hpc.train.checkpoint.data_only import check_deepspeed_files
     from aura_hpc.train.strategies.zero import TAG
 
+    check_deepspeed_files(folder)  # zero_to_fp32 unpickles them with weights_only=False
     try:
         # It prints its progress; `generate`'s stdout is the samples.
         with contextlib.redirect_stdout(io.StringIO()):

@@ -75,12 +75,13 @@ class FsdpWrapped(Wrapped, ShardedCheckpoints):
 
     def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
         """The reverse of save_sharded, at any world size (DCP reshards); collective."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from aura_hpc.train.checkpoint.data_only import load_dcp
 
         msd, osd = get_state_dict(self.model, optimizer)
         state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(folder))
+        load_dcp(state, folder)
         set_state_dict(self.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def own_shard_files(self, folder: Path, rank: int) -> list[Path]:

@@ -94,6 +94,9 @@ class ZeroWrapped(Wrapped, ShardedCheckpoints):
         return self._shards.write(captured, folder.parent)
 
     def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+        from aura_hpc.train.checkpoint.data_only import check_deepspeed_files
+
+        check_deepspeed_files(folder)  # DeepSpeed unpickles them with weights_only=False
         path, _ = self.engine.load_checkpoint(
             str(folder), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False, load_module_strict=True
         )
