@@ -65,13 +65,18 @@ def _hostile_configs(tmp: Path, _prepared: Path) -> None:
     (tmp / "docs" / "a.txt").write_text("Mi tesis.\n\nOtro párrafo.\n" * 50, encoding="utf-8")
 
 
-def _incompatible_run(tmp: Path, _prepared: Path) -> None:
-    from aura_hpc.config import load_config
+def _run_with(*settings: str) -> Callable[[Path, Path], None]:
+    """A run directory with checkpoints, started with `settings`."""
 
-    old = load_config(None, ["model.n_layer=4"], output_dir=str(tmp / "runs"), run_name="tiny")
-    old.run_dir.mkdir(parents=True)
-    (old.run_dir / "config.yaml").write_text(old.to_yaml())
-    (old.run_dir / "checkpoints").mkdir()
+    def setup(tmp: Path, _prepared: Path) -> None:
+        from aura_hpc.config import load_config
+
+        old = load_config(None, list(settings), output_dir=str(tmp / "runs"), run_name="tiny")
+        old.run_dir.mkdir(parents=True)
+        (old.run_dir / "config.yaml").write_text(old.to_yaml())
+        (old.run_dir / "checkpoints").mkdir()
+
+    return setup
 
 
 def _other_tokenizer_run(tmp: Path, prepared: Path) -> None:
@@ -143,7 +148,19 @@ ROWS = [
         "resume with another model",
         ["local", "--output-dir", "{tmp}/runs", D],
         "holds checkpoints of a different model shape",
-        _incompatible_run,
+        _run_with("model.n_layer=4"),
+    ),
+    Row(
+        "resume under another sharding",
+        ["local", "--output-dir", "{tmp}/runs", D],
+        "holds checkpoints written under dist.strategy=fsdp; ddp lays the weights and the optimizer's state out differently",
+        _run_with("dist.strategy=fsdp"),
+    ),
+    Row(
+        "resume with another optimizer",
+        ["local", "--output-dir", "{tmp}/runs", D],
+        "holds checkpoints of train.optimizer=sgd, whose state adamw cannot take (fix: resume with --set train.optimizer=sgd",
+        _run_with("train.optimizer=sgd"),
     ),
     # filesystem
     Row("output_dir is a file", ["local", "--output-dir", "{tmp}/afile/runs", D], "afile is a file, not a directory", _files),

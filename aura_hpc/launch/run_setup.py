@@ -73,6 +73,9 @@ def _check_zero_world_size(cfg: RunConfig, world_size: int) -> None:
         )
 
 
+SHARDED = {"fsdp", "zero1", "zero2", "zero3"}  # each writes its own kind of shards
+
+
 def _check_resume_compatible(cfg: RunConfig, world_size: int) -> None:
     _check_same_tokenizer(cfg)
     _check_zero_world_size(cfg, world_size)
@@ -87,6 +90,17 @@ def _check_resume_compatible(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(
             f"run directory {cfg.run_dir} holds checkpoints of a different model shape or data.seq_len "
             "(fix: use a new --run-name, or resume with the original config)"
+        )
+    was, now = previous.dist.strategy, cfg.dist.strategy
+    if was != now and SHARDED & {was, now}:
+        raise ConfigError(
+            f"run directory {cfg.run_dir} holds checkpoints written under dist.strategy={was}; {now} lays the weights and "
+            f"the optimizer's state out differently (fix: resume with --set dist.strategy={was}, or use a new --run-name)"
+        )
+    if previous.train.optimizer != cfg.train.optimizer:
+        raise ConfigError(
+            f"run directory {cfg.run_dir} holds checkpoints of train.optimizer={previous.train.optimizer}, whose state "
+            f"{cfg.train.optimizer} cannot take (fix: resume with --set train.optimizer={previous.train.optimizer}, or a new --run-name)"
         )
 
 

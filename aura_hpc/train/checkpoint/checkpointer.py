@@ -101,7 +101,7 @@ class Checkpointer:
                 # Straight from (shared) storage, memory-mapped: no rank holds a private copy.
                 meta = checkpoint.read_meta(local)
                 self._check_fingerprint(chosen, meta)
-                self._check_layout(chosen, local)
+                self._check_layout(chosen, local, meta)
                 checkpoint.load_weights_from(local, p.model)
                 state = checkpoint.read_trainer_state(local)
             else:
@@ -145,7 +145,7 @@ class Checkpointer:
             )
         meta = checkpoint.read_meta(local)
         self._check_fingerprint(chosen, meta)
-        self._check_layout(chosen, local)
+        self._check_layout(chosen, local, meta)
         written_on = int(meta.get("world_size", self.layout.world))
         if not sharded.reshards and written_on != self.layout.world:
             raise CheckpointError(
@@ -156,9 +156,15 @@ class Checkpointer:
         sharded.load_sharded(local / SHARDS, self.parts.optimizer)
         return meta, checkpoint.read_trainer_state(local)
 
-    def _check_layout(self, chosen: str, local: Path) -> None:
-        """A sharded checkpoint resumes only under a sharded strategy, and a full one only under ddp."""
+    def _check_layout(self, chosen: str, local: Path, meta: dict[str, Any]) -> None:
+        """A sharded checkpoint resumes only under the strategy that wrote it, and a full one only under ddp."""
         sharded = (local / SHARDS).is_dir()
+        was = str(meta.get("strategy", ""))
+        if sharded and was and was != self.wrapped.name:
+            raise CheckpointError(
+                f"checkpoint {chosen} was written under dist.strategy={was} and this run uses {self.wrapped.name}: their "
+                f"shards are laid out differently (fix: resume with --set dist.strategy={was}, or a new --run-name)"
+            )
         if sharded != (sharding(self.wrapped) is not None):
             was = "a sharded strategy" if sharded else "ddp"
             raise CheckpointError(
@@ -171,6 +177,12 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint {chosen} was written with a different model shape or data.seq_len than this config "
                 "(fix: resume with the original config, or start fresh with a new --run-name)"
+            )
+        was = meta.get("optimizer")
+        if was is not None and was != self.cfg.train.optimizer:
+            raise CheckpointError(
+                f"checkpoint {chosen} holds the state of train.optimizer={was}, not {self.cfg.train.optimizer} "
+                f"(fix: resume with --set train.optimizer={was}, or a new --run-name)"
             )
 
     # ---- save ---------------------------------------------------------------------------
@@ -265,6 +277,7 @@ class Checkpointer:
             "model_fingerprint": self.cfg.model_fingerprint(),
             "n_params": self.parts.n_params,
             "strategy": self.wrapped.name,
+            "optimizer": self.cfg.train.optimizer,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             # A stream's piece sizes learned so far: a resumed run finds its position without encoding the past again.
             **({"data_order": order} if (order := self.parts.order.state()) is not None else {}),
