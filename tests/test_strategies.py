@@ -201,6 +201,13 @@ def test_zero_shards_are_written_behind_the_loop_and_a_failed_shard_write_keeps_
     assert "no space left on" in r.stdout and "while writing checkpoint step 5 (no earlier checkpoint exists" in r.stdout, r.stdout[-3000:]
     assert not checkpoint.list_complete(tmp_path / "full" / "checkpoints")
     assert not list((tmp_path / "full" / "checkpoints").glob(".tmp-*"))
+    # The same full disk under synchronous saves: the rank whose file failed still leaves DeepSpeed's save
+    # with the others (raised inside it, it skipped the save's closing barrier and every rank hung).
+    sync = [*_args(tmp_path, "full-sync", prepared, "zero2"), "--set", "train.async_checkpoint=false"]
+    r = run_cli(sync, timeout=300, AURA_FAULT_CKPT="enospc:shards")
+    assert r.returncode != 0 and "while writing checkpoint step 5 (no earlier checkpoint exists" in r.stdout, r.stdout[-3000:]
+    assert not checkpoint.list_complete(tmp_path / "full-sync" / "checkpoints")
+    assert not list((tmp_path / "full-sync" / "checkpoints").glob(".tmp-*"))
     # Run again with synchronous saves: the same training, bit for bit, and the same files.
     again = _run(tmp_path, "full", prepared, "zero2", "--set", "train.async_checkpoint=false")
     assert "held 3 s" not in again

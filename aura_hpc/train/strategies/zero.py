@@ -83,7 +83,14 @@ class ZeroWrapped(Wrapped, ShardedCheckpoints):
         """DeepSpeed's save (collective). In the background its files are copied to host memory here
         and written by a thread; the future gives every rank's file hashes once all are written."""
         if not background:
-            self.engine.save_checkpoint(str(folder), tag=TAG, client_state={}, save_latest=False)
+            kept = _FailureKept(self.engine.checkpoint_engine, folder.parent.parent.parent)
+            self.engine.checkpoint_engine = kept
+            try:
+                self.engine.save_checkpoint(str(folder), tag=TAG, client_state={}, save_latest=False)
+            finally:
+                self.engine.checkpoint_engine = kept.inner
+            if kept.failure is not None:
+                raise kept.failure
             return None
         captured = self._shards.capture(self.engine.checkpoint_engine)
         self.engine.checkpoint_engine = captured
@@ -221,6 +228,30 @@ def _place_gathered(param: torch.Tensor, value: torch.Tensor) -> None:
     with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
         if dist.get_rank() == 0:
             param.copy_(value)
+
+
+class _FailureKept:
+    """DeepSpeed's checkpoint engine for a save written in the loop: a file this rank fails to write
+    (a full disk) is kept, not raised, so the rank still reaches the barrier that ends DeepSpeed's
+    save with the others (raised there, it skipped it and every rank hung); raised once the save returns."""
+
+    def __init__(self, inner: Any, run_dir: Path) -> None:
+        self.inner, self.run_dir = inner, run_dir
+        self.failure: Exception | None = None
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self.failure is not None:
+            return
+        try:
+            self.inner.save(state_dict, path)
+            from aura_hpc.train.instruments import faults
+
+            faults.checkpoint_stage("shards", self.run_dir)
+        except Exception as exc:
+            self.failure = exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def wrap_zero(
