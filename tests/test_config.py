@@ -181,6 +181,10 @@ def test_a_literal_webhook_url_is_stored_redacted_and_reaches_the_workers_by_env
     cfg = load_config("tiny", [f"health.webhook_url={secret}"])
     stored = cfg.to_yaml()
     assert "SECRET-42" not in stored and "https://hooks.slack.com/<redacted>" in stored
+    # A token in a query without a path, in a fragment, or as a password: nothing of it is kept.
+    for url in ("https://hooks.example.com?token=SECRET-42", "https://h.example.com:8443#SECRET-42", "https://u:SECRET-42@h.example.com/x"):
+        kept = load_config("tiny", [f"health.webhook_url={url}"]).to_yaml()
+        assert "SECRET-42" not in kept and "<redacted>" in kept, kept
     path = tmp_path / "config.yaml"
     path.write_text(stored)
     h = load_run_file(path).health

@@ -29,9 +29,17 @@ def is_literal_url(url: str) -> bool:
 
 
 def redacted_url(url: str) -> str:
-    """Scheme and host only (the path and query usually hold the token)."""
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://{rest.split('/', 1)[0].rsplit('@', 1)[-1]}/{REDACTED}"
+    """Scheme and host only: the path, the query, a fragment and any user:password usually hold the token."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:  # a port that is not a number: nothing of it is kept
+        return f"{url.partition('://')[0]}://{REDACTED}"
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{host}{port}/{REDACTED}"
 
 
 @dataclass
