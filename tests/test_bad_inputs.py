@@ -133,6 +133,7 @@ ROWS = [
     Row("invalid YAML", ["local", "--config", "{tmp}/broken.yaml"], "is not valid YAML", _files),
     Row("bad run name", ["local", "--run-name", "../x"], "run_name '../x' must be letters"),
     Row("--set without =", ["local", "--set", "train.lr"], "is not KEY=VALUE"),
+    Row("negative webhook timeout", ["local", "--set", "health.webhook_timeout_s=-1"], "health.webhook_timeout_s must be in (0, 120]"),
     Row("fp16 on CPU", ["local", "--set", "train.precision=fp16"], "fp16 needs a CUDA GPU", skip_if=not NO_CUDA),
     # data
     Row("missing data dir", ["local", "--set", "data.path=/nonexistent/data"], "data.path /nonexistent/data does not exist (fix:"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -71,6 +72,23 @@ def test_webhook_bodies_per_kind() -> None:
     event = {"event": "gpu.fault", "host": "n1", "gpu_index": 3, "reason": "hot", "job_id": "42", "run_dir": "/r", "step": 7}
     assert body("generic", event) == event
     assert "GPU 3" in body("discord", event)["content"] and "hot" in body("slack", event)["text"]
+
+
+def test_a_webhook_url_that_is_not_one_is_said_without_its_value_and_never_raises(caplog: pytest.LogCaptureFixture) -> None:
+    """deliver() runs before exit 76 and inside the hang watchdog: a URL from an environment variable or a
+    file is never checked by the config, and urllib's errors about it carry the value (a token)."""
+    from aura_hpc.ops.webhook import deliver
+
+    event = {"event": "gpu.fault", "host": "n1", "gpu_index": 0, "reason": "hot"}
+    for url in (
+        "hooks.slack.com/services/T0/SECRET-7",
+        "https://hooks.slack.com/SECRET-7\nX: y",
+        "https://h:99999/SECRET-7",
+        "ftp://h/SECRET-7",
+    ):
+        with caplog.at_level(logging.WARNING, logger="aura_hpc"):
+            assert deliver(url, "slack", event, timeout_s=0.5, retries=0) is False
+    assert "SECRET-7" not in caplog.text and caplog.text.count("is not an http(s) URL") == 4, caplog.text
 
 
 def test_monitor_json_samples_at_the_interval(tmp_path: Path) -> None:

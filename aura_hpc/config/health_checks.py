@@ -36,6 +36,11 @@ def validate_health(h: HealthConfig) -> None:
         raise ConfigError(
             "health.webhook_url must start with http://, https:// or env:VAR (fix: --set health.webhook_url_env=AURA_GPU_WEBHOOK)"
         )
+    if not 0 < h.webhook_timeout_s <= 120 or not 0 <= h.webhook_retries <= 10:
+        raise ConfigError(
+            f"health.webhook_timeout_s must be in (0, 120] and health.webhook_retries in 0..10, not {h.webhook_timeout_s:g} and "
+            f"{h.webhook_retries} (fix: --set health.webhook_timeout_s=5 --set health.webhook_retries=2)"
+        )
     given = bool(h.webhook_url and REDACTED not in h.webhook_url) + bool(h.webhook_url_env) + bool(h.webhook_url_file)
     if given > 1 and not (h.webhook_url_env == WEBHOOK_SECRET_ENV and REDACTED in h.webhook_url):
         raise ConfigError(

@@ -48,8 +48,29 @@ def body(kind: str, event: dict[str, Any]) -> dict[str, Any]:
     return {"content": text} if kind == "discord" else {"text": text}
 
 
+def usable(url: str) -> bool:
+    """An http(s) URL with a host and nothing that would break a request line: what urllib takes."""
+    from urllib.parse import urlsplit
+
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return False
+    try:
+        parts = urlsplit(url)
+        return parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port is None or parts.port > 0)
+    except ValueError:
+        return False
+
+
 def deliver(url: str, kind: str, event: dict[str, Any], timeout_s: float = 5.0, retries: int = 2, backoff_s: float = 1.0) -> bool:
-    """POST the event; True once a 2xx arrives. Retries on errors and non-2xx answers."""
+    """POST the event; True once a 2xx arrives. Retries on errors and non-2xx answers. Never raises: an
+    alert must not stop the checkpoint or the watchdog that sends it (nor show the URL in a traceback)."""
+    if not usable(url):
+        log.warning(
+            "%s webhook not sent: the URL from health.webhook_url, _env or _file is not an http(s) URL (the value is a "
+            "secret and not shown) (fix: give it as https://host/path, on one line)",
+            event.get("event"),
+        )
+        return False
     data = json.dumps(body(kind, event)).encode()
     for attempt in range(retries + 1):
         req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", "User-Agent": "aura_hpc"}, method="POST")
@@ -61,7 +82,7 @@ def deliver(url: str, kind: str, event: dict[str, Any], timeout_s: float = 5.0, 
                 why = f"HTTP {resp.status}"
         except urllib.error.HTTPError as exc:
             why = f"HTTP {exc.code}"
-        except (urllib.error.URLError, OSError, TimeoutError) as exc:
+        except Exception as exc:  # the message may hold the URL: only the error's kind is said
             why = type(getattr(exc, "reason", exc)).__name__
         log.warning("%s webhook attempt %d of %d failed (%s)", event.get("event"), attempt + 1, retries + 1, why)
         if attempt < retries:

@@ -102,13 +102,14 @@ class HealthWatch:
         fault = self.fault
         if fault is not None:
             log.error("GPU circuit breaker OPEN on %s: %s", socket.gethostname(), fault.describe())
-            self.report(fault, step)
         try:
             path = ckpt.save()
             ckpt.wait()
             saved = f"checkpoint {path.name} written" if path else "checkpoint not written"
         except Exception as exc:  # the GPU may no longer answer: nothing more to save
             saved = f"checkpoint failed ({str(exc).splitlines()[0][:120]})"
+        if fault is not None:  # after the save: a slow endpoint's retries would hold it while the GPU degrades
+            self.report(fault, step)
         if self.env.is_main:
             log.error(
                 "stopped at step %d by the GPU circuit breaker: %s; exiting with status %d so the node can be drained "
