@@ -48,6 +48,28 @@ class CapturingEngine:
         return getattr(self.inner, name)
 
 
+class FailureKept:
+    """DeepSpeed's checkpoint engine for a save written in the loop: a file this rank fails to write
+    (a full disk) is kept, not raised, so the rank still reaches the barrier that ends DeepSpeed's
+    save with the others (raised there, it skipped it and every rank hung); raised once the save returns."""
+
+    def __init__(self, inner: Any, run_dir: Path) -> None:
+        self.inner, self.run_dir = inner, run_dir
+        self.failure: Exception | None = None
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self.failure is not None:
+            return
+        try:
+            self.inner.save(state_dict, path)
+            faults.checkpoint_stage("shards", self.run_dir)
+        except Exception as exc:
+            self.failure = exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 class ShardWriter:
     """One rank's background writer of captured shard files (one save at a time)."""
 

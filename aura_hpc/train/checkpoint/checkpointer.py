@@ -159,12 +159,7 @@ class Checkpointer:
     def _check_layout(self, chosen: str, local: Path, meta: dict[str, Any]) -> None:
         """A sharded checkpoint resumes only under the strategy that wrote it, and a full one only under ddp."""
         sharded = (local / SHARDS).is_dir()
-        was = str(meta.get("strategy", ""))
-        if sharded and was and was != self.wrapped.name:
-            raise CheckpointError(
-                f"checkpoint {chosen} was written under dist.strategy={was} and this run uses {self.wrapped.name}: their "
-                f"shards are laid out differently (fix: resume with --set dist.strategy={was}, or a new --run-name)"
-            )
+        _same_kind(chosen, meta, "strategy", self.wrapped.name if sharded else None)
         if sharded != (sharding(self.wrapped) is not None):
             was = "a sharded strategy" if sharded else "ddp"
             raise CheckpointError(
@@ -178,12 +173,7 @@ class Checkpointer:
                 f"checkpoint {chosen} was written with a different model shape or data.seq_len than this config "
                 "(fix: resume with the original config, or start fresh with a new --run-name)"
             )
-        was = meta.get("optimizer")
-        if was is not None and was != self.cfg.train.optimizer:
-            raise CheckpointError(
-                f"checkpoint {chosen} holds the state of train.optimizer={was}, not {self.cfg.train.optimizer} "
-                f"(fix: resume with --set train.optimizer={was}, or a new --run-name)"
-            )
+        _same_kind(chosen, meta, "optimizer", self.cfg.train.optimizer)
 
     # ---- save ---------------------------------------------------------------------------
     def _weights_finite(self) -> bool:
@@ -355,3 +345,14 @@ def _decode_payload(parts: list[bytes]) -> tuple[dict[str, torch.Tensor], dict[s
     except Exception as exc:  # any decoding failure means the same thing to the user
         raise checkpoint.unreadable(exc) from None
     return weights, state, meta
+
+
+def _same_kind(chosen: str, meta: dict[str, Any], field: str, ours: str | None) -> None:
+    """The checkpoint's optimizer (its state) and, when sharded, its strategy (its shards) are this run's."""
+    was = meta.get(field)
+    if ours is not None and was and was != ours:
+        setting = {"strategy": "dist.strategy", "optimizer": "train.optimizer"}[field]
+        raise CheckpointError(
+            f"checkpoint {chosen} was written with {setting}={was} and this run uses {ours}: its saved state does not fit "
+            f"(fix: resume with --set {setting}={was}, or a new --run-name)"
+        )

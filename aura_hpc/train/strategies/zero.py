@@ -20,7 +20,7 @@ import torch
 
 from aura_hpc.config import RunConfig
 from aura_hpc.config.deepspeed import deepspeed_config
-from aura_hpc.train.checkpoint.background_shards import ShardWriter
+from aura_hpc.train.checkpoint.background_shards import FailureKept, ShardWriter
 from aura_hpc.train.model.meta_init import build_on_meta
 from aura_hpc.train.process.deepspeed_import import quiet_deepspeed
 from aura_hpc.train.process.runtime import Runtime
@@ -83,7 +83,7 @@ class ZeroWrapped(Wrapped, ShardedCheckpoints):
         """DeepSpeed's save (collective). In the background its files are copied to host memory here
         and written by a thread; the future gives every rank's file hashes once all are written."""
         if not background:
-            kept = _FailureKept(self.engine.checkpoint_engine, folder.parent.parent.parent)
+            kept = FailureKept(self.engine.checkpoint_engine, folder.parent.parent.parent)
             self.engine.checkpoint_engine = kept
             try:
                 self.engine.save_checkpoint(str(folder), tag=TAG, client_state={}, save_latest=False)
@@ -228,30 +228,6 @@ def _place_gathered(param: torch.Tensor, value: torch.Tensor) -> None:
     with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
         if dist.get_rank() == 0:
             param.copy_(value)
-
-
-class _FailureKept:
-    """DeepSpeed's checkpoint engine for a save written in the loop: a file this rank fails to write
-    (a full disk) is kept, not raised, so the rank still reaches the barrier that ends DeepSpeed's
-    save with the others (raised there, it skipped it and every rank hung); raised once the save returns."""
-
-    def __init__(self, inner: Any, run_dir: Path) -> None:
-        self.inner, self.run_dir = inner, run_dir
-        self.failure: Exception | None = None
-
-    def save(self, state_dict: Any, path: str) -> None:
-        if self.failure is not None:
-            return
-        try:
-            self.inner.save(state_dict, path)
-            from aura_hpc.train.instruments import faults
-
-            faults.checkpoint_stage("shards", self.run_dir)
-        except Exception as exc:
-            self.failure = exc
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def wrap_zero(
