@@ -68,6 +68,32 @@ def test_rules_trip_on_faults_and_not_on_healthy_readings() -> None:
     )
 
 
+def test_a_full_disk_or_a_failing_tracker_costs_the_samples_never_the_breaker(caplog: pytest.LogCaptureFixture) -> None:
+    """The breaker's rules run in the monitor's thread, which also writes the samples and hands them to the
+    trackers: a write to a full disk (/dev/full) or a tracker's error stopped the thread, and the breaker with it."""
+    import time
+
+    from aura_hpc.ops.resources import BackgroundMonitor
+
+    class Readings:
+        rows = iter([[HEALTHY], [HEALTHY], [FAULTS["ecc"]]])
+
+        def sample(self) -> dict[str, object]:
+            return {"gpus": next(self.rows, [FAULTS["ecc"]])}
+
+    def tracker(row: dict[str, object]) -> None:
+        raise RuntimeError("tracker down")
+
+    with caplog.at_level(logging.WARNING, logger="aura_hpc"):
+        monitor = BackgroundMonitor(Readings(), 0.01, Path("/dev/full"), _rules(), tracker).start()  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10
+        while monitor.fault is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        monitor.stop()
+    assert monitor.fault is not None and "uncorrectable ECC" in monitor.fault.reason, caplog.text
+    assert "no longer written to /dev/full" in caplog.text and "no longer sent to the trackers (tracker down)" in caplog.text
+
+
 def test_webhook_bodies_per_kind() -> None:
     event = {"event": "gpu.fault", "host": "n1", "gpu_index": 3, "reason": "hot", "job_id": "42", "run_dir": "/r", "step": 7}
     assert body("generic", event) == event

@@ -3,6 +3,7 @@ the trainer runs on one rank per node; it also feeds the GPU circuit breaker."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -89,10 +90,9 @@ class BackgroundMonitor:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        # The breaker's rules come first and alone decide whether this thread goes on: a full disk under the
+        # samples' file, or a tracker that fails on a row, costs the samples (said once), never the breaker.
         f = None
-        if self.out_path is not None:
-            self.out_path.parent.mkdir(parents=True, exist_ok=True)
-            f = self.out_path.open("a", encoding="utf-8")
         try:
             while not self._stop.wait(self.interval_s):
                 try:
@@ -100,13 +100,25 @@ class BackgroundMonitor:
                 except Exception as exc:  # a sampling hiccup must never stop training
                     log.warning("resource sample failed: %s", exc)
                     continue
-                if f is not None:
-                    f.write(json.dumps(row) + "\n")
-                    f.flush()
-                if self.on_sample is not None:
-                    self.on_sample(row)
                 if self.rules is not None and self.fault is None:
                     self.fault = self.rules.evaluate(row.get("gpus", []))
+                if self.out_path is not None:
+                    try:
+                        if f is None:
+                            self.out_path.parent.mkdir(parents=True, exist_ok=True)
+                            f = self.out_path.open("a", encoding="utf-8")
+                        f.write(json.dumps(row) + "\n")
+                        f.flush()
+                    except OSError as exc:
+                        log.warning("resource samples are no longer written to %s (%s); the breaker still watches", self.out_path, exc)
+                        self.out_path = None
+                if self.on_sample is not None:
+                    try:
+                        self.on_sample(row)
+                    except Exception as exc:
+                        log.warning("resource samples are no longer sent to the trackers (%s); the breaker still watches", exc)
+                        self.on_sample = None
         finally:
             if f is not None:
-                f.close()
+                with contextlib.suppress(OSError):
+                    f.close()
