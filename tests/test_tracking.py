@@ -207,3 +207,36 @@ def test_a_tracker_that_is_not_installed_or_unknown_is_refused_before_anything_s
     secret = run_cli(_args(tmp_path, "bad", prepared, "mlflow", "--set", "tracking.mlflow_uri=https://me:pw@mlflow.example"))
     assert secret.returncode == 2 and "MLFLOW_TRACKING_USERNAME" in secret.stderr and "pw" not in secret.stderr, secret.stderr
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_trackers_thread_that_stops_keeps_the_node_local_stores_and_costs_no_row(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The node-local folder has a predictable name in a temporary folder other users share: one open to
+    them is refused. The thread that stops on it (or on a full disk, a damaged store) says so once, takes no
+    more rows, and its finish removes nothing (it removed the only copy of the stores)."""
+    import logging
+    import shutil
+
+    from aura_hpc.config import load_config
+    from aura_hpc.train.loop.trackers import Trackers
+
+    cfg = load_config(None, ["tracking.backends=trackio", "tracking.sqlite_local=true"], output_dir=str(tmp_path / "runs"), run_name="t")
+    local = node_local_store(cfg.run_dir)
+    (local / "trackio").mkdir(parents=True)
+    local.chmod(0o777)
+    (local / "trackio" / "aura_hpc.db").write_bytes(b"rows of an earlier attempt")
+    try:
+        with caplog.at_level(logging.WARNING, logger="aura_hpc"):
+            trackers = Trackers(cfg, 0)
+            trackers.start()
+            assert trackers._thread is not None
+            trackers._thread.join(20)
+            for step in range(cfg.tracking.queue_rows + 5):
+                trackers.log({"loss": 1.0}, step)
+            trackers.finish()
+        assert (local / "trackio" / "aura_hpc.db").read_bytes() == b"rows of an earlier attempt"
+        assert "the trackers stopped" in caplog.text and "is another user's or open to others" in caplog.text, caplog.text
+        assert "rows behind" not in caplog.text
+    finally:
+        shutil.rmtree(local, ignore_errors=True)

@@ -27,6 +27,7 @@ import os
 import queue
 import shutil
 import sqlite3
+import stat
 import tempfile
 import threading
 import time
@@ -82,6 +83,8 @@ class Trackers:
         self._dropped = 0
         self._copied = 0.0
         self._copy_failed = False  # the last copy into the run directory missed a store
+        self._finished = False  # the thread handed over "finish" and made its last copy
+        self._broken = False  # the thread stopped on an error of its own: nothing more goes to it
         self._thread: threading.Thread | None = None
         self.hints: list[str] = []
 
@@ -113,7 +116,7 @@ class Trackers:
         self._thread.start()
 
     def log(self, values: dict[str, float], step: int) -> None:
-        if self._thread is None or not values:
+        if self._thread is None or self._broken or not values:
             return
         try:
             self._queue.put_nowait(("log", (values, step)))
@@ -137,14 +140,15 @@ class Trackers:
         if self._thread is None:
             return
         with contextlib.suppress(queue.Full):
-            self._queue.put(("finish", failed), timeout=5)
+            if not self._broken:
+                self._queue.put(("finish", failed), timeout=5)
         self._thread.join(self.cfg.tracking.finish_wait_s)
         if self._thread.is_alive():
             log.warning(
                 "tracking: the trackers did not finish within %g s (left behind; the run is saved; more time: tracking.finish_wait_s)",
                 self.cfg.tracking.finish_wait_s,
             )
-        elif self.local != self.folder and not self._copy_failed:
+        elif self.local != self.folder and self._finished and not self._copy_failed:
             # Every store is in the run directory now, and a resumed run copies it back in.
             shutil.rmtree(self.local, ignore_errors=True)
         for hint in self.hints:
@@ -152,6 +156,14 @@ class Trackers:
 
     # ---- the trackers' thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # the thread's own failure (a disk, a damaged store): a warning, never the run
+            self._broken = True
+            kept = f"; the stores stay in {self.local}" if self.local != self.folder else ""
+            log.warning("tracking: the trackers stopped (%s); training goes on without them%s", _first_line(exc), kept)
+
+    def _serve(self) -> None:
         while True:
             kind, payload = self._queue.get()
             if kind == "start":
@@ -171,6 +183,7 @@ class Trackers:
                     self._call(name, "finish", bool(payload))
                 if self.local != self.folder:
                     self._copy_out()
+                self._finished = True
                 return
 
     def _call(self, name: str, method: str, *args: Any) -> None:
@@ -185,6 +198,10 @@ class Trackers:
 
         self.local.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self.local != self.folder:
+            # Its name is predictable, in a temporary folder other users share: only ours, closed to them.
+            st = os.lstat(self.local)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise OSError(f"{self.local} is another user's or open to others (fix: remove it, or --set tracking.sqlite_local=false)")
             self._copy_in()
         ids = _read_ids(self.folder / IDS)
         for name in self.names:
@@ -227,16 +244,19 @@ class Trackers:
         """A resumed run on this node: start from the copy in the run directory when it is newer."""
         for kept in self.folder.glob("**/*.db"):
             here = self.local / kept.relative_to(self.folder)
-            if not here.exists() or here.stat().st_mtime < kept.stat().st_mtime:
-                here.parent.mkdir(parents=True, exist_ok=True)
-                _backup(kept, here)
+            try:
+                if not here.exists() or here.stat().st_mtime < kept.stat().st_mtime:
+                    here.parent.mkdir(parents=True, exist_ok=True)
+                    _backup(kept, here)
+            except (OSError, sqlite3.Error) as exc:
+                log.warning("tracking: could not copy %s back from the run directory (%s); its tracker starts without it", kept, exc)
 
     def _copy_out(self) -> None:
         self._copy_failed = False
         for db in self.local.glob("**/*.db"):
             kept = self.folder / db.relative_to(self.local)
-            kept.parent.mkdir(parents=True, exist_ok=True)
             try:
+                kept.parent.mkdir(parents=True, exist_ok=True)
                 _backup(db, kept)
             except (OSError, sqlite3.Error) as exc:
                 log.warning("tracking: could not copy %s into the run directory (%s); it stays in %s", db.name, exc, db.parent)
