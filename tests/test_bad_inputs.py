@@ -133,6 +133,12 @@ ROWS = [
     Row("invalid YAML", ["local", "--config", "{tmp}/broken.yaml"], "is not valid YAML", _files),
     Row("bad run name", ["local", "--run-name", "../x"], "run_name '../x' must be letters"),
     Row("--set without =", ["local", "--set", "train.lr"], "is not KEY=VALUE"),
+    Row("selftest with nothing to run", ["selftest", "--cpu", "--strategies", ",", "--no-bench"], "selftest has nothing to run"),
+    Row(
+        "check bandwidth sizes",
+        ["check", "--nnodes", "2", "--master-addr", "127.0.0.1", "--sizes-mb", "0,abc"],
+        "--sizes-mb '0,abc' is not a comma list of sizes in MB",
+    ),
     Row("negative webhook timeout", ["local", "--set", "health.webhook_timeout_s=-1"], "health.webhook_timeout_s must be in (0, 120]"),
     Row("fp16 on CPU", ["local", "--set", "train.precision=fp16"], "fp16 needs a CUDA GPU", skip_if=not NO_CUDA),
     # data

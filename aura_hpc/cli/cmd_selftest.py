@@ -17,6 +17,8 @@ def cmd_selftest(a: argparse.Namespace) -> int:
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ConfigError(f"--strategies: unknown {', '.join(unknown)} (fix: a comma list of {', '.join(STRATEGIES)})")
+    if not strategies and a.no_bench and not a.screen:
+        raise ConfigError("selftest has nothing to run: --strategies is empty and --no-bench is set (fix: drop one of them)")
     out = Path(a.out).resolve()
     if a.screen:
         return _screen(out, a)
@@ -30,6 +32,8 @@ def cmd_selftest(a: argparse.Namespace) -> int:
         rows.append((f"throughput, {t['shape']}", line))
     console.table(f"selftest on {report.device}, torch {report.torch}", rows)
     console.info(f"report: {out / 'selftest.json'}")
+    if not report.checks and not report.throughput:
+        console.error("selftest ran no check: every strategy asked for works between ranks and this node has one (fix: --gpus 2 or more)")
     return 0 if report.ok else 1
 
 

@@ -71,7 +71,12 @@ def cluster_args(
         raise LaunchError(f"--node-rank {node_rank} is not in 0..{nnodes - 1} (fix: --node-rank 0 on the master, 1..N-1 on the others)")
     if nnodes > 1 and not master_addr:
         raise LaunchError("--nnodes > 1 needs --master-addr (fix: --master-addr <IP of node 0> on every node)")
-    sizes = tuple(float(x) for x in sizes_mb.split(",") if x.strip())
+    try:
+        sizes = tuple(float(x) for x in sizes_mb.split(",") if x.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or not all(0 < s <= 4096 for s in sizes):
+        raise LaunchError(f"--sizes-mb {sizes_mb!r} is not a comma list of sizes in MB, each in (0, 4096] (fix: --sizes-mb 1,8,32)")
     return ClusterArgs(nnodes, node_rank, master_addr or "127.0.0.1", master_port, backend, shared_dir, timeout, sizes, ifname)
 
 

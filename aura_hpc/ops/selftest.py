@@ -74,7 +74,8 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.checks)
+        """Every check passed, and something was checked (a strategy that needs 2 GPUs on a 1-GPU node is skipped)."""
+        return bool(self.checks or self.throughput) and all(c.ok for c in self.checks)
 
 
 def _env(extra: dict[str, str], threads: int) -> dict[str, str]:
@@ -86,7 +87,11 @@ def _env(extra: dict[str, str], threads: int) -> dict[str, str]:
 
 
 def _local(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "aura_hpc", "local", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    cmd = [sys.executable, "-m", "aura_hpc", "local", *args]
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:  # a failed check with its reason, and the report still written
+        return subprocess.CompletedProcess(cmd, 124, "", f"error: the run did not end within {timeout:.0f} s (a hang?)\n")
 
 
 def _syncs(run: Path, rank: int) -> dict[str, int]:
