@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -131,6 +132,21 @@ def test_hub_dataset_path_with_a_local_dataset_folder(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "column 'text' not in" in bad.stderr and "--text-column" in bad.stderr
 
 
+def test_text_added_to_a_local_dataset_folder_is_new_input(tmp_path: Path) -> None:
+    """--dataset LOCAL_FOLDER was known by its name alone: ten times the text added to it, and prepare
+    kept the old data as up to date."""
+    from aura_hpc.data.prepare import input_key
+
+    train = tmp_path / "my_dataset" / "data" / "train.jsonl"
+    train.parent.mkdir(parents=True)
+    train.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:8]), encoding="utf-8")
+    spec = PrepareSpec(out_dir=tmp_path / "p", dataset=str(tmp_path / "my_dataset"), vocab_size=300)
+    first = input_key(spec, [])
+    assert input_key(spec, []) == first
+    train.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 10), encoding="utf-8")
+    assert input_key(spec, []) != first
+
+
 def test_given_tokenizer_is_used(tmp_path: Path, prepared: Path) -> None:
     files = _write_inputs(tmp_path / "in")
     m = prepare(PrepareSpec(out_dir=tmp_path / "p", inputs=[str(files["txt"])], tokenizer=str(prepared / "tokenizer")))
@@ -245,6 +261,51 @@ def test_prepare_never_writes_over_what_it_did_not_write(tmp_path: Path, prepare
     assert _snapshot(docs) == before[docs]
 
 
+def test_force_replaces_only_a_folder_whose_every_file_prepare_wrote(tmp_path: Path) -> None:
+    """--force judged a folder by its top-level names and took any JSON for our manifest: a user's
+    tokenizer export (its own manifest.json, tokenizer/my_precious_tokenizer.json) was replaced."""
+    files = _write_inputs(tmp_path / "in")
+    export, bare, ours = tmp_path / "export", tmp_path / "bare", tmp_path / "ours"
+    for folder in (export, bare):
+        (folder / "tokenizer").mkdir(parents=True)
+        (folder / "manifest.json").write_text(json.dumps({"name": "my tokenizer export", "version": 3}))
+    (export / "tokenizer" / "my_precious_tokenizer.json").write_text("{}")
+    (bare / "tokenizer" / "tokenizer.json").write_text("{}")  # a name prepare writes, under a manifest it did not
+    prepare(PrepareSpec(out_dir=ours, inputs=[str(files["txt"])], vocab_size=300))
+    (ours / "shards" / "notes.txt").write_text("mine")
+    cases = [
+        (export, "(it holds tokenizer/my_precious_tokenizer.json)"),
+        (bare, "(it holds a manifest.json prepare did not write)"),
+        (ours, "(it holds shards/notes.txt)"),
+    ]
+    for out, said in cases:
+        before = _snapshot(out)
+        with pytest.raises(DataError, match=f"is not empty and is not a prepared directory {re.escape(said)}.*\\(fix: "):
+            prepare(PrepareSpec(out_dir=out, inputs=[str(files["jsonl"])], vocab_size=300, force=True))
+        assert _snapshot(out) == before
+
+
+def test_windows_line_ends_cut_paragraphs_and_pieces_as_unix_ones_do(tmp_path: Path) -> None:
+    """A CRLF file was one paragraph and one piece: all of it in memory, --workers and --shard-mb ignored."""
+    from aura_hpc.data import shards
+    from aura_hpc.data.corpus import generate
+    from aura_hpc.data.sources import TEXT_SUFFIXES
+
+    text = generate(300, seed=4).replace("\n\n", "\n \n", 5)
+    lf, crlf = tmp_path / "lf.txt", tmp_path / "crlf.txt"
+    lf.write_bytes(text.encode())
+    crlf.write_bytes(text.replace("\n", "\r\n").encode())
+
+    def paragraphs(f: Path) -> tuple[int, list[str]]:
+        pieces = shards.plan([str(f)], TEXT_SUFFIXES, 8 * 1024, None, False)
+        raw = [shards.read_range(str(f), p.start, p.end).decode() for p in pieces]
+        return len(pieces), [para.replace("\r\n", "\n") for t in raw for para in split_paragraphs(t)]  # lines within keep their \r
+
+    (n_unix, unix), (n_windows, windows) = paragraphs(lf), paragraphs(crlf)
+    assert n_windows >= 4 and abs(n_windows - n_unix) <= 1  # cut at its blank lines, into as many pieces
+    assert windows == unix == split_paragraphs(text)
+
+
 def test_text_with_nul_bytes_is_refused_at_once(tmp_path: Path) -> None:
     blob = tmp_path / "disk.txt"
     blob.write_bytes(b"\0" * 3_000_000)  # ran for more than 10 minutes in BPE training before
@@ -289,18 +350,20 @@ def test_truncated_token_file_is_detected(tmp_path: Path) -> None:
         (["{tmp}/notes.docx"], "unsupported type '.docx'"),
         (["{tmp}/latin1.txt"], "is not UTF-8 text"),
         (["{tmp}/a.txt", "--vocab-size", "10"], "--vocab-size must be between"),
+        (["{tmp}/a.txt", "{tmp}/other.jsonl"], "column 'text' not in '{tmp}/other.jsonl'; its columns are content (fix: --text-column"),
     ],
 )
 def test_prepare_bad_inputs(tmp_path: Path, args: list[str], expected: str) -> None:
     _write_inputs(tmp_path)
     (tmp_path / "notes.docx").write_bytes(b"PK")
     (tmp_path / "latin1.txt").write_bytes("año".encode("latin-1"))
+    (tmp_path / "other.jsonl").write_text("".join(json.dumps({"content": d}) + "\n" for d in DOCS), encoding="utf-8")  # not the first piece
     from aura_hpc.data.prepare import PrepareSpec as Spec
 
     argv = [a.format(tmp=tmp_path) for a in args]
     vocab = int(argv[argv.index("--vocab-size") + 1]) if "--vocab-size" in argv else 300
     inputs = [a for a in argv if not a.startswith("--") and not a.isdigit()]
-    with pytest.raises(DataError, match=expected.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(DataError, match=expected.format(tmp=tmp_path).replace("(", r"\(").replace(".", r"\.")):
         prepare(Spec(out_dir=tmp_path / "out", inputs=inputs, vocab_size=vocab))
 
 

@@ -286,3 +286,124 @@ def test_no_credentials_or_a_forgotten_endpoint_fail_at_once_with_the_fix() -> N
                 os.environ["AWS_ENDPOINT_URL"] = before
         assert said in str(got.value), str(got.value)
     assert waited == [], "retried"
+
+
+def test_a_damaged_or_hostile_manifest_in_a_bucket_is_refused_in_one_line(tmp_path: Path, s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each field a reader uses, wrong: a KeyError, ValueError, AttributeError or IndexError before; and a
+    tokenizer hash of "/../../../escape" named a folder outside the cache, taken without a hash check."""
+    import copy
+
+    from aura_hpc.data import storage
+    from aura_hpc.data.cache import ShardCache
+    from aura_hpc.data.packed import PackedTokens
+    from aura_hpc.errors import DataError
+
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    storage._FS.clear()
+    fs = s3.fs()
+    good = {
+        "dtype": "uint16",
+        "tokenizer": {"vocab_size": 300, "eos_id": 0, "sha256": "a" * 64},
+        "shards": [{"split": "train", "file": "shards/train-00000.bin", "tokens": 100, "sha256": "b" * 64}],
+    }
+    cases: list[tuple[str, Any]] = [
+        ("dtype", lambda m: m.pop("dtype")),
+        ("dtype", lambda m: m.update(dtype="object")),
+        ("tokenizer", lambda m: m.pop("tokenizer")),
+        ("tokenizer.vocab_size", lambda m: m["tokenizer"].update(vocab_size="300")),
+        ("tokenizer.sha256", lambda m: m["tokenizer"].update(sha256="/../../../escape")),
+        ("shards[0]", lambda m: m.update(shards=["a"])),
+        ("shards[0].tokens", lambda m: m["shards"][0].update(tokens="x")),
+        ("shards[0].tokens", lambda m: m["shards"][0].update(tokens=-5)),
+        ("shards[0].file", lambda m: m["shards"][0].update(file="../x.bin")),
+        ("train_tokens", lambda m: m.update(shards=[], val_tokens=3)),
+    ]
+    cache = ShardCache(tmp_path / "a" / "b" / "cache", 2**30, storage.Policy(tries=1))
+    (tmp_path / "a" / "escape").mkdir()
+    (tmp_path / "a" / "escape" / "tokenizer.json").write_text("{}")  # what the escaping hash pointed at,
+    (cache.root / "tokenizer-").mkdir()  # through the folder its first try made in the cache
+    for i, (field, damage) in enumerate(cases):
+        m = copy.deepcopy(good)
+        damage(m)
+        fs.pipe(f"prep/hostile/{i}/manifest.json", json.dumps(m).encode())
+        with pytest.raises(DataError) as got:
+            _ = PackedTokens(f"s3://prep/hostile/{i}", 16, cache).tokenizer_dir
+        said = str(got.value)
+        assert f"s3://prep/hostile/{i}/manifest.json: {field} is " in said and "(fix: prepare the data again with --force)" in said, said
+    storage._FS.clear()
+
+
+@pytest.mark.parametrize("marker", [b"not json", b"[1, 2]"])
+def test_an_upload_marker_that_is_not_ours_is_refused_in_one_line(
+    tmp_path: Path, s3: Any, monkeypatch: pytest.MonkeyPatch, marker: bytes
+) -> None:
+    from aura_hpc.data import storage
+    from aura_hpc.errors import DataError
+
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    storage._FS.clear()
+    s3.fs().pipe("prep/marked/.aura-prepare", marker)
+    (tmp_path / "a.txt").write_text(generate(40, seed=2), encoding="utf-8")
+    spec = PrepareSpec(out_dir="s3://prep/marked", inputs=[str(tmp_path / "a.txt")], vocab_size=300, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError, match=r"s3://prep/marked/\.aura-prepare is not the marker prepare leaves during an upload .*\(fix: "):
+        prepare(spec)
+    storage._FS.clear()
+
+
+def test_an_out_prefix_inside_the_input_prefix_is_refused(tmp_path: Path, s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As for a folder: s3://raw/nine/ prepared into s3://raw/nine/prepared made its manifest and tokenizer
+    JSON inputs of the next run (which then failed, or trained on them)."""
+    from aura_hpc.data import storage
+    from aura_hpc.errors import DataError
+
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    storage._FS.clear()
+    s3.fs().pipe("raw/nine/a.txt", generate(40, seed=2).encode())
+    spec = PrepareSpec(out_dir="s3://raw/nine/prepared", inputs=["s3://raw/nine/"], vocab_size=300, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(
+        DataError, match=r"--out s3://raw/nine/prepared is inside the input s3://raw/nine/: .*\(fix: .*--out s3://raw/nine-prepared\)"
+    ):
+        prepare(spec)
+    assert not s3.fs().exists("raw/nine/prepared")
+    storage._FS.clear()
+    from aura_hpc.data.to_bucket import check_inputs
+
+    a = ["s3://raw/nine/a.txt"]
+    with pytest.raises(DataError, match=r"--out s3://raw/nine contains the input s3://raw/nine/a\.txt"):
+        check_inputs("s3://raw/nine", ["s3://raw/nine/a.txt"], a)
+    with pytest.raises(DataError, match=r"is inside the input s3://raw/\*\*/\*\.json"):
+        check_inputs("s3://raw/nine/prepared", ["s3://raw/**/*.json"], [])
+    check_inputs("s3://raw/nine/prepared", ["s3://raw/nine/*.txt"], a)  # what it matches stays the text
+
+
+def test_a_full_or_unwritable_local_disk_is_said_at_once_and_not_blamed_on_the_bucket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every OSError counted as the storage's: a download onto a full disk was retried and ended in
+    "could not read s3://... (fix: check AWS_ENDPOINT_URL and the network)"."""
+    import errno
+
+    from aura_hpc.data import storage
+    from aura_hpc.errors import DataError
+
+    part = str(tmp_path / "objects" / ".abc.part")  # objects/ missing: its open fails with the local name
+
+    class Disk:
+        def __init__(self, full: bool) -> None:
+            self.full = full
+
+        def get_file(self, rpath: str, lpath: str) -> None:
+            if self.full:
+                raise OSError(errno.ENOSPC, "No space left on device")  # a write() names no file
+            open(lpath, "wb").close()
+
+    for full, said in ((True, "No space left on device"), (False, "No such file or directory")):
+        monkeypatch.setattr(storage, "filesystem", lambda policy=None, full=full: Disk(full))
+        with pytest.raises(DataError) as got:
+            storage.download("s3://corpus/es/shards/train-00000.bin", part, storage.Policy(backoff_s=0.001))
+        line = str(got.value)
+        assert f"failed on this machine, not in the storage: {part}: {said} (fix: free space on that disk" in line, line
+        assert "retrying" not in caplog.text

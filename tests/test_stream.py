@@ -6,6 +6,7 @@ sample of the global order once and ends where an uninterrupted run ends."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,81 @@ def test_a_stream_resumed_at_another_world_size_with_an_empty_cache_trains_like_
     for start, ids in cut_rows.items():
         assert straight_rows[start] == ids
         assert all(i // STRIDE < 6 for i in ids)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small tokenizer folder (trained in well under a second)."""
+    from aura_hpc.data.tokenizer import train_tokenizer
+
+    out = tmp_path_factory.mktemp("tok")
+    train_tokenizer(iter(generate(400, seed=3).split("\n\n")), 300, out)
+    return out
+
+
+@pytest.mark.parametrize("pieces", [2, 3])
+def test_a_stream_of_a_few_pieces_reads_every_sequence_at_the_default_window(tmp_path: Path, tok: Path, pieces: int) -> None:
+    """Up to 4 pieces are one window by default (data.shuffle_window=0): the order was the permutation
+    of 0..n-1, which a stream's ids (piece * STRIDE + j) are not, so it read past piece 0's end."""
+    from aura_hpc.config.tree import DataConfig
+    from aura_hpc.data.stream import StreamOrder, StreamTokens
+
+    text = generate(400, seed=3)
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    shard_mb = len(text.encode()) / pieces / 2**20 * 1.05  # just over a share: the last piece is shorter
+    d = DataConfig(stream=True, path=str(tmp_path / "a.txt"), tokenizer=str(tok), cache_dir=str(tmp_path / "c"), shard_mb=shard_mb)
+    data = StreamTokens(d, seq_len=16)
+    try:
+        assert len(data.pieces) == pieces
+        order = StreamOrder(data, seed=1234, window=d.shuffle_window)
+        data.fetch("train", order.window_shards(0, 0))
+        order.refresh()
+        ids = order.indices(0, order.n)
+        assert sorted(ids) == sorted(i * STRIDE + j for i, n in enumerate(data.counts()) for j in range(n))
+        assert data.sequences("train", ids).shape == (order.n, 17)
+    finally:
+        data.close()
+
+
+def test_each_subset_and_split_of_a_dataset_has_its_own_stream_cache(tmp_path: Path, tok: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """c4's es/train, en/train and es/validation (4 data files each) shared one cache folder, and the
+    pieces one of them encoded were trained on as the other's."""
+    from aura_hpc.config.tree import DataConfig
+    from aura_hpc.data import sources
+    from aura_hpc.data.stream import StreamTokens
+
+    monkeypatch.setattr(sources, "dataset_shards", lambda name, subset, split: 4)  # no network
+    builds = set()
+    for subset, split in (("es", "train"), ("en", "train"), ("es", "validation")):
+        d = DataConfig(
+            stream=True, dataset="allenai/c4", dataset_subset=subset, dataset_split=split, tokenizer=str(tok), cache_dir=str(tmp_path)
+        )
+        data = StreamTokens(d, seq_len=16)
+        builds.add(data.build)
+        data.close()
+    assert len(builds) == 3
+
+
+def test_a_local_dataset_folder_edited_is_another_stream(tmp_path: Path, tok: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local dataset folder was known by its name alone: the pieces encoded before an edit were
+    trained on as the new text. Another node's copy of it (other mtimes) is the same stream."""
+    from aura_hpc.config.tree import DataConfig
+    from aura_hpc.data import sources
+    from aura_hpc.data.stream import StreamTokens
+
+    monkeypatch.setattr(sources, "dataset_shards", lambda name, subset, split: 1)  # datasets not started: the key is what is tested
+    folder = _dataset(tmp_path, files=2)
+
+    def key(dataset: Path) -> str:
+        d = DataConfig(stream=True, dataset=str(dataset), tokenizer=str(tok), cache_dir=str(tmp_path / "cache"))
+        data = StreamTokens(d, seq_len=16)
+        data.close()
+        return data.key
+
+    first = key(folder)
+    for f in (folder / "data").iterdir():
+        os.utime(f, (1e9, 1e9))
+    assert key(folder) == first
+    with open(folder / "data" / "train-01.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"texto": "Un párrafo nuevo."}) + "\n")
+    assert key(folder) != first

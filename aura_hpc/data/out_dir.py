@@ -1,29 +1,60 @@
 """Where `prepare` writes: what it may replace, the temporary sibling it builds in, and the swap.
 
 The rule is that prepare deletes nothing it did not write. An `--out` folder is replaced only when
-it is a prepared directory of ours (a manifest and nothing but our files); any other non-empty
-folder is refused with what it holds. The new data is built in a hidden sibling marked as ours
-(`.NAME.build-KEY`, KEY from the inputs) and renamed into place only when complete, so an
-interrupted prepare leaves the old data or nothing, and the next prepare of the same inputs resumes
-its finished pieces. A build of other inputs left by a killed prepare is recognised by its marker
-and removed (and the old data moved aside just before a crash is put back).
+it is a prepared directory of ours (a manifest prepare wrote, and nothing but the files prepare
+names, inside shards/ and tokenizer/ too); any other non-empty folder is refused with what it
+holds. The new data is built in a hidden sibling marked as ours (`.NAME.build-KEY`, KEY from the
+inputs) and renamed into place only when complete, so an interrupted prepare leaves the old data or
+nothing, and the next prepare of the same inputs resumes its finished pieces. A build of other
+inputs left by a killed prepare is recognised by its marker and removed (and the old data moved
+aside just before a crash is put back).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import time
 from pathlib import Path
 from typing import Any
 
+from aura_hpc.data.tokenizer import TOKENIZER_FILES
 from aura_hpc.errors import DataError
 
 # What a prepared directory holds; anything else in --out is somebody else's.
 MARKER = ".aura-prepare"  # inside a temporary sibling: who is building it (removed once it is in place)
-OUR_ENTRIES = frozenset({"manifest.json", "train.bin", "val.bin", "tokenizer", "shards", MARKER})
+_OUR_FILES = re.compile(
+    rf"manifest\.json|train\.bin|val\.bin|{re.escape(MARKER)}|shards/(train|val)-\d{{5,}}\.bin|tokenizer/(?P<tok>[^/]+)"
+)
+_KEY = re.compile(r"[0-9a-f]{64}")
+
+
+def our_file(name: str) -> bool:
+    """Whether `name` (relative to a prepared directory, / between folders) is a name prepare writes."""
+    m = _OUR_FILES.fullmatch(name)
+    return m is not None and (m["tok"] is None or m["tok"] in TOKENIZER_FILES)
+
+
+def our_manifest(manifest: Any) -> bool:
+    """A manifest prepare wrote (its format and input key), not any JSON named manifest.json."""
+    return isinstance(manifest, dict) and manifest.get("format") in (1, 2) and bool(_KEY.fullmatch(str(manifest.get("input_key"))))
+
+
+def foreign_files(out: Path) -> list[str]:
+    """What in `out` prepare did not write, judged file by file down into shards/ and tokenizer/
+    (prepare writes no links and no other folders)."""
+    found = []
+    for p in sorted(out.iterdir()):
+        if p.name in ("shards", "tokenizer") and p.is_dir() and not p.is_symlink():
+            for q in sorted(p.iterdir()):
+                if q.is_symlink() or not q.is_file() or not our_file(f"{p.name}/{q.name}"):
+                    found.append(f"{p.name}/{q.name}")
+        elif p.is_symlink() or not p.is_file() or not our_file(p.name):
+            found.append(p.name)
+    return found
 
 
 def _listing(names: list[str], limit: int = 3) -> str:
@@ -54,19 +85,20 @@ def check_out_dir(out: Path, inputs: list[Path], input_dirs: list[Path], manifes
     entries = sorted(p.name for p in out_abs.iterdir())
     if not entries:
         return
-    foreign = [n for n in entries if n not in OUR_ENTRIES]
-    if manifest is None or foreign:
-        what = _listing(foreign or entries)
+    foreign = foreign_files(out_abs)
+    if foreign or not our_manifest(manifest):
+        what = _listing(foreign) if foreign else "a manifest.json prepare did not write"
         raise DataError(
             f"--out {out} is not empty and is not a prepared directory (it holds {what}); prepare never replaces "
             f"files it did not write (fix: choose a new or empty folder, e.g. --out {out_abs.parent / (out_abs.name + '-prepared')})"
         )
     if not force:
-        tok = manifest.get("tokenizer") or {}
-        sources = manifest.get("sources") or []
+        m = manifest or {}
+        tok = m.get("tokenizer") if isinstance(m.get("tokenizer"), dict) else {}
+        sources = m.get("sources") if isinstance(m.get("sources"), list) else []
         raise DataError(
             f"--out {out} already holds data prepared from other inputs or settings ({len(sources)} source(s), tokenizer "
-            f"vocab {tok.get('vocab_size', '?')}, created {manifest.get('created', '?')}); runs trained on it need it "
+            f"vocab {tok.get('vocab_size', '?')}, created {m.get('created', '?')}); runs trained on it need it "
             "(fix: choose another --out, or add --force to replace it)"
         )
 
@@ -148,7 +180,7 @@ def finish_build(tmp: Path, out: Path) -> None:
     """Move the complete build into place. An existing `out` (already checked to be ours) is moved
     aside first and removed after the new one is in place."""
     if out.exists():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in OUR_ENTRIES)
+        foreign = foreign_files(out)
         if foreign:  # added while we were building
             raise DataError(f"--out {out} now holds {_listing(foreign)}, which prepare did not write (fix: move them, then run again)")
         old = out.parent / f".{out.name}.old-{os.getpid()}"

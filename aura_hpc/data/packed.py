@@ -11,12 +11,10 @@ from typing import Any
 import numpy as np
 
 from aura_hpc.data import storage
+from aura_hpc.data.manifest import check_manifest
 from aura_hpc.data.prepare import prepare_hint, read_manifest
 from aura_hpc.errors import DataError
 
-# The only token files a manifest may name: a name from a manifest (perhaps downloaded) never
-# leads outside the prepared directory.
-_TOKEN_FILE = re.compile(r"(shards/(train|val)-\d{5,}|train|val)\.bin")
 _TOKENIZER_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
@@ -115,17 +113,15 @@ class PackedTokens(TokenReader):
             if self.remote and not storage.listing(self.location.rstrip("/") + "/", policy):
                 raise DataError(f"data.path {self.location!r} does not exist: nothing is stored there (fix: {hint}, or correct it)")
             raise DataError(f"data.path {self.location!r} is not a prepared directory (no manifest.json) (fix: {hint})")
-        self.manifest: dict[str, Any] = manifest
+        self.manifest: dict[str, Any] = check_manifest(manifest, storage.join(self.location, "manifest.json"))
         self.seq_len = seq_len
         self.dtype = np.dtype(manifest["dtype"])
         listed = manifest.get("shards") or [
-            {"split": split, "file": f"{split}.bin", "tokens": int(manifest[f"{split}_tokens"]), "sha256": ""} for split in ("train", "val")
+            {"split": split, "file": f"{split}.bin", "tokens": manifest[f"{split}_tokens"], "sha256": ""} for split in ("train", "val")
         ]
         self.shards: dict[str, list[Shard]] = {"train": [], "val": []}
         for entry in listed:
-            shard = Shard(str(entry.get("split")), str(entry.get("file")), int(entry.get("tokens", 0)), str(entry.get("sha256", "")))
-            if shard.split not in self.shards or not _TOKEN_FILE.fullmatch(shard.file):
-                raise DataError(f"the manifest of {self.location} lists {shard.file!r}, not a token file (fix: prepare again with --force)")
+            shard = Shard(entry["split"], entry["file"], entry["tokens"], entry["sha256"])
             if shard.tokens:
                 self.shards[shard.split].append(shard)
         self._maps: dict[tuple[str, int], np.ndarray] = {}
@@ -195,7 +191,7 @@ class PackedTokens(TokenReader):
         import os
         import shutil
 
-        sha = str(self.manifest["tokenizer"].get("sha256", ""))
+        sha = self.manifest["tokenizer"]["sha256"]  # 64 hex digits (check_manifest): a name inside the cache
         folder = self.cache.root / f"tokenizer-{sha[:16]}"
         if (folder / "tokenizer.json").is_file():
             return folder
@@ -311,13 +307,17 @@ class GlobalOrder:
         """The global ids of a shard's sequences (what `PackedTokens.locate` reads back)."""
         return np.arange(self.starts[shard], self.starts[shard + 1])
 
+    def _ids_are_positions(self) -> bool:
+        """One window whose sequence ids are 0..n-1: its order is the plain permutation of n."""
+        return self.single and self.complete
+
     def _perm(self, epoch: int, w: int) -> np.ndarray:
         """Window w of the epoch, as the global sequence ids in their shuffled order."""
         got = self._perms.get((epoch, w))
         if got is None:
             if len(self._perms) > 3:
                 self._perms.pop(min(self._perms))
-            if self.single and self.complete:  # the order of format-1 data and of runs before windows: kept exactly
+            if self._ids_are_positions():  # the order of format-1 data and of runs before windows: kept exactly
                 got = np.random.default_rng([self.seed, epoch]).permutation(self.n)
             else:
                 ids = np.concatenate([self.shard_ids(s) for s in self.window_shards(epoch, w)])

@@ -29,6 +29,7 @@ import numpy as np
 from aura_hpc.data import out_dir, shards, storage
 from aura_hpc.data.sources import (  # noqa: F401  (split_paragraphs re-exported for tests)
     TEXT_SUFFIXES,
+    dataset_folder_files,
     dataset_shards,
     input_folders,
     resolve_inputs,
@@ -79,6 +80,9 @@ def input_key(spec: PrepareSpec, files: list[Path | str]) -> str:
         key["builtin"] = CORPUS_VERSION
     elif spec.dataset:
         key["dataset"] = [spec.dataset, spec.subset, spec.split]
+        folder = dataset_folder_files(spec.dataset)
+        if folder:  # a local dataset folder: text added to it is new input, as for files
+            key["dataset_files"] = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in folder]
     else:
         remote = storage.objects if any(isinstance(f, str) for f in files) else None
         listed: dict[str, tuple[int, str]] = {}
@@ -111,10 +115,12 @@ def prepare_hint(path: Path) -> str:
 
 
 def read_manifest(prepared: Path) -> dict[str, Any] | None:
+    """The folder's manifest.json as a JSON object; None when there is none (or it is no object: not ours)."""
     try:
-        return json.loads((prepared / "manifest.json").read_text())
-    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        value = json.loads((prepared / "manifest.json").read_text())
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):  # ValueError: not JSON, not UTF-8
         return None
+    return value if isinstance(value, dict) else None
 
 
 def prepare(spec: PrepareSpec) -> dict[str, Any]:
@@ -131,8 +137,9 @@ def prepare(spec: PrepareSpec) -> dict[str, Any]:
     key = input_key(spec, files)
     if storage.is_remote(str(spec.out_dir)):
         from aura_hpc.data.cache import default_dir
-        from aura_hpc.data.to_bucket import prepare_to_bucket
+        from aura_hpc.data.to_bucket import check_inputs, prepare_to_bucket
 
+        check_inputs(str(spec.out_dir), spec.inputs, files)
         started = time.perf_counter()
 
         def build_here(build: Path) -> dict[str, Any]:

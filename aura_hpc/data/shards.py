@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,7 +56,12 @@ def read_range(source: str, start: int, end: int, policy: storage.Policy | None 
         return f.read(end - start)
 
 
-def _cut(source: str, piece_bytes: int, separator: bytes, policy: storage.Policy | None = None) -> list[tuple[int, int]]:
+_BLANK_LINE = re.compile(rb"\n\r?\n")  # a paragraph's end, in a file with Windows line ends (CRLF) too
+_LINE_END = re.compile(rb"\n")
+_LONGEST_SEPARATOR = 3  # a window reads this far past its end: a separator across two windows is found whole
+
+
+def _cut(source: str, piece_bytes: int, separator: re.Pattern[bytes], policy: storage.Policy | None = None) -> list[tuple[int, int]]:
     """Byte ranges of at most ~piece_bytes, each ending just after a separator (or at the end)."""
     size = _size(source)
     if size <= piece_bytes:
@@ -68,10 +74,10 @@ def _cut(source: str, piece_bytes: int, separator: bytes, policy: storage.Policy
             break
         end, at = size, nominal
         while at < size:  # read on until a separator appears
-            window = read_range(source, at, min(size, at + (1 << 16) + len(separator)), policy)
-            found = window.find(separator)
-            if found >= 0:
-                end = at + found + len(separator)
+            window = read_range(source, at, min(size, at + (1 << 16) + _LONGEST_SEPARATOR), policy)
+            found = separator.search(window)
+            if found is not None:
+                end = at + found.end()
                 break
             at += 1 << 16
         ranges.append((start, end))
@@ -98,7 +104,7 @@ def plan(
         suffix = os.path.splitext(f.rsplit("/", 1)[-1])[1].lower()
         kind = kinds[suffix]
         if kind == "text" or (kind == "json" and suffix == ".jsonl"):
-            ranges = _cut(f, piece_bytes, b"\n\n" if kind == "text" else b"\n", policy)
+            ranges = _cut(f, piece_bytes, _BLANK_LINE if kind == "text" else _LINE_END, policy)
             for i, (a, b) in enumerate(ranges):
                 pieces.append(Piece(len(pieces), f, "text" if kind == "text" else "jsonl", a, b, i == len(ranges) - 1))
         else:
@@ -157,7 +163,8 @@ def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
             for i, para in enumerate(paras):
                 yield para, p.last and i == len(paras) - 1
             return
-        for n, line in enumerate(text.splitlines()):
+        first = p.start == 0  # a file's first row, whichever piece of all the inputs it starts
+        for line in text.splitlines():
             if line.strip():
                 try:
                     row = json.loads(line)
@@ -165,10 +172,11 @@ def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
                     raise DataError(
                         f"{p.source}: a line near byte {p.start} is not JSON ({exc.msg}) (fix: one JSON object per line)"
                     ) from None
-                value = row.get(job.text_column) if isinstance(row, dict) else None
-                if value is None and n == 0 and p.index == 0:
+                if first and (not isinstance(row, dict) or job.text_column not in row):
                     keys = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
                     raise DataError(f"column {job.text_column!r} not in {p.source!r}; its columns are {keys} (fix: --text-column NAME)")
+                first = False
+                value = row.get(job.text_column) if isinstance(row, dict) else None
                 if isinstance(value, str) and value.strip():
                     check_text(p.source, value)
                     yield value, True

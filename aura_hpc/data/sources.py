@@ -79,8 +79,8 @@ def resolve_inputs(inputs: list[str]) -> list[Path | str]:
 
 
 def split_paragraphs(text: str) -> list[str]:
-    parts = [p for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
-    return [p.strip("\n") + "\n\n" for p in parts]
+    parts = [p for p in re.split(r"\r?\n[ \t\r]*\n", text) if p.strip()]  # \r: Windows line ends (CRLF)
+    return [p.strip("\r\n") + "\n\n" for p in parts]
 
 
 def open_dataset(builder: str, data_files: list[str] | None, name: str | None, subset: str | None, split: str, source: str) -> Any:
@@ -99,6 +99,15 @@ def open_dataset(builder: str, data_files: list[str] | None, name: str | None, s
         raise DataError(f"dataset {source!r} could not be loaded: {str(exc).splitlines()[0]} (fix: check --subset/--split)") from None
     except ConnectionError as exc:
         raise DataError(f"dataset {source!r} needs the network ({exc}) (fix: download it first, or use local files)") from None
+
+
+def dataset_folder_files(name: str) -> list[Path]:
+    """A local dataset folder's files (its hidden ones, such as .git, left out); none for a Hub name.
+    What a key over them sees change: a Hub name's revision is not followed, a folder's edits are."""
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        return []
+    return [f for f in sorted(folder.rglob("*")) if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts)]
 
 
 def dataset_shards(name: str, subset: str | None, split: str) -> int:

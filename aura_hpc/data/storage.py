@@ -14,8 +14,10 @@ read can take is known (and kept below the collective timeout by the trainer).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -137,6 +139,25 @@ def _permanent(exc: BaseException) -> bool:
     return any(code in reason for code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "NoSuchBucket", "403"))
 
 
+# A full, read-only or forbidden local disk: no retry fixes it, and the bucket is not to blame.
+_LOCAL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})  # EACCES: also what a refused bucket may say
+
+
+def _local_failure(exc: BaseException, what: str, local: str | None) -> DataError | None:
+    """The one-line error for a failure on this machine's side of a copy (s3fs names objects
+    bucket/key, never an absolute path), or None for the storage's own."""
+    if not isinstance(exc, OSError) or isinstance(exc, TimeoutError | ConnectionError):
+        return None
+    named = exc.filename if isinstance(exc.filename, str) and os.path.isabs(exc.filename) else None
+    if named is None and exc.errno not in _LOCAL_ERRNOS:
+        return None
+    return DataError(
+        f"copying {what} failed on this machine, not in the storage: {named or local or 'a local file'}: "
+        f"{exc.strerror or type(exc).__name__} (fix: free space on that disk or make it writable; for the shard cache, "
+        "--set data.cache_dir=A_DIR_ON_ANOTHER_DISK)"
+    )
+
+
 def _transport_error(exc: BaseException) -> bool:
     """Errors of the storage or the network (as opposed to a bug: TypeError, KeyError, ...)."""
     if isinstance(exc, OSError | TimeoutError | DataError):  # ConnectionError, FileNotFoundError, PermissionError
@@ -168,15 +189,19 @@ def explain(exc: BaseException, url: str) -> DataError:
     return DataError(f"could not read {url} ({reason}) (fix: check AWS_ENDPOINT_URL and the network, then re-run to resume)")
 
 
-def retrying(what: str, fn: Callable[[], T], policy: Policy, sleep: Callable[[float], None] = time.sleep) -> T:
+def retrying(what: str, fn: Callable[[], T], policy: Policy, sleep: Callable[[float], None] = time.sleep, local: str | None = None) -> T:
     """fn(), retried on transient errors with exponential backoff; a DataError naming `what` when
-    it fails for good (or at once for a missing object or refused credentials)."""
+    it fails for good (or at once for a missing object or refused credentials), or naming the local
+    file (`local`, the copy's other end) when this machine's disk failed."""
     for attempt in range(1, policy.tries + 1):
         try:
             out = fn()
             _REACHED[0] = True
             return out
         except Exception as exc:  # botocore, aiohttp and OS errors all end here
+            mine = _local_failure(exc, what, local)
+            if mine is not None:
+                raise mine from None
             if not _transport_error(exc):
                 raise  # a bug of ours, not a storage problem: not retried, not disguised
             if _permanent(exc) or attempt == policy.tries:
@@ -233,12 +258,12 @@ def delete(url: str, policy: Policy = Policy()) -> None:
 
 def download(url: str, dest: Any, policy: Policy = Policy()) -> None:
     fs = filesystem(policy)
-    retrying(url, lambda: fs.get_file(strip(url), str(dest)), policy)
+    retrying(url, lambda: fs.get_file(strip(url), str(dest)), policy, local=str(dest))
 
 
 def upload(local: Any, url: str, policy: Policy = Policy()) -> None:
     fs = filesystem(policy)
-    retrying(url, lambda: fs.put_file(str(local), strip(url)), policy)
+    retrying(url, lambda: fs.put_file(str(local), strip(url)), policy, local=str(local))
 
 
 def write_bytes(url: str, data: bytes, policy: Policy = Policy()) -> None:
@@ -246,7 +271,9 @@ def write_bytes(url: str, data: bytes, policy: Policy = Policy()) -> None:
     retrying(url, lambda: fs.pipe_file(strip(url), data), policy)
 
 
-def read_manifest(url: str, policy: Policy) -> dict[str, Any] | None:
+def read_manifest(url: str, policy: Policy, check: bool = True) -> dict[str, Any] | None:
+    """The manifest under `url` (None: there is none); `check`: refused unless every field is as
+    prepare writes it (what a run reads), not when prepare only looks whose the prefix is."""
     try:
         raw = read_bytes(join(url, "manifest.json"), policy)
     except DataError as exc:
@@ -257,4 +284,10 @@ def read_manifest(url: str, policy: Policy) -> dict[str, Any] | None:
         value = json.loads(raw)
     except ValueError:
         raise DataError(f"{join(url, 'manifest.json')} is not JSON (fix: prepare the data there again with --force)") from None
-    return value if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        return None
+    if check:
+        from aura_hpc.data.manifest import check_manifest
+
+        check_manifest(value, join(url, "manifest.json"))
+    return value

@@ -82,7 +82,10 @@ class StreamTokens(TokenReader):
         # Local files are named relative to their common folder: LAN nodes may keep their copies elsewhere.
         named = _portable(self.pieces)
         key = {"pieces": [asdict(p) for p in named], "tokenizer": tok_sha, "val": d.val_fraction, "column": d.text_column}
-        if not d.dataset:
+        if d.dataset:  # c4's es/train, en/train and es/validation have the same pieces: not the same text
+            key["dataset"] = [d.dataset_subset, d.dataset_split]
+            key["objects"] = _folder_versions(d.dataset)
+        else:
             key["objects"] = _object_versions(self.pieces)
         self.key = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
         root = Path(d.cache_dir).expanduser() if d.cache_dir else default_dir()
@@ -225,6 +228,11 @@ class StreamOrder(GlobalOrder):
     def shard_ids(self, shard: int) -> np.ndarray:
         return shard * STRIDE + np.arange(max(0, int(self.counts[shard])))
 
+    def _ids_are_positions(self) -> bool:
+        # Ids are piece * STRIDE + j: a permutation of 0..n-1 would point past piece 0's end as soon as a
+        # second piece exists (a stream of up to 4 pieces is one window by default). One piece keeps its order.
+        return super()._ids_are_positions() and len(self.counts) == 1
+
     def state(self) -> dict[str, Any]:
         return {"piece_sequences": self.counts.tolist()}
 
@@ -255,6 +263,19 @@ def _object_versions(pieces: list[shards.Piece]) -> list[list[Any]]:
         else:
             size = Path(src).stat().st_size
             out.append([Path(src).name, size, _sampled_digest(Path(src), size)])
+    return out
+
+
+def _folder_versions(dataset: str) -> list[list[Any]]:
+    """A local dataset folder's files (none for a Hub name): relative name, size and a digest of a
+    few 64 KB blocks (a folder of many large Parquet files is read for 256 KB a file, not 16 MB)."""
+    from aura_hpc.data.sources import dataset_folder_files
+
+    folder = Path(dataset).expanduser()
+    out: list[list[Any]] = []
+    for f in dataset_folder_files(dataset):
+        size = f.stat().st_size
+        out.append([f.relative_to(folder).as_posix(), size, _sampled_digest(f, size, 4, 1 << 16)])
     return out
 
 

@@ -10,9 +10,11 @@ meanwhile is refused instead of mixing old and new shards.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -23,40 +25,79 @@ from aura_hpc.errors import DataError
 
 log = logging.getLogger("aura_hpc")
 
-MARKER = ".aura-prepare"  # an upload under way: the input key it is for
-_OURS = ("manifest.json", MARKER)
-_OUR_FOLDERS = ("shards/", "tokenizer/")
+MARKER = out_dir.MARKER  # an upload under way: the input key it is for
+
+
+def check_inputs(url: str, inputs: list[str], files: list[Any]) -> None:
+    """A local --out's rules, for a prefix: never an input, and never where the inputs' next listing
+    would take its manifest and tokenizer (JSON) for text."""
+    url = url.rstrip("/")
+    for f in files:
+        if isinstance(f, str) and (f == url or f.startswith(url + "/")):
+            raise DataError(
+                f"--out {url} {'is' if f == url else 'contains'} the input {f}: prepare would replace what it reads "
+                f"(fix: --out {url}-prepared)"
+            )
+    written = [storage.strip(storage.join(url, name)) for name in ("manifest.json", "tokenizer/tokenizer.json")]
+    for item in (i for i in inputs if storage.is_remote(i)):
+        prefix = item.rstrip("/")
+        if glob.has_magic(item):
+            from fsspec.utils import glob_translate
+
+            pattern = re.compile(glob_translate(storage.strip(item)))
+            inside = any(pattern.match(name) for name in written)
+        else:
+            inside = url == prefix or url.startswith(prefix + "/")
+        if inside:
+            raise DataError(
+                f"--out {url} is inside the input {item}: its manifest and tokenizer would be read as input the next time "
+                f"(fix: an --out outside the inputs, e.g. --out {prefix.split('*')[0].rstrip('/')}-prepared)"
+            )
 
 
 def _check_prefix(
     url: str, present: dict[str, int], manifest: dict[str, Any] | None, key: str, marker: dict[str, Any] | None, force: bool
 ) -> None:
     names = [u[len(url) + 1 :] for u in present]
-    foreign = [n for n in names if n not in _OURS and not n.startswith(_OUR_FOLDERS)]
-    if present and (foreign or (manifest is None and marker is None)):
+    foreign = [n for n in names if not out_dir.our_file(n)]  # a user's tokenizer/notes.txt is theirs: judged by name
+    if present and (foreign or (not out_dir.our_manifest(manifest) and marker is None)):
         shown = ", ".join((foreign or names)[:3])
         raise DataError(
             f"--out {url} holds {len(present)} object(s) ({shown}) and no prepared data of ours; prepare never replaces what it "
             f"did not write (fix: another prefix, e.g. --out {url}-prepared)"
         )
     if manifest is not None and manifest.get("input_key") != key and not force:
-        tok = manifest.get("tokenizer") or {}
+        tok = manifest.get("tokenizer") if isinstance(manifest.get("tokenizer"), dict) else {}
         raise DataError(
             f"--out {url} already holds data prepared from other inputs or settings (tokenizer vocab {tok.get('vocab_size', '?')}, "
             f"created {manifest.get('created', '?')}); runs trained on it need it (fix: another --out, or --force to replace it)"
         )
 
 
+def _read_marker(url: str, policy: storage.Policy) -> dict[str, Any]:
+    """Our unfinished upload's marker: an object anyone with the bucket could have written."""
+    try:
+        marker = json.loads(storage.read_bytes(url, policy))
+    except ValueError:
+        marker = None
+    if not isinstance(marker, dict) or not isinstance(marker.get("input_key"), str):
+        raise DataError(
+            f"{url} is not the marker prepare leaves during an upload (a JSON object with its input_key) (fix: another --out, "
+            "or delete that object if it is yours)"
+        )
+    return marker
+
+
 def prepare_to_bucket(spec: Any, key: str, build_here: Callable[[Path], dict[str, Any]], cache_root: Path) -> dict[str, Any]:
     url = str(spec.out_dir).rstrip("/")
     storage.check_url(url, "--out")
     policy = storage.Policy()
-    existing = storage.read_manifest(url, policy)
+    existing = storage.read_manifest(url, policy, check=False)  # a damaged one of ours is replaced with --force
     if existing and existing.get("input_key") == key and not spec.force:
         return {**existing, "up_to_date": True}
     present = storage.listing(url, policy)
     marker_url = storage.join(url, MARKER)
-    marker = json.loads(storage.read_bytes(marker_url, policy)) if marker_url in present else None
+    marker = _read_marker(marker_url, policy) if marker_url in present else None
     _check_prefix(url, present, existing, key, marker, spec.force)
 
     # The local build: under the cache, named after the URL, resumable like a local one.

@@ -14,6 +14,15 @@ from typing import Any
 from aura_hpc.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
+# What a prepared directory's tokenizer/ may hold (transformers' tokenizer files): a copied tokenizer
+# folder brings only these, so that anything else found there is known not to be prepare's.
+TOKENIZER_FILES = frozenset(
+    {
+        "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+        "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json",
+        "config.json",
+    }
+)  # fmt: skip
 
 
 @dataclass
@@ -81,7 +90,10 @@ def load_tokenizer(name_or_path: str, out: Path) -> _Tok:
         eos_id = backend.token_to_id(eos) if eos else None
         if eos_id is None:
             raise DataError(f"tokenizer {name_or_path!r} has no eos token (fix: use a tokenizer that defines eos_token)")
-        shutil.copytree(folder, out, ignore=shutil.ignore_patterns("*.bin", "*.safetensors", "*.pt"))
+        out.mkdir(parents=True)
+        for name in sorted(TOKENIZER_FILES):
+            if (folder / name).is_file():
+                shutil.copyfile(folder / name, out / name)
         return _Tok(backend, backend.get_vocab_size(with_added_tokens=True), int(eos_id))
     from transformers import AutoTokenizer
 

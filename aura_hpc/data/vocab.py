@@ -10,6 +10,7 @@ from typing import Any
 def tokenizer_vocab(cfg: Any) -> int:
     """The prepared data's vocabulary; for data not prepared yet (the built-in corpus) data.vocab_size, an upper bound."""
     from aura_hpc.data import storage
+    from aura_hpc.data.manifest import check_manifest
     from aura_hpc.errors import DataError
 
     if getattr(cfg.data, "stream", False) and cfg.data.tokenizer:
@@ -27,7 +28,8 @@ def tokenizer_vocab(cfg: Any) -> int:
                     storage.read_manifest(cfg.data.path, storage.Policy(tries=cfg.data.read_tries, timeout_s=cfg.data.read_timeout_s)) or {}
                 )
             else:
-                manifest = json.loads((Path(cfg.data.path) / "manifest.json").read_text())
+                where = Path(cfg.data.path) / "manifest.json"
+                manifest = check_manifest(json.loads(where.read_text()), str(where))
             return int(manifest["tokenizer"]["vocab_size"])
         except (OSError, ValueError, KeyError, DataError):
             pass
