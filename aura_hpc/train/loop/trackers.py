@@ -85,6 +85,9 @@ class Trackers:
         self._copy_failed = False  # the last copy into the run directory missed a store
         self._finished = False  # the thread handed over "finish" and made its last copy
         self._broken = False  # the thread stopped on an error of its own: nothing more goes to it
+        # A resumed run: the steps a tracker already holds past the checkpoint (the killed attempt logged
+        # them; an exact resume logs the same values again), not sent twice.
+        self._held: dict[str, int] = {}
         self._thread: threading.Thread | None = None
         self.hints: list[str] = []
 
@@ -171,7 +174,8 @@ class Trackers:
             elif kind == "log":
                 values, step = payload
                 for name in list(self._live):
-                    self._call(name, "log", values, step)
+                    if step > self._held.get(name, -1):
+                        self._call(name, "log", values, step)
                 if self.local != self.folder and time.monotonic() - self._copied > self.cfg.tracking.copy_every_s:
                     self._copy_out()
             elif kind == "copy":
@@ -232,6 +236,8 @@ class Trackers:
                 last = self._live[name].last_step()
             except Exception:
                 continue
+            if last is not None and last > self.resume_step:
+                self._held[name] = last
             if last is None and name == "wandb":
                 continue
             missing = [r for r in rows if last is None or r["step"] > last]
