@@ -688,3 +688,25 @@ def test_a_slurm_attempts_pages_are_its_own_and_leave_with_it(tmp_path: Path) ->
             f.unlink()
         if folder.exists():
             folder.rmdir()
+
+
+def test_a_stop_signal_is_timed_when_it_comes_not_when_the_agent_next_asks() -> None:
+    """The launcher's verdict (exit 75, or 130 'before a checkpoint could be written') compares the checkpoint's
+    time with the signal's: taken when the agent polled, after its workers had exited, a checkpoint they wrote
+    for the stop seemed older than the signal."""
+    import signal as signals
+
+    from aura_hpc.launch.stop_signals import StopSignals
+
+    previous = signals.signal(signals.SIGUSR2, lambda *_: None)
+    stops = StopSignals()
+    try:
+        stops.install()
+        sent = time.time()
+        os.kill(os.getpid(), signals.SIGUSR2)
+        time.sleep(1.5)  # the agent busy with its workers' exit
+        first = stops.poll()
+        assert first is not None and first[0] == signals.SIGUSR2 and first[1] - sent < 0.7, (first, sent)
+    finally:
+        stops.close()
+        signals.signal(signals.SIGUSR2, previous)

@@ -42,6 +42,20 @@ class StopSignals:
             os.close(w)
             return
         self._read = r
+        # The signal's time is when it came, not when something next asks: the agent may poll only once its
+        # workers have exited, seconds after they checkpointed for it (read as "stopped before a checkpoint").
+        threading.Thread(target=self._watch, args=(r,), name="aura-stop-signals", daemon=True).start()
+
+    def _watch(self, r: int) -> None:
+        import select
+
+        while self.first is None and self._read == r:
+            try:
+                ready, _, _ = select.select([r], [], [], 1.0)
+            except (OSError, ValueError):  # closed
+                return
+            if ready:
+                self.poll()
 
     def poll(self) -> tuple[signal.Signals, float] | None:
         """The first stop signal so far (read from the descriptor without blocking)."""
@@ -58,10 +72,11 @@ class StopSignals:
     def close(self) -> None:
         if threading.current_thread() is threading.main_thread() and self._read >= 0:
             w = signal.set_wakeup_fd(-1)
-            for fd in (w, self._read):
+            with self._lock:  # the watching thread reads no descriptor that closes (or is reused) meanwhile
+                r, self._read = self._read, -1
+            for fd in (w, r):
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            self._read = -1
 
 
 def forward_like_sigterm(sigval: signal.Signals) -> Callable[[int, FrameType | None], None]:
