@@ -130,6 +130,8 @@ def run_workers(plan: LocalPlan) -> int:
                 if peer is not None and launch is not None and failed.exit_code == EXIT_TRAIN_FAILED:
                     launch.hang(peer.last_progress, time.time())
                 hang = watch.hangs[-1] if watch is not None and len(watch.hangs) > seen else None
+                if hang is not None and watch is not None and hang.killed_at < watch.started:
+                    hang = None  # the agent restarted in place after that hang: this attempt ended otherwise (a crash)
                 if hang is None and watch is not None and failed.exit_code == EXIT_TRAIN_FAILED:
                     # Another node declared the hang and killed its workers: ours then failed on the broken collectives.
                     hang = watch.peer_hang()
