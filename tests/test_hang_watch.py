@@ -160,6 +160,17 @@ def test_a_hang_is_when_no_rank_moved_for_longer_than_its_section_allows(tmp_pat
         assert not w.hung({0: _page("finished", 5, 9, now - 999)}, now)
     finally:
         w.close()
+    # Ctrl+C in a step whose time is not known yet (the first steps: compilation, a long accumulation):
+    # the step's own limit, not the few seconds a stop allows a calibrated step.
+    w = _watch(tmp_path, "health.hang_step_floor_s=60")
+    try:
+        now = time.time()
+        assert not w.hung({0: _page("step", 1, 9, now - 20), 1: _page("step", 1, 9, now - 20)}, now, stopping=True)
+        w._learn(0, _page("step", 10, 5, now - 30))
+        w._learn(0, _page("step", 11, 6, now - 29))
+        assert w.hung({0: _page("step", 12, 9, now - 20), 1: _page("step", 12, 9, now - 20)}, now, stopping=True)
+    finally:
+        w.close()
 
 
 def test_the_culprit_is_the_silent_rank_then_the_one_not_waiting_then_the_one_behind(tmp_path: Path) -> None:
@@ -174,6 +185,8 @@ def test_the_culprit_is_the_silent_rank_then_the_one_not_waiting_then_the_one_be
     assert named.startswith("hang: rank 1 on gpu-07 is not waiting for its peers: train/loop/data_feed.py:88 in _prepare")
     assert "inside core.py:10 in _cat_file" in named and "wait at train/loop/evaluation.py:40 in evaluate" in named, named
     assert "the rank holding them up is on another node" in hang_line(even, {0: WAITING, 1: WAITING}, [], "elsewhere", "h", 31.0, tmp_path)
+    computing = hang_line(even, {0: READING, 1: READING}, [], "elsewhere", "h", 31.0, tmp_path)
+    assert "every rank on h is still computing" in computing and "another node" not in computing, computing
     # A silent rank says what the kernel says of it: a stopped process (a D-state one is said the same way;
     # none can be made here without a filesystem that stops answering).
     import signal

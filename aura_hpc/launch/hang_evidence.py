@@ -115,6 +115,12 @@ def hang_line(
         names = ", ".join(map(str, culprits))
         return f"hang: rank {names} on {host} {what} ({state(r)}), no progress for {idle:.0f}s{waiting}{records}; stacks in {where}"
     r = min(ranks)
+    if all(stacks.get(o) and not _waiting(stacks[o]) for o in ranks):  # none waits: a step longer than allowed
+        return (
+            f"hang: every rank on {host} is still computing ({state(r)}; at {_top(stacks.get(r, ''))}), no progress for "
+            f"{idle:.0f}s: a step longer than the watchdog allows (fix: --set health.hang_step_floor_s=<a few steps' seconds>)"
+            f"{records}; stacks in {where}"
+        )
     return (
         f"hang: every rank on {host} waits for a peer ({state(r)}; at {_top(stacks.get(r, ''))}), no progress for {idle:.0f}s: "
         f"the rank holding them up is on another node{records}; stacks in {where}"

@@ -274,8 +274,10 @@ class HangWatch:
         if not ranks or all(p["section"] == "finished" for p in ranks.values()):
             return False
         idle = now - max(p["beat"] for p in ranks.values())
-        if stopping and all(p["section"] == "step" for p in ranks.values()):
-            return idle > max(STOPPING_STALL_S, 3 * self.calibration.get("step", 0.0))
+        step = self.calibration.get("step", 0.0)
+        if stopping and step and all(p["section"] == "step" for p in ranks.values()):
+            # Only once a step's time is known: the first steps (compilation, a long accumulation) may take minutes.
+            return idle > max(STOPPING_STALL_S, 3 * step)
         return idle > max(self.timeout(p["section"]) for p in ranks.values())
 
     # ---- a hang --------------------------------------------------------------------------------
