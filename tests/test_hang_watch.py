@@ -723,3 +723,27 @@ def test_a_stop_signal_is_timed_when_it_comes_not_when_the_agent_next_asks() -> 
     finally:
         stops.close()
         signals.signal(signals.SIGUSR2, previous)
+
+
+def test_under_nohup_a_hangup_stops_neither_the_launcher_nor_the_workers() -> None:
+    """nohup leaves SIGHUP ignored; the agent (torch >= 2.8 handles what it is told to) and the workers' stop
+    handler would have replaced that, so a logout stopped a run started with `nohup python -m aura_hpc local`."""
+    import signal as signals
+
+    from aura_hpc.launch.agent import agent_options
+    from aura_hpc.train.process.stop import StopRequest
+
+    before = {sig: signals.getsignal(sig) for sig in (signals.SIGTERM, signals.SIGINT, signals.SIGUSR1, signals.SIGUSR2, signals.SIGHUP)}
+    signals.signal(signals.SIGHUP, signals.SIG_IGN)
+    try:
+        options, _ = agent_options(60)
+        if "signals_to_handle" in options:
+            assert "SIGHUP" not in options["signals_to_handle"] and "SIGUSR2" in options["signals_to_handle"]
+        StopRequest().install()
+        assert signals.getsignal(signals.SIGHUP) == signals.SIG_IGN
+        signals.signal(signals.SIGHUP, signals.SIG_DFL)
+        options, _ = agent_options(60)
+        assert "SIGHUP" in options.get("signals_to_handle", "SIGHUP")
+    finally:
+        for sig, handler in before.items():
+            signals.signal(sig, handler)

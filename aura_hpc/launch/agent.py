@@ -65,7 +65,9 @@ def agent_options(shutdown_timeout: int) -> tuple[dict[str, Any], list[str]]:
             "to write their checkpoint after a stop signal"
         )
     if "signals_to_handle" in fields:
-        options["signals_to_handle"] = FORWARDED_SIGNALS
+        # Under nohup SIGHUP is ignored, and stays so (torch would handle it over the inherited SIG_IGN).
+        nohup = hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        options["signals_to_handle"] = FORWARDED_SIGNALS.replace("SIGHUP,", "") if nohup else FORWARDED_SIGNALS
     return options, notes
 
 

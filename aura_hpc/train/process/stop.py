@@ -22,6 +22,8 @@ class StopRequest:
 
     def install(self) -> None:
         for sig in STOP_SIGNALS:
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # started under nohup: a logout must not stop the run
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
