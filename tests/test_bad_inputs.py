@@ -350,3 +350,30 @@ def test_a_dry_run_refuses_a_sample_prompt_longer_than_the_context_as_the_run_wo
     r = run_cli(["local", "--dry-run", "--set", "train.sample_prompt=" + "hola " * 1000], timeout=60)
     assert r.returncode == 0 and "local would refuse this: train.sample_prompt is ~" in r.stderr, r.stderr
     assert "(fix: a shorter train.sample_prompt)" in r.stderr
+
+
+def test_a_run_whose_killed_launchers_workers_still_run_is_refused_until_they_exit(tmp_path: Path, prepared: Path) -> None:
+    """kill -9 of a launcher leaves its workers to finish their step and checkpoint: a re-run that took the lock
+    meanwhile trained beside them (two trainers, one run directory). A stand-in worker: the same command line."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "runs" / "tiny"
+    run.mkdir(parents=True)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (run / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": gone.pid, "since": "now"}))
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "aura_hpc.train", str(run / "config.yaml")])
+    args = ["local", "--output-dir", str(tmp_path / "runs"), f"--set=data.path={prepared}", "--set", "train.max_steps=2"]
+    try:
+        refused = run_cli(args, cwd=tmp_path, timeout=60)
+        said = refused.stderr.strip()
+        assert refused.returncode == 2 and f"launcher (PID {gone.pid}) is gone but its workers still run (PIDs {worker.pid})" in said, said
+        assert f"(fix: wait for them, or kill {worker.pid})" in said and not (run / "checkpoints").exists()
+    finally:
+        worker.kill()
+        worker.wait()
+    assert run_cli(args, cwd=tmp_path, timeout=300).returncode == 0
+    assert not os.path.exists(run / "run.lock")

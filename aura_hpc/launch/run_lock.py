@@ -37,6 +37,21 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def workers_left(run_dir: Path) -> list[int]:
+    """This host's workers of `run_dir` (`python -m aura_hpc.train RUN_DIR/config*.yaml`) still alive: a
+    launcher killed outright leaves them to finish their step and checkpoint, as a second trainer would."""
+    here = {str(run_dir), str(Path(run_dir).resolve())}
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "aura_hpc.train" in argv and any(os.path.dirname(a) in here for a in argv) and int(proc.name) != os.getpid():
+            found.append(int(proc.name))
+    return sorted(found)
+
+
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -64,7 +79,16 @@ class RunLock:
         if holder.get("slurm_job_id") and holder.get("slurm_job_id") == self.record["slurm_job_id"]:
             return True  # this job's earlier attempt (requeued): it ran on nodes that have let go
         if holder.get("host") == self.record["host"]:
-            return not _pid_alive(int(holder.get("pid", 0)))
+            if _pid_alive(int(holder.get("pid", 0))):
+                return False
+            left = workers_left(self.path.parent)
+            if left:
+                pids = " ".join(map(str, left))
+                raise LaunchError(
+                    f"run directory {self.path.parent}'s launcher (PID {holder.get('pid')}) is gone but its workers still run "
+                    f"(PIDs {pids}): they stop at their next step, after a checkpoint (fix: wait for them, or kill {pids})"
+                )
+            return True
         return time.time() - mtime > STALE_AFTER_S
 
     def acquire(self) -> RunLock:
