@@ -221,15 +221,20 @@ Thread 0x1 (most recent call first):
 def test_a_killed_launchers_progress_folder_is_removed_by_the_next_and_a_live_ones_kept(tmp_path: Path) -> None:
     from aura_hpc.launch.hang_watch import _sweep
 
+    ns = os.stat("/proc/self/ns/pid").st_ino
     gone = tmp_path / "aura-progress-999999999-abc"  # no such process
+    gone_here = tmp_path / f"aura-progress-999999999-n{ns}-abc"  # no such process in this PID namespace
     alive = tmp_path / f"aura-progress-{os.getpid()}-def"
     other = tmp_path / "aura-progress-999999999-ghi"
-    for f in (gone, alive, other):
+    # A launcher in another container's PID namespace that shares this /dev/shm: its PID means nothing here.
+    elsewhere = tmp_path / f"aura-progress-999999999-n{ns + 1}-jkl"
+    for f in (gone, gone_here, alive, other, elsewhere):
         f.mkdir()
         (f / "rank0").write_bytes(b"x")
     (other / "notes.txt").write_text("not ours")  # something we did not write: the folder stays
     _sweep(tmp_path)
-    assert not gone.exists() and (alive / "rank0").exists() and (other / "notes.txt").exists()
+    assert not gone.exists() and not gone_here.exists() and (alive / "rank0").exists() and (other / "notes.txt").exists()
+    assert (elsewhere / "rank0").exists()
 
 
 def test_a_slurm_nodes_page_folder_another_user_made_first_is_refused(tmp_path: Path) -> None:

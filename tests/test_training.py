@@ -62,8 +62,9 @@ def test_default_local_runs_to_completion(tmp_path: Path) -> None:
     # What launchers killed with SIGKILL left (no `finally` ran) goes; a live launcher's folder and others' stay.
     gone = subprocess.Popen(["true"])
     gone.wait()  # its PID is no one's now
-    kept = [f"aura_agent_{os.getpid()}_live1234", "aura_agent_notours"]
-    for name in [f"aura_agent_{gone.pid}_stale123", *kept]:
+    ns = os.stat("/proc/self/ns/pid").st_ino  # a folder of another PID namespace (a container sharing /tmp) stays
+    kept = [f"aura_agent_{os.getpid()}_live1234", "aura_agent_notours", f"aura_agent_{gone.pid}n{ns + 1}_container"]
+    for name in [f"aura_agent_{gone.pid}_stale123", f"aura_agent_{gone.pid}n{ns}_stale456", *kept]:
         (scratch / name / "trainer_x" / "attempt_0").mkdir(parents=True)
     r = run_cli(["local"], cwd=tmp_path, timeout=300, TMPDIR=str(scratch))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -11,12 +11,35 @@ import tempfile
 from pathlib import Path
 
 PREFIX = "aura_agent_"
-_OURS = re.compile(rf"{PREFIX}(\d+)_[A-Za-z0-9_]+")
+_OURS = re.compile(rf"{PREFIX}(\d+)(?:n(\d+))?_[A-Za-z0-9_]+")
+
+
+def pid_namespace() -> str:
+    """This process's PID namespace (its inode), or "" where unknown. A temporary folder shared between
+    containers (`-v /tmp:/tmp`, `--ipc=host`) holds other namespaces' launchers, whose PIDs look dead here."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
+def gone(pid: str, namespace: str | None) -> bool:
+    """Whether the launcher that named a folder is gone: never said of another PID namespace's."""
+    if namespace and namespace != pid_namespace():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError, ValueError):
+        return False  # alive under another user (PermissionError), or unreadable: kept
+    return False
 
 
 def make() -> str:
     remove_stale()
-    return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}_")
+    ns = pid_namespace()
+    return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}{'n' + ns if ns else ''}_")
 
 
 def remove_stale() -> None:
@@ -33,8 +56,7 @@ def remove_stale() -> None:
         try:
             if path.stat().st_uid != os.getuid():
                 continue
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
+        except OSError:
+            continue
+        if gone(m.group(1), m.group(2)):
             shutil.rmtree(path, ignore_errors=True)
-        except (OSError, OverflowError, ValueError):
-            continue  # alive under another user (PermissionError), or unreadable: kept

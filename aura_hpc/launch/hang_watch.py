@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.config import RunConfig
-from aura_hpc.launch import flight_records
+from aura_hpc.launch import agent_folder, flight_records
 from aura_hpc.launch.hang_board import HangBoard, Verdict
 from aura_hpc.launch.hang_evidence import (
     PY_SPY_S,
@@ -103,7 +103,8 @@ class HangWatch:
     def for_run(cls, cfg: RunConfig, board: HangBoard | None = None) -> HangWatch:
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         _sweep(base)
-        folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base))
+        ns = agent_folder.pid_namespace()
+        folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-{'n' + ns + '-' if ns else ''}", dir=base))
         watch = cls(cfg, folder, board=board)
         watch.calibration = read_calibration(cfg.run_dir / CALIBRATION)
         return watch
@@ -368,16 +369,12 @@ PREFIX = "aura-progress-"  # then the launcher's PID: a killed launcher's folder
 def _sweep(base: Path) -> None:
     """Progress folders of launchers that are gone (killed before they could remove their own)."""
     for folder in base.glob(f"{PREFIX}*-*"):
-        pid = folder.name.removeprefix(PREFIX).split("-", 1)[0]
+        parts = folder.name.removeprefix(PREFIX).split("-")
+        pid, ns = parts[0], parts[1][1:] if len(parts) > 2 and parts[1].startswith("n") else None
         if not pid.isdigit() or folder.is_symlink() or not folder.is_dir():
             continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # its launcher still runs
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # another user's live process
+        if not agent_folder.gone(pid, ns):
+            continue  # its launcher still runs (here, or in another container's PID namespace), or is another user's
         progress.remove_pages(folder)
         remove_pipes(folder)
         with contextlib.suppress(OSError):
