@@ -382,7 +382,8 @@ def _shared_dir(report: Report, a: ClusterArgs, store: Any, nodes: list[dict[str
     try:
         if not error:
             where.mkdir(parents=True, exist_ok=True)
-            (where / f"node{a.node_rank}").write_text(json.dumps({"node_rank": a.node_rank, "uid": os.getuid(), "token": token}))
+            uid = os.getuid() if hasattr(os, "getuid") else None
+            (where / f"node{a.node_rank}").write_text(json.dumps({"node_rank": a.node_rank, "uid": uid, "token": token}))
     except OSError as exc:
         error = f"cannot write in {root} ({exc.strerror})"
     collectives.barrier()
