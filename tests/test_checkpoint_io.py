@@ -109,4 +109,11 @@ def test_sharded_checkpoints_are_read_as_data_and_one_that_would_run_code_is_ref
         check_deepspeed_files(ds)
     with pytest.raises(CheckpointError, match="which DeepSpeed never writes"):
         consolidate._from_deepspeed(ds)
+    # torch's legacy (non-zip) format, which a user's DeepSpeed JSON may ask for: read whole, as data.
+    legacy = ds / "global_step" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"loss_scaler": _Runs(witness)}}, legacy, _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointError, match="holds what DeepSpeed never writes"):
+        check_deepspeed_files(ds)
+    torch.save({"optimizer_state_dict": {"step": torch.ones(2)}}, legacy, _use_new_zipfile_serialization=False)
+    check_deepspeed_files(ds)
     assert not witness.exists()

@@ -118,8 +118,30 @@ def check_deepspeed_files(folder: Path) -> None:
     for path in sorted(folder.rglob("*.pt")):
         try:
             unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except ValueError:  # not a zip: DeepSpeed told to write torch's legacy format; read whole, as data
+            _load_legacy_as_data(path)
+            continue
         except Exception as exc:  # a damaged zip or pickle: torch raises several kinds
             raise CheckpointError(f"{path} is not a readable torch file ({type(exc).__name__}) (fix: {_FIX})") from None
         foreign = sorted(set(unsafe) - set(DEEPSPEED_GLOBALS))
         if foreign:
             raise CheckpointError(f"{path} asks to run {', '.join(foreign)[:200]}, which DeepSpeed never writes (fix: {_FIX})")
+
+
+def _load_legacy_as_data(path: Path) -> None:
+    import importlib
+
+    allowed = []
+    for name in DEEPSPEED_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        try:
+            allowed.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError):
+            continue  # this DeepSpeed has no such class: nor does its file
+    try:
+        with torch.serialization.safe_globals(allowed):
+            torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"{path} holds what DeepSpeed never writes ({str(exc).splitlines()[0][:160]}) (fix: {_FIX})") from None
+    except Exception as exc:
+        raise CheckpointError(f"{path} is not a readable torch file ({type(exc).__name__}) (fix: {_FIX})") from None
