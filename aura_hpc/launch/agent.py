@@ -65,9 +65,8 @@ def agent_options(shutdown_timeout: int) -> tuple[dict[str, Any], list[str]]:
             "to write their checkpoint after a stop signal"
         )
     if "signals_to_handle" in fields:
-        # Under nohup SIGHUP is ignored, and stays so (torch would handle it over the inherited SIG_IGN).
-        nohup = hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
-        options["signals_to_handle"] = FORWARDED_SIGNALS.replace("SIGHUP,", "") if nohup else FORWARDED_SIGNALS
+        nohup = hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN  # ignored it stays, not handled
+        options["signals_to_handle"] = FORWARDED_SIGNALS.replace("SIGHUP,", "" if nohup else "SIGHUP,")
     return options, notes
 
 
@@ -131,9 +130,9 @@ def run_workers(plan: LocalPlan) -> int:
                 peer = watch.peer_hang() if watch is not None and len(watch.hangs) == seen else None
                 if peer is not None and launch is not None and failed.exit_code == EXIT_TRAIN_FAILED:
                     launch.hang(peer.last_progress, time.time())
+                # A hang before the agent restarted in place is not why this attempt ended (a crash after it).
                 hang = watch.hangs[-1] if watch is not None and len(watch.hangs) > seen else None
-                if hang is not None and watch is not None and hang.killed_at < watch.started:
-                    hang = None  # the agent restarted in place after that hang: this attempt ended otherwise (a crash)
+                hang = None if hang is not None and watch is not None and hang.killed_at < watch.started else hang
                 if hang is None and watch is not None and failed.exit_code == EXIT_TRAIN_FAILED:
                     # Another node declared the hang and killed its workers: ours then failed on the broken collectives.
                     hang = watch.peer_hang()
