@@ -27,7 +27,6 @@ import os
 import queue
 import shutil
 import sqlite3
-import stat
 import tempfile
 import threading
 import time
@@ -200,13 +199,18 @@ class Trackers:
     def _start_all(self, config: dict[str, Any]) -> None:
         from aura_hpc.train.loop import tracker_backends
 
-        self.local.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self.local != self.folder:
+            from aura_hpc.train.process.progress import shared_folder
+
             # Its name is predictable, in a temporary folder other users share: only ours, closed to them.
-            st = os.lstat(self.local)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-                raise OSError(f"{self.local} is another user's or open to others (fix: remove it, or --set tracking.sqlite_local=false)")
+            if untrusted := shared_folder(self.local):
+                raise OSError(
+                    f"the node-local store folder is another user's or open to others: {untrusted} "
+                    "(fix: remove it, or --set tracking.sqlite_local=false)"
+                )
             self._copy_in()
+        else:
+            self.local.mkdir(parents=True, exist_ok=True, mode=0o700)
         ids = _read_ids(self.folder / IDS)
         for name in self.names:
             try:
