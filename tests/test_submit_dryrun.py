@@ -7,6 +7,7 @@ AURA_UPDATE_GOLDEN=1 python -m pytest tests/test_submit_dryrun.py, and review th
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import socket
@@ -276,3 +277,12 @@ def test_dry_runs_say_how_many_epochs_the_data_covers_and_warn_of_a_tiny_validat
             r"data: [\d,]+ training sequences of 32 tokens .*100 steps x 16 sequences = 1,600 sequences = [\d.]+ epochs", r.stdout
         )
         assert "validation: " in r.stdout and "the validation split is tiny" in r.stderr and "--val-fraction" in r.stderr
+    # A manifest in a folder anyone could write is checked before its counts are used: a damaged
+    # one is one line naming the file and the fix, not a traceback of the epochs sum.
+    manifest = tmp_path / "poco" / "manifest.json"
+    damaged = json.loads(manifest.read_text())
+    damaged["shards"] = [{"tokens": 10}]
+    manifest.write_text(json.dumps(damaged))
+    r = run_cli(["local", "--dry-run", *args], timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert str(manifest) in r.stderr and "--force" in r.stderr

@@ -22,13 +22,17 @@ def _manifest(cfg: Any) -> dict[str, Any] | None:
     try:
         if storage.is_remote(path):
             return storage.read_manifest(path, storage.Policy(tries=cfg.data.read_tries, timeout_s=cfg.data.read_timeout_s))
-        return json.loads((Path(path) / "manifest.json").read_text(encoding="utf-8"))
+        where = Path(path) / "manifest.json"
+        manifest = json.loads(where.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     except Exception as exc:  # a DataError from storage: the preflight says it in full
         if type(exc).__name__ == "DataError":
             return None
         raise
+    from aura_hpc.data.manifest import check_manifest
+
+    return check_manifest(manifest, str(where))  # a folder anyone could write: its values become counts here
 
 
 def _sequences(manifest: dict[str, Any], split: str, seq_len: int) -> tuple[int, int]:
