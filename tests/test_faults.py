@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import psutil
 import pytest
@@ -561,6 +561,35 @@ def test_sigkill_at_random_moments_of_a_save_never_breaks_the_previous(tmp_path:
 
         weights, _state, meta = _decode_payload(_payload_parts(newest.path))
         assert meta["step"] == newest.step and weights
+
+
+def test_a_crash_between_the_renames_of_a_re_saved_step_keeps_that_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step saved again (after a rollback) swaps folders with two renames; a process that dies
+    between them leaves the committed copy only as `.old-step_N-PID`: it comes back, not deleted."""
+    from aura_hpc.train.model.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2))
+    for step in (1, 2):
+        checkpoint.save(tmp_path, step, model, {}, {"step": step}, None, "", keep_last=3)
+    real_rename = Path.rename
+
+    def dies_before_the_second(self: Path, target: Any) -> Any:
+        if self.name.startswith(".tmp-step_"):
+            raise KeyboardInterrupt  # the process ends here: nothing after it runs
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", dies_before_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path, 2, model, {}, {"step": 2}, None, "", keep_last=3)
+    monkeypatch.undo()
+    for p in tmp_path.glob(".*-step_*"):  # what the dead process left, as another PID sees it
+        p.rename(tmp_path / f"{p.name.rsplit('-', 1)[0]}-1")
+    assert [c.step for c in checkpoint.list_complete(tmp_path)] == [1]
+    checkpoint.restore_set_aside(tmp_path)  # rank 0, before the ranks agree on the newest
+    newest = checkpoint.newest_valid(tmp_path)
+    assert newest is not None and newest.step == 2 and checkpoint.verify(newest.path) is None
+    checkpoint.save(tmp_path, 3, model, {}, {"step": 3}, None, "", keep_last=3)  # the next save clears the rest
+    assert [c.step for c in checkpoint.list_complete(tmp_path)] == [3, 2, 1] and not list(tmp_path.glob(".*"))
 
 
 def test_keep_last_plus_best_by_validation_loss(tmp_path: Path) -> None:

@@ -63,6 +63,7 @@ class Checkpointer:
         the writer's own checksums in COMPLETE.json are what they are compared with."""
         env = self.env
         if env.is_main:
+            checkpoint.restore_set_aside(self.root)
             checkpoint.note_interrupted(self.root)
         names = collectives.broadcast_json([c.path.name for c in checkpoint.list_complete(self.root)] if env.is_main else None)
         for name in names:

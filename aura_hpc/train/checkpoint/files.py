@@ -273,10 +273,25 @@ def write_failure(exc: BaseException, root: Path, step: int) -> CheckpointWriteE
 
 def _clean_stale_temps(root: Path) -> None:
     """Partial checkpoints from a crash mid-save; only the writer (rank 0) is ever here."""
+    restore_set_aside(root)
     for p in [*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]:
         if p.is_dir() and not p.name.endswith(f"-{os.getpid()}"):
             log.info("removing partial checkpoint %s left by an interrupted save", p.name)
             shutil.rmtree(p, ignore_errors=True)
+
+
+def restore_set_aside(root: Path) -> None:
+    """A crash between a re-saved step's two renames leaves the committed copy it was replacing
+    only as `.old-step_N-PID`: put it back under its name. Only the run's writer calls this (a
+    reader doing it could collide with a live swap)."""
+    for p in root.glob(".old-step_*"):
+        final = root / p.name[len(".old-") :].rsplit("-", 1)[0]
+        if p.name.endswith(f"-{os.getpid()}") or not _NAME.match(final.name) or final.exists():
+            continue
+        if p.is_dir() and (p / MARKER).exists():
+            log.warning("checkpoint %s was set aside by an interrupted re-save of its step: restored", final.name)
+            with contextlib.suppress(OSError):
+                p.rename(final)
 
 
 def list_complete(root: Path) -> list[Checkpoint]:
