@@ -391,6 +391,8 @@ def test_status_and_history_read_sweep_elements_and_names_with_a_pipe_as_slurm_h
     sub = ["sbatch", "--parsable", "--array=0-1", "--job-name", name, "--comment", "aura_hpc", "--wrap", "sleep 120"]
     array = subprocess.run(sub, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip().split(";")[0]
     elements = {f"{array}_0", f"{array}_1"}
+    plain = f"not ours {tmp_path.name}"  # a job of the user's own, not started by aura_hpc
+    subprocess.run(["sbatch", "--job-name", plain, "--wrap", "true"], capture_output=True, check=True, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -410,10 +412,14 @@ def test_status_and_history_read_sweep_elements_and_names_with_a_pipe_as_slurm_h
         res = run_cli(["history", "--json", "--since", since])
         assert res.returncode == 0, res.stderr
         done = {r["job_id"]: r["state"] for r in json.loads(res.stdout)["jobs"] if r.get("name") == name}
-        if done == dict.fromkeys(elements, "CANCELLED") or time.monotonic() > deadline:
+        every = run_cli(["history", "--json", "--all", "--since", since])
+        assert every.returncode == 0, every.stderr
+        others = [r for r in json.loads(every.stdout)["jobs"] if r.get("name") == plain]
+        if (done == dict.fromkeys(elements, "CANCELLED") and others) or time.monotonic() > deadline:
             break
         time.sleep(1)
     assert done == dict.fromkeys(elements, "CANCELLED"), res.stdout
+    assert others and not any(r.get("name") == plain for r in json.loads(res.stdout)["jobs"]), every.stdout
 
 
 def test_cancel_stops_a_running_job(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:

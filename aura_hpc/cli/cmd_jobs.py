@@ -144,7 +144,7 @@ def cmd_history(a: argparse.Namespace) -> int:
         rows.append({**row, "exit_code": "-", "submit": started, "requeues": "-"})
     notes = []
     try:
-        rows += history(a.since)
+        rows += history(a.since, a.all)
     except AuraError as exc:
         if not rows:
             raise  # nothing to show at all: Slurm's problem is the one line, with its fix
@@ -199,5 +199,6 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "(sacct): state, elapsed, nodes, requeues, run directory.",
     )
     p.add_argument("--since", default="now-7days", help="sacct start time, e.g. 2026-11-01 or now-2days (default now-7days)")
+    p.add_argument("--all", action="store_true", help="also your jobs not started by aura_hpc")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_history)

@@ -145,7 +145,7 @@ def cancel(target: str) -> str:
     return job_id
 
 
-def history(since: str) -> list[dict[str, Any]]:
+def history(since: str, all_jobs: bool = False) -> list[dict[str, Any]]:
     if not slurm_query.accounting_enabled():
         raise LaunchError(
             "job accounting is disabled on this cluster, so there is no history (fix: `status` shows queued and running jobs)"
@@ -163,6 +163,8 @@ def history(since: str) -> list[dict[str, Any]]:
     out = []
     for r in jobs.values():
         run_dir = job_index.run_dir_of(r.job_id)
+        if not all_jobs and r.comment != "aura_hpc" and run_dir is None:
+            continue  # as `status`: the user's other jobs only with --all
         d = r.to_dict()
         d["run_dir"] = str(run_dir) if run_dir else None
         out.append(d)
