@@ -64,9 +64,11 @@ def agent_options(shutdown_timeout: int) -> tuple[dict[str, Any], list[str]]:
             f"note: torch {torch.__version__}'s launcher gives workers {OLD_AGENT_SHUTDOWN_S}s (not {shutdown_timeout}s) "
             "to write their checkpoint after a stop signal"
         )
+    nohup = hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN  # ignored it stays, not handled
     if "signals_to_handle" in fields:
-        nohup = hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN  # ignored it stays, not handled
         options["signals_to_handle"] = FORWARDED_SIGNALS.replace("SIGHUP,", "" if nohup else "SIGHUP,")
+    elif nohup:  # older agents handle SIGHUP whatever the launcher inherited
+        notes.append(f"note: torch {torch.__version__}'s launcher stops the run on a hangup even under nohup (fix: start it with setsid)")
     return options, notes
 
 
@@ -88,8 +90,7 @@ def run_workers(plan: LocalPlan) -> int:
     options, notes = agent_options(plan.shutdown_timeout)
     for note in notes:
         console.info(note)
-    if "signals_to_handle" not in options and hasattr(signal, "SIGUSR2"):
-        # Older agents handle TERM/INT/HUP/QUIT only; SIGUSR2 would kill the agent and orphan its workers.
+    if "signals_to_handle" not in options and hasattr(signal, "SIGUSR2"):  # older agents: SIGUSR2 would orphan the workers
         signal.signal(signal.SIGUSR2, forward_like_sigterm(signal.SIGUSR2))
     watch = HangWatch.for_run(plan.cfg, _board(plan)) if plan.cfg.health.hang_watch else None
     stops = StopSignals()
@@ -98,8 +99,7 @@ def run_workers(plan: LocalPlan) -> int:
     if watch is not None:
         watch.stops = stops
     hung_in_a_row, furthest = 0, -1
-    # The agent's per-rank folders (error files our workers do not write): without a folder of ours it
-    # leaves an empty torchelastic_* folder in /tmp per launch.
+    # The agent's per-rank folders (error files our workers don't write): without ours it leaves an empty torchelastic_* in /tmp
     agent_dir = agent_folder.make()
     try:
         lc = LaunchConfig(
