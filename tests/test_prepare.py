@@ -286,7 +286,8 @@ def test_force_replaces_only_a_folder_whose_every_file_prepare_wrote(tmp_path: P
 
 
 def test_windows_line_ends_cut_paragraphs_and_pieces_as_unix_ones_do(tmp_path: Path) -> None:
-    """A CRLF file was one paragraph and one piece: all of it in memory, --workers and --shard-mb ignored."""
+    """A CRLF file was one paragraph and one piece: all of it in memory, --workers and --shard-mb ignored;
+    then its lines kept their carriage returns inside each paragraph (other tokens than the same text with LF)."""
     from aura_hpc.data import shards
     from aura_hpc.data.corpus import generate
     from aura_hpc.data.sources import TEXT_SUFFIXES
@@ -299,7 +300,7 @@ def test_windows_line_ends_cut_paragraphs_and_pieces_as_unix_ones_do(tmp_path: P
     def paragraphs(f: Path) -> tuple[int, list[str]]:
         pieces = shards.plan([str(f)], TEXT_SUFFIXES, 8 * 1024, None, False)
         raw = [shards.read_range(str(f), p.start, p.end).decode() for p in pieces]
-        return len(pieces), [para.replace("\r\n", "\n") for t in raw for para in split_paragraphs(t)]  # lines within keep their \r
+        return len(pieces), [para for t in raw for para in split_paragraphs(t)]  # lines within as LF ones: the same tokens
 
     (n_unix, unix), (n_windows, windows) = paragraphs(lf), paragraphs(crlf)
     assert n_windows >= 4 and abs(n_windows - n_unix) <= 1  # cut at its blank lines, into as many pieces

@@ -80,7 +80,7 @@ def resolve_inputs(inputs: list[str]) -> list[Path | str]:
 
 def split_paragraphs(text: str) -> list[str]:
     parts = [p for p in re.split(r"\r?\n[ \t\r]*\n", text) if p.strip()]  # \r: Windows line ends (CRLF)
-    return [p.strip("\r\n") + "\n\n" for p in parts]
+    return [p.strip("\r\n").replace("\r\n", "\n") + "\n\n" for p in parts]  # the same tokens as the LF text
 
 
 def open_dataset(builder: str, data_files: list[str] | None, name: str | None, subset: str | None, split: str, source: str) -> Any:
