@@ -117,3 +117,20 @@ def test_sharded_checkpoints_are_read_as_data_and_one_that_would_run_code_is_ref
     torch.save({"optimizer_state_dict": {"step": torch.ones(2)}}, legacy, _use_new_zipfile_serialization=False)
     check_deepspeed_files(ds)
     assert not witness.exists()
+
+
+def test_a_worker_refuses_a_checkpoint_of_another_strategy_or_optimizer_by_its_meta(tmp_path: Path) -> None:
+    """The workers' own check (the launcher's run_setup refuses first, from config.yaml): meta.json
+    names what wrote the state; an older checkpoint without the field is taken as it is."""
+    from aura_hpc.errors import CheckpointError
+    from aura_hpc.train.checkpoint.checkpointer import _same_kind
+
+    meta = {"strategy": "zero2", "optimizer": "adamw"}
+    _same_kind("step_00000010", meta, "strategy", "zero2")
+    _same_kind("step_00000010", meta, "strategy", None)  # a full checkpoint: no shards to fit
+    _same_kind("step_00000010", {}, "optimizer", "sgd")
+    for field, ours, fix in (("strategy", "zero3", "--set dist.strategy=zero2"), ("optimizer", "sgd", "--set train.optimizer=adamw")):
+        with pytest.raises(CheckpointError) as refused:
+            _same_kind("step_00000010", meta, field, ours)
+        line = str(refused.value)
+        assert "step_00000010" in line and ours in line and fix in line and "\n" not in line
