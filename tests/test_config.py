@@ -131,6 +131,52 @@ def test_relative_data_path_is_relative_to_the_config_file(tmp_path: Path) -> No
     assert cfg.data.path == str(tmp_path / "prepared" / "es")
 
 
+def test_values_mean_what_their_author_wrote_and_a_repeated_key_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """YAML 1.1 read `4:00:00` as 14400 (a job of 10 days, not 4 h), `0123` as 83, `on` as true; a
+    section written twice dropped the first in silence; `~` became a folder named `~`."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    own = tmp_path / "sub" / "c.yaml"
+    own.parent.mkdir()
+    own.write_text(
+        "output_dir: myruns\nslurm:\n  time: 4:00:00\n  account: 0123\n  partition: on\n"
+        "data:\n  path: ~/prepared\ntrain:\n  max_steps: 1_000\n  lr: 3e-4\n  compile: true\n"
+    )
+    cfg = load_config(str(own))
+    assert (cfg.slurm.time, cfg.slurm.account, cfg.slurm.partition) == ("4:00:00", "0123", "on")
+    assert (cfg.train.max_steps, cfg.train.lr, cfg.train.compile) == (1000, 3e-4, "true")
+    assert cfg.data.path == str(tmp_path / "home" / "prepared")
+    assert cfg.output_dir == str(own.parent / "myruns")  # relative to the file, as docs/local.md says
+    cli = load_config(None, ["slurm.time=30:00", "slurm.qos=0700", "data.cache_dir=~/cache", "data.tokenizer=null"])
+    home = str(tmp_path / "home")
+    assert (cli.slurm.time, cli.slurm.qos, cli.data.cache_dir, cli.data.tokenizer) == ("30:00", "0700", f"{home}/cache", "")
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("train:\n  lr: 3e-4\nmodel:\n  n_layer: 2\ntrain:\n  batch_size: 4\n")
+    with pytest.raises(ConfigError, match=r"line 5 .*key 'train' appears twice.*fix: keep one of them"):
+        load_config(str(twice))
+    merged = tmp_path / "merged.yaml"  # a YAML merge key is overridden by the keys beside it: not a repeat
+    merged.write_text("train:\n  <<: {lr: 0.01, max_steps: 7}\n  lr: 3e-4\n")
+    assert (load_config(str(merged)).train.lr, load_config(str(merged)).train.max_steps) == (3e-4, 7)
+
+
+@pytest.mark.parametrize(
+    ("setting", "problem"),
+    [
+        ("dist.timeout_s=0", "dist.timeout_s must be greater than 0"),
+        ("dist.init_timeout_s=-1", "dist.init_timeout_s must be greater than 0"),
+        ("train.seed=-1", "train.seed must be 0 or more"),
+        ("train.eval_sequences=-1", "train.eval_sequences must be 0 or more"),
+        ("train.sample_prompt=", "train.sample_prompt is empty"),
+        ("train.sample_prompt=   ", "train.sample_prompt is empty"),
+    ],
+)
+def test_values_a_worker_would_crash_on_are_refused_before_it_starts(setting: str, problem: str) -> None:
+    """Each passed the checks, then crashed every rank (a 0 ms store wait, numpy's negative seed) or,
+    for the empty prompt, the final sample after the whole run, and every re-run again."""
+    with pytest.raises(ConfigError, match=re.escape(problem)) as refused:
+        load_config(None, [setting])
+    assert "fix: --set" in str(refused.value)
+
+
 def test_resolved_config_round_trips(tmp_path: Path) -> None:
     cfg = load_config("gpt2-small", ["train.lr=1e-4"], output_dir=str(tmp_path), run_name="r")
     path = tmp_path / "config.yaml"

@@ -173,6 +173,8 @@ def validate(cfg: RunConfig) -> None:
         "data.cache_gb": d.cache_gb,
         "data.read_tries": d.read_tries,
         "data.read_timeout_s": d.read_timeout_s,
+        "dist.timeout_s": cfg.dist.timeout_s,
+        "dist.init_timeout_s": cfg.dist.init_timeout_s,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -191,12 +193,16 @@ def validate(cfg: RunConfig) -> None:
         "model.padded_vocab_size": m.padded_vocab_size,
         "train.sample_tokens": t.sample_tokens,
         "data.shuffle_window": d.shuffle_window,
+        "train.seed": t.seed,
+        "train.eval_sequences": t.eval_sequences,
     }
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key} must be 0 or more, got {value} (fix: --set {key}=0)")
     if t.max_steps <= 0 and t.max_tokens <= 0:
         raise ConfigError(f"train.max_steps must be greater than 0, got {t.max_steps} (fix: --set train.max_steps=1000)")
+    if not t.sample_prompt.strip():  # every run ends with a sample: it continues this text
+        raise ConfigError("train.sample_prompt is empty: samples continue it (fix: --set train.sample_prompt='En un lugar de la Mancha')")
     if not t.lr > 0:
         raise ConfigError(f"train.lr must be greater than 0, got {t.lr} (fix: --set train.lr=3e-4)")
     if not 0 <= t.min_lr_ratio <= 1:

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from aura_hpc.config import strict_yaml
 from aura_hpc.config.checks import check_text_value, line_breaking, validate
 from aura_hpc.config.tree import SECTIONS, TOP_LEVEL, RunConfig
 from aura_hpc.errors import ConfigError, one_line, shown
@@ -102,6 +103,15 @@ def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
     raise ConfigError(f"{key}: unsupported type {typ}")  # pragma: no cover
 
 
+def _relative_to(base_dir: Path, value: str) -> str:
+    """A path setting as the file (or the command line) meant it: `~` is the user's home (bash does
+    not expand it after `--set data.path=`), a relative path starts at `base_dir`, a URL is kept."""
+    if "://" in value:
+        return value
+    value = os.path.expanduser(value)
+    return value if os.path.isabs(value) else str((base_dir / value).resolve())
+
+
 def _merge(
     base: dict[str, Any], raw: dict[str, Any], origin: str, base_dir: Path | None, given: dict[str, str] | None = None, label: str = ""
 ) -> None:
@@ -115,6 +125,8 @@ def _merge(
     for top, value in raw.items():
         if top in TOP_LEVEL:
             base[top] = coerce(top, value, "str", False)
+            if top == "output_dir" and base[top] and base_dir is not None:
+                base[top] = _relative_to(base_dir, base[top])
             if given is not None:
                 given[top] = label
             continue
@@ -130,11 +142,20 @@ def _merge(
             if k not in types:
                 raise _unknown_key(dotted, valid)
             v = coerce(dotted, v, types[k], False)
-            if (top, k) in _PATH_KEYS and v and base_dir is not None and not os.path.isabs(v) and "://" not in str(v):
-                v = str((base_dir / v).resolve())
+            if (top, k) in _PATH_KEYS and v and base_dir is not None:
+                v = _relative_to(base_dir, v)
             base[top][k] = v
             if given is not None:
                 given[dotted] = label
+
+
+def _field_type(key: str) -> str | None:
+    if key in TOP_LEVEL:
+        return "str"
+    section, _, name = key.partition(".")
+    types = {f.name: f.type for f in dataclasses.fields(SECTIONS[section])} if section in SECTIONS else {}
+    typ = types.get(name)
+    return None if typ is None else typ if isinstance(typ, str) else typ.__name__
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -148,13 +169,15 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         # A line break or control character is kept as typed (YAML would fold it away silently) and
         # refused by the value checks; so is text YAML cannot read.
         value: Any = text
-        if text.strip() and line_breaking(text) is None:
+        if text.strip() and line_breaking(text) is None and _field_type(key) != "str":  # text as typed: `4:00:00`, `~/data`
             try:
-                value = yaml.safe_load(text)
+                value = strict_yaml.load(text)
             except yaml.YAMLError:
                 value = text
         if isinstance(value, (dict, list)):
             value = text
+        if _field_type(key) == "str" and text.strip() in ("null", "Null", "NULL"):
+            value = None  # as YAML has it: unset
         if "." in key:
             section, _, name = key.partition(".")
             if section not in SECTIONS or not name:
@@ -190,7 +213,7 @@ def _load_yaml(path: Path) -> dict[str, Any]:
         size = path.stat().st_size
         if size > MAX_CONFIG_BYTES:
             raise ConfigError(f"config file {path} is {size:,} bytes, not a config (fix: pass the YAML config, under 1 MB)")
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = strict_yaml.load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
         raise ConfigError(
             f"config file {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at position {exc.start}) "
@@ -203,10 +226,11 @@ def _load_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         line = getattr(getattr(exc, "problem_mark", None), "line", None)
         where = f" line {line + 1}" if line is not None else ""
-        raise ConfigError(
-            f"config file {path}{where} is not valid YAML: {one_line(str(getattr(exc, 'problem', exc)))[:80]} "
-            "(fix: check the brackets, quotes and indentation there)"
-        ) from None
+        problem = one_line(str(getattr(exc, "problem", exc)))
+        fix = "keep one of them" if "appears twice" in problem else "check the brackets, quotes and indentation there"
+        raise ConfigError(f"config file {path}{where} is not valid YAML: {problem[:90]} (fix: {fix})") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path} nests deeper than Python can read (fix: a config is sections of plain values)") from None
     if _count_values(data, MAX_CONFIG_VALUES) < 0:
         raise ConfigError(
             f"config file {path} expands to more than {MAX_CONFIG_VALUES:,} values through YAML aliases (&/*) "

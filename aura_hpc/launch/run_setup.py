@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.config import RunConfig, embedding_rows, load_run_file
-from aura_hpc.errors import ConfigError, DataError, LaunchError
+from aura_hpc.errors import ConfigError, DataError, LaunchError, shown
 from aura_hpc.launch.run_lock import RunLock, check_free
 
 
@@ -216,6 +216,8 @@ def check_sample_prompt(cfg: RunConfig, tokenizer_dir: Path | None, estimate: bo
         n, about = int(len(t.sample_prompt.encode()) / BYTES_PER_TOKEN), "~"
     else:
         return
+    if n == 0 and not about:  # measured, not estimated from its bytes
+        raise ConfigError(f"train.sample_prompt {shown(t.sample_prompt)} is no token of this tokenizer (fix: a prompt of words)")
     if n + t.sample_tokens > room:
         fix = f"--set train.sample_tokens={room - n}" if n < room else "a shorter train.sample_prompt"
         raise ConfigError(
