@@ -275,6 +275,18 @@ ROWS = [
         "GiB of RAM for 2 process(es) on this CPU machine, more than its",
     ),
     Row("sample prompt longer than the context", ["local", "--set", "train.sample_prompt=" + "hola " * 300, D], "train.sample_prompt is"),
+    Row(
+        "prepare --dry-run: what the run refuses",
+        ["prepare", "{tmp}/latin1.txt", "--out", "{tmp}/p", "--dry-run", "--val-fraction", "1.5"],
+        "--val-fraction must be between 0 and 0.5",
+        _files,
+    ),
+    Row("monitor: NaN interval", ["monitor", "--interval", "nan", "--count", "1"], "--interval must be positive"),
+    Row(
+        "monitor: samples into a missing folder",
+        ["monitor", "--count", "1", "--json", "{tmp}/no/such/x.jsonl"],
+        "x.jsonl: No such file or directory (fix: a file in a folder",
+    ),
     Row("prepare into the input's folder", ["prepare", "{tmp}/docs/a.txt", "--out", "{tmp}/docs"], "contains the input", _hostile_configs),
 ]
 

@@ -218,6 +218,11 @@ def test_a_killed_rank_of_a_node_torchrun_counted_first_is_named_by_its_own_rank
     line = node1.stderr.strip().splitlines()[-1]
     assert "training failed: rank 1 was killed by SIGKILL" in line and "rank 0" not in line, line
     assert (tmp_path / "m1" / "lan" / "logs" / "rank_1.log").is_file() and not (tmp_path / "m1" / "lan" / "logs" / "rank_0.log").exists()
+    # `logs --stderr` of a local run is its node's stderr log (it printed the rank log whatever it was asked).
+    err = run_cli(["logs", str(tmp_path / "m1" / "lan"), "--rank", "1", "--stderr"], timeout=60)
+    assert err.returncode == 0 and "aura_hpc worker joined: local rank 0" in err.stdout and "start rank=" not in err.stdout, err.stdout
+    elsewhere = run_cli(["logs", str(tmp_path / "m1" / "lan"), "--rank", "0", "--stderr"], timeout=60)
+    assert elsewhere.returncode == 2 and "read it on the machine that ran it" in elsewhere.stderr, elsewhere.stderr
 
 
 def test_a_rank_hung_inside_a_checkpoint_or_a_diloco_meeting_is_named_there_and_the_run_restarts(

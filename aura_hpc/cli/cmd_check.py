@@ -65,12 +65,15 @@ def cmd_monitor(a: argparse.Namespace) -> int:
     from aura_hpc.ops.gpu_health import open_reader
     from aura_hpc.ops.resources import Sampler
 
-    if a.interval <= 0:
+    if not 0 < a.interval < 86400:  # NaN too
         raise ConfigError(f"--interval must be positive, got {a.interval} (fix: --interval 5)")
     sampler = Sampler(open_reader(a.replay or ""), a.disk or ".")
     out = None
     if a.json:
-        out = sys.stdout if a.json == "-" else open(a.json, "a", encoding="utf-8")
+        try:
+            out = sys.stdout if a.json == "-" else open(a.json, "a", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"--json {a.json}: {exc.strerror} (fix: a file in a folder that exists and you may write)") from None
     live = None if out is not None or not sys.stdout.isatty() else console.live_table()
     n = 0
     try:

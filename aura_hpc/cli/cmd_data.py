@@ -10,7 +10,7 @@ def cmd_prepare(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     from aura_hpc import console
-    from aura_hpc.data.prepare import PrepareSpec, prepare
+    from aura_hpc.data.prepare import PrepareSpec, check_spec, prepare
 
     remote_out = a.out.startswith("s3://")
     spec = PrepareSpec(
@@ -29,10 +29,13 @@ def cmd_prepare(a: argparse.Namespace) -> int:
         shard_mb=a.shard_mb,
         tokenizer_sample_mb=a.tokenizer_sample_mb,
     )
-    if a.workers < 1 or a.shard_mb <= 0 or a.tokenizer_sample_mb <= 0:
-        from aura_hpc.errors import DataError
+    from aura_hpc.errors import DataError
 
+    if not (a.workers >= 1 and 0 < a.shard_mb < 1e6 and 0 < a.tokenizer_sample_mb < 1e6):  # NaN too
         raise DataError("--workers must be 1 or more, --shard-mb and --tokenizer-sample-mb above 0 (fix: --workers 2 --shard-mb 64)")
+    check_spec(spec)
+    if a.submit and (a.nodes < 1 or a.time < 1):
+        raise DataError(f"--nodes and --time must be 1 or more, got {a.nodes} and {a.time} (fix: --nodes 2 --time 120)")
     if a.dry_run:
         from aura_hpc.data.plan import describe
 

@@ -74,7 +74,7 @@ def cmd_logs(a: argparse.Namespace) -> int:
     from aura_hpc.slurm.commands import follow, log_file
 
     if is_local_run(a.target):
-        path = local_log(Path(a.target), a.rank)
+        path = local_log(Path(a.target), a.rank, a.stderr)
         if a.follow:
             _follow_local(path, console.plain)
         else:
@@ -132,7 +132,7 @@ def cmd_history(a: argparse.Namespace) -> int:
 
     from aura_hpc import console
     from aura_hpc.errors import AuraError
-    from aura_hpc.launch.run_status import is_local_run, local_status
+    from aura_hpc.launch.run_status import is_local_run, local_config, local_status
     from aura_hpc.slurm.commands import history, latest_metrics
 
     # The runs `local` left under ./runs (all of them: --since is sacct's), then the Slurm jobs where a Slurm answers.
@@ -140,7 +140,7 @@ def cmd_history(a: argparse.Namespace) -> int:
     rows: list[dict[str, object]] = []
     for d in sorted(d for d in here.iterdir() if d.is_dir() and is_local_run(d)) if here.is_dir() else []:
         row = local_status(d, latest_metrics(d.resolve()))
-        started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime((d / "config.yaml").stat().st_mtime))
+        started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(Path(str(local_config(d))).stat().st_mtime))
         rows.append({**row, "exit_code": "-", "submit": started, "requeues": "-"})
     notes = []
     try:

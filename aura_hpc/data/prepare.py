@@ -123,8 +123,8 @@ def read_manifest(prepared: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def prepare(spec: PrepareSpec) -> dict[str, Any]:
-    """Tokenize and pack; returns the manifest. Idempotent and atomic."""
+def check_spec(spec: PrepareSpec) -> None:
+    """The settings' own ranges (a dry run says what the run would refuse)."""
     if not 0 < spec.val_fraction < 0.5:
         raise DataError(f"--val-fraction must be between 0 and 0.5, got {spec.val_fraction} (fix: --val-fraction 0.01)")
     if spec.max_tokens < 0:
@@ -133,6 +133,11 @@ def prepare(spec: PrepareSpec) -> dict[str, Any]:
         raise DataError(f"--vocab-size must be between 256 and 1000000, got {spec.vocab_size} (fix: --vocab-size 8192)")
     if not spec.builtin and not spec.dataset and not spec.inputs:
         raise DataError("nothing to prepare (fix: pass input files/folders/globs, or --dataset NAME)")
+
+
+def prepare(spec: PrepareSpec) -> dict[str, Any]:
+    """Tokenize and pack; returns the manifest. Idempotent and atomic."""
+    check_spec(spec)
     files = [] if (spec.builtin or spec.dataset) else resolve_inputs(spec.inputs)
     key = input_key(spec, files)
     if storage.is_remote(str(spec.out_dir)):

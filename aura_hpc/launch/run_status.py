@@ -7,17 +7,27 @@ newest metrics row.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
 from aura_hpc.errors import LaunchError
 from aura_hpc.launch.run_lock import LOCK_NAME, RunLock, read_json
 from aura_hpc.train.loop.stragglers import THRESHOLD as STRAGGLER_THRESHOLD
+from aura_hpc.train.process.worker_log import JOINED
 
 
-def is_local_run(target: str) -> bool:
+def local_config(target: str | Path) -> Path | None:
+    """The config a `local` run left in its directory: config.yaml, or on a LAN node other than 0
+    (with a folder of its own) config.nodeN.yaml; None where it is no local run's directory."""
     p = Path(target).expanduser()
-    return p.is_dir() and (p / "config.yaml").is_file() and not (p / "job.json").exists()
+    if not p.is_dir() or (p / "job.json").exists():
+        return None
+    return next((c for c in [p / "config.yaml", *sorted(p.glob("config.node*.yaml"))] if c.is_file()), None)
+
+
+def is_local_run(target: str | Path) -> bool:
+    return local_config(target) is not None
 
 
 def local_status(run_dir: Path, latest: dict[str, Any]) -> dict[str, Any]:
@@ -71,9 +81,33 @@ def goodput_note(run_dir: Path, state: str) -> str | None:
     return goodput.line(split) if split else None
 
 
-def local_log(run_dir: Path, rank: int) -> Path:
+def local_log(run_dir: Path, rank: int, stderr: bool = False) -> Path:
+    if stderr:
+        return _node_stderr(run_dir.expanduser() / "logs", rank)
     path = run_dir.expanduser() / "logs" / f"rank_{rank}.log"
     if not path.exists():
         ranks = sorted(p.stem.removeprefix("rank_") for p in (run_dir / "logs").glob("rank_*.log"))
         raise LaunchError(f"{path} does not exist (fix: --rank one of {', '.join(ranks)})" if ranks else f"{run_dir} has no rank logs yet")
     return path
+
+
+def _node_stderr(logs: Path, rank: int) -> Path:
+    """The stderr log of the node that ran `rank` (a node's workers share one: Python's tracebacks and
+    torch's C++ lines): the one where the rank said it joined, else this machine's only one if no rank
+    joined there (a failure before the ranks met)."""
+    nodes = sorted(logs.glob("stderr_node*.log"))
+    mark, joined = f"[rank{rank}]: {JOINED}".encode(), False
+    for path in nodes:
+        with contextlib.suppress(OSError), open(path, "rb") as f:
+            text = f.read()
+            if mark in text:
+                return path
+            joined |= JOINED.encode() in text
+    if len(nodes) == 1 and not joined:  # no rank got as far as joining: the start-up failure is there
+        return nodes[0]
+    names = ", ".join(p.name for p in nodes)
+    raise LaunchError(
+        f"no stderr log here names rank {rank} (fix: read it on the machine that ran it; here: {names})"
+        if nodes
+        else f"{logs} has no stderr log (fix: the run's node 0 keeps it in its logs/ folder)"
+    )
