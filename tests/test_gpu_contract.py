@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from aura_hpc.ops import selftest
@@ -174,3 +175,28 @@ def test_selftest_runs_its_sequence_and_writes_its_report(tmp_path: Path) -> Non
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "st" / "selftest.json").read_text())
     assert [c["ok"] for c in report["checks"]] == [True] and "resumed" in report["checks"][0]["detail"]
+
+
+def test_auto_precision_is_agreed_by_the_ranks_and_a_gpu_fault_names_the_nodes_gpu(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each rank's GPU decided train.precision=auto: an RTX 2080 beside a 3090 (or a rank fallen back to
+    the CPU) gathered fp32 where the others gathered bf16, and FSDP/ZeRO hung. Under one GPU per task
+    every rank's device is cuda:0: the fault names the GPU as nvidia-smi counts it."""
+    from aura_hpc.train.loop.health import physical_index
+    from aura_hpc.train.process.runtime import agreed_precision
+
+    bf16 = (torch.float32, torch.bfloat16)
+    assert agreed_precision(bf16, [True, True, True], True) == bf16
+    assert agreed_precision((torch.float32, None), [False, False], True) == (torch.float32, None)
+    with caplog.at_level("WARNING", logger="aura_hpc"):
+        assert agreed_precision(bf16, [True, False, True, False], True) == (torch.float32, None)
+    assert "rank(s) 1, 3 have no native bf16" in caplog.text and "fix: --set train.precision=bf16" in caplog.text
+
+    class Device:
+        index = 0
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    assert physical_index(Device()) == 5
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f1c2d3e")  # UUIDs: no number to give but torch's
+    assert physical_index(Device()) == 0

@@ -29,8 +29,24 @@ def _visible_uuids() -> list[str] | None:
         return None
 
 
+def _bound_per_task(local_world: int) -> bool:
+    """Whether this process sees fewer GPUs than its node runs ranks (Slurm's --gpus-per-task or
+    --gpu-bind): local rank 0 then sees its own GPU only, so every rank watches its own."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() < local_world
+
+
+def physical_index(device: Any) -> int:
+    """The node's number of a CUDA device, as nvidia-smi and NVML count (CUDA_VISIBLE_DEVICES renumbers from 0)."""
+    index = device.index or 0
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return int(visible[index]) if index < len(visible) and visible[index].isdigit() else index
+
+
 class HealthWatch:
-    """Samples resources and watches the GPUs in a background thread on local rank 0 of each node."""
+    """Samples resources and watches the GPUs in a background thread on local rank 0 of each node
+    (on every rank where each sees only its own GPU)."""
 
     def __init__(self, cfg: RunConfig, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
@@ -45,7 +61,8 @@ class HealthWatch:
 
     def start(self, on_sample: Callable[[dict[str, Any]], None] | None) -> None:
         h = self.cfg.health
-        if self.env.local_rank != 0:
+        bound = self.env.local_rank != 0 and _bound_per_task(self.env.local_world_size)
+        if self.env.local_rank != 0 and not bound:
             return
         # Only this job's GPUs: another job's faulty GPU on a shared node is not ours to stop for.
         reader = open_reader(h.nvml_replay, selection_from_env(os.environ, _visible_uuids()))
@@ -56,7 +73,8 @@ class HealthWatch:
         if breaker and h.monitor_interval_s > 0:
             interval = min(interval, h.breaker_interval_s)
         run_dir = self.cfg.run_dir
-        out = run_dir / "resources" / f"node{self.env.node_rank}.jsonl" if h.monitor_interval_s > 0 else None
+        name = f"node{self.env.node_rank}" + (f"-local{self.env.local_rank}" if bound else "")  # one writer per file
+        out = run_dir / "resources" / f"{name}.jsonl" if h.monitor_interval_s > 0 else None
         rules = None
         if breaker:
             reasons = tuple(r.strip() for r in h.throttle_reasons.split(",") if r.strip())
@@ -92,7 +110,7 @@ class HealthWatch:
 
     def gpu_error(self, exc: RuntimeError, device: Any, step: int) -> int:
         """Xid-style failure in the loop: the GPU state is unusable, so no checkpoint and no collective."""
-        fault = Fault(device.index or 0, f"CUDA error in the training loop: {str(exc).splitlines()[0][:200]}", {})
+        fault = Fault(physical_index(device), f"CUDA error in the training loop: {str(exc).splitlines()[0][:200]}", {})
         self.report(fault, step)
         log.error("%s; exiting with status %d (drain this node)", fault.describe(), EXIT_GPU_FAULT)
         return EXIT_GPU_FAULT

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from aura_hpc.comm import collectives
 from aura_hpc.config import RunConfig
 from aura_hpc.errors import ConfigError
 from aura_hpc.train.process import distributed
@@ -56,6 +57,9 @@ def start(cfg: RunConfig, env: DistEnv) -> Runtime:
         malloc = "pinned"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # DeepSpeed picks its GPU from LOCAL_RANK (engine, zero.Init): with one GPU per task (Slurm's
+        # --gpus-per-task) local rank 3 sees only cuda:0, and cuda:3 is "invalid device ordinal".
+        os.environ["LOCAL_RANK"] = str(device.index)
         # TF32 matmuls round fp32 inputs to 10-bit mantissas: fine under mixed precision, not
         # when the config asks for full fp32 (or fp64) arithmetic.
         tf32 = cfg.train.precision in ("auto", "bf16", "fp16")
@@ -76,7 +80,29 @@ def start(cfg: RunConfig, env: DistEnv) -> Runtime:
         env.restart_count,
         malloc,
     )
-    return Runtime(device, backend, *precision_dtypes(cfg.train.precision, device))
+    dtypes = precision_dtypes(cfg.train.precision, device)
+    if cfg.train.precision == "auto" and backend != "none":
+        # Each rank's own GPU decides "auto"; FSDP and ZeRO gather in one dtype on every rank (an
+        # RTX 2080 beside a 3090, or a rank fallen back to the CPU, would hang them): the ranks agree.
+        dtypes = agreed_precision(dtypes, collectives.flags(dtypes[1] is not None), env.is_main)
+    return Runtime(device, backend, *dtypes)
+
+
+Dtypes = tuple[torch.dtype, torch.dtype | None]  # (parameters, autocast or None)
+
+
+def agreed_precision(mine: Dtypes, bf16_everywhere: list[bool], say: bool) -> Dtypes:
+    """train.precision=auto as every rank can run it: bf16 only where all have it natively."""
+    if all(bf16_everywhere) or not any(bf16_everywhere):
+        return mine
+    if say:
+        without = ", ".join(str(r) for r, ok in enumerate(bf16_everywhere) if not ok)
+        log.warning(
+            "train.precision=auto: rank(s) %s have no native bf16, so every rank trains in fp32 "
+            "(fix: --set train.precision=bf16 to emulate it there, or leave those machines out)",
+            without,
+        )
+    return torch.float32, None
 
 
 def precision_dtypes(precision: str, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
