@@ -148,6 +148,22 @@ def _short_string(text: str) -> bytes:
     return b"\x8c" + bytes([len(raw)]) + raw
 
 
+def _tuple_tree(depth: int) -> bytes:
+    levels = b"".join(b"h" + bytes([k]) + b"\x86\x94" for k in range(depth))  # BINGET k, TUPLE2, MEMOIZE
+    return b"\x80\x04}(" + b")\x94" + levels + b"Nu."  # {tree: None}
+
+
+def _node_chain(depth: int) -> bytes:
+    node_class = _short_string("torch.distributed.elastic.rendezvous.dynamic_rendezvous") + _short_string("_NodeDesc") + b"\x93\x94"
+
+    def node(addr: bytes, pid: bytes) -> bytes:  # NEWOBJ, MEMOIZE (as torch's pickle does), BUILD with its three fields
+        fields = _short_string("addr") + addr + _short_string("pid") + pid + _short_string("local_id") + b"K\x00"
+        return b"h\x00)\x81\x94}(" + fields + b"ub"
+
+    chain = node(_short_string("a"), b"K\x01") + b"".join(node(b"h" + bytes([k]), b"h" + bytes([k])) for k in range(1, depth + 1))
+    return b"\x80\x04\x8f(" + node_class + chain + b"\x90."  # a set of them
+
+
 def test_the_rendezvous_state_is_read_as_data_and_a_deleted_one_stops_at_once(tmp_path: Path) -> None:
     """torch's c10d rendezvous keeps its state pickled in node 0's store, and every launcher unpickles it.
     A stranger who rewrites it (code, a change to torch's classes, another object or shape, a huge value)
@@ -199,6 +215,10 @@ def test_the_rendezvous_state_is_read_as_data_and_a_deleted_one_stops_at_once(tm
             ("a value of", b"x" * (2 << 20)),
             ("not a rendezvous state", real[: len(real) // 2]),
             ("not a rendezvous state", real[:-1] + b"N."),  # two objects left at STOP: a pile of them costs memory
+            # A few bytes that stand for 2**depth leaves, hashed in C with the GIL held (Ctrl+C never ran):
+            # a tuple fetched again as a dict key's halves, and nodes whose address is the node before.
+            ("an object used twice that no rendezvous state shares", _tuple_tree(24)),
+            ("a Node whose fields are not torch's", _node_chain(18)),
         ]
         for said, bits in rewrites:
             rendezvous_state.forget_tampering()

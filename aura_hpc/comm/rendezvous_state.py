@@ -34,6 +34,9 @@ _FIELDS = {
     "participants": (dict,), "wait_list": (set,), "redundancy_list": (set,), "last_heartbeats": (dict,),
 }  # fmt: skip
 _NODE_FIELDS = {"addr": str, "pid": int, "local_id": int}
+# What a memo entry torch's pickle fetches again was made by: a node (NEWOBJ), a time (REDUCE), a string or a
+# class. A tuple fetched again is how a few bytes stand for a tree of 2**depth leaves, hashed in C as a dict key.
+_REFETCHED = frozenset({"NEWOBJ", "REDUCE", "SHORT_BINUNICODE", "BINUNICODE", "STACK_GLOBAL"})
 
 
 class StateTampered(Exception):
@@ -80,10 +83,15 @@ def check(bits: bytes, max_nodes: int) -> None:
 def _check_opcodes(bits: bytes) -> None:
     """Only the opcodes of a state, no integer made to collide, and one object at STOP: objects piled on the
     stack (which the unpickler keeps until the end) are refused before anything is made."""
-    depth, marks = 0, []
+    depth, marks, memo, previous = 0, [], [], ""
     for op, arg, _ in pickletools.genops(bits):
         if op.name not in _OPCODES:
             raise StateTampered(f"rewritten (pickle opcode {op.name}, which no rendezvous state holds)")
+        if op.name == "MEMOIZE":
+            memo.append(previous)
+        elif op.name in ("BINGET", "LONG_BINGET") and not (0 <= arg < len(memo) and memo[arg] in _REFETCHED):
+            raise StateTampered("rewritten (an object used twice that no rendezvous state shares)")
+        previous = op.name
         if op.name == "LONG1" and abs(arg) >= 2**60:  # ints whose hashes an attacker picks to collide
             raise StateTampered("rewritten (an integer no rendezvous state holds)")
         if op.name == "MARK":
@@ -100,10 +108,12 @@ def _check_opcodes(bits: bytes) -> None:
         raise StateTampered("rewritten (not a rendezvous state: more than one object)")
 
 
-def _stand_in(name: str, fields: tuple[str, ...], hashed: bool) -> type:
+def _stand_in(name: str, types: dict[str, tuple[type, ...]], hashed: bool) -> type:
     """A class in place of torch's: made only as torch's pickle makes it (NEWOBJ, then one BUILD with a
-    dict of exactly its fields), and hashed as torch's frozen dataclass is, so what fails torch's load
+    dict of exactly its fields, each of its type: a node whose address is another node would be hashed
+    through every node it names), and hashed as torch's frozen dataclass is, so what fails torch's load
     fails here first."""
+    fields = tuple(types)
 
     def __new__(cls: type, *args: Any) -> Any:
         if args:
@@ -114,7 +124,7 @@ def _stand_in(name: str, fields: tuple[str, ...], hashed: bool) -> type:
         raise StateTampered(f"rewritten (a {name} made by a call)")
 
     def __setstate__(self: Any, state: Any) -> None:
-        if vars(self) or type(state) is not dict or set(state) != set(fields):
+        if vars(self) or type(state) is not dict or set(state) != set(fields) or any(type(state[f]) not in types[f] for f in fields):
             raise StateTampered(f"rewritten (a {name} whose fields are not torch's)")
         vars(self).update(state)
 
@@ -132,8 +142,8 @@ def _stand_in(name: str, fields: tuple[str, ...], hashed: bool) -> type:
 
 
 def _read(bits: bytes) -> tuple[Any, type]:
-    state_cls = _stand_in("State", tuple(_FIELDS), hashed=False)
-    node_cls = _stand_in("Node", tuple(_NODE_FIELDS), hashed=True)
+    state_cls = _stand_in("State", _FIELDS, hashed=False)
+    node_cls = _stand_in("Node", {k: (t,) for k, t in _NODE_FIELDS.items()}, hashed=True)
     stand_ins = {"_RendezvousState": state_cls, "_NodeDesc": node_cls}
 
     class Reader(pickle.Unpickler):
