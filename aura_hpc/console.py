@@ -45,12 +45,13 @@ def table(title: str, rows: list[tuple[str, str]]) -> None:
         _plain_lines(title, [f"{k}: {' '.join(str(v).split())}" for k, v in rows])
         return
     from rich.table import Table
+    from rich.text import Text
 
     t = Table(title=title, show_header=False, title_justify="left")
     t.add_column(style="bold cyan")
     t.add_column()
     for k, v in rows:
-        t.add_row(k, v)
+        t.add_row(Text(str(k)), Text(str(v)))  # text, never markup: values come from files, queues and peers
     console.print(t)
 
 
@@ -111,12 +112,13 @@ def grid(title: str, columns: list[str], rows: list[list[str]]) -> None:
         _plain_lines(title, ["  ".join(cell(c, v) for c, v in zip(columns, r, strict=False)) for r in rows])
         return
     from rich.table import Table
+    from rich.text import Text
 
     t = Table(title=title, title_justify="left")
     for c in columns:
         t.add_column(c, overflow="fold")
     for r in rows:
-        t.add_row(*r)
+        t.add_row(*(Text(str(v)) for v in r))  # a job's name or a node's hostname is text, never markup
     console.print(t)
 
 

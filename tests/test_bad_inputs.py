@@ -281,6 +281,7 @@ ROWS = [
         "--val-fraction must be between 0 and 0.5",
         _files,
     ),
+    Row("a run secret anyone could guess", ["local", D], "under the 16 a run's secret needs", env={"AURA_RUN_SECRET": "k9"}),
     Row("monitor: NaN interval", ["monitor", "--interval", "nan", "--count", "1"], "--interval must be positive"),
     Row(
         "monitor: samples into a missing folder",

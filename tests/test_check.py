@@ -149,6 +149,9 @@ def test_what_a_stranger_writes_into_the_checks_store_never_becomes_a_path_or_a_
         ("[" * 20_000, "recursion"),  # too deep for json: RecursionError, a line, not a traceback
         (b"\xff\xfe", ""),
         ("x" * 70_000, "70000 bytes"),
+        # A hostname as rich markup and terminal escapes (a link, blinking text, the window's title): never shown.
+        (json.dumps(facts | {"hostname": "n1\x1b]8;;http://evil.example/fix.sh\x1b\\[blink]run this[/]"}), "control characters"),
+        (json.dumps(facts | {"user": "a" * 300}), "over 255 characters"),
     ]:
         store.set("info1", hostile)
         report = Report()

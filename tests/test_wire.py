@@ -10,6 +10,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -285,7 +286,42 @@ def test_every_rank_proves_the_run_secret_and_a_stranger_cannot(tmp_path: Path) 
             assert all("did not prove this run's secret" in s for s in said), said
             # What a stranger reading the store sees cannot be replayed: the next attempt's nonces differ.
             keys = [f"attempt0/auth/proof/{r}" for r in (0, 1)]
-            assert all(len(server.get(k)) == 64 for k in keys)
+            assert all(len(server.get(k).partition(b"|")[0]) == 64 for k in keys)
+        del server
+
+
+def test_a_proof_signs_each_ranks_place_and_a_hostile_one_is_a_refusal_not_a_traceback() -> None:
+    """Ranks said their place (node, local rank) in plain keys anyone could rewrite after the proof: a
+    stranger renumbered the ranks or made them crash. A non-ASCII proof raised TypeError in compare_digest."""
+    import hashlib
+    import hmac
+    import threading
+
+    secret = "s" * 20
+    for case in ("honest", "non-ASCII", "another place"):
+        server = stores.bound_server("127.0.0.1", 0, timedelta(seconds=30))
+        said: dict[str, Any] = {}
+
+        def rank0(port: int = server.port, out: dict[str, Any] = said) -> None:
+            client = stores.client("127.0.0.1", port, timedelta(seconds=20))
+            try:
+                out["claims"] = stores.prove(client, "a/auth", 0, 2, secret, 15, claim="0,0")
+            except Exception as exc:  # what rank 0 meets, whatever it is
+                out["error"] = exc
+
+        thread = threading.Thread(target=rank0)
+        thread.start()
+        server.set("a/auth/nonce/1", "f" * 32)  # rank 1, played by the test
+        server.wait(["a/auth/nonce/0"])
+        transcript = (server.get("a/auth/nonce/0").decode() + "|" + "f" * 32).encode()
+        signed = hmac.new(stores.key_of(secret), b"rank|1|2|1,0|" + transcript, hashlib.sha256).hexdigest().encode()
+        proof = {"honest": signed + b"|1,0", "non-ASCII": b"\xff" * 64, "another place": signed + b"|0,0"}[case]
+        server.set("a/auth/proof/1", proof)
+        thread.join(30)
+        if case == "honest":
+            assert said == {"claims": ["0,0", "1,0"]}, said
+        else:
+            assert type(said.get("error")) is stores.NotProven and "rank(s) [1] did not prove" in str(said["error"]), (case, said)
         del server
 
 

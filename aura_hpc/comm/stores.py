@@ -312,15 +312,31 @@ def new_secret() -> str:
     return secrets.token_urlsafe(24)
 
 
+def strong_enough(secret: str) -> str:
+    """A secret someone chose, refused when short: anyone reading the store sees the nonces and every
+    rank's HMAC over them, enough to try a short secret's every value offline (`k9`: 0.01 s)."""
+    if len(secret) < MIN_SECRET:
+        from aura_hpc.errors import LaunchError
+
+        raise LaunchError(
+            f"{SECRET_ENV} is {len(secret)} characters, under the {MIN_SECRET} a run's secret needs: a stranger who reads the "
+            f"rendezvous store could guess it (fix: unset it on node 0 to have one made, or use e.g. "
+            f"`python -c 'import secrets; print(secrets.token_urlsafe(24))'`)"
+        )
+    return secret
+
+
 class NotProven(RuntimeError):
     """A rank did not prove the run's secret (a stranger at the store, or a node started without it)."""
 
 
-def prove(store: Any, prefix: str, rank: int, world: int, secret: str, timeout_s: float, who: str = "") -> None:
+def prove(store: Any, prefix: str, rank: int, world: int, secret: str, timeout_s: float, who: str = "", claim: str = "") -> list[str]:
     """Every rank proves it holds the run's secret before the first collective. Each publishes a fresh
-    nonce, then an HMAC over its rank, its own identity and every rank's nonce; each checks every
-    other rank's HMAC over the nonces as it read them. A replayed proof (old nonces), a rank that
-    does not hold the secret, or nonces someone rewrote between ranks all fail here, on every rank."""
+    nonce, then an HMAC over its rank, its claim (where it sits: node and local rank), its own identity
+    and every rank's nonce; each checks every other rank's HMAC over the nonces as it read them. A
+    replayed proof (old nonces), a rank that does not hold the secret, nonces someone rewrote between
+    ranks, or a claim rewritten after it was signed all fail here, on every rank. Returns every rank's
+    claim as proven."""
     key = key_of(secret)
     nonce = secrets.token_hex(16)
     store.set(f"{prefix}/nonce/{rank}", nonce)
@@ -328,20 +344,22 @@ def prove(store: Any, prefix: str, rank: int, world: int, secret: str, timeout_s
     if any(len(n) != 32 for n in nonces) or nonces[rank] != nonce:
         raise NotProven("the rendezvous store holds nonces this run's ranks did not write (someone else is writing there)")
     transcript = "|".join(nonces).encode()
-    mine = hmac.new(key, f"rank|{rank}|{world}|".encode() + transcript, hashlib.sha256).hexdigest()
-    store.set(f"{prefix}/proof/{rank}", mine)
+
+    def signed(r: int, said: str) -> bytes:
+        return hmac.new(key, f"rank|{r}|{world}|{said}|".encode() + transcript, hashlib.sha256).hexdigest().encode()
+
+    store.set(f"{prefix}/proof/{rank}", signed(rank, claim) + b"|" + claim.encode())
     proofs = _read_all(store, [f"{prefix}/proof/{r}" for r in range(world)], timeout_s)
-    bad = [
-        r
-        for r, p in enumerate(proofs)
-        if not hmac.compare_digest(p, hmac.new(key, f"rank|{r}|{world}|".encode() + transcript, hashlib.sha256).hexdigest())
-    ]
+    claims = [p.partition("|")[2] for p in proofs]
+    # Bytes, not text: a stranger's non-ASCII value read as text made compare_digest raise TypeError.
+    bad = [r for r, p in enumerate(proofs) if not hmac.compare_digest(p.partition("|")[0].encode(), signed(r, claims[r]))]
     if bad:
         raise NotProven(
             f"rank(s) {bad} did not prove this run's secret{who} (fix: start every node with the {SECRET_ENV}=... that node 0 "
             "printed; if you did, something else on the network is talking to the rendezvous port: stop it, or firewall the "
             "port to the training machines)"
         )
+    return claims
 
 
 def _read_all(store: Any, keys: list[str], timeout_s: float) -> list[str]:

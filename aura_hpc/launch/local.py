@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from aura_hpc.comm.stores import SECRET_ENV, SECRET_FILE
+from aura_hpc.comm.stores import SECRET_ENV, SECRET_FILE, strong_enough
 from aura_hpc.config import fit_to_horizon, load_config
 from aura_hpc.config.device import validate_for_device
 from aura_hpc.errors import ConfigError, LaunchError
@@ -330,7 +330,7 @@ def _secret_of_other_node(plan: LocalPlan) -> str:
     folder it shares with node 0)."""
     given = os.environ.get(SECRET_ENV, "").strip()
     if given:
-        return given
+        return strong_enough(given)
     try:
         shared = (plan.cfg.run_dir / SECRET_FILE).read_text(encoding="utf-8").strip()
     except OSError:

@@ -321,10 +321,12 @@ def ensure_run_secret(run_dir: Path) -> str:
     """The run's secret, which every rank proves before the first collective (comm/stores.py): kept in
     RUN_DIR/run.secret (mode 600), made once, so a resumed run or a requeued job keeps it; one the user
     chose (AURA_RUN_SECRET) replaces it."""
-    from aura_hpc.comm.stores import SECRET_ENV, SECRET_FILE, new_secret
+    from aura_hpc.comm.stores import SECRET_ENV, SECRET_FILE, new_secret, strong_enough
 
     path = run_dir / SECRET_FILE
     chosen = os.environ.get(SECRET_ENV, "").strip()
+    if chosen:
+        strong_enough(chosen)
     try:
         existing = path.read_text(encoding="utf-8").strip()
     except OSError:

@@ -37,6 +37,8 @@ def node_from_store(report: Report, store: Any, r: int) -> dict[str, Any]:
             raise ValueError("not a node's facts")
         if node["node_rank"] != r:
             raise ValueError(f"it says node rank {node['node_rank']}")
+        if any(isinstance(v, str) and (len(v) > 255 or not v.isprintable()) for v in node.values()):
+            raise ValueError("a name with control characters or over 255 characters")  # shown in the user's terminal
     except (ValueError, RecursionError) as exc:
         report.add(
             "rendezvous",

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
+import re
 import threading
 import time
 from datetime import timedelta
@@ -77,7 +77,7 @@ def run_secret(run_dir: Path) -> str | None:
     """The secret the ranks prove: handed down by the launcher, or kept in the run directory (Slurm)."""
     given = os.environ.get(stores.SECRET_ENV, "").strip()
     if given:
-        return given
+        return stores.strong_enough(given)  # torchrun started by hand with a secret of the user's
     try:
         return (run_dir / stores.SECRET_FILE).read_text(encoding="utf-8").strip() or None
     except OSError:
@@ -119,36 +119,37 @@ def join(env: DistEnv, run_dir: Path, timeout_s: float) -> DistEnv:
         ) from None
     prefix = f"aura/attempt{env.restart_count}"
     secret = run_secret(run_dir)
-    if secret:
+    claims = None
+    if secret:  # each rank's place is part of what it proves: a stranger cannot renumber the ranks
         try:
-            stores.prove(store, f"{prefix}/auth", env.launcher_rank, env.world_size, secret, timeout_s)
+            claim = f"{env.node_rank},{env.local_rank}"
+            claims = stores.prove(store, f"{prefix}/auth", env.launcher_rank, env.world_size, secret, timeout_s, claim=claim)
         except stores.NotProven as exc:
             raise LaunchError(str(exc)) from None
-    env = _layout(store, prefix, env, timeout_s)
+    env = _layout(store, prefix, env, timeout_s, claims)
     _RDZV = _Rendezvous(store, prefix, env)
     return env
 
 
-def _layout(store: Any, prefix: str, env: DistEnv, timeout_s: float) -> DistEnv:
+def _layout(store: Any, prefix: str, env: DistEnv, timeout_s: float, claims: list[str] | None = None) -> DistEnv:
     """Ranks numbered node by node in the user's node order, and how many each node has. Every rank
-    says (node, local rank) under its launcher rank; all read all (nothing collective yet)."""
-    me = {"node": env.node_rank, "local": env.local_rank, "host": env.hostname[:64]}
-    store.set(f"{prefix}/layout/{env.launcher_rank}", json.dumps(me))
-    keys = [f"{prefix}/layout/{r}" for r in range(env.world_size)]
-    deadline = time.monotonic() + timeout_s
-    while not store.check(keys):
-        if time.monotonic() > deadline:
-            raise LaunchError(f"not every rank reported within {timeout_s:.0f} s (fix: start every node; see the other nodes' logs)")
-        time.sleep(0.02)
+    says (node, local rank) under its launcher rank: in its proof of the secret (`claims`), else in
+    the store; all read all (nothing collective yet)."""
+    if claims is None:
+        store.set(f"{prefix}/layout/{env.launcher_rank}", f"{env.node_rank},{env.local_rank}")
+        keys = [f"{prefix}/layout/{r}" for r in range(env.world_size)]
+        deadline = time.monotonic() + timeout_s
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                raise LaunchError(f"not every rank reported within {timeout_s:.0f} s (fix: start every node; see the other nodes' logs)")
+            time.sleep(0.02)
+        claims = [store.get(k)[:64].decode("ascii", "replace") for k in keys]
     seen: dict[tuple[int, int], int] = {}
-    for r, k in enumerate(keys):
-        try:
-            d = json.loads(store.get(k)[:4096])
-            where = (int(d["node"]), int(d["local"]))
-        except (ValueError, KeyError, TypeError):
-            raise LaunchError(
-                "the rendezvous store holds a rank layout this aura_hpc did not write (fix: the same version on every node)"
-            ) from None
+    for r, said in enumerate(claims):
+        if not re.fullmatch(r"\d{1,5},\d{1,5}", said):
+            raise LaunchError("the rendezvous store holds a rank layout this aura_hpc did not write (fix: the same version on every node)")
+        node, _, local = said.partition(",")
+        where = (int(node), int(local))
         if where in seen:
             raise LaunchError(
                 f"two processes say they are local rank {where[1]} of node {where[0]}: two machines were started with "
