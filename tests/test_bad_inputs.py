@@ -282,6 +282,12 @@ ROWS = [
         _files,
     ),
     Row("a run secret anyone could guess", ["local", D], "under the 16 a run's secret needs", env={"AURA_RUN_SECRET": "k9"}),
+    Row("submit: a node range from 0", ["submit", "--dry-run", "--nodes", "0:4", "--output-dir", "{tmp}/runs"], "starts at 0 nodes"),
+    Row(
+        "submit: a sweep value twice",
+        ["submit", "--dry-run", "--sweep", "train.lr=1e-3,1e-3", "--output-dir", "{tmp}/runs"],
+        "share the run directory",
+    ),
     Row("monitor: NaN interval", ["monitor", "--interval", "nan", "--count", "1"], "--interval must be positive"),
     Row(
         "monitor: samples into a missing folder",

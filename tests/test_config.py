@@ -51,6 +51,10 @@ def test_override_precedence_and_types() -> None:
 def test_model_preset_sets_the_model_shape() -> None:
     cfg = load_config(None, ["model.preset=gpt2-medium", "model.n_layer=6"])
     assert (cfg.model.n_embd, cfg.model.n_head, cfg.model.n_layer) == (1024, 16, 6)
+    # Over a config file with its own model keys: the preset the command line names is the shape (it kept
+    # gpt2-small's 12 x 768 under the label gpt2-medium).
+    cfg = load_config("gpt2-small", ["model.preset=gpt2-medium"])
+    assert (cfg.model.preset, cfg.model.n_embd, cfg.model.n_layer) == ("gpt2-medium", 1024, 24)
 
 
 def test_cli_output_dir_and_run_name_win() -> None:

@@ -143,4 +143,6 @@ def _node_range(given: str | None) -> tuple[int | None, int | None]:
         raise ConfigError(f"--nodes {given!r} is not a node count (fix: --nodes 4, or --nodes 2:4 to start on 2 to 4 nodes)")
     if len(parts) == 1:
         return None, int(parts[0])
+    if int(parts[0]) < 1:  # Slurm reads a minimum of 0 as "exactly the maximum"
+        raise ConfigError(f"--nodes {given!r} starts at 0 nodes (fix: --nodes 1:{parts[1]})")
     return int(parts[0]), int(parts[1])

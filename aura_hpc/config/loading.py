@@ -276,6 +276,7 @@ def load_config(
     # A model preset names a shipped config whose model section is the base for model keys.
     file_model = (file_raw.get("model") or {}) if isinstance(file_raw, dict) else {}
     preset = (cli_raw.get("model") or {}).get("preset") or (file_model.get("preset") if isinstance(file_model, dict) else None)
+    preset_model: dict[str, Any] = {}
     if preset:
         shipped = shipped_configs()
         if str(preset) not in shipped:
@@ -283,6 +284,8 @@ def load_config(
         preset_model = _load_yaml(shipped[str(preset)]).get("model") or {}
         _merge(merged, {"model": preset_model}, str(shipped[str(preset)]), None)
     _merge(merged, file_raw, str(config), base_dir, given, "config")
+    if (cli_raw.get("model") or {}).get("preset"):  # asked for on the command line: its shape, not the file's
+        _merge(merged, {"model": preset_model}, str(preset), None)
     _merge(merged, cli_raw, "--set", Path.cwd(), given, "cli")
     if output_dir is not None:
         merged["output_dir"] = output_dir

@@ -237,6 +237,12 @@ def plan_submit(
         for extra in grid:
             pcfg = load_config(config, [*base_overrides, *extra], str(sweep_dir), _point_name(extra))
             pcfg.slurm = slurm
+            same = next((p for p in points if p.cfg.run_dir == pcfg.run_dir), None)
+            if same is not None:  # two elements of the array in one run directory: the second fails on its lock
+                raise ConfigError(
+                    f"--sweep points {same.label!r} and {', '.join(extra)!r} share the run directory {pcfg.run_dir.name} "
+                    "(fix: list each value once)"
+                )
             points.append(RunPoint(pcfg, ", ".join(extra)))
         folder = sweep_dir / "slurm"
         run_dir_env = str(sweep_dir)
