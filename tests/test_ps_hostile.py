@@ -298,3 +298,47 @@ def test_a_key_deleted_between_the_servers_check_and_its_read_costs_seconds_not_
     took = time.monotonic() - t0
     assert problem and wire.QUICK_S * 0.8 <= took < wire.QUICK_S + 5, (problem, took)
     assert not list(tmp_path.iterdir()), "nothing written from a read that failed"
+
+
+def test_a_forged_refusal_does_not_turn_away_a_worker_that_holds_the_secret() -> None:
+    """The join queue is readable by anyone, and the refusal for a worker without the secret cannot be
+    signed: a stranger wrote it for a real worker's nonce, and that worker quit with "does not hold the
+    run's secret". Now it is a hint: the worker announces again and takes the server's signed answer; a
+    refusal that stands (nothing signed comes) is still the one line."""
+    import threading
+
+    from aura_hpc.comm import stores
+    from aura_hpc.errors import LaunchError
+    from aura_hpc.ps import auth
+    from aura_hpc.ps.join import EPOCH, QUEUE, request_join
+
+    key = auth.key_of(SECRET)
+    for server_answers in (True, False):
+        store = stores.bound_server("127.0.0.1", 0, timedelta(seconds=30))
+        store.set(EPOCH, uuid.uuid4().hex)
+        got: dict[str, Any] = {}
+
+        def worker(port: int = store.port, out: dict[str, Any] = got) -> None:
+            client = stores.client("127.0.0.1", port, timedelta(seconds=30))
+            try:
+                out["reply"] = request_join(client, key, {"host": "pc", "pid": 1, "addr": "127.0.0.1"}, "server", 40)[1]
+            except LaunchError as exc:
+                out["error"] = str(exc)
+
+        thread = threading.Thread(target=worker)
+        began = time.monotonic()
+        thread.start()
+        store.wait([QUEUE])
+        nonce = store.get(QUEUE).decode().split()[0]
+        store.set(f"join/reply/{nonce}", json.dumps({"unauthenticated": True}))  # the stranger, first
+        if server_answers:  # the server, at the worker's next announce
+            time.sleep(4)
+            body = json.dumps({"ok": True, "rank": 1})
+            store.set(f"join/reply/{nonce}", json.dumps({"body": body, "mac": auth.tag(key, "reply", nonce, body)}))
+        thread.join(60)
+        if server_answers:
+            assert got == {"reply": {"ok": True, "rank": 1}}, got
+        else:
+            assert "does not hold the run's secret" in got.get("error", ""), got
+            assert time.monotonic() - began < 30  # the grace, not the 40 s join timeout
+        del store

@@ -51,9 +51,14 @@ def request_join(store: dist.Store, key: bytes, request: dict[str, Any], server:
     nonce = secrets.token_hex(16)
     reply_key = f"join/reply/{nonce}"
     deadline = time.monotonic() + timeout_s
-    announced = 0.0
+    announced, refused_unsigned = 0.0, None
     while True:
         now = time.monotonic()
+        if refused_unsigned is not None and now > min(deadline, refused_unsigned + UNSIGNED_GRACE_S):
+            raise LaunchError(
+                f"the parameter server refused this worker: it does not hold the run's secret (fix: start the worker with "
+                f"{auth.SECRET_ENV}=... exactly as `ps` printed it, or --secret-file with the server's secret)"
+            )
         if now - announced > ANNOUNCE_EVERY_S:
             # Signed for the server's current start, read again each time (a server restarted meanwhile).
             body = json.dumps({**request, "nonce": nonce, "epoch": _server_epoch(store)}, sort_keys=True)
@@ -62,6 +67,13 @@ def request_join(store: dist.Store, key: bytes, request: dict[str, Any], server:
             announced = now
         if store.check([reply_key]):
             reply = _believed_reply(store.get(reply_key), key, nonce)
+            if reply is UNSIGNED_REFUSAL:
+                # Anyone who reads the queue can write this for our nonce: the server re-answers each announce,
+                # signed if we share its secret; only a refusal that stands decides.
+                refused_unsigned = refused_unsigned if refused_unsigned is not None else now
+                with contextlib.suppress(RuntimeError, ValueError):
+                    store.delete_key(reply_key)
+                reply = None
             if reply is not None:
                 break
         if now > deadline:
@@ -88,16 +100,17 @@ def _server_epoch(store: dist.Store) -> str:
     return value if _EPOCH.match(value) else ""
 
 
+UNSIGNED_REFUSAL: dict[str, Any] = {"ok": False, "unsigned": True}
+UNSIGNED_GRACE_S = 3 * ANNOUNCE_EVERY_S  # the server answers each announce: a signed reply comes within one
+
+
 def _believed_reply(raw: bytes, key: bytes, nonce: str) -> dict[str, Any] | None:
-    """The server's signed reply, a refusal for a missing secret, or None (not from the server)."""
+    """The server's signed reply, UNSIGNED_REFUSAL (the server's for a worker without the secret, or a
+    stranger's), or None (not from the server)."""
     try:
         outer = json.loads(raw[:MAX_REQUEST_BYTES])
         if outer.get("unauthenticated") is True:
-            # Unsigned: the server cannot sign for a worker that does not share its secret.
-            return refusal(
-                f"the parameter server refused this worker: it does not hold the run's secret (fix: start the worker with "
-                f"{auth.SECRET_ENV}=... exactly as `ps` printed it, or --secret-file with the server's secret)"
-            )
+            return UNSIGNED_REFUSAL  # the server cannot sign for a worker that does not share its secret; nor can a stranger
         body = outer["body"]
         if not auth.valid(key, outer.get("mac"), "reply", nonce, body):
             return None

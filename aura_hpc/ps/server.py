@@ -105,7 +105,7 @@ class ParameterServer:
         self.saved_version = -1
         self.stats = ProcessStats("ps", 0)
         self.left: list[dict[str, Any]] = []
-        self.closed_links: list[wire.Link] = []
+        self.closed = wire.Traffic()  # the links gone
         self.fatal: AuraError | None = None  # what stopped the server from inside a worker's thread (a full disk)
 
     # ---- start -----------------------------------------------------------------------------
@@ -266,7 +266,7 @@ class ParameterServer:
                 del self.seats[seat.rank]
             left = len(self.seats)
             if seat.link is not None:
-                self.closed_links.append(seat.link)
+                self.closed.add(seat.link, release=reason.startswith(("left", "stopped by the server")))
         if seat.replaced:
             log.info("the old connection of worker %d closed (%s)", seat.rank, reason)
             return
@@ -352,7 +352,7 @@ class ParameterServer:
         log.info("checkpoint %s (last%s)", path.name, ", best" if eval_loss is not None and eval_loss == self.best_eval else "")
 
     def _write_own_stats(self) -> None:
-        links = self.closed_links + [seat.link for seat in self.seats.values() if seat.link is not None]
+        links = [self.closed, *(seat.link for seat in list(self.seats.values()) if seat.link is not None)]
         extra = {"staleness": dict(self.hist), "workers_left": self.left[-20:], "max_staleness": self.p.max_staleness}
         write_server_stats(self.stats, self.cfg.run_dir, self.version, self.tokens, links, extra)
 

@@ -163,6 +163,30 @@ def pair_group(store: dist.Store, prefix: str, rank: int, my_addr: str, timeout_
             del prefixed
 
 
+@dataclass
+class Traffic:
+    """The totals of the links gone (stats.add_link_totals reads it as one link). A link that ended
+    cleanly (a goodbye, the server's stop) is released, its gloo pair's threads and sockets with it:
+    kept, each cost 3 threads and 6 descriptors until "too many open files". One lost mid-message is
+    kept: gloo may still hold the transfer it waited for, and dropping a pair then can abort."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    round_trips: int = 0
+    round_trip_s: float = 0.0
+    kept: list[Any] = field(default_factory=list)
+
+    def add(self, link: Link, release: bool) -> None:
+        self.bytes_sent += link.bytes_sent
+        self.bytes_received += link.bytes_received
+        self.round_trips += link.round_trips
+        self.round_trip_s += link.round_trip_s
+        if not release:
+            self.kept.append(link.group)
+        with REGISTRY_LOCK:  # the group's destructor is a pybind object's (see REGISTRY_LOCK)
+            link.group = None  # type: ignore[assignment]
+
+
 class LinkLost(RuntimeError):
     """The other end of a pair closed or fell silent (gloo's first line), or failed to prove the run's
     secret; told apart from errors of the model or the optimizer, which are not a lost peer."""
