@@ -111,6 +111,7 @@ def test_a_worker_back_from_a_drop_replaces_its_own_old_seat_only_once_its_new_l
     prove it, never drops a live worker's seat)."""
     from aura_hpc.ps.join import Request
     from aura_hpc.ps.server import Seat, returning_seat, take_seat
+    from aura_hpc.ps.wire import LinkLost
 
     def seats() -> dict:
         return {2: Seat(2, "pc-salon", "10.0.0.3", 4242, "a" * 32), 1: Seat(1, "pc-cocina", "10.0.0.2", 99, "b" * 32)}
@@ -132,6 +133,14 @@ def test_a_worker_back_from_a_drop_replaces_its_own_old_seat_only_once_its_new_l
     ):
         kept = seats()
         assert returning_seat(kept, other) is None and set(kept) == {1, 2} and not kept[2].replaced, other
+    # The old connection timed out while the new one was being proven, and another PC took the rank:
+    # the returning worker does not take it from that PC (both trained on one shard).
+    taken = seats()
+    del taken[2]
+    taken[2] = Seat(2, "pc-patio", "10.0.0.9", 7, "d" * 32)
+    with pytest.raises(LinkLost, match="its rank 2 went to pc-patio meanwhile"):
+        take_seat(taken, Seat(2, "pc-salon", "10.0.0.3", 4242, "c" * 32, True, pending=True))
+    assert taken[2].host == "pc-patio" and not taken[2].replaced
 
 
 # The worker's end of a pair, in a process of its own as on a worker PC: it echoes one message doubled.
@@ -325,6 +334,10 @@ def test_ctrl_c_on_the_server_saves_and_resumes_then_a_killed_server_stops_the_w
     assert not stopped["finished"] and stopped["step"] >= 20
     assert os.readlink(run_dir / "checkpoints" / "last") == f"step_{stopped['step']:08d}"
     assert "Re-run the same command to resume" in server.text
+    # Resumed with another number of workers, each shard's saved position would count another shard's sequences.
+    other = run_cli(["ps", "--port", str(port), "--workers", "3", *common], timeout=120, **WITH_SECRET)
+    assert other.returncode != 0 and "was written with --workers 2" in other.stderr and "fix: resume with --workers 2" in other.stderr
+    assert len(other.stderr.strip().splitlines()) == 1, other.stderr
 
     server = Proc(["ps", "--port", str(port), *common], tmp_path / "ps2.log")
     server.wait_for(f"resumed from step_{stopped['step']:08d}: version {stopped['step']}")
@@ -366,6 +379,8 @@ def test_bad_inputs_of_a_parameter_server_run(tmp_path: Path, base: list[str]) -
                 "the same --config/--set",
             ),
             ([*worker, "--set", "train.lr=0.01"], "has train.lr=0.01 but the server has train.lr=0.003", "the same --config/--set"),
+            # Another sample order: the "disjoint" shards overlapped (a quarter of the sequences read twice).
+            ([*worker, "--set", "data.shuffle_window=64"], "has data.shuffle_window=64 but the server has", "the same --config/--set"),
             ([*worker, "--worker-rank", "7"], "--worker-rank 7 is outside 1..2", "omit --worker-rank"),
             (["ps", "--port", str(port), *common, "--run-name", "ps2"], f"port {port} is already in use", f"--port {port + 1}"),
             (
@@ -379,7 +394,7 @@ def test_bad_inputs_of_a_parameter_server_run(tmp_path: Path, base: list[str]) -
             assert r.returncode == 2 and problem in r.stderr and fix in r.stderr, (args[-2:], r.stdout, r.stderr)
             assert len(r.stderr.strip().splitlines()) == 1, r.stderr
         # The busy port is refused before the worker command (with its secret) is printed and the run folder made.
-        assert "AURA_PS_SECRET=" not in results[5].stdout and not (tmp_path / "runs" / "ps2").exists()
+        assert "AURA_PS_SECRET=" not in results[6].stdout and not (tmp_path / "runs" / "ps2").exists()
         assert "worker 1 joined" in server.text and "refused a worker" in server.text
         probe = run_cli(["check", "--server", f"127.0.0.1:{port}", "--json"], timeout=120, **WITH_SECRET)
         findings = {f["name"]: f for f in json.loads(probe.stdout)["findings"]}
@@ -528,3 +543,22 @@ def test_push_every_cuts_the_traffic_per_token_by_its_factor(tmp_path: Path, pre
         rows = _rows(run_dir)
         assert rows[-1]["version"] == 40 and rows[-1]["tokens_per_s"] > 0
     assert 0.2 < sent[4] / sent[1] < 0.3, sent
+
+
+def test_a_late_gradient_counts_its_staleness_weight_after_clipping() -> None:
+    """The weight 1/(1+s) was applied before train.grad_clip: a late gradient over the limit was clipped
+    back to the size of a fresh one, and its lateness counted for nothing (docs: it counts 1/(1+s))."""
+    import torch
+
+    from aura_hpc.ps.model_copy import ModelCopy
+
+    def update(scale: float) -> torch.Tensor:
+        model = torch.nn.Linear(1000, 1, bias=False)
+        torch.nn.init.zeros_(model.weight)
+        copy = ModelCopy(None, None, model, model, None)  # type: ignore[arg-type]
+        sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+        copy.apply(torch.full((1000,), 0.5), scale, sgd, torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0), 1.0)
+        return model.weight.detach().clone()
+
+    fresh, late = update(1.0), update(1 / 5)  # a gradient of norm 15.8, clipped to 1; four versions late
+    assert abs(fresh.norm().item() - 1.0) < 1e-5 and abs(late.norm().item() - 0.2) < 1e-5

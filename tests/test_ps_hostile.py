@@ -342,3 +342,36 @@ def test_a_forged_refusal_does_not_turn_away_a_worker_that_holds_the_secret() ->
             assert "does not hold the run's secret" in got.get("error", ""), got
             assert time.monotonic() - began < 30  # the grace, not the 40 s join timeout
         del store
+
+
+def test_a_worker_whose_data_connection_never_comes_says_so_in_one_line(tmp_path: Path, base: list[str]) -> None:
+    """A server that answers the join but whose gloo port a firewall blocks (docs/parameter-server.md's most
+    common LAN failure, played here by a server that never makes the pair): a traceback ending in
+    DistStoreError before; now the one line with the fix."""
+    import threading
+
+    from aura_hpc.ps import auth, wire
+    from aura_hpc.ps.join import JoinQueue
+
+    port = free_port()
+    store = wire.host_store(port, 60)
+    queue = JoinQueue(wire.quick_client(store, port), auth.key_of(SECRET))
+    queue.publish_epoch()
+    done = threading.Event()
+
+    def answer_and_never_pair() -> None:
+        while not done.is_set():
+            for req in queue.poll():
+                queue.reply(req.nonce, {"ok": True, "rank": 1, "workers": 2, "wire_dtype": "fp32", "version": 0, "position": 0})
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=answer_and_never_pair, daemon=True)
+    thread.start()
+    try:
+        args = ["worker", "--server", f"127.0.0.1:{port}", *base, "--set", "ps.worker_timeout_s=5"]
+        r = run_cli(args, timeout=180, AURA_PS_SECRET=SECRET)
+    finally:
+        done.set()
+        thread.join(10)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "the data connection failed" in r.stderr and "GLOO_SOCKET_IFNAME" in r.stderr, r.stderr

@@ -88,7 +88,11 @@ def cmd_worker(a: argparse.Namespace) -> int:
     console.heading(f"aura_hpc worker: run {cfg.run_name!r}, parameter server {addr}:{port}")
     worker_log.setup(None, 0, label="worker")
     w = PsWorker(cfg, addr, port, a.worker_rank or 0, key)
-    return w.run(console.info, lambda rank: worker_log.setup(cfg.run_dir / "logs", rank, label=f"worker{rank}"))
+    from aura_hpc.launch.native_stderr import native_stderr_to
+
+    # torch's C++ store and gloo warnings (a server that answers slowly): to a file, not this terminal.
+    with native_stderr_to(cfg.run_dir / "logs" / "stderr_worker.log"):
+        return w.run(console.info, lambda rank: worker_log.setup(cfg.run_dir / "logs", rank, label=f"worker{rank}"))
 
 
 def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -98,7 +102,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Hold the model and optimizer, apply each worker's gradient as it arrives (no waiting for slow PCs). "
         "Prints its LAN address and the exact worker command. Ctrl+C saves and stops the workers; re-running resumes.",
     )
-    add_run_options(p)
+    add_run_options(p, screen=False)  # nothing under ps/ runs the screen
     p.add_argument("--workers", type=int, help="how many worker PCs the data is split for (default: ps.workers, 2)")
     p.add_argument("--port", type=int, help="TCP port the workers connect to (default: ps.port, 30005)")
     p.add_argument("--secret-file", help="a file holding the run's secret (default: AURA_PS_SECRET, else RUN_DIR/ps.secret, made once)")
@@ -110,7 +114,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Train on this PC's shard of the data and exchange gradients/weights with the parameter server. "
         "Use the same --config/--set as the server (it checks). Ctrl+C leaves; the others go on.",
     )
-    add_run_options(p)
+    add_run_options(p, screen=False)  # nothing under ps/ runs the screen
     p.add_argument("--server", required=True, help="the server's ADDR or ADDR:PORT (printed by `ps`)")
     p.add_argument("--worker-rank", type=int, help="this worker's rank 1..N (default: the server gives a free one)")
     p.add_argument("--secret-file", help="a file holding the run's secret (default: the AURA_PS_SECRET variable, as `ps` prints)")

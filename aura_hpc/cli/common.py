@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 
-def add_run_options(p: argparse.ArgumentParser) -> None:
+def add_run_options(p: argparse.ArgumentParser, screen: bool = True) -> None:
     p.add_argument("--config", help="a shipped preset (`python -m aura_hpc config --list`: tiny, gpt2-small, ...) or a YAML file")
     p.add_argument(
         "--set",
@@ -16,6 +16,13 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override one config value (repeatable), e.g. --set train.lr=3e-4",
     )
+    if screen:
+        _add_screen(p)
+    p.add_argument("--output-dir", help="where run directories go (default: runs)")
+    p.add_argument("--run-name", help="the run directory's name under --output-dir; re-using it resumes")
+
+
+def _add_screen(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--screen",
         dest="overrides",
@@ -24,8 +31,6 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
         help="pre-flight screening: time every GPU's matmuls and the all-reduces before training; a node below its "
         "figures is named (and, under Slurm, left out of a requeue where the allocation can spare it)",
     )
-    p.add_argument("--output-dir", help="where run directories go (default: runs)")
-    p.add_argument("--run-name", help="the run directory's name under --output-dir; re-using it resumes")
 
 
 def show_plan(cfg: Any, world: int, memory: Any, limit_gib: float | None) -> None:

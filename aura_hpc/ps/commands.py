@@ -24,6 +24,10 @@ def load_ps_config(
         )
     if cfg.data.path:
         cfg.data.path = str(Path(cfg.data.path).expanduser().resolve())
+    if cfg.health.screen != "skip":  # --screen: nothing under ps/ runs the screen
+        raise ConfigError(
+            "the parameter server and its workers run no GPU screen (fix: drop --screen; `python -m aura_hpc check` tests a machine)"
+        )
     if cfg.train.stop_at:
         raise ConfigError(
             "train.stop_at is not used by the parameter server (fix: drop it; Ctrl+C on the server saves, re-running resumes)"

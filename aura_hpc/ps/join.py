@@ -306,6 +306,7 @@ def settings(cfg: RunConfig, data_path: str) -> dict[str, Any]:
     """What the server and every worker must agree on, key by key, so a mismatch is named."""
     manifest = json.loads((Path(data_path) / "manifest.json").read_text(encoding="utf-8"))
     out: dict[str, Any] = {"data.sha256": str(manifest.get("data_sha256", "")), "data.seq_len": cfg.data.seq_len}
+    out["data.shuffle_window"] = cfg.data.shuffle_window  # the sample order: the shards are disjoint only under one
     free = per_machine.PER_PS_WORKER | {"model.preset"}  # a preset's name: its values are compared one by one
     out.update(per_machine.shared(cfg, ("model", "train"), free))
     for name in ("wire_dtype", "max_staleness", "staleness_weight", "push_every"):
@@ -356,5 +357,8 @@ def decide(req: Request, ours: dict[str, Any], workers: int, taken: dict[int, st
         return {"ok": True, "rank": wanted}
     free = [r for r in range(1, workers + 1) if r not in taken]
     if not free:
-        return refusal(f"all {workers} worker ranks are taken (fix: restart the server with --workers {workers + 1} to add a worker)")
+        return refusal(
+            f"all {workers} worker ranks are taken (fix: stop one of them first; a run with more workers is a new server "
+            f"with --workers {workers + 1} and its own --run-name: a checkpoint splits the data in {workers})"
+        )
     return {"ok": True, "rank": free[0]}

@@ -124,6 +124,14 @@ def resume(cfg: RunConfig, model_copy: ModelCopy, optimizer: torch.optim.Optimiz
             f"checkpoint {ckpt.path.name} is of another model shape or data.seq_len than this config "
             "(fix: resume with the config the run was started with, or use a new --run-name)"
         )
+    was = meta.get("world_size")
+    if isinstance(was, int) and was != cfg.ps.workers:
+        # Each worker's saved position counts sequences of its own shard: 1 of 3 is not 1 of 1 (a third
+        # of the data again, the rest never).
+        raise CheckpointError(
+            f"checkpoint {ckpt.path.name} was written with --workers {was} and this server has --workers {cfg.ps.workers}: "
+            f"the data is split into {was} parts there (fix: resume with --workers {was}, or a new --run-name)"
+        )
     checkpoint.load_weights_from(ckpt.path, model_copy.model)
     state = checkpoint.read_trainer_state(ckpt.path)
     optimizer.load_state_dict(state["optimizer"])

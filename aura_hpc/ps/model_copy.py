@@ -58,9 +58,12 @@ class ModelCopy:
 
     def apply(self, flat: torch.Tensor, scale: float, optimizer: Any, scheduler: Any, clip: float) -> None:
         """One optimizer step with `flat` (scaled) as the gradient: the parameter server's update."""
-        self.set_grads(flat.float(), scale)
-        if clip > 0:  # the clipping `local` does (fp64 norm over every gradient)
-            clip_to_total_norm([p.grad for p in self.params if p.grad is not None], clip)
+        self.set_grads(flat.float(), 1.0)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if clip > 0:  # the clipping `local` does (fp64 norm over every gradient), before the staleness weight:
+            clip_to_total_norm(grads, clip)  # after it, a late gradient over the limit was clipped back to full size
+        if scale != 1.0:
+            torch._foreach_mul_(grads, scale)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

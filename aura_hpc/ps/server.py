@@ -75,6 +75,9 @@ def take_seat(seats: dict[int, Seat], seat: Seat) -> None:
     """A proven connection takes its rank; a returning worker's old seat goes (its thread ends quietly
     when the old connection fails)."""
     old = seats.get(seat.rank)
+    if old is not None and old is not seat and (old.host, old.pid) != (seat.host, seat.pid):
+        # The old connection timed out while this one was being proven, and another worker took the rank.
+        raise wire.LinkLost(f"its rank {seat.rank} went to {one_line(old.host)} meanwhile")
     if old is not None and old is not seat:
         old.replaced = True
         log.warning("worker %d (%s) reconnected before its old connection timed out; dropping the old one", old.rank, old.host)
@@ -166,7 +169,7 @@ class ParameterServer:
             if not self.seats and time.monotonic() - last_note > 30:
                 log.info("no worker connected; waiting for workers (Ctrl+C saves and stops)")
                 last_note = time.monotonic()
-            self.sweeper.sweep({seat.nonce for seat in self.seats.values()})
+            self.sweeper.sweep({seat.nonce for seat in list(self.seats.values())})  # threads change seats
             time.sleep(0.05)
         if self.fatal is not None:
             join_threads(self.threads, self.pairing.setting_up)

@@ -71,7 +71,14 @@ class PsWorker:
         self.server_gone = False  # then the store is not written to any more
 
     def run(self, progress: Any, on_rank: Any = None) -> int:
-        link, position = self._join(progress)
+        try:
+            link, position = self._join(progress)
+        except RuntimeError as exc:  # the pair group (a firewall on gloo's port, the wrong network) or its handshake
+            raise LaunchError(
+                f"joined the parameter server at {self.addr}:{self.port} but the data connection failed ({wire.failure(exc)}) "
+                "(fix: allow python's incoming connections on both PCs (gloo opens one more port per worker), or pick the "
+                "network with GLOO_SOCKET_IFNAME)"
+            ) from None
         if on_rank is not None:
             on_rank(self.rank)
         stop = StopRequest()
