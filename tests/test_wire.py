@@ -584,3 +584,25 @@ def test_the_servers_links_gone_keep_their_totals_and_a_clean_ones_pair_is_relea
     assert (traffic.bytes_sent, traffic.bytes_received, traffic.round_trips, traffic.round_trip_s) == (200, 80, 4, 1.0)
     assert all(link.group is None for link in links)
     assert len(traffic.kept) == 1  # the one lost mid-message: gloo may still hold its transfer
+
+
+def test_what_the_ranks_agree_on_in_the_store_is_signed_and_cleaned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks decide NCCL-or-gloo and whether the data is there through plain store keys: anyone who
+    reached the store could make them decide apart (one rank on gloo, the others on NCCL) or put 1,000
+    characters of terminal escapes into every rank's log."""
+    import torch.distributed as dist
+
+    from aura_hpc.train.process import distributed
+
+    store = dist.HashStore()
+    key = stores.key_of("s" * 20)
+    name = "aura/attempt0/agree/backend-ready/1"
+    monkeypatch.setattr(distributed, "_AGREE", (store, "aura/attempt0/agree", 0, 2, key))
+    store.set(name, distributed._signed(key, name, "ok"))  # rank 1, honest
+    assert distributed.agree("backend-ready", "", 5) == []
+    store.set(name, "ok")  # a stranger, without the secret
+    assert distributed.agree("backend-ready", "", 5) == [
+        "rank 1: an answer no rank of this run signed (fix: something else on the network writes to the rendezvous port: firewall it)"
+    ]
+    store.set(name, distributed._signed(key, name, "no\x1b]0;pwned\x07 NCCL here"))  # a rank's own text, cleaned
+    assert distributed.agree("backend-ready", "", 5) == ["rank 1: no ]0;pwned  NCCL here"]

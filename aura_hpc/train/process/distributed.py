@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import hmac
 import logging
 import os
 import re
@@ -43,6 +45,7 @@ class _Rendezvous:
     store: Any
     prefix: str  # per attempt: a restarted attempt never reads the previous one's keys
     env: DistEnv
+    key: bytes | None = None  # of the run's secret: what the ranks say in the store is signed with it
 
 
 _RDZV: _Rendezvous | None = None
@@ -127,7 +130,7 @@ def join(env: DistEnv, run_dir: Path, timeout_s: float) -> DistEnv:
         except stores.NotProven as exc:
             raise LaunchError(str(exc)) from None
     env = _layout(store, prefix, env, timeout_s, claims)
-    _RDZV = _Rendezvous(store, prefix, env)
+    _RDZV = _Rendezvous(store, prefix, env, stores.key_of(secret) if secret else None)
     return env
 
 
@@ -204,7 +207,7 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, init_ti
         rdzv = _RDZV
     assert rdzv is not None
     global _AGREE
-    _AGREE = (rdzv.store, f"{rdzv.prefix}/agree", env.rank, env.world_size)
+    _AGREE = (rdzv.store, f"{rdzv.prefix}/agree", env.rank, env.world_size, rdzv.key)
     simulated = faults.primary_backend()  # gloo plays NCCL's part (tests on CPU)
     timeout = timedelta(seconds=timeout_s)
     group_store = dist.PrefixStore(f"{rdzv.prefix}/pg", rdzv.store)
@@ -260,7 +263,7 @@ def _connect(backend: str, store: Any, env: DistEnv, device: torch.device, init_
     peer reports its set-up failed, or after dist.init_timeout_s, with the reason."""
     done = threading.Event()
     assert _AGREE is not None
-    prefix = _AGREE[1]
+    prefix, secret_key = _AGREE[1], _AGREE[4]
     # The watchdog's own connection, made here: a store client serves one call at a time, and a pybind
     # object made in another thread while torch constructs the group races its registration.
     agreed: Any = _AGREE[0]
@@ -282,10 +285,10 @@ def _connect(backend: str, store: Any, env: DistEnv, device: torch.device, init_
     def watch() -> None:
         deadline = time.monotonic() + init_timeout_s + 5
         while not done.wait(1.0):
-            for r, key in enumerate(keys):
+            for r, name_r in enumerate(keys):
                 with contextlib.suppress(Exception):
-                    if agreed is not None and r != env.rank and agreed.check([key]):
-                        said = agreed.get(key)[:300].decode("utf-8", "replace")
+                    if agreed is not None and r != env.rank and agreed.check([name_r]):
+                        said = _opened(secret_key, name_r, agreed.get(name_r))[:300]
                         if said != "ok" and not done.is_set():
                             give_up(f"{name} could not connect the ranks: rank {r} failed in its set-up ({said})")
             if time.monotonic() > deadline and not done.is_set():
@@ -314,7 +317,7 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
-_AGREE: tuple[Any, str, int, int] | None = None  # the store, a per-attempt prefix, rank, world size
+_AGREE: tuple[Any, str, int, int, bytes | None] | None = None  # the store, a per-attempt prefix, rank, world size, key
 
 
 def agree(topic: str, problem: str, patience_s: float, waiting: str = "") -> list[str]:
@@ -323,8 +326,9 @@ def agree(topic: str, problem: str, patience_s: float, waiting: str = "") -> lis
     into the collective timeout. Waits at most `patience_s` for the others (logging `waiting`)."""
     if _AGREE is None:
         return [problem] if problem else []
-    store, prefix, rank, world = _AGREE
-    store.set(f"{prefix}/{topic}/{rank}", problem or "ok")
+    store, prefix, rank, world, key = _AGREE
+    said = "".join(c if c.isprintable() else " " for c in (problem or "ok"))[:1000]
+    store.set(f"{prefix}/{topic}/{rank}", _signed(key, f"{prefix}/{topic}/{rank}", said))
     keys = [f"{prefix}/{topic}/{r}" for r in range(world)]
     start = last_note = time.monotonic()
     while not store.check(keys):
@@ -335,8 +339,23 @@ def agree(topic: str, problem: str, patience_s: float, waiting: str = "") -> lis
             log.info("%s (%.0f s so far)", waiting, now - start)
             last_note = now
         time.sleep(0.05)
-    answers = [store.get(k)[:1000].decode("utf-8", "replace") for k in keys]
+    answers = [_opened(key, k, store.get(k)) for k in keys]
     return [f"rank {r}: {a}" for r, a in enumerate(answers) if a != "ok"]
+
+
+def _signed(key: bytes | None, name: str, text: str) -> str:
+    """A rank's answer as it goes into the store: under the run's secret, with its HMAC (anyone who
+    reaches the store could otherwise make the ranks decide apart: one falls back to gloo, one not)."""
+    return text if key is None else hmac.new(key, f"agree|{name}|{text}".encode(), hashlib.sha256).hexdigest() + "|" + text
+
+
+def _opened(key: bytes | None, name: str, raw: bytes) -> str:
+    text = raw[:1200].decode("utf-8", "replace")
+    if key is not None:
+        mac, _, text = text.partition("|")
+        if not hmac.compare_digest(mac.encode(), _signed(key, name, text).partition("|")[0].encode()):
+            return "an answer no rank of this run signed (fix: something else on the network writes to the rendezvous port: firewall it)"
+    return "".join(c if c.isprintable() else " " for c in text)[:1000]
 
 
 def active() -> bool:
