@@ -369,4 +369,7 @@ def _read_all(store: Any, keys: list[str], timeout_s: float) -> list[str]:
             missing = [k.rsplit("/", 1)[-1] for k in keys if not store.check([k])]
             raise NotProven(f"rank(s) {', '.join(missing)} did not take part in proving the run's secret within {timeout_s:.0f} s")
         time.sleep(0.02)
-    return [store.get(k)[:256].decode("ascii", "replace") for k in keys]
+    try:
+        return [store.get(k)[:256].decode("ascii", "replace") for k in keys]
+    except RuntimeError:  # DistStoreError: deleted between check and get (anyone who reaches the store can)
+        raise NotProven("the ranks' proofs were deleted from the rendezvous store as they were read (someone else writes there)") from None

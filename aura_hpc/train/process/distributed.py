@@ -146,7 +146,10 @@ def _layout(store: Any, prefix: str, env: DistEnv, timeout_s: float, claims: lis
             if time.monotonic() > deadline:
                 raise LaunchError(f"not every rank reported within {timeout_s:.0f} s (fix: start every node; see the other nodes' logs)")
             time.sleep(0.02)
-        claims = [store.get(k)[:64].decode("ascii", "replace") for k in keys]
+        try:
+            claims = [store.get(k)[:64].decode("ascii", "replace") for k in keys]
+        except RuntimeError:  # deleted between check and get
+            raise LaunchError("the ranks' layout was deleted from the rendezvous store as it was read (fix: firewall its port)") from None
     seen: dict[tuple[int, int], int] = {}
     for r, said in enumerate(claims):
         if not re.fullmatch(r"\d{1,5},\d{1,5}", said):
@@ -339,7 +342,10 @@ def agree(topic: str, problem: str, patience_s: float, waiting: str = "") -> lis
             log.info("%s (%.0f s so far)", waiting, now - start)
             last_note = now
         time.sleep(0.05)
-    answers = [_opened(key, k, store.get(k)) for k in keys]
+    try:
+        answers = [_opened(key, k, store.get(k)) for k in keys]
+    except RuntimeError:  # deleted between check and get: anyone who reaches the store can
+        return [f"the ranks' answers on {topic} were deleted from the store as they were read (fix: firewall its port)"]
     return [f"rank {r}: {a}" for r, a in enumerate(answers) if a != "ok"]
 
 
