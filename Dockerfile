@@ -26,11 +26,12 @@ COPY docker/entrypoint.sh /opt/aura_hpc/entrypoint.sh
 RUN (id -u aura >/dev/null 2>&1 || useradd --create-home --uid ${AURA_UID} --shell /bin/bash aura) \
  && mkdir -p /work && chown aura /work
 
+# No cache folder fixed in /tmp here: Apptainer binds the host's /tmp and keeps an image's ENV, so
+# every user of a node would share one (the first user's, unwritable or planted for the next). The
+# defaults are per user (~/.cache/huggingface, /tmp/torchinductor_$USER); compose.yaml sets its own.
 ENV PATH=/opt/aura_hpc/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    AURA_LOCAL_FROM_ENV=1 \
-    HF_HOME=/tmp/huggingface \
-    TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor
+    AURA_LOCAL_FROM_ENV=1
 
 USER aura
 WORKDIR /work

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Mount the NFS export on a machine that trains (every node, the master too if it is not the server).
 #
-#   sudo nfs_setup/client.sh --server 192.168.1.10 --export /srv/aura --mount /shared/aura [--dry-run]
+#   sudo nfs_setup/client.sh --server 192.168.1.10 --export /shared/aura --mount /shared/aura [--dry-run]
 #
-# Installs the NFS client, mounts, verifies that a file written here can be read back, and
-# persists the mount in /etc/fstab. Idempotent; --dry-run prints what would change.
+# Installs the NFS client, mounts, verifies that a file written here by the user who ran sudo can be
+# read back, and persists the mount in /etc/fstab under a marker comment (a line of the admin's for
+# the same mount point is never replaced). Idempotent; --dry-run prints what would change.
 set -euo pipefail
 
 FSTAB=${AURA_NFS_FSTAB:-/etc/fstab}        # test hook: another fstab
@@ -15,21 +16,25 @@ EXPORT_DIR=""
 MOUNT=""
 # hard: a server hiccup pauses I/O instead of corrupting a checkpoint; _netdev: mount after the network.
 OPTIONS="rw,hard,noatime,_netdev"
+MARK="# aura_hpc nfs_setup: the next line is this script's (run it again to change it)"
 
-usage() { sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+need() { [[ $# -ge 2 && -n $2 ]] || { echo "error: $1 needs a value (fix: see --help)" >&2; exit 2; }; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --server) SERVER=$2; shift 2 ;;
-    --export) EXPORT_DIR=$2; shift 2 ;;
-    --mount) MOUNT=$2; shift 2 ;;
-    --options) OPTIONS=$2; shift 2 ;;
+    --server) need "$@"; SERVER=$2; shift 2 ;;
+    --export) need "$@"; EXPORT_DIR=$2; shift 2 ;;
+    --mount) need "$@"; MOUNT=$2; shift 2 ;;
+    --options) need "$@"; OPTIONS=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) usage ;;
     *) echo "error: unknown option $1 (fix: see --help)" >&2; exit 2 ;;
   esac
 done
 [[ -n $SERVER && -n $EXPORT_DIR && -n $MOUNT ]] || { echo "error: --server, --export and --mount are needed (fix: e.g. --server 192.168.1.10 --export /srv/aura --mount /shared/aura)" >&2; exit 2; }
-[[ $MOUNT == /* ]] || { echo "error: --mount must be an absolute path, got $MOUNT" >&2; exit 2; }
+[[ $MOUNT == /* ]] || { echo "error: --mount must be an absolute path, got $MOUNT (fix: e.g. /shared/aura)" >&2; exit 2; }
+while [[ $MOUNT == */ && $MOUNT != / ]]; do MOUNT=${MOUNT%/}; done  # /x/ and /x are one mount point
+while [[ $EXPORT_DIR == */ && $EXPORT_DIR != / ]]; do EXPORT_DIR=${EXPORT_DIR%/}; done
 
 changes=0
 do_() {
@@ -47,14 +52,25 @@ fi
 if [[ ! -d $MOUNT ]]; then do_ "create mount point $MOUNT" mkdir -p "$MOUNT"; fi
 
 line="$SERVER:$EXPORT_DIR $MOUNT nfs4 $OPTIONS 0 0"
-current=$(awk -v m="$MOUNT" '$2 == m' "$FSTAB" 2>/dev/null || true)
-if [[ $current == "$line" ]]; then
+# Each line for the mount point, "ours" (under the marker) or "theirs" (the admin's, or an older version's).
+entries=$(awk -v k="$MOUNT" -v mark="$MARK" '$0 == mark { m = 1; next } $2 == k { print (m ? "ours" : "theirs") "\t" $0 } { m = 0 }' "$FSTAB" 2>/dev/null || true)
+theirs=$(printf '%s\n' "$entries" | awk -F'\t' '$1 == "theirs" { print $2 }')
+current=$(printf '%s\n' "$entries" | awk -F'\t' '$1 == "ours" { print $2 }')
+if [[ -n $theirs && $theirs != "$line" ]]; then
+  echo "error: $FSTAB already mounts something at $MOUNT in a line this script did not write: '$(head -n1 <<<"$theirs")' (fix: choose another --mount, or remove that line and run this again)" >&2
+  exit 1
+elif [[ -n $theirs || $current == "$line" ]]; then
   echo "ok: $FSTAB already mounts $MOUNT as wanted"
 else
   persist() {
     touch "$FSTAB"
     cp "$FSTAB" "$FSTAB.aura-backup"
-    { awk -v m="$MOUNT" '$2 != m' "$FSTAB.aura-backup"; echo "$line"; } >"$FSTAB.tmp"
+    { awk -v k="$MOUNT" -v mark="$MARK" '
+        $0 == mark { held = $0; next }
+        held != "" { if ($2 == k) { held = ""; next } print held; held = "" }
+        { print }
+        END { if (held != "") print held }' "$FSTAB.aura-backup"
+      echo "$MARK"; echo "$line"; } >"$FSTAB.tmp"
     mv "$FSTAB.tmp" "$FSTAB"
   }
   if [[ -n $current ]]; then do_ "replace in $FSTAB: '$current' -> '$line'" persist
@@ -62,16 +78,30 @@ else
 fi
 
 if [[ $NO_SYSTEM != 1 ]]; then
-  if ! mountpoint -q "$MOUNT"; then do_ "mount $SERVER:$EXPORT_DIR at $MOUNT" mount "$MOUNT"; fi
-  if [[ $DRY != 1 ]]; then
-    probe="$MOUNT/.aura-nfs-check-$(hostname)-$$"
-    if ! echo ok >"$probe" 2>/dev/null; then
-      echo "error: cannot write in $MOUNT (fix: on the server, chown the export to this user's UID:GID $(id -u):$(id -g), or pass --owner to server.sh)" >&2
+  if mountpoint -q "$MOUNT"; then
+    source=$(findmnt -n -o SOURCE --mountpoint "$MOUNT" 2>/dev/null || true)
+    if [[ $source != "$SERVER:$EXPORT_DIR" ]]; then  # another filesystem there: the nodes would not share one
+      echo "error: $MOUNT already has $source mounted, not $SERVER:$EXPORT_DIR (fix: unmount it, or choose another --mount)" >&2
       exit 1
     fi
-    [[ $(cat "$probe") == ok ]] || { echo "error: read back a different content from $probe" >&2; exit 1; }
-    echo "ok: wrote and read back $probe as uid $(stat -c %u "$probe") gid $(stat -c %g "$probe")"
-    rm -f "$probe"
+  else
+    do_ "mount $SERVER:$EXPORT_DIR at $MOUNT" mount "$MOUNT"
+  fi
+  if [[ $DRY != 1 ]]; then
+    # As the user who ran sudo, who trains: root is `nobody` on the server under root_squash.
+    user=${SUDO_USER:-}
+    if [[ -z $user || $user == root ]]; then
+      echo "note: skipped the write check: run this with sudo from the training user's account to have it write as that user"
+    else
+      probe="$MOUNT/.aura-nfs-check-$(hostname)-$$"
+      if ! runuser -u "$user" -- sh -c 'echo ok >"$1"' _ "$probe" 2>/dev/null; then
+        echo "error: $user cannot write in $MOUNT (fix: on the server, chown the export to $user's UID:GID $(id -u "$user"):$(id -g "$user"), or pass --owner $(id -u "$user"):$(id -g "$user") to server.sh)" >&2
+        exit 1
+      fi
+      [[ $(cat "$probe") == ok ]] || { echo "error: read back a different content from $probe" >&2; exit 1; }
+      echo "ok: $user wrote and read back $probe (uid $(stat -c %u "$probe") gid $(stat -c %g "$probe"))"
+      runuser -u "$user" -- rm -f "$probe"
+    fi
     echo "next: on every node, python -m aura_hpc check --nnodes N ... --shared-dir $MOUNT"
   fi
 fi

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Export a directory over NFS to the machines that train together (run on the storage/master node).
 #
-#   sudo nfs_setup/server.sh --export /srv/aura --clients 192.168.1.0/24 [--clients 10.0.0.5 ...] \
-#        [--owner 1000:1000] [--dry-run]
+#   sudo nfs_setup/server.sh --export /shared/aura --clients 192.168.1.0/24 [--clients 10.0.0.5 ...] \
+#        [--owner 1000:1000] [--dry-run] [--allow-wide]
 #
 # Idempotent: running it again changes nothing. --dry-run prints what would change and changes nothing.
+# Its line in /etc/exports sits under a marker comment; a line of the admin's for the same directory is
+# never replaced (the script stops and says so). --allow-wide: export to * or with no_root_squash/insecure.
 # Options on the export: rw,sync,no_subtree_check (sync: a checkpoint is on disk when the write
 # returns; no_subtree_check: fewer stale handles on renames, which atomic checkpoints do a lot).
 set -euo pipefail
@@ -16,21 +18,36 @@ EXPORT_DIR=""
 OWNER=""
 CLIENTS=()
 OPTIONS="rw,sync,no_subtree_check"
+ALLOW_WIDE=0
+MARK="# aura_hpc nfs_setup: the next line is this script's (run it again to change it)"
 
-usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+need() { [[ $# -ge 2 && -n $2 ]] || { echo "error: $1 needs a value (fix: see --help)" >&2; exit 2; }; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --export) EXPORT_DIR=$2; shift 2 ;;
-    --clients) CLIENTS+=("$2"); shift 2 ;;
-    --owner) OWNER=$2; shift 2 ;;
-    --options) OPTIONS=$2; shift 2 ;;
+    --export) need "$@"; EXPORT_DIR=$2; shift 2 ;;
+    --clients) need "$@"; CLIENTS+=("$2"); shift 2 ;;
+    --owner) need "$@"; OWNER=$2; shift 2 ;;
+    --options) need "$@"; OPTIONS=$2; shift 2 ;;
+    --allow-wide) ALLOW_WIDE=1; shift ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) usage ;;
     *) echo "error: unknown option $1 (fix: see --help)" >&2; exit 2 ;;
   esac
 done
 [[ -n $EXPORT_DIR && ${#CLIENTS[@]} -gt 0 ]] || { echo "error: --export DIR and at least one --clients SUBNET|HOST are needed (fix: e.g. --export /srv/aura --clients 192.168.1.0/24)" >&2; exit 2; }
-[[ $EXPORT_DIR == /* ]] || { echo "error: --export must be an absolute path, got $EXPORT_DIR (fix: e.g. /srv/aura)" >&2; exit 2; }
+[[ $EXPORT_DIR == /* ]] || { echo "error: --export must be an absolute path, got $EXPORT_DIR (fix: e.g. /shared/aura)" >&2; exit 2; }
+while [[ $EXPORT_DIR == */ && $EXPORT_DIR != / ]]; do EXPORT_DIR=${EXPORT_DIR%/}; done  # /x/ and /x are one export
+if [[ $ALLOW_WIDE != 1 ]]; then
+  for c in "${CLIENTS[@]}"; do
+    if [[ $c == *"*"* || $c == 0.0.0.0/0 || $c == ::/0 ]]; then
+      echo "error: --clients $c exports $EXPORT_DIR to every machine that reaches this one (fix: the training machines' subnet, e.g. 192.168.1.0/24, or --allow-wide)" >&2; exit 2
+    fi
+  done
+  if [[ ,$OPTIONS, == *,no_root_squash,* || ,$OPTIONS, == *,insecure,* ]]; then
+    echo "error: --options $OPTIONS lets root on a client act as root here (fix: drop no_root_squash/insecure, or --allow-wide)" >&2; exit 2
+  fi
+fi
 
 changes=0
 do_() { # describe, then run unless --dry-run
@@ -54,18 +71,29 @@ if [[ -n $OWNER && ( ! -d $EXPORT_DIR || $(stat -c %u:%g "$EXPORT_DIR") != "$OWN
   do_ "chown $OWNER $EXPORT_DIR (the same UID:GID as the training user on every client)" chown "$OWNER" "$EXPORT_DIR"
 fi
 
-# 3. /etc/exports: one line per directory, owned by this script
+# 3. /etc/exports: one line per directory, under this script's marker
 clients_field=""
 for c in "${CLIENTS[@]}"; do clients_field+=" $c($OPTIONS)"; done
 line="$EXPORT_DIR${clients_field}"
-current=$(awk -v d="$EXPORT_DIR" '$1 == d' "$EXPORTS" 2>/dev/null || true)
-if [[ $current == "$line" ]]; then
+# Each line for the directory, "ours" (under the marker) or "theirs" (the admin's, or an older version's).
+entries=$(awk -v k="$EXPORT_DIR" -v mark="$MARK" '$0 == mark { m = 1; next } $1 == k { print (m ? "ours" : "theirs") "\t" $0 } { m = 0 }' "$EXPORTS" 2>/dev/null || true)
+theirs=$(printf '%s\n' "$entries" | awk -F'\t' '$1 == "theirs" { print $2 }')
+current=$(printf '%s\n' "$entries" | awk -F'\t' '$1 == "ours" { print $2 }')
+if [[ -n $theirs && $theirs != "$line" ]]; then
+  echo "error: $EXPORTS already exports $EXPORT_DIR in a line this script did not write: '$(head -n1 <<<"$theirs")' (fix: merge '$line' into it by hand, or remove it and run this again)" >&2
+  exit 1
+elif [[ -n $theirs || $current == "$line" ]]; then
   echo "ok: $EXPORTS already exports $EXPORT_DIR as wanted"
 else
   replace() {
     touch "$EXPORTS"
     cp "$EXPORTS" "$EXPORTS.aura-backup"
-    { awk -v d="$EXPORT_DIR" '$1 != d' "$EXPORTS.aura-backup"; echo "$line"; } >"$EXPORTS.tmp"
+    { awk -v k="$EXPORT_DIR" -v mark="$MARK" '
+        $0 == mark { held = $0; next }
+        held != "" { if ($1 == k) { held = ""; next } print held; held = "" }
+        { print }
+        END { if (held != "") print held }' "$EXPORTS.aura-backup"
+      echo "$MARK"; echo "$line"; } >"$EXPORTS.tmp"
     mv "$EXPORTS.tmp" "$EXPORTS"
   }
   if [[ -n $current ]]; then do_ "replace in $EXPORTS: '$current' -> '$line'" replace
@@ -76,7 +104,10 @@ fi
 # 4. firewall: NFSv4 needs only TCP 2049 from the clients
 if [[ $NO_SYSTEM != 1 ]] && command -v ufw >/dev/null && ufw status 2>/dev/null | grep -q "Status: active"; then
   for c in "${CLIENTS[@]}"; do
-    if ! ufw status | grep -q "2049.*ALLOW.*$c"; then do_ "open TCP 2049 (NFSv4) to $c in ufw" ufw allow from "$c" to any port 2049 proto tcp; fi
+    # The rule's source field whole: 192.168.1.5 is not covered by a rule for 192.168.1.50.
+    if ! ufw status | awk -v c="$c" '$1 ~ /^2049/ && $2 == "ALLOW" && $NF == c { f = 1 } END { exit !f }'; then
+      do_ "open TCP 2049 (NFSv4) to $c in ufw" ufw allow from "$c" to any port 2049 proto tcp
+    fi
   done
 fi
 

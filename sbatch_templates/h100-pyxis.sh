@@ -2,7 +2,9 @@
 # aura_hpc cluster profile "h100-pyxis": 8x H100 nodes with InfiniBand where Slurm starts each
 # task in a container (NVIDIA Pyxis + Enroot: srun --container-image). The image is the
 # repository's Dockerfile built on a CUDA PyTorch base and pushed to your registry (or imported
-# with `enroot import -o /shared/images/aura.sqsh dockerd://aura-hpc:latest`).
+# with `enroot import -o /shared/images/aura.sqsh dockerd://aura-hpc:latest`). For InfiniBand, build
+# it on an NGC base (BASE_IMAGE=nvcr.io/nvidia/pytorch:<tag>): the default base has no libibverbs and
+# NCCL would fall back to TCP between nodes (docs/containers.md).
 #
 # Lines read by aura_hpc:
 #   #SBATCH --option=value   defaults for the job (the config's slurm section and CLI flags win)

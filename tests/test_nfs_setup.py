@@ -13,6 +13,7 @@ from tests.conftest import REPO
 
 SERVER = REPO / "nfs_setup" / "server.sh"
 CLIENT = REPO / "nfs_setup" / "client.sh"
+MARK = "# aura_hpc nfs_setup: the next line is this script's (run it again to change it)"
 
 
 def _run(script: Path, args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
@@ -35,15 +36,35 @@ def test_server_dry_run_changes_nothing_then_apply_is_idempotent(tmp_path: Path)
 
     first = _run(SERVER, args, AURA_NFS_EXPORTS=str(exports))
     assert first.returncode == 0, first.stderr
-    assert exports.read_text() == "/other 10.0.0.0/8(ro)\n" + line + "\n" and export_dir.is_dir()
-    again = _run(SERVER, args, AURA_NFS_EXPORTS=str(exports))
+    assert exports.read_text() == "/other 10.0.0.0/8(ro)\n" + MARK + "\n" + line + "\n" and export_dir.is_dir()
+    again = _run(SERVER, [*args[:1], f"{export_dir}/", *args[2:]], AURA_NFS_EXPORTS=str(exports))  # a trailing / too
     assert again.returncode == 0 and "nothing to change" in again.stdout and "already exports" in again.stdout
     assert exports.read_text().count(str(export_dir)) == 1
 
     changed = _run(SERVER, ["--export", str(export_dir), "--clients", "192.168.2.0/24"], AURA_NFS_EXPORTS=str(exports))
     assert "replace in" in changed.stdout
-    assert exports.read_text().splitlines() == ["/other 10.0.0.0/8(ro)", f"{export_dir} 192.168.2.0/24(rw,sync,no_subtree_check)"]
+    assert exports.read_text().splitlines() == ["/other 10.0.0.0/8(ro)", MARK, f"{export_dir} 192.168.2.0/24(rw,sync,no_subtree_check)"]
     assert (tmp_path / "exports.aura-backup").exists()
+
+
+def test_a_line_of_the_admins_is_never_replaced_and_a_wide_export_needs_asking(tmp_path: Path) -> None:
+    """Any line for the same directory or mount point was taken for the script's own and replaced: the
+    admin's other clients lost the export, a NAS mount vanished from fstab (a continued line half left)."""
+    exports, fstab = tmp_path / "exports", tmp_path / "fstab"
+    admins = "/srv/aura 10.9.0.0/16(ro,sync,no_subtree_check) \\\n    10.8.0.5(rw,sync)\n"
+    exports.write_text(admins)
+    r = _run(SERVER, ["--export", "/srv/aura", "--clients", "192.168.1.0/24"], AURA_NFS_EXPORTS=str(exports))
+    assert r.returncode == 1 and "in a line this script did not write" in r.stderr and "fix: merge" in r.stderr, r.stderr
+    assert exports.read_text() == admins
+    fstab.write_text(f"//nas/share {tmp_path / 'mnt'} cifs credentials=/root/.smb 0 0\n")
+    before = fstab.read_text()
+    r = _run(CLIENT, ["--server", "192.168.1.10", "--export", "/srv/aura", "--mount", str(tmp_path / "mnt")], AURA_NFS_FSTAB=str(fstab))
+    assert r.returncode == 1 and "choose another --mount" in r.stderr and fstab.read_text() == before, r.stderr
+    for wide in (["--clients", "*"], ["--clients", "10.0.0.0/8", "--options", "rw,no_root_squash"]):
+        r = _run(SERVER, ["--export", "/srv/x", *wide], AURA_NFS_EXPORTS=str(exports))
+        assert r.returncode == 2 and "--allow-wide" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = _run(SERVER, ["--export", str(tmp_path / "x"), "--clients", "*", "--allow-wide", "--dry-run"], AURA_NFS_EXPORTS=str(exports))
+    assert r.returncode == 0 and "would: add to" in r.stdout
 
 
 def test_client_dry_run_and_idempotent_fstab(tmp_path: Path) -> None:
@@ -56,7 +77,7 @@ def test_client_dry_run_and_idempotent_fstab(tmp_path: Path) -> None:
     line = f"192.168.1.10:/srv/aura {mount} nfs4 rw,hard,noatime,_netdev 0 0"
     assert f"would: add to {fstab}: '{line}'" in dry.stdout and fstab.read_text() == "UUID=abc / ext4 defaults 0 1\n" and not mount.exists()
     assert _run(CLIENT, args, AURA_NFS_FSTAB=str(fstab)).returncode == 0
-    assert fstab.read_text().splitlines() == ["UUID=abc / ext4 defaults 0 1", line]
+    assert fstab.read_text().splitlines() == ["UUID=abc / ext4 defaults 0 1", MARK, line]
     again = _run(CLIENT, args, AURA_NFS_FSTAB=str(fstab))
     assert "nothing to change" in again.stdout and fstab.read_text().count(str(mount)) == 1
 
@@ -67,6 +88,7 @@ def test_bad_arguments_are_one_line_with_the_fix() -> None:
         (SERVER, []),
         (CLIENT, ["--server", "a"]),
         (SERVER, ["--bogus"]),
+        (SERVER, ["--export"]),  # a flag without its value: bash's "$2: unbound variable" before
     ):
         res = _run(script, args)
         assert res.returncode == 2 and res.stderr.startswith("error:") and len(res.stderr.strip().splitlines()) == 1, res.stderr

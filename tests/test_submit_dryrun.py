@@ -204,6 +204,11 @@ def test_apptainer_wraps_the_jobs_python_and_matches_golden(tmp_path: Path) -> N
     command = script.strip().splitlines()[-1]
     assert command.startswith("srun ") and "apptainer exec --nv --bind /shared/aura:/shared/aura,/datasets:/datasets:ro" in command
     assert command.endswith("/shared/aura/aura.sif python3 -u -m submitit.core._submit /shared/aura/runs/gpt2/slurm"), command
+    # `~/aura.sif` passed the check but reached the script quoted: no shell expanded it on the nodes.
+    container[3] = "~/aura.sif"
+    again = ["submit", "--nodes", "2", "--gpus", "8", "--output-dir", str(out), "--run-name", "g2", "--dry-run", *container]
+    res = run_cli(again, HOME=str(tmp_path))
+    assert res.returncode == 0 and "~" not in _script(res.stdout) and f"{sif} python3 -u" in _script(res.stdout), res.stdout + res.stderr
 
 
 @pytest.mark.parametrize(

@@ -114,6 +114,8 @@ def plan_container(s: SlurmConfig, output_dir: str, data_path: str, gpus: bool) 
     for what, path, writable in needed:
         _require_mounted(what, path, mounts, writable)
     image = s.container_image
+    if image.startswith("~"):  # the script quotes it: no shell would expand `~` there
+        image = str(Path(image).expanduser())
     if s.container == "apptainer":
         if not image.startswith(_URI) and not Path(image).expanduser().is_file():
             raise ConfigError(
