@@ -107,3 +107,25 @@ def test_resume_at_2_then_3_then_1_ranks_trains_every_sample_exactly_once(tmp_pa
         assert ids == order.indices(start, len(ids))
     seen = [i for row in rows for i in row["ids"]]
     assert total <= packed.num_sequences("train") and len(seen) == len(set(seen)), "no sequence twice within an epoch"
+
+
+def test_a_raised_token_budget_extends_the_run_and_another_world_size_keeps_the_horizon(tmp_path: Path) -> None:
+    """The horizon recorded in the newest checkpoint won whatever changed: doubling train.max_tokens to train
+    on said "nothing to do" (and blamed another world size). It is kept only for the budget it was set for."""
+    import types
+
+    from aura_hpc.config import RunConfig
+    from aura_hpc.train.parts.build import _horizon
+
+    cfg = RunConfig()
+    cfg.output_dir, cfg.run_name = str(tmp_path), "run"
+    cfg.train.batch_size, cfg.train.grad_accum, cfg.data.seq_len = 8, 1, 128
+    cfg.train.max_tokens = 10 * 2 * 8 * 128  # 10 steps at 2 ranks
+    env = types.SimpleNamespace(is_main=True)
+    assert _horizon(cfg, 2, env) == 10  # type: ignore[arg-type]
+    meta = cfg.run_dir / "checkpoints" / "step_00000010" / "meta.json"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"max_steps": 10, "max_tokens": cfg.train.max_tokens}))
+    assert _horizon(cfg, 4, env) == 10  # type: ignore[arg-type]  # another world size: the schedule kept
+    cfg.train.max_tokens *= 2
+    assert _horizon(cfg, 2, env) == 20  # type: ignore[arg-type]  # a new budget: a new horizon

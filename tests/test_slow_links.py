@@ -215,12 +215,16 @@ def test_compressed_ddp_trains_and_resumes_bit_identical(tmp_path: Path, prepare
     that state per DDP bucket, and without DdpWrapped.warm_up a resumed process's first step was grouped
     in one bucket (DDP's first backward) where the run it continues had regrouped them."""
     extra = ("--set", f"dist.compress={compress}", "--set", "train.checkpoint_every=10", "--set", "train.eval_every=10")
-    done = _together(
-        {
-            "straight": (_args(tmp_path, "straight", prepared, *extra), {}),
-            "killed": (_args(tmp_path, "killed", prepared, *extra, "--max-restarts", "1"), {"AURA_FAULT_KILL": "1:14"}),
-        }
-    )
+    runs = {
+        "straight": (_args(tmp_path, "straight", prepared, *extra), {}),
+        "killed": (_args(tmp_path, "killed", prepared, *extra, "--max-restarts", "1"), {"AURA_FAULT_KILL": "1:14"}),
+    }
+    if compress == "powersgd":  # one NaN once compression runs: it went into every rank's error feedback and factors
+        runs["nan"] = (_args(tmp_path, "nan", prepared, *extra), {"AURA_FAULT_NAN": "1:12:1"})
+    done = _together(runs)
+    if compress == "powersgd":  # skipped once, then training goes on (every later step was NaN: rollbacks, exit 3)
+        nan = done["nan"]
+        assert nan.returncode == 0 and "update skipped (1 in a row)" in nan.stdout and "2 in a row" not in nan.stdout, nan.stdout[-3000:]
     straight, killed = done["straight"], done["killed"]
     for r in (straight, killed):
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

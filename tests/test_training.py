@@ -92,6 +92,13 @@ def test_default_local_runs_to_completion(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(10, 151, 10))
     assert all({"step", "loss", "lr", "tokens_per_s"} <= set(r) for r in rows)
+    # Each row's lr is the one its step trained with (it was the next step's: off by one through the warmup).
+    from aura_hpc.config import load_config
+    from aura_hpc.train.parts.schedule import lr_factor
+
+    t = load_config(str(run / "config.yaml")).train
+    trained_with = [t.lr * lr_factor(r["step"] - 1, t.warmup_steps, 150, t.schedule, t.min_lr_ratio) for r in rows]
+    assert [r["lr"] for r in rows] == pytest.approx(trained_with)
     assert [r["step"] for r in rows if "eval_loss" in r] == [50, 100, 150]
     assert rows[-1]["loss"] < rows[0]["loss"] - 2.0, "the model did not learn"
     summary = json.loads((run / "summary.json").read_text())

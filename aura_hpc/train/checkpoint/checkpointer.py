@@ -265,6 +265,7 @@ class Checkpointer:
             "effective_batch": self.layout.per_step,
             "world_size": self.layout.world,
             "max_steps": self.layout.max_steps,
+            "max_tokens": self.cfg.train.max_tokens,  # the budget max_steps was set for (train/parts/build.py)
             "model_fingerprint": self.cfg.model_fingerprint(),
             "n_params": self.parts.n_params,
             "strategy": self.wrapped.name,

@@ -261,7 +261,7 @@ class Trainer:
         row: dict[str, Any] = {
             "step": pos.step,
             "loss": round(mean_loss, 6),
-            "lr": self.parts.scheduler.get_last_lr()[0],
+            "lr": trained_lr(self.parts.scheduler, pos.step),
             # None, not 0, when only an attempt's first step (warm-up, compilation) is in the interval.
             "tokens_per_s": round(iv.tokens / elapsed, 1) if iv.tokens and elapsed > 0 else None,
             "step_time_s": round(elapsed / iv.timed_steps, 5) if iv.timed_steps else None,
@@ -385,3 +385,8 @@ def _patience(cfg: RunConfig) -> float:
     from aura_hpc.data.storage import window_patience_s
 
     return window_patience_s(cfg.data.read_tries, cfg.data.read_timeout_s, cfg.data.shuffle_window)
+
+
+def trained_lr(scheduler: Any, step: int) -> float:
+    """The rate step `step` trained with; the scheduler already holds the next update's."""
+    return float(scheduler.base_lrs[0] * scheduler.lr_lambdas[0](max(step - 1, 0)))

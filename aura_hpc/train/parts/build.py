@@ -163,8 +163,11 @@ def _horizon(cfg: RunConfig, world: int, env: DistEnv) -> int:
     if env.is_main:  # LAN nodes without shared storage have no checkpoints: rank 0's answer counts
         steps = sorted((cfg.run_dir / "checkpoints").glob("step_*/meta.json"))
         try:
-            recorded = int(json.loads(steps[-1].read_text()).get("max_steps", 0)) if steps else 0
-        except (OSError, ValueError):
+            meta = json.loads(steps[-1].read_text()) if steps else {}
+            # Kept for the budget it was set for: a raised (or lowered) train.max_tokens is a new horizon.
+            same_budget = int(meta.get("max_tokens", cfg.train.max_tokens)) == cfg.train.max_tokens
+            recorded = int(meta.get("max_steps", 0)) if same_budget else 0
+        except (OSError, ValueError, TypeError):
             recorded = 0
     recorded = int(collectives.broadcast_json(recorded))
     if recorded and recorded != horizon:

@@ -64,6 +64,22 @@ class PowerSgdHook:
     def __init__(self, state: Any) -> None:
         self.state = state
         self.local = False  # while True, each bucket comes back as it went in: no communication
+        self.q_before: dict[int, torch.Tensor] = {}  # each bucket's warm-start factors as this step found them
+
+    def heal(self, bad: torch.Tensor) -> None:
+        """A skipped step leaves nothing non-finite in PowerSGD's memory: one NaN gradient, all-reduced
+        through the factors, became every rank's error feedback and warm-start Q, so every later step
+        was NaN too (and a checkpoint at the skipped step saved them). On the device, no host read:
+        the residual restarts at zero, the factors are the step's own starting ones (alike on every
+        rank, as `bad` is)."""
+        st = self.state
+        for e in st.error_dict.values():
+            e.masked_fill_(bad, 0.0)
+        for index, q in st.q_memory_dict.items():
+            before = self.q_before.get(index)
+            if before is None:  # the bucket's first compressed step: a start drawn alike on every rank
+                before = torch.randn(q.shape, generator=torch.Generator().manual_seed(index), dtype=q.dtype).to(q.device)
+            q.copy_(torch.where(bad, before, q))
 
 
 def _powersgd_hook(hook, bucket):  # type: ignore[no-untyped-def]
@@ -78,6 +94,9 @@ def _powersgd_hook(hook, bucket):  # type: ignore[no-untyped-def]
     # torch's hook draws its random start after torch.manual_seed inside fork_rng(devices=[]): that puts
     # back the CPU stream only and leaves every GPU's generator reseeded alike on every rank (the same
     # dropout masks everywhere from then on). This rank's GPU stream is kept around it.
+    before = hook.state.q_memory_dict.get(bucket.index())
+    if before is not None:  # what `heal` puts back after a skipped step (the factors are small: rank x columns)
+        hook.q_before[bucket.index()] = before.clone()
     with keep_device_rng(bucket.buffer().device):
         return powerSGD_hook.powerSGD_hook(hook.state, bucket)
 
@@ -117,6 +136,11 @@ class DdpWrapped(Wrapped, WarmsUp, PerRankState):
                 self.hook.local = False
         for p in self.model.parameters():
             p.grad = None
+
+    def update(self, optimizer: torch.optim.Optimizer, scaler: Any, bad: torch.Tensor) -> None:
+        super().update(optimizer, scaler, bad)
+        if self.hook is not None:
+            self.hook.heal(bad)
 
     def send_flags(self, flags: torch.Tensor) -> bool:
         if self.ride is None:  # a compression hook carries the gradients: the step reduces the flags itself
