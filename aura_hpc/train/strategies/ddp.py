@@ -78,7 +78,8 @@ class PowerSgdHook:
         for index, q in st.q_memory_dict.items():
             before = self.q_before.get(index)
             if before is None:  # the bucket's first compressed step: a start drawn alike on every rank
-                before = torch.randn(q.shape, generator=torch.Generator().manual_seed(index), dtype=q.dtype).to(q.device)
+                drawn = torch.Generator(device=q.device).manual_seed(index)
+                before = torch.randn(q.shape, generator=drawn, device=q.device, dtype=q.dtype)
             q.copy_(torch.where(bad, before, q))
 
 
