@@ -40,6 +40,5 @@ export NCCL_DEBUG=WARN
 # 3, torch's default: a failed collective ends the process at once (1 and 2 abort the communicators first, which can hang).
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=3
 export TORCH_NCCL_DUMP_ON_TIMEOUT=1
-export TORCH_NCCL_TRACE_BUFFER_SIZE=2000
-export TORCH_FR_DUMP_TEMP_FILE=${AURA_RUN_DIR:-.}/nccl_trace/rank_
-mkdir -p "${AURA_RUN_DIR:-.}/nccl_trace"
+# Its size and dump files are aura_hpc's to set, per run (RUN_DIR/logs: each point of a sweep its own,
+# under the names this job's torch reads), where the hang watchdog looks for them.

@@ -38,8 +38,8 @@ if [ -f "${AURA_VENV:-$HOME/venvs/aura}/bin/activate" ]; then source "${AURA_VEN
 
 # Threads per rank for CPU-side work (data loading, optimizer on CPU): the task's CPUs.
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
-# Bootstrap interface only: NCCL's out-of-band setup and gloo use this TCP interface; the data
-# goes over InfiniBand. Change it when your nodes have several Ethernet/IPoIB interfaces
+# Bootstrap interface only: NCCL's out-of-band setup uses this TCP interface (gloo's side groups
+# read GLOO_SOCKET_IFNAME, else the host name's address); the data goes over InfiniBand. Change it when your nodes have several Ethernet/IPoIB interfaces
 # (e.g. =ib0 or =bond0); the ^ form excludes loopback and container bridges.
 export NCCL_SOCKET_IFNAME=^lo,docker
 # The HCAs NCCL may use for the data: "mlx5" matches every ConnectX port. List the compute-fabric
@@ -56,6 +56,5 @@ export NCCL_DEBUG=WARN
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=3
 # On a collective timeout, dump the flight recorder (last collectives per rank) for debugging.
 export TORCH_NCCL_DUMP_ON_TIMEOUT=1
-export TORCH_NCCL_TRACE_BUFFER_SIZE=2000
-export TORCH_FR_DUMP_TEMP_FILE=${AURA_RUN_DIR:-.}/nccl_trace/rank_
-mkdir -p "${AURA_RUN_DIR:-.}/nccl_trace"
+# Its size and dump files are aura_hpc's to set, per run (RUN_DIR/logs: each point of a sweep its own,
+# under the names this job's torch reads), where the hang watchdog looks for them.

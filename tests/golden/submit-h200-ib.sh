@@ -34,9 +34,6 @@ export NCCL_IB_HCA=mlx5
 export NCCL_DEBUG=WARN
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=3
 export TORCH_NCCL_DUMP_ON_TIMEOUT=1
-export TORCH_NCCL_TRACE_BUFFER_SIZE=2000
-export TORCH_FR_DUMP_TEMP_FILE=${AURA_RUN_DIR:-.}/nccl_trace/rank_
-mkdir -p "${AURA_RUN_DIR:-.}/nccl_trace"
 
 # command
 export SUBMITIT_EXECUTOR=slurm
