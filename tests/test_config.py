@@ -224,6 +224,21 @@ def test_a_refusal_of_local_on_a_machine_without_gpus_imports_no_torch(tmp_path:
         assert "TORCH False" in r.stdout, r.stdout
 
 
+def test_generate_refuses_its_arguments_and_a_run_without_checkpoints_without_importing_torch(tmp_path: Path) -> None:
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    code = (
+        "import sys\n"
+        "from aura_hpc.cli import main\n"
+        "print('EXIT', main(['generate', '--run', sys.argv[1], '--max-new-tokens', '-5']))\n"
+        "print('EXIT', main(['generate', '--run', sys.argv[1]]))\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True, timeout=60)
+    assert r.stdout.count("EXIT 2") == 2, r.stdout + r.stderr
+    assert "--max-new-tokens must be at least 1" in r.stderr and "no complete checkpoint" in r.stderr, r.stderr
+    assert "TORCH False" in r.stdout, r.stdout
+
+
 def test_a_literal_webhook_url_is_stored_redacted_and_reaches_the_workers_by_environment(tmp_path: Path) -> None:
     from aura_hpc.ops.webhook import resolve_url
 

@@ -16,6 +16,7 @@ from aura_hpc.train.instruments.seam import Instruments
 VARIABLES = (
     "AURA_FAULT_NAN",
     "AURA_FAULT_GRADINF",
+    "AURA_FAULT_LOSSINF",
     "AURA_FAULT_KILL",
     "AURA_FAULT_SLOW",
     "AURA_FAULT_CUDA",
@@ -67,12 +68,16 @@ def test_a_poisoned_loss_and_gradient_come_at_their_steps_on_their_rank_once(tmp
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AURA_FAULT_NAN", "1:2")
     monkeypatch.setenv("AURA_FAULT_GRADINF", "1:3")
+    monkeypatch.setenv("AURA_FAULT_LOSSINF", "1:5")
     monkeypatch.setattr(faults, "_poisoned", set())
     monkeypatch.setattr(faults, "_grad_poisoned", set())
-    assert all(math.isfinite(loss) and finite for loss, finite in _steps(tmp_path / "r0", 0, 4)), "rank 0 is not the one poisoned"
-    seen = _steps(tmp_path / "r1", 1, 4)
+    monkeypatch.setattr(faults, "_loss_inf", set())
+    assert all(math.isfinite(loss) and finite for loss, finite in _steps(tmp_path / "r0", 0, 5)), "rank 0 is not the one poisoned"
+    seen = _steps(tmp_path / "r1", 1, 5)
     assert math.isfinite(seen[0][0]) and seen[0][1]
     assert math.isnan(seen[1][0]) and not seen[1][1], "step 2: the loss (and so every gradient) is NaN"
     assert math.isfinite(seen[2][0]) and not seen[2][1], "step 3: a finite loss, an inf gradient"
     assert math.isfinite(seen[3][0]) and seen[3][1], "step 4: clean again"
-    assert _steps(tmp_path / "r1", 1, 4)[1][1], "each fault fires once per process"
+    assert seen[4][0] == math.inf and seen[4][1], "step 5: an inf loss, finite gradients"
+    again = _steps(tmp_path / "r1", 1, 5)
+    assert again[1][1] and math.isfinite(again[4][0]), "each fault fires once per process"

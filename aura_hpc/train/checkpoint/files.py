@@ -25,13 +25,14 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from aura_hpc.data.prepare import sha256_file as _sha256
 from aura_hpc.errors import CheckpointError, CheckpointWriteError
 from aura_hpc.ops.disk import disk_full, disk_of
+
+if TYPE_CHECKING:  # torch is imported where a tensor is handled: `generate` refuses bad arguments without it
+    import torch
 
 log = logging.getLogger("aura_hpc")
 
@@ -107,6 +108,8 @@ class ModelSnapshot:
 
 def host_copy(obj: Any) -> Any:
     """`obj` with every tensor copied to host memory: what training mutates next cannot reach it."""
+    import torch
+
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
@@ -207,6 +210,8 @@ def save(
         hashes = dict(known_hashes or {})
         hashes.update(_write_model(tmp / "model", snap))
         stage("model")
+        import torch
+
         with open(tmp / "trainer_state.pt", "wb") as f:
             hashing = HashingFile(f)
             torch.save(trainer_state, hashing)
@@ -395,6 +400,7 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
 
 def load_weights_from(ckpt: Path, model: torch.nn.Module) -> None:
     """Copy the saved weights into `model` one tensor at a time (memory-mapped: one tensor in host memory)."""
+    import torch
     from safetensors import safe_open
 
     try:
@@ -414,6 +420,8 @@ def load_weights_from(ckpt: Path, model: torch.nn.Module) -> None:
 def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     """Optimizer, scheduler and RNG states, memory-mapped: the ranks of a node share the pages
     (the file is read from shared storage once per node, not once per rank)."""
+    import torch
+
     try:
         # weights_only: a checkpoint is data, never code.
         state: dict[str, Any] = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True, mmap=True)

@@ -10,6 +10,8 @@ Inert unless one of these is set (never set them in production):
     AURA_FAULT_GRADINF=RANK:STEP      an inf in one element of the gradient of the last bias in the model
                                       on that rank (the no-decay group) at STEP (once); the loss stays finite
                                       (a forward hook: a compiled model recompiles for that step)
+    AURA_FAULT_LOSSINF=RANK:STEP      that rank's loss is inf at STEP (once) while its gradients stay finite, as a
+                                      log-probability underflowing to zero gives
     AURA_FAULT_CUDA=RANK:STEP         a CUDA error ("an illegal memory access") as that rank reads STEP's report,
                                       where the host first waits for the step: a GPU's asynchronous fault (an Xid)
     AURA_FAULT_CKPT=MODE:STAGE        while writing a checkpoint, after STAGE (model, trainer_state, meta,
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 
 _poisoned: set[int] = set()
 _grad_poisoned: set[int] = set()
+_loss_inf: set[int] = set()
 _step_ended: dict[int, float] = {}
 
 
@@ -123,6 +126,17 @@ def poison_loss(rank: int, step: int) -> bool:
     r, s, count = parts[0], parts[1], parts[2] if len(parts) > 2 else 1
     if r == rank and s <= step < s + count and step not in _poisoned:
         _poisoned.add(step)
+        return True
+    return False
+
+
+def infinite_loss(rank: int, step: int) -> bool:
+    spec = os.environ.get("AURA_FAULT_LOSSINF")
+    if not spec:
+        return False
+    r, s = (int(x) for x in spec.split(":"))
+    if r == rank and s == step and step not in _loss_inf:
+        _loss_inf.add(step)
         return True
     return False
 

@@ -81,6 +81,8 @@ class Instruments:
         if faults.poison_loss(self.rank, step):
             # Every micro-step's loss of this step becomes NaN on this rank, as a diverged forward would.
             undo.append(self._module.register_forward_hook(_nan_output).remove)
+        if faults.infinite_loss(self.rank, step):
+            undo.append(self._module.register_forward_hook(_inf_output).remove)
 
         def disarm() -> None:
             for u in undo:
@@ -99,6 +101,11 @@ class Instruments:
 
 def _nan_output(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
     return output * float("nan")
+
+
+def _inf_output(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    # The inf is a constant added to the loss: the gradients are the clean step's.
+    return output + torch.full_like(output.detach(), float("inf"))
 
 
 def _nothing() -> None:

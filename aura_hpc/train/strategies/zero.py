@@ -42,6 +42,7 @@ class ZeroWrapped(Wrapped, ShardedCheckpoints):
         zero_optimizer = engine.optimizer
         inner = [getattr(zero_optimizer, "optimizer", None), getattr(zero_optimizer, "backup_optimizer", None)]
         self._groups = GroupNormWatch(zero_optimizer, device)
+        self._loss_bad = torch.zeros((), dtype=torch.bool, device=device)  # this step's micro-steps so far
         self._skips = [NonFiniteSkip(o, device, zero_optimizer, self._groups) for o in inner if isinstance(o, torch.optim.Optimizer)]
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
@@ -49,10 +50,18 @@ class ZeroWrapped(Wrapped, ShardedCheckpoints):
             guard_bf16_step(zero_optimizer, self._groups)
 
     def backward(self, loss: torch.Tensor, scaler: Any) -> None:
-        # The loss is already divided by train.grad_accum; the engine steps at its boundary.
+        # The loss is already divided by train.grad_accum; the engine steps at its boundary, inside
+        # this call, before the loop's flags are agreed: a non-finite loss of any micro-step joins the
+        # verdict NonFiniteSkip agrees on (an inf loss can come with finite gradients: a target's
+        # log-probability underflowing to zero), so the update is skipped as the log says.
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        self._loss_bad = self._loss_bad | ~torch.isfinite(loss.detach()).to(self.device)
         self._groups.reset()  # the groups' norms are computed in the boundary's engine.step()
+        self._groups.bad = self._groups.bad | self._loss_bad
         self.engine.backward(loss, scale_wrt_gas=False)
         self.engine.step()
+        if boundary:
+            self._loss_bad = torch.zeros((), dtype=torch.bool, device=self.device)
 
     def local_weights(self) -> list[torch.Tensor]:
         """ZeRO-3 leaves each parameter an empty placeholder: this rank's partition is `ds_tensor`."""

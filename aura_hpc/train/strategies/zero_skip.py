@@ -6,9 +6,10 @@ ours on every version, logged, counted for nan_rollback_after, with no host read
 AdamW through the averaged gradients and every weight becomes NaN: DeepSpeed masks the norm to -1,
 which clipping reads as "no clipping needed". The guard sits on the step of the torch optimizer
 DeepSpeed drives: each rank checks the gradients of the partitions it is about to update on the
-device, the verdict is all-reduced (one tiny collective, no host read), and the update is made
-unless it says so by strategies/base.py's `step_unless`, as every other strategy's (a fused AdamW
-takes it on the device; a non-fused one reads it on the host).
+device (with whether its loss was finite: ZeroWrapped.backward), the verdict is all-reduced (one
+tiny collective, no host read), and the update is made unless it says so by strategies/base.py's
+`step_unless`, as every other strategy's (a fused AdamW takes it on the device; a non-fused one
+reads it on the host).
 
 DeepSpeed steps one parameter group (stage 3: sub-group) at a time, so the partitions in hand say
 nothing of the groups before or after: a finite loss with an inf in one bias's gradient would skip
