@@ -295,11 +295,20 @@ def test_the_board_carries_signed_verdicts_between_nodes_and_ignores_strangers(t
     assert node0.others(time.time() + 60) == []  # an older hang's verdict is not this one's
     node1.note_round()
     assert node1.round_seen is not None
+    old_verdict = store.get(f"{PREFIX}1")
     del store  # node 0's launcher ends its attempt; its next one makes the store anew on the same port
     again = server(port)
     started = time.monotonic()
     node1.wait_for_a_new_store(30)
     assert time.monotonic() - started < 10 and again.check([stores.ROUND_KEY])
+    # A stranger who read node 1's signed verdict in the old store replays it in the new one: with the
+    # nodes' clocks apart by minutes its time would pass, its round does not.
+    node0.close()
+    node0.round_seen = None
+    again.set(f"{PREFIX}1", old_verdict)
+    assert node0.others(t0) == [] and node0.round_seen is not None
+    assert node1.publish(Verdict(1, "b", "hang: rank 1 on b", [1], time.time(), 30))
+    assert [v.step for v in node0.others(t0)] == [30]  # this round's own verdict is read
 
 
 def test_the_watchdog_asks_each_ranks_flight_recorder_through_its_pipe_and_keeps_the_dump(

@@ -9,7 +9,9 @@ reading the peers' broken collectives as a crash.
 
 The store is reachable by anyone who reaches the rendezvous port, so a verdict is signed with the
 run's secret (an HMAC, as the ranks' proofs in comm/stores.py), bounded in size, and read as
-hostile input: fields typed, text stripped of control characters before it reaches a terminal.
+hostile input: fields typed, text stripped of control characters before it reaches a terminal. It
+names the store it was published in (the round mark node 0's launcher sets in each store it makes):
+a verdict copied from an earlier attempt's store is refused whatever the nodes' clocks say.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Verdict:
     culprits: list[int]
     declared_at: float
     step: int
+    round: str = ""  # the store's round mark where it was published (stores.ROUND_KEY)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -48,6 +51,7 @@ class Verdict:
             "culprits": self.culprits,
             "declared_at": self.declared_at,
             "step": self.step,
+            "round": self.round,
         }
 
 
@@ -72,6 +76,8 @@ class HangBoard:
         self._store = None
 
     def publish(self, verdict: Verdict) -> bool:
+        self.note_round()
+        verdict.round = self.round_seen or ""
         body = json.dumps(verdict.as_dict(), sort_keys=True)
         signed = json.dumps({"v": body, "mac": _mac(self.secret, body)})
         try:
@@ -82,15 +88,16 @@ class HangBoard:
         return True
 
     def others(self, after: float) -> list[Verdict]:
-        """The other nodes' verdicts declared after `after` (unix seconds), valid ones only."""
+        """The other nodes' verdicts declared after `after` (unix seconds) in this store's round, valid ones only."""
         keys = [f"{PREFIX}{n}" for n in range(self.nnodes) if n != self.node_rank]
         out = []
+        self.note_round()
         try:
             store = self._connect()
             for key in keys:
                 if store.check([key]):
                     v = _parse(store.get(key), self.secret, int(key.removeprefix(PREFIX)))
-                    if v is not None and v.declared_at >= after:
+                    if v is not None and v.declared_at >= after and v.round == (self.round_seen or ""):
                         out.append(v)
         except Exception:
             self.close()
@@ -162,5 +169,8 @@ def _parse(raw: bytes, secret: str, node: int) -> Verdict | None:
             return None
         if d["node"] != node or not isinstance(d["declared_at"], (int, float)) or not isinstance(d["step"], int):
             return None
-        return Verdict(node, _clean(d["host"], 255), _clean(d["line"], 4000), culprits[:64], float(d["declared_at"]), d["step"])
+        if not isinstance(d["round"], str):
+            return None
+        host, line = _clean(d["host"], 255), _clean(d["line"], 4000)
+        return Verdict(node, host, line, culprits[:64], float(d["declared_at"]), d["step"], d["round"][:128])
     return None
