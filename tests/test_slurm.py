@@ -420,6 +420,45 @@ def test_status_and_history_read_sweep_elements_and_names_with_a_pipe_as_slurm_h
         time.sleep(1)
     assert done == dict.fromkeys(elements, "CANCELLED"), res.stdout
     assert others and not any(r.get("name") == plain for r in json.loads(res.stdout)["jobs"]), every.stdout
+    _a_node_failure_requeues_one_job_in_history(tmp_path, since)
+
+
+def _a_node_failure_requeues_one_job_in_history(tmp_path: Path, since: str) -> None:
+    """A node that goes down under a job submitted with --requeue: Slurm requeues it itself, and its
+    first attempt ends NODE_FAIL, not REQUEUED (PREEMPTED under PreemptMode=REQUEUE alike). History
+    shows one job that was requeued once, submitted when it first was."""
+    name = f"node-fail {tmp_path.name}"
+    sub = ["sbatch", "--parsable", "--requeue", "-w", "n4", "--job-name", name, "--comment", "aura_hpc", "--wrap", "sleep 120"]
+    job = subprocess.run(sub, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip()
+    try:
+        deadline = time.monotonic() + 60
+        while "RUNNING" not in subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline, "the job never started on n4"
+            time.sleep(0.5)
+        subprocess.run(["scontrol", "update", "nodename=n4", "state=down", "reason=aura-test"], check=True)
+        deadline = time.monotonic() + 60
+        while "PENDING" not in subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline, "the job was not requeued after its node went down"
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job], check=False)
+        subprocess.run(["scontrol", "update", "nodename=n4", "state=resume"], check=False, capture_output=True)
+    deadline = time.monotonic() + 60
+    while True:
+        res = run_cli(["history", "--json", "--since", since])
+        assert res.returncode == 0, res.stderr
+        rows = [r for r in json.loads(res.stdout)["jobs"] if r["job_id"] == job]
+        if (rows and rows[0]["state"] == "CANCELLED") or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert len(rows) == 1 and rows[0]["requeues"] == 1 and rows[0]["state"] == "CANCELLED", rows
+    attempts = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-j", job, "-o", "State,Submit"], capture_output=True, text=True)
+    first = attempts.stdout.splitlines()[0].split("|")
+    assert first[0] == "NODE_FAIL" and rows[0]["submit"] == first[1], attempts.stdout
+    deadline = time.monotonic() + 60  # the node back for the tests after this one
+    while "n4" not in subprocess.run(["sinfo", "-h", "-t", "idle,mix,alloc", "-o", "%N", "-N"], capture_output=True, text=True).stdout:
+        assert time.monotonic() < deadline, "n4 did not come back"
+        time.sleep(1)
 
 
 def test_cancel_stops_a_running_job(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:

@@ -152,12 +152,14 @@ def history(since: str, all_jobs: bool = False) -> list[dict[str, Any]]:
         )
     # One row per job: its last attempt's state, the first attempt's submit time, and how often it
     # was requeued (sacct without -D shows only the last attempt, submitted at the requeue).
-    # An attempt follows an earlier one only when that one ended REQUEUED: a job id seen before with
-    # another end is an older job (ids restart when a cluster's state is reset).
+    # An attempt follows an earlier one that ended REQUEUED (scontrol requeue, our SIGUSR2 stop), or
+    # NODE_FAIL / PREEMPTED under the same name (Slurm requeued it itself: a node went down under a job
+    # submitted with --requeue, or PreemptMode=REQUEUE). A job id seen before with another end is an
+    # older job (ids restart when a cluster's state is reset).
     jobs: dict[str, slurm_query.JobRow] = {}
     for r in slurm_query.sacct(since=since, attempts=True):
         earlier = jobs.get(r.job_id)
-        if earlier is not None and earlier.state in ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
+        if earlier is not None and _requeued_into(earlier, r):
             r.submit, r.requeues = earlier.submit, earlier.requeues + 1
         jobs[r.job_id] = r
     out = []
@@ -169,3 +171,9 @@ def history(since: str, all_jobs: bool = False) -> list[dict[str, Any]]:
         d["run_dir"] = str(run_dir) if run_dir else None
         out.append(d)
     return out
+
+
+def _requeued_into(earlier: slurm_query.JobRow, later: slurm_query.JobRow) -> bool:
+    if earlier.state in ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
+        return True
+    return earlier.state in ("NODE_FAIL", "PREEMPTED") and earlier.name == later.name
