@@ -114,8 +114,9 @@ def test_a_raised_token_budget_extends_the_run_and_another_world_size_keeps_the_
     on said "nothing to do" (and blamed another world size). It is kept only for the budget it was set for."""
     import types
 
-    from aura_hpc.config import RunConfig
+    from aura_hpc.config import RunConfig, fit_to_horizon
     from aura_hpc.train.parts.build import _horizon
+    from aura_hpc.train.parts.schedule import lr_factor
 
     cfg = RunConfig()
     cfg.output_dir, cfg.run_name = str(tmp_path), "run"
@@ -127,5 +128,11 @@ def test_a_raised_token_budget_extends_the_run_and_another_world_size_keeps_the_
     meta.parent.mkdir(parents=True)
     meta.write_text(json.dumps({"max_steps": 10, "max_tokens": cfg.train.max_tokens}))
     assert _horizon(cfg, 4, env) == 10  # type: ignore[arg-type]  # another world size: the schedule kept
+    # A warmup of 8 fits the run's 10 steps, not the 3 that the budget makes at 8 ranks: the resume there keeps
+    # the warmup with the horizon (the launcher clamped the setting to 3 at the new world size: another schedule).
+    cfg.train.warmup_steps = 8
+    assert fit_to_horizon(cfg, 8) and cfg.train.warmup_steps == 8
+    resumed = [lr_factor(s, cfg.train.warmup_steps, _horizon(cfg, 8, env), "cosine", 0.1) for s in range(10)]  # type: ignore[arg-type]
+    assert resumed == [lr_factor(s, 8, 10, "cosine", 0.1) for s in range(10)] and resumed[6] == 7 / 8
     cfg.train.max_tokens *= 2
     assert _horizon(cfg, 2, env) == 20  # type: ignore[arg-type]  # a new budget: a new horizon

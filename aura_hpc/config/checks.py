@@ -327,7 +327,11 @@ def max_steps_for(cfg: RunConfig, world_size: int) -> int:
 def fit_to_horizon(cfg: RunConfig, world_size: int) -> list[str]:
     """Checks against the schedule's horizon (train.max_steps, or the steps train.max_tokens makes at this
     world size). A warmup as long as the run is clamped with a warning, as torchtitan does (a short
-    test run goes on); a stop_at beyond the run is refused. Returns the warnings."""
+    test run goes on); a stop_at beyond the run is refused. Returns the warnings.
+
+    The clamp itself is the worker's (train/parts/schedule.py), against the horizon it agrees on: a run
+    resumed at another world size under train.max_tokens keeps the horizon recorded when it started, and
+    its warmup with it (clamping the setting here, at the new world size's horizon, moved the schedule)."""
     t = cfg.train
     horizon = max_steps_for(cfg, world_size)
     notes = []
@@ -336,7 +340,6 @@ def fit_to_horizon(cfg: RunConfig, world_size: int) -> list[str]:
             f"train.warmup_steps ({t.warmup_steps}) is longer than the run ({horizon} steps): using {horizon} "
             f"(the learning rate rises over the whole run; --set train.warmup_steps={max(0, horizon // 10)} for a decay)"
         )
-        t.warmup_steps = horizon
     if t.stop_at > horizon:
         raise ConfigError(f"train.stop_at ({t.stop_at}) is after the end of the run ({horizon} steps) (fix: lower train.stop_at)")
     return notes

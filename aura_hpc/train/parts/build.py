@@ -232,7 +232,7 @@ def describe(cfg: RunConfig, parts: Parts, layout: Layout, rt: Runtime, start_st
         f"data: {data.num_sequences('train'):,} train / {data.num_sequences('val'):,} val sequences "
         f"of {cfg.data.seq_len} tokens from {cfg.data.path}",
         f"steps: {start_step} -> {layout.end_step} (schedule horizon {layout.max_steps}), lr {t.lr:g} "
-        f"{t.schedule} with {t.warmup_steps} warmup, precision {t.precision} "
+        f"{t.schedule} with {min(t.warmup_steps, layout.max_steps)} warmup, precision {t.precision} "
         f"(params {str(rt.param_dtype).removeprefix('torch.')}, autocast "
         f"{str(rt.autocast_dtype).removeprefix('torch.') if rt.autocast_dtype else 'off'})",
         f"strategy: {strategy_line(cfg)}",

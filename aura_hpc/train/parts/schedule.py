@@ -10,7 +10,10 @@ from aura_hpc.config import TrainConfig
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
-    """Multiplier of train.lr for the update that follows `step` completed updates."""
+    """Multiplier of train.lr for the update that follows `step` completed updates. A warmup longer
+    than the run ends with it (clamped here, against the horizon the worker agreed: a resume at another
+    world size under train.max_tokens keeps the one recorded when the run started)."""
+    warmup = min(warmup, total)
     if warmup and step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
