@@ -388,6 +388,12 @@ def test_bad_inputs_of_a_parameter_server_run(tmp_path: Path, base: list[str]) -
                 "cannot reach the parameter server",
                 "start `python -m aura_hpc ps`",
             ),
+            # A tracker the server would never start was taken in silence.
+            (
+                ["ps", "--port", str(free_port()), *common, "--run-name", "ps3", "--set", "tracking.backends=tensorboard,wandb"],
+                "logs to metrics.jsonl and TensorBoard only; tracking.backends asks for wandb",
+                "--set tracking.backends=tensorboard",
+            ),
         ]
         results = run_cli_together([c[0] for c in cases], timeout=420, **WITH_SECRET)
         for (args, problem, fix), r in zip(cases, results, strict=True):

@@ -7,6 +7,7 @@ import shlex
 from pathlib import Path
 
 from aura_hpc.config import RunConfig, load_config, max_steps_for
+from aura_hpc.config.tracking import backends
 from aura_hpc.errors import ConfigError
 
 
@@ -31,6 +32,12 @@ def load_ps_config(
     if cfg.train.stop_at:
         raise ConfigError(
             "train.stop_at is not used by the parameter server (fix: drop it; Ctrl+C on the server saves, re-running resumes)"
+        )
+    others = [b for b in backends(cfg) if b != "tensorboard"]
+    if others:  # the server writes metrics.jsonl and TensorBoard; nothing here would start a tracker
+        raise ConfigError(
+            f"the parameter server logs to metrics.jsonl and TensorBoard only; tracking.backends asks for {', '.join(others)} "
+            "(fix: --set tracking.backends=tensorboard; `local` and `submit` runs log to the other trackers)"
         )
     if cfg.dist.strategy != "ddp":
         raise ConfigError(
