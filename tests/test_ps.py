@@ -568,3 +568,28 @@ def test_a_late_gradient_counts_its_staleness_weight_after_clipping() -> None:
 
     fresh, late = update(1.0), update(1 / 5)  # a gradient of norm 15.8, clipped to 1; four versions late
     assert abs(fresh.norm().item() - 1.0) < 1e-5 and abs(late.norm().item() - 0.2) < 1e-5
+
+
+def test_a_stop_asked_for_while_waiting_for_the_server_ends_the_wait_at_once() -> None:
+    """A worker rejoining after a drop waits for the server's port and then its answer (up to
+    ps.join_timeout_s each): Ctrl+C there was answered only when those waits ended. Both waits now ask
+    whether a stop was asked for, and the join takes its request back from the store."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from aura_hpc.launch.local import wait_for_master
+    from aura_hpc.ps import auth
+    from aura_hpc.ps.join import StoppedWaiting, request_join
+
+    started = time.monotonic()
+    asked = lambda: time.monotonic() - started > 1  # noqa: E731  # Ctrl+C a second into each wait
+    wait_for_master("127.0.0.1", free_port(), 120, stopping=asked)  # nothing listens there
+    assert time.monotonic() - started < 10
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))  # a store no server answers on
+    started = time.monotonic()
+    with pytest.raises(StoppedWaiting):
+        request_join(store, auth.key_of("s" * 32), {"host": "pc", "pid": 1, "addr": "127.0.0.1"}, "127.0.0.1:1", 120, asked)
+    assert time.monotonic() - started < 10
+    nonce = store.get("join/queue").decode().split()[0]
+    assert not store.check([f"join/req/{nonce}"]), "the request stays behind for a server that comes back"

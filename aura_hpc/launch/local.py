@@ -38,9 +38,11 @@ def wait_for_master(
     who: str = "the master",
     peer: str = "node 0",
     fix: str = "",
+    stopping: Callable[[], bool] | None = None,
 ) -> None:
     """Fail with a clear message, never hang, when `who` cannot be reached; say so while waiting.
-    `peer` names the machine in the likely causes; `fix` replaces the LAN-training fix."""
+    `peer` names the machine in the likely causes; `fix` replaces the LAN-training fix. Returns early
+    (the caller asks `stopping` again) once `stopping()` says a stop was asked for."""
     start = time.monotonic()
     deadline = start + timeout
     next_note = start + every_s
@@ -57,6 +59,8 @@ def wait_for_master(
             raise LaunchError(f"master address {addr!r} does not resolve (fix: use node 0's IP address, e.g. 192.168.1.10)") from None
         except OSError as exc:
             last = exc.strerror or str(exc)
+        if stopping is not None and stopping():
+            return
         if time.monotonic() >= deadline:
             cause = {
                 "Connection refused": f"{addr} answers but nothing listens on port {port}: {peer} is not started yet, "

@@ -24,6 +24,7 @@ import re
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,20 @@ NOTE_WINDOW_S, NOTES_PER_WINDOW = 10.0, 20
 _NONCE = re.compile(r"^[0-9a-f]{32}$")
 
 
-def request_join(store: dist.Store, key: bytes, request: dict[str, Any], server: str, timeout_s: float) -> tuple[str, dict[str, Any]]:
-    """(nonce, the server's reply); a refusal is raised with the server's one-line reason."""
+class StoppedWaiting(Exception):
+    """A stop (Ctrl+C, SIGTERM) asked for while the join waited for the server's answer."""
+
+
+def request_join(
+    store: dist.Store,
+    key: bytes,
+    request: dict[str, Any],
+    server: str,
+    timeout_s: float,
+    stopping: Callable[[], bool] | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """(nonce, the server's reply); a refusal is raised with the server's one-line reason, a stop asked
+    for meanwhile (`stopping()`) as StoppedWaiting."""
     nonce = secrets.token_hex(16)
     reply_key = f"join/reply/{nonce}"
     deadline = time.monotonic() + timeout_s
@@ -76,6 +89,11 @@ def request_join(store: dist.Store, key: bytes, request: dict[str, Any], server:
                 reply = None
             if reply is not None:
                 break
+        if stopping is not None and stopping():
+            for left in (reply_key, f"join/req/{nonce}"):
+                with contextlib.suppress(RuntimeError, ValueError):
+                    store.delete_key(left)
+            raise StoppedWaiting(server)
         if now > deadline:
             raise LaunchError(
                 f"the parameter server at {server} took the join request but did not answer within {timeout_s:.0f}s "

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from aura_hpc.config import RunConfig
 from aura_hpc.errors import AuraError, LaunchError, TrainingFailed
 from aura_hpc.ops.network import route_to
 from aura_hpc.ps import auth, wire
-from aura_hpc.ps.join import request_join, settings
+from aura_hpc.ps.join import StoppedWaiting, request_join, settings
 from aura_hpc.ps.model_copy import ModelCopy, build_model_copy
 from aura_hpc.ps.stats import ProcessStats, publish, write_stats
 from aura_hpc.train.instruments import faults
@@ -40,7 +41,7 @@ def parse_server(text: str, default_port: int) -> tuple[str, int]:
     return addr, int(port) if port else default_port
 
 
-def connect(cfg: RunConfig, addr: str, port: int, progress: Any) -> tuple[Any, str]:
+def connect(cfg: RunConfig, addr: str, port: int, progress: Any, stopping: Callable[[], bool] | None = None) -> tuple[Any, str]:
     """The server's store, once its port answers; (store, this PC's address towards it)."""
     from aura_hpc.launch.local import wait_for_master
 
@@ -53,7 +54,10 @@ def connect(cfg: RunConfig, addr: str, port: int, progress: Any) -> tuple[Any, s
         peer="the server PC",
         fix=f"start `python -m aura_hpc ps` on the server PC first, use the address it prints in --server, and allow TCP port "
         f"{port} (and python's other ports) in its firewall",
+        stopping=stopping,
     )
+    if stopping is not None and stopping():
+        raise StoppedWaiting(f"{addr}:{port}")
     own, _ = route_to(addr)
     return wire.connect_store(addr, port, cfg.ps.join_timeout_s), own or "127.0.0.1"
 
@@ -104,7 +108,13 @@ class PsWorker:
                 )
                 self.dropped_links.append(link)
                 try:
-                    link, position = self._join(progress)
+                    link, position = self._join(progress, lambda: stop.requested)
+                except StoppedWaiting:
+                    # Ctrl+C while the server is away: nothing to say goodbye on; the server lets the seat go
+                    # after ps.worker_timeout_s, as it did the dropped link's.
+                    self.server_gone = True  # its store may not answer: the stats go to the local file
+                    log.info("%s while rejoining: left the run after %d gradients", stop.signal_name, self.stats.steps)
+                    return 0
                 except AuraError as again:
                     raise self._lost(first, str(again)) from None
                 except RuntimeError as again:  # the new pair group could not be set up
@@ -113,10 +123,11 @@ class PsWorker:
             if self.stats.end_time is None:
                 self._publish_stats(link, final=True)
 
-    def _join(self, progress: Any) -> tuple[wire.Link, int]:
-        """Join (or, after a drop, rejoin as the same rank): the pair link and the shard position."""
+    def _join(self, progress: Any, stopping: Callable[[], bool] | None = None) -> tuple[wire.Link, int]:
+        """Join (or, after a drop, rejoin as the same rank): the pair link and the shard position. A stop
+        asked for while waiting for the server (`stopping()`) is raised as StoppedWaiting."""
         cfg, rejoin = self.cfg, self.rank > 0
-        store, own = connect(cfg, self.addr, self.port, progress)
+        store, own = connect(cfg, self.addr, self.port, progress, stopping)
         request = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -125,7 +136,7 @@ class PsWorker:
             "rejoin": rejoin,
             "settings": settings(cfg, cfg.data.path),
         }
-        nonce, reply = request_join(store, self.key, request, f"{self.addr}:{self.port}", cfg.ps.join_timeout_s)
+        nonce, reply = request_join(store, self.key, request, f"{self.addr}:{self.port}", cfg.ps.join_timeout_s, stopping)
         if not rejoin:
             self.rank, self.shards = int(reply["rank"]), int(reply["workers"])
             self.wire_dtype = wire.WIRE_DTYPES[str(reply["wire_dtype"])]
