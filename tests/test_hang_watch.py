@@ -303,12 +303,15 @@ def test_the_board_carries_signed_verdicts_between_nodes_and_ignores_strangers(t
     assert time.monotonic() - started < 10 and again.check([stores.ROUND_KEY])
     # A stranger who read node 1's signed verdict in the old store replays it in the new one: with the
     # nodes' clocks apart by minutes its time would pass, its round does not.
-    node0.close()
-    node0.round_seen = None
+    node0.note_round()
+    node0.new_attempt()  # what its watchdog does as the launcher starts the workers again
     again.set(f"{PREFIX}1", old_verdict)
-    assert node0.others(t0) == [] and node0.round_seen is not None
+    assert node0.others(t0) == [] and node0.round_seen not in (None, node1._stale_round)
+    # This attempt's verdicts are read both ways (node 0 kept the first store's round: each refused the other's).
     assert node1.publish(Verdict(1, "b", "hang: rank 1 on b", [1], time.time(), 30))
-    assert [v.step for v in node0.others(t0)] == [30]  # this round's own verdict is read
+    assert [v.step for v in node0.others(t0)] == [30]
+    assert node0.publish(Verdict(0, "a", "hang: rank 1 on b", [1], time.time(), 30))
+    assert [v.node for v in node1.others(t0)] == [0]
 
 
 def test_the_watchdog_asks_each_ranks_flight_recorder_through_its_pipe_and_keeps_the_dump(

@@ -182,6 +182,9 @@ def test_unsupported_combinations_are_refused_before_launch(tmp_path: Path) -> N
     bad_json = tmp_path / "ds.json"
     bad_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": 3}}))
     cases.append((["--set", "dist.strategy=zero2", "--set", f"dist.deepspeed_config={bad_json}"], "sets what the trainer controls"))
+    unmanaged = tmp_path / "unmanaged.json"
+    unmanaged.write_text(json.dumps({"managed_gradient_accumulation": False}))
+    cases.append((["--set", "dist.strategy=zero2", "--set", f"dist.deepspeed_config={unmanaged}"], "managed_gradient_accumulation"))
     for extra, needle in cases:
         r = run_cli(["local", "--output-dir", str(tmp_path / "runs"), *extra], timeout=60)
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

@@ -41,6 +41,9 @@ def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool | None, on_cpu:
         "data_types": {"grad_accum_dtype": "fp32"},
         "communication_data_type": "fp32",
         "zero_allow_untested_optimizer": True,  # our torch AdamW, partitioned by ZeRO
+        # The engine counts the micro-steps and steps at its boundary, which strategies/zero.py reads before each
+        # backward (unmanaged, the boundary is known only inside step(): one inf loss skipped every later step).
+        "managed_gradient_accumulation": True,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }

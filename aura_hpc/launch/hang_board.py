@@ -63,6 +63,7 @@ class HangBoard:
     nnodes: int
     secret: str
     round_seen: str | None = None
+    _stale_round: str | None = None  # the last attempt's: never this attempt's, even while its store lingers
     _store: Any = field(default=None, repr=False)
 
     def _connect(self) -> Any:
@@ -119,13 +120,21 @@ class HangBoard:
                 return found
             time.sleep(0.5)
 
+    def new_attempt(self) -> None:
+        """The launcher starts its workers again: node 0 makes its rendezvous store anew, with a new round mark."""
+        if self.round_seen is not None:
+            self._stale_round = self.round_seen
+        self.round_seen = None
+        self.close()
+
     def note_round(self) -> None:
         """The mark node 0's launcher left in this attempt's rendezvous store (comm/stores.py: ROUND_KEY)."""
         if self.round_seen is None:
             with contextlib.suppress(Exception):
                 store = self._connect()
                 if store.check([stores.ROUND_KEY]):
-                    self.round_seen = store.get(stores.ROUND_KEY)[:128].decode("ascii", "replace")
+                    mark = store.get(stores.ROUND_KEY)[:128].decode("ascii", "replace")
+                    self.round_seen = mark if mark != self._stale_round else None
 
     def wait_for_a_new_store(self, wait_s: float) -> None:
         """A node other than 0 relaunching after a hang: until node 0's launcher has made its rendezvous
@@ -141,7 +150,7 @@ class HangBoard:
             except Exception:  # not up again yet
                 pass
             time.sleep(0.5)
-        self.round_seen = None
+        self.new_attempt()
 
 
 def _mac(secret: str, body: str) -> str:

@@ -154,6 +154,8 @@ class HangWatch:
         prepare_flight_recorder(self.folder, self.cfg.run_dir)
         self._seen, self._pids = {}, frozenset()
         self.peer_hangs, self.started = [], time.time()
+        if self.board is not None:
+            self.board.new_attempt()  # every node, node 0 included: the verdicts of this attempt name its store's round
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="aura-hang-watch", daemon=True)
         self._thread.start()
