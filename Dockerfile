@@ -12,18 +12,23 @@ ARG BASE_IMAGE=pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime
 
 # Stage 1: install into a venv that sees the base image's packages (its CUDA torch stays; pip adds
 # the rest; Debian's "externally managed" Python is left alone). Local wheels stay in this stage.
+# The base's torch is pinned for pip: one that does not satisfy torch>=2.6 stops the build with pip's
+# conflict, instead of being replaced by PyPI's (gigabytes, another CUDA). NGC images 25.01/25.02 ship
+# 2.6.0a0+..., a pre-release that >=2.6 does not admit: use a released torch's base or a newer NGC.
 FROM ${BASE_IMAGE} AS build
 ARG PIP_INSTALL_ARGS=""
 COPY . /opt/aura_hpc/src
 RUN python3 -m venv --system-site-packages /opt/aura_hpc/venv \
- && /opt/aura_hpc/venv/bin/python -m pip install --no-cache-dir ${PIP_INSTALL_ARGS} "/opt/aura_hpc/src[s3]"
+ && { /opt/aura_hpc/venv/bin/python -c "import torch; print('torch==' + torch.__version__)" 2>/dev/null || true; } > /tmp/base-torch.txt \
+ && /opt/aura_hpc/venv/bin/python -m pip install --no-cache-dir -c /tmp/base-torch.txt ${PIP_INSTALL_ARGS} "/opt/aura_hpc/src[s3]"
 
 # Stage 2: the same base, the venv, a non-root user.
 FROM ${BASE_IMAGE}
 ARG AURA_UID=1000
 COPY --from=build /opt/aura_hpc/venv /opt/aura_hpc/venv
 COPY docker/entrypoint.sh /opt/aura_hpc/entrypoint.sh
-RUN (id -u aura >/dev/null 2>&1 || useradd --create-home --uid ${AURA_UID} --shell /bin/bash aura) \
+# --non-unique: NGC bases from 25.01 already have a user (ubuntu) with uid 1000.
+RUN (id -u aura >/dev/null 2>&1 || useradd --non-unique --create-home --uid ${AURA_UID} --shell /bin/bash aura) \
  && mkdir -p /work && chown aura /work
 
 # No cache folder fixed in /tmp here: Apptainer binds the host's /tmp and keeps an image's ENV, so
