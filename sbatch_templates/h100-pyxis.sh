@@ -14,7 +14,7 @@
 #                            container_workdir, container_python
 #   anything else            runs in the job script on the host, before srun starts the containers
 #SBATCH --gpus-per-node=8
-#SBATCH --cpus-per-task=16
+#SBATCH --cpus-per-task=14
 #SBATCH --mem=0
 #SBATCH --time=24:00:00
 #SBATCH --exclusive
@@ -33,6 +33,7 @@
 #AURA container_mounts=/shared:/shared
 
 # Exported here, inherited by the containers (Pyxis passes the job's environment in).
+# --cpus-per-task=14: 8 tasks x 14 = the 112 cores of a DGX H100 (2 x 56), whether Slurm counts cores or threads as CPUs.
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 export NCCL_SOCKET_IFNAME=^lo,docker
 export NCCL_IB_HCA=mlx5

@@ -10,7 +10,7 @@
 #                            screen_gemm_tflops, screen_allreduce_gbps, screen_inter_gbps (--screen)
 #   anything else            runs in the job script before the trainer (modules, venv, exports)
 #SBATCH --gpus-per-node=8
-#SBATCH --cpus-per-task=16
+#SBATCH --cpus-per-task=14
 #SBATCH --mem=0
 #SBATCH --time=24:00:00
 #SBATCH --exclusive
@@ -36,7 +36,8 @@ fi
 # The Python environment aura_hpc is installed in (same path on every node).
 if [ -f "${AURA_VENV:-$HOME/venvs/aura}/bin/activate" ]; then source "${AURA_VENV:-$HOME/venvs/aura}/bin/activate"; fi
 
-# Threads per rank for CPU-side work (data loading, optimizer on CPU): the task's CPUs.
+# Threads per rank for CPU-side work (data loading, optimizer on CPU): the task's CPUs. --cpus-per-task=14:
+# 8 tasks x 14 = the 112 cores of a DGX H100/H200 (2 x 56), whether Slurm counts cores or threads as CPUs.
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 # Bootstrap interface only: NCCL's out-of-band setup uses this TCP interface (gloo's side groups
 # read GLOO_SOCKET_IFNAME, else the host name's address); the data goes over InfiniBand. Change it when your nodes have several Ethernet/IPoIB interfaces
