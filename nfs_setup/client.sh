@@ -44,7 +44,7 @@ do_() {
 }
 
 if [[ $NO_SYSTEM != 1 ]] && ! command -v mount.nfs >/dev/null 2>&1 && ! [[ -x /sbin/mount.nfs ]]; then
-  if command -v apt-get >/dev/null; then do_ "install nfs-common" apt-get install -y nfs-common
+  if command -v apt-get >/dev/null; then do_ "install nfs-common" sh -c 'apt-get update -q && apt-get install -y nfs-common'
   elif command -v dnf >/dev/null; then do_ "install nfs-utils" dnf install -y nfs-utils
   else echo "error: no apt-get or dnf here (fix: install your distribution's NFS client package)" >&2; exit 1; fi
 fi

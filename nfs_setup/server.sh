@@ -59,7 +59,8 @@ do_() { # describe, then run unless --dry-run
 # 1. the NFS server package
 if [[ $NO_SYSTEM != 1 ]]; then
   if ! command -v exportfs >/dev/null 2>&1; then
-    if command -v apt-get >/dev/null; then do_ "install nfs-kernel-server" apt-get install -y nfs-kernel-server
+    # The package lists first: a fresh cloud or container image has none, and the install fails without them.
+    if command -v apt-get >/dev/null; then do_ "install nfs-kernel-server" sh -c 'apt-get update -q && apt-get install -y nfs-kernel-server'
     elif command -v dnf >/dev/null; then do_ "install nfs-utils" dnf install -y nfs-utils
     else echo "error: no apt-get or dnf here (fix: install your distribution's NFS server package)" >&2; exit 1; fi
   fi
@@ -84,6 +85,10 @@ if [[ -n $theirs && $theirs != "$line" ]]; then
   exit 1
 elif [[ -n $theirs || $current == "$line" ]]; then
   echo "ok: $EXPORTS already exports $EXPORT_DIR as wanted"
+  # A run whose `exportfs -ra` failed after it wrote the line: the line is there, the export is not.
+  if [[ $NO_SYSTEM != 1 ]] && command -v exportfs >/dev/null && ! exportfs -s 2>/dev/null | awk -v k="$EXPORT_DIR" '$1 == k { f = 1 } END { exit !f }'; then
+    do_ "reload the exports (exportfs -ra): $EXPORT_DIR is in $EXPORTS but not exported" exportfs -ra
+  fi
 else
   replace() {
     touch "$EXPORTS"

@@ -92,3 +92,33 @@ def test_bad_arguments_are_one_line_with_the_fix() -> None:
     ):
         res = _run(script, args)
         assert res.returncode == 2 and res.stderr.startswith("error:") and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_a_line_written_by_a_run_whose_exportfs_failed_is_exported_by_the_next_run(tmp_path: Path) -> None:
+    """The first run wrote /etc/exports and then `exportfs -ra` failed (the NFS server stopped): the line is
+    there, the export is not, and a re-run said "nothing to change". No kernel NFS server here: `exportfs`
+    on PATH is a stand-in that fails or succeeds as told and answers `-s` with what it exported."""
+    bin_dir, table = tmp_path / "bin", tmp_path / "exported"
+    bin_dir.mkdir()
+    fake = bin_dir / "exportfs"
+    fake.write_text(
+        "#!/bin/bash\n"
+        f"if [[ $1 == -s ]]; then cat {table} 2>/dev/null; exit 0; fi\n"
+        f'if [[ -e {tmp_path}/broken ]]; then echo "exportfs: could not open /proc/fs/nfs" >&2; exit 1; fi\n'
+        f"awk '$0 !~ /^#/ {{ print }}' {tmp_path}/exports > {table}\n"
+    )
+    fake.chmod(0o755)
+    exports, export_dir = tmp_path / "exports", tmp_path / "srv"
+    exports.write_text("")
+    env = {"AURA_NFS_EXPORTS": str(exports), "AURA_NFS_NO_SYSTEM": "0", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    args = ["--export", str(export_dir), "--clients", "192.168.1.0/24"]
+    (tmp_path / "broken").touch()
+    first = _run(SERVER, args, **env)
+    assert first.returncode != 0 and "could not open" in first.stderr and str(export_dir) in exports.read_text()
+    (tmp_path / "broken").unlink()
+    again = _run(SERVER, args, **env)
+    assert again.returncode == 0, again.stderr
+    assert f"doing: reload the exports (exportfs -ra): {export_dir} is in {exports} but not exported" in again.stdout, again.stdout
+    assert table.read_text().split()[0] == str(export_dir)
+    third = _run(SERVER, args, **env)
+    assert third.returncode == 0 and "nothing to change" in third.stdout, third.stdout
