@@ -290,6 +290,45 @@ def test_the_breaker_watches_only_the_jobs_own_gpus() -> None:
     assert not selection_from_env({"CUDA_VISIBLE_DEVICES": ""}).keeps(HEALTHY), "no GPU visible: none is ours"
 
 
+def test_a_job_given_some_of_a_nodes_gpus_reads_those_and_is_told_when_it_reads_none(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NVML counts every GPU of the node; under Slurm's ConstrainDevices a job given GPUs 4 and 5 may not open
+    the others (NO_PERMISSION). The first refused handle ended the reader, so the breaker was off in silence.
+    No GPU here: the real pynvml module with its device calls answering as such a node's driver does."""
+    import types
+
+    import pynvml
+
+    from aura_hpc.ops.gpu_health import GpuSelection, NoGpus, open_reader
+    from aura_hpc.train.loop import health
+
+    allowed: set[int] = {4, 5}
+
+    def handle(i: int) -> str:
+        if i not in allowed:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+        return f"h{i}"
+
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 8)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", handle)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda h: f"GPU-{h}")
+    reader = open_reader("", GpuSelection(indices=frozenset({4, 5})))
+    assert not isinstance(reader, NoGpus)
+    assert [(g["index"], g["uuid"]) for g in reader.read()] == [(4, "GPU-h4"), (5, "GPU-h5")]
+    allowed.clear()  # a driver that lets this job read none of them: said once, not silent
+    monkeypatch.setattr(health, "_cuda", lambda: True)
+    monkeypatch.setattr(health, "_visible_uuids", lambda: None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    cfg = types.SimpleNamespace(health=types.SimpleNamespace(nvml_replay="", breaker=True, monitor_interval_s=0))
+    env = types.SimpleNamespace(local_rank=0, local_world_size=1)
+    watch = health.HealthWatch(cfg, env)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="aura_hpc"):
+        watch.start(None)
+    assert watch.monitor is None and "NVML reads none of this job's GPUs" in caplog.text, caplog.text
+
+
 def test_another_jobs_faulty_gpu_does_not_stop_training(tmp_path: Path, prepared: Path) -> None:
     replay = tmp_path / "nvml.jsonl"
     other = dict(FAULTS["ecc"], index=1)

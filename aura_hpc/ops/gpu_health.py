@@ -88,12 +88,21 @@ class NvmlReader:
 
         pynvml.nvmlInit()
         self.nv = pynvml
-        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        # The count is every GPU of the node; a job given some of them (Slurm's ConstrainDevices) may not open
+        # the others (NO_PERMISSION): those are skipped, each GPU keeping the node's index. The first one
+        # refused ended the reader, and with it the breaker, in silence.
+        self.handles: list[tuple[int, Any]] = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            try:
+                self.handles.append((i, pynvml.nvmlDeviceGetHandleByIndex(i)))
+            except pynvml.NVMLError as exc:
+                if getattr(exc, "value", None) != pynvml.NVML_ERROR_NO_PERMISSION:
+                    raise
 
     def read(self) -> list[dict[str, Any]]:
         nv = self.nv
         out = []
-        for i, h in enumerate(self.handles):
+        for i, h in self.handles:
             g: dict[str, Any] = {"index": i}
             calls = {
                 "name": lambda h=h: _text(nv.nvmlDeviceGetName(h)),

@@ -37,6 +37,12 @@ def _bound_per_task(local_world: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() < local_world
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def physical_index(device: Any) -> int:
     """The node's number of a CUDA device, as nvidia-smi and NVML count (CUDA_VISIBLE_DEVICES renumbers from 0)."""
     index = device.index or 0
@@ -67,6 +73,12 @@ class HealthWatch:
         # Only this job's GPUs: another job's faulty GPU on a shared node is not ours to stop for.
         reader = open_reader(h.nvml_replay, selection_from_env(os.environ, _visible_uuids()))
         breaker = h.breaker and not isinstance(reader, NoGpus)
+        if h.breaker and _cuda() and (not breaker or not reader.read()):
+            log.warning(
+                "health.breaker: NVML reads none of this job's GPUs (no NVIDIA management library here, or no permission "
+                "on them): the GPU circuit breaker and the GPU columns of the resource monitor are off for this run"
+            )
+            breaker = False
         if h.monitor_interval_s <= 0 and not breaker:
             return
         interval = h.monitor_interval_s if h.monitor_interval_s > 0 else h.breaker_interval_s
