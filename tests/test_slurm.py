@@ -355,6 +355,19 @@ def test_a_requeue_where_the_slurm_client_is_missing_is_a_reason_not_a_crash(tmp
     assert said is not None and "scontrol could not be run" in said and "lack the Slurm client" in said, said
 
 
+def test_nodes_not_responding_or_in_maintenance_are_not_counted_as_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sinfo marks a node that does not respond with `*` and one in a maintenance reservation with `$`: neither
+    takes new work, and both were counted as room for a requeued job without its bad node (it then waited).
+    The states of a 4-node test cluster cannot be made so; this sinfo on PATH prints what such a cluster's does."""
+    from aura_hpc.slurm import exclude
+
+    fake = tmp_path / "sinfo"
+    fake.write_text("#!/bin/sh\nprintf 'n1 idle\\nn2 idle*\\nn3 mix\\nn4 idle$\\nn5 drain\\nn6 alloc~\\nn7 mix-\\n'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert exclude._usable_nodes("gpu") == ["n1", "n3", "n6", "n7"]
+
+
 def test_relative_output_dir_is_refused(tmp_path: Path) -> None:
     res = run_cli(["submit", "--output-dir", "runs", "--dry-run"], cwd=tmp_path)
     assert res.returncode == 2 and "is not an absolute path" in res.stderr and "fix:" in res.stderr
@@ -690,6 +703,10 @@ def test_spare_nodes_a_job_may_start_on_fewer_and_a_requeue_leaves_bad_nodes_out
         assert exclude.apply_after_requeue(int(job), run_dir, said.append) == [] and excluded() == "n3", said
         assert said[-1].startswith("not leaving out n1 (rank 0 was a straggler), n2 (rank 3 was a straggler), n3 (rank 1 hung there)")
         assert "would keep 1 usable node(s) for a job of 2 (fix: submit with --nodes MIN:MAX" in said[-1], said
+        # A job record Slurm does not give (here: no such job) is no room to judge: read as empty, the job's own
+        # excluded nodes were overwritten with ours.
+        assert exclude.apply_after_requeue(987654321, run_dir, said.append) == [], said
+        assert said[-1].startswith("not leaving out") and "Slurm could not be asked which nodes are spare (scontrol show job" in said[-1]
     finally:
         subprocess.run(["scancel", job], check=False)
 

@@ -48,15 +48,21 @@ def requeue(job_id: int) -> str | None:
 
 
 def _job_fields(job_id: int) -> dict[str, str]:
-    out = _scontrol("show", "job", "-o", str(job_id)).stdout
-    return dict(f.split("=", 1) for f in out.split() if "=" in f)
+    """The job's record; a failed query raises (read as empty, the job's own --exclude list was overwritten)."""
+    done = _scontrol("show", "job", "-o", str(job_id))
+    fields = dict(f.split("=", 1) for f in done.stdout.split() if "=" in f)
+    if done.returncode != 0 or "NumNodes" not in fields or "Partition" not in fields:
+        raise ValueError(f"scontrol show job {job_id}: {(done.stderr or done.stdout).strip()[:200] or f'exit status {done.returncode}'}")
+    return fields
 
 
 def _hostnames(expr: str) -> list[str]:
     if not expr or expr == "(null)":
         return []
     out = _scontrol("show", "hostnames", expr)
-    return out.stdout.split() if out.returncode == 0 else []
+    if out.returncode != 0:
+        raise ValueError(f"scontrol show hostnames {expr}: {out.stderr.strip()[:200] or f'exit status {out.returncode}'}")
+    return out.stdout.split()
 
 
 def _usable_nodes(partition: str) -> list[str]:
@@ -65,7 +71,10 @@ def _usable_nodes(partition: str) -> list[str]:
     usable = []
     for line in out.splitlines():
         name, _, state = line.partition(" ")
-        if name and not state.strip().rstrip("*~#!%$@^-").startswith(UNUSABLE):
+        state = state.strip()
+        # sinfo's suffixes: `*` not responding, `$` in a maintenance reservation (neither gets new work);
+        # the others (~ powered off, # powering up, % powering down, ...) are left to the state's name.
+        if name and not state.endswith(("*", "$")) and not state.rstrip("~#!%@^-").startswith(UNUSABLE):
             usable.append(name)
     return sorted(set(usable))
 
