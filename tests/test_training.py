@@ -453,6 +453,8 @@ def test_a_metrics_row_carries_mfu_where_the_gpus_peak_is_known(tmp_path: Path) 
     from aura_hpc.train.loop.metrics import MetricsWriter
 
     assert peak_for("NVIDIA H100 80GB HBM3") == 989.4 and peak_for("cpu") is None
+    names = ["NVIDIA L4", "NVIDIA L40", "NVIDIA L40S", "NVIDIA H100 NVL", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB", "NVIDIA H200"]
+    assert [peak_for(n) for n in names] == [121.0, 181.05, 362.05, 835.5, 756.0, 312.0, 989.4]
     scale = flops_per_token(124_000_000, 12, 768, 1024) / (989.4e12 * 8)  # gpt2-small on 8 H100s
     w = MetricsWriter(tmp_path, 0, None, scale)
     w.write({"step": 10, "loss": 3.0, "lr": 1e-4, "tokens_per_s": 1_000_000.0})

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 from typing import Any
 
@@ -23,16 +24,20 @@ from typing import Any
 PEAK_BF16_TFLOPS = {
     "H200": 989.4,
     "H100 PCIe": 756.0,
+    "H100 NVL": 835.5,  # the 94 GB card: 1,671 with sparsity
     "H100": 989.4,  # SXM / HBM3
     "A100": 312.0,
     "L40S": 362.05,
+    "L40": 181.05,
     "L4": 121.0,
 }
 
 
 def peak_for(device_name: str) -> float | None:
-    for key, tflops in PEAK_BF16_TFLOPS.items():  # the more specific names come first
-        if key in device_name:
+    """The peak of the first model name (the more specific come first) found whole in the device's name:
+    "L4" is not the L40's (a substring match gave the L40 an L4's peak, and its MFU 1.5 times too high)."""
+    for key, tflops in PEAK_BF16_TFLOPS.items():
+        if re.search(rf"(?<![\w]){re.escape(key)}(?![\w])", device_name):
             return tflops
     return None
 
