@@ -626,10 +626,18 @@ def test_a_slurm_node_takes_its_evidence_on_another_nodes_record_and_the_naming_
     t0 = time.monotonic()
     w._wait_for_evidence_elsewhere()
     assert time.monotonic() - t0 < 1
-    # The hang budget: counted once per hang, not again by a node acting alone after the naming node did.
+    # The hang budget: counted once per hang, not again by a node acting alone after the naming node did, nor by
+    # each node of a job where none named a culprit (each acts after ELSEWHERE_WAIT_S: 3 nodes spent a budget of 2).
+    w.restarts = 0
     assert w._within_budget(12) == (True, "hang restart 1 of at most 2 in a row without progress")
-    assert w._within_budget(12, count=False)[0] and w._within_budget(12)[1] == "hang restart 2 of at most 2 in a row without progress"
+    assert w._within_budget(12) == w._within_budget(12) == (True, "hang restart 1 of at most 2 in a row without progress")
+    assert w._within_budget(12, count=False)[0]
+    w.restarts = 1  # the requeued job hangs again at the same step
+    assert w._within_budget(12)[1] == "hang restart 2 of at most 2 in a row without progress"
+    w.restarts = 2
     assert not w._within_budget(12)[0] and not w._within_budget(12, count=False)[0]
+    w.job_id, w.restarts = w.job_id + 1, 0  # the same command submitted again, hanging at that step once more
+    assert not w._within_budget(12)[0] and "it hung 4 times in a row" in w._within_budget(12)[1]
 
 
 def test_a_verdict_of_an_earlier_attempt_does_not_stop_the_restarted_workers(tmp_path: Path) -> None:

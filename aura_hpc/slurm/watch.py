@@ -105,7 +105,9 @@ class SlurmHangWatch(HangWatch):
 
     def _within_budget(self, step: int, count: bool = True) -> tuple[bool, str]:
         """Hangs without progress in a row (kept in the run directory across the job's requeues); `count`:
-        this hang is one more (not one another node counted already)."""
+        this hang is one more (not one another node counted already). An attempt of the job hangs once (the
+        requeue ends it): when no node names a culprit, every node acts after ELSEWHERE_WAIT_S, and each
+        counted the same hang (3 nodes spent a budget of 2 on one), so an attempt is counted once."""
         path = self.cfg.run_dir / "hangs" / BUDGET_FILE
         try:
             kept = json.loads(path.read_text(encoding="utf-8"))
@@ -113,10 +115,13 @@ class SlurmHangWatch(HangWatch):
             kept = {}
         furthest, in_a_row = int(kept.get("furthest", -1)), int(kept.get("in_a_row", 0))
         budget = self.cfg.health.hang_restarts
-        if count or in_a_row == 0:
+        attempt = f"{self.job_id}.{self.restarts}"  # a job submitted again starts its restarts at 0
+        if (count or in_a_row == 0) and kept.get("attempt") != attempt:
             in_a_row = 1 if step > furthest else in_a_row + 1
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            tmp.write_text(json.dumps({"furthest": max(step, furthest), "in_a_row": in_a_row}), encoding="utf-8")
+            # Named by host and pid: the nodes share this folder, and containers' pids repeat across nodes.
+            tmp = path.with_name(f".{path.name}.{node_name()}.{os.getpid()}")
+            body = {"furthest": max(step, furthest), "in_a_row": in_a_row, "attempt": attempt}
+            tmp.write_text(json.dumps(body), encoding="utf-8")
             os.replace(tmp, path)
         if in_a_row > budget:
             return False, f"it hung {in_a_row} times in a row without progress (health.hang_restarts={budget})"
