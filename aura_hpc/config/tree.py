@@ -44,7 +44,7 @@ def redacted_url(url: str) -> str:
 
 @dataclass
 class ModelConfig:
-    preset: str = "tiny"  # a shipped config whose model section is the base of this one (tiny, gpt2-small, gpt2-medium, gpt2-1b, gpt2-3b)
+    preset: str = "tiny"  # a shipped config whose model section is the base of this one (`config --list`: tiny, gpt2-small, ...)
     n_layer: int = 2  # transformer blocks
     n_embd: int = 128  # the model width (hidden size)
     n_head: int = 4  # attention heads (must divide n_embd)
@@ -58,7 +58,7 @@ class ModelConfig:
 class DataConfig:
     path: str = ""  # prepared directory, local or s3://bucket/prefix; "" = the package's own Spanish corpus
     seq_len: int = 128  # tokens per training sequence
-    vocab_size: int = 4096  # used only when `local` prepares the built-in corpus
+    vocab_size: int = 4096  # used only when `local` or `submit` prepares the built-in corpus
     shuffle_window: int = 0  # shards shuffled together: 0 = all (a full shuffle); N = a node needs only about 2N shards at a time
     cache_dir: str = ""  # where each node keeps shards read from s3:// or streamed; "" = /tmp/aura_hpc-cache-USER
     cache_gb: float = 100.0  # the bound on that cache; least recently used shards go first
@@ -151,7 +151,7 @@ class HealthConfig:
     webhook_timeout_s: float = 5.0  # seconds before a webhook call gives up
     webhook_retries: int = 2  # retries of a failed webhook call
     nvml_replay: str = ""  # recorded readings (JSON lines) replayed instead of NVML: tests, incident replays
-    hang_watch: bool = True  # `local`: a watchdog outside the loop names a hung rank, keeps stacks in RUN_DIR/hangs/, restarts the run
+    hang_watch: bool = True  # a watchdog outside the loop names a hung rank, keeps stacks in RUN_DIR/hangs/, restarts or requeues the run
     hang_step_floor_s: float = 30.0  # no step on any rank of a node for this long is a hang (or 5x the longest step seen, if more)
     hang_section_floor_s: float = 300.0  # the same for an evaluation, a checkpoint, a DiLoCo meeting or a data window
     hang_startup_s: float = 1200.0  # from a worker's start to its first step (group, build, compile), capped under dist.timeout_s

@@ -270,7 +270,9 @@ def strategy_line(cfg: RunConfig) -> str:
             if d.compress != "none"
             else ""
         )
-    return f"{d.strategy} (parameters, gradients and optimizer state sharded)"
+    zero = {"zero1": "optimizer state", "zero2": "optimizer state and gradients"}
+    sharded = zero.get(d.strategy, "parameters, gradients and optimizer state")
+    return f"{d.strategy} ({sharded} sharded)"
 
 
 def compiled(model: torch.nn.Module) -> bool:
