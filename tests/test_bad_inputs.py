@@ -231,6 +231,7 @@ ROWS = [
         "--vocab-size must be between",
         _files,
     ),
+    Row("check: a timeout that is no time", ["check", "--timeout", "nan"], "--timeout must be a number of seconds above 0, got nan"),
     # generate
     Row("generate: no checkpoint", ["generate", "--run", "{tmp}/norun"], "no complete checkpoint", _files),
     Row(

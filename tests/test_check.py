@@ -77,7 +77,7 @@ def test_healthy_pair_on_this_host_with_a_shared_dir(tmp_path: Path) -> None:
         assert f["shared dir"]["ok"] and f["clock skew"]["ok"]
         assert [b["size_mb"] for b in report["bandwidth"]] == [1.0, 4.0] and all(b["busbw_gbps"] > 0 for b in report["bandwidth"])
         assert 0 < report["elapsed_s"] < HEALTHY_TIMEOUT
-    assert not list(tmp_path.glob(".aura-check/*")), "the shared-dir probe files are cleaned up"
+    assert not (tmp_path / ".aura-check").exists(), "the shared-dir probe files and folders are cleaned up"
 
 
 def test_nothing_listening_a_node_that_never_joins_and_a_duplicate_node_rank_are_each_named_with_the_fix() -> None:
@@ -116,6 +116,8 @@ def test_a_directory_that_is_not_shared_is_reported(tmp_path: Path) -> None:
     for code, _, err in results:
         assert code == 1
         assert "is not one shared directory" in err and "does not see the files of node" in err and "fix: mount the same NFS export" in err
+    # Each node removed what it wrote (node 0 alone cleaned up: node 1 kept its folder in the folder it was given).
+    assert not (tmp_path / "a" / ".aura-check").exists() and not (tmp_path / "b" / ".aura-check").exists()
 
 
 def test_what_a_stranger_writes_into_the_checks_store_never_becomes_a_path_or_a_node() -> None:

@@ -6,7 +6,14 @@ import argparse
 
 
 def cmd_check(a: argparse.Namespace) -> int:
+    import math
+
     from aura_hpc.ops import check
+
+    if not (math.isfinite(a.timeout) and a.timeout > 0):  # nan passed every comparison: "within nans"
+        from aura_hpc.errors import ConfigError
+
+        raise ConfigError(f"--timeout must be a number of seconds above 0, got {a.timeout} (fix: --timeout 10)")
 
     if a.server:
         return _check_ps_server(a)

@@ -4,10 +4,10 @@ ranks, an all_reduce every rank verifies, bus bandwidth, clock skew, addresses a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
-import shutil
 import socket
 import sys
 import time
@@ -397,9 +397,15 @@ def _shared_dir(report: Report, a: ClusterArgs, store: Any, nodes: list[dict[str
                 if n["uid"] is not None and st.st_uid != n["uid"]:
                     foreign_owner.append(f"node {r}'s file is owned by uid {st.st_uid}, not {n['uid']}")
     results = collectives.gather_json({"error": error, "seen": seen, "owners": foreign_owner})
+    if not error:
+        (where / f"node{a.node_rank}").unlink(missing_ok=True)
     collectives.barrier()
-    if a.node_rank == 0:
-        shutil.rmtree(where, ignore_errors=True)
+    # Every node removes what it wrote, then the folders if they are empty (another user's or run's stay): on
+    # nodes that did not share the folder, node 0 alone left each other node its own behind.
+    if not error:
+        for folder in (where, where.parent):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
     problems = []
     for r, res in enumerate(results):
         if res["error"]:
