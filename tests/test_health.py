@@ -131,6 +131,31 @@ def test_monitor_json_samples_at_the_interval(tmp_path: Path) -> None:
     assert all(g >= 0.25 for g in gaps) and sum(gaps) / len(gaps) < 2.0, gaps
 
 
+def test_the_network_columns_leave_loopback_out() -> None:
+    """One machine's ranks talk over 127.0.0.1: 40 MB sent there between two samples is not network traffic."""
+    import socket
+    import time
+
+    from aura_hpc.ops.gpu_health import NoGpus
+    from aura_hpc.ops.resources import Sampler
+
+    server = socket.create_server(("127.0.0.1", 0))
+    sender = socket.create_connection(server.getsockname())
+    receiver, _ = server.accept()
+    sampler = Sampler(NoGpus())
+    t0 = time.monotonic()
+    got, block = 0, b"x" * (1 << 20)
+    for _ in range(40):
+        sender.sendall(block)
+        while got < (_ + 1) << 20:
+            got += len(receiver.recv(1 << 20))
+    row = sampler.sample()
+    loopback_mbps = got * 8 / (time.monotonic() - t0) / 1e6
+    for s in (sender, receiver, server):
+        s.close()
+    assert row["net_rx_mbps"] < loopback_mbps / 4 and row["net_tx_mbps"] < loopback_mbps / 4, (row, loopback_mbps)
+
+
 def test_monitor_shows_gpu_readings_when_there_are_some(tmp_path: Path) -> None:
     replay = tmp_path / "nvml.jsonl"
     replay.write_text(json.dumps([HEALTHY]) + "\n")

@@ -25,14 +25,21 @@ class Sampler:
         self.psutil = psutil
         self.reader = reader
         self.disk_path = str(disk_path)
-        self._net = psutil.net_io_counters()
+        self._net = self._network()
         self._t = time.monotonic()
         psutil.cpu_percent(None)  # the first call only starts the measurement
+
+    def _network(self) -> tuple[int, int]:
+        """Bytes received and sent on the network interfaces: not loopback, where one machine's ranks talk
+        to each other (gloo on 127.0.0.1: a single-machine run showed hundreds of Mbit/s of "network")."""
+        nics = self.psutil.net_io_counters(pernic=True)
+        real = [c for name, c in nics.items() if name != "lo" and not name.startswith("lo:")]
+        return sum(c.bytes_recv for c in real), sum(c.bytes_sent for c in real)
 
     def sample(self) -> dict[str, Any]:
         ps = self.psutil
         now = time.monotonic()
-        net = ps.net_io_counters()
+        net = self._network()
         dt = max(1e-6, now - self._t)
         mem = ps.virtual_memory()
         try:
@@ -48,8 +55,8 @@ class Sampler:
             "ram_pct": mem.percent,
             "disk_free_gb": disk_free_gb,
             "disk_used_pct": disk_used_pct,
-            "net_rx_mbps": round((net.bytes_recv - self._net.bytes_recv) * 8 / dt / 1e6, 2),
-            "net_tx_mbps": round((net.bytes_sent - self._net.bytes_sent) * 8 / dt / 1e6, 2),
+            "net_rx_mbps": round((net[0] - self._net[0]) * 8 / dt / 1e6, 2),
+            "net_tx_mbps": round((net[1] - self._net[1]) * 8 / dt / 1e6, 2),
         }
         self._net, self._t = net, now
         gpus = self.reader.read()
