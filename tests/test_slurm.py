@@ -365,7 +365,7 @@ def test_nodes_not_responding_or_in_maintenance_are_not_counted_as_spare(tmp_pat
     fake.write_text("#!/bin/sh\nprintf 'n1 idle\\nn2 idle*\\nn3 mix\\nn4 idle$\\nn5 drain\\nn6 alloc~\\nn7 mix-\\n'\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    assert exclude._usable_nodes("gpu") == ["n1", "n3", "n6", "n7"]
+    assert exclude._nodes_by_use("gpu") == (["n1", "n3", "n6", "n7"], ["n2", "n4", "n5"])
 
 
 def test_relative_output_dir_is_refused(tmp_path: Path) -> None:
@@ -709,6 +709,27 @@ def test_spare_nodes_a_job_may_start_on_fewer_and_a_requeue_leaves_bad_nodes_out
         assert said[-1].startswith("not leaving out") and "Slurm could not be asked which nodes are spare (scontrol show job" in said[-1]
     finally:
         subprocess.run(["scancel", job], check=False)
+
+    # A partition of two kinds of node (n1, n2 have InfiniBand) and a job of 2 that asks for that kind: n3 and n4
+    # are usable but no room for it. Counted as spare, n1 was left out and the job waited forever for a second
+    # "ib" node; Slurm's own judgement of the request (sbatch --test-only) now says it cannot start without it.
+    features = ["scontrol", "update", "NodeName=n[1-2]"]
+    try:
+        assert subprocess.run([*features, "AvailableFeatures=ib", "ActiveFeatures=ib"], capture_output=True).returncode == 0
+        held = subprocess.run([*hold[:3], "--constraint", "ib", *hold[3:]], capture_output=True, text=True)
+        assert held.returncode == 0, held.stderr
+        job = held.stdout.strip().split(";")[0]
+        (run_dir / "excluded_nodes.json").unlink()
+        excluded_nodes.record(run_dir, "n1", "rank 0 hung there")
+        assert exclude.apply_after_requeue(int(job), run_dir, said.append) == [] and excluded() == "(null)", said
+        assert said[-1].startswith("not leaving out n1 (rank 0 hung there): Slurm finds no 2 node(s) for the job's request"), said
+        assert "Requested node configuration is not available" in said[-1] and "fix: submit with --nodes MIN:MAX" in said[-1], said
+        (run_dir / "excluded_nodes.json").unlink()
+        excluded_nodes.record(run_dir, "n3", "rank 1 hung there")  # not of the kind: leaving it out costs the job nothing
+        assert exclude.apply_after_requeue(int(job), run_dir, said.append) == ["n3"] and excluded() == "n3", said
+    finally:
+        subprocess.run(["scancel", job], check=False)
+        subprocess.run([*features, "AvailableFeatures=", "ActiveFeatures="], check=False)
 
 
 def test_a_node_its_screen_finds_slow_is_left_out_and_the_job_completes_on_the_others(

@@ -4,8 +4,10 @@ Slurm refuses to change a running job's excluded nodes ("Job is no longer pendin
 requeue makes the job pending at once (it stays "completing" until its processes are gone, and the one
 asking is among them): the exclusion is set right after `scontrol requeue`, before Slurm can start the
 job again. It is only set while the job's partition keeps enough other usable nodes for the job's
-minimum node count; otherwise the job would wait forever (ReqNodeNotAvail), and it is requeued on
-the same nodes with a line that says so.
+minimum node count, and Slurm itself finds the job's request (its constraint, GPUs, CPUs and memory per
+node) satisfiable on them (`sbatch --test-only`: a partition of two kinds of node has fewer spare of the kind
+asked for); otherwise the job would wait forever (ReqNodeNotAvail), and it is requeued on the same nodes
+with a line that says so.
 
 Every node to leave out is kept in RUN_DIR/excluded_nodes.json (ops/excluded_nodes.py), so the next
 requeue, whatever causes it (a hang, the pre-timeout signal), leaves out all of them.
@@ -13,6 +15,7 @@ requeue, whatever causes it (a hang, the pre-timeout signal), leaves out all of 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from collections.abc import Callable
@@ -65,18 +68,60 @@ def _hostnames(expr: str) -> list[str]:
     return out.stdout.split()
 
 
-def _usable_nodes(partition: str) -> list[str]:
+def _nodes_by_use(partition: str) -> tuple[list[str], list[str]]:
+    """The partition's (usable, unusable) nodes."""
     args = ["sinfo", "-h", "-N", "-o", "%N %t"] + (["-p", partition] if partition else [])
     out = subprocess.run(args, capture_output=True, text=True, timeout=30).stdout
-    usable = []
+    usable, unusable = set(), set()
     for line in out.splitlines():
         name, _, state = line.partition(" ")
         state = state.strip()
         # sinfo's suffixes: `*` not responding, `$` in a maintenance reservation (neither gets new work);
         # the others (~ powered off, # powering up, % powering down, ...) are left to the state's name.
-        if name and not state.endswith(("*", "$")) and not state.rstrip("~#!%@^-").startswith(UNUSABLE):
-            usable.append(name)
-    return sorted(set(usable))
+        if name:
+            bad = state.endswith(("*", "$")) or state.rstrip("~#!%@^-").startswith(UNUSABLE)
+            (unusable if bad else usable).add(name)
+    return sorted(usable), sorted(unusable - usable)
+
+
+def _set(value: str | None) -> str:
+    return "" if value in (None, "", "(null)", "0", "*") else str(value)
+
+
+def _request(job: dict[str, str], least: int, exclude: list[str]) -> list[str]:
+    """`sbatch --test-only` for what the job asks of each node, on `least` nodes, without `exclude`."""
+    args = ["sbatch", "--test-only", "--nodes", str(least), "--output", "/dev/null"]
+    for flag, key in (("--partition", "Partition"), ("--account", "Account"), ("--qos", "QOS"), ("--constraint", "Features")):
+        if _set(job.get(key)):
+            args += [flag, job[key]]
+    per_node = job.get("NtasksPerN:B:S:C", "").split(":")[0]
+    if _set(per_node):
+        args += ["--ntasks-per-node", per_node]
+    if _set(job.get("CPUs/Task")):
+        args += ["--cpus-per-task", job["CPUs/Task"]]
+    if _set(job.get("MinMemoryNode")):
+        args += ["--mem", job["MinMemoryNode"]]
+    if job.get("TimeLimit", "").replace("-", "").replace(":", "").isdigit():
+        args += ["--time", job["TimeLimit"]]
+    # GPUs per node: `gres/gpu:8` (Slurm 23+) or `gres:gpu:8` (22.05); other per-node TRES are not nodes' features.
+    gres = [t.split("/", 1)[-1] if t.startswith("gres/") else t.removeprefix("gres:") for t in job.get("TresPerNode", "").split(",")]
+    gres = [g for g in gres if g and not g.startswith(("gres", "(null)"))]
+    if gres:
+        args += ["--gres", ",".join(gres)]
+    if exclude:
+        args += ["--exclude", ",".join(exclude)]
+    return [*args, "--wrap", "true"]
+
+
+def _slurm_refuses(job: dict[str, str], least: int, exclude: list[str]) -> str:
+    """Why Slurm could never start the job without `exclude` ("" when it could). Inside the job, its
+    SBATCH_* settings are not this question's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SBATCH_")}
+    done = subprocess.run(_request(job, least, exclude), capture_output=True, text=True, timeout=30, env=env)
+    if done.returncode == 0:
+        return ""
+    said = " ".join((done.stderr or done.stdout).split())
+    return said.removeprefix("sbatch: ").removeprefix("error: ")[:200] or f"sbatch --test-only: exit status {done.returncode}"
 
 
 @dataclass
@@ -85,6 +130,7 @@ class _Room:
     left: list[str]  # the usable nodes of its partition beside them
     least: int  # the fewest nodes the job can start on
     partition: str
+    refused: str  # why Slurm could not start the job on the nodes left ("" when it could)
 
 
 def _room(job_id: int, nodes: list[str]) -> _Room:
@@ -93,7 +139,10 @@ def _room(job_id: int, nodes: list[str]) -> _Room:
     least = int(job.get("NumNodes", "1").split("-")[0])
     partition = job.get("Partition", "")
     leave_out = sorted(already | set(nodes))
-    return _Room(leave_out, [n for n in _usable_nodes(partition) if n not in leave_out], least, partition or "?")
+    usable, unusable = _nodes_by_use(partition)
+    left = [n for n in usable if n not in leave_out]
+    refused = "" if len(left) < least else _slurm_refuses(job, least, sorted(set(leave_out) | set(unusable)))
+    return _Room(leave_out, left, least, partition or "?", refused)
 
 
 def _judge(job_id: int, nodes: list[str]) -> tuple[_Room | None, str]:
@@ -106,6 +155,12 @@ def _judge(job_id: int, nodes: list[str]) -> tuple[_Room | None, str]:
         return room, (
             f"partition {room.partition} would keep {len(room.left)} usable node(s) for a job of {room.least} "
             "(fix: submit with --nodes MIN:MAX so it can start on fewer, or ask an admin to drain the node)"
+        )
+    if room.refused:
+        return room, (
+            f"Slurm finds no {room.least} node(s) for the job's request (constraint, GPUs, CPUs, memory per node) in partition "
+            f"{room.partition} without them: {room.refused} (fix: submit with --nodes MIN:MAX or a wider --constraint, or ask an "
+            "admin to drain the node)"
         )
     return room, ""
 
