@@ -17,7 +17,7 @@ import pytest
 
 from aura_hpc.ops.gpu_health import THROTTLE_BITS, HealthRules, Thresholds
 from aura_hpc.ops.webhook import body
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_cli_together
 
 HEALTHY = {
     "index": 0,
@@ -278,28 +278,42 @@ def test_a_gpu_fault_surfacing_where_the_host_waits_for_a_step_is_a_gpu_fault(
 ) -> None:
     """A step never waits for the GPU: an asynchronous CUDA error (an Xid) surfaces where the host next
     waits, most often as the loop reads a step's report. There too it is the GPU's fault: the alert, exit
-    76 and the launcher's advice to take the GPU out of service (before: a crash, exit 1, no alert)."""
+    76 and the launcher's advice to take the GPU out of service (before: a crash, exit 1, no alert), unless NVML
+    reads that GPU healthy."""
     url, hook = webhook_server
     args = ["local", "--nproc-per-node", "2", "--output-dir", str(tmp_path / "runs"), "--run-name", "xid"]
     args += ["--set", f"data.path={prepared}", "--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2"]
     args += ["--set", "data.seq_len=32", "--set", "train.max_steps=40", "--set", "train.eval_every=0"]
     args += ["--set", f"health.webhook_url={url}", "--set", "health.webhook_retries=1"]
-    res = run_cli(args, timeout=240, AURA_FAULT_CUDA="1:5")
+    # Beside it, the same error where NVML reads the GPU healthy: an illegal access (NVIDIA's Xid 13/31/43) is most
+    # often a kernel reading out of bounds, and the node was called faulty ("drain this node", exit 76, an alert).
+    replay = tmp_path / "healthy.jsonl"
+    replay.write_text(json.dumps([HEALTHY]) + "\n")
+    healthy = [*args[:5], "--run-name", "code", *args[7:], "--set", f"health.nvml_replay={replay}"]
+    res, code = run_cli_together([args, healthy], timeout=240, AURA_FAULT_CUDA="1:5")
     assert res.returncode == 76, res.stdout[-3000:] + res.stderr[-3000:]
     assert "take this machine's GPU out of service" in res.stdout + res.stderr
     rank1 = (tmp_path / "runs" / "xid" / "logs" / "rank_1.log").read_text()
     assert "CUDA error in the training loop: CUDA error: an illegal memory access" in rank1 and "status 76" in rank1, rank1[-2000:]
+    assert "NVML cannot be read here to tell a faulty GPU from a kernel that read out of bounds" in rank1, rank1[-2000:]
     assert len(hook.received) == 1 and hook.received[0]["event"] == "gpu.fault", hook.received
     assert "illegal memory access" in hook.received[0]["reason"] and hook.received[0]["step"] in (5, 6), hook.received
+    assert code.returncode == 1 and "out of service" not in code.stdout + code.stderr, code.stdout[-3000:] + code.stderr[-3000:]
+    rank1 = (tmp_path / "runs" / "code" / "logs" / "rank_1.log").read_text()
+    assert "NVML reads GPU 0 healthy" in rank1 and "rerun with CUDA_LAUNCH_BLOCKING=1" in rank1, rank1[-2000:]
 
 
 def test_cuda_errors_that_mean_a_broken_gpu_are_recognised() -> None:
-    from aura_hpc.ops.gpu_health import is_gpu_error
+    from aura_hpc.ops.gpu_health import blames_the_gpu, is_gpu_error
 
     assert is_gpu_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert is_gpu_error(RuntimeError("CUDA error: uncorrectable ECC error encountered"))
     assert not is_gpu_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 4x8)"))
     assert not is_gpu_error(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    access = RuntimeError("CUDA error: an illegal memory access was encountered")
+    assert blames_the_gpu(access, None) is None and blames_the_gpu(access, HEALTHY) is False
+    assert blames_the_gpu(access, FAULTS["ecc"]) is True and blames_the_gpu(access, dict(HEALTHY, recovery_action=1)) is True
+    assert blames_the_gpu(RuntimeError("CUDA error: uncorrectable ECC error encountered"), HEALTHY) is True
 
 
 def test_the_breaker_watches_only_the_jobs_own_gpus() -> None:

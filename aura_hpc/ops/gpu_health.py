@@ -225,6 +225,7 @@ class HealthRules:
         return None
 
 
+# Sticky CUDA errors: the process's GPU context is gone (no checkpoint, no collective can follow).
 CUDA_FAULT_MARKERS = (
     "uncorrectable ecc",
     "an illegal memory access",
@@ -234,9 +235,23 @@ CUDA_FAULT_MARKERS = (
     "gpu has fallen off the bus",
     "cudaerrorlaunchfailure",
 )
+# Of those, the ones only the hardware raises. An illegal access or a launch failure (NVIDIA's Xid 13, 31, 43)
+# is most often a kernel reading out of bounds: the GPU itself is asked before the node is called faulty.
+HARDWARE_MARKERS = ("uncorrectable ecc", "xid", "cuda error: unknown error", "gpu has fallen off the bus")
 
 
 def is_gpu_error(exc: BaseException) -> bool:
-    """A CUDA/driver error raised in the training loop that means the GPU (not the code) is broken."""
+    """A CUDA/driver error raised in the training loop after which this process's GPU is unusable."""
     text = str(exc).lower()
     return "cuda" in text and any(m in text for m in CUDA_FAULT_MARKERS)
+
+
+def blames_the_gpu(exc: BaseException, reading: dict[str, Any] | None) -> bool | None:
+    """Whether a sticky CUDA error is the GPU's: True, False (NVML reads it healthy: most likely the code), or
+    None (NVML cannot be read here: either)."""
+    text = str(exc).lower()
+    if any(m in text for m in HARDWARE_MARKERS):
+        return True
+    if reading is None:
+        return None
+    return int(reading.get("ecc_uncorrected_volatile") or 0) > 0 or bool(reading.get("recovery_action"))

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from aura_hpc.config import RunConfig
-from aura_hpc.errors import EXIT_GPU_FAULT
-from aura_hpc.ops.gpu_health import Fault, HealthRules, NoGpus, Thresholds, open_reader, selection_from_env
+from aura_hpc.errors import EXIT_GPU_FAULT, EXIT_TRAIN_FAILED
+from aura_hpc.ops.gpu_health import Fault, HealthRules, NoGpus, Thresholds, blames_the_gpu, open_reader, selection_from_env
 from aura_hpc.ops.resources import BackgroundMonitor, Sampler
 from aura_hpc.train.process.dist_env import DistEnv
 
@@ -121,11 +121,38 @@ class HealthWatch:
         webhook.deliver(url, h.webhook_type, event, h.webhook_timeout_s, h.webhook_retries)
 
     def gpu_error(self, exc: RuntimeError, device: Any, step: int) -> int:
-        """Xid-style failure in the loop: the GPU state is unusable, so no checkpoint and no collective."""
-        fault = Fault(physical_index(device), f"CUDA error in the training loop: {str(exc).splitlines()[0][:200]}", {})
+        """A sticky CUDA error in the loop: the GPU state is unusable, so no checkpoint and no collective. The
+        node is called faulty unless NVML reads its GPU healthy (then the code is the likelier cause)."""
+        index, said = physical_index(device), str(exc).splitlines()[0][:200]
+        blame = blames_the_gpu(exc, None)
+        reading = None if blame else self._reading(index)
+        blame = blames_the_gpu(exc, reading)
+        if blame is False:
+            log.error(
+                "CUDA error in the training loop at step %d: %s; NVML reads GPU %d healthy (no uncorrectable ECC error, no "
+                "recovery action asked): most often a kernel that read out of bounds (a token id at or above model.vocab_size, "
+                "a custom kernel), not the hardware: rerun with CUDA_LAUNCH_BLOCKING=1 to find it; drain this node only if it "
+                "recurs there alone; exiting with status %d",
+                step,
+                said,
+                index,
+                EXIT_TRAIN_FAILED,
+            )
+            return EXIT_TRAIN_FAILED
+        either = "" if blame else " (NVML cannot be read here to tell a faulty GPU from a kernel that read out of bounds)"
+        fault = Fault(index, f"CUDA error in the training loop: {said}{either}", reading or {})
         self.report(fault, step)
         log.error("%s; exiting with status %d (drain this node)", fault.describe(), EXIT_GPU_FAULT)
         return EXIT_GPU_FAULT
+
+    def _reading(self, index: int) -> dict[str, Any] | None:
+        """NVML's reading of the node's GPU `index` now, or None where it cannot be read (no CUDA call: after a
+        sticky error each one may fail)."""
+        try:
+            reader = open_reader(self.cfg.health.nvml_replay)
+            return next((g for g in reader.read() if int(g.get("index", -1)) == index), None)
+        except Exception:  # no NVML, no permission, a driver that no longer answers: it cannot tell
+            return None
 
     def open_circuit(self, ckpt: Any, step: int) -> int:
         """All ranks agreed that a GPU is faulty: checkpoint if it still answers, alert, exit EXIT_GPU_FAULT."""
