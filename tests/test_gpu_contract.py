@@ -163,6 +163,25 @@ def test_a_compiled_model_and_its_loss_compile_once_with_eval_and_samples_betwee
     assert load_pretrained(str(newest.path / "model")).config.n_layer == 12
 
 
+def test_a_selftest_run_past_its_time_is_stopped_as_ctrl_c_does_and_killed_only_past_a_grace() -> None:
+    """Killed at once with SIGKILL, a timed-out `local` left its workers running (in sessions of their own, a hung
+    one never noticing); as Ctrl+C, the launcher stops them and says what hung. Here a stand-in launcher."""
+    import os
+    import sys
+    import time
+
+    answers = "import signal, sys, time\nsignal.signal(signal.SIGINT, lambda *_: sys.exit(print('stopped its workers') or 130))\n"
+    answers += "print('ready', flush=True)\ntime.sleep(600)\n"
+    started = time.monotonic()
+    r = selftest.run_or_interrupt([sys.executable, "-c", answers], dict(os.environ), timeout=3, grace=60)
+    assert r.returncode == 124 and "stopped its workers" in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr.endswith("error: the run did not end within 3 s (a hang?)\n") and time.monotonic() - started < 30, r.stderr
+    deaf = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(600)\n"
+    started = time.monotonic()
+    r = selftest.run_or_interrupt([sys.executable, "-c", deaf], dict(os.environ), timeout=2, grace=2)
+    assert r.returncode == 124 and time.monotonic() - started < 30, r
+
+
 def test_selftest_runs_its_sequence_and_writes_its_report(tmp_path: Path) -> None:
     """On a GPU node it is the check of a new image; here its CPU variant keeps the command working."""
     from tests.conftest import run_cli

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -87,11 +88,26 @@ def _env(extra: dict[str, str], threads: int) -> dict[str, str]:
 
 
 def _local(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "aura_hpc", "local", *args]
+    return run_or_interrupt([sys.executable, "-m", "aura_hpc", "local", *args], env, timeout)
+
+
+def run_or_interrupt(cmd: list[str], env: dict[str, str], timeout: float, grace: float = 90) -> subprocess.CompletedProcess[str]:
+    """Run a `local` launcher; past `timeout`, stop it as Ctrl+C does, so that it stops its workers (hung ones
+    included) and names what hung; SIGKILL only past `grace`. Killed at once, it left its workers running
+    (they are in sessions of their own; a hung one never reaches the step where it would notice)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:  # a failed check with its reason, and the report still written
-        return subprocess.CompletedProcess(cmd, 124, "", f"error: the run did not end within {timeout:.0f} s (a hang?)\n")
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    # A failed check with its reason, and the report still written.
+    return subprocess.CompletedProcess(cmd, 124, out, f"{err}error: the run did not end within {timeout:.0f} s (a hang?)\n")
 
 
 def _syncs(run: Path, rank: int) -> dict[str, int]:
