@@ -131,7 +131,13 @@ def test_a_raised_token_budget_extends_the_run_and_another_world_size_keeps_the_
     # A warmup of 8 fits the run's 10 steps, not the 3 that the budget makes at 8 ranks: the resume there keeps
     # the warmup with the horizon (the launcher clamped the setting to 3 at the new world size: another schedule).
     cfg.train.warmup_steps = 8
-    assert fit_to_horizon(cfg, 8) and cfg.train.warmup_steps == 8
+    # The launcher judges against the same horizon: no warning that the warmup is clamped to 3 (it is not), and a
+    # stop_at within the recorded 10 steps is not refused as "after the end of the run (3 steps)".
+    cfg.train.stop_at = 9
+    assert fit_to_horizon(cfg, 8) == [] and cfg.train.warmup_steps == 8
+    cfg.train.warmup_steps, cfg.train.stop_at = 12, 0
+    assert "is longer than the run (10 steps): using 10" in fit_to_horizon(cfg, 8)[0]
+    cfg.train.warmup_steps = 8
     resumed = [lr_factor(s, cfg.train.warmup_steps, _horizon(cfg, 8, env), "cosine", 0.1) for s in range(10)]  # type: ignore[arg-type]
     assert resumed == [lr_factor(s, 8, 10, "cosine", 0.1) for s in range(10)] and resumed[6] == 7 / 8
     cfg.train.max_tokens *= 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import unicodedata
@@ -324,16 +325,30 @@ def max_steps_for(cfg: RunConfig, world_size: int) -> int:
     return t.max_steps
 
 
+def recorded_horizon(cfg: RunConfig) -> int:
+    """Under train.max_tokens, the horizon (steps) the run's newest checkpoint recorded for this token budget:
+    the one a resume keeps at any world size. 0 when none did (no checkpoint; another budget, a new horizon)."""
+    if cfg.train.max_tokens <= 0:
+        return 0
+    steps = sorted((cfg.run_dir / "checkpoints").glob("step_*/meta.json"))
+    try:
+        meta = json.loads(steps[-1].read_text()) if steps else {}
+        same_budget = int(meta.get("max_tokens", cfg.train.max_tokens)) == cfg.train.max_tokens
+        return int(meta.get("max_steps", 0)) if same_budget else 0
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
 def fit_to_horizon(cfg: RunConfig, world_size: int) -> list[str]:
     """Checks against the schedule's horizon (train.max_steps, or the steps train.max_tokens makes at this
-    world size). A warmup as long as the run is clamped with a warning, as torchtitan does (a short
+    world size, or recorded when the run started). A warmup as long as the run is clamped with a warning, as torchtitan does (a short
     test run goes on); a stop_at beyond the run is refused. Returns the warnings.
 
     The clamp itself is the worker's (train/parts/schedule.py), against the horizon it agrees on: a run
     resumed at another world size under train.max_tokens keeps the horizon recorded when it started, and
     its warmup with it (clamping the setting here, at the new world size's horizon, moved the schedule)."""
     t = cfg.train
-    horizon = max_steps_for(cfg, world_size)
+    horizon = recorded_horizon(cfg) or max_steps_for(cfg, world_size)
     notes = []
     if t.warmup_steps > horizon:
         notes.append(

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from aura_hpc.comm import collectives
-from aura_hpc.config import RunConfig, embedding_rows, max_steps_for, per_machine
+from aura_hpc.config import RunConfig, embedding_rows, max_steps_for, per_machine, recorded_horizon
 from aura_hpc.data.packed import GlobalOrder, PackedTokens
 from aura_hpc.errors import ConfigError, DataError
 from aura_hpc.train.model.language_model import (
@@ -159,16 +159,8 @@ def _horizon(cfg: RunConfig, world: int, env: DistEnv) -> int:
     horizon = max_steps_for(cfg, world)
     if cfg.train.max_tokens <= 0:
         return horizon
-    recorded = 0
-    if env.is_main:  # LAN nodes without shared storage have no checkpoints: rank 0's answer counts
-        steps = sorted((cfg.run_dir / "checkpoints").glob("step_*/meta.json"))
-        try:
-            meta = json.loads(steps[-1].read_text()) if steps else {}
-            # Kept for the budget it was set for: a raised (or lowered) train.max_tokens is a new horizon.
-            same_budget = int(meta.get("max_tokens", cfg.train.max_tokens)) == cfg.train.max_tokens
-            recorded = int(meta.get("max_steps", 0)) if same_budget else 0
-        except (OSError, ValueError, TypeError):
-            recorded = 0
+    # LAN nodes without shared storage have no checkpoints: rank 0's answer counts.
+    recorded = recorded_horizon(cfg) if env.is_main else 0
     recorded = int(collectives.broadcast_json(recorded))
     if recorded and recorded != horizon:
         if env.is_main:
