@@ -98,6 +98,12 @@ def test_resume_at_2_then_3_then_1_ranks_trains_every_sample_exactly_once(tmp_pa
     }  # fmt: skip
     positions = sorted(p for row in rows for p in range(row["start"], row["start"] + len(row["ids"])))
     total = 6 * 2 * 4 + 6 * 3 * 4 + 6 * 1 * 4
+    # Each batch loaded ahead is one its rank then trained on: none past a stop or the end (there, a stream
+    # encoded a window and a bucket's shards were fetched that no step read).
+    for f in samples.glob("*.jsonl"):
+        trained = {json.loads(line)["start"] for line in f.read_text().splitlines()}
+        ahead = [s for line in (samples / "prefetched" / f.name).read_text().splitlines() for s in json.loads(line)["starts"]]
+        assert ahead and set(ahead) <= trained, (f.name, sorted(set(ahead) - trained))
     assert positions == list(range(total)), "every position of the global order once: none twice, none skipped"
     # The ids are the global order's, computed here independently of the trainer.
     packed = PackedTokens(data, 64)

@@ -27,10 +27,12 @@ class Batches:
         self.pin = device.type == "cuda"
         self._ready: dict[int, torch.Tensor] = {}
         folder = os.environ.get("AURA_PROBE_SAMPLES")
-        self._record = None
-        if folder:
-            Path(folder).mkdir(parents=True, exist_ok=True)
-            self._record = open(Path(folder) / f"samples_rank{rank}_world{layout.world}.jsonl", "a", encoding="utf-8")
+        self._record = self._prefetched = None
+        if folder:  # what was trained on, and (a folder below) what was loaded ahead
+            name = f"samples_rank{rank}_world{layout.world}.jsonl"
+            (Path(folder) / "prefetched").mkdir(parents=True, exist_ok=True)
+            self._record = open(Path(folder) / name, "a", encoding="utf-8")
+            self._prefetched = open(Path(folder) / "prefetched" / name, "a", encoding="utf-8")
 
     def _start(self, pos: Position, micro: int) -> int:
         lay = self.layout
@@ -62,3 +64,6 @@ class Batches:
         if self.feed is not None:
             self.feed.ensure(pos.samples_seen(self.layout.per_step), self.layout.per_step)
         self._ready = {s: self._load(s) for s in (self._start(pos, m) for m in range(self.layout.grad_accum))}
+        if self._prefetched is not None:
+            self._prefetched.write(json.dumps({"step": pos.step + 1, "starts": sorted(self._ready)}) + "\n")
+            self._prefetched.flush()
