@@ -235,6 +235,12 @@ ROWS = [
     # generate
     Row("generate: no checkpoint", ["generate", "--run", "{tmp}/norun"], "no complete checkpoint", _files),
     Row(
+        "generate: nan temperature",
+        ["generate", "--run", "{tmp}/norun", "--temperature", "nan"],
+        "--temperature must be above 0, got nan",
+        _files,
+    ),
+    Row(
         "generate: negative length",
         ["generate", "--run", "{tmp}/norun", "--max-new-tokens", "-5"],
         "--max-new-tokens must be at least 1, got -5 (fix: --max-new-tokens 100)",

@@ -86,6 +86,23 @@ def test_the_host_holds_a_parameter_or_two_at_a_time_not_the_model() -> None:
     assert extra < 3 * largest + 16 * 2**20, (extra, largest, total)
 
 
+def test_the_host_copy_for_samples_leaves_the_training_rng_alone_and_refuses_weights_that_do_not_fit() -> None:
+    """Under sharded strategies rank 0 samples from a host copy it builds once per process: its initial weights
+    were drawn from the training's CPU stream (a restart, building it again, moved dropout's masks), and
+    weights under other names were loaded in silence (strict=False): a random model's samples."""
+    from aura_hpc.train.loop.evaluation import host_model
+
+    like = GPT(CFG)
+    gathered = {k: v for k, v in like.state_dict().items() if k != "lm_head.weight"}  # the tied matrix saved once
+    torch.manual_seed(7)
+    before = torch.random.get_rng_state()
+    host = host_model(like, gathered)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert all(torch.equal(host.state_dict()[k], v) for k, v in like.state_dict().items())
+    with pytest.raises(RuntimeError, match="do not fit the model"):
+        host_model(like, {f"lm.{k}": v for k, v in gathered.items()})
+
+
 def test_bf16_parameters_get_the_host_models_weights_cast_once() -> None:
     torch.manual_seed(3)
     host = GPT(CFG).to(torch.bfloat16)

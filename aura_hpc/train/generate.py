@@ -11,7 +11,7 @@ from aura_hpc.train.checkpoint import files as checkpoint
 def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int, num: int = 1) -> list[str]:
     if max_new_tokens <= 0:
         raise CheckpointError(f"--max-new-tokens must be at least 1, got {max_new_tokens} (fix: --max-new-tokens 100)")
-    if temperature <= 0:
+    if not temperature > 0:  # nan too
         raise CheckpointError(f"--temperature must be above 0, got {temperature} (fix: --temperature 0.8)")
     if num < 1 or top_k < 0:
         raise CheckpointError("--num must be at least 1 and --top-k 0 or more (fix: --num 1 --top-k 40)")
@@ -41,6 +41,8 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
     model.eval()
     torch.manual_seed(seed)
     ids = tok(prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:  # an empty prompt: a new document, as GPT-2 starts one (transformers refuses no tokens)
+        ids = torch.tensor([[tok.eos_token_id]])
     room = int(model.config.n_positions)
     if ids.shape[1] + max_new_tokens > room:
         fix = f"--max-new-tokens {room - ids.shape[1]}" if ids.shape[1] < room else "a shorter --prompt"

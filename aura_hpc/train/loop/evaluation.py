@@ -83,8 +83,16 @@ def sample(parts: Parts, t: TrainConfig, step: int, rt: Runtime, model: Any = No
 def host_model(like: Any, weights: dict[str, torch.Tensor], cached: Any = None) -> Any:
     """A plain fp32 copy of the model in host memory holding `weights` (samples under sharded strategies)."""
     if cached is None:
-        cached = type(like)(copy.deepcopy(like.config)).to(torch.float32)
-    cached.load_state_dict({k: v.to(torch.float32) for k, v in weights.items()}, strict=False)
+        # Its initial weights are overwritten at once: drawn from the training's CPU stream, they moved it (a
+        # restarted run, whose first sample builds the copy again, no longer resumed bit for bit with dropout on CPUs).
+        with torch.random.fork_rng(devices=[]):
+            cached = type(like)(copy.deepcopy(like.config)).to(torch.float32)
+    missing, unexpected = cached.load_state_dict({k: v.to(torch.float32) for k, v in weights.items()}, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")}  # saved once, as the token embedding
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(
+            f"the gathered weights do not fit the model: missing {sorted(set(missing) - tied)[:4]}, unexpected {unexpected[:4]}"
+        )
     return cached
 
 
