@@ -165,3 +165,114 @@ def test_a_local_dataset_folder_edited_is_another_stream(tmp_path: Path, tok: Pa
     with open(folder / "data" / "train-01.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps({"texto": "Un párrafo nuevo."}) + "\n")
     assert key(folder) != first
+
+
+def test_nodes_whose_caches_know_different_windows_agree_on_them_in_the_same_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step over several small windows (a folder of small files, a piece each): a node whose stream cache knew
+    every window's sizes (it encoded them in an earlier attempt) asked the ranks about window 0 first, one whose
+    cache knew window 0 only asked about window 1 first; each waited for the other's answer until its patience
+    ran out, and the run stopped with "ranks did not all report". Two DataFeeds in threads, the agreement
+    through a dict as through the rendezvous store."""
+    import threading
+    import time
+
+    from aura_hpc.data.stream import StreamOrder
+    from aura_hpc.train.loop import data_feed
+
+    true = [3, 2, 4, 3, 2, 3, 4, 2, 3, 3, 2, 4]  # sequences per piece
+
+    class Pieces:
+        remote = True
+
+        def __init__(self, known: set[int]) -> None:
+            self.sizes = [n if i in known else -1 for i, n in enumerate(true)]
+
+        def counts(self, split: str = "train") -> list[int]:
+            return list(self.sizes)
+
+        def fetch(self, split: str, ids: list[int]) -> None:  # encoding a piece teaches its size
+            for i in ids:
+                self.sizes[i] = true[i]
+
+        def pin(self, *args: object) -> None: ...
+
+        def close(self) -> None: ...
+
+    said: dict[tuple[str, int], str] = {}
+    asked: dict[int, list[str]] = {0: [], 1: []}
+    node = threading.local()
+
+    def agree(topic: str, problem: str, patience_s: float, waiting: str = "") -> list[str]:
+        asked[node.rank].append(topic)
+        said[(topic, node.rank)] = problem or "ok"
+        give_up = time.monotonic() + patience_s
+        while not all((topic, r) in said for r in (0, 1)):
+            if time.monotonic() > give_up:
+                return [f"ranks did not all report on {topic}"]
+            time.sleep(0.01)
+        return []
+
+    monkeypatch.setattr(data_feed.distributed, "agree", agree)
+    first = StreamOrder(Pieces(set(range(12))), 0, 1).window_shards(0, 0)
+    ended: dict[int, str] = {}
+
+    def run(rank: int, known: set[int]) -> None:
+        node.rank = rank
+        order = StreamOrder(Pieces(known), seed=0, window=1)
+        feed = data_feed.DataFeed(order.data, order, patience_s=5)
+        try:
+            feed.ensure(0, 8)
+            ended[rank] = "ok"
+        except data_feed.DataUnavailable as exc:
+            ended[rank] = str(exc)
+        finally:
+            feed.close()
+
+    nodes = [threading.Thread(target=run, args=(0, set(range(12)))), threading.Thread(target=run, args=(1, set(first)))]
+    for t in nodes:
+        t.start()
+    for t in nodes:
+        t.join(30)
+    assert ended == {0: "ok", 1: "ok"} and asked[0] == asked[1] and len(asked[0]) >= 2, (ended, asked)
+
+
+def test_an_encoder_killed_mid_piece_is_a_data_error_at_once_not_a_wait_forever(tmp_path: Path, tok: Path) -> None:
+    """The OOM killer ends a rank's encoder process mid-piece: the rank said nothing and waited forever (a pool of
+    workers replaced the dead one and never answered for its piece), holding the piece's lock, the node's
+    other ranks behind it. Now: a one-line DataError naming the piece and the likely cause."""
+    import threading
+    import time
+
+    import psutil
+
+    from aura_hpc.config.tree import DataConfig
+    from aura_hpc.data.stream import StreamTokens
+    from aura_hpc.errors import DataError
+
+    (tmp_path / "a.txt").write_text(generate(2000, seed=3) * 24, encoding="utf-8")  # 11 MB: seconds of encoding
+    d = DataConfig(stream=True, path=str(tmp_path / "a.txt"), tokenizer=str(tok), cache_dir=str(tmp_path / "c"))
+    data = StreamTokens(d, seq_len=16)
+    said: list[str] = []
+
+    def encode() -> None:
+        try:
+            data.fetch("train", [0])
+            said.append("encoded")
+        except DataError as exc:
+            said.append(str(exc))
+
+    try:
+        worker = threading.Thread(target=encode, daemon=True)
+        worker.start()
+        deadline = time.monotonic() + 60
+        encoders: list[psutil.Process] = []
+        while not encoders or encoders[0].cpu_times().user < 1.0:  # past its imports: encoding the piece
+            assert time.monotonic() < deadline and not said, said
+            encoders = [c for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline())]
+            time.sleep(0.05)
+        encoders[0].kill()
+        worker.join(30)
+        assert not worker.is_alive(), "the rank waited for a dead encoder"
+        assert len(said) == 1 and "the encoder of piece 0 of " in said[0] and "died (killed: out of memory?" in said[0], said
+    finally:
+        data.close()

@@ -231,7 +231,7 @@ class PackedTokens(TokenReader):
 
 class NeedWindow(Exception):
     """A position read in a window whose shards are not encoded yet: a stream's window is made ready
-    (train/loop/data_feed.py, asking `unknown_window`) before any of its positions is read."""
+    (train/loop/data_feed.py, asking `windows_ahead`) before any of its positions is read."""
 
     def __init__(self, window: tuple[int, int]) -> None:
         super().__init__(f"window {window} is not known yet")
@@ -247,7 +247,7 @@ class GlobalOrder:
     (window 0, or at least as many as there are shards) it is a permutation of all sequences; with
     smaller windows a node needs only the current window's shards (data in object storage), and the
     position is a window and an offset in it. A stream learns its shards' sizes as it encodes them
-    (count -1 until then): `unknown_window` names the first window to make before reading positions.
+    (count -1 until then): `windows_ahead` names the first window to make before reading positions.
     """
 
     def __init__(self, counts: list[int] | int, seed: int, window: int = 0) -> None:
@@ -341,18 +341,25 @@ class GlobalOrder:
             out.append(int(self._perm(epoch, w)[off]))
         return out
 
-    def unknown_window(self, start: int, count: int) -> tuple[int, int] | None:
-        """The first (epoch, window) of positions [start, start+count) whose shard sizes are not known
-        yet (a stream learns them by encoding it); None when every one is known."""
+    def windows_ahead(self, start: int, count: int) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
+        """The (epoch, window) pairs positions [start, start+count) fall in, in order, as far as their shard sizes
+        are known; and the first window whose sizes are not (a stream learns them by encoding it), None when
+        every one is known."""
+        known: list[tuple[int, int]] = []
         p = start
         while p < start + count:
             epoch, off = divmod(p, self.n) if self.complete else (0, p)
             _, bounds = self._epoch(epoch)
             if off >= bounds[-1]:
-                return epoch, len(bounds) - 1
+                return known, (epoch, len(bounds) - 1)
             w = int(np.searchsorted(bounds, off, side="right")) - 1
+            known.append((epoch, w))
             p += int(bounds[w + 1]) - off
-        return None
+        return known, None
+
+    def unknown_window(self, start: int, count: int) -> tuple[int, int] | None:
+        """The first (epoch, window) of positions [start, start+count) whose shard sizes are not known yet."""
+        return self.windows_ahead(start, count)[1]
 
     def windows_for(self, start: int, count: int) -> list[tuple[int, int]]:
         """The (epoch, window) pairs positions [start, start+count) fall in, in order (every one known)."""

@@ -19,6 +19,9 @@ import json
 import logging
 import multiprocessing as mp
 import shutil
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -112,7 +115,8 @@ class StreamTokens(TokenReader):
         self._sizes: dict[str, list[int]] = {"train": [-1] * len(self.pieces), "val": [-1] * len(self.pieces)}
         self.val_pieces: list[int] = []
         self._maps: dict[tuple[str, int], np.ndarray] = {}
-        self._pool: Any = None
+        self._pool: ProcessPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
         self._closed = False
         for i, p in enumerate(self.pieces):  # pieces this node encoded before (an earlier attempt)
             record = shards.finished(self.build, p, 0, self.dtype.itemsize)
@@ -146,21 +150,26 @@ class StreamTokens(TokenReader):
                 if record is None:
                     for stale in (self.build / shards.SHARDS).glob(f"*-{i:05d}.tmp*"):  # left by a killed encoder
                         stale.unlink(missing_ok=True)
-                    if self._pool is None:
-                        # Each rank's encoder gets its share of the node's cores (the Rust pool would take them all).
-                        self._pool = mp.get_context("spawn").Pool(1, initializer=shards.share_cores, initargs=(self.local_world,))
                     try:
-                        pending = self._pool.apply_async(shards.encode, (shards.Job(piece, **self._job),))
-                        while not pending.ready():  # not a blocking get: close() must be able to end this wait
+                        pending = self._encoder().submit(shards.encode, shards.Job(piece, **self._job))
+                        while True:  # not a blocking wait: close() must be able to end it
                             if self._closed:
                                 raise DataError(f"stopped while encoding piece {i} of {self.location}")
-                            pending.wait(0.2)
-                        record = pending.get()
+                            with contextlib.suppress(TimeoutError):
+                                record = pending.result(timeout=0.2)
+                                break
                     except DataError:
                         raise
-                    except Exception as exc:  # the source's own errors (network, a bad file)
+                    except BrokenProcessPool:  # a pool of workers (multiprocessing's) waited forever for a killed one's piece
+                        self._close_encoder()
                         raise DataError(
-                            f"could not encode piece {i} of {self.location} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}) "
+                            f"the encoder of piece {i} of {self.location} died (killed: out of memory? see dmesg for oom-kill) "
+                            "(fix: free the node's memory, then re-run to resume)"
+                        ) from None
+                    except Exception as exc:  # the source's own errors (network, a bad file)
+                        said = (str(exc).splitlines() or [""])[0][:160]
+                        raise DataError(
+                            f"could not encode piece {i} of {self.location} ({type(exc).__name__}: {said}) "
                             "(fix: check the source, then re-run to resume)"
                         ) from None
         self._learn(i, record)
@@ -206,11 +215,35 @@ class StreamTokens(TokenReader):
     def tokenizer_dir(self) -> Path:
         return self._tokenizer_dir
 
+    def _encoder(self) -> ProcessPoolExecutor:
+        """This rank's encoder process (made on first use; never after close(), which would leave it running)."""
+        with self._pool_lock:
+            if self._closed:
+                raise DataError(f"stopped before encoding {self.location}")
+            if self._pool is None:
+                # Each rank's encoder gets its share of the node's cores (the Rust pool would take them all).
+                spawn = mp.get_context("spawn")
+                self._pool = ProcessPoolExecutor(1, mp_context=spawn, initializer=shards.share_cores, initargs=(self.local_world,))
+            return self._pool
+
+    def _close_encoder(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        # The piece in hand is not waited for: its process is ended (Python 3.14's call; before it, its processes).
+        terminate = getattr(pool, "terminate_workers", None)
+        if terminate is not None:
+            terminate()
+        else:
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    process.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+
     def close(self) -> None:
         self._closed = True
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool = None
+        self._close_encoder()
 
 
 class StreamOrder(GlobalOrder):

@@ -56,12 +56,16 @@ class DataFeed:
         """The shards of positions [start, start+count) are local on every rank, or every rank stops."""
         if not self.active:
             return
-        # A stream's window not encoded yet: making it ready teaches the order its sizes.
-        while (unknown := self.order.unknown_window(start, count)) is not None:
-            self._make_ready(unknown)
-        for window in self.order.windows_for(start, count):
-            if window not in self._agreed:
-                self._make_ready(window)
+        # Window by window in position order, the same questions in the same order on every rank: a node whose
+        # stream cache knew a window's sizes asked about the next unknown window first, one whose cache did not
+        # about this one, and each waited for an answer to a question the other never asked. A window not
+        # encoded yet: making it ready teaches the order its sizes.
+        while True:
+            known, unknown = self.order.windows_ahead(start, count)
+            todo = next((w for w in known if w not in self._agreed), unknown)
+            if todo is None:
+                return
+            self._make_ready(todo)
 
     def _make_ready(self, window: tuple[int, int]) -> None:
         with progress.current().section("data"):  # the hang watchdog allows the ranks' patience here
