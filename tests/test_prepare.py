@@ -307,6 +307,25 @@ def test_windows_line_ends_cut_paragraphs_and_pieces_as_unix_ones_do(tmp_path: P
     assert windows == unix == split_paragraphs(text)
 
 
+def test_a_text_of_one_document_per_line_is_cut_into_pieces_and_units_at_line_ends(tmp_path: Path) -> None:
+    """No blank line anywhere (one document per line, a common corpus format): the whole file was one piece
+    (read whole by one encoder, 64 KiB at a time by every rank while planning) and one unit, all of it train."""
+    from aura_hpc.data import shards
+    from aura_hpc.data.sources import LONGEST_PARAGRAPH, TEXT_SUFFIXES
+
+    line = "una frase de ejemplo con varias palabras para el corpus de prueba, documento {}.\n"
+    lines = tmp_path / "lines.txt"
+    lines.write_text("".join(line.format(i) for i in range(50_000)), encoding="utf-8")  # 4.3 MB
+    pieces = shards.plan([str(lines)], TEXT_SUFFIXES, 1 << 20, None, False)
+    assert 4 <= len(pieces) <= 5 and all(p.end - p.start <= (1 << 20) + (1 << 17) for p in pieces), pieces
+    raw = [shards.read_range(str(lines), p.start, p.end).decode() for p in pieces]
+    assert all(t.endswith("\n") for t in raw) and "".join(raw) == lines.read_text(encoding="utf-8")
+    units = split_paragraphs(lines.read_text(encoding="utf-8"))  # a "paragraph" of 4.3 MB: a unit per line
+    assert len(units) == 50_000 and units[0] == line.format(0).strip() + "\n\n"
+    paragraphs = "uno\ndos\n\n" + "x" * (LONGEST_PARAGRAPH // 2) + "\n"  # text of paragraphs keeps them whole
+    assert split_paragraphs(paragraphs) == ["uno\ndos\n\n", "x" * (LONGEST_PARAGRAPH // 2) + "\n\n"]
+
+
 def test_text_with_nul_bytes_is_refused_at_once(tmp_path: Path) -> None:
     blob = tmp_path / "disk.txt"
     blob.write_bytes(b"\0" * 3_000_000)  # ran for more than 10 minutes in BPE training before

@@ -61,8 +61,13 @@ _LINE_END = re.compile(rb"\n")
 _LONGEST_SEPARATOR = 3  # a window reads this far past its end: a separator across two windows is found whole
 
 
+_PARAGRAPH_PATIENCE = 1 << 20  # no blank line within this of a cut: the text is cut at a line end
+
+
 def _cut(source: str, piece_bytes: int, separator: re.Pattern[bytes], policy: storage.Policy | None = None) -> list[tuple[int, int]]:
-    """Byte ranges of at most ~piece_bytes, each ending just after a separator (or at the end)."""
+    """Byte ranges of at most ~piece_bytes, each ending just after a separator (or at the end). Text with no
+    blank line near a cut (one document per line) is cut at a line end: it was one piece of the whole file,
+    read whole into one encoder's memory, by every rank, 64 KiB at a time."""
     size = _size(source)
     if size <= piece_bytes:
         return [(0, size)]
@@ -72,14 +77,16 @@ def _cut(source: str, piece_bytes: int, separator: re.Pattern[bytes], policy: st
         if nominal >= size:
             ranges.append((start, size))
             break
-        end, at = size, nominal
+        end, at, wanted = size, nominal, separator
         while at < size:  # read on until a separator appears
             window = read_range(source, at, min(size, at + (1 << 16) + _LONGEST_SEPARATOR), policy)
-            found = separator.search(window)
+            found = wanted.search(window)
             if found is not None:
                 end = at + found.end()
                 break
             at += 1 << 16
+            if wanted is _BLANK_LINE and at - nominal >= _PARAGRAPH_PATIENCE:
+                wanted, at = _LINE_END, nominal
         ranges.append((start, end))
         start = end
     return ranges

@@ -78,8 +78,14 @@ def resolve_inputs(inputs: list[str]) -> list[Path | str]:
     return [*local, *remote]
 
 
+LONGEST_PARAGRAPH = 1 << 20  # characters: past it, a "paragraph" is a file of one document per line
+
+
 def split_paragraphs(text: str) -> list[str]:
+    """The text's units (each one goes to train or validation whole): paragraphs, or the lines of one too long
+    to be one (a file without blank lines was one unit: nothing of it in validation, one encoding call)."""
     parts = [p for p in re.split(r"\r?\n[ \t\r]*\n", text) if p.strip()]  # \r: Windows line ends (CRLF)
+    parts = [line for p in parts for line in (p.splitlines() if len(p) > LONGEST_PARAGRAPH else [p]) if line.strip()]
     return [p.strip("\r\n").replace("\r\n", "\n") + "\n\n" for p in parts]  # the same tokens as the LF text
 
 
