@@ -276,3 +276,21 @@ def test_an_encoder_killed_mid_piece_is_a_data_error_at_once_not_a_wait_forever(
         assert len(said) == 1 and "the encoder of piece 0 of " in said[0] and "died (killed: out of memory?" in said[0], said
     finally:
         data.close()
+
+
+def test_a_stream_without_one_complete_sequence_says_so_in_one_line(tmp_path: Path, tok: Path) -> None:
+    """Prepared data is refused at once; a stream learns its sizes as it encodes, and ended in a ZeroDivisionError."""
+    from aura_hpc.config.tree import DataConfig
+    from aura_hpc.data.stream import StreamOrder, StreamTokens
+    from aura_hpc.errors import DataError
+
+    (tmp_path / "a.txt").write_text("hola mundo.\n\nun texto corto.\n", encoding="utf-8")
+    d = DataConfig(stream=True, path=str(tmp_path / "a.txt"), tokenizer=str(tok), cache_dir=str(tmp_path / "c"))
+    data = StreamTokens(d, seq_len=256)
+    try:
+        order = StreamOrder(data, seed=0, window=0)
+        data.fetch("train", order.window_shards(0, 0))
+        with pytest.raises(DataError, match=r"no complete sequence \(fix: more data or a smaller data\.seq_len"):
+            order.refresh()
+    finally:
+        data.close()

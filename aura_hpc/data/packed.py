@@ -255,8 +255,6 @@ class GlobalOrder:
         self.seed = seed
         self.window = window if 0 < window < len(counts) else len(counts)
         self.learn(counts)
-        if self.complete and self.n <= 0:
-            raise DataError("the training split has no complete sequence (fix: more data or a smaller data.seq_len)")
 
     def refresh(self) -> None:
         """Take the sizes the data learned since (a stream's encoding); every size is known here."""
@@ -270,6 +268,8 @@ class GlobalOrder:
         self.counts = np.asarray(counts, dtype=np.int64)
         self.complete = bool((self.counts >= 0).all())
         self.n = int(self.counts.sum()) if self.complete else -1
+        if self.complete and self.n <= 0:  # a stream learns it once its last piece is encoded
+            raise DataError("the training split has no complete sequence (fix: more data or a smaller data.seq_len)")
         self.starts = np.concatenate([[0], np.cumsum(np.maximum(self.counts, 0))]).astype(np.int64)
         self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._perms: dict[tuple[int, int], np.ndarray] = {}
