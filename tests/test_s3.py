@@ -407,3 +407,34 @@ def test_a_full_or_unwritable_local_disk_is_said_at_once_and_not_blamed_on_the_b
         line = str(got.value)
         assert f"failed on this machine, not in the storage: {part}: {said} (fix: free space on that disk" in line, line
         assert "retrying" not in caplog.text
+
+
+def test_the_default_cache_in_tmp_is_made_for_its_user_alone_and_one_another_could_have_planted_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards in the cache are trusted by their size (the hash is checked as they arrive): a folder another user
+    made first in /tmp, or may write in, could hold planted shards, and was used as it was."""
+    import os
+    import tempfile
+
+    from aura_hpc.data.cache import default_dir
+    from aura_hpc.errors import DataError
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    made = default_dir()
+    assert made.parent == tmp_path and oct(made.stat().st_mode & 0o777) == "0o700"
+    assert default_dir() == made  # an own folder is taken as it is
+    made.chmod(0o777)
+    with pytest.raises(DataError, match=r"is writable by others \(anyone can make it first in"):
+        default_dir()
+    made.rmdir()
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    made.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(DataError, match="is not a folder"):
+        default_dir()
+    made.unlink()
+    if os.geteuid() == 0:  # a folder of another user (root can make one)
+        made.mkdir(mode=0o700)
+        os.chown(made, 12345, 12345)
+        with pytest.raises(DataError, match="is not yours"):
+            default_dir()

@@ -17,6 +17,7 @@ import getpass
 import hashlib
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -28,12 +29,26 @@ _OURS = re.compile(r"^[0-9a-f]{64}\.bin$")
 
 
 def default_dir() -> Path:
-    """Node-local by default (/tmp), per user: a home directory is often NFS, shared by every node."""
+    """Node-local by default (/tmp), per user: a home directory is often NFS, shared by every node. /tmp is
+    everyone's: the folder is made for this user alone, and one another user could have made (or could write
+    in) is refused. Shards it holds are trusted by their size: planted ones would be trained on."""
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = str(os.getuid())
-    return Path(tempfile.gettempdir()) / f"aura_hpc-cache-{user}"
+    path = Path(tempfile.gettempdir()) / f"aura_hpc-cache-{user}"
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        st = path.lstat()
+    except OSError as exc:
+        raise DataError(f"the shard cache {path} cannot be made ({exc.strerror}) (fix: --set data.cache_dir=A_FOLDER_OF_YOURS)") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        why = "not a folder" if not stat.S_ISDIR(st.st_mode) else "not yours" if st.st_uid != os.getuid() else "writable by others"
+        raise DataError(
+            f"the shard cache {path} is {why} (anyone can make it first in {path.parent}) "
+            "(fix: --set data.cache_dir=A_FOLDER_OF_YOURS, or remove it)"
+        )
+    return path
 
 
 @contextlib.contextmanager
