@@ -6,6 +6,8 @@ credentials, and storage that stops answering mid-run."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -210,11 +212,17 @@ def test_the_cache_is_bounded_and_evicts_only_its_own_least_recently_used_shards
     sizes = [s["tokens"] * 2 for s in train]
     cache = ShardCache(tmp_path / "c", max_bytes=sizes[0] + sizes[1] + sizes[2] // 2, policy=storage.Policy(tries=2))
     (cache.objects / "notes.txt").write_text("mine")  # not the cache's naming: never removed
+    # Part files of downloads killed with their process: one untouched for an hour goes, one being written stays.
+    dead, live = (cache.objects / f".{'a' * 64}.{n}.part" for n in (111, 222))
+    for part in (dead, live):
+        part.write_bytes(b"x" * 1000)
+    os.utime(dead, (time.time() - 3600, time.time() - 3600))
     paths = [cache.fetch(f"s3://prep/es/{s['file']}", s["sha256"], n) for s, n in zip(train[:2], sizes[:2], strict=True)]
     assert all(p.is_file() for p in paths)
     third = cache.fetch(f"s3://prep/es/{train[2]['file']}", train[2]["sha256"], sizes[2], keep={train[1]["sha256"]})
     assert third.is_file() and not paths[0].exists() and paths[1].exists(), "the oldest shard not kept went"
-    assert (cache.objects / "notes.txt").read_text() == "mine"
+    assert (cache.objects / "notes.txt").read_text() == "mine" and not dead.exists() and live.exists()
+    live.unlink()
     with pytest.raises(DataError, match=r"do not fit in data.cache_gb.*\(fix: a larger data.cache_gb"):
         cache.fetch(f"s3://prep/es/{train[3]['file']}", train[3]["sha256"], sizes[3], keep={train[1]["sha256"], train[2]["sha256"]})
     # A shard whose bytes do not match the manifest's hash is never kept.

@@ -19,6 +19,7 @@ import os
 import re
 import stat
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from aura_hpc.data import storage
 from aura_hpc.errors import DataError
 
 _OURS = re.compile(r"^[0-9a-f]{64}\.bin$")
+_PART = re.compile(r"^\.[0-9a-f]{64}\.\d+\.part$")  # a download in progress, or one a killed process left
+STALE_PART_S = 900.0  # a download writes as it goes: a part file untouched this long is a dead one's
 
 
 def default_dir() -> Path:
@@ -124,6 +127,11 @@ class ShardCache:
         return sorted(out)
 
     def make_room(self, incoming: int, keep: set[str]) -> None:
+        stale = time.time() - STALE_PART_S
+        for p in self.objects.iterdir():  # never counted, never removed: they filled the disk run after run
+            with contextlib.suppress(OSError):
+                if _PART.match(p.name) and p.stat().st_mtime < stale:
+                    p.unlink()
         entries = self.used()
         total = sum(s for _, s, _ in entries) + incoming
         for _, s, p in entries:  # oldest first
