@@ -103,6 +103,19 @@ def test_the_host_copy_for_samples_leaves_the_training_rng_alone_and_refuses_wei
         host_model(like, {f"lm.{k}": v for k, v in gathered.items()})
 
 
+def test_an_untied_output_matrix_is_a_weight_of_its_own_and_exported() -> None:
+    """GPTConfig.tie_word_embeddings=False was exported as untied while the model tied them: the export held
+    the embedding once, and transformers drew the missing lm_head at random."""
+    import dataclasses
+
+    from aura_hpc.train.checkpoint.files import unique_weights
+
+    untied = GPT(dataclasses.replace(CFG, tie_word_embeddings=False))
+    assert untied.lm_head.weight is not untied.transformer.wte.weight and "lm_head.weight" in unique_weights(untied)
+    tied = GPT(CFG)
+    assert tied.lm_head.weight is tied.transformer.wte.weight and "lm_head.weight" not in unique_weights(tied)
+
+
 def test_bf16_parameters_get_the_host_models_weights_cast_once() -> None:
     torch.manual_seed(3)
     host = GPT(CFG).to(torch.bfloat16)

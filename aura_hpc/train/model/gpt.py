@@ -108,7 +108,8 @@ class GPT(nn.Module):
         self.config = cfg
         self.transformer = Transformer(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied: one tensor, saved once
+        if cfg.tie_word_embeddings:  # one tensor, saved once (untied, the export said so and transformers drew it at random)
+            self.lm_head.weight = self.transformer.wte.weight
         self.checkpoint_blocks = False  # recompute each block's activations in the backward pass
         self.init_weights()
 
