@@ -58,7 +58,7 @@ def coverage(cfg: Any, world: int) -> tuple[list[str], list[str]]:
         what = "the built-in Spanish corpus, prepared at the first run" if not d.path else f"{d.path} (not readable now)"
         return [f"data: {what}; this run reads {needed:,} sequences of {d.seq_len} tokens"], []
     n_train, train_tokens = _sequences(manifest, "train", d.seq_len)
-    n_val, _ = _sequences(manifest, "val", d.seq_len)
+    n_val, val_tokens = _sequences(manifest, "val", d.seq_len)
     from aura_hpc.config.checks import too_few_sequences
 
     refusal = too_few_sequences(cfg, n_train, world)
@@ -77,14 +77,27 @@ def coverage(cfg: Any, world: int) -> tuple[list[str], list[str]]:
     wanted = t.eval_sequences or t.eval_batches * t.batch_size
     used = min(wanted, n_val)
     lines.append(f"validation: {n_val:,} sequence{'s' if n_val != 1 else ''}; each evaluation reads {used:,}")
+    # Each input file is a piece of its own, and a piece's tokens short of one more sequence are dropped: small
+    # files lose much of their text, and their validation tokens (a few per file) may add up to no sequence at all.
+    small_files = "each input file is prepared on its own, and its tokens short of a whole sequence are dropped"
+    join = f"join the small files into larger ones before prepare, or a smaller data.seq_len than {d.seq_len}"
+    fix = "prepare again with a larger --val-fraction, e.g. 0.05, or more text"
+    if val_tokens // d.seq_len >= 2 * max(n_val, 1) and n_val < TINY_VALIDATION:
+        fix = join
     if n_val == 0:
         warnings.append(
-            f"the validation split holds no complete sequence of {d.seq_len} tokens: no eval_loss will be computed "
-            "(fix: prepare again with a larger --val-fraction, e.g. 0.05, or more text)"
+            f"the validation split holds no complete sequence of {d.seq_len} tokens: no eval_loss will be computed (fix: {fix})"
         )
     elif n_val < TINY_VALIDATION:
         warnings.append(
             f"the validation split is tiny: {n_val} sequence{'s' if n_val != 1 else ''} of {d.seq_len} tokens, so eval_loss will be "
-            "noise (fix: prepare again with a larger --val-fraction, e.g. 0.05, or more text)"
+            f"noise (fix: {fix})"
+        )
+    if fix == join:
+        warnings.append(f"validation: {val_tokens:,} tokens give {n_val} sequence(s): {small_files}")
+    if train_tokens and n_train * d.seq_len < 0.9 * train_tokens:
+        warnings.append(
+            f"{1 - n_train * d.seq_len / train_tokens:.0%} of the {train_tokens:,} training tokens are in no sequence of "
+            f"{d.seq_len}: {small_files} (fix: {join})"
         )
     return lines, warnings
