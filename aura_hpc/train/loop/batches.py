@@ -60,7 +60,9 @@ class Batches:
         return ready if ready is not None else self._load(start)
 
     def prefetch(self, pos: Position) -> None:
-        """Start loading every micro-batch of the step after `pos`."""
+        """Start loading every micro-batch of the step after `pos`, if the run has one."""
+        if pos.step >= self.layout.end_step:  # the end, or train.stop_at: data no step trains on (a stream encoded a window)
+            return
         if self.feed is not None:
             self.feed.ensure(pos.samples_seen(self.layout.per_step), self.layout.per_step)
         self._ready = {s: self._load(s) for s in (self._start(pos, m) for m in range(self.layout.grad_accum))}

@@ -141,8 +141,7 @@ class Trainer:
                     outcome = stepper.step(pos, stop, self.health.fault_seen)
                     pos.step += 1
                     pos.tokens_seen += lay.tokens_per_step
-                    if pos.step < lay.end_step:  # past the end it read data no step trains on (a stream: a window encoded)
-                        batches.prefetch(pos)
+                    batches.prefetch(pos)
                     self.page.step_done(pos.step)
                 due = first or self._due(pos.step)
                 reports = [pending] if pending is not None else []
