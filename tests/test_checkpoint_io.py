@@ -97,6 +97,23 @@ def test_sharded_checkpoints_are_read_as_data_and_one_that_would_run_code_is_ref
     (honest / ".metadata").write_bytes(__import__("pickle").dumps(_Runs(witness)))
     with pytest.raises(CheckpointError, match=r"\.metadata asks to run posix\.system, which torch never writes there \(fix: "):
         consolidate._from_dcp(honest)
+    # Pickle protocol 4 looks a dotted name up from the module: the metadata module holds torch, and
+    # torch.ctypes.util.subprocess.Popen ran a command while the file was being checked (a reviewer's file).
+    popen = b"ctorch.distributed.checkpoint.metadata\ntorch.ctypes.util.subprocess.Popen\n"
+    args = b"(X\x05\x00\x00\x00touch" + b"X" + len(str(witness)).to_bytes(4, "little") + str(witness).encode() + b"l\x85R."
+    (honest / ".metadata").write_bytes(__import__("pickle").PROTO + b"\x04" + popen + args)
+    with pytest.raises(CheckpointError, match=r"asks to run torch\.distributed\.checkpoint\.metadata\.torch\.ctypes"):
+        load_dcp(back, honest)
+    # Shard files named with a folder: another checkpoint's tensors were read (here, `elsewhere`'s 7s).
+    elsewhere = tmp_path / "elsewhere"
+    dcp.save({"model": {"w": torch.full((4,), 7.0, dtype=torch.bfloat16)}}, checkpoint_id=str(elsewhere / "sharded"))
+    dcp.save(state, checkpoint_id=str(honest))
+    metadata = __import__("pickle").loads((honest / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../elsewhere/sharded/" + info.relative_path
+    (honest / ".metadata").write_bytes(__import__("pickle").dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"names a shard file '\.\./elsewhere/sharded/__0_0\.distcp' that DCP never writes"):
+        load_dcp(back, honest)
     entry = tmp_path / "entry"
     dcp.save({"optim": {"param_groups": [{"lr": _Runs(witness)}]}}, checkpoint_id=str(entry))
     with pytest.raises(CheckpointError, match=r"entry optim\.param_groups\.0\.lr of the checkpoint is not plain data"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -43,38 +44,64 @@ DEEPSPEED_GLOBALS = (
 _FIX = "restore the checkpoint from a copy you trust, or use an earlier one"
 
 
+_SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")  # what DCP's writer names its files, in the checkpoint's own folder
+
+
 class _MetadataCheck(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        # A dotted name (pickle protocol 4) is looked up attribute by attribute from the module: the metadata
+        # module holds `torch`, and `torch.ctypes.util.subprocess.Popen` ran a command as it was checked.
+        if "." in name:
+            raise pickle.UnpicklingError(f"{module}.{name}")
         allowed = (module, name) in _DCP_GLOBALS or module in _DCP_MODULES
         if module == "torch" and not allowed:
             allowed = isinstance(getattr(torch, name, None), torch.dtype)
         if not allowed:
             raise pickle.UnpicklingError(f"{module}.{name}")
         found = super().find_class(module, name)
-        if module in _DCP_MODULES and not isinstance(found, type):
+        if module in _DCP_MODULES and not (isinstance(found, type) and found.__module__ == module):  # its own records
             raise pickle.UnpicklingError(f"{module}.{name}")
         return found
 
 
-def check_dcp_metadata(path: Path) -> None:
-    """DCP's metadata calls only what torch writes there; checked by unpickling it with nothing else
-    allowed. Every rank checks before `dcp.load`, whose own failures are tracebacks from a collective."""
+def read_dcp_metadata(path: Path) -> Any:
+    """DCP's metadata, unpickled with nothing allowed but what torch writes there, its shard files named as DCP
+    names them (a name with a folder in it read another checkpoint's tensors). Every rank reads it before
+    `dcp.load`, whose own failures are tracebacks from a collective."""
     try:
         with path.open("rb") as f:
-            _MetadataCheck(f).load()
+            metadata = _MetadataCheck(f).load()
     except pickle.UnpicklingError as exc:
         raise CheckpointError(f"{path} asks to run {exc}, which torch never writes there (fix: {_FIX})") from None
     except (OSError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
         raise CheckpointError(f"{path} is not DCP metadata ({type(exc).__name__}) (fix: {_FIX})") from None
+    files = getattr(metadata, "storage_data", None)
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{path} is not DCP metadata (no storage_data) (fix: {_FIX})")
+    for info in files.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or not _SHARD_FILE.fullmatch(name):
+            raise CheckpointError(f"{path} names a shard file {str(name)[:80]!r} that DCP never writes (fix: {_FIX})")
+    return metadata
+
+
+def check_dcp_metadata(path: Path) -> None:
+    read_dcp_metadata(path)
 
 
 class DataOnlyReader(FileSystemReader):
-    """DCP's reader, its metadata checked again as torch unpickles it (the file may change between)."""
+    """DCP's reader, given the metadata it checked itself (torch's reader opened the file again and unpickled
+    whatever it then held)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
         rank = kwargs.get("rank")
-        check_dcp_metadata(Path(str(self.path)) / (".metadata" if rank is None else f"__{rank}.metadata"))
-        return super().read_metadata(*args, **kwargs)
+        metadata = read_dcp_metadata(Path(str(self.path)) / (".metadata" if rank is None else f"__{rank}.metadata"))
+        if getattr(metadata, "storage_meta", None) is None:  # as torch's reader does (2.6 to 2.13)
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 class DataOnlyPlanner(DefaultLoadPlanner):
