@@ -59,6 +59,12 @@ def test_a_snapshot_does_not_follow_later_training(tmp_path: Path) -> None:
     loaded = load_pretrained(str(path / "model"))
     assert torch.equal(loaded.transformer.wte.weight, before["transformer.wte.weight"])
     assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    # Other ranks' shards said written but not in the folder (a node writing into a folder of its own): no commit.
+    from aura_hpc.errors import CheckpointWriteError
+
+    with pytest.raises(CheckpointWriteError, match=r"other ranks' files are not in .*sharded/__1_0\.distcp"):
+        checkpoint.save(tmp_path, 8, snap, state, {"step": 8}, None, "", keep_last=2, known_hashes={"sharded/__1_0.distcp": "0" * 64})
+    assert [c.step for c in checkpoint.list_complete(tmp_path)] == [7]
 
 
 class _Runs:

@@ -200,8 +200,8 @@ def test_unequal_nodes_train_and_differing_settings_or_secrets_are_refused(tmp_p
     replica per node (before: mismatched groups, hung until killed). Two nodes sharing a run folder with
     another train.lr: refused (before: node 1's config.yaml replaced node 0's, and both trained at it).
     A node that does not hold the run's secret (a stranger at the port, or a mistyped one): both stop
-    at once, before any collective."""
-    port_a, port_b, port_c = free_port(), free_port(), free_port()
+    at once, before any collective. A sharded strategy on nodes that share no storage: refused before step 1."""
+    port_a, port_b, port_c, port_d = free_port(), free_port(), free_port(), free_port()
     unequal = ("dist.strategy=diloco", "dist.sync_every=4", "train.eval_every=0", "train.checkpoint_every=10", "train.max_steps=12")
     runs = {
         "unequal": (
@@ -212,6 +212,13 @@ def test_unequal_nodes_train_and_differing_settings_or_secrets_are_refused(tmp_p
         "differ": (
             _node_args(tmp_path, "differ", prepared, port_b, 0, 1, "train.lr=0.001"),
             _node_args(tmp_path, "differ", prepared, port_b, 1, 1, "train.lr=0.01"),
+            {},
+        ),
+        # No storage shared between the nodes, under a sharded strategy: each rank writes its shards into rank 0's
+        # checkpoint folder, and node 1 wrote them into its own (rank 0 committed checkpoints that lacked them).
+        "apart": (
+            _node_args(tmp_path / "a0", "apart", prepared, port_d, 0, 1, "dist.strategy=fsdp"),
+            _node_args(tmp_path / "a1", "apart", prepared, port_d, 1, 1, "dist.strategy=fsdp"),
             {},
         ),
     }
@@ -230,6 +237,9 @@ def test_unequal_nodes_train_and_differing_settings_or_secrets_are_refused(tmp_p
     assert "all 3 ranks finished at step 12" in node0
     bytes_of = [_run_probe(tmp_path / "unequal", r)["bytes"] for r in range(3)]
     assert [("diloco-outer" in b) for b in bytes_of] == [True, False, True], bytes_of  # leaders: rank 0 (node 0), rank 2 (node 1)
+    for text in out["apart"]:
+        assert _exit(text) == 2 and "step 1" not in text, text[-2000:]
+        assert "rank(s) 1 do not see rank 0's" in text and "fix: an output_dir on storage every node shares" in text, text[-2000:]
     for text in out["differ"]:
         assert _exit(text) == 2, text[-2000:]
         assert "runs a different config than rank" in text and "train.lr is" in text and "(fix: pass the same" in text

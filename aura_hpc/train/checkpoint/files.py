@@ -230,6 +230,9 @@ def save(
                 shutil.copyfile(src, dst)
                 hashes[str(dst.relative_to(tmp))] = _sha256_cached(src)
         stage("tokenizer")
+        absent = sorted(rel for rel in known_hashes or {} if not (tmp / rel).is_file())
+        if absent:  # another rank's shards written elsewhere: a checkpoint without them would verify and not resume
+            raise FileNotFoundError(f"other ranks' files are not in {tmp.name}: {', '.join(absent[:3])}")
         files: dict[str, dict[str, Any]] = {}
         for p in sorted(tmp.rglob("*")):
             if p.is_file():
