@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -15,12 +14,12 @@ import torch
 
 from aura_hpc.comm import collectives, tensor_tree
 from aura_hpc.config import RunConfig
-from aura_hpc.errors import CheckpointError, CheckpointWriteError, ConfigError, TrainingError
+from aura_hpc.errors import CheckpointError, CheckpointWriteError, TrainingError
 from aura_hpc.train.checkpoint import background
 from aura_hpc.train.checkpoint import diloco_files as replica_files
 from aura_hpc.train.checkpoint import files as checkpoint
 from aura_hpc.train.checkpoint.host_mirror import HostMirror
-from aura_hpc.train.checkpoint.writer import SHARDS, Commit, dcp_errors, save_sharded
+from aura_hpc.train.checkpoint.writer import SHARDS, Commit, check_one_folder, dcp_errors, save_sharded
 from aura_hpc.train.parts.schedule import scale_learning_rate
 from aura_hpc.train.parts.state import Layout, Parts, Position
 from aura_hpc.train.process.dist_env import DistEnv
@@ -48,7 +47,8 @@ class Checkpointer:
         Ranks that cannot read it themselves (LAN machines without shared storage) receive it
         from rank 0 over the process group.
         """
-        self._check_shards_have_one_folder()
+        if sharding(self.wrapped) is not None:
+            check_one_folder(self.root, self.env, self.cfg.dist.strategy)
         chosen = self.newest_name()
         if chosen is None:
             if self.env.is_main:
@@ -57,30 +57,6 @@ class Checkpointer:
         samples_seen = self.load(chosen)
         self.pos.rebase(samples_seen)
         log.info("resumed from checkpoint %s at step %d", chosen, self.pos.step)
-
-    def _check_shards_have_one_folder(self) -> None:
-        """Under a sharded strategy every rank writes its shards into rank 0's checkpoint folder: every node must
-        see it. LAN nodes without shared storage wrote theirs into folders of their own, and rank 0 committed
-        checkpoints that verified and lacked them (found only at the resume, hours later)."""
-        if sharding(self.wrapped) is None or self.env.nnodes <= 1:
-            return
-        pid = None
-        if self.env.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            pid = os.getpid()
-            (self.root / f".shared-probe-{pid}").touch()
-        pid = collectives.broadcast_json(pid)
-        # Each rank builds the path itself: no name from a peer.
-        seen = collectives.flags(isinstance(pid, int) and (self.root / f".shared-probe-{int(pid)}").exists())
-        if self.env.is_main:
-            (self.root / f".shared-probe-{pid}").unlink(missing_ok=True)
-        blind = [r for r, saw in enumerate(seen) if not saw]
-        if blind:
-            raise ConfigError(
-                f"rank(s) {', '.join(map(str, blind[:8]))} do not see rank 0's {self.root}: under dist.strategy="
-                f"{self.cfg.dist.strategy} every rank writes its shards of a checkpoint there (fix: an output_dir on storage "
-                "every node shares, as docs/lan.md sets up with NFS, or --set dist.strategy=ddp)"
-            )
 
     def newest_name(self) -> str | None:
         """The newest valid checkpoint, agreed by every rank. Rank 0 lists the complete ones; where
@@ -325,7 +301,8 @@ class Checkpointer:
                 "(fix: lower train.lr, raise train.warmup_steps or train.grad_clip, or check the data)"
             )
         self.wait()
-        self._check_shards_have_one_folder()
+        if sharding(self.wrapped) is not None:
+            check_one_folder(self.root, self.env, self.cfg.dist.strategy)
         chosen = self.newest_name()
         if chosen is None:
             raise TrainingError(

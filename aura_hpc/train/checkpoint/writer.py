@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.comm import collectives
-from aura_hpc.errors import CheckpointError, CheckpointWriteError
+from aura_hpc.errors import CheckpointError, CheckpointWriteError, ConfigError
 from aura_hpc.train.checkpoint import background
 from aura_hpc.train.checkpoint import files as checkpoint
 from aura_hpc.train.parts.state import Parts
@@ -128,3 +128,28 @@ def save_sharded(
     args = (root, step, snap, state, meta, p.data.tokenizer_dir, config_yaml, keep_last)
     commit = Commit(args, t0, time.perf_counter() - t0, shards=shards, tmp=folder, known_hashes=hashes)
     return (background.submit(commit) if in_background else background.run_here(commit)), None
+
+
+def check_one_folder(root: Path, env: DistEnv, strategy: str) -> None:
+    """Under a sharded strategy every rank writes its shards into rank 0's checkpoint folder: every node must
+    see it. LAN nodes without shared storage wrote theirs into folders of their own, and rank 0 committed
+    checkpoints that verified and lacked them (found only at the resume, hours later)."""
+    if env.nnodes <= 1:
+        return
+    pid = None
+    if env.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        pid = os.getpid()
+        (root / f".shared-probe-{pid}").touch()
+    pid = collectives.broadcast_json(pid)
+    # Each rank builds the path itself: no name from a peer.
+    seen = collectives.flags(isinstance(pid, int) and (root / f".shared-probe-{int(pid)}").exists())
+    if env.is_main:
+        (root / f".shared-probe-{pid}").unlink(missing_ok=True)
+    blind = [r for r, saw in enumerate(seen) if not saw]
+    if blind:
+        raise ConfigError(
+            f"rank(s) {', '.join(map(str, blind[:8]))} do not see rank 0's {root}: under dist.strategy={strategy} every rank "
+            "writes its shards of a checkpoint there (fix: an output_dir on storage every node shares, as docs/lan.md sets up "
+            "with NFS, or --set dist.strategy=ddp)"
+        )
