@@ -355,6 +355,30 @@ def test_a_requeue_where_the_slurm_client_is_missing_is_a_reason_not_a_crash(tmp
     assert said is not None and "scontrol could not be run" in said and "lack the Slurm client" in said, said
 
 
+def test_a_second_local_in_one_allocation_is_refused_and_a_requeued_attempt_takes_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run lock let a holder of the same SLURM_JOB_ID go as "this job's earlier, requeued attempt": a second
+    `local` inside one salloc took a live trainer's run directory (two trainers, one folder). Only another attempt
+    of the job (SLURM_RESTART_COUNT) is one whose nodes have let go."""
+    from aura_hpc.errors import LaunchError
+    from aura_hpc.launch.run_lock import RunLock
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    trainer = subprocess.Popen(["sleep", "120"])
+    first = RunLock(tmp_path, pid=trainer.pid).acquire()
+    try:
+        with pytest.raises(LaunchError, match=r"is in use by Slurm job 4242 \(PID \d+ on .*one trainer per run directory"):
+            RunLock(tmp_path).acquire()
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        RunLock(tmp_path).acquire().release()
+    finally:
+        first.release()
+        trainer.kill()
+        trainer.wait()
+
+
 def test_nodes_not_responding_or_in_maintenance_are_not_counted_as_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """sinfo marks a node that does not respond with `*` and one in a maintenance reservation with `$`: neither
     takes new work, and both were counted as room for a requeued job without its bad node (it then waited).

@@ -70,16 +70,20 @@ class RunLock:
             "pid": pid or os.getpid(),
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""),
+            "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
             "token": uuid.uuid4().hex,
         }
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def holder_is_gone(self, holder: dict[str, Any], mtime: float) -> bool:
-        if holder.get("slurm_job_id") and holder.get("slurm_job_id") == self.record["slurm_job_id"]:
+        same_job = holder.get("slurm_job_id") and holder.get("slurm_job_id") == self.record["slurm_job_id"]
+        if same_job and str(holder.get("slurm_restart", "0")) != self.record["slurm_restart"]:
             return True  # this job's earlier attempt (requeued): it ran on nodes that have let go
+        # The same attempt of a job: a second `local` inside one allocation (salloc) took a live trainer's run directory.
         if holder.get("host") == self.record["host"]:
-            if _pid_alive(int(holder.get("pid", 0))):
+            pid = int(holder.get("pid", 0))
+            if pid != os.getpid() and _pid_alive(pid):  # our own PID: a launcher restarted in a container, as PID 1 again
                 return False
             left = workers_left(self.path.parent)
             if left:
