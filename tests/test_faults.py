@@ -570,7 +570,8 @@ def test_sigkill_at_random_moments_of_a_save_never_breaks_the_previous(tmp_path:
 
 def test_a_crash_between_the_renames_of_a_re_saved_step_keeps_that_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step saved again (after a rollback) swaps folders with two renames; a process that dies
-    between them leaves the committed copy only as `.old-step_N-PID`: it comes back, not deleted."""
+    between them leaves the committed copy only as `.old-step_N-PID`: it comes back, not deleted (by the
+    re-run's launcher, which removed it with the partial folders)."""
     from aura_hpc.train.model.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2))
@@ -587,10 +588,12 @@ def test_a_crash_between_the_renames_of_a_re_saved_step_keeps_that_step(tmp_path
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(tmp_path, 2, model, {}, {"step": 2}, None, "", keep_last=3)
     monkeypatch.undo()
-    for p in tmp_path.glob(".*-step_*"):  # what the dead process left, as another PID sees it
-        p.rename(tmp_path / f"{p.name.rsplit('-', 1)[0]}-1")
     assert [c.step for c in checkpoint.list_complete(tmp_path)] == [1]
-    checkpoint.restore_set_aside(tmp_path)  # rank 0, before the ranks agree on the newest
+    # The re-run's launcher, first thing (it removed the set-aside copy with the partial folders), here with the
+    # dead writer's own PID, as a container's restarted process has (the copy was left hidden, PID "in use").
+    from aura_hpc.launch.run_setup import _remove_partial_checkpoints
+
+    _remove_partial_checkpoints(tmp_path)
     newest = checkpoint.newest_valid(tmp_path)
     assert newest is not None and newest.step == 2 and checkpoint.verify(newest.path) is None
     checkpoint.save(tmp_path, 3, model, {}, {"step": 3}, None, "", keep_last=3)  # the next save clears the rest

@@ -344,9 +344,14 @@ def ensure_run_secret(run_dir: Path) -> str:
 
 def _remove_partial_checkpoints(root: Path) -> None:
     """Checkpoint folders a crash left half-written (the trainer writes `.tmp-step_*` and renames it
-    when complete): removed first, so a disk they filled has room again. Only the lock holder is here."""
+    when complete): removed first, so a disk they filled has room again. Only the lock holder is here.
+    A committed one an interrupted re-save set aside is put back first: it was removed with them."""
     import shutil
 
+    from aura_hpc.train.checkpoint.files import restore_set_aside
+
+    if root.is_dir():
+        restore_set_aside(root)
     for p in [*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]:
         if p.is_dir():
             logging.getLogger("aura_hpc").info("removing partial checkpoint %s left by an interrupted save", p.name)

@@ -290,11 +290,12 @@ def _clean_stale_temps(root: Path) -> None:
 
 def restore_set_aside(root: Path) -> None:
     """A crash between a re-saved step's two renames leaves the committed copy it was replacing
-    only as `.old-step_N-PID`: put it back under its name. Only the run's writer calls this (a
-    reader doing it could collide with a live swap)."""
+    only as `.old-step_N-PID`: put it back under its name. Only the run's writer calls this, never
+    during a save of its own (a reader doing it could collide with a live swap); whatever PID the
+    folder names (a writer restarted in a container has its predecessor's PID: that one was left hidden)."""
     for p in root.glob(".old-step_*"):
         final = root / p.name[len(".old-") :].rsplit("-", 1)[0]
-        if p.name.endswith(f"-{os.getpid()}") or not _NAME.match(final.name) or final.exists():
+        if not _NAME.match(final.name) or final.exists():
             continue
         if p.is_dir() and (p / MARKER).exists():
             log.warning("checkpoint %s was set aside by an interrupted re-save of its step: restored", final.name)
