@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -74,7 +75,7 @@ def test_a_node_whose_worker_refused_its_settings_says_so_even_when_node_0_left_
     not a lost master; a worker that only lost its peers is still a lost master."""
     from types import SimpleNamespace
 
-    from aura_hpc.launch.agent import _refused_here
+    from aura_hpc.launch.worker_logs import refused_here as _refused_here
 
     plan = SimpleNamespace(cfg=SimpleNamespace(run_dir=tmp_path), node_rank=1, nproc=1)
     logs = tmp_path / "logs"
@@ -190,3 +191,45 @@ def test_ranks_nccl_took_down_for_waiting_on_a_peer_are_named_after_the_cause(tm
     one = {0: failures[0]}
     assert "training failed: local rank 0 of node 1 was killed by SIGABRT" in str(_failure(plan, one, since))
     assert "training failed: rank 1 was ended by NCCL" in str(_failure(plan, one))  # what the offset keeps out
+
+
+def test_workers_ended_by_sigterm_alone_are_no_screen_and_an_earlier_launchs_error_is_not_this_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers a SIGTERM ended before their stop handler was up (all -15) were called a failed pre-flight screen
+    (78) though no screen ran; a rank killed before it logged anything was said to have failed with the newest
+    ERROR line of its log, one an earlier launch wrote there. The elastic agent's verdict, as it reaches us."""
+    from types import SimpleNamespace
+
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from aura_hpc.launch import agent
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    plan = SimpleNamespace(
+        cfg=SimpleNamespace(run_dir=tmp_path), worker_cmd=["python"], node_rank=0, nnodes=1, nproc=2, max_restarts=0,
+        master_addr="127.0.0.1", master_port=0, master="127.0.0.1:0",
+    )  # fmt: skip
+    start = "[rank0] 2026-11-29 22:00:00 INFO start rank=0 local_rank=0 world_size=2 node_rank=0 host=vm backend=gloo\n"
+    (logs / "rank_0.log").write_text(f"{start}[rank0] 2026-11-29 22:00:05 ERROR no space left on /tmp during step 5 (fix: free)\n")
+    codes: dict[int, int] = {}
+
+    def elastic_launch(config: object, entrypoint: object) -> object:
+        def run(*args: object) -> None:
+            (logs / "rank_0.log").open("a").write(start)  # this launch's workers start, then die
+            raise ChildFailedError("aura_hpc.train", {r: ProcessFailure(r, 1000 + r, c, "") for r, c in codes.items()})
+
+        return run
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", elastic_launch)
+    codes.update({0: -signal.SIGTERM, 1: -signal.SIGTERM})
+    with pytest.raises(errors.TrainingFailed) as failed:
+        agent._launch_once(plan, None)  # type: ignore[arg-type]
+    assert failed.value.exit_code == errors.EXIT_TRAIN_FAILED and "screening" not in str(failed.value), str(failed.value)
+    codes.update({0: -signal.SIGKILL})
+    with pytest.raises(errors.TrainingFailed) as failed:
+        agent._launch_once(plan, None)  # type: ignore[arg-type]
+    said = str(failed.value)
+    assert "no space left" not in said and "rank 0 was killed by SIGKILL" in said, said

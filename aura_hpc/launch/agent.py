@@ -26,11 +26,10 @@ from aura_hpc.errors import (
     EXIT_SCREEN,
     EXIT_TRAIN_FAILED,
     EXIT_USER_ERROR,
-    EXITING_LINE,
     LaunchError,
     TrainingFailed,
 )
-from aura_hpc.launch import agent_folder
+from aura_hpc.launch import agent_folder, worker_logs
 from aura_hpc.launch.native_stderr import native_stderr_to
 from aura_hpc.launch.nccl_aborts import latest_attempts, waited_on_a_peer
 from aura_hpc.launch.plan import LocalPlan
@@ -198,6 +197,7 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
     stores.forget_tampering()
     stderr_log = plan.cfg.run_dir / "logs" / f"stderr_node{plan.node_rank}.log"
     since = stderr_log.stat().st_size if stderr_log.is_file() else 0
+    logs_since = worker_logs.offsets(plan)
     try:
         with native_stderr_to(stderr_log):
             elastic_launch(lc, cmd[0])(*cmd[1:])
@@ -212,9 +212,9 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
         if EXIT_RESUMABLE in codes and all(c in (EXIT_RESUMABLE, -signal.SIGTERM) for c in codes):
             return _resumable(plan, "a stop signal to the workers")
         if EXIT_DATA_UNAVAILABLE in codes and all(c in (EXIT_DATA_UNAVAILABLE, -signal.SIGTERM) for c in codes):
-            console.error(_data_unavailable_line(plan))
+            console.error(worker_logs.data_unavailable_line(plan))
             return EXIT_DATA_UNAVAILABLE
-        if all(c in (EXIT_SCREEN, -signal.SIGTERM) for c in codes):
+        if EXIT_SCREEN in codes and all(c in (EXIT_SCREEN, -signal.SIGTERM) for c in codes):  # SIGTERM alone is no screen
             console.error(
                 f"pre-flight screening named a node below its figures (health.screen; see {plan.cfg.run_dir / 'screen'}): "
                 "check or replace that machine, or train without it"
@@ -226,12 +226,12 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
                 "service before training on it again; re-run the same command on healthy hardware to resume"
             )
             return EXIT_GPU_FAULT
-        raise _failure(plan, exc.failures, since) from None
+        raise _failure(plan, exc.failures, since, logs_since) from None
     except RendezvousError as exc:
-        if (what := _tampering(plan, ran=_trained_since(plan, started))) is not None:  # a failed join asks no one
+        if (what := _tampering(plan, ran=worker_logs.trained_since(plan, started))) is not None:  # a failed join asks no one
             raise _tampered(plan, what) from None
-        if _trained_since(plan, started):
-            refused = _refused_here(plan)
+        if worker_logs.trained_since(plan, started):
+            refused = worker_logs.refused_here(plan)
             if refused:
                 # This node's worker refused its input (a setting that differs from node 0's): node 0's
                 # launcher, refusing it too, may close the rendezvous before this one reads the statuses.
@@ -251,17 +251,6 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
             "--master-addr and --master-port, and check the firewall)"
         ) from None
     return 0
-
-
-def _trained_since(plan: LocalPlan, started: float) -> bool:
-    """This node's workers started training in this attempt (their logs say so since `started`)."""
-    for path in _node_logs(plan):
-        try:
-            if path.stat().st_mtime >= started and "start rank=" in path.read_text(encoding="utf-8", errors="replace"):
-                return True
-        except OSError:
-            continue
-    return False
 
 
 def _lost_master(plan: LocalPlan) -> TrainingFailed:
@@ -301,14 +290,14 @@ def _master_gone(plan: LocalPlan) -> bool:
         return True
 
 
-def _failure(plan: LocalPlan, failures: dict[int, Any], since: int = 0) -> TrainingFailed:
+def _failure(plan: LocalPlan, failures: dict[int, Any], since: int = 0, logs_since: worker_logs.Offsets | None = None) -> TrainingFailed:
     """The one-line verdict on failed workers, with the exit status README.md documents (`since`: where this
     launch began in the node's stderr log)."""
     log_dir = plan.cfg.run_dir / "logs"
     # The agent stops the remaining workers with SIGTERM once one has failed; a worker already
     # on its way out then dies of it. Those are not what went wrong.
     codes = {f.exitcode for f in failures.values() if f.exitcode != -signal.SIGTERM} or {f.exitcode for f in failures.values()}
-    said = _worker_error(plan)
+    said = worker_logs.worker_error(plan, logs_since)
     if codes == {EXIT_DIVERGED}:
         return TrainingFailed(f"training stopped: {said or 'the loss stayed non-finite'} (see {log_dir})", EXIT_DIVERGED)
     if codes == {EXIT_USER_ERROR} and said:
@@ -336,61 +325,6 @@ def _failure(plan: LocalPlan, failures: dict[int, Any], since: int = 0) -> Train
     return TrainingFailed(f"training failed{restarts}: {what} (see {log_dir}); {_resume_hint(plan)}", EXIT_TRAIN_FAILED)
 
 
-def _refused_here(plan: LocalPlan) -> str | None:
-    """The reason a worker of this node gave for refusing its input in its latest attempt (it logged
-    the error, then its exit status 2: train/worker.py), or None."""
-    for path in _node_logs(plan):
-        lines = _log_tail(path)
-        if lines is None:
-            continue
-        starts = [i for i, line in enumerate(lines) if "start rank=" in line]
-        latest = lines[starts[-1] :] if starts else lines
-        if any(line.endswith(f"{EXITING_LINE}{EXIT_USER_ERROR}") for line in latest):
-            errors = [line.split(" ERROR ", 1)[1].strip() for line in latest if " ERROR " in line]
-            if errors:
-                return errors[-1]
-    return None
-
-
-def _worker_error(plan: LocalPlan) -> str | None:
-    """The last error a worker of this machine logged: why it exited (each logs its error before leaving)."""
-    for path in _node_logs(plan):
-        lines = _log_tail(path)
-        if lines is None:
-            continue
-        for line in reversed(lines):
-            if " ERROR " in line:
-                return line.split(" ERROR ", 1)[1].strip()
-    return None
-
-
-def _log_tail(path: Path, size: int = 65536) -> list[str] | None:
-    """The last `size` bytes of a rank's log, as lines; None when it cannot be read."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - size))
-            return f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return None
-
-
-def _node_logs(plan: LocalPlan) -> list[Path]:
-    """This node's ranks' logs: those whose newest start line names this node (nodes may run different
-    numbers of processes, so the ranks are not node_rank * nproc on); before any, that guess."""
-    logs = plan.cfg.run_dir / "logs"
-    mine = []
-    for path in sorted(logs.glob("rank_*.log")):
-        lines = _log_tail(path, 262144)
-        if lines is None:
-            continue
-        starts = [ln for ln in lines if "start rank=" in ln]
-        if starts and f" node_rank={plan.node_rank} " in starts[-1]:
-            mine.append(path)
-    first = plan.node_rank * plan.nproc
-    return mine or [logs / f"rank_{r}.log" for r in range(first, first + plan.nproc)]
-
-
 def _exit_description(code: int) -> str:
     if code < 0:
         try:
@@ -406,18 +340,6 @@ def _resume_hint(plan: LocalPlan) -> str:
     ckpts = checkpoint.list_complete(plan.cfg.run_dir / "checkpoints")
     where = f"from {ckpts[0].path.name}" if ckpts else "(no checkpoint yet: it starts from step 0)"
     return f"to resume {where}, fix the cause and re-run the same command"
-
-
-def _data_unavailable_line(plan: LocalPlan) -> str:
-    """Rank 0's own line about the data that could not be read (its log holds it)."""
-    log = plan.cfg.run_dir / "logs" / "rank_0.log"
-    try:
-        lines = [ln for ln in log.read_text(encoding="utf-8", errors="replace").splitlines() if "data unavailable: " in ln]
-    except OSError:
-        lines = []
-    if lines:
-        return lines[-1].split("data unavailable: ", 1)[1]
-    return f"the training data could not be read (see {log}); re-run the same command to resume once it can be read"
 
 
 def _resumable(plan: LocalPlan, why: str, asked: tuple[signal.Signals, float] | None = None) -> int:

@@ -289,10 +289,9 @@ def _clean_stale_temps(root: Path) -> None:
 
 
 def restore_set_aside(root: Path) -> None:
-    """A crash between a re-saved step's two renames leaves the committed copy it was replacing
-    only as `.old-step_N-PID`: put it back under its name. Only the run's writer calls this, never
-    during a save of its own (a reader doing it could collide with a live swap); whatever PID the
-    folder names (a writer restarted in a container has its predecessor's PID: that one was left hidden)."""
+    """A crash between a re-saved step's two renames leaves the committed copy it was replacing only as
+    `.old-step_N-PID`: put it back, whatever PID it names (a writer restarted in a container has its
+    predecessor's). Only the run's writer calls this, never mid-save (a reader could collide with a swap)."""
     for p in root.glob(".old-step_*"):
         final = root / p.name[len(".old-") :].rsplit("-", 1)[0]
         if not _NAME.match(final.name) or final.exists():
