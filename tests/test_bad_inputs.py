@@ -403,3 +403,14 @@ def test_a_run_whose_killed_launchers_workers_still_run_is_refused_until_they_ex
         worker.wait()
     assert run_cli(args, cwd=tmp_path, timeout=300).returncode == 0
     assert not os.path.exists(run / "run.lock")
+
+
+def test_ifname_wins_over_an_exported_gloo_socket_ifname_on_a_lan_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--ifname on a LAN node was overridden, in silence, by a GLOO_SOCKET_IFNAME left in the shell (compose.yaml
+    passes it through); on one machine the flag won. Without the flag, the environment still beats the route."""
+    from aura_hpc.launch.local import plan_local
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "bogus0")
+    lan = {"nnodes": 2, "node_rank": 1, "master_addr": "127.0.0.1", "master_port": 29999}
+    assert plan_local(None, [], str(tmp_path), "x", **lan, ifname="lo").env["GLOO_SOCKET_IFNAME"] == "lo"  # type: ignore[arg-type]
+    assert plan_local(None, [], str(tmp_path), "x", **lan).env["GLOO_SOCKET_IFNAME"] == "bogus0"  # type: ignore[arg-type]

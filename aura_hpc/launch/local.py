@@ -193,12 +193,12 @@ def plan_local(
     local_addr: str | None = "127.0.0.1" if nnodes == 1 else None
     if nnodes > 1:
         ip, iface = route_to(master_addr)
-        iface = ifname or iface
         local_addr = ip
-        if iface:
-            env.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", iface))
-            if gpus:
-                env.setdefault("NCCL_SOCKET_IFNAME", os.environ.get("NCCL_SOCKET_IFNAME", iface))
+        # --ifname over the environment (an exported GLOO_SOCKET_IFNAME won, in silence), the environment over the route.
+        names = {"GLOO_SOCKET_IFNAME": ifname or os.environ.get("GLOO_SOCKET_IFNAME", iface or "")}
+        if gpus:
+            names["NCCL_SOCKET_IFNAME"] = ifname or os.environ.get("NCCL_SOCKET_IFNAME", iface or "")
+        env.update({k: v for k, v in names.items() if v})
     elif ifname:
         env["GLOO_SOCKET_IFNAME"] = ifname
     elif loopback_interface():
