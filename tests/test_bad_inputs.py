@@ -213,6 +213,11 @@ ROWS = [
         ["local", "--nnodes", "2", "--node-rank", "1", "--master-addr", "no-such-host.invalid", "--rdzv-timeout", "2", D],
         "does not resolve",
     ),
+    Row(  # said "does not resolve"
+        "master is an IPv6 address",
+        ["local", "--nnodes", "2", "--node-rank", "1", "--master-addr", "fd00::1", "--rdzv-timeout", "2", D],
+        "master address 'fd00::1' is an IPv6 address: IPv4 only (fix: node 0's IPv4 address",
+    ),
     # prepare
     Row("prepare: missing input", ["prepare", "/nonexistent.txt", "--out", "{tmp}/p"], "input '/nonexistent.txt' does not exist"),
     Row("prepare: unsupported type", ["prepare", "{tmp}/doc.docx", "--out", "{tmp}/p"], "unsupported type '.docx'", _files),

@@ -78,6 +78,8 @@ def wait_for_master(
 def _check_master_addr(addr: str, nnodes: int, node_rank: int) -> list[str]:
     """Node 0 hosts the rendezvous on --master-addr, so it must be one of its own addresses; and the
     peers there are trusted (the process group unpickles what they send)."""
+    if ":" in addr.strip("[]"):  # an IPv6 literal: the rendezvous and the stores are IPv4 (it read "does not resolve")
+        raise LaunchError(f"master address {addr!r} is an IPv6 address: IPv4 only (fix: node 0's IPv4 address, e.g. 192.168.1.10)")
     if resolve(addr) is None:
         raise LaunchError(f"master address {addr!r} does not resolve (fix: use node 0's IP address, e.g. 192.168.1.10)")
     if nnodes == 1:
