@@ -233,3 +233,37 @@ def test_workers_ended_by_sigterm_alone_are_no_screen_and_an_earlier_launchs_err
         agent._launch_once(plan, None)  # type: ignore[arg-type]
     said = str(failed.value)
     assert "no space left" not in said and "rank 0 was killed by SIGKILL" in said, said
+
+
+def test_a_stop_signal_between_attempts_is_a_stop_not_a_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the workers failed, the launcher waits (a hang's evidence settling, node 0's new store for the
+    restart); torch's signal handler, installed by the first launch, raises there on Ctrl+C or SIGTERM, outside
+    the launch that turned it into a stop: the user saw a traceback and exit 1."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from aura_hpc.launch import agent
+    from aura_hpc.launch.hang_watch import HangWatch
+    from aura_hpc.launch.local import plan_local
+
+    class Settling:
+        def __init__(self) -> None:
+            self.hangs: list[object] = []
+            self.board, self.started, self.stops = None, 0.0, None
+
+        def start(self) -> None: ...
+
+        def settle(self, seconds: float) -> None:
+            raise SignalException("Process got signal: 15", signal.SIGTERM)
+
+        def stop(self) -> None: ...
+
+        def close(self) -> None: ...
+
+    def fails(*args: object) -> int:
+        raise errors.TrainingFailed("training failed: rank 1 was killed by SIGKILL", errors.EXIT_TRAIN_FAILED)
+
+    plan = plan_local(None, [], str(tmp_path), "stop")
+    plan.cfg.run_dir.mkdir(parents=True)
+    monkeypatch.setattr(HangWatch, "for_run", classmethod(lambda cls, *a: Settling()))
+    monkeypatch.setattr(agent, "_launch_once", fails)
+    assert agent.run_workers(plan) == errors.EXIT_RESUMABLE

@@ -73,7 +73,7 @@ def agent_options(shutdown_timeout: int) -> tuple[dict[str, Any], list[str]]:
 
 def run_workers(plan: LocalPlan) -> int:
     """Run the plan's workers through the elastic agent; returns the exit status for the CLI."""
-    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.launcher.api import LaunchConfig
 
     from aura_hpc import console
@@ -122,40 +122,43 @@ def run_workers(plan: LocalPlan) -> int:
             if watch is not None:
                 watch.start()
             try:
-                return _launch_once(plan, lc, stops)
-            except TrainingFailed as failed:
-                if watch is not None:
-                    watch.settle(EVIDENCE_WAIT_S + 30)  # the other nodes' kill may come while this node's watchdog still waits
-                peer = watch.peer_hang() if watch is not None and len(watch.hangs) == seen else None
-                if peer is not None and launch is not None and failed.exit_code == EXIT_TRAIN_FAILED:
-                    launch.hang(peer.last_progress, time.time())
-                # A hang before the agent restarted in place is not why this attempt ended (a crash after it).
-                hang = watch.hangs[-1] if watch is not None and len(watch.hangs) > seen else None
-                hang = None if hang is not None and watch is not None and hang.killed_at < watch.started else hang
-                if hang is None and watch is not None and failed.exit_code == EXIT_TRAIN_FAILED:
-                    # Another node declared the hang and killed its workers: ours then failed on the broken collectives.
-                    hang = watch.peer_hang()
-                    if hang is not None:
-                        console.error(hang.line)
-                if hang is None or failed.exit_code != EXIT_TRAIN_FAILED:
-                    raise  # no hang, or the agent restarted after it and the run then ended otherwise (diverged, ...)
-                hung_in_a_row = 1 if hang.progress_step > furthest else hung_in_a_row + 1
-                furthest = max(furthest, hang.progress_step)
-                budget = plan.cfg.health.hang_restarts
-                if hung_in_a_row > budget:
-                    raise _hung(plan, hang, hung_in_a_row - 1) from None
-                every = " on every node" if plan.nnodes > 1 else ""
-                console.info(
-                    f"restarting the workers{every} from the newest checkpoint after the hang "
-                    f"(hang restart {hung_in_a_row} of at most {budget} in a row without progress)"
-                )
-                if watch is not None and watch.board is not None and plan.node_rank > 0:
-                    watch.board.wait_for_a_new_store(plan.rdzv_timeout)  # node 0 makes the rendezvous anew
-            finally:
-                if watch is not None:
-                    watch.stop()
-                    for h in watch.hangs[seen:] if launch is not None else []:
-                        launch.hang(h.last_progress, h.killed_at)
+                try:
+                    return _launch_once(plan, lc, stops)
+                except TrainingFailed as failed:
+                    if watch is not None:
+                        watch.settle(EVIDENCE_WAIT_S + 30)  # the other nodes' kill may come while this node's watchdog still waits
+                    peer = watch.peer_hang() if watch is not None and len(watch.hangs) == seen else None
+                    if peer is not None and launch is not None and failed.exit_code == EXIT_TRAIN_FAILED:
+                        launch.hang(peer.last_progress, time.time())
+                    # A hang before the agent restarted in place is not why this attempt ended (a crash after it).
+                    hang = watch.hangs[-1] if watch is not None and len(watch.hangs) > seen else None
+                    hang = None if hang is not None and watch is not None and hang.killed_at < watch.started else hang
+                    if hang is None and watch is not None and failed.exit_code == EXIT_TRAIN_FAILED:
+                        # Another node declared the hang and killed its workers: ours then failed on the broken collectives.
+                        hang = watch.peer_hang()
+                        if hang is not None:
+                            console.error(hang.line)
+                    if hang is None or failed.exit_code != EXIT_TRAIN_FAILED:
+                        raise  # no hang, or the agent restarted after it and the run then ended otherwise (diverged, ...)
+                    hung_in_a_row = 1 if hang.progress_step > furthest else hung_in_a_row + 1
+                    furthest = max(furthest, hang.progress_step)
+                    budget = plan.cfg.health.hang_restarts
+                    if hung_in_a_row > budget:
+                        raise _hung(plan, hang, hung_in_a_row - 1) from None
+                    every = " on every node" if plan.nnodes > 1 else ""
+                    console.info(
+                        f"restarting the workers{every} from the newest checkpoint after the hang "
+                        f"(hang restart {hung_in_a_row} of at most {budget} in a row without progress)"
+                    )
+                    if watch is not None and watch.board is not None and plan.node_rank > 0:
+                        watch.board.wait_for_a_new_store(plan.rdzv_timeout)  # node 0 makes the rendezvous anew
+                finally:
+                    if watch is not None:
+                        watch.stop()
+                        for h in watch.hangs[seen:] if launch is not None else []:
+                            launch.hang(h.last_progress, h.killed_at)
+            except SignalException as exc:  # a stop between attempts (a hang settling, node 0's new store awaited)
+                return _resumable(plan, exc.sigval.name, stops.poll())
     finally:
         stops.close()
         shutil.rmtree(agent_dir, ignore_errors=True)
