@@ -12,9 +12,11 @@ test_a_checkpoint_the_worker_refuses_exits_2. 2 for a refused node and 77 are pr
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -267,3 +269,35 @@ def test_a_stop_signal_between_attempts_is_a_stop_not_a_traceback(tmp_path: Path
     monkeypatch.setattr(HangWatch, "for_run", classmethod(lambda cls, *a: Settling()))
     monkeypatch.setattr(agent, "_launch_once", fails)
     assert agent.run_workers(plan) == errors.EXIT_RESUMABLE
+
+
+def test_a_launcher_whose_workers_are_still_stopping_keeps_the_run_locked(
+    tmp_path: Path, prepared: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second Ctrl+C cuts the agent's wait for its stopping workers short (no SIGKILL follows): the launcher
+    released the run lock while they still ran, and a re-run started a second trainer beside them."""
+    import subprocess
+    import sys
+
+    from aura_hpc.launch import local
+    from aura_hpc.launch.run_lock import LOCK_NAME, RunLock
+
+    plan = local.plan_local(None, [f"data.path={prepared}"], str(tmp_path), "stopping")
+    worker: list[subprocess.Popen[bytes]] = []
+
+    def stopped_by_a_second_ctrl_c(p: object) -> int:  # a worker of the run, still on its way out
+        worker.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "aura_hpc.train", str(plan.config_path)]))
+        time.sleep(0.5)
+        return 130
+
+    monkeypatch.setattr(local, "run_workers", stopped_by_a_second_ctrl_c)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what the launcher exports for its workers stays here
+    try:
+        assert local.launch(plan) == 130 and (plan.cfg.run_dir / LOCK_NAME).exists()
+        with pytest.raises(errors.LaunchError, match=r"is gone but its workers still run \(PIDs \d+\)"):
+            RunLock(plan.cfg.run_dir).acquire()
+    finally:
+        for w in worker:
+            w.kill()
+            w.wait()
+    RunLock(plan.cfg.run_dir).acquire().release()  # once they are gone, the next launch takes it

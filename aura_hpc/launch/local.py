@@ -328,7 +328,14 @@ def launch(plan: LocalPlan, ready: Callable[[], None] | None = None) -> int:
         return run_workers(plan)
     finally:
         if lock is not None:
-            lock.release()
+            from aura_hpc.launch.run_lock import workers_left
+
+            if left := workers_left(plan.cfg.run_dir):  # stopping still (a second Ctrl+C cut the agent's wait short)
+                from aura_hpc import console
+
+                console.info(f"workers {' '.join(map(str, left))} are still stopping: the run directory stays locked until they exit")
+            else:
+                lock.release()
 
 
 def _secret_of_other_node(plan: LocalPlan) -> str:
