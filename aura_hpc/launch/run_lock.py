@@ -37,14 +37,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def workers_left(run_dir: Path) -> list[int]:
+def workers_left(run_dir: Path, parent: int | None = None) -> list[int]:
     """This host's workers of `run_dir` (`python -m aura_hpc.train RUN_DIR/config*.yaml`) still alive: a
-    launcher killed outright leaves them to finish their step and checkpoint, as a second trainer would."""
+    launcher killed outright leaves them to finish their step and checkpoint, as a second trainer would.
+    `parent`: only the children of that process (a launcher's own, not another LAN node's on this host)."""
     here = {str(run_dir), str(Path(run_dir).resolve())}
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if parent is not None and f"\nPPid:\t{parent}\n" not in (proc / "status").read_text(errors="replace"):
+                continue
         except OSError:
             continue
         if "aura_hpc.train" in argv and any(os.path.dirname(a) in here for a in argv) and int(proc.name) != os.getpid():
