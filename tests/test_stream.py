@@ -249,7 +249,7 @@ def test_an_encoder_killed_mid_piece_is_a_data_error_at_once_not_a_wait_forever(
     from aura_hpc.data.stream import StreamTokens
     from aura_hpc.errors import DataError
 
-    (tmp_path / "a.txt").write_text(generate(2000, seed=3) * 24, encoding="utf-8")  # 11 MB: seconds of encoding
+    (tmp_path / "a.txt").write_text(generate(2000, seed=3) * 48, encoding="utf-8")  # 22 MB: many seconds of encoding
     d = DataConfig(stream=True, path=str(tmp_path / "a.txt"), tokenizer=str(tok), cache_dir=str(tmp_path / "c"))
     data = StreamTokens(d, seq_len=16)
     said: list[str] = []

@@ -33,8 +33,8 @@ STALE_PART_S = 900.0  # a download writes as it goes: a part file untouched this
 
 def default_dir() -> Path:
     """Node-local by default (/tmp), per user: a home directory is often NFS, shared by every node. /tmp is
-    everyone's: the folder is made for this user alone, and one another user could have made (or could write
-    in) is refused. Shards it holds are trusted by their size: planted ones would be trained on."""
+    everyone's: the folder is made for this user alone (an older one of ours is closed to others), and one another
+    user could have made is refused. Shards it holds are trusted by their size: planted ones would be trained on."""
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
@@ -45,12 +45,14 @@ def default_dir() -> Path:
         st = path.lstat()
     except OSError as exc:
         raise DataError(f"the shard cache {path} cannot be made ({exc.strerror}) (fix: --set data.cache_dir=A_FOLDER_OF_YOURS)") from None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        why = "not a folder" if not stat.S_ISDIR(st.st_mode) else "not yours" if st.st_uid != os.getuid() else "writable by others"
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        why = "not a folder" if not stat.S_ISDIR(st.st_mode) else "not yours"
         raise DataError(
             f"the shard cache {path} is {why} (anyone can make it first in {path.parent}) "
             "(fix: --set data.cache_dir=A_FOLDER_OF_YOURS, or remove it)"
         )
+    if st.st_mode & 0o077:  # ours, made before with the umask's mode (0775 under umask 002): for us alone from now on
+        path.chmod(0o700)
     return path
 
 

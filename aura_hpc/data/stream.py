@@ -20,7 +20,8 @@ import logging
 import multiprocessing as mp
 import shutil
 import threading
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import CancelledError, ProcessPoolExecutor
+from concurrent.futures import wait as futures_wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict
 from pathlib import Path
@@ -152,15 +153,17 @@ class StreamTokens(TokenReader):
                         stale.unlink(missing_ok=True)
                     try:
                         pending = self._encoder().submit(shards.encode, shards.Job(piece, **self._job))
-                        while True:  # not a blocking wait: close() must be able to end it
+                        # Not a blocking wait: close() must be able to end it. (A TimeoutError of the source's own,
+                        # an NFS read's, would make `result(timeout=...)` spin: the future's state is asked instead.)
+                        while not futures_wait([pending], timeout=0.2).done:
                             if self._closed:
                                 raise DataError(f"stopped while encoding piece {i} of {self.location}")
-                            with contextlib.suppress(TimeoutError):
-                                record = pending.result(timeout=0.2)
-                                break
+                        record = pending.result()
                     except DataError:
                         raise
-                    except BrokenProcessPool:  # a pool of workers (multiprocessing's) waited forever for a killed one's piece
+                    except (BrokenProcessPool, CancelledError):  # a pool of workers (multiprocessing's) waited forever
+                        if self._closed:  # close() ended the encoder: not a death
+                            raise DataError(f"stopped while encoding piece {i} of {self.location}") from None
                         self._close_encoder()
                         raise DataError(
                             f"the encoder of piece {i} of {self.location} died (killed: out of memory? see dmesg for oom-kill) "
