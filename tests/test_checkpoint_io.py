@@ -110,6 +110,16 @@ def test_sharded_checkpoints_are_read_as_data_and_one_that_would_run_code_is_ref
     (honest / ".metadata").write_bytes(__import__("pickle").PROTO + b"\x04" + popen + args)
     with pytest.raises(CheckpointError, match=r"asks to run torch\.distributed\.checkpoint\.metadata\.torch\.ctypes"):
         load_dcp(back, honest)
+    # BUILD on a class the file named set its attributes for the rest of the process, refused file or not (a
+    # reviewer rewrote pathlib's and torch's layout table): only the file's own records take attributes.
+    build = b"cpathlib\nPosixPath\nN}X\n\x00\x00\x00is_symlinkK\x01s\x86b."
+    (honest / ".metadata").write_bytes(build)
+    with pytest.raises(CheckpointError, match=r"asks to set the attributes of PosixPath, which torch never writes there"):
+        load_dcp(back, honest)
+    assert not isinstance(Path.is_symlink, int) and "is_symlink" not in vars(type(honest))
+    (honest / ".metadata").write_bytes(b"\x80\x04K\x01\x85R.")  # corrupt: said so, not "asks to run ..."
+    with pytest.raises(CheckpointError, match=r"is not DCP metadata \("):
+        load_dcp(back, honest)
     # Shard files named with a folder: another checkpoint's tensors were read (here, `elsewhere`'s 7s).
     elsewhere = tmp_path / "elsewhere"
     dcp.save({"model": {"w": torch.full((4,), 7.0, dtype=torch.bfloat16)}}, checkpoint_id=str(elsewhere / "sharded"))

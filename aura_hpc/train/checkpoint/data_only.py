@@ -14,7 +14,7 @@ import io
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -47,20 +47,41 @@ _FIX = "restore the checkpoint from a copy you trust, or use an earlier one"
 _SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")  # what DCP's writer names its files, in the checkpoint's own folder
 
 
-class _MetadataCheck(pickle.Unpickler):
+# The records BUILD may set attributes of: instances of these modules' classes, the file's own.
+_BUILT_MODULES = (*_DCP_MODULES, "torch.distributed.checkpoint.filesystem", "collections", "pathlib")
+
+
+class _Refused(pickle.UnpicklingError):
+    """What the file asks that torch never writes there ("run posix.system")."""
+
+
+class _MetadataCheck(pickle._Unpickler):  # the Python one: its BUILD can be guarded
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
+
+    def load_build(self) -> None:
+        # BUILD sets attributes of the object below it: never of a class or function the file named, which live on
+        # in the process (a refused file left pathlib's classes and torch's layout table rewritten).
+        target = self.stack[-2]
+        module = type(target).__module__
+        if isinstance(target, type) or not any(module == m or module.startswith(f"{m}.") for m in _BUILT_MODULES):
+            raise _Refused(f"set the attributes of {getattr(target, '__qualname__', type(target).__qualname__)}")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
+
     def find_class(self, module: str, name: str) -> Any:
         # A dotted name (pickle protocol 4) is looked up attribute by attribute from the module: the metadata
         # module holds `torch`, and `torch.ctypes.util.subprocess.Popen` ran a command as it was checked.
         if "." in name:
-            raise pickle.UnpicklingError(f"{module}.{name}")
+            raise _Refused(f"run {module}.{name}")
         allowed = (module, name) in _DCP_GLOBALS or module in _DCP_MODULES
         if module == "torch" and not allowed:
             allowed = isinstance(getattr(torch, name, None), torch.dtype)
         if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name}")
+            raise _Refused(f"run {module}.{name}")
         found = super().find_class(module, name)
         if module in _DCP_MODULES and not (isinstance(found, type) and found.__module__ == module):  # its own records
-            raise pickle.UnpicklingError(f"{module}.{name}")
+            raise _Refused(f"run {module}.{name}")
         return found
 
 
@@ -71,9 +92,9 @@ def read_dcp_metadata(path: Path) -> Any:
     try:
         with path.open("rb") as f:
             metadata = _MetadataCheck(f).load()
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(f"{path} asks to run {exc}, which torch never writes there (fix: {_FIX})") from None
-    except (OSError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
+    except _Refused as exc:
+        raise CheckpointError(f"{path} asks to {exc}, which torch never writes there (fix: {_FIX})") from None
+    except (pickle.UnpicklingError, OSError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"{path} is not DCP metadata ({type(exc).__name__}) (fix: {_FIX})") from None
     files = getattr(metadata, "storage_data", None)
     if not isinstance(files, dict):
