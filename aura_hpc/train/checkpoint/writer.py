@@ -8,10 +8,13 @@ on demand (`train/checkpoint/consolidate.py`, which `generate` uses).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import shutil
 import time
+import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -136,16 +139,30 @@ def check_one_folder(root: Path, env: DistEnv, strategy: str) -> None:
     checkpoints that verified and lacked them (found only at the resume, hours later)."""
     if env.nnodes <= 1:
         return
-    pid = None
+    token, error = None, None
     if env.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        pid = os.getpid()
-        (root / f".shared-probe-{pid}").touch()
-    pid = collectives.broadcast_json(pid)
-    # Each rank builds the path itself: no name from a peer.
-    seen = collectives.flags(isinstance(pid, int) and (root / f".shared-probe-{int(pid)}").exists())
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            token = uuid.uuid4().hex  # not a PID: one that repeats (a container) could find an old probe on a node's own disk
+            (root / f".shared-probe-{token}").touch()
+        except OSError as exc:
+            token, error = (
+                None,
+                f"rank 0 cannot write in {root} ({exc.strerror or exc}) (fix: check output_dir's permissions and space)",
+            )
+    # Every rank reaches each collective, whatever failed where (a rank that raised first left the others waiting).
+    token, error = collectives.broadcast_json([token, error])
+    if error:
+        raise CheckpointWriteError(str(error))
+    ours = isinstance(token, str) and re.fullmatch(r"[0-9a-f]{32}", token) is not None  # rank 0's token: 32 hex digits
+    try:
+        mine = ours and (root / f".shared-probe-{token}").exists()
+    except OSError:
+        mine = False
+    seen = collectives.flags(mine)
     if env.is_main:
-        (root / f".shared-probe-{pid}").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            (root / f".shared-probe-{token}").unlink(missing_ok=True)
     blind = [r for r, saw in enumerate(seen) if not saw]
     if blind:
         raise ConfigError(
