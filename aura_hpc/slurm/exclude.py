@@ -84,7 +84,8 @@ def _nodes_by_use(partition: str) -> tuple[list[str], list[str]]:
     return sorted(usable), sorted(unusable - usable)
 
 
-def _set(value: str | None) -> str:
+def _given(value: str | None) -> str:
+    """A field of `scontrol show job` the job set ("" for Slurm's words for none)."""
     return "" if value in (None, "", "(null)", "0", "*") else str(value)
 
 
@@ -92,14 +93,14 @@ def _request(job: dict[str, str], least: int, exclude: list[str]) -> list[str]:
     """`sbatch --test-only` for what the job asks of each node, on `least` nodes, without `exclude`."""
     args = ["sbatch", "--test-only", "--nodes", str(least), "--output", "/dev/null"]
     for flag, key in (("--partition", "Partition"), ("--account", "Account"), ("--qos", "QOS"), ("--constraint", "Features")):
-        if _set(job.get(key)):
+        if _given(job.get(key)):
             args += [flag, job[key]]
     per_node = job.get("NtasksPerN:B:S:C", "").split(":")[0]
-    if _set(per_node):
+    if _given(per_node):
         args += ["--ntasks-per-node", per_node]
-    if _set(job.get("CPUs/Task")):
+    if _given(job.get("CPUs/Task")):
         args += ["--cpus-per-task", job["CPUs/Task"]]
-    if _set(job.get("MinMemoryNode")):
+    if _given(job.get("MinMemoryNode")):
         args += ["--mem", job["MinMemoryNode"]]
     if job.get("TimeLimit", "").replace("-", "").replace(":", "").isdigit():
         args += ["--time", job["TimeLimit"]]

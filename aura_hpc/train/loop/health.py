@@ -124,8 +124,7 @@ class HealthWatch:
         """A sticky CUDA error in the loop: the GPU state is unusable, so no checkpoint and no collective. The
         node is called faulty unless NVML reads its GPU healthy (then the code is the likelier cause)."""
         index, said = physical_index(device), str(exc).splitlines()[0][:200]
-        blame = blames_the_gpu(exc, None)
-        reading = None if blame else self._reading(index)
+        reading = None if blames_the_gpu(exc, None) else self._reading(index)  # the hardware's own words need no reading
         blame = blames_the_gpu(exc, reading)
         if blame is False:
             log.error(
