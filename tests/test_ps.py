@@ -254,7 +254,9 @@ def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, ba
     # Long enough that a late worker (~5 s to start) joins well before the end on a faster machine.
     end = 400
     common = [*base, "--set", f"train.max_steps={end}", "--set", "train.log_every=20", "--set", f"train.eval_every={end // 5}"]
-    common += ["--set", f"train.checkpoint_every={end // 5}"]
+    # gloo once (in ~60 CI runs) left the server's send to the killed worker waiting though its socket had closed;
+    # ps.worker_timeout_s is the bound the server promises for that case, so it is short here.
+    common += ["--set", f"train.checkpoint_every={end // 5}", "--set", "ps.worker_timeout_s=15"]
     server = Proc(["ps", "--workers", "3", "--port", str(port), *common], tmp_path / "ps.log")
     _listening(port, server)
     assert "worker --server" in server.text and f":{port}" in server.text  # the exact command for the workers
@@ -269,7 +271,7 @@ def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, ba
     w2.p.kill()  # a crash (or the PC switched off) with three workers training
     assert w2.finish() < 0
     try:
-        server.wait_for("worker 3 (", timeout=30)
+        server.wait_for("worker 3 (", timeout=45)
     except AssertionError as exc:  # where the server's threads are: the seat of worker 3 was never given up
         server.signal(signal.SIGWINCH)
         time.sleep(2)
@@ -279,7 +281,7 @@ def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, ba
     assert w1.finish() == 0 and late.finish() == 0, w1.text + late.text
 
     log = server.text
-    assert "worker 3 (" in log and "lost" in log and "still connected" in log, log
+    assert re.search(r"worker 3 \([^)]*\) (lost|timed out)", log) and "still connected" in log, log
     assert "joined from" in log and log.count("joined from") == 3
     assert f"training finished at version {end}" in log
     assert re.search(r"training finished at version \d+; best eval loss (\d+\.\d{4}|none \(no evaluation ran\))$", log, re.M), log[-2000:]
