@@ -79,7 +79,9 @@ class _Runs:
         return (os.system, (f"touch {self.witness}",))
 
 
-def test_sharded_checkpoints_are_read_as_data_and_one_that_would_run_code_is_refused(tmp_path: Path) -> None:
+def test_sharded_checkpoints_are_read_as_data_and_one_that_would_run_code_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """torch unpickles DCP's metadata with plain pickle and its non-tensor entries with weights_only=False,
     DeepSpeed its files with weights_only=False: our readers check them first, the honest ones still load."""
     import warnings
@@ -149,6 +151,15 @@ def test_sharded_checkpoints_are_read_as_data_and_one_that_would_run_code_is_ref
         check_deepspeed_files(ds)
     torch.save({"optimizer_state_dict": {"step": torch.ones(2)}}, legacy, _use_new_zipfile_serialization=False)
     check_deepspeed_files(ds)
+    # A file replaced after the check (a shared folder others write): DeepSpeed's own weights_only=False reads
+    # it as data, refused. zero_to_fp32 is run here with the check passed, as if the file changed just after it.
+    tag = ds / "ds"  # the tag our ZeRO strategy saves under
+    tag.mkdir()
+    torch.save({"optimizer_state_dict": {"zero_stage": 2, "loss_scaler": _Runs(witness)}}, tag / legacy.name)
+    torch.save({"module": _Runs(witness)}, tag / "mp_rank_00_model_states.pt")
+    monkeypatch.setattr("aura_hpc.train.checkpoint.data_only.check_deepspeed_files", lambda folder: None)
+    with pytest.raises(CheckpointError, match=r"a DeepSpeed file under .*ds holds what DeepSpeed never writes"):
+        consolidate._from_deepspeed(ds)
     assert not witness.exists()
 
 

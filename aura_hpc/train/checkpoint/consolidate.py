@@ -89,13 +89,13 @@ def _from_deepspeed(folder: Path) -> dict[str, torch.Tensor]:
     quiet_deepspeed(needed=True)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from aura_hpc.train.checkpoint.data_only import check_deepspeed_files
+    from aura_hpc.train.checkpoint.data_only import check_deepspeed_files, deepspeed_loads_as_data
     from aura_hpc.train.strategies.zero import TAG
 
-    check_deepspeed_files(folder)  # zero_to_fp32 unpickles them with weights_only=False
+    check_deepspeed_files(folder)  # the message that names the file; zero_to_fp32's loads then read data only
     try:
         # It prints its progress; `generate`'s stdout is the samples.
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), deepspeed_loads_as_data(folder):
             state = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=TAG)
     except ValueError as exc:
         if "is not a zero checkpoint" not in str(exc):

@@ -5,14 +5,19 @@ with `torch.load(weights_only=False)`; DeepSpeed loads its files with `weights_o
 checkpoint is a file anyone with write access to the run directory (or a copy restored from
 elsewhere) can shape, and a checksum in COMPLETE.json is rewritten as easily: so before torch or
 DeepSpeed reads them, the globals those pickles may call are checked against what the libraries
-themselves write, and DCP's non-tensor entries are loaded with `weights_only=True`.
+themselves write, and DCP's non-tensor entries are loaded with `weights_only=True`. DeepSpeed's own
+loads then run forced to `weights_only` too: a file swapped between the check and DeepSpeed's read is
+refused as data, never run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
 import pickle
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -177,6 +182,16 @@ def check_deepspeed_files(folder: Path) -> None:
 
 
 def _load_legacy_as_data(path: Path) -> None:
+    try:
+        with torch.serialization.safe_globals(_deepspeed_classes()):
+            torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"{path} holds what DeepSpeed never writes ({str(exc).splitlines()[0][:160]}) (fix: {_FIX})") from None
+    except Exception as exc:
+        raise CheckpointError(f"{path} is not a readable torch file ({type(exc).__name__}) (fix: {_FIX})") from None
+
+
+def _deepspeed_classes() -> list[Any]:
     import importlib
 
     allowed = []
@@ -186,10 +201,29 @@ def _load_legacy_as_data(path: Path) -> None:
             allowed.append(getattr(importlib.import_module(module), attr))
         except (ImportError, AttributeError):
             continue  # this DeepSpeed has no such class: nor does its file
+    return allowed
+
+
+_FORCE, _FORCE_NOT = "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+
+
+@contextlib.contextmanager
+def deepspeed_loads_as_data(folder: Path) -> Iterator[None]:
+    """Inside, every `torch.load` (DeepSpeed's and zero_to_fp32's ask for weights_only=False) reads data only,
+    DeepSpeed's own records allowed: the files were checked once, and one replaced after the check would
+    otherwise be unpickled as code. torch reads both variables at each load; the second would make it raise."""
+    saved = {k: os.environ.pop(k, None) for k in (_FORCE, _FORCE_NOT)}
+    os.environ[_FORCE] = "1"
     try:
-        with torch.serialization.safe_globals(allowed):
-            torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(_deepspeed_classes()):
+            yield
     except pickle.UnpicklingError as exc:
-        raise CheckpointError(f"{path} holds what DeepSpeed never writes ({str(exc).splitlines()[0][:160]}) (fix: {_FIX})") from None
-    except Exception as exc:
-        raise CheckpointError(f"{path} is not a readable torch file ({type(exc).__name__}) (fix: {_FIX})") from None
+        raise CheckpointError(
+            f"a DeepSpeed file under {folder} holds what DeepSpeed never writes ({str(exc).splitlines()[0][:160]}) (fix: {_FIX})"
+        ) from None
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

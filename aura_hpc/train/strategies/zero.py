@@ -110,12 +110,13 @@ class ZeroWrapped(Wrapped, ShardedCheckpoints):
         return self._shards.write(captured, folder.parent)
 
     def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
-        from aura_hpc.train.checkpoint.data_only import check_deepspeed_files
+        from aura_hpc.train.checkpoint.data_only import check_deepspeed_files, deepspeed_loads_as_data
 
-        check_deepspeed_files(folder)  # DeepSpeed unpickles them with weights_only=False
-        path, _ = self.engine.load_checkpoint(
-            str(folder), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False, load_module_strict=True
-        )
+        check_deepspeed_files(folder)  # the message that names the file; DeepSpeed's loads then read data only
+        with deepspeed_loads_as_data(folder):
+            path, _ = self.engine.load_checkpoint(
+                str(folder), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False, load_module_strict=True
+            )
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint in {folder}")
         # The overflow flag comes back with the optimizer's state: a checkpoint written where DeepSpeed skipped its
