@@ -85,6 +85,16 @@ def test_cli_output_dir_and_run_name_win() -> None:
         (["lr"], "is not KEY=VALUE"),
         (["tracking.finish_wait_s=-1"], "tracking.finish_wait_s must be 0 or more seconds"),
         (["health.screen_peer_fraction=1.5"], "health.screen_peer_fraction must be between 0 and 1, not 1.5"),
+        # Each was a Python traceback (OverflowError) instead of a line.
+        (["train.lr=1" + "0" * 400], "train.lr must be a number"),
+        (["train.max_steps=1" + "0" * 400], "train.max_steps must be a whole number below 2**63"),
+        # 30 for 3.0 opened the breaker on every healthy GPU (exit 76, "drain the node").
+        (["health.temp_margin_c=30"], "health.temp_margin_c must be between 0 and 20 C"),
+        (["health.throttle_samples=0"], "health.throttle_samples at least 1"),
+        # `local` has a --nodes of its own (machines): the fix names the setting itself.
+        (["slurm.nodes=0"], "(fix: --set slurm.nodes=1, or submit's --nodes 1)"),
+        # A token in the query was stored in config.yaml, every checkpoint, and sent to the trackers.
+        (["tracking.mlflow_uri=https://mlflow.example.com/?token=SECRET"], "tracking.mlflow_uri holds a user name, password or query"),
     ],
 )
 def test_bad_overrides_give_one_line_errors(overrides: list[str], expected: str) -> None:
@@ -127,6 +137,34 @@ def test_bad_yaml_files(tmp_path: Path) -> None:
         load_config(str(tmp_path / "missing.yaml"))
     with pytest.raises(ConfigError, match="neither a file nor a shipped preset"):
         load_config("gpt2-huge")
+    long_number = tmp_path / "c.yaml"  # PyYAML's int() of 5,000 digits raised ValueError through everything
+    long_number.write_text("train:\n  max_steps: 1" + "0" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="holds a value YAML cannot read"):
+        load_config(str(long_number))
+
+
+def test_a_preset_is_the_preset_whatever_the_folder_holds_and_paths_may_name_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--config tiny --output-dir .` makes ./tiny; the same command then read it as the config ("a folder").
+    `$SCRATCH` in a file's path was taken literally: the run went to a folder named `${SCRATCH}`."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "gpt2-small").write_text("notes\n")
+    assert load_config("tiny").model.n_layer == load_config(str(shipped_configs()["tiny"])).model.n_layer
+    assert load_config("gpt2-small").model.n_embd == 768
+    with pytest.raises(ConfigError, match="must be a YAML mapping"):
+        load_config("./gpt2-small")  # a path says it is one
+    conf = tmp_path / "c.yaml"
+    conf.write_text("output_dir: ${AURA_TEST_SCRATCH}/runs\ndata:\n  path: $AURA_TEST_SCRATCH/es\n")
+    monkeypatch.setenv("AURA_TEST_SCRATCH", "/scratch/u")
+    cfg = load_config(str(conf))
+    assert (cfg.output_dir, cfg.data.path) == ("/scratch/u/runs", "/scratch/u/es")
+    monkeypatch.delenv("AURA_TEST_SCRATCH")
+    with pytest.raises(
+        ConfigError, match=r"^output_dir names \$\{AURA_TEST_SCRATCH\}, which is not set here \(fix: export AURA_TEST_SCRATCH="
+    ):
+        load_config(str(conf))
 
 
 def test_relative_data_path_is_relative_to_the_config_file(tmp_path: Path) -> None:

@@ -60,6 +60,12 @@ def test_rules_trip_on_faults_and_not_on_healthy_readings() -> None:
     r.evaluate([FAULTS["throttle"]])
     r.evaluate([HEALTHY])
     assert r.evaluate([FAULTS["throttle"]]) is None, "the count restarts after a healthy sample"
+    # SW thermal slowdown is NVML's normal clock control of a GPU at its temperature target (a consumer card in a
+    # warm room, all day): by default it stopped healthy training with exit 76 after 15 s. The temperature rule judges heat.
+    from aura_hpc.config.tree import HealthConfig
+
+    warm, r = dict(HEALTHY, throttle_reasons=THROTTLE_BITS["sw_thermal"]), _rules()
+    assert all(r.evaluate([warm]) is None for _ in range(10)) and "sw_thermal" not in HealthConfig().throttle_reasons
     assert _rules().evaluate([dict(HEALTHY, recovery_action=2)]).reason == "the driver asks to reboot the node"  # type: ignore[union-attr]
     # An ECC count present from before the job is the baseline, not a new fault.
     r = _rules()
@@ -115,6 +121,47 @@ def test_a_webhook_url_that_is_not_one_is_said_without_its_value_and_never_raise
         with caplog.at_level(logging.WARNING, logger="aura_hpc"):
             assert deliver(url, "slack", event, timeout_s=0.5, retries=0) is False
     assert "SECRET-7" not in caplog.text and caplog.text.count("is not an http(s) URL") == 4, caplog.text
+
+
+def test_a_webhook_that_redirects_is_a_failure_not_a_get_that_says_delivered(caplog: pytest.LogCaptureFixture) -> None:
+    """urllib followed a 301 as a GET without the alert (an http:// Discord URL redirects to https, and Discord
+    answers a GET with 200): the log said delivered. Now the redirect is the failure, said once, not retried."""
+    from aura_hpc.ops.webhook import deliver
+
+    seen: list[tuple[str, str]] = []
+
+    class Redirects(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seen.append(("POST", self.path))
+            self.send_response(301)
+            self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/elsewhere")
+            self.end_headers()
+
+        def do_GET(self) -> None:
+            seen.append(("GET", self.path))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Redirects)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="aura_hpc"):
+            ok = deliver(
+                f"http://127.0.0.1:{server.server_address[1]}/api/webhooks/1/SECRET",
+                "discord",
+                {"event": "gpu.fault", "host": "n1", "gpu_index": 0, "reason": "hot"},
+                2.0,
+                2,
+                0.1,
+            )
+    finally:
+        server.shutdown()
+    assert ok is False and seen == [("POST", "/api/webhooks/1/SECRET")], seen
+    assert "HTTP 301: the URL redirects elsewhere (fix: give the final https:// URL" in caplog.text and "delivered" not in caplog.text
+    assert "attempt 1 of 3 failed" in caplog.text and "attempt 2" not in caplog.text and "SECRET" not in caplog.text
 
 
 def test_monitor_json_samples_at_the_interval(tmp_path: Path) -> None:

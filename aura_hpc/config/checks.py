@@ -251,9 +251,9 @@ def validate(cfg: RunConfig) -> None:
 def validate_ps(cfg: RunConfig) -> None:
     p = cfg.ps
     if not 1 <= p.port <= 65535:
-        raise ConfigError(f"ps.port must be a TCP port (1-65535), got {p.port} (fix: --port 30005)")
+        raise ConfigError(f"ps.port must be a TCP port (1-65535), got {p.port} (fix: --set ps.port=30005, or ps's --port 30005)")
     if not 1 <= p.workers <= 1024:
-        raise ConfigError(f"ps.workers must be between 1 and 1024, got {p.workers} (fix: --workers 2)")
+        raise ConfigError(f"ps.workers must be between 1 and 1024, got {p.workers} (fix: --set ps.workers=2, or ps's --workers 2)")
     if not 1 <= p.push_every <= 10_000:
         raise ConfigError(f"ps.push_every must be between 1 and 10000, got {p.push_every} (fix: --set ps.push_every=1)")
     if p.max_staleness < 0:
@@ -285,16 +285,21 @@ def slurm_minutes(value: str) -> int:
 
 def validate_slurm(s: SlurmConfig) -> None:
     if s.nodes < 1:
-        raise ConfigError(f"slurm.nodes must be at least 1, got {s.nodes} (fix: --nodes 1)")
+        raise ConfigError(f"slurm.nodes must be at least 1, got {s.nodes} (fix: --set slurm.nodes=1, or submit's --nodes 1)")
     if s.min_nodes < 0 or s.min_nodes > s.nodes:
         raise ConfigError(
             f"slurm.min_nodes ({s.min_nodes}) must be between 1 and slurm.nodes ({s.nodes}), or 0 for exactly slurm.nodes "
             f"(fix: --nodes {max(1, min(s.min_nodes, s.nodes))}:{max(s.nodes, s.min_nodes)})"
         )
     if s.gpus_per_node < 0:
-        raise ConfigError(f"slurm.gpus_per_node must be 0 (CPU job) or more, got {s.gpus_per_node} (fix: --gpus 8, or --gpus 0)")
+        raise ConfigError(
+            f"slurm.gpus_per_node must be 0 (CPU job) or more, got {s.gpus_per_node} "
+            "(fix: --set slurm.gpus_per_node=8, or submit's --gpus 8)"
+        )
     if s.cpus_per_task < 0:
-        raise ConfigError(f"slurm.cpus_per_task must be 0 (Slurm's default) or more, got {s.cpus_per_task} (fix: --cpus-per-task 8)")
+        raise ConfigError(
+            f"slurm.cpus_per_task must be 0 (Slurm's default) or more, got {s.cpus_per_task} (fix: --set slurm.cpus_per_task=8)"
+        )
     minutes = slurm_minutes(s.time)
     if minutes < 1:
         raise ConfigError(f"slurm.time {shown(s.time)} is zero (fix: --time 01:00:00)")

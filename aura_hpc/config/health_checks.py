@@ -13,6 +13,12 @@ def validate_health(h: HealthConfig) -> None:
         raise ConfigError(
             "health.monitor_interval_s must be >= 0 and health.breaker_interval_s > 0 (fix: --set health.breaker_interval_s=5)"
         )
+    if not 0 <= h.temp_margin_c <= 20 or h.throttle_samples < 1:
+        # A margin of 30 C (for 3.0) opened the breaker on every healthy GPU: exit 76, "drain the node".
+        raise ConfigError(
+            f"health.temp_margin_c must be between 0 and 20 C and health.throttle_samples at least 1, got {h.temp_margin_c:g} and "
+            f"{h.throttle_samples} (fix: --set health.temp_margin_c=3 --set health.throttle_samples=3)"
+        )
     if min(h.hang_step_floor_s, h.hang_section_floor_s, h.hang_startup_s) <= 0 or h.hang_restarts < 0:
         raise ConfigError(
             "health.hang_step_floor_s, hang_section_floor_s and hang_startup_s must be > 0 and hang_restarts >= 0 "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -75,21 +76,21 @@ def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
     if typ == "int":
         if isinstance(value, bool):
             raise ConfigError(f"{key} must be a whole number, got {shown(value)} {fix}")
-        if isinstance(value, int):
+        if isinstance(value, int) and abs(value) < 2**63:
             return value
         try:
-            f = float(str(value).replace("_", ""))
+            f = float(str(value).replace("_", "")) if not isinstance(value, int) else float("inf")
         except ValueError:
             raise ConfigError(f"{key} must be a whole number, got {shown(value)} {fix}") from None
-        if not f.is_integer():
-            raise ConfigError(f"{key} must be a whole number, got {shown(value)} {fix}")
+        if not f.is_integer() or abs(f) >= 2**63:
+            raise ConfigError(f"{key} must be a whole number below 2**63, got {shown(value)} {fix}")
         return int(f)
     if typ == "float":
         if isinstance(value, bool):
             raise ConfigError(f"{key} must be a number, got {shown(value)} {fix}")
         try:
             return float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{key} must be a number, got {shown(value)} {fix}") from None
     if typ == "str":
         if value is None:
@@ -103,11 +104,21 @@ def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
     raise ConfigError(f"{key}: unsupported type {typ}")  # pragma: no cover
 
 
-def _relative_to(base_dir: Path, value: str) -> str:
+_UNSET_VARIABLE = re.compile(r"\$(\w+|\{[^}]*\})")
+
+
+def _relative_to(base_dir: Path, value: str, key: str) -> str:
     """A path setting as the file (or the command line) meant it: `~` is the user's home (bash does
-    not expand it after `--set data.path=`), a relative path starts at `base_dir`, a URL is kept."""
+    not expand it after `--set data.path=`), `$SCRATCH` its value here (as a cluster profile's are), a
+    relative path starts at `base_dir`, a URL is kept."""
     if "://" in value:
         return value
+    if "$" in value:  # taken literally, runs went to a folder named `${SCRATCH}` beside the config file
+        value = os.path.expandvars(value)
+        if unset := _UNSET_VARIABLE.search(value):
+            raise ConfigError(
+                f"{key} names {unset.group(0)}, which is not set here (fix: export {unset.group(1).strip('{}')}=..., or write the path out)"
+            )
     value = os.path.expanduser(value)
     return value if os.path.isabs(value) else str((base_dir / value).resolve())
 
@@ -126,7 +137,7 @@ def _merge(
         if top in TOP_LEVEL:
             base[top] = coerce(top, value, "str", False)
             if top == "output_dir" and base[top] and base_dir is not None:
-                base[top] = _relative_to(base_dir, base[top])
+                base[top] = _relative_to(base_dir, base[top], top)
             if given is not None:
                 given[top] = label
             continue
@@ -143,7 +154,7 @@ def _merge(
                 raise _unknown_key(dotted, valid)
             v = coerce(dotted, v, types[k], False)
             if (top, k) in _PATH_KEYS and v and base_dir is not None:
-                v = _relative_to(base_dir, v)
+                v = _relative_to(base_dir, v, dotted)
             base[top][k] = v
             if given is not None:
                 given[dotted] = label
@@ -172,7 +183,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if text.strip() and line_breaking(text) is None and _field_type(key) != "str":  # text as typed: `4:00:00`, `~/data`
             try:
                 value = strict_yaml.load(text)
-            except yaml.YAMLError:
+            except (yaml.YAMLError, ValueError):  # ValueError: an integer longer than Python converts
                 value = text
         if isinstance(value, (dict, list)):
             value = text
@@ -229,6 +240,12 @@ def _load_yaml(path: Path) -> dict[str, Any]:
         problem = one_line(str(getattr(exc, "problem", exc)))
         fix = "keep one of them" if "appears twice" in problem else "check the brackets, quotes and indentation there"
         raise ConfigError(f"config file {path}{where} is not valid YAML: {problem[:90]} (fix: {fix})") from None
+    except ValueError as exc:  # PyYAML's int() of a number longer than Python converts (4,300 digits)
+        what = one_line(str(exc))[:90]
+        raise ConfigError(f"config file {path} holds a value YAML cannot read ({what}) (fix: write numbers out plainly)") from None
+    except OSError as exc:  # unreadable: permissions, a broken link, an I/O error of a network filesystem
+        why = exc.strerror or type(exc).__name__
+        raise ConfigError(f"config file {path} cannot be read ({why}) (fix: check its permissions)") from None
     except RecursionError:
         raise ConfigError(f"config file {path} nests deeper than Python can read (fix: a config is sections of plain values)") from None
     if _count_values(data, MAX_CONFIG_VALUES) < 0:
@@ -241,11 +258,13 @@ def _load_yaml(path: Path) -> dict[str, Any]:
 
 def resolve_config_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
+    shipped = shipped_configs()
+    # A preset's name is the preset's, whatever lies in the current folder: its run directory has that name
+    # (`--config tiny --output-dir .` made ./tiny, and the same command then refused it as "a folder").
+    if name_or_path in shipped and os.sep not in name_or_path:
+        return shipped[name_or_path]
     if p.suffix in (".yaml", ".yml") or p.exists():
         return p
-    shipped = shipped_configs()
-    if name_or_path in shipped:
-        return shipped[name_or_path]
     raise ConfigError(
         f"config '{name_or_path}' is neither a file nor a shipped preset (fix: use one of {', '.join(shipped)}, or a path to a .yaml file)"
     )

@@ -35,10 +35,10 @@ def validate_tracking(cfg: RunConfig) -> None:
                 "tracking.mlflow_uri must be an http(s):// server or a sqlite:/// store "
                 "(fix: leave it empty for RUN_DIR/tracking/mlflow.db)"
             )
-        if parts.username or parts.password:
+        if parts.username or parts.password or (parts.scheme in ("http", "https") and (parts.query or parts.fragment)):
             raise ConfigError(
-                "tracking.mlflow_uri holds a user name or password, which would be stored in config.yaml "
-                "(fix: the plain URL, and MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD in the environment)"
+                "tracking.mlflow_uri holds a user name, password or query (a token?), which would be stored in config.yaml "
+                "(fix: the plain URL, and MLFLOW_TRACKING_TOKEN or _USERNAME / _PASSWORD in the environment)"
             )
     if t.copy_every_s <= 0 or t.queue_rows < 1:
         raise ConfigError("tracking.copy_every_s must be > 0 and tracking.queue_rows >= 1 (fix: --set tracking.copy_every_s=60)")

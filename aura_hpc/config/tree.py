@@ -93,7 +93,7 @@ class TrainConfig:
     precision: str = "auto"  # auto: bf16 autocast on GPUs with native bf16 (compute capability 8.0+), fp32 elsewhere
     seed: int = 1234  # the seed of the weights, the data order and dropout
     log_every: int = 10  # steps between two log lines and metrics rows
-    eval_every: int = 50  # steps between two evaluations (0: only at the end)
+    eval_every: int = 50  # steps between two evaluations (0: none)
     eval_batches: int = 4  # validation batches per evaluation (train.eval_sequences = this x batch_size when 0)
     eval_sequences: int = 0  # the first N validation sequences, whatever the world size; 0 = eval_batches x batch_size
     checkpoint_every: int = 50  # steps between two checkpoints (0: only at the end and on signals)
@@ -142,7 +142,8 @@ class HealthConfig:
     breaker: bool = True  # GPU circuit breaker (acts only where NVML sees GPUs, or with nvml_replay)
     breaker_interval_s: float = 5.0  # seconds between two NVML readings of the breaker
     temp_margin_c: float = 3.0  # open when a GPU is this close to its slowdown temperature
-    throttle_reasons: str = "hw_slowdown,hw_thermal,sw_thermal,hw_power_brake"  # NVML throttle reasons that open the breaker when sustained
+    # Not sw_thermal by default: NVML's normal clock control of a GPU at its temperature target (temp_margin_c judges heat).
+    throttle_reasons: str = "hw_slowdown,hw_thermal,hw_power_brake"  # NVML throttle reasons that open the breaker when sustained
     throttle_samples: int = 3  # consecutive throttled samples before opening
     webhook_url: str = ""  # a secret: stored redacted, never logged (prefer webhook_url_env or webhook_url_file)
     webhook_url_env: str = ""  # the name of an environment variable holding the URL (read where the trainer runs)

@@ -178,7 +178,7 @@ def open_reader(replay: str = "", only: GpuSelection | None = None) -> GpuReader
 @dataclass
 class Thresholds:
     temp_margin_c: float = 3.0  # trip this close to the slowdown threshold (or shutdown if no slowdown)
-    throttle_reasons: tuple[str, ...] = ("hw_slowdown", "hw_thermal", "sw_thermal", "hw_power_brake")
+    throttle_reasons: tuple[str, ...] = ("hw_slowdown", "hw_thermal", "hw_power_brake")
     throttle_samples: int = 3  # consecutive samples throttled before tripping (a blip is not a fault)
 
 
