@@ -90,6 +90,8 @@ def test_precedence_cli_over_config_over_profile(tmp_path: Path) -> None:
     assert "#SBATCH --partition=debug" in script  # cli beats config
     assert "#SBATCH --time=120" in script  # config beats the profile's 24:00:00
     assert "#SBATCH --cpus-per-task=4" in script  # config beats the profile's 14
+    # Slurm 22.05+: srun does not inherit it; each rank was left one core for its 4 threads.
+    assert re.search(r"^srun .*--cpus-per-task=4", script, re.M), script
     assert "#SBATCH --mem=0" in script and "#SBATCH --exclusive" in script  # from the profile
     assert "#SBATCH --gpus-per-node=4" in script and "#SBATCH --ntasks-per-node=4" in script
     assert "module load cuda/12.4" in script and "NCCL_IB_HCA=mlx5" in script

@@ -290,6 +290,9 @@ def plan_submit(
         params["gpus_per_node"] = slurm.gpus_per_node
     if slurm.cpus_per_task:
         params["cpus_per_task"] = slurm.cpus_per_task
+        # srun no longer inherits sbatch's --cpus-per-task (Slurm 22.05+): each rank got one core, and its
+        # OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK threads all ran on it.
+        params["srun_args"].append(f"--cpus-per-task={slurm.cpus_per_task}")
     for key in ("mem", "partition", "account", "qos", "constraint", "exclude"):
         if getattr(slurm, key):
             params[key] = getattr(slurm, key)

@@ -30,5 +30,5 @@ export TORCH_NCCL_DUMP_ON_TIMEOUT=1
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-srun --unbuffered --output /shared/aura/runs/gpt2/slurm/%j_%t_log.out --error /shared/aura/runs/gpt2/slurm/%j_%t_log.err --kill-on-bad-exit=1 --open-mode=append '--container-image=registry.example.org#aura/aura-hpc:latest' --container-mounts=/shared/aura/runs:/shared/aura/runs --container-workdir=/shared/aura/runs python3 -u -m submitit.core._submit /shared/aura/runs/gpt2/slurm
+srun --unbuffered --output /shared/aura/runs/gpt2/slurm/%j_%t_log.out --error /shared/aura/runs/gpt2/slurm/%j_%t_log.err --kill-on-bad-exit=1 --open-mode=append --cpus-per-task=14 '--container-image=registry.example.org#aura/aura-hpc:latest' --container-mounts=/shared/aura/runs:/shared/aura/runs --container-workdir=/shared/aura/runs python3 -u -m submitit.core._submit /shared/aura/runs/gpt2/slurm
 

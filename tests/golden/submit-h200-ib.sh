@@ -37,5 +37,5 @@ export TORCH_NCCL_DUMP_ON_TIMEOUT=1
 
 # command
 export SUBMITIT_EXECUTOR=slurm
-srun --unbuffered --output /shared/aura/runs/gpt2/slurm/%j_%t_log.out --error /shared/aura/runs/gpt2/slurm/%j_%t_log.err --kill-on-bad-exit=1 --open-mode=append PYTHON -u -m submitit.core._submit /shared/aura/runs/gpt2/slurm
+srun --unbuffered --output /shared/aura/runs/gpt2/slurm/%j_%t_log.out --error /shared/aura/runs/gpt2/slurm/%j_%t_log.err --kill-on-bad-exit=1 --open-mode=append --cpus-per-task=14 PYTHON -u -m submitit.core._submit /shared/aura/runs/gpt2/slurm
 
