@@ -345,6 +345,33 @@ def test_bad_submissions_are_refused_and_nothing_is_queued(
     assert not (tmp_path / "runs" / name / "job.json").exists()
 
 
+def test_a_watch_outlasts_a_controller_that_misses_an_answer_and_prints_the_jobs_last_words(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One squeue that timed out (a busy controller) ended `logs --follow` and `submit --wait` with exit 2 while
+    the job ran on; and the job's last line, written without a line break, was never printed."""
+    from aura_hpc.errors import LaunchError
+    from aura_hpc.slurm import commands, submit
+
+    answers: list[object] = [LaunchError("squeue: error: Socket timed out on send/recv operation"), None]
+
+    def squeue_job(job_id: str) -> object:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(submit.slurm_query, "squeue_job", squeue_job)
+    log = tmp_path / "42_0_log.out"
+    log.write_text("step 10 loss 3.1\nRuntimeError: CUDA out of memory")
+    printed: list[str] = []
+    commands.follow("42", log, printed.append, poll_s=0.1)
+    assert printed == ["step 10 loss 3.1", "RuntimeError: CUDA out of memory"] and not answers
+    answers[:] = [LaunchError("squeue: error: Socket timed out")] * 3
+    with pytest.raises(LaunchError, match=r"Socket timed out \(squeue failed for 1 s; the job itself may still run\)"):
+        submit.squeue_patiently("42", patience_s=1)
+
+
 def test_a_requeue_where_the_slurm_client_is_missing_is_a_reason_not_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A container image without scontrol: the watchdog still kills the hung ranks, a screen's requeue
     that did not happen ends the job failed; both read this reason instead of a FileNotFoundError."""

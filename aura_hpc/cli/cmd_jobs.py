@@ -102,7 +102,7 @@ def _follow_local(path: Path, printer: Any) -> None:
     while True:
         offset = print_new_lines(path, offset, printer)
         if local_status(path.parent.parent, {})["state"] != "RUNNING":
-            print_new_lines(path, offset, printer)
+            print_new_lines(path, offset, printer, final=True)
             return
         time.sleep(0.5)
 

@@ -11,7 +11,7 @@ from aura_hpc.errors import LaunchError
 from aura_hpc.launch.run_status import goodput_note
 from aura_hpc.slurm import index as job_index
 from aura_hpc.slurm import query as slurm_query
-from aura_hpc.slurm.submit import print_new_lines, rank_log
+from aura_hpc.slurm.submit import print_new_lines, rank_log, squeue_patiently
 
 
 def latest_metrics(run_dir: Path | None) -> dict[str, Any]:
@@ -125,11 +125,11 @@ def follow(job_id: str, path: Path, printer: Any, poll_s: float = 0.5) -> None:
     """Print the log as it grows; return once the job has ended and the last lines are out."""
     offset = 0
     while True:
-        row = slurm_query.squeue_job(job_id)
+        row = squeue_patiently(job_id)
         ended = row is None or not row.active
         offset = print_new_lines(path, offset, printer)
         if ended:
-            print_new_lines(path, offset, printer)
+            print_new_lines(path, offset, printer, final=True)
             return
         time.sleep(poll_s)
 

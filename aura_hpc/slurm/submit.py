@@ -104,7 +104,7 @@ def wait(job_ids: list[str], follow_log: Path | None = None, poll_s: float = 1.0
     while True:
         pending = [j for j in job_ids if j not in final]
         for j in pending:
-            row = slurm_query.squeue_job(j)
+            row = squeue_patiently(j)
             if row is None or not row.active:
                 final[j] = _final_state(j, row, since)
         if follow_log is not None:
@@ -113,7 +113,7 @@ def wait(job_ids: list[str], follow_log: Path | None = None, poll_s: float = 1.0
             break
         time.sleep(poll_s)
     if follow_log is not None:
-        print_new_lines(follow_log, offset, printer)
+        print_new_lines(follow_log, offset, printer, final=True)
     status = 0
     for j in job_ids:
         row = final[j]
@@ -153,7 +153,28 @@ def _exit_code(row: slurm_query.JobRow | None) -> int:
         return 0
 
 
-def print_new_lines(path: Path, offset: int, printer: Any) -> int:
+# How long a watch (`submit --wait`, `logs --follow`) keeps asking a controller that does not answer (a busy one
+# times out; a failover takes minutes) before it gives up: one failed squeue ended a watch of a job that ran on.
+SQUEUE_PATIENCE_S = 300.0
+
+
+def squeue_patiently(job_id: str, patience_s: float = SQUEUE_PATIENCE_S) -> slurm_query.JobRow | None:
+    failing_since, wait_s = 0.0, 2.0
+    while True:
+        try:
+            return slurm_query.squeue_job(job_id)
+        except LaunchError as exc:
+            failing_since = failing_since or time.monotonic()
+            if time.monotonic() - failing_since > patience_s:
+                said = str(exc).splitlines()[0]
+                raise LaunchError(f"{said} (squeue failed for {patience_s:.0f} s; the job itself may still run)") from None
+            time.sleep(wait_s)
+            wait_s = min(30.0, wait_s * 2)
+
+
+def print_new_lines(path: Path, offset: int, printer: Any, final: bool = False) -> int:
+    """The whole lines written after `offset`; `final`: the last one too, without its line break (a job's last
+    words, "CUDA out of memory", often have none)."""
     try:
         with path.open("rb") as f:
             f.seek(offset)
@@ -162,7 +183,7 @@ def print_new_lines(path: Path, offset: int, printer: Any) -> int:
         return offset
     if not data:
         return offset
-    end = data.rfind(b"\n") + 1  # whole lines only
+    end = len(data) if final else data.rfind(b"\n") + 1  # whole lines only, but at the end
     if end == 0:
         return offset
     for line in data[:end].decode("utf-8", "replace").splitlines():
