@@ -345,6 +345,22 @@ def test_bad_submissions_are_refused_and_nothing_is_queued(
     assert not (tmp_path / "runs" / name / "job.json").exists()
 
 
+def test_a_queued_job_whose_record_cannot_be_written_is_named_by_its_id(
+    slurm_cluster: Path, prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A home over quota (here: AURA_HPC_HOME a file) after sbatch had queued the job: a traceback without the id,
+    and the user submitted again."""
+    blocked = tmp_path / "home-is-a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("AURA_HPC_HOME", str(blocked))
+    args = ["submit", *TINY, "--output-dir", str(tmp_path / "runs"), "--run-name", f"unrecorded-{tmp_path.name}"]
+    res = run_cli([*args, "--set", f"data.path={prepared}", "--set", "train.max_steps=1"])
+    said = re.search(r"job\(s\) (\d+) were queued, but recording them failed \(.*\(fix: ", res.stderr)
+    if said:
+        subprocess.run(["scancel", said.group(1)], check=False)
+    assert res.returncode == 2 and said and "Traceback" not in res.stderr, res.stdout + res.stderr
+
+
 def test_a_watch_outlasts_a_controller_that_misses_an_answer_and_prints_the_jobs_last_words(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -579,6 +595,16 @@ def test_no_slurm_configuration_is_named_at_once(command: list[str], tmp_path: P
     assert res.returncode == 2, res.stdout + res.stderr
     assert "no Slurm configuration is reachable" in res.stderr and "SLURM_CONF=" in res.stderr, res.stderr
     assert time.perf_counter() - t0 < 20, "Slurm's own 60 s retry loop was not waited out"
+
+
+def test_submit_without_a_slurm_configuration_is_named_at_once(tmp_path: Path, home: Path) -> None:
+    """submit's sbatch --test-only waited out Slurm's 60 s retry loop first (59.5 s measured)."""
+    if shutil.which("sbatch") is None:
+        pytest.skip("needs Slurm's client commands")
+    t0 = time.perf_counter()
+    res = run_cli(["submit", "--output-dir", str(tmp_path / "runs")], SLURM_CONF=str(tmp_path / "nowhere" / "slurm.conf"), timeout=90)
+    assert res.returncode == 2 and "no Slurm configuration is reachable" in res.stderr, res.stdout + res.stderr
+    assert time.perf_counter() - t0 < 20 and not (tmp_path / "runs").exists()
 
 
 def test_a_sharded_strategy_requeues_and_resumes_from_its_shards(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:

@@ -235,10 +235,15 @@ def test_only(script: str) -> None:
     import tempfile
 
     require("sbatch")
+    require_config()  # else sbatch retries for 60 s before it says there is no configuration
     with tempfile.NamedTemporaryFile("w", suffix=".sh", prefix="aura-test-only-") as f:
         f.write(script)
         f.flush()
-        done = subprocess.run(["sbatch", "--test-only", f.name], capture_output=True, text=True, timeout=60)
+        try:
+            done = subprocess.run(["sbatch", "--test-only", f.name], capture_output=True, text=True, timeout=90)
+        except subprocess.TimeoutExpired:
+            said = "sbatch --test-only did not answer within 90 s; nothing was queued (fix: check slurmctld: scontrol ping)"
+            raise LaunchError(said) from None
     if done.returncode != 0:
         lines = []
         for ln in (done.stderr + "\n" + done.stdout).splitlines():

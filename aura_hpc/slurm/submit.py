@@ -56,6 +56,18 @@ def submit(plan: SubmitPlan) -> list[str]:
     script = script_file.read_text(encoding="utf-8") if script_file.exists() else plan.script
     if plan.check:
         return ids
+    try:
+        _record(plan, ids, script, submitted)
+    except OSError as exc:  # queued all the same: the ids must reach the user, or they submit again
+        raise LaunchError(
+            f"job(s) {', '.join(ids)} were queued, but recording them failed ({exc.strerror or type(exc).__name__}: "
+            f"{exc.filename or ''}) (fix: free that place; `status`, `logs` and `cancel` take these ids meanwhile)"
+        ) from None
+    return ids
+
+
+def _record(plan: SubmitPlan, ids: list[str], script: str, submitted: str) -> None:
+    """job.json and submission.sh in each run directory, and the index line that `status` and `history` read."""
     for p, job_id in zip(plan.points, ids, strict=True):
         (p.cfg.run_dir / "submission.sh").write_text(script, encoding="utf-8")
         record = {
@@ -77,7 +89,6 @@ def submit(plan: SubmitPlan) -> list[str]:
         tmp.write_text(json.dumps(record, indent=2), encoding="utf-8")
         tmp.replace(p.cfg.run_dir / JOB_FILE)
         job_index.record(job_id, p.cfg.run_dir, plan.params["job_name"], submitted)
-    return ids
 
 
 def _rejection(text: str) -> str:
