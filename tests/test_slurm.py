@@ -561,6 +561,12 @@ def test_cancel_stops_a_running_job(slurm_cluster: Path, prepared: Path, tmp_pat
     while _latest_step(run_dir) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.2)
+    # An old job.json whose id Slurm has since given to another job (ids restart; clusters share output_dirs).
+    recorded = (run_dir / "job.json").read_text()
+    (run_dir / "job.json").write_text(json.dumps({**json.loads(recorded), "job_name": "aura-an-older-run"}))
+    stale = run_cli(["cancel", str(run_dir)])
+    assert stale.returncode == 2 and "it is another job now, not cancelled" in stale.stderr, stale.stderr
+    (run_dir / "job.json").write_text(recorded)
     res = run_cli(["cancel", str(run_dir)])
     assert res.returncode == 0, res.stderr
     job = _job_id(run_dir)

@@ -135,12 +135,20 @@ def follow(job_id: str, path: Path, printer: Any, poll_s: float = 0.5) -> None:
 
 
 def cancel(target: str) -> str:
-    job_id, _, _ = job_index.resolve(target)
+    job_id, _, info = job_index.resolve(target)
     row = slurm_query.squeue_job(job_id)
     if row is None:
         raise LaunchError(f"job {job_id} is not in the queue (fix: `python -m aura_hpc status --all` lists the jobs you can cancel)")
     if not row.active:
         raise LaunchError(f"job {job_id} has already ended ({row.state}); nothing to cancel")
+    recorded = str((info or {}).get("job_name") or "")
+    if recorded and row.name and row.name != recorded:
+        # Job ids restart (a controller's state reset), and two clusters may share one output_dir: the id in an old
+        # job.json can be someone else's job now.
+        raise LaunchError(
+            f"job {job_id} in the queue is named {row.name!r}, not {recorded!r} as this run's job.json says: it is another "
+            f"job now, not cancelled (fix: `python -m aura_hpc status --all` lists yours; scancel the right id)"
+        )
     slurm_query.scancel(job_id)
     return job_id
 
