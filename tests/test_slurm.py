@@ -485,6 +485,11 @@ def test_status_and_history_read_sweep_elements_and_names_with_a_pipe_as_slurm_h
         assert set(rows) == elements and {r["state"] for r in rows.values()} == {"RUNNING"}, rows
         one = run_cli(["status", "--json", f"{array}_1"])
         assert [(r["job_id"], r["name"], r["state"]) for r in json.loads(one.stdout)["jobs"]] == [(f"{array}_1", name, "RUNNING")]
+        # The array's own id (what `submit` printed for a sweep) was "not in the queue"; squeue's `N_[1-3]` row refused.
+        several = run_cli(["cancel", f"{array}_[0-1]"])
+        assert several.returncode == 2 and f"(fix: pass {array} for the whole array, or one element such as {array}_0)" in several.stderr
+        whole = run_cli(["cancel", array])
+        assert whole.returncode == 0, whole.stdout + whole.stderr
     finally:
         subprocess.run(["scancel", array], check=False)
     deadline = time.monotonic() + 60  # slurmdbd records the ends asynchronously

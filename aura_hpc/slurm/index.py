@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,11 @@ def resolve(target: str) -> tuple[str, Path | None, dict[str, Any] | None]:
     if p.is_dir():
         info = read_job_file(p)
         return str(info["job_id"]), p.resolve(), info
+    if re.fullmatch(r"\d+_\[[\d,\-%]+\]", target):  # squeue's row of an array's pending elements
+        raise LaunchError(
+            f"{target} names several elements of array {target.split('_')[0]} (fix: pass {target.split('_')[0]} for the whole "
+            f"array, or one element such as {target.split('_')[0]}_{re.findall(r'[0-9]+', target.split('_', 1)[1])[0]})"
+        )
     if not target.replace("_", "").isdigit():
         raise LaunchError(f"{target!r} is neither a job id nor a run directory (fix: pass the id `submit` printed, or RUN_DIR)")
     run_dir = run_dir_of(target)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import shutil
 import subprocess
@@ -177,6 +178,11 @@ def squeue_job(job_id: str) -> JobRow | None:
     for r in rows:
         if r.job_id == job_id:
             return r
+    # An array's own id (a sweep's, as `submit` printed it): squeue lists its elements, 123_0 and 123_[1-3].
+    elements = [r for r in rows if r.job_id.partition("_")[0] == job_id]
+    if elements:
+        first = next((r for r in elements if r.active), elements[0])
+        return dataclasses.replace(first, job_id=job_id)
     return rows[0] if len(rows) == 1 else None
 
 
