@@ -560,8 +560,13 @@ def test_cancel_stops_a_running_job(slurm_cluster: Path, prepared: Path, tmp_pat
         "--set",
         "train.max_steps=100000",
     ]
-    assert run_cli(args).returncode == 0
+    # sbatch lets SBATCH_* variables override the script's lines: a shell's leftovers gave the planned job 1 minute
+    # and no requeue; the plan wins, and says so.
+    sub = run_cli(args, SBATCH_TIMELIMIT="1", SBATCH_NO_REQUEUE="1")
+    assert sub.returncode == 0 and "SBATCH_TIMELIMIT='1' in this shell would override the script's --time" in sub.stderr
     run_dir = out / "cx"
+    shown = subprocess.run(["scontrol", "show", "job", _job_id(run_dir)], capture_output=True, text=True, check=True).stdout
+    assert "TimeLimit=00:10:00" in shown and "Requeue=1" in shown, shown
     deadline = time.monotonic() + 120
     while _latest_step(run_dir) < 2:
         assert time.monotonic() < deadline

@@ -24,7 +24,7 @@ from aura_hpc.errors import ConfigError
 from aura_hpc.launch.memory import MemoryPlan, check_fits
 from aura_hpc.launch.memory import plan as plan_memory
 from aura_hpc.ops.disk import filesystem_type, is_network_fs
-from aura_hpc.slurm import profiles, script_safety
+from aura_hpc.slurm import profiles, sbatch_env, script_safety
 from aura_hpc.slurm.containers import ContainerPlan, plan_container
 
 # Filesystems every node of a cluster sees alike.
@@ -331,6 +331,7 @@ def plan_submit(
     python = container.python_command() if container is not None else shlex.quote(sys.executable)
     script = sbatch_script(folder, params, len(points), python)
     script_safety.assert_directives_intact(script, _planned_directives(params, len(points)))
+    warnings += sbatch_env.warnings(script)
     plan = SubmitPlan(points, prof, slurm, sources, params, folder, script, env, warnings, prepare_builtin, check, memory)
     plan.data_problem = data_problem
     plan.container = container

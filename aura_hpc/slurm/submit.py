@@ -12,6 +12,7 @@ from typing import Any
 from aura_hpc.errors import LaunchError
 from aura_hpc.slurm import index as job_index
 from aura_hpc.slurm import query as slurm_query
+from aura_hpc.slurm import sbatch_env
 from aura_hpc.slurm.plan import SubmitPlan
 
 JOB_FILE = "job.json"
@@ -20,7 +21,8 @@ JOB_FILE = "job.json"
 def submit(plan: SubmitPlan) -> list[str]:
     """Prepare the run directories, submit through submitit, record each job; returns the job ids."""
     slurm_query.require("sbatch")
-    slurm_query.test_only(plan.script)  # refused here, nothing is written or queued
+    with sbatch_env.left_out(plan.script):
+        slurm_query.test_only(plan.script)  # refused here, nothing is written or queued
     from aura_hpc.launch.run_setup import check_writable, prepare_run_dir
     from aura_hpc.slurm.job import CheckJob, TrainJob
 
@@ -37,7 +39,7 @@ def submit(plan: SubmitPlan) -> list[str]:
     # submitit echoes sbatch's stderr when sbatch fails; it is reported once, below, with the fix.
     quiet = contextlib.redirect_stderr(io.StringIO())
     try:
-        with quiet:
+        with quiet, sbatch_env.left_out(plan.script):
             if plan.is_array:
                 with executor.batch():
                     for p in plan.points:

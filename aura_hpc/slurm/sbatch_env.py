@@ -1,0 +1,56 @@
+"""sbatch's input variables (SBATCH_TIMELIMIT, SBATCH_NO_REQUEUE, ...) override the #SBATCH lines of the script it
+reads (man sbatch: INPUT ENVIRONMENT VARIABLES). Left in a user's shell, they silently changed the job the dry run
+showed: `SBATCH_TIMELIMIT=5` gave a planned 4-hour job 5 minutes, `SBATCH_NO_REQUEUE` took away the requeue that
+the pre-timeout signal relies on. The plan wins: the ones that collide with its lines are named and left out."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator, Mapping
+
+from aura_hpc.errors import shown
+
+# An #SBATCH option of ours -> the variables that override it (or, for GPUs and memory, the request it makes).
+_OVERRIDING = {
+    "time": ("SBATCH_TIMELIMIT",),
+    "partition": ("SBATCH_PARTITION",),
+    "account": ("SBATCH_ACCOUNT",),
+    "qos": ("SBATCH_QOS",),
+    "constraint": ("SBATCH_CONSTRAINT",),
+    "exclusive": ("SBATCH_EXCLUSIVE",),
+    "gpus-per-node": ("SBATCH_GPUS_PER_NODE", "SBATCH_GPUS", "SBATCH_GRES"),
+    "mem": ("SBATCH_MEM_PER_NODE", "SBATCH_MEM_PER_CPU", "SBATCH_MEM_PER_GPU"),
+    "signal": ("SBATCH_SIGNAL",),
+    "requeue": ("SBATCH_NO_REQUEUE", "SBATCH_REQUEUE"),
+    "job-name": ("SBATCH_JOB_NAME",),
+    "output": ("SBATCH_OUTPUT",),
+    "error": ("SBATCH_ERROR",),
+    "open-mode": ("SBATCH_OPEN_MODE",),
+    "array": ("SBATCH_ARRAY_INX",),
+}
+
+
+def colliding(script: str, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """Each variable set in `environ` that would override a line of `script`, with that line's option."""
+    options = set(re.findall(r"^#SBATCH --([a-z-]+)", script, re.M))
+    return {name: option for option in sorted(options) for name in _OVERRIDING.get(option, ()) if name in environ}
+
+
+def warnings(script: str, environ: Mapping[str, str] = os.environ) -> list[str]:
+    return [
+        f"{name}={shown(environ[name], 30)} in this shell would override the script's --{option} (sbatch lets its "
+        "environment win); submit leaves it out, so the job is the one planned here"
+        for name, option in colliding(script, environ).items()
+    ]
+
+
+@contextlib.contextmanager
+def left_out(script: str) -> Iterator[None]:
+    """sbatch (submitit's, and --test-only) runs inside without the variables that collide with `script`."""
+    saved = {name: os.environ.pop(name) for name in colliding(script)}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
