@@ -237,6 +237,16 @@ ROWS = [
         _files,
     ),
     Row("check: a timeout that is no time", ["check", "--timeout", "nan"], "--timeout must be a number of seconds above 0, got nan"),
+    Row(  # the worker said "connection refused at 127.0.0.1:70000 ... ufw allow 70000/tcp"
+        "check: a port that is none",
+        ["check", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", "70000"],
+        "--master-port 70000 is not a TCP port (fix: --master-port 29500",
+    ),
+    Row(  # check passed a master that `local` refuses
+        "check: an IPv6 master",
+        ["check", "--nnodes", "2", "--node-rank", "1", "--master-addr", "fd00::1", "--timeout", "2"],
+        "master address 'fd00::1' is an IPv6 address: IPv4 only",
+    ),
     # generate
     Row("generate: no checkpoint", ["generate", "--run", "{tmp}/norun"], "no complete checkpoint", _files),
     Row(

@@ -109,6 +109,26 @@ def test_nothing_listening_a_node_that_never_joins_and_a_duplicate_node_rank_are
     assert results[0][0] == 1 and "node rank(s) 2 never joined" in results[0][2], shown
 
 
+def test_a_master_name_that_resolves_to_loopback_here_is_refused_by_check_and_local(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Debian and Ubuntu map a machine's own name to 127.0.1.1 (/etc/hosts): node 0 started with `--master-addr mypc`
+    listened on loopback, and the other nodes were told to open their firewall. Literal 127.0.0.1 (nodes on one
+    host) and one machine stay allowed. The name's lookup is this test's (the CI machine's /etc/hosts is not ours)."""
+    import socket
+
+    from aura_hpc.errors import LaunchError
+    from aura_hpc.launch.local import _check_master_addr
+    from aura_hpc.ops.check import cluster_args
+
+    real = socket.gethostbyname
+    monkeypatch.setattr("aura_hpc.ops.network.socket.gethostbyname", lambda n: "127.0.1.1" if n == "mypc" else real(n))
+    expected = r"master address mypc resolves to 127\.0\.1\.1 on this machine .* \(fix: --master-addr <node 0's LAN IP"
+    for refuse in (lambda: cluster_args(2, 0, "mypc", 29500), lambda: _check_master_addr("mypc", 2, 0)):
+        with pytest.raises(LaunchError, match=expected):
+            refuse()
+    assert cluster_args(2, 1, "127.0.0.1", 29500) is not None and _check_master_addr("127.0.0.1", 2, 0) == []
+    assert cluster_args(1, 0, "mypc", 29500) is not None  # one machine: loopback is where it should listen
+
+
 def test_a_directory_that_is_not_shared_is_reported(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

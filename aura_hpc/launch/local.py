@@ -26,7 +26,7 @@ from aura_hpc.errors import ConfigError, LaunchError
 from aura_hpc.launch.agent import run_workers
 from aura_hpc.launch.plan import LocalPlan
 from aura_hpc.launch.run_setup import ensure_run_secret, prepare_run_dir
-from aura_hpc.ops.network import is_own_address, is_trusted_range, loopback_interface, port_in_use, resolve, route_to
+from aura_hpc.ops.network import is_own_address, is_trusted_range, lan_master_problem, loopback_interface, port_in_use, resolve, route_to
 
 
 def wait_for_master(
@@ -78,10 +78,8 @@ def wait_for_master(
 def _check_master_addr(addr: str, nnodes: int, node_rank: int) -> list[str]:
     """Node 0 hosts the rendezvous on --master-addr, so it must be one of its own addresses; and the
     peers there are trusted (the process group unpickles what they send)."""
-    if ":" in addr.strip("[]"):  # an IPv6 literal: the rendezvous and the stores are IPv4 (it read "does not resolve")
-        raise LaunchError(f"master address {addr!r} is an IPv6 address: IPv4 only (fix: node 0's IPv4 address, e.g. 192.168.1.10)")
-    if resolve(addr) is None:
-        raise LaunchError(f"master address {addr!r} does not resolve (fix: use node 0's IP address, e.g. 192.168.1.10)")
+    if problem := lan_master_problem(addr, nnodes):
+        raise LaunchError(problem)
     if nnodes == 1:
         return _one_machine_master_addr(addr)
     if node_rank == 0 and not is_own_address(addr):

@@ -21,6 +21,7 @@ from aura_hpc.errors import LaunchError
 from aura_hpc.ops.check_cluster import ClusterArgs, cluster_checks
 from aura_hpc.ops.check_local import local_checks
 from aura_hpc.ops.check_report import Failed, Report
+from aura_hpc.ops.network import lan_master_problem
 
 
 def run(output_dir: str | None, cluster: ClusterArgs | None, on_timeout: Callable[[Report, str], None]) -> Report:
@@ -71,6 +72,10 @@ def cluster_args(
         raise LaunchError(f"--node-rank {node_rank} is not in 0..{nnodes - 1} (fix: --node-rank 0 on the master, 1..N-1 on the others)")
     if nnodes > 1 and not master_addr:
         raise LaunchError("--nnodes > 1 needs --master-addr (fix: --master-addr <IP of node 0> on every node)")
+    if not 1 <= master_port <= 65535:  # 0 had node 0 listen on a random port, and the others blame the firewall
+        raise LaunchError(f"--master-port {master_port} is not a TCP port (fix: --master-port 29500, the same on every node)")
+    if master_addr and (problem := lan_master_problem(master_addr, nnodes)):
+        raise LaunchError(problem)  # as `local` says it: check must not pass a master that training refuses
     try:
         sizes = tuple(float(x) for x in sizes_mb.split(",") if x.strip())
     except ValueError:

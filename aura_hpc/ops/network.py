@@ -50,6 +50,38 @@ def resolve(addr: str) -> str | None:
         return None
 
 
+def loopback_name(addr: str) -> str | None:
+    """The loopback address a host *name* resolves to here, or None. Debian and Ubuntu map a machine's own name
+    to 127.0.1.1 in /etc/hosts: node 0 started with `--master-addr mypc` listened where no other node reaches.
+    An IP literal or `localhost` says what it means (nodes on one host use 127.0.0.1)."""
+    import ipaddress
+
+    name = addr.strip("[]")
+    if name == "localhost":
+        return None
+    try:
+        ipaddress.ip_address(name)
+        return None
+    except ValueError:
+        pass
+    ip = resolve(name)
+    return ip if ip is not None and ipaddress.ip_address(ip).is_loopback else None
+
+
+def lan_master_problem(addr: str, nnodes: int) -> str | None:
+    """Why `addr` cannot be the master of a run of `nnodes` machines, in one line with the fix, or None."""
+    if ":" in addr.strip("[]"):  # an IPv6 literal: the rendezvous and the stores are IPv4 (it read "does not resolve")
+        return f"master address {addr!r} is an IPv6 address: IPv4 only (fix: node 0's IPv4 address, e.g. 192.168.1.10)"
+    if resolve(addr) is None:
+        return f"master address {addr!r} does not resolve (fix: use node 0's IP address, e.g. 192.168.1.10)"
+    if nnodes > 1 and (loopback := loopback_name(addr)):
+        return (
+            f"master address {addr} resolves to {loopback} on this machine (/etc/hosts maps the name there), where the other "
+            "nodes cannot reach it (fix: --master-addr <node 0's LAN IP, see `ip -4 addr`> on every node)"
+        )
+    return None
+
+
 def is_own_address(addr: str) -> bool:
     """True when this machine can listen on `addr` (one of its interfaces, loopback, or the wildcard)."""
     ip = resolve(addr)
