@@ -29,27 +29,36 @@ def run(output_dir: str | None, cluster: ClusterArgs | None, on_timeout: Callabl
     report = Report()
     t0 = time.perf_counter()
     stage = ["local checks"]
+    timer: threading.Timer | None = None
+
+    def fire() -> None:
+        report.elapsed_s = time.perf_counter() - t0
+        on_timeout(report, stage[0])
+        os._exit(1)
+
+    def watch(seconds: float) -> threading.Timer:
+        # The safety net: every stage has its own timeout, but nothing may hang past the deadline.
+        t = threading.Timer(seconds + 1.0, fire)
+        t.daemon = True
+        t.start()
+        return t
+
     if cluster is not None:
         report.node_rank, report.nnodes = cluster.node_rank, cluster.nnodes
-
-        def fire() -> None:
-            report.elapsed_s = time.perf_counter() - t0
-            on_timeout(report, stage[0])
-            os._exit(1)
-
-        cluster.deadline = time.monotonic() + cluster.timeout
-        # The safety net: every stage has its own timeout, but nothing may hang past the deadline.
-        timer = threading.Timer(cluster.timeout + 1.0, fire)
-        timer.daemon = True
-        timer.start()
+        timer = watch(max(cluster.timeout, 60.0))  # CUDA's start and NCCL's self-test on 8 GPUs take seconds
     try:
         local_checks(report, output_dir)
         if cluster is not None:
+            # --timeout is the across-machines part's own: the local checks used up the 10 s before the master was tried.
+            assert timer is not None
+            timer.cancel()
+            cluster.deadline = time.monotonic() + cluster.timeout
+            timer = watch(cluster.timeout)
             with contextlib.suppress(Failed):
                 cluster_checks(report, cluster, stage)
     finally:
         report.elapsed_s = time.perf_counter() - t0
-        if cluster is not None:
+        if timer is not None:
             timer.cancel()
     return report
 
@@ -90,11 +99,14 @@ def show(report: Report, as_json: bool, timeout: float, timed_out_at: str | None
     from aura_hpc import console
 
     if timed_out_at:
+        local = timed_out_at == "local checks"
         report.add(
             "timeout",
             False,
-            f"the check did not finish within {timeout:g}s (stuck at: {timed_out_at})",
-            "see the failed line above; a firewall that drops gloo/NCCL's data ports hangs here: open them between the nodes",
+            f"the check did not finish within {max(timeout, 60.0) if local else timeout:g}s (stuck at: {timed_out_at})",
+            "a GPU or driver that does not answer: see `nvidia-smi` on this machine"
+            if local
+            else "see the failed line above; a firewall that drops gloo/NCCL's data ports hangs here: open them between the nodes",
         )
     if as_json:
         print(json.dumps(report.to_json(), indent=2), flush=True)
