@@ -196,6 +196,25 @@ def test_selftest_runs_its_sequence_and_writes_its_report(tmp_path: Path) -> Non
     assert [c["ok"] for c in report["checks"]] == [True] and "resumed" in report["checks"][0]["detail"]
 
 
+def test_a_failed_throughput_run_keeps_the_contract_results_in_the_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The throughput run comes last, after up to an hour per strategy: its LaunchError lost selftest.json and the
+    table. The runs themselves are the test above's; here they are stand-ins, as is the corpus."""
+    from aura_hpc.errors import LaunchError
+    from aura_hpc.ops import selftest
+
+    def failed(*args: object) -> dict:
+        raise LaunchError("the trainer's throughput run failed: out of memory (fix: see RUN_DIR/logs)")
+
+    monkeypatch.setattr(selftest, "contract", lambda strategy, *args: selftest.Check(strategy, True, "resumed at 5"))
+    monkeypatch.setattr(selftest, "throughput", failed)
+    monkeypatch.setattr("aura_hpc.data.prepare.prepare", lambda spec: None)
+    said: list[str] = []
+    report = selftest.run(tmp_path, True, 0, ["ddp"], True, said.append)
+    written = json.loads((tmp_path / "selftest.json").read_text())
+    assert [(c["name"], c["ok"]) for c in written["checks"]] == [("ddp", True), ("throughput", False)] and not report.ok
+    assert any(line.startswith("FAIL throughput: the trainer's throughput run failed") for line in said), said
+
+
 def test_auto_precision_is_agreed_by_the_ranks_and_a_gpu_fault_names_the_nodes_gpu(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
