@@ -340,3 +340,30 @@ def test_fsdp_on_cpu_is_refused_on_a_torch_whose_fsdp_cannot_run_there(tmp_path:
     r = run_cli(["local", "--output-dir", str(tmp_path / "runs"), "--set", "dist.strategy=fsdp", "--dry-run"], timeout=120)
     old = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < (2, 7)
     assert (r.returncode == 2 and "needs torch 2.7 or newer" in r.stderr) if old else r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_deepspeed_json_is_judged_in_one_line_and_its_batch_size_at_the_real_world_size(tmp_path: Path) -> None:
+    """Each was a traceback (ValueError, TypeError, IsADirectoryError, UnicodeDecodeError); and a train_batch_size
+    right for 8 GPUs x 8 (64) was refused before launch, judged at world size 1, where a wrong 8 passed."""
+    from aura_hpc.config.deepspeed import deepspeed_config
+
+    def with_json(name: str, content: bytes | None) -> list[str]:
+        path = tmp_path / name
+        if content is None:
+            path.mkdir()
+        else:
+            path.write_bytes(content)
+        return ["dist.strategy=zero2", f"dist.deepspeed_config={path}", "train.batch_size=8"]
+
+    for name, content, said in (
+        ("stage.json", b'{"zero_optimization": {"stage": "two"}}', "zero_optimization.stage must be 0 to 3, got 'two'"),
+        ("section.json", b'{"zero_optimization": 5}', "zero_optimization must be a JSON object, got 5"),
+        ("folder.json", None, "cannot be read (Is a directory) (fix: a JSON file)"),
+        ("latin1.json", '{"steps_per_print": 1, "x": "año"}'.encode("latin-1"), "is not UTF-8 text (fix: save the JSON as UTF-8)"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            load_config(None, with_json(name, content))
+    cfg = load_config(None, with_json("batch.json", b'{"train_batch_size": 64}'))  # for 8 ranks of 8: not refused at 1
+    assert deepspeed_config(cfg, 8, bf16=False)["train_batch_size"] == 64
+    with pytest.raises(ConfigError, match=re.escape("train_batch_size (64 vs 16)")):
+        deepspeed_config(cfg, 2, bf16=False)  # each worker, at the world size it has

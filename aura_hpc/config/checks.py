@@ -430,7 +430,7 @@ def validate_strategy(cfg: RunConfig) -> None:
 
         # Conflicts with what the trainer sets are named before launch; under precision auto, bf16 is decided by
         # the workers' GPUs (each checks the JSON's bf16.enabled again then).
-        deepspeed_config(cfg, 1, bf16={"bf16": True, "auto": None}.get(cfg.train.precision, False))
+        deepspeed_config(cfg, None, bf16={"bf16": True, "auto": None}.get(cfg.train.precision, False))
 
 
 def too_few_sequences(cfg: RunConfig, sequences: int, world: int) -> str | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.config.tree import RunConfig
-from aura_hpc.errors import ConfigError
+from aura_hpc.errors import ConfigError, shown
 
 # ZeRO-3 on CPUs (gloo), unless the user's JSON says otherwise: no "persistent" (small, never released)
 # parameters. After every step DeepSpeed 0.16-0.19 re-gathers those with one async all-gather each and
@@ -24,15 +24,17 @@ from aura_hpc.errors import ConfigError
 CPU_ZERO3 = {"stage3_param_persistence_threshold": 0}
 
 
-def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool | None, on_cpu: bool = False) -> dict[str, Any]:
+def deepspeed_config(cfg: RunConfig, world_size: int | None, bf16: bool | None, on_cpu: bool = False) -> dict[str, Any]:
     """What the trainer controls, merged over the user's dist.deepspeed_config (conflicts refused).
+    `world_size` None: not known yet (before launch), the JSON's train_batch_size unchecked (it was judged at 1:
+    a right 64 for 8 GPUs refused, an 8 passed).
     `bf16` None: not known yet (before launch, under train.precision auto), the JSON's bf16.enabled unchecked.
     `on_cpu`: the ranks train on CPUs over gloo (see CPU_ZERO3 above)."""
     t, d = cfg.train, cfg.dist
     ours: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.batch_size,
         "gradient_accumulation_steps": t.grad_accum,
-        "train_batch_size": t.batch_size * t.grad_accum * world_size,
+        "train_batch_size": t.batch_size * t.grad_accum * (world_size or 1),
         "gradient_clipping": t.grad_clip,
         "bf16": {"enabled": bf16},  # and check_grad_overflow off (below)
         "fp16": {"enabled": False},
@@ -68,11 +70,22 @@ def deepspeed_config(cfg: RunConfig, world_size: int, bf16: bool | None, on_cpu:
     fp16_section = {"enabled": False}
     sections = {"bf16": bf16_section, "fp16": fp16_section}
     merged_here = {k for k in sections if isinstance(user.get(k), dict)}
-    conflicts = [f"{k} ({user[k]!r} vs {v!r})" for k, v in ours.items() if k in user and user[k] != v and k not in merged_here]
+    unknown = {"train_batch_size"} if world_size is None else set()
+    conflicts = [f"{k} ({user[k]!r} vs {v!r})" for k, v in ours.items() if k in user and user[k] != v and k not in merged_here | unknown]
     conflicts += [f"bf16.{k} ({user_bf16[k]!r} vs {v!r})" for k, v in bf16_section.items() if k in user_bf16 and user_bf16[k] != v]
     if user_fp16.get("enabled", False) is not False:
         conflicts.append(f"fp16.enabled ({user_fp16['enabled']!r} vs False)")
     user_zero = user.get("zero_optimization") or {}
+    if not isinstance(user_zero, dict):
+        raise ConfigError(
+            f"dist.deepspeed_config {d.deepspeed_config}: zero_optimization must be a JSON object, got {shown(user_zero)} "
+            '(fix: {"zero_optimization": {...}}, or remove it: dist.strategy sets the stage)'
+        )
+    if "stage" in user_zero and (type(user_zero["stage"]) is not int or user_zero["stage"] not in (0, 1, 2, 3)):
+        raise ConfigError(
+            f"dist.deepspeed_config {d.deepspeed_config}: zero_optimization.stage must be 0 to 3, got {shown(user_zero['stage'])} "
+            "(fix: remove it: dist.strategy sets the stage)"
+        )
     if "stage" in user_zero and int(user_zero["stage"]) != zero["stage"]:
         conflicts.append(f"zero_optimization.stage ({user_zero['stage']} vs {zero['stage']})")
     if conflicts:
@@ -101,6 +114,11 @@ def load_user_config(path: str) -> dict[str, Any]:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"dist.deepspeed_config {path} not found (fix: a path to a DeepSpeed JSON config)") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"dist.deepspeed_config {path} is not UTF-8 text (fix: save the JSON as UTF-8)") from None
+    except OSError as exc:  # a folder, permissions
+        why = exc.strerror or type(exc).__name__
+        raise ConfigError(f"dist.deepspeed_config {path} cannot be read ({why}) (fix: a JSON file)") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"dist.deepspeed_config {path} is not valid JSON (line {exc.lineno}: {exc.msg}) (fix: check the file)") from None
     if not isinstance(data, dict):
