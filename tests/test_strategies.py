@@ -178,6 +178,8 @@ def test_unsupported_combinations_are_refused_before_launch(tmp_path: Path) -> N
         (["--set", "dist.strategy=fsdp", "--set", "train.precision=fp16"], "fp16 is not supported with dist.strategy=fsdp"),
         (["--set", "dist.strategy=zero3", "--set", "train.compile=true"], "train.compile=true with zero3"),
         (["--set", "dist.deepspeed_config=x.json"], "is used only by zero1/zero2/zero3"),
+        # Found by every worker after the process group had formed (on Slurm: after the allocation).
+        (["--set", "dist.strategy=diloco", "--set", "dist.diloco_replicas=3"], "dist.diloco_replicas=3 does not divide the 2 ranks"),
     ]
     bad_json = tmp_path / "ds.json"
     bad_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": 3}}))

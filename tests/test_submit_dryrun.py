@@ -132,6 +132,11 @@ def test_both_spellings_of_the_size_flags_and_close_flags_suggested(tmp_path: Pa
     assert loc.returncode == 0 and "node 0/1, 1 process," in loc.stdout, loc.stderr
     typo = run_cli(["submit", "--clustr", "h100-ib", "--dry-run"])
     assert typo.returncode == 2 and "--clustr: did you mean --cluster?" in typo.stderr
+    # 16 replicas divide 2 nodes of 8, not the 3 that --nodes 2-3 may start with: refused at once, not after the allocation.
+    diloco = ["--set", "dist.strategy=diloco", "--set", "dist.diloco_replicas=16", "--output-dir", str(tmp_path), "--dry-run"]
+    assert run_cli(["submit", "--cluster", "h100-ib", "--nodes", "2", "--gpus", "8", *diloco]).returncode == 0
+    elastic = run_cli(["submit", "--cluster", "h100-ib", "--nodes", "2-3", "--gpus", "8", *diloco])
+    assert elastic.returncode == 2 and "dist.diloco_replicas=16 does not divide the 24 ranks" in elastic.stderr, elastic.stderr
 
 
 def test_a_missing_module_is_said_in_the_job_log(tmp_path: Path) -> None:

@@ -206,6 +206,10 @@ def plan_local(
         env.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", loopback_interface() or ""))
         if gpus:
             env.setdefault("NCCL_SOCKET_IFNAME", os.environ.get("NCCL_SOCKET_IFNAME", loopback_interface() or ""))
+    if cfg.dist.strategy == "diloco" and nnodes == 1:  # other nodes may run other counts: their workers judge it
+        from aura_hpc.config.replicas import check_equal_nodes
+
+        check_equal_nodes(cfg.dist.diloco_replicas, range(1, 2), nproc)
     warnings += fit_to_horizon(cfg, nproc * nnodes)
     plan = LocalPlan(cfg, nnodes, node_rank, nproc, master_addr, master_port, max_restarts, rdzv_timeout, local_addr, env)
     from aura_hpc.launch.data_plan import coverage

@@ -314,6 +314,11 @@ def plan_submit(
     if not check:
         first = points[0].cfg
         validate_for_device(first, slurm.gpus_per_node > 0)
+        if first.dist.strategy == "diloco":
+            from aura_hpc.config.replicas import check_equal_nodes
+
+            node_counts = range(slurm.min_nodes or slurm.nodes, slurm.nodes + 1)  # --nodes=MIN-MAX: any of them
+            check_equal_nodes(first.dist.diloco_replicas, node_counts, max(1, slurm.gpus_per_node))
         vocab = tokenizer_vocab(first)
         memory = plan_memory(first, vocab, world, gpu=slurm.gpus_per_node > 0)
         limit = prof.gpu_mem_gib

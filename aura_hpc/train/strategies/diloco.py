@@ -39,7 +39,6 @@ import torch
 
 from aura_hpc.comm import collectives
 from aura_hpc.config import DistConfig
-from aura_hpc.errors import ConfigError
 from aura_hpc.train.process import progress
 from aura_hpc.train.strategies.base import OuterLoop, PerRankState, Wrapped
 
@@ -186,30 +185,10 @@ class Meeting:
 
 
 def replica_partition(env: Any, replicas: int) -> list[list[int]]:
-    """The ranks of each replica, node by node: by default one replica per node (its GPUs train it with
-    DDP, whatever the number of processes each node runs); with dist.diloco_replicas, equal replicas
-    that each stay on one node (a replica across nodes would send its gradients over the slow link
-    every step)."""
-    nodes: list[list[int]] = env.node_ranks
-    if not replicas:
-        return nodes
-    world = env.world_size
-    if world % replicas:
-        raise ConfigError(
-            f"dist.diloco_replicas={replicas} does not divide the {world} ranks into equal replicas "
-            f"(fix: a divisor of {world}, or 0 for one replica per node)"
-        )
-    per = world // replicas
-    parts = [list(range(start, start + per)) for start in range(0, world, per)]
-    node_of = {r: n for n, ranks in enumerate(nodes) for r in ranks}
-    for part in parts:
-        if node_of[part[0]] != node_of[part[-1]]:
-            raise ConfigError(
-                f"dist.diloco_replicas={replicas} puts ranks {part[0]}-{part[-1]} in one replica across nodes "
-                f"{node_of[part[0]]} and {node_of[part[-1]]} (processes per node: {[len(n) for n in nodes]}); a replica trains with "
-                "DDP inside one node (fix: dist.diloco_replicas=0 for one replica per node, or a count that splits each node evenly)"
-            )
-    return parts
+    """The ranks of each replica, node by node (config/replicas.py, which the plans ask first)."""
+    from aura_hpc.config.replicas import replica_partition as partition
+
+    return partition(env.node_ranks, replicas)
 
 
 class DilocoWrapped(Wrapped, OuterLoop, PerRankState):
