@@ -137,6 +137,11 @@ def test_bad_yaml_files(tmp_path: Path) -> None:
         load_config(str(tmp_path / "missing.yaml"))
     with pytest.raises(ConfigError, match="neither a file nor a shipped preset"):
         load_config("gpt2-huge")
+    text_as_number = tmp_path / "d.yaml"  # became "1.5": another run directory than `--set run_name=1.50`
+    text_as_number.write_text("run_name: 1.50\n")
+    with pytest.raises(ConfigError, match=r"run_name is text, and YAML read 1\.5 as a number \(fix: quote it"):
+        load_config(str(text_as_number))
+    assert load_config(None, ["run_name=1.50"]).run_name == "1.50"
     long_number = tmp_path / "c.yaml"  # PyYAML's int() of 5,000 digits raised ValueError through everything
     long_number.write_text("train:\n  max_steps: 1" + "0" * 5000 + "\n")
     with pytest.raises(ConfigError, match="holds a value YAML cannot read"):

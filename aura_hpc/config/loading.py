@@ -99,6 +99,9 @@ def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
             raise ConfigError(f"{key} must be a string, got {shown(value)} {fix}")
         if isinstance(value, bool):  # YAML reads `compile: true` as a boolean
             return "true" if value else "false"
+        if isinstance(value, float):  # `run_name: 1.50` became "1.5": another run directory than --set run_name=1.50
+            name = key.split(".")[-1]
+            raise ConfigError(f'{key} is text, and YAML read {shown(value)} as a number (fix: quote it, e.g. {name}: "...")')
         check_text_value(key, str(value))  # before the value is used as a path or anything else
         return str(value)
     raise ConfigError(f"{key}: unsupported type {typ}")  # pragma: no cover
