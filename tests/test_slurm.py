@@ -600,6 +600,12 @@ def test_unreachable_slurmctld_is_a_clear_error(slurm_cluster: Path, tmp_path: P
     assert "slurmctld is not reachable" in res.stderr and "fix:" in res.stderr, res.stderr
     overview = run_cli(["status"], SLURM_CONF=str(conf), timeout=120, cwd=tmp_path)
     assert overview.returncode == 0 and "slurmctld is not reachable" in overview.stdout, overview.stdout + overview.stderr
+    # The accounting database down, the controller up: `history` named slurmctld and `scontrol ping`, which says all is well.
+    nodb = tmp_path / "slurm-nodb.conf"
+    nodb.write_text(re.sub(r"^AccountingStoragePort=\d+", "AccountingStoragePort=1", text, flags=re.M))
+    history = run_cli(["history"], SLURM_CONF=str(nodb), timeout=120)
+    assert history.returncode == 2 and "slurmdbd, the job accounting database, is not reachable" in history.stderr, history.stderr
+    assert "sacctmgr ping" in history.stderr and "slurmctld" not in history.stderr, history.stderr
 
 
 @pytest.mark.parametrize("command", [["status", "123"], ["history"], ["cancel", "123"]])

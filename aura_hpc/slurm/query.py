@@ -108,6 +108,12 @@ _FIXES: list[tuple[tuple[str, ...], str]] = [
         "no Slurm configuration is reachable from this machine (no slurm.conf, and no controller found for a configless "
         "setup): export SLURM_CONF=/path/to/slurm.conf, or run on the cluster's login node",
     ),
+    (  # before slurmctld's: its "Connection refused" is the accounting database's here (scontrol ping says all is well)
+        ("problem talking to the database", "persistent connection"),
+        "slurmdbd, the job accounting database, is not reachable: check `sacctmgr ping`, or ask your admins (`status` "
+        "still shows queued and running jobs)",
+    ),
+    (("socket timed out",), "slurmctld is busy or restarting and did not answer in time: try again in a minute (`scontrol ping`)"),
     (
         ("unable to contact slurm controller", "connection refused", "connect failure"),
         "slurmctld is not reachable: check `scontrol ping` and SLURM_CONF, or ask your admins",
