@@ -361,6 +361,24 @@ def test_a_queued_job_whose_record_cannot_be_written_is_named_by_its_id(
     assert res.returncode == 2 and said and "Traceback" not in res.stderr, res.stdout + res.stderr
 
 
+def test_a_damaged_index_line_or_job_file_is_a_line_not_a_keyerror(tmp_path: Path, home: Path) -> None:
+    """A jobs.jsonl line without run_dir (an older version's, or half written) made every status and history a
+    KeyError traceback; an empty job.json a JSONDecodeError, one without log_dir a KeyError at `logs`."""
+    from aura_hpc.errors import LaunchError
+    from aura_hpc.slurm import index
+
+    index.record("7", tmp_path / "seven", "aura-seven", "2026-11-30T00:00:00")
+    with index.index_path().open("a") as f:
+        f.write('{"job_id": "8"}\n[1, 2]\n{"job_id": "7", "run_dir": 5}\n')
+    assert index.run_dirs() == {"7": tmp_path / "seven"} and index.run_dir_of("8") is None
+    run = tmp_path / "seven"
+    run.mkdir()
+    for damaged in ("", '{"job_id": "7"}', "[]"):
+        (run / "job.json").write_text(damaged)
+        with pytest.raises(LaunchError, match=r"job\.json is damaged \(not the record submit writes\) \(fix: "):
+            index.resolve(str(run))
+
+
 def test_a_watch_outlasts_a_controller_that_misses_an_answer_and_prints_the_jobs_last_words(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -75,11 +75,12 @@ def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], li
             notes.append(split)  # where the job's time went, across its requeues
         return [_row_dict(row, run_dir)], notes
     rows = slurm_query.squeue()
+    known = job_index.run_dirs()
     if not all_jobs:
-        rows = [r for r in rows if r.comment == "aura_hpc" or job_index.run_dir_of(r.job_id) is not None]
+        rows = [r for r in rows if r.comment == "aura_hpc" or r.job_id in known]
     if not rows:
         notes.append("no aura_hpc jobs in the queue" + ("" if all_jobs else " (--all shows your other jobs; `history` the finished ones)"))
-    return [_row_dict(r, job_index.run_dir_of(r.job_id)) for r in rows], notes
+    return [_row_dict(r, known.get(r.job_id)) for r in rows], notes
 
 
 def _failed_at_launch(row: slurm_query.JobRow, run_dir: Path | None) -> str | None:
@@ -171,8 +172,9 @@ def history(since: str, all_jobs: bool = False) -> list[dict[str, Any]]:
             r.submit, r.requeues = earlier.submit, earlier.requeues + 1
         jobs[r.job_id] = r
     out = []
+    known = job_index.run_dirs()
     for r in jobs.values():
-        run_dir = job_index.run_dir_of(r.job_id)
+        run_dir = known.get(r.job_id)
         if not all_jobs and r.comment != "aura_hpc" and run_dir is None:
             continue  # as `status`: the user's other jobs only with --all
         d = r.to_dict()
