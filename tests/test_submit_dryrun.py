@@ -139,6 +139,19 @@ def test_both_spellings_of_the_size_flags_and_close_flags_suggested(tmp_path: Pa
     assert elastic.returncode == 2 and "dist.diloco_replicas=16 does not divide the 24 ranks" in elastic.stderr, elastic.stderr
 
 
+def test_a_profiles_node_range_is_planned_and_a_value_it_cannot_plan_with_names_its_line(tmp_path: Path) -> None:
+    """sbatch's --nodes=2-4 in a profile was refused, and a typed GPU count's message read "fix: --set #SBATCH in
+    prof.sh: gpus_per_node=<int>", no command at all."""
+    prof = tmp_path / "site.sh"
+    prof.write_text("#SBATCH --nodes=2-4\n#SBATCH --gpus-per-node=8\n")
+    ranged = run_cli(["submit", "--cluster", str(prof), "--output-dir", str(tmp_path / "runs"), "--dry-run"])
+    assert ranged.returncode == 0 and "#SBATCH --nodes=2-4" in ranged.stdout, ranged.stdout + ranged.stderr
+    prof.write_text("#SBATCH --gpus-per-node=h100:8\n")
+    typed = run_cli(["submit", "--cluster", str(prof), "--output-dir", str(tmp_path / "runs"), "--dry-run"])
+    expected = f"cluster profile {prof}: #SBATCH --gpus-per-node=h100:8 is not a count aura_hpc can plan with"
+    assert typed.returncode == 2 and expected in typed.stderr and "--set slurm.gpus_per_node=" in typed.stderr, typed.stderr
+
+
 def test_a_missing_module_is_said_in_the_job_log(tmp_path: Path) -> None:
     import subprocess
 

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import itertools
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -174,12 +175,31 @@ def resolve_slurm(cfg: RunConfig, given: dict[str, str], prof: profiles.Profile)
         if key in given:
             sources[name] = given[key]
         elif name in prof.values:
-            setattr(s, name, coerce(f"#SBATCH in {prof.path}: {name}", prof.values[name], types[name], False))
+            setattr(s, name, _from_profile(prof, name, types[name]))
             sources[name] = "profile"
+            if name == "nodes" and re.fullmatch(r"\d+-\d+", str(prof.values[name]).strip()) and "slurm.min_nodes" not in given:
+                s.min_nodes, sources["min_nodes"] = int(str(prof.values[name]).split("-")[0]), "profile"
         else:
-            sources[name] = "default"
+            sources.setdefault(name, "default")  # min_nodes may come from the profile's --nodes=MIN-MAX
     validate_slurm(s)
     return s, sources
+
+
+def _from_profile(prof: profiles.Profile, name: str, typ: Any) -> Any:
+    """A profile's #SBATCH value as the setting's type; one that is not names the line and the fix (the message
+    read "fix: --set #SBATCH in prof.sh: gpus_per_node=<int>", no command at all)."""
+    value = str(prof.values[name]).strip()
+    option = next((o for o, k in profiles.SBATCH_TO_KEY.items() if k == name), name)
+    if name == "nodes" and re.fullmatch(r"\d+-\d+", value):  # sbatch's --nodes=MIN-MAX
+        value = value.split("-")[1]
+    try:
+        return coerce(f"slurm.{name}", value, typ, False)
+    except ConfigError:
+        kind = {"int": "a count", "bool": "on or off"}.get(typ if isinstance(typ, str) else typ.__name__, "a value")
+        raise ConfigError(
+            f"cluster profile {prof.path}: #SBATCH --{option}={value} is not {kind} aura_hpc can plan with (a typed "
+            f"GPU such as h100:8 goes in --constraint) (fix: edit that line, or override it with --set slurm.{name}=...)"
+        ) from None
 
 
 def plan_submit(
