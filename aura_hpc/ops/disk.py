@@ -10,7 +10,10 @@ import shutil
 from pathlib import Path
 
 # Filesystems other machines share: SQLite and file locks are unsafe there, and every node sees the same files.
-NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "cephfs", "glusterfs", "panfs", "wekafs", "9p", "virtiofs"}
+NETWORK_FS = {
+    *("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "cephfs", "glusterfs", "panfs", "wekafs", "9p", "virtiofs"),
+    *("dvs", "gfs2", "ocfs2", "afs", "orangefs"),  # Cray's DVS, the shared-disk cluster filesystems, AFS
+}
 NETWORK_FS_PREFIXES = ("fuse.", "nfs")
 
 

@@ -117,7 +117,11 @@ class NvmlReader:
                 "power_limit_w": lambda h=h: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000,
                 "sm_clock_mhz": lambda h=h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
                 "mem_clock_mhz": lambda h=h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM),
-                "throttle_reasons": lambda h=h: nv.nvmlDeviceGetCurrentClocksThrottleReasons(h),
+                # The "event reasons" name first: pynvml marks the "throttle" one for removal in CUDA 14, and a call
+                # that fails drops the field silently (throttling never seen).
+                "throttle_reasons": lambda h=h: getattr(
+                    nv, "nvmlDeviceGetCurrentClocksEventReasons", getattr(nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+                )(h),
                 "ecc_uncorrected_volatile": lambda h=h: nv.nvmlDeviceGetTotalEccErrors(
                     h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC
                 ),
