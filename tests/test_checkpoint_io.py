@@ -178,3 +178,24 @@ def test_a_worker_refuses_a_checkpoint_of_another_strategy_or_optimizer_by_its_m
             _same_kind("step_00000010", meta, field, ours)
         line = str(refused.value)
         assert "step_00000010" in line and ours in line and fix in line and "\n" not in line
+
+
+def test_a_prune_killed_mid_delete_leaves_no_checkpoint_that_says_it_is_complete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rmtree removes files in directory order: a process killed in it left an old checkpoint without some of its
+    files but with its commit marker, which resume and `best` then read as complete."""
+    from aura_hpc.train.checkpoint import files
+
+    for step in (10, 20, 30):
+        (tmp_path / f"step_{step:08d}").mkdir()
+        (tmp_path / f"step_{step:08d}" / "model.safetensors").write_bytes(b"w")
+        (tmp_path / f"step_{step:08d}" / files.MARKER).write_text("{}")
+
+    def killed(path: Path, ignore_errors: bool = False) -> None:
+        (Path(path) / "model.safetensors").unlink()
+        raise KeyboardInterrupt  # the process ends here: no later file of the folder is removed
+
+    monkeypatch.setattr(files.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        files.prune(tmp_path, keep_last=1)
+    assert [c.step for c in files.list_complete(tmp_path)] in ([30, 10], [30]), files.list_complete(tmp_path)
+    assert not (tmp_path / "step_00000020" / files.MARKER).exists()

@@ -314,11 +314,9 @@ def list_complete(root: Path) -> list[Checkpoint]:
 
 
 def _eval_loss(ckpt: Checkpoint) -> float | None:
-    try:
-        value = json.loads((ckpt.path / "meta.json").read_text()).get("eval_loss")
-    except (OSError, json.JSONDecodeError):
-        return None
-    return float(value) if value is not None else None
+    with contextlib.suppress(OSError, json.JSONDecodeError):
+        return None if (value := json.loads((ckpt.path / "meta.json").read_text()).get("eval_loss")) is None else float(value)
+    return None
 
 
 def best(root: Path) -> Checkpoint | None:
@@ -332,6 +330,8 @@ def prune(root: Path, keep_last: int) -> None:
     keep_best = best(root)
     for ckpt in list_complete(root)[keep_last:]:
         if keep_best is None or ckpt.path != keep_best.path:
+            # Uncommitted first: a process killed mid-delete left a half-deleted checkpoint that still said complete.
+            (ckpt.path / MARKER).unlink(missing_ok=True)
             shutil.rmtree(ckpt.path, ignore_errors=True)
 
 
