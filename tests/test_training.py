@@ -502,3 +502,19 @@ def test_closing_the_metrics_survives_a_full_disk_and_is_done_once(tmp_path: Pat
     assert said == ["TensorBoard could not be closed ([Errno 28] No space left on device)"], said
     assert w._tb is None and w._file.closed
     real_close()
+
+
+def test_the_line_for_the_other_nodes_carries_the_flags_this_node_took_from_its_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the Docker image (AURA_LOCAL_FROM_ENV=1) --nnodes and --master-addr came from NNODES and MASTER_ADDR: the
+    line printed for the other machines lacked them, and pasted outside such a container it started a one-node run."""
+    import shlex
+    import types
+
+    from aura_hpc.launch.local import other_nodes_command
+
+    monkeypatch.setattr("sys.argv", ["aura_hpc", "local", "--set", "train.max_steps=9"])
+    line = other_nodes_command(types.SimpleNamespace(nnodes=2, master_addr="192.168.1.10", master_port=29500), "s3cret")
+    words = shlex.split(line.split(" (K = ")[0])
+    assert words[:5] == ["AURA_RUN_SECRET=s3cret", "python", "-m", "aura_hpc", "local"], words
+    for flag, value in (("--nnodes", "2"), ("--master-addr", "192.168.1.10"), ("--master-port", "29500"), ("--node-rank", "K")):
+        assert words[words.index(flag) + 1] == value, words

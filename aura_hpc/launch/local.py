@@ -376,8 +376,11 @@ def other_nodes_command(plan: LocalPlan, secret: str) -> str:
         if arg.startswith("--node-rank="):
             continue
         out.append(arg)
-    if "--master-port" not in out and not any(a.startswith("--master-port=") for a in out):
-        out += ["--master-port", str(plan.master_port)]
+    # Flags this node took from its environment (AURA_LOCAL_FROM_ENV, the Docker image's) are written out: the line
+    # is pasted on machines whose environment is not this one's.
+    for flag, value in (("--nnodes", plan.nnodes), ("--master-addr", plan.master_addr), ("--master-port", plan.master_port)):
+        if flag not in out and not any(a.startswith(f"{flag}=") for a in out):
+            out += [flag, str(value)]
     words = ["python", "-m", "aura_hpc", *out, "--node-rank", "K"]
     return f"{SECRET_ENV}={shlex.quote(secret)} {shlex.join(words)} (K = that machine's index)"
 
