@@ -14,8 +14,10 @@ DRY=0
 SERVER=""
 EXPORT_DIR=""
 MOUNT=""
-# hard: a server hiccup pauses I/O instead of corrupting a checkpoint; _netdev: mount after the network.
-OPTIONS="rw,hard,noatime,_netdev"
+# hard: a server hiccup pauses I/O instead of corrupting a checkpoint; _netdev: mount after the network;
+# nofail and x-systemd.automount: a laptop that boots while the server is off or away boots at once, and
+# mounts on first use (with `hard` alone it waited for systemd's mount timeout at every such boot).
+OPTIONS="rw,hard,noatime,_netdev,nofail,x-systemd.automount,x-systemd.mount-timeout=15"
 MARK="# aura_hpc nfs_setup: the next line is this script's (run it again to change it)"
 
 usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
@@ -35,6 +37,14 @@ done
 [[ $MOUNT == /* ]] || { echo "error: --mount must be an absolute path, got $MOUNT (fix: e.g. /shared/aura)" >&2; exit 2; }
 while [[ $MOUNT == */ && $MOUNT != / ]]; do MOUNT=${MOUNT%/}; done  # /x/ and /x are one mount point
 while [[ $EXPORT_DIR == */ && $EXPORT_DIR != / ]]; do EXPORT_DIR=${EXPORT_DIR%/}; done
+# fstab splits at blanks: a line for "/shared/my aura" had seven fields, and every run added another.
+[[ $MOUNT$EXPORT_DIR != *[[:space:]]* ]] || { echo "error: --mount and --export must be paths without blanks (fix: e.g. /shared/aura)" >&2; exit 2; }
+if [[ $(uname -s) == Darwin ]]; then  # no fstab, apt or runuser: macOS mounts NFS itself, from a reserved port
+  echo "error: this script sets up Linux clients (fix: on macOS, sudo mkdir -p $MOUNT && sudo mount -t nfs -o resvport,rw,hard $SERVER:$EXPORT_DIR $MOUNT)" >&2; exit 1
+fi
+if [[ $NO_SYSTEM != 1 && $DRY != 1 && $EUID != 0 ]]; then
+  echo "error: installing, mounting and editing $FSTAB need root (fix: sudo $0 ...)" >&2; exit 2
+fi
 
 changes=0
 do_() {

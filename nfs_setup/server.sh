@@ -38,14 +38,26 @@ done
 [[ -n $EXPORT_DIR && ${#CLIENTS[@]} -gt 0 ]] || { echo "error: --export DIR and at least one --clients SUBNET|HOST are needed (fix: e.g. --export /srv/aura --clients 192.168.1.0/24)" >&2; exit 2; }
 [[ $EXPORT_DIR == /* ]] || { echo "error: --export must be an absolute path, got $EXPORT_DIR (fix: e.g. /shared/aura)" >&2; exit 2; }
 while [[ $EXPORT_DIR == */ && $EXPORT_DIR != / ]]; do EXPORT_DIR=${EXPORT_DIR%/}; done  # /x/ and /x are one export
+# /etc/exports splits at blanks: "/srv/my share" exported /srv/my to a host named share.
+[[ $EXPORT_DIR != *[[:space:]]* ]] || { echo "error: --export $EXPORT_DIR holds a blank, which /etc/exports cannot hold as written (fix: a path without spaces, e.g. /srv/aura)" >&2; exit 2; }
+if [[ -n $OWNER ]]; then  # numbers, as `stat` prints them: a name never matched, and every run chowned again
+  o_user=${OWNER%%:*}; o_group=${OWNER#*:}; [[ $OWNER == *:* ]] || o_group=""
+  [[ $o_user =~ ^[0-9]+$ ]] || o_user=$(id -u "$o_user" 2>/dev/null) || { echo "error: --owner $OWNER: no user ${OWNER%%:*} here (fix: --owner UID:GID, the training user's numbers on the clients)" >&2; exit 2; }
+  if [[ -z $o_group ]]; then o_group=$(id -g "$o_user" 2>/dev/null) || { echo "error: --owner $OWNER: give the group too (fix: --owner UID:GID)" >&2; exit 2; }
+  elif ! [[ $o_group =~ ^[0-9]+$ ]]; then o_group=$(getent group "$o_group" | cut -d: -f3); [[ -n $o_group ]] || { echo "error: --owner $OWNER: no group ${OWNER#*:} here (fix: --owner UID:GID)" >&2; exit 2; }; fi
+  OWNER="$o_user:$o_group"
+fi
 if [[ $ALLOW_WIDE != 1 ]]; then
   for c in "${CLIENTS[@]}"; do
     if [[ $c == *"*"* || $c == 0.0.0.0/0 || $c == ::/0 ]]; then
       echo "error: --clients $c exports $EXPORT_DIR to every machine that reaches this one (fix: the training machines' subnet, e.g. 192.168.1.0/24, or --allow-wide)" >&2; exit 2
     fi
   done
-  if [[ ,$OPTIONS, == *,no_root_squash,* || ,$OPTIONS, == *,insecure,* ]]; then
-    echo "error: --options $OPTIONS lets root on a client act as root here (fix: drop no_root_squash/insecure, or --allow-wide)" >&2; exit 2
+  if [[ ,$OPTIONS, == *,no_root_squash,* ]]; then
+    echo "error: --options $OPTIONS lets root on a client act as root here (fix: drop no_root_squash, or --allow-wide)" >&2; exit 2
+  fi
+  if [[ ,$OPTIONS, == *,insecure,* ]]; then  # what a macOS client without resvport needs
+    echo "error: --options $OPTIONS accepts mounts from any user's unprivileged port on a client (fix: on macOS clients mount with -o resvport instead, or --allow-wide)" >&2; exit 2
   fi
 fi
 
@@ -77,7 +89,8 @@ clients_field=""
 for c in "${CLIENTS[@]}"; do clients_field+=" $c($OPTIONS)"; done
 line="$EXPORT_DIR${clients_field}"
 # Each line for the directory, "ours" (under the marker) or "theirs" (the admin's, or an older version's).
-entries=$(awk -v k="$EXPORT_DIR" -v mark="$MARK" '$0 == mark { m = 1; next } $1 == k { print (m ? "ours" : "theirs") "\t" $0 } { m = 0 }' "$EXPORTS" 2>/dev/null || true)
+# An admin's `/srv/aura/` names the same directory.
+entries=$(awk -v k="$EXPORT_DIR" -v mark="$MARK" '$0 == mark { m = 1; next } { d = $1; sub(/\/+$/, "", d) } d == k && d != "" { print (m ? "ours" : "theirs") "\t" $0 } { m = 0 }' "$EXPORTS" 2>/dev/null || true)
 theirs=$(printf '%s\n' "$entries" | awk -F'\t' '$1 == "theirs" { print $2 }')
 current=$(printf '%s\n' "$entries" | awk -F'\t' '$1 == "ours" { print $2 }')
 if [[ -n $theirs && $theirs != "$line" ]]; then
@@ -106,12 +119,27 @@ else
   if [[ $NO_SYSTEM != 1 ]]; then do_ "reload the exports (exportfs -ra)" exportfs -ra; fi
 fi
 
+# Fedora and RHEL install the server disabled: the share was written and never served.
+if [[ $NO_SYSTEM != 1 ]] && command -v dnf >/dev/null && command -v systemctl >/dev/null && ! systemctl is-active --quiet nfs-server; then
+  do_ "start the NFS server now and at boot (systemctl enable --now nfs-server)" systemctl enable --now nfs-server
+fi
+
 # 4. firewall: NFSv4 needs only TCP 2049 from the clients
 if [[ $NO_SYSTEM != 1 ]] && command -v ufw >/dev/null && ufw status 2>/dev/null | grep -q "Status: active"; then
   for c in "${CLIENTS[@]}"; do
     # The rule's source field whole: 192.168.1.5 is not covered by a rule for 192.168.1.50.
     if ! ufw status | awk -v c="$c" '$1 ~ /^2049/ && $2 == "ALLOW" && $NF == c { f = 1 } END { exit !f }'; then
       do_ "open TCP 2049 (NFSv4) to $c in ufw" ufw allow from "$c" to any port 2049 proto tcp
+    fi
+  done
+fi
+
+# firewalld (on by default on Fedora and RHEL) drops 2049 unless told: one rule per client, like ufw's.
+if [[ $NO_SYSTEM != 1 ]] && command -v firewall-cmd >/dev/null && firewall-cmd --state >/dev/null 2>&1; then
+  for c in "${CLIENTS[@]}"; do
+    rule="rule family=ipv4 source address=$c port port=2049 protocol=tcp accept"
+    if ! firewall-cmd --permanent --query-rich-rule="$rule" >/dev/null 2>&1; then
+      do_ "open TCP 2049 (NFSv4) to $c in firewalld" sh -c 'firewall-cmd --permanent --add-rich-rule="$1" && firewall-cmd --reload' _ "$rule"
     fi
   done
 fi

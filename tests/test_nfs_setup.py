@@ -74,7 +74,7 @@ def test_client_dry_run_and_idempotent_fstab(tmp_path: Path) -> None:
     args = ["--server", "192.168.1.10", "--export", "/srv/aura", "--mount", str(mount)]
     dry = _run(CLIENT, [*args, "--dry-run"], AURA_NFS_FSTAB=str(fstab))
     assert dry.returncode == 0, dry.stderr
-    line = f"192.168.1.10:/srv/aura {mount} nfs4 rw,hard,noatime,_netdev 0 0"
+    line = f"192.168.1.10:/srv/aura {mount} nfs4 rw,hard,noatime,_netdev,nofail,x-systemd.automount,x-systemd.mount-timeout=15 0 0"
     assert f"would: add to {fstab}: '{line}'" in dry.stdout and fstab.read_text() == "UUID=abc / ext4 defaults 0 1\n" and not mount.exists()
     assert _run(CLIENT, args, AURA_NFS_FSTAB=str(fstab)).returncode == 0
     assert fstab.read_text().splitlines() == ["UUID=abc / ext4 defaults 0 1", MARK, line]
@@ -122,3 +122,29 @@ def test_a_line_written_by_a_run_whose_exportfs_failed_is_exported_by_the_next_r
     assert table.read_text().split()[0] == str(export_dir)
     third = _run(SERVER, args, **env)
     assert third.returncode == 0 and "nothing to change" in third.stdout, third.stdout
+
+
+def test_blank_paths_an_admins_trailing_slash_and_an_owner_by_name_are_understood(tmp_path: Path) -> None:
+    """A blank split the exports and fstab lines (and each run added another); an admin's `/srv/aura/` was not seen as
+    the same directory (a second export was added); `--owner ana:ana` never matched stat's numbers (chown every run)."""
+    import grp
+    import pwd
+
+    exports, fstab = tmp_path / "exports", tmp_path / "fstab"
+    for script, args in (
+        (SERVER, ["--export", str(tmp_path / "my share"), "--clients", "192.168.1.0/24"]),
+        (CLIENT, ["--server", "192.168.1.10", "--export", "/srv/aura", "--mount", str(tmp_path / "my mount")]),
+    ):
+        r = _run(script, args, AURA_NFS_EXPORTS=str(exports), AURA_NFS_FSTAB=str(fstab))
+        assert r.returncode == 2 and "blank" in r.stderr and "(fix: " in r.stderr, r.stderr
+    assert not exports.exists() and not fstab.exists()
+    exports.write_text(f"{tmp_path / 'srv'}/ 10.9.0.0/16(rw,sync)\n")
+    r = _run(SERVER, ["--export", str(tmp_path / "srv"), "--clients", "192.168.1.0/24"], AURA_NFS_EXPORTS=str(exports))
+    assert r.returncode == 1 and "in a line this script did not write" in r.stderr, r.stdout + r.stderr
+    owned = tmp_path / "owned"
+    owned.mkdir()
+    names = f"{pwd.getpwuid(os.getuid()).pw_name}:{grp.getgrgid(os.getgid()).gr_name}"
+    args = ["--export", str(owned), "--clients", "192.168.1.0/24", "--owner", names]
+    assert _run(SERVER, args, AURA_NFS_EXPORTS=str(tmp_path / "exports2")).returncode == 0
+    again = _run(SERVER, [*args, "--dry-run"], AURA_NFS_EXPORTS=str(tmp_path / "exports2"))
+    assert again.returncode == 0 and "chown" not in again.stdout and "nothing to change" in again.stdout, again.stdout
