@@ -249,6 +249,10 @@ def test_two_lan_machines_on_one_host(tmp_path: Path, prepared: Path) -> None:
     node0, node1 = outs
     assert "all 2 ranks finished at step 10" in node0 and "training finished" in node0
     assert "Rank 0 ran on another node" in node1
+    # The line for the other machine, whole, as it is pasted there.
+    said = node0.splitlines()
+    pasted = said[said.index(next(ln for ln in said if ln.endswith("on node 1 (another machine), run:"))) + 1]
+    assert pasted.startswith("AURA_RUN_SECRET=") and pasted.endswith("--node-rank 1") and "--node-rank 0" not in pasted, pasted
     # Rank 0 (checkpoints, metrics) is on the machine started with --node-rank 0.
     assert [c.step for c in checkpoint.list_complete(tmp_path / "m0" / "lan" / "checkpoints")] == [10, 5]
     assert not (tmp_path / "m1" / "lan" / "checkpoints").exists()
@@ -513,8 +517,8 @@ def test_the_line_for_the_other_nodes_carries_the_flags_this_node_took_from_its_
     from aura_hpc.launch.local import other_nodes_command
 
     monkeypatch.setattr("sys.argv", ["aura_hpc", "local", "--set", "train.max_steps=9"])
-    line = other_nodes_command(types.SimpleNamespace(nnodes=2, master_addr="192.168.1.10", master_port=29500), "s3cret")
-    words = shlex.split(line.split(" (K = ")[0])
+    line = other_nodes_command(types.SimpleNamespace(nnodes=2, master_addr="192.168.1.10", master_port=29500), "s3cret", 1)
+    words = shlex.split(line)  # pasted whole: a "K" to replace, or a note after it, failed (bash's syntax error at "(")
     assert words[:5] == ["AURA_RUN_SECRET=s3cret", "python", "-m", "aura_hpc", "local"], words
-    for flag, value in (("--nnodes", "2"), ("--master-addr", "192.168.1.10"), ("--master-port", "29500"), ("--node-rank", "K")):
+    for flag, value in (("--nnodes", "2"), ("--master-addr", "192.168.1.10"), ("--master-port", "29500"), ("--node-rank", "1")):
         assert words[words.index(flag) + 1] == value, words

@@ -314,7 +314,10 @@ def launch(plan: LocalPlan, ready: Callable[[], None] | None = None) -> int:
         if plan.nnodes > 1:
             from aura_hpc import console
 
-            console.info(f"on the other machines (node 1..{plan.nnodes - 1}): {other_nodes_command(plan, secret)}")
+            # One whole line per machine: a "K" to replace, or a note after the command, did not paste.
+            for rank in range(1, plan.nnodes):
+                console.info(f"on node {rank} (another machine), run:")
+                console.plain(other_nodes_command(plan, secret, rank))
     assert secret is not None
     os.environ[SECRET_ENV] = secret
     os.environ.update(plan.env)
@@ -358,8 +361,8 @@ def _secret_of_other_node(plan: LocalPlan) -> str:
     )
 
 
-def other_nodes_command(plan: LocalPlan, secret: str) -> str:
-    """This command line as the other nodes run it: their --node-rank, and the run's secret."""
+def other_nodes_command(plan: LocalPlan, secret: str, rank: int) -> str:
+    """This command line as node `rank` runs it: its --node-rank, and the run's secret (POSIX shells)."""
     import shlex
     import sys
 
@@ -381,8 +384,8 @@ def other_nodes_command(plan: LocalPlan, secret: str) -> str:
     for flag, value in (("--nnodes", plan.nnodes), ("--master-addr", plan.master_addr), ("--master-port", plan.master_port)):
         if flag not in out and not any(a.startswith(f"{flag}=") for a in out):
             out += [flag, str(value)]
-    words = ["python", "-m", "aura_hpc", *out, "--node-rank", "K"]
-    return f"{SECRET_ENV}={shlex.quote(secret)} {shlex.join(words)} (K = that machine's index)"
+    words = ["python", "-m", "aura_hpc", *out, "--node-rank", str(rank)]
+    return f"{SECRET_ENV}={shlex.quote(secret)} {shlex.join(words)}"
 
 
 def summary(plan: LocalPlan) -> dict[str, object] | None:
