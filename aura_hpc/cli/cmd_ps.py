@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 
 from aura_hpc.cli.common import add_run_options
 
@@ -44,10 +45,12 @@ def cmd_ps(a: argparse.Namespace) -> int:
             f"({origin}) proves every join and message, so keep this line private:"
         )
         command = worker_command(addrs[0], cfg.ps.port, a.config, a.overrides, a.run_name)
+        # Quoted for the shell it is pasted into: a chosen secret with `$` or `;` arrived changed, or ran a command.
         if a.secret_file:
-            console.plain(f"  {command} --secret-file {a.secret_file}   (copy that file to each worker PC)")
+            console.info("copy that secret file to each worker PC, then run there:")
+            console.plain(f"  {command} --secret-file {shlex.quote(str(a.secret_file))}")
         else:
-            console.plain(f"  {auth.SECRET_ENV}={secret} {command}")
+            console.plain(f"  {auth.SECRET_ENV}={shlex.quote(secret)} {command}")
         console.info(f"open TCP port {cfg.ps.port} on this PC's firewall for the workers; Ctrl+C here saves and stops them all")
         worker_log.setup(cfg.run_dir / "logs", 0, label="ps")
         from aura_hpc.train.process.progress import STACK_SIGNAL
