@@ -358,6 +358,28 @@ def test_ctrl_c_on_the_server_saves_and_resumes_then_a_killed_server_stops_the_w
     assert time.monotonic() - killed_at < 60  # they notice a closed connection, not a timeout (120 s)
 
 
+def test_a_worker_slower_than_the_servers_timeout_stops_with_the_fix_instead_of_rejoining_forever(tmp_path: Path, base: list[str]) -> None:
+    """A laptop whose gradient takes longer than ps.worker_timeout_s: the server drops it as silent, and it said "lost
+    the parameter server (fix: re-run once the server runs again)" of a server that ran on, or, where the link only
+    timed out, rejoined and was dropped again without end."""
+    port = free_port()
+    common = [*base, "--set", "train.max_steps=100000", "--set", "train.checkpoint_every=0", "--set", "train.eval_every=0"]
+    common += ["--set", "ps.worker_timeout_s=3"]
+    server = Proc(["ps", "--workers", "1", "--port", str(port), *common], tmp_path / "ps.log")
+    _listening(port, server)
+    slow = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / "w.log", AURA_FAULT_SLOW="1:+5")  # 5 s more each
+    try:
+        assert slow.finish(timeout=180) == 1, slow.text
+        assert re.search(
+            r"a gradient took \d+ s on this PC, and the parameter server drops a worker silent for ps\.worker_timeout_s", slow.text
+        )
+        assert "(fix: re-run the server and every worker with --set ps.worker_timeout_s=" in slow.text, slow.text
+        assert slow.text.count("rejoined the parameter server") <= 1, slow.text
+    finally:
+        server.signal(signal.SIGINT)
+        server.finish()
+
+
 def test_bad_inputs_of_a_parameter_server_run(tmp_path: Path, base: list[str]) -> None:
     """Each refused in one line naming the problem and the fix; all run at once against one server."""
     port = free_port()

@@ -73,6 +73,7 @@ class PsWorker:
         self.rank = 0  # given by the server at the first join, kept when rejoining after a drop
         self.dropped_links: list[wire.Link] = []  # kept alive: destroying a gloo pair mid-wait can abort
         self.server_gone = False  # then the store is not written to any more
+        self.slowest_gradient_s = 0.0  # weights in to gradient out: what the server's ps.worker_timeout_s must cover
 
     def run(self, progress: Any, on_rank: Any = None) -> int:
         try:
@@ -93,6 +94,10 @@ class PsWorker:
                     return self._train(link, position, stop)
                 except wire.LinkLost as exc:
                     first = str(exc)
+                    if self.slowest_gradient_s > 0.8 * self.cfg.ps.worker_timeout_s and not stop.requested:
+                        # The server dropped this worker for being silent while it computed (it said "lost the server,
+                        # re-run when it runs again" of a server that ran on); a rejoin would compute as slowly.
+                        raise self._too_slow() from None
                     if not wire.timed_out(first) or stop.requested:
                         raise self._lost(first) from None
                 # A silent server is a network that dropped (Wi-Fi) more often than a server that
@@ -158,6 +163,15 @@ class PsWorker:
         )
         return link, int(reply["position"])
 
+    def _too_slow(self) -> TrainingFailed:
+        self.server_gone = True
+        timeout = self.cfg.ps.worker_timeout_s
+        return TrainingFailed(
+            f"a gradient took {self.slowest_gradient_s:.0f} s on this PC, and the parameter server drops a worker silent for "
+            f"ps.worker_timeout_s ({timeout} s) (fix: re-run the server and every worker with --set "
+            f"ps.worker_timeout_s={max(2 * timeout, int(3 * self.slowest_gradient_s))}, or a smaller train.batch_size or ps.push_every)"
+        )
+
     def _lost(self, first: str, rejoin_error: str = "") -> TrainingFailed:
         self.server_gone = True
         lost = f"lost the parameter server at {self.addr}:{self.port} after {self.stats.steps} gradient(s) ({first})"
@@ -184,11 +198,13 @@ class PsWorker:
                 link.send([wire.BYE, version])
                 log.info("%s: left the run after %d gradients; the server goes on with the others", stop.signal_name, self.stats.steps)
                 return 0
+            started = time.perf_counter()
             loss, flat = self._gradient(position, lr)
             position += per_gradient
             tokens = per_gradient * self.cfg.data.seq_len
             faults.slow_down(self.rank)
             sent = time.perf_counter()
+            self._timed_gradient(sent - started)
             link.send([wire.GRAD, version, loss, position, tokens], flat)
             header, got = link.recv({wire.WEIGHTS: weights})
             if header[0] == wire.STOP:
@@ -224,6 +240,17 @@ class PsWorker:
                 window_start, window_tokens = now, 0
             if self.stats.steps % STATS_EVERY == 0:
                 self._publish_stats(link)
+
+    def _timed_gradient(self, took: float) -> None:
+        if took > 0.5 * self.cfg.ps.worker_timeout_s and took > self.slowest_gradient_s:
+            log.warning(
+                "a gradient took %.0f s here, over half of ps.worker_timeout_s (%s s), after which the server drops a silent "
+                "worker (fix: --set ps.worker_timeout_s=%d on the server and every worker)",
+                took,
+                self.cfg.ps.worker_timeout_s,
+                max(2 * self.cfg.ps.worker_timeout_s, int(3 * took)),
+            )
+        self.slowest_gradient_s = max(self.slowest_gradient_s, took)
 
     def _gradient(self, position: int, lr: float) -> tuple[float, torch.Tensor]:
         """(loss, the flat gradient to push) of ps.push_every local steps from `position`. With

@@ -64,6 +64,9 @@ def slow_down(rank: int) -> None:
     r, fraction = spec.split(":")
     if int(r) != rank:
         return
+    if fraction.startswith("+"):  # "+S": S seconds more for every step (a machine slower than any timeout)
+        time.sleep(float(fraction[1:]))
+        return
     f = min(max(float(fraction), 0.0), 0.95)
     last = _step_ended.get(rank)
     if last is not None:
