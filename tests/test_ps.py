@@ -380,6 +380,16 @@ def test_a_worker_slower_than_the_servers_timeout_stops_with_the_fix_instead_of_
         server.finish()
 
 
+def test_a_token_budget_counts_every_batch_a_pushed_gradient_carries() -> None:
+    """Each version carries ps.push_every batches of a worker: max_tokens=1,048,576 with push_every=4 ran 1,024
+    versions, 4,194,304 tokens."""
+    from aura_hpc.ps.commands import load_ps_config
+
+    sets = ["train.max_tokens=1048576", "data.seq_len=128", "train.batch_size=8", "train.grad_accum=1", "model.n_positions=128"]
+    assert load_ps_config(None, [*sets, "ps.push_every=4"], "/tmp/aura-unused", "ps", None, 1).train.max_steps == 256
+    assert load_ps_config(None, sets, "/tmp/aura-unused", "ps", None, 1).train.max_steps == 1024
+
+
 def test_bad_inputs_of_a_parameter_server_run(tmp_path: Path, base: list[str]) -> None:
     """Each refused in one line naming the problem and the fix; all run at once against one server."""
     port = free_port()

@@ -44,8 +44,9 @@ def load_ps_config(
             f"dist.strategy {cfg.dist.strategy} shards a model over synchronous ranks; the parameter server holds it whole "
             "(fix: --set dist.strategy=ddp, or use `local`/`submit` for sharded training)"
         )
-    # A token budget counts server updates: each applies one worker's batch.
-    cfg.train.max_steps = max_steps_for(cfg, 1)
+    # A token budget counts server updates: each applies one worker's ps.push_every batches (counted as 1, the run
+    # trained push_every times its budget).
+    cfg.train.max_steps = max_steps_for(cfg, cfg.ps.push_every)
     cfg.train.max_tokens = 0
     return cfg
 
