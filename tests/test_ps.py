@@ -4,6 +4,7 @@ network namespaces, the tiny model on the built-in corpus, gloo pair groups over
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -388,6 +389,23 @@ def test_a_token_budget_counts_every_batch_a_pushed_gradient_carries() -> None:
     sets = ["train.max_tokens=1048576", "data.seq_len=128", "train.batch_size=8", "train.grad_accum=1", "model.n_positions=128"]
     assert load_ps_config(None, [*sets, "ps.push_every=4"], "/tmp/aura-unused", "ps", None, 1).train.max_steps == 256
     assert load_ps_config(None, sets, "/tmp/aura-unused", "ps", None, 1).train.max_steps == 1024
+
+
+def test_a_worker_whose_gradients_are_mostly_too_stale_is_named_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Its position in the shard moves on with each dropped gradient: a slow worker's whole shard could pass untrained,
+    said only by a `dropped` count in the rows."""
+    import types
+    from collections import Counter
+
+    from aura_hpc.ps.server import Seat, _dropped_as_stale
+
+    seat, hist, interval = Seat(2, "laptop", "192.168.1.7", 1, "n"), Counter(), types.SimpleNamespace(dropped=0)
+    with caplog.at_level(logging.WARNING, logger="aura_hpc"):
+        for _ in range(40):
+            _dropped_as_stale(seat, hist, interval, 4)
+    assert hist["dropped"] == interval.dropped == seat.dropped == 40
+    assert caplog.text.count("worker 2's gradients arrive too stale to apply (20 of 20 dropped, staleness above 4)") == 1
+    assert "(fix: --set ps.max_staleness=10 on the server, or fewer workers)" in caplog.text
 
 
 def test_bad_inputs_of_a_parameter_server_run(tmp_path: Path, base: list[str]) -> None:

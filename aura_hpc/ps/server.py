@@ -54,6 +54,7 @@ class Seat:
     joined: float = field(default_factory=time.monotonic)
     updates: int = 0
     tokens: int = 0
+    dropped: int = 0  # gradients too stale to apply: their batches' place in the shard is passed all the same
     link: wire.Link | None = None
     replaced: bool = False  # by the same worker rejoining after a network drop
     pending: bool = False  # a rejoin whose connection has not proved the secret yet: the old seat holds the rank
@@ -298,8 +299,7 @@ class ParameterServer:
                 self.hist["nonfinite"] += 1
                 return False
             if staleness > self.p.max_staleness:
-                self.hist["dropped"] += 1
-                self.interval.dropped += 1
+                _dropped_as_stale(seat, self.hist, self.interval, self.p.max_staleness)
                 return False
             weight = 1.0 / (1 + staleness) if self.p.staleness_weight == "inverse" else 1.0
             self.model_copy.apply(grads, weight, self.optimizer, self.scheduler, self.t.grad_clip)
@@ -384,6 +384,18 @@ class ParameterServer:
         best = f"{self.best_eval:.4f}" if isinstance(self.best_eval, float) else "none (no evaluation ran)"
         log.info("training finished at version %d; best eval loss %s", self.version, best)
         return 0
+
+
+def _dropped_as_stale(seat: Seat, hist: dict[str, int], interval: Any, max_staleness: int) -> None:
+    hist["dropped"] += 1
+    interval.dropped += 1
+    seat.dropped += 1
+    if seat.dropped == 20 and seat.dropped > seat.updates:  # said once: its data was skipped unsaid before
+        log.warning(
+            "worker %d's gradients arrive too stale to apply (%d of %d dropped, staleness above %d): its shard's batches are "
+            "passed without training (fix: --set ps.max_staleness=%d on the server, or fewer workers)",
+            seat.rank, seat.dropped, seat.dropped + seat.updates, max_staleness, 2 * max_staleness + 2,
+        )  # fmt: skip
 
 
 def stop_code(version: int, max_steps: int, fatal: object) -> float:
