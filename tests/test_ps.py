@@ -645,3 +645,24 @@ def test_a_stop_asked_for_while_waiting_for_the_server_ends_the_wait_at_once() -
     assert time.monotonic() - started < 10
     nonce = store.get("join/queue").decode().split()[0]
     assert not store.check([f"join/req/{nonce}"]), "the request stays behind for a server that comes back"
+
+
+def test_a_stale_gradient_takes_a_smaller_step_under_adamw() -> None:
+    """The weight 1/(1+s) scaled the gradient, which AdamW divides by its running size: a stale gradient moved the
+    weights as far as a fresh one. Now the step's learning rate is scaled, and restored for the schedule."""
+    import types
+
+    import torch
+
+    from aura_hpc.ps.model_copy import ModelCopy
+
+    moved = []
+    for scale in (1.0, 0.5):
+        fake = types.SimpleNamespace(params=[torch.nn.Parameter(torch.ones(4))])
+        fake.set_grads = lambda flat, s, fake=fake: setattr(fake.params[0], "grad", flat.clone())
+        opt = torch.optim.AdamW(fake.params, lr=0.1, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+        ModelCopy.apply(fake, torch.full((4,), 3.0), scale, opt, sched, 0.0)  # type: ignore[arg-type]
+        moved.append(float((1 - fake.params[0].detach()).abs().mean()))
+        assert opt.param_groups[0]["lr"] == 0.1
+    assert abs(moved[1] / moved[0] - 0.5) < 1e-3, moved

@@ -204,7 +204,7 @@ class PsConfig:
     port: int = 30005  # the server's TCP port (join and control); gloo adds ephemeral ports per worker
     workers: int = 2  # worker PCs the training data is split for: worker K reads shard K of this many
     max_staleness: int = 4  # a gradient computed on weights more than this many versions old is dropped
-    staleness_weight: str = "inverse"  # inverse: a gradient s versions old is scaled by 1/(1+s) | none: full weight
+    staleness_weight: str = "inverse"  # inverse: a gradient s versions old steps at 1/(1+s) of the lr | none: full step
     wire_dtype: str = "bf16"  # gradients and weights on the network: bf16 | fp16 | fp32 (the server keeps fp32)
     push_every: int = 1  # a worker takes this many local steps (plain SGD between them) and pushes their mean gradient
     join_timeout_s: int = 60  # a worker gives up when no server answers within this
