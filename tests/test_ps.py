@@ -289,6 +289,13 @@ def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, ba
     assert f"the server ended training at version {end}" in w1.text and "as worker 2 of 3" in late.text, late.text
     rows = _rows(run_dir)
     assert rows[-1]["version"] == end
+    # Each row's lr is the one its version's update was taken at, as `local` logs it (it was the next update's).
+    from aura_hpc.config import load_config
+    from aura_hpc.train.parts.schedule import lr_factor
+
+    t = load_config(str(run_dir / "config.yaml")).train
+    trained_with = [t.lr * lr_factor(r["version"] - 1, t.warmup_steps, end, t.schedule, t.min_lr_ratio) for r in rows]
+    assert [r["lr"] for r in rows] == pytest.approx(trained_with)
     first_loss = next(r["loss"] for r in rows if r["loss"] is not None)
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert len(evals) == 5 and evals[-1] < first_loss - 1.0, (first_loss, evals)

@@ -56,8 +56,9 @@ class ModelCopy:
         """The view of this copy that evaluation and samples take (train/parts/state.py)."""
         return Parts(self.data, self.order, self.model, self.loss_model, self.numel, optimizer, scheduler, None)
 
-    def apply(self, flat: torch.Tensor, scale: float, optimizer: Any, scheduler: Any, clip: float) -> None:
-        """One optimizer step with `flat` (scaled) as the gradient: the parameter server's update."""
+    def apply(self, flat: torch.Tensor, scale: float, optimizer: Any, scheduler: Any, clip: float) -> float:
+        """One optimizer step with `flat` as the gradient, at `scale` of the learning rate: the parameter server's
+        update. The learning rate it was taken at (before the schedule's step), for the metrics row."""
         self.set_grads(flat.float(), 1.0)
         grads = [p.grad for p in self.params if p.grad is not None]
         if clip > 0:  # the clipping `local` does (fp64 norm over every gradient), before the staleness weight:
@@ -72,6 +73,7 @@ class ModelCopy:
             group["lr"] = lr
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        return float(rates[0])
 
     def shard_batch(self, shard: int, shards: int, position: int, count: int) -> torch.Tensor:
         """`count` sequences of worker shard `shard` (0-based) of `shards`, from its `position`-th one:

@@ -95,6 +95,7 @@ class ParameterServer:
         self.wire_dtype = wire.WIRE_DTYPES[self.p.wire_dtype]
         self.optimizer = make_optimizer(self.model_copy.model, self.t)
         self.scheduler = make_scheduler(self.optimizer, self.t, self.t.max_steps)
+        self.trained_lr = float(self.optimizer.param_groups[0]["lr"])  # the last update's, as `local` logs it (not the next's)
         self.lock = threading.Lock()
         self.version, self.tokens = 0, 0
         self.positions: dict[int, int] = {}
@@ -302,7 +303,7 @@ class ParameterServer:
                 _dropped_as_stale(seat, self.hist, self.interval, self.p.max_staleness)
                 return False
             weight = 1.0 / (1 + staleness) if self.p.staleness_weight == "inverse" else 1.0
-            self.model_copy.apply(grads, weight, self.optimizer, self.scheduler, self.t.grad_clip)
+            self.trained_lr = self.model_copy.apply(grads, weight, self.optimizer, self.scheduler, self.t.grad_clip)
             self.version += 1
             self.tokens += tokens
             seat.updates += 1
@@ -337,9 +338,7 @@ class ParameterServer:
 
     def _log_row(self, eval_loss: float | None) -> None:
         now = time.perf_counter()
-        row = ledger.metrics_row(
-            self.version, self.optimizer.param_groups[0]["lr"], self.interval, now - self.interval_start, len(self.seats), self.hist
-        )
+        row = ledger.metrics_row(self.version, self.trained_lr, self.interval, now - self.interval_start, len(self.seats), self.hist)
         if eval_loss is not None:
             row["eval_loss"] = eval_loss
         self.metrics.write(row)
