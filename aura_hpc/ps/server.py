@@ -309,10 +309,12 @@ class ParameterServer:
             seat.updates += 1
             seat.tokens += tokens
             self.interval.count(self.hist, seat.rank, staleness, loss, tokens)
-            self._after_update()
-            if self.version >= self.t.max_steps:
-                self.stopping = True
-                self.finished.set()
+            try:
+                self._after_update()
+            finally:  # an error in the last version's evaluation or save still ends the run (workers pushed on past it)
+                if self.version >= self.t.max_steps:
+                    self.stopping = True
+                    self.finished.set()
             return self.stopping
 
     def _after_update(self) -> None:
