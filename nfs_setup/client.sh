@@ -20,7 +20,7 @@ MOUNT=""
 OPTIONS="rw,hard,noatime,_netdev,nofail,x-systemd.automount,x-systemd.mount-timeout=15"
 MARK="# aura_hpc nfs_setup: the next line is this script's (run it again to change it)"
 
-usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 need() { [[ $# -ge 2 && -n $2 ]] || { echo "error: $1 needs a value (fix: see --help)" >&2; exit 2; }; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -29,7 +29,7 @@ while [[ $# -gt 0 ]]; do
     --mount) need "$@"; MOUNT=$2; shift 2 ;;
     --options) need "$@"; OPTIONS=$2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) usage ;;
+    -h|--help) usage 0 ;;
     *) echo "error: unknown option $1 (fix: see --help)" >&2; exit 2 ;;
   esac
 done

@@ -21,7 +21,7 @@ OPTIONS="rw,sync,no_subtree_check"
 ALLOW_WIDE=0
 MARK="# aura_hpc nfs_setup: the next line is this script's (run it again to change it)"
 
-usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 need() { [[ $# -ge 2 && -n $2 ]] || { echo "error: $1 needs a value (fix: see --help)" >&2; exit 2; }; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -31,7 +31,7 @@ while [[ $# -gt 0 ]]; do
     --options) need "$@"; OPTIONS=$2; shift 2 ;;
     --allow-wide) ALLOW_WIDE=1; shift ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) usage ;;
+    -h|--help) usage 0 ;;
     *) echo "error: unknown option $1 (fix: see --help)" >&2; exit 2 ;;
   esac
 done

@@ -229,6 +229,18 @@ ROWS = [
     Row("prepare: not UTF-8", ["prepare", "{tmp}/latin1.txt", "--out", "{tmp}/p"], "is not UTF-8 text", _files),
     Row("prepare: missing text column", ["prepare", "{tmp}/rows.jsonl", "--out", "{tmp}/p"], "column 'text' not in", _files),
     Row("prepare: nothing to do", ["prepare", "--out", "{tmp}/p"], "nothing to prepare"),
+    Row(  # the files were dropped in silence
+        "prepare: files and a dataset",
+        ["prepare", "{tmp}/latin1.txt", "--dataset", "org/corpus", "--out", "{tmp}/p"],
+        "give input files or --dataset org/corpus, not both",
+        _files,
+    ),
+    Row(  # ignored, exit 0
+        "prepare: Slurm flags without --submit",
+        ["prepare", "{tmp}/latin1.txt", "--nodes", "4", "--wait", "--out", "{tmp}/p"],
+        "--nodes, --wait only apply with --submit (fix: add --submit",
+        _files,
+    ),
     Row("prepare: a named pipe", ["prepare", "{tmp}/corpus.txt", "--out", "{tmp}/p"], "is a pipe or device, and prepare reads", _fifo),
     Row(
         "prepare: tiny vocab",
@@ -237,6 +249,11 @@ ROWS = [
         _files,
     ),
     Row("check: a timeout that is no time", ["check", "--timeout", "nan"], "--timeout must be a number of seconds above 0, got nan"),
+    Row(  # skipped, and all ok was reported
+        "check: a shared dir with no other node",
+        ["check", "--shared-dir", "{tmp}"],
+        "--shared-dir is tested between nodes: each writes, the others read (fix: run it on every node with --nnodes N",
+    ),
     Row(  # the worker said "connection refused at 127.0.0.1:70000 ... ufw allow 70000/tcp"
         "check: a port that is none",
         ["check", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", "70000"],

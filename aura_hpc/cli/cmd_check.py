@@ -20,6 +20,13 @@ def cmd_check(a: argparse.Namespace) -> int:
     from aura_hpc.cli.common import flags_from_env
 
     flags_from_env(a, {"nnodes": 1, "node_rank": 0, "master_port": 29500})
+    if a.shared_dir and a.nnodes <= 1:  # skipped in silence, and the report said all was well
+        from aura_hpc.errors import ConfigError
+
+        raise ConfigError(
+            "--shared-dir is tested between nodes: each writes, the others read (fix: run it on every node with --nnodes N "
+            "--node-rank R --master-addr <node 0's IP>)"
+        )
 
     cluster = check.cluster_args(
         a.nnodes, a.node_rank, a.master_addr, a.master_port, a.backend, a.shared_dir, a.timeout, a.sizes_mb, a.ifname

@@ -11,7 +11,16 @@ def cmd_prepare(a: argparse.Namespace) -> int:
 
     from aura_hpc import console
     from aura_hpc.data.prepare import PrepareSpec, check_spec, prepare
+    from aura_hpc.errors import DataError
 
+    # Accepted and dropped before: the files beside a dataset, and the Slurm flags of a local prepare.
+    if a.inputs and a.dataset:
+        raise DataError(f"give input files or --dataset {a.dataset}, not both: the files were dropped (fix: one prepare for each)")
+    given = [flag for flag, value in (("--nodes", a.nodes), ("--partition", a.partition), ("--account", a.account),
+                                      ("--time", a.time), ("--wait", a.wait or None)) if value is not None]  # fmt: skip
+    if given and not a.submit:
+        raise DataError(f"{', '.join(given)} only apply with --submit (fix: add --submit to prepare as Slurm jobs, or drop them)")
+    a.nodes, a.time = 2 if a.nodes is None else a.nodes, 120 if a.time is None else a.time
     remote_out = a.out.startswith("s3://")
     spec = PrepareSpec(
         out_dir=a.out if remote_out else Path(a.out),
@@ -29,7 +38,6 @@ def cmd_prepare(a: argparse.Namespace) -> int:
         shard_mb=a.shard_mb,
         tokenizer_sample_mb=a.tokenizer_sample_mb,
     )
-    from aura_hpc.errors import DataError
 
     if not (a.workers >= 1 and 0 < a.shard_mb < 1e6 and 0 < a.tokenizer_sample_mb < 1e6):  # NaN too
         raise DataError("--workers must be 1 or more, --shard-mb and --tokenizer-sample-mb above 0 (fix: --workers 2 --shard-mb 64)")
@@ -150,10 +158,10 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("--dry-run", action="store_true", help="say what it would read and write (files, tokens, shards, disk, time)")
     p.add_argument("--submit", action="store_true", help="run it as Slurm jobs: a tokenizer job, an array of encode tasks, a finish job")
-    p.add_argument("--nodes", type=int, default=2, help="with --submit: encode tasks in the array (default 2)")
+    p.add_argument("--nodes", type=int, default=None, help="with --submit: encode tasks in the array (default 2)")
     p.add_argument("--partition", help="with --submit: the Slurm partition")
     p.add_argument("--account", help="with --submit: the Slurm account")
-    p.add_argument("--time", type=int, default=120, help="with --submit: minutes each job may run (default 120)")
+    p.add_argument("--time", type=int, default=None, help="with --submit: minutes each job may run (default 120)")
     p.add_argument("--wait", action="store_true", help="with --submit: wait for the finish job and report it")
     p.set_defaults(func=cmd_prepare)
 
