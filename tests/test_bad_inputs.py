@@ -249,6 +249,7 @@ ROWS = [
         _files,
     ),
     Row("check: a timeout that is no time", ["check", "--timeout", "nan"], "--timeout must be a number of seconds above 0, got nan"),
+    Row("monitor: a negative count", ["monitor", "--count", "-1"], "--count must be 0 (until Ctrl+C) or more, got -1 (fix: --count 10)"),
     Row(  # skipped, and all ok was reported
         "check: a shared dir with no other node",
         ["check", "--shared-dir", "{tmp}"],

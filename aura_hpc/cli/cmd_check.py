@@ -81,6 +81,8 @@ def cmd_monitor(a: argparse.Namespace) -> int:
 
     if not 0 < a.interval < 86400:  # NaN too
         raise ConfigError(f"--interval must be positive, got {a.interval} (fix: --interval 5)")
+    if a.count < 0:  # sampled nothing and exited 0
+        raise ConfigError(f"--count must be 0 (until Ctrl+C) or more, got {a.count} (fix: --count 10)")
     sampler = Sampler(open_reader(a.replay or ""), a.disk or ".")
     out = None
     if a.json:

@@ -117,9 +117,11 @@ def cmd_cancel(a: argparse.Namespace) -> int:
 
         row = local_status(Path(a.target), {})
         holder = row["holder"]
-        how = f"`kill {holder['pid']}` on {holder['host']}" if holder else "nothing runs there now"
+        if not holder:
+            raise LaunchError(f"{a.target} is a `local` run, not a Slurm job, and nothing runs there now: nothing to cancel")
         raise LaunchError(
-            f"{a.target} is a `local` run, not a Slurm job (fix: Ctrl-C in its terminal, or {how}: it writes a checkpoint and stops)"
+            f"{a.target} is a `local` run, not a Slurm job (fix: Ctrl-C in its terminal, or `kill {holder['pid']}` on "
+            f"{holder['host']}: it writes a checkpoint and stops)"
         )
     job_id = cancel(a.target)
     console.info(f"cancelled job {job_id} (ranks get SIGTERM: they write a checkpoint at the next step if there is time)")
