@@ -89,7 +89,9 @@ fi
 
 if [[ $NO_SYSTEM != 1 ]]; then
   if mountpoint -q "$MOUNT"; then
-    source=$(findmnt -n -o SOURCE --mountpoint "$MOUNT" 2>/dev/null || true)
+    # x-systemd.automount: after a reboot systemd's autofs sits there (source systemd-1) until the first use.
+    ls "$MOUNT" >/dev/null 2>&1 || true
+    source=$(findmnt -n -o SOURCE,FSTYPE --mountpoint "$MOUNT" 2>/dev/null | awk '$2 != "autofs" { s = $1 } END { print s }' || true)
     if [[ $source != "$SERVER:$EXPORT_DIR" ]]; then  # another filesystem there: the nodes would not share one
       echo "error: $MOUNT already has $source mounted, not $SERVER:$EXPORT_DIR (fix: unmount it, or choose another --mount)" >&2
       exit 1

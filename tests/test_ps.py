@@ -412,7 +412,7 @@ def test_a_worker_whose_gradients_are_mostly_too_stale_is_named_once(caplog: pyt
             _dropped_as_stale(seat, hist, interval, 4)
     assert hist["dropped"] == interval.dropped == seat.dropped == 40
     assert caplog.text.count("worker 2's gradients arrive too stale to apply (20 of 20 dropped, staleness above 4)") == 1
-    assert "(fix: --set ps.max_staleness=10 on the server, or fewer workers)" in caplog.text
+    assert "(fix: --set ps.max_staleness=10 on the server and every worker, or fewer workers)" in caplog.text
 
 
 def test_bad_inputs_of_a_parameter_server_run(tmp_path: Path, base: list[str]) -> None:

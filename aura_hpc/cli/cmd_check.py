@@ -131,7 +131,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--shared-dir", help="a directory that should be the same (NFS) on every node: write-then-read test")
     p.add_argument("--ifname", help="network interface for gloo/NCCL (default: the one that routes to the master)")
     p.add_argument("--sizes-mb", default="1,8,32", help="all_reduce sizes for the bandwidth test (default 1,8,32)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds before the check gives up (default 10)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds the across-machines part may take (default 10; local checks: 60)")
     p.add_argument("--output-dir", help="where runs will go (free disk is checked there)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_check)

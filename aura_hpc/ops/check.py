@@ -4,8 +4,8 @@ Single machine: Python/torch/CUDA/NCCL, GPUs, working backends, free disk. Acros
 (the classic test_ddp.py all_reduce check done right): TCP reachability of the master, a
 rendezvous that catches duplicate node ranks, an all_reduce every rank verifies, bus bandwidth
 over a few sizes, clock skew, the address each node uses, and a shared-directory test.
-Each failure is one line with the cause and the fix. A watchdog ends the check at --timeout,
-so an unhealthy setup never hangs it.
+Each failure is one line with the cause and the fix. A watchdog ends the check (--timeout for the
+across-machines part, 60 s for the local checks), so an unhealthy setup never hangs it.
 """
 
 from __future__ import annotations

@@ -394,7 +394,7 @@ def _dropped_as_stale(seat: Seat, hist: dict[str, int], interval: Any, max_stale
     if seat.dropped == 20 and seat.dropped > seat.updates:  # said once: its data was skipped unsaid before
         log.warning(
             "worker %d's gradients arrive too stale to apply (%d of %d dropped, staleness above %d): its shard's batches are "
-            "passed without training (fix: --set ps.max_staleness=%d on the server, or fewer workers)",
+            "passed without training (fix: --set ps.max_staleness=%d on the server and every worker, or fewer workers)",
             seat.rank, seat.dropped, seat.dropped + seat.updates, max_staleness, 2 * max_staleness + 2,
         )  # fmt: skip
 

@@ -201,7 +201,8 @@ def accounting_enabled() -> bool:
     try:
         done = subprocess.run(["sacct", "-n", "-X", "-j", "1", "-o", "JobID"], capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired:
-        raise LaunchError("sacct did not answer within 30s (fix: check that slurmctld and slurmdbd are up: scontrol ping)") from None
+        said = "sacct did not answer within 30s (fix: check that slurmctld and slurmdbd are up: scontrol ping, sacctmgr ping)"
+        raise LaunchError(said) from None
     return "accounting storage is disabled" not in (done.stderr + done.stdout).lower()
 
 

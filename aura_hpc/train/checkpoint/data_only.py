@@ -1,7 +1,7 @@
 """Sharded checkpoints read as data, never as code.
 
 torch's DCP unpickles its `.metadata` with plain `pickle` and the non-tensor entries of a state dict
-with `torch.load(weights_only=False)`; DeepSpeed loads its files with `weights_only=False` too. A
+with `torch.load(weights_only=False)`; DeepSpeed asks for `weights_only=False` too. A
 checkpoint is a file anyone with write access to the run directory (or a copy restored from
 elsewhere) can shape, and a checksum in COMPLETE.json is rewritten as easily: so before torch or
 DeepSpeed reads them, the globals those pickles may call are checked against what the libraries
@@ -167,7 +167,7 @@ def load_dcp(state: dict[str, Any], folder: Path) -> None:
 
 def check_deepspeed_files(folder: Path) -> None:
     """Every DeepSpeed file under `folder` calls only what DeepSpeed writes there (torch's own tensor
-    records aside), checked without unpickling it; before DeepSpeed loads them with weights_only=False."""
+    records aside), checked without unpickling it: the message that names the file, before DeepSpeed's loads."""
     for path in sorted(folder.rglob("*.pt")):
         try:
             unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
