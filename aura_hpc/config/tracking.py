@@ -38,7 +38,7 @@ def validate_tracking(cfg: RunConfig) -> None:
         if parts.username or parts.password or (parts.scheme in ("http", "https") and (parts.query or parts.fragment)):
             raise ConfigError(
                 "tracking.mlflow_uri holds a user name, password or query (a token?), which would be stored in config.yaml "
-                "(fix: the plain URL, and MLFLOW_TRACKING_TOKEN or _USERNAME / _PASSWORD in the environment)"
+                "(fix: the plain URL, and MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME / _PASSWORD in the environment)"
             )
     if t.copy_every_s <= 0 or t.queue_rows < 1:
         raise ConfigError("tracking.copy_every_s must be > 0 and tracking.queue_rows >= 1 (fix: --set tracking.copy_every_s=60)")

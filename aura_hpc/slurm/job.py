@@ -234,6 +234,7 @@ class CheckJob:
             backend=self.backend,
             shared_dir=self.shared_dir,
             timeout=self.timeout,
+            typed_master=False,
         )
         status = check.run_and_show(self.shared_dir, cluster)
         if status != 0:
