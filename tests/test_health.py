@@ -374,14 +374,17 @@ def test_the_breaker_watches_only_the_jobs_own_gpus() -> None:
     by_uuid = selection_from_env({"CUDA_VISIBLE_DEVICES": "0"}, uuids=["aaaa-1111"])
     assert by_uuid.keeps(dict(HEALTHY, index=5, uuid="GPU-AAAA-1111")) and not by_uuid.keeps(dict(HEALTHY, uuid="GPU-bbbb"))
     assert not selection_from_env({"CUDA_VISIBLE_DEVICES": ""}).keeps(HEALTHY), "no GPU visible: none is ours"
+    short = selection_from_env({"CUDA_VISIBLE_DEVICES": "GPU-aaaa"})  # CUDA takes a unique prefix of the UUID
+    assert short.keeps(dict(HEALTHY, index=5, uuid="GPU-AAAA-1111")) and not short.keeps(dict(HEALTHY, uuid="GPU-bbbb-aaaa"))
 
 
 def test_a_job_given_some_of_a_nodes_gpus_reads_those_and_is_told_when_it_reads_none(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """NVML counts every GPU of the node; under Slurm's ConstrainDevices a job given GPUs 4 and 5 may not open
-    the others (NO_PERMISSION). The first refused handle ended the reader, so the breaker was off in silence.
-    No GPU here: the real pynvml module with its device calls answering as such a node's driver does."""
+    the others (NO_PERMISSION), and a GPU fallen off the bus answers GPU_IS_LOST. The first refused handle ended
+    the reader, so the breaker was off in silence. No GPU here: the real pynvml module with its device calls
+    answering as such a node's driver does."""
     import types
 
     import pynvml
@@ -392,6 +395,8 @@ def test_a_job_given_some_of_a_nodes_gpus_reads_those_and_is_told_when_it_reads_
     allowed: set[int] = {4, 5}
 
     def handle(i: int) -> str:
+        if i == 2:  # another job's GPU fallen off the bus: the node's other GPUs are still read
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
         if i not in allowed:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
         return f"h{i}"

@@ -44,7 +44,8 @@ class GpuSelection:
     def keeps(self, gpu: dict[str, Any]) -> bool:
         uuid = _bare_uuid(str(gpu.get("uuid", "")))
         if self.uuids is not None and uuid:
-            return uuid in self.uuids
+            # CUDA_VISIBLE_DEVICES takes any unique prefix of a GPU's UUID (GPU-5ab3 for GPU-5ab3c1d9-...).
+            return any(uuid.startswith(u) for u in self.uuids)
         if self.indices is not None:
             return int(gpu.get("index", -1)) in self.indices
         return self.uuids is None
@@ -89,15 +90,15 @@ class NvmlReader:
         pynvml.nvmlInit()
         self.nv = pynvml
         # The count is every GPU of the node; a job given some of them (Slurm's ConstrainDevices) may not open
-        # the others (NO_PERMISSION): those are skipped, each GPU keeping the node's index. The first one
-        # refused ended the reader, and with it the breaker, in silence.
+        # the others (NO_PERMISSION), and a GPU fallen off the bus answers GPU_IS_LOST: each is skipped, the
+        # others keeping the node's index. The first one refused ended the reader, and with it the breaker of
+        # every healthy GPU of the node, in silence: on the node a lost GPU makes the one to watch.
         self.handles: list[tuple[int, Any]] = []
         for i in range(pynvml.nvmlDeviceGetCount()):
             try:
                 self.handles.append((i, pynvml.nvmlDeviceGetHandleByIndex(i)))
-            except pynvml.NVMLError as exc:
-                if getattr(exc, "value", None) != pynvml.NVML_ERROR_NO_PERMISSION:
-                    raise
+            except pynvml.NVMLError:
+                continue
 
     def read(self) -> list[dict[str, Any]]:
         nv = self.nv

@@ -75,8 +75,9 @@ class HealthWatch:
         breaker = h.breaker and not isinstance(reader, NoGpus)
         if h.breaker and _cuda() and (not breaker or not reader.read()):
             log.warning(
-                "health.breaker: NVML reads none of this job's GPUs (no NVIDIA management library here, or no permission "
-                "on them): the GPU circuit breaker and the GPU columns of the resource monitor are off for this run"
+                "health.breaker: NVML reads none of this job's GPUs (no NVIDIA management library here, no permission "
+                "on them, or MIG instances, which it does not read): the GPU circuit breaker and the GPU columns of the "
+                "resource monitor are off for this run"
             )
             breaker = False
         if h.monitor_interval_s <= 0 and not breaker:
