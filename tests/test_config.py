@@ -372,3 +372,18 @@ def test_a_deepspeed_json_is_judged_in_one_line_and_its_batch_size_at_the_real_w
     assert deepspeed_config(cfg, 8, bf16=False)["train_batch_size"] == 64
     with pytest.raises(ConfigError, match=re.escape("train_batch_size (64 vs 16)")):
         deepspeed_config(cfg, 2, bf16=False)  # each worker, at the world size it has
+
+
+def test_the_settings_every_rank_compares_include_the_sample_order_and_leave_out_where_data_lives() -> None:
+    """LAN nodes with data.shuffle_window 0 and 2 trained in silence, each reading its own order: 745 distinct
+    sequences of 992 positions. Where a machine finds its data (path, cache, tokenizer folder) may differ."""
+    from aura_hpc.config import RunConfig
+    from aura_hpc.train.parts.build import _shared_settings
+
+    cfg = RunConfig()
+    settings = _shared_settings(cfg)
+    assert {"data.shuffle_window", "data.seq_len", "data.stream", "data.val_fraction", "data.text_column"} <= set(settings)
+    assert not {"data.path", "data.cache_dir", "data.cache_gb", "data.tokenizer", "train.threads"} & set(settings)
+    other = RunConfig()
+    other.data.shuffle_window, other.data.path, other.data.cache_dir = 2, "/elsewhere", "/scratch"
+    assert [k for k in settings if settings[k] != _shared_settings(other)[k]] == ["data.shuffle_window"]

@@ -89,6 +89,12 @@ def test_resume_at_2_then_3_then_1_ranks_trains_every_sample_exactly_once(tmp_pa
         # The first run sets the horizon; each resume keeps it.
         assert ("keeping this run's schedule horizon of 18 steps" in r.stdout) == (nproc != 2), r.stdout[-2000:]
         assert stop == 18 or f"stopped at step {stop} of 18" in r.stdout, r.stdout[-2000:]
+        if nproc == 2:  # another order (what the cache-size refusal suggests on a smaller node) is refused at resume
+            for changed in ("data.shuffle_window=3", "train.seed=7"):
+                other = run_cli(["local", "--nproc-per-node", "3", *common, "--set", changed], timeout=120)
+                setting, was = changed.split("=")[0], "2" if changed.startswith("data") else "1234"
+                assert other.returncode == 2 and f"sample order of {setting}={was};" in other.stderr, other.stderr
+                assert f"(fix: resume with --set {setting}={was}, or use a new --run-name)" in other.stderr, other.stderr
     assert json.loads((tmp_path / "resharded" / "summary.json").read_text())["step"] == 18
     rows = [json.loads(line) for f in sorted(samples.glob("*.jsonl")) for line in f.read_text().splitlines()]
     assert {f.name for f in samples.glob("*.jsonl")} == {

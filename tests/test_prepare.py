@@ -335,6 +335,22 @@ def test_text_with_nul_bytes_is_refused_at_once(tmp_path: Path) -> None:
     assert time.perf_counter() - t0 < 30 and not (tmp_path / "p").exists()
 
 
+def test_an_out_that_is_a_link_gets_the_data_where_it_points_and_stays_a_link(tmp_path: Path) -> None:
+    """`data -> scratch/prepared` (a big disk): the link was moved aside as the old output and a real folder
+    took its place on the small disk; the old target kept prepare's marker file."""
+    files = _write_inputs(tmp_path / "in")
+    target = tmp_path / "scratch" / "prepared"
+    target.mkdir(parents=True)
+    link = tmp_path / "data"
+    link.symlink_to(target, target_is_directory=True)
+    for force in ([], ["--force"]):  # into the empty target, then over what prepare wrote there
+        r = run_cli(["prepare", str(files["txt"]), "--out", str(link), "--vocab-size", "300", *force], timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert link.is_symlink() and (target / "manifest.json").is_file(), sorted(p.name for p in tmp_path.iterdir())
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "in", "scratch"]
+        assert sorted(p.name for p in target.parent.iterdir()) == ["prepared"] and not (target / ".aura-prepare").exists()
+
+
 def test_an_interrupted_replacement_is_put_back(tmp_path: Path) -> None:
     """Killed between moving the old data aside and moving the new data in: the old data comes back."""
     files = _write_inputs(tmp_path / "in")
@@ -360,6 +376,23 @@ def test_truncated_token_file_is_detected(tmp_path: Path) -> None:
         f.truncate(10)
     with pytest.raises(DataError, match="re-run prepare with --force"):
         PackedTokens(out, 16)
+
+
+def test_a_prepared_folder_copied_without_its_tokenizer_is_refused_before_training(tmp_path: Path, prepared: Path) -> None:
+    """It trained the whole run, then stopped at the last sample without a summary (the tokenizer is read
+    there first), and its checkpoints held no tokenizer."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(prepared, copy)
+    tok = copy / "tokenizer" / "tokenizer.json"
+    tok.write_bytes(tok.read_bytes()[:-100])  # cut short
+    with pytest.raises(DataError, match=r"tokenizer.json does not match the manifest \(fix: copy the whole prepared"):
+        PackedTokens(copy, 16)
+    shutil.rmtree(copy / "tokenizer")
+    r = run_cli(["local", "--set", f"data.path={copy}", "--output-dir", str(tmp_path)], timeout=120)
+    assert r.returncode == 2 and "tokenizer.json cannot be read" in r.stderr, r.stderr
+    assert "the prepared directory is incomplete" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize(
@@ -511,3 +544,43 @@ def test_a_folder_with_files_prepare_cannot_read_says_so_and_the_path_to_use_is_
     said = r.stdout + r.stderr
     assert "prepare skips 1 file(s) in" in said and "NOTES (rename them to .txt to include them)" in said and ".hidden" not in said, said
     assert f"--set data.path='{out}'" in said, said
+
+
+def test_rows_with_unicode_line_separators_a_byte_order_mark_and_a_column_that_is_not_text(tmp_path: Path) -> None:
+    """JSON leaves U+2028, U+2029 and U+0085 unescaped inside strings (scraped text, cp1252 read as latin-1):
+    str.splitlines() cut rows there and prepare stopped on valid JSON lines. A byte-order mark (PowerShell,
+    Excel) was trained as text or refused as JSON. A text column holding lists was found out only after
+    reading every row; and one line far longer than a paragraph was one encoding call (3.5 GB for 20 MB)."""
+    from aura_hpc.data import shards
+    from aura_hpc.data.sources import LONGEST_PARAGRAPH, TEXT_SUFFIXES
+
+    def texts(f: Path, column: str = "text") -> list[str]:
+        pieces = shards.plan([str(f)], TEXT_SUFFIXES, 1 << 20, None, False)
+        jobs = [shards.Job(p, str(tmp_path), "", 0, "uint16", 0.0, column) for p in pieces]
+        return [t for job in jobs for t, _ in shards.piece_texts(job)]
+
+    rows = ["una\u2028línea", "otra\u2029más", "mojibake\x85aquí", "normal"]
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps({"text": r}, ensure_ascii=False) + "\n" for r in rows).encode())
+    assert texts(jsonl) == rows
+    txt = tmp_path / "bom.txt"
+    txt.write_bytes(b"\xef\xbb\xbfcontra a\n")
+    assert texts(txt) == ["contra a\n\n"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "bien"}\n{"text": "roto\n', encoding="utf-8")
+    with pytest.raises(DataError, match="the line at byte 17 is not JSON"):
+        texts(bad)
+    listed = tmp_path / "lists.jsonl"
+    listed.write_text(json.dumps({"text": ["a", "b"], "body": "texto"}) + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"column .text. of .* holds list, not text .*--text-column"):
+        texts(listed)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [[1, 2]], "body": ["texto"]}), tmp_path / "lists.parquet")
+    with pytest.raises(DataError, match="holds list, not text"):
+        texts(tmp_path / "lists.parquet")
+    line = ("palabra " * (LONGEST_PARAGRAPH // 8 * 3)).strip()  # one 3 MB line, no line break in it
+    units = split_paragraphs(line + "\n")
+    assert len(units) >= 3 and all(len(u) <= LONGEST_PARAGRAPH + 2 for u in units)
+    assert "".join(u.removesuffix("\n\n") for u in units) == line and all(u.startswith(" ") for u in units[1:])

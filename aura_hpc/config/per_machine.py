@@ -17,6 +17,18 @@ from aura_hpc.config.tree import RunConfig
 
 # Each rank's threads and allocator: how fast its own machine runs, nothing another rank sees.
 PER_MACHINE = frozenset({"train.threads", "train.tune_malloc"})
+# The data settings that decide which tokens each rank reads, in which order; the data section's others say
+# where a machine finds them (its path, cache, tokenizer folder), and the manifest's hash compares what it found.
+SHARED_DATA = (
+    "data.seq_len",
+    "data.shuffle_window",
+    "data.stream",
+    "data.val_fraction",
+    "data.shard_mb",
+    "data.text_column",
+    "data.dataset_subset",
+    "data.dataset_split",
+)
 PER_PS_WORKER = PER_MACHINE | {
     "train.log_every",
     "train.compile",
@@ -34,3 +46,7 @@ def shared(cfg: RunConfig, sections: Iterable[str], free: frozenset[str]) -> dic
             if f"{section}.{name}" not in free:
                 out[f"{section}.{name}"] = value
     return out
+
+
+def shared_data(cfg: RunConfig) -> dict[str, Any]:
+    return {key: getattr(cfg.data, key.removeprefix("data.")) for key in SHARED_DATA}

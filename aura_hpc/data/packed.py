@@ -126,6 +126,7 @@ class PackedTokens(TokenReader):
                 self.shards[shard.split].append(shard)
         self._maps: dict[tuple[str, int], np.ndarray] = {}
         if not self.remote:
+            _check_tokenizer(self.path / "tokenizer" / "tokenizer.json", self.manifest["tokenizer"]["sha256"])
             for split, entries in self.shards.items():
                 for i, s in enumerate(entries):
                     f = self.path / s.file
@@ -227,6 +228,25 @@ class PackedTokens(TokenReader):
         starts = self._starts[split]
         shard = int(np.searchsorted(starts, index, side="right")) - 1
         return shard, index - int(starts[shard])
+
+
+def _check_tokenizer(path: Path, sha: str) -> None:
+    """A prepared folder copied in part (an rsync cut short) trained a whole run, then stopped at its last
+    sample without a summary, and its checkpoints held no tokenizer: the one the manifest hashes, or nothing."""
+    import hashlib
+
+    try:
+        with open(path, "rb") as f:
+            ours = hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as exc:
+        raise DataError(
+            f"{path} cannot be read ({exc.strerror}): the prepared directory is incomplete (fix: copy the whole prepared "
+            "directory again, or prepare the data again with --force)"
+        ) from None
+    if ours != sha:
+        raise DataError(
+            f"{path} does not match the manifest (fix: copy the whole prepared directory again, or prepare the data again with --force)"
+        )
 
 
 class NeedWindow(Exception):

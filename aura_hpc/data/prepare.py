@@ -153,7 +153,9 @@ def prepare(spec: PrepareSpec) -> dict[str, Any]:
             return manifest
 
         return prepare_to_bucket(spec, key, build_here, Path(spec.cache_dir) if spec.cache_dir else default_dir())
-    out = Path(spec.out_dir).expanduser().absolute()
+    # A link (data -> /scratch/prepared) is followed: the data goes where it points, on that disk, and the
+    # link stays. Moved aside as the old output, the link itself was replaced by a folder beside it.
+    out = Path(spec.out_dir).expanduser().resolve()
     if out.parent.is_dir():
         for note in out_dir.clean_leftovers(out, key):
             log.info("%s", note)

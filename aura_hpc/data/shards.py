@@ -142,7 +142,7 @@ class Job:
 
 def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
     """(text, ends a document) of a piece, in order."""
-    from aura_hpc.data.sources import check_text, records, split_paragraphs
+    from aura_hpc.data.sources import check_column, check_text, records, split_paragraphs
 
     p = job.piece
     if p.kind == "builtin":
@@ -164,6 +164,8 @@ def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
             raise DataError(
                 f"{p.source} is not UTF-8 text ({exc.reason} at byte {p.start + exc.start}) (fix: convert it with iconv -t utf-8)"
             ) from None
+        if p.start == 0:  # a byte-order mark (PowerShell, Excel, Notepad): not text to train on, nor JSON
+            text = text.removeprefix("\ufeff")
         check_text(p.source, text)
         if p.kind == "text":
             paras = split_paragraphs(text)
@@ -171,19 +173,26 @@ def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
                 yield para, p.last and i == len(paras) - 1
             return
         first = p.start == 0  # a file's first row, whichever piece of all the inputs it starts
-        for line in text.splitlines():
+        at = 0  # characters into the piece: a line that is not JSON is named by its byte
+        # Rows end at "\n" alone: str.splitlines() also ends them at U+2028, U+2029 and U+0085, which JSON
+        # writers leave unescaped inside strings (scraped text, cp1252 read as latin-1).
+        for line in text.split("\n"):
+            start, at = at, at + len(line) + 1
             if line.strip():
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
+                    byte = p.start + len(text[:start].encode("utf-8"))
                     raise DataError(
-                        f"{p.source}: a line near byte {p.start} is not JSON ({exc.msg}) (fix: one JSON object per line)"
+                        f"{p.source}: the line at byte {byte} is not JSON ({exc.msg}) (fix: one JSON object per line)"
                     ) from None
                 if first and (not isinstance(row, dict) or job.text_column not in row):
                     keys = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
                     raise DataError(f"column {job.text_column!r} not in {p.source!r}; its columns are {keys} (fix: --text-column NAME)")
-                first = False
                 value = row.get(job.text_column) if isinstance(row, dict) else None
+                if first:
+                    check_column(p.source, job.text_column, value)
+                first = False
                 if isinstance(value, str) and value.strip():
                     check_text(p.source, value)
                     yield value, True

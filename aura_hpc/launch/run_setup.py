@@ -97,6 +97,16 @@ def _check_resume_compatible(cfg: RunConfig, world_size: int) -> None:
             f"run directory {cfg.run_dir} holds checkpoints written under dist.strategy={was}; {now} lays the weights and "
             f"the optimizer's state out differently (fix: resume with --set dist.strategy={was}, or use a new --run-name)"
         )
+    for setting, was_value, now_value in (
+        ("train.seed", previous.train.seed, cfg.train.seed),
+        ("data.shuffle_window", previous.data.shuffle_window, cfg.data.shuffle_window),
+    ):
+        if was_value != now_value:  # samples_seen counts along one order: another would train some sequences twice
+            raise ConfigError(
+                f"run directory {cfg.run_dir} holds checkpoints trained in the sample order of {setting}={was_value}; with "
+                f"{now_value} the rest of the epoch would train some sequences twice and others never (fix: resume with "
+                f"--set {setting}={was_value}, or use a new --run-name)"
+            )
     if previous.train.optimizer != cfg.train.optimizer:
         raise ConfigError(
             f"run directory {cfg.run_dir} holds checkpoints of train.optimizer={previous.train.optimizer}, whose state "

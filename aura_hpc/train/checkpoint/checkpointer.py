@@ -177,6 +177,16 @@ class Checkpointer:
                 "(fix: resume with the original config, or start fresh with a new --run-name)"
             )
         _same_kind(chosen, meta, "optimizer", self.cfg.train.optimizer)
+        for field, setting, ours in (
+            ("seed", "train.seed", self.cfg.train.seed),
+            ("shuffle_window", "data.shuffle_window", self.cfg.data.shuffle_window),
+        ):
+            if meta.get(field) is not None and meta[field] != ours:
+                raise CheckpointError(
+                    f"checkpoint {chosen} was written with {setting}={meta[field]} and this run uses {ours}: the sample order "
+                    f"differs, so the rest of the epoch would train some sequences twice and others never (fix: resume with "
+                    f"--set {setting}={meta[field]}, or a new --run-name)"
+                )
 
     # ---- save ---------------------------------------------------------------------------
     def _weights_finite(self) -> bool:
@@ -272,6 +282,8 @@ class Checkpointer:
             "n_params": self.parts.n_params,
             "strategy": self.wrapped.name,
             "optimizer": self.cfg.train.optimizer,
+            "seed": self.cfg.train.seed,  # with the window, the sample order samples_seen counts along
+            "shuffle_window": self.cfg.data.shuffle_window,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             # A stream's piece sizes learned so far: a resumed run finds its position without encoding the past again.
             **({"data_order": order} if (order := self.parts.order.state()) is not None else {}),

@@ -187,7 +187,7 @@ def seed_dropout(seed: int, rank: int) -> None:
 
 def _shared_settings(cfg: RunConfig) -> dict[str, str]:
     """What every rank must hold alike (config/per_machine.py), as text that compares exactly."""
-    settings = per_machine.shared(cfg, ("model", "train", "dist"), per_machine.PER_MACHINE)
+    settings = per_machine.shared(cfg, ("model", "train", "dist"), per_machine.PER_MACHINE) | per_machine.shared_data(cfg)
     return {"model.fingerprint": cfg.model_fingerprint(), **{k: json.dumps(v, default=str) for k, v in settings.items()}}
 
 
