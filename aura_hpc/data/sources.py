@@ -151,9 +151,7 @@ def records(
     first = True
     for row in ds:
         if first and column not in row:
-            raise DataError(
-                f"column {column!r} not in {source!r}; its columns are {', '.join(map(str, row))} (fix: --text-column NAME)"
-            )
+            raise DataError(f"column {column!r} not in {source!r}; its columns are {', '.join(map(str, row))} (fix: --text-column NAME)")
         text = row[column]
         if first:
             check_column(source, column, text)
