@@ -61,9 +61,14 @@ def _bf16_gloo_hook(world_size, bucket):  # type: ignore[no-untyped-def]
 class PowerSgdHook:
     """torch's PowerSGD hook, with a pass-through for the one backward that settles DDP's buckets."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Any, serial: bool) -> None:
         self.state = state
         self.local = False  # while True, each bucket comes back as it went in: no communication
+        # torch's hook issues a bucket's later collectives (the factors P, then Q) from its future's callbacks. NCCL
+        # completes a future as it enqueues, so they run in the backward's thread, in order; gloo completes it on
+        # its own thread, so with two buckets or more the ranks issued them in different orders and gloo stopped
+        # the run at its first compressed step (sizes that differ). On gloo each bucket's exchange ends before the next.
+        self.serial = serial
         self.q_before: dict[int, torch.Tensor] = {}  # each bucket's warm-start factors as this step found them
 
     def heal(self, bad: torch.Tensor) -> None:
@@ -99,7 +104,10 @@ def _powersgd_hook(hook, bucket):  # type: ignore[no-untyped-def]
     if before is not None:  # what `heal` puts back after a skipped step (the factors are small: rank x columns)
         hook.q_before[bucket.index()] = before.clone()
     with keep_device_rng(bucket.buffer().device):
-        return powerSGD_hook.powerSGD_hook(hook.state, bucket)
+        fut = powerSGD_hook.powerSGD_hook(hook.state, bucket)
+    if hook.serial:
+        fut.wait()
+    return fut
 
 
 def _ride_hook(ride, bucket):  # type: ignore[no-untyped-def]
@@ -232,7 +240,7 @@ def wrap_ddp(
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=POWERSGD_START_STEP, random_seed=0
         )
-        hook = PowerSgdHook(state)
+        hook = PowerSgdHook(state, serial=collectives.backend() != "nccl")
         ddp.register_comm_hook(hook, _powersgd_hook)
         return DdpWrapped(ddp, model, None, hook)
     ride = FlagRide(world_size)
