@@ -201,6 +201,12 @@ def test_zero_shards_are_written_behind_the_loop_and_a_failed_shard_write_keeps_
     held = slow.index("checkpoint writer held 3 s")
     committed = slow.index("step_00000005 written")
     assert re.search(r"step\s+8\b", slow[held:committed]), slow[held - 500 : committed + 200]
+    # A run that diverges while its step-5 shards are still being written keeps step 5: the process groups
+    # the shards agree over went first, and the checkpoint in flight, the last good one, was thrown away.
+    nan = [*_args(tmp_path, "diverged", prepared, "zero2"), "--set", "train.nan_max_rollbacks=0"]
+    r = run_cli(nan, timeout=300, AURA_FAULT_CKPT="slow:shards", AURA_FAULT_NAN="0:6:100")
+    assert r.returncode == 3 and "checkpoint writer held 3 s" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    assert [c.step for c in checkpoint.list_complete(tmp_path / "diverged" / "checkpoints")] == [5], r.stdout[-3000:]
     # One rank's disk fills while it writes its shards of step 5: every rank stops at the next save
     # with the one line, and the half-written checkpoint is gone.
     r = run_cli(_args(tmp_path, "full", prepared, "zero2"), timeout=600, AURA_FAULT_CKPT="enospc:shards")

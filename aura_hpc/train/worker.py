@@ -24,6 +24,7 @@ import torch._dynamo  # noqa: F401  (every optimizer imports it on its first par
 from aura_hpc.config import load_run_file
 from aura_hpc.errors import EXIT_TRAIN_FAILED, EXITING_LINE, AuraError
 from aura_hpc.ops.disk import disk_full, disk_of
+from aura_hpc.train.checkpoint import background
 from aura_hpc.train.process import distributed, progress, worker_log
 from aura_hpc.train.process.dist_env import DistEnv
 
@@ -35,6 +36,11 @@ def _process_group_cleanup() -> Iterator[None]:
     try:
         yield
     finally:
+        # A save still being written (a ZeRO rank's shards, which agree over their own group, and rank 0's commit)
+        # ends before the groups go: an error exit (a run that diverged) shut them first, the agreement failed,
+        # and the checkpoint in flight, the last good one, was thrown away unsaid.
+        with contextlib.suppress(Exception):
+            background.close()
         with contextlib.suppress(Exception):
             distributed.shutdown()
 
