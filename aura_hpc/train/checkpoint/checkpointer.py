@@ -176,17 +176,7 @@ class Checkpointer:
                 f"checkpoint {chosen} was written with a different model shape or data.seq_len than this config "
                 "(fix: resume with the original config, or start fresh with a new --run-name)"
             )
-        _same_kind(chosen, meta, "optimizer", self.cfg.train.optimizer)
-        for field, setting, ours in (
-            ("seed", "train.seed", self.cfg.train.seed),
-            ("shuffle_window", "data.shuffle_window", self.cfg.data.shuffle_window),
-        ):
-            if meta.get(field) is not None and meta[field] != ours:
-                raise CheckpointError(
-                    f"checkpoint {chosen} was written with {setting}={meta[field]} and this run uses {ours}: the sample order "
-                    f"differs, so the rest of the epoch would train some sequences twice and others never (fix: resume with "
-                    f"--set {setting}={meta[field]}, or a new --run-name)"
-                )
+        _same_settings(chosen, meta, self.cfg)
 
     # ---- save ---------------------------------------------------------------------------
     def _weights_finite(self) -> bool:
@@ -282,8 +272,7 @@ class Checkpointer:
             "n_params": self.parts.n_params,
             "strategy": self.wrapped.name,
             "optimizer": self.cfg.train.optimizer,
-            "seed": self.cfg.train.seed,  # with the window, the sample order samples_seen counts along
-            "shuffle_window": self.cfg.data.shuffle_window,
+            **_order_settings(self.cfg),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             # A stream's piece sizes learned so far: a resumed run finds its position without encoding the past again.
             **({"data_order": order} if (order := self.parts.order.state()) is not None else {}),
@@ -374,3 +363,24 @@ def _same_kind(chosen: str, meta: dict[str, Any], field: str, ours: str | None) 
             f"checkpoint {chosen} was written with {setting}={was} and this run uses {ours}: its saved state does not fit "
             f"(fix: resume with --set {setting}={was}, or a new --run-name)"
         )
+
+
+def _order_settings(cfg: RunConfig) -> dict[str, int]:
+    """The settings of the sample order samples_seen counts along (checked by _same_settings at a resume)."""
+    return {"seed": cfg.train.seed, "shuffle_window": cfg.data.shuffle_window}
+
+
+def _same_settings(chosen: str, meta: dict[str, Any], cfg: RunConfig) -> None:
+    """The optimizer whose state the checkpoint holds, and the sample order samples_seen counts along: another
+    seed or shuffle window trains some sequences twice."""
+    _same_kind(chosen, meta, "optimizer", cfg.train.optimizer)
+    for field, setting, ours in (
+        ("seed", "train.seed", cfg.train.seed),
+        ("shuffle_window", "data.shuffle_window", cfg.data.shuffle_window),
+    ):
+        if meta.get(field) is not None and meta[field] != ours:
+            raise CheckpointError(
+                f"checkpoint {chosen} was written with {setting}={meta[field]} and this run uses {ours}: the sample order "
+                f"differs, so the rest of the epoch would train some sequences twice and others never (fix: resume with "
+                f"--set {setting}={meta[field]}, or a new --run-name)"
+            )
