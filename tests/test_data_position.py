@@ -80,8 +80,11 @@ def test_resume_at_2_then_3_then_1_ranks_trains_every_sample_exactly_once(tmp_pa
     common += ["--set", "train.checkpoint_every=0", "--set", "train.warmup_steps=2"]
     plan = [(2, 6), (3, 12), (1, 18)]
     for nproc, stop in plan:
+        # The last part at half the learning rate: the checkpoint's optimizer and scheduler held the old one, and
+        # the re-run trained on at it (what a divergence's "fix: lower train.lr" asks for was ignored).
+        lr = ["--set", "train.lr=0.0005"] if nproc == 1 else []
         r = run_cli(
-            ["local", "--nproc-per-node", str(nproc), *common, "--set", f"train.stop_at={stop}"],
+            ["local", "--nproc-per-node", str(nproc), *common, *lr, "--set", f"train.stop_at={stop}"],
             timeout=300,
             AURA_PROBE_SAMPLES=str(samples),
         )
@@ -96,6 +99,12 @@ def test_resume_at_2_then_3_then_1_ranks_trains_every_sample_exactly_once(tmp_pa
                 assert other.returncode == 2 and f"sample order of {setting}={was};" in other.stderr, other.stderr
                 assert f"(fix: resume with --set {setting}={was}, or use a new --run-name)" in other.stderr, other.stderr
     assert json.loads((tmp_path / "resharded" / "summary.json").read_text())["step"] == 18
+    from aura_hpc.train.parts.schedule import lr_factor
+
+    rows = [json.loads(line) for line in (tmp_path / "resharded" / "metrics.jsonl").read_text().splitlines()]
+    lrs = {row["step"]: row["lr"] for row in rows if "lr" in row}
+    assert lrs[15] == pytest.approx(0.0005 * lr_factor(14, 2, 18, "cosine", 0.1), rel=1e-6), lrs
+    assert lrs[10] == pytest.approx(0.001 * lr_factor(9, 2, 18, "cosine", 0.1), rel=1e-6), lrs
     rows = [json.loads(line) for f in sorted(samples.glob("*.jsonl")) for line in f.read_text().splitlines()]
     assert {f.name for f in samples.glob("*.jsonl")} == {
         "samples_rank0_world2.jsonl", "samples_rank1_world2.jsonl",

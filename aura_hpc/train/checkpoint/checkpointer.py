@@ -20,7 +20,7 @@ from aura_hpc.train.checkpoint import diloco_files as replica_files
 from aura_hpc.train.checkpoint import files as checkpoint
 from aura_hpc.train.checkpoint.host_mirror import HostMirror
 from aura_hpc.train.checkpoint.writer import SHARDS, Commit, check_one_folder, dcp_errors, save_sharded
-from aura_hpc.train.parts.schedule import scale_learning_rate
+from aura_hpc.train.parts.schedule import apply_settings, scale_learning_rate
 from aura_hpc.train.parts.state import Layout, Parts, Position
 from aura_hpc.train.process.dist_env import DistEnv
 from aura_hpc.train.process.runtime import Runtime, rng_state, set_rng_state
@@ -128,10 +128,8 @@ class Checkpointer:
         if learned:
             p.data.learn_counts(learned)
             p.order.refresh()
-        self.pos.step = int(meta["step"])
-        self.pos.saved_step = self.pos.step
-        self.pos.tokens_seen = int(meta.get("tokens_seen", 0))
-        self.pos.rollbacks = int(meta.get("rollbacks", 0))
+        _restore_position(self.pos, meta)
+        apply_settings(p.optimizer, p.scheduler, self.cfg.train, meta.get("train_lr"))
         per_step = self.layout.per_step
         if int(meta.get("effective_batch", per_step)) != per_step and self.env.is_main:
             log.warning("effective batch changed (%s -> %d) since the checkpoint", meta.get("effective_batch"), per_step)
@@ -365,9 +363,16 @@ def _same_kind(chosen: str, meta: dict[str, Any], field: str, ours: str | None) 
         )
 
 
-def _order_settings(cfg: RunConfig) -> dict[str, int]:
-    """The settings of the sample order samples_seen counts along (checked by _same_settings at a resume)."""
-    return {"seed": cfg.train.seed, "shuffle_window": cfg.data.shuffle_window}
+def _order_settings(cfg: RunConfig) -> dict[str, Any]:
+    """The settings of the sample order samples_seen counts along (checked by _same_settings at a resume), and
+    the learning rate the optimizer's state was scaled from (a resume with another scales it: apply_settings)."""
+    return {"seed": cfg.train.seed, "shuffle_window": cfg.data.shuffle_window, "train_lr": cfg.train.lr}
+
+
+def _restore_position(pos: Position, meta: dict[str, Any]) -> None:
+    pos.step = pos.saved_step = int(meta["step"])
+    pos.tokens_seen = int(meta.get("tokens_seen", 0))
+    pos.rollbacks = int(meta.get("rollbacks", 0))
 
 
 def _same_settings(chosen: str, meta: dict[str, Any], cfg: RunConfig) -> None:

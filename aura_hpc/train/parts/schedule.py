@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -57,3 +58,18 @@ def scale_learning_rate(
     factor = lr_factor(step, t.warmup_steps, horizon, t.schedule, t.min_lr_ratio)
     for group, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
         group["lr"] = base * factor
+
+
+def apply_settings(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, t: TrainConfig, saved_lr: Any) -> None:
+    """After a resume, the config's learning rate, weight decay and betas over the checkpoint's: its optimizer
+    and scheduler states held the old ones, so a re-run with a lower train.lr (what a divergence's fix says)
+    trained on at the old one, and a new max_steps' first update at the old horizon's rate. What the
+    rollbacks scaled stays scaled; with nothing changed every value is the one the checkpoint held."""
+    if isinstance(saved_lr, int | float) and saved_lr > 0 and saved_lr != t.lr:
+        scheduler.base_lrs = [base * (t.lr / saved_lr) for base in scheduler.base_lrs]
+    for i, (group, base, factor) in enumerate(zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True)):
+        group["lr"] = base * factor(scheduler.last_epoch)  # what LambdaLR computes, at this run's horizon
+        if i == 0 and len(optimizer.param_groups) == 2:  # make_optimizer's matrices (the others decay none)
+            group["weight_decay"] = t.weight_decay
+        if "betas" in group:
+            group["betas"] = (t.beta1, t.beta2)
