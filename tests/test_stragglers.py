@@ -33,12 +33,17 @@ def test_a_rank_is_named_after_three_slow_intervals_in_a_row_and_only_once(caplo
 
 
 def test_the_clock_counts_the_time_between_exchanges_and_not_across_a_pause() -> None:
+    """The step after a pause (a logged, evaluated or saved step) is timed from the pause's end: it was not
+    timed at all, and under train.log_every=1 (every step logged) no step was, every score 1.0."""
+    import time
+
     clock = BusyClock(torch.device("cpu"))
     clock.exchange_begins()  # no exchange yet: nothing to count
     clock.exchange_done()
     clock.exchange_begins()
     clock.exchange_done()
+    time.sleep(0.3)  # an evaluation or a checkpoint: not a step's work
     clock.pause()
-    clock.exchange_begins()  # after an evaluation or a checkpoint: not a step's work
-    assert clock.steps == 1
-    assert 0 < clock.take() < 1 and clock.take() == 0.0
+    clock.exchange_begins()
+    assert clock.steps == 2
+    assert 0 < clock.take() < 0.1 and clock.take() == 0.0

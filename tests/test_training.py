@@ -466,6 +466,34 @@ def test_a_metrics_row_carries_mfu_where_the_gpus_peak_is_known(tmp_path: Path) 
     w.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["mfu"] == round(1_000_000 * scale, 4) and 0.05 < rows[0]["mfu"] < 0.15 and "mfu" not in rows[1]
+    # An fp16 overflow's grad_norm (or a rank's score) is not a number: null, not the Infinity strict readers refuse.
+    (tmp_path / "inf").mkdir()
+    w = MetricsWriter(tmp_path / "inf", 0, None)
+    w.write({"step": 30, "loss": 2.8, "grad_norm": float("inf"), "straggler_scores": [1.0, float("nan")]})
+    w.close()
+
+    def strict(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    [row] = [json.loads(x, parse_constant=strict) for x in (tmp_path / "inf" / "metrics.jsonl").read_text().splitlines()]
+    assert row["grad_norm"] is None and row["straggler_scores"] == [1.0, None], row
+
+
+def test_a_skipped_update_at_an_evaluation_without_validation_sequences_writes_no_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny split with no validation sequence: the skipped step's evaluation row took round(None) and ended the run."""
+    from types import SimpleNamespace
+
+    from aura_hpc.train.loop import trainer
+
+    monkeypatch.setattr(trainer, "evaluate", lambda *args: None)
+    written: list[dict] = []
+    run = SimpleNamespace(
+        pos=SimpleNamespace(step=5, last_eval=1.0), parts=None, cfg=SimpleNamespace(train=None), rt=None,
+        env=SimpleNamespace(rank=0, is_main=True), layout=SimpleNamespace(world=2, end_step=10),
+        metrics=SimpleNamespace(write=written.append),
+    )  # fmt: skip
+    trainer.Trainer._eval_row(run, True)  # type: ignore[arg-type]
+    assert run.pos.last_eval is None and written == []
 
 
 def test_a_row_with_only_an_attempts_first_step_says_so_instead_of_zero_speed(caplog: pytest.LogCaptureFixture) -> None:

@@ -61,7 +61,9 @@ class MetricsWriter:
     def write(self, row: dict[str, Any]) -> None:
         if self.mfu_scale and row.get("tokens_per_s"):
             row = {**row, "mfu": round(row["tokens_per_s"] * self.mfu_scale, 4)}
-        self._file.write(json.dumps(row) + "\n")
+        # A non-finite number (an fp16 overflow's grad_norm) as null: json.dumps wrote Infinity and NaN, which
+        # strict readers (jq, JavaScript, pandas' ujson) refuse, the whole file with them.
+        self._file.write(json.dumps(_finite(row)) + "\n")
         self._file.flush()
         step = int(row["step"])
         if self.trackers is not None:
@@ -143,3 +145,13 @@ class Interval:
     def reset(self) -> None:
         self.loss, self.steps = 0.0, 0
         self.restart_clock()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

@@ -65,8 +65,9 @@ class BusyClock:
         self._since = self._mark()
 
     def pause(self) -> None:
-        """Evaluation, samples and checkpoints between steps are not a step's work: the next step starts afresh."""
-        self._since = None
+        """Logging, evaluation, samples and checkpoints between steps are not a step's work: the next step is
+        timed from here (it went untimed, and under train.log_every=1 every step did: every score 1.0)."""
+        self._since = self._mark()
 
     def take(self) -> float:
         """Mean seconds per step since the last call (0 when no step was timed); on a GPU, after the host waited."""
