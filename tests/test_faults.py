@@ -612,6 +612,31 @@ def test_keep_last_plus_best_by_validation_loss(tmp_path: Path) -> None:
     assert best is not None and best.step == 2
 
 
+def test_prune_leaves_a_linked_folder_and_damaged_markers_or_files_gone_mid_read_are_said(tmp_path: Path) -> None:
+    """A step folder that is a link to an archive: prune removed the archive's COMPLETE.json through it. A marker
+    of another shape, or a file gone while `generate` read (its run pruning), was a traceback; and `generate`, a
+    reader, set the checkpoints it could not check aside as corrupt under the run that owns them."""
+    from aura_hpc.train.generate import generate
+    from aura_hpc.train.model.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2))
+    root, archive = tmp_path / "run" / "checkpoints", tmp_path / "archive"
+    checkpoint.save(archive, 1, model, {}, {"step": 1}, None, "", keep_last=5)
+    root.mkdir(parents=True)
+    (root / "step_00000001").symlink_to(archive / "step_00000001", target_is_directory=True)
+    for step in (2, 3):
+        checkpoint.save(root, step, model, {}, {"step": step}, None, "", keep_last=1)
+    assert (archive / "step_00000001" / "COMPLETE.json").is_file() and (root / "step_00000001").is_symlink()
+    newest = root / "step_00000003"
+    for marker in ("[]", '{"files": {"meta.json": 1}}', '{"files": [["meta.json", 1]]}'):
+        (newest / "COMPLETE.json").write_text(marker)
+        assert checkpoint.verify(newest).startswith("unreadable commit marker or files"), marker
+    (root / "step_00000001").unlink()
+    with pytest.raises(errors.CheckpointError, match=r"no checkpoint in .* verifies \(step_00000003: unreadable commit marker"):
+        generate(str(tmp_path / "run"), "", 5, 1.0, 0, 0)
+    assert newest.is_dir() and not list(root.glob("corrupt-*")), sorted(p.name for p in root.iterdir())
+
+
 def test_a_killed_launcher_takes_its_workers_along_and_a_run_dir_admits_one_trainer(
     tmp_path: Path, prepared: Path, reference: dict
 ) -> None:

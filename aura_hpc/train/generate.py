@@ -18,9 +18,7 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
     root = Path(run_dir) / "checkpoints"
     if not Path(run_dir).is_dir():
         raise CheckpointError(f"run directory {run_dir} does not exist (fix: pass output_dir/run_name of a run)")
-    ckpt = checkpoint.newest_valid(root)
-    if ckpt is None:
-        raise CheckpointError(f"no complete checkpoint in {root} (fix: train first: python -m aura_hpc local)")
+    ckpt = _newest_valid(root)
     import torch
 
     from aura_hpc.train.checkpoint.consolidate import consolidate
@@ -36,8 +34,19 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
 
-    tok = AutoTokenizer.from_pretrained(str(ckpt.path / "tokenizer"))
-    model = load_pretrained(str(ckpt.path / "model"))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(ckpt.path / "tokenizer"))
+        model = load_pretrained(str(ckpt.path / "model"))
+    except OSError as exc:  # transformers says OSError for a file gone too
+        why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        if not (ckpt.path / checkpoint.MARKER).exists():  # its run pruned it while this read it
+            raise CheckpointError(
+                f"checkpoint {ckpt.path.name} went away while it was read ({why}): its run keeps only train.keep_last of them "
+                "(fix: run generate again, it reads the newest)"
+            ) from None
+        raise CheckpointError(
+            f"checkpoint {ckpt.path.name} cannot be loaded ({why}) (fix: move it away to use the one before it)"
+        ) from None
     model.eval()
     torch.manual_seed(seed)
     ids = tok(prompt, return_tensors="pt").input_ids
@@ -65,3 +74,17 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
             )
             out.append(tok.decode(gen[0], skip_special_tokens=True))
     return out
+
+
+def _newest_valid(root: Path) -> checkpoint.Checkpoint:
+    """The newest checkpoint that verifies. Read only: a training run may be pruning or writing this folder
+    (a file gone mid-check was a traceback), and what fails here is not set aside as corrupt, as a resume does."""
+    problems = []
+    for ckpt in checkpoint.list_complete(root):
+        problem = checkpoint.verify(ckpt.path)
+        if problem is None:
+            return ckpt
+        problems.append(f"{ckpt.path.name}: {problem}")
+    if problems:
+        raise CheckpointError(f"no checkpoint in {root} verifies ({'; '.join(problems[:3])}) (fix: resume the run, which sets them aside)")
+    raise CheckpointError(f"no complete checkpoint in {root} (fix: train first: python -m aura_hpc local)")

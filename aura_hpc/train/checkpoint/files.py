@@ -308,7 +308,7 @@ def list_complete(root: Path) -> list[Checkpoint]:
     if root.is_dir():
         for p in root.iterdir():
             m = _NAME.match(p.name)
-            if m and p.is_dir() and (p / MARKER).exists():
+            if m and p.is_dir() and (p / MARKER).exists():  # a link to a folder elsewhere too (prune leaves it)
                 out.append(Checkpoint(p, int(m.group(1))))
     return sorted(out, key=lambda c: c.step, reverse=True)
 
@@ -329,7 +329,7 @@ def prune(root: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` and the best by validation loss."""
     keep_best = best(root)
     for ckpt in list_complete(root)[keep_last:]:
-        if keep_best is None or ckpt.path != keep_best.path:
+        if not ckpt.path.is_symlink() and (keep_best is None or ckpt.path != keep_best.path):  # a link: not ours
             # Uncommitted first: a process killed mid-delete left a half-deleted checkpoint that still said complete.
             (ckpt.path / MARKER).unlink(missing_ok=True)
             shutil.rmtree(ckpt.path, ignore_errors=True)
@@ -339,19 +339,19 @@ def verify(ckpt: Path, share: tuple[int, int] = (0, 1)) -> str | None:
     """None when every file matches its marker entry; otherwise what is wrong. `share` (rank, world):
     every file's size is checked, and the checksums of this rank's share of the files (every
     world-th one): the ranks of a resume hash a checkpoint together, each file once."""
-    try:
+    try:  # a marker of another shape (a list, sizes as text) or a file gone while read (pruned by its run): said
         marker = json.loads((ckpt / MARKER).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        return f"unreadable commit marker ({exc})"
-    rank, world = share
-    for i, (rel, want) in enumerate(sorted(marker.get("files", {}).items())):
-        p = ckpt / rel
-        if not p.is_file():
-            return f"missing file {rel}"
-        if p.stat().st_size != want["size"]:
-            return f"{rel} has {p.stat().st_size} bytes, expected {want['size']}"
-        if i % world == rank and _sha256(p) != want["sha256"]:
-            return f"{rel} does not match its checksum"
+        rank, world = share
+        for i, (rel, want) in enumerate(sorted(marker.get("files", {}).items())):
+            p = ckpt / rel
+            if not p.is_file():
+                return f"missing file {rel}"
+            if p.stat().st_size != want["size"]:
+                return f"{rel} has {p.stat().st_size} bytes, expected {want['size']}"
+            if i % world == rank and _sha256(p) != want["sha256"]:
+                return f"{rel} does not match its checksum"
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        return f"unreadable commit marker or files ({type(exc).__name__}: {str(exc)[:200]})"
     return None
 
 

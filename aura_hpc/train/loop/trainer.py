@@ -281,9 +281,7 @@ class Trainer:
     def _eval_row(self, skipped: bool) -> None:
         pos = self.pos
         pos.last_eval = evaluate(self.parts, self.cfg.train, self.env.rank, self.layout.world, self.rt)
-        if pos.last_eval is None:  # no validation sequence (a tiny split): nothing to write (round(None) ended the run)
-            return
-        if self.env.is_main and self.metrics is not None:
+        if pos.last_eval is not None and self.env.is_main and self.metrics is not None:  # None: no validation sequence
             self.metrics.write({"step": pos.step, "eval_loss": round(pos.last_eval, 6), "update_skipped": skipped})
             log.info("step %d/%d eval_loss %.4f%s", pos.step, self.layout.end_step, pos.last_eval, " (update skipped)" if skipped else "")
 
