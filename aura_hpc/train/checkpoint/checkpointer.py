@@ -74,7 +74,7 @@ class Checkpointer:
                     f"rank 0 named a checkpoint {str(name)[:40]!r} that is not a step folder (fix: the same aura_hpc on every node)"
                 )
             local = self.root / name
-            shared = all(collectives.flags((local / checkpoint.MARKER).exists()))
+            shared = all(_seen_alike(local, env.is_main))
             share = (env.rank, self.layout.world) if shared else (0, 1)
             mine = checkpoint.verify(local, share) if shared or env.is_main else None
             problems = [p for p in collectives.gather_json(mine) if p]
@@ -94,8 +94,7 @@ class Checkpointer:
     def load(self, chosen: str) -> int:
         """Load checkpoint `chosen` (a directory name) on every rank; returns its data position."""
         local = self.root / chosen
-        have = (local / checkpoint.MARKER).exists()
-        everyone = collectives.flags(have)
+        everyone = _seen_alike(local, self.env.is_main)
         p = self.parts
         try:
             if (sharded := sharding(self.wrapped)) is not None:
@@ -361,6 +360,20 @@ def _same_kind(chosen: str, meta: dict[str, Any], field: str, ours: str | None) 
             f"checkpoint {chosen} was written with {setting}={was} and this run uses {ours}: its saved state does not fit "
             f"(fix: resume with --set {setting}={was}, or a new --run-name)"
         )
+
+
+def _seen_alike(local: Path, is_main: bool) -> list[bool]:
+    """Which ranks see rank 0's checkpoint `local`: its commit marker, byte for byte. A folder of the same name
+    on a node that shares no storage with rank 0 (a run of that name before) was taken for shared storage:
+    that rank resumed from its own old checkpoint, another position and optimizer state, unsaid."""
+    import hashlib
+
+    try:
+        mine: str | None = hashlib.sha256((local / checkpoint.MARKER).read_bytes()).hexdigest()
+    except OSError:
+        mine = None
+    theirs = collectives.broadcast_json(mine if is_main else None)
+    return collectives.flags(mine is not None and mine == theirs)
 
 
 def _order_settings(cfg: RunConfig) -> dict[str, Any]:
