@@ -95,6 +95,9 @@ class TrainingFailed(AuraError):
         self.exit_code = exit_code
 
 
+EXIT_HANDLERS_S = 20.0  # the longest a process's exit handlers may take once its work is done
+
+
 def exit_process(status: int) -> NoReturn:
     """End the process with `status` once its own work is done. The exit handlers run and the streams are
     flushed as on a normal exit, but the interpreter does not then tear torch's modules down one by one:
@@ -111,7 +114,19 @@ def exit_process(status: int) -> NoReturn:
         sys.exit(status)
     with contextlib.suppress(SystemExit):
         sys.exit(status)  # what wraps sys.exit learns the status (wandb's exit hook reports it to its run)
-    atexit._run_exitfuncs()  # logging's shutdown (it flushes and closes every handler) among them
+    # logging's shutdown (it flushes and closes every handler) among them. On a thread, joined for a bounded time:
+    # W&B's hook waits for its service process with no limit, and online with no server answering that held every
+    # worker's exit 60-90 s past tracking.finish_wait_s (measured), a `local` run and a Slurm step with it.
+    handlers = threading.Thread(target=atexit._run_exitfuncs, name="aura-exit-handlers", daemon=True)
+    handlers.start()
+    handlers.join(EXIT_HANDLERS_S)
+    if handlers.is_alive():
+        import logging
+
+        with contextlib.suppress(Exception):
+            logging.shutdown()  # the hooks run last to first: logging's, registered early, had not run yet
+        with contextlib.suppress(OSError, ValueError):
+            print(f"[aura_hpc] exit handlers still running after {EXIT_HANDLERS_S:g} s (a tracker's?): not waited for", file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()

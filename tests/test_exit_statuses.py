@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from aura_hpc import errors
-from tests.conftest import REPO, SMALL_MODEL, run_cli
+from tests.conftest import REPO, SMALL_MODEL, cli_env, run_cli
 
 
 def _documented() -> dict[int, str]:
@@ -301,3 +301,29 @@ def test_a_launcher_whose_workers_are_still_stopping_keeps_the_run_locked(
             w.kill()
             w.wait()
     RunLock(plan.cfg.run_dir).acquire().release()  # once they are gone, the next launch takes it
+
+
+def test_an_exit_handler_that_never_returns_holds_the_exit_a_bounded_time_and_logs_are_still_flushed(tmp_path: Path) -> None:
+    """W&B's exit hook waits for its service process with no limit: online with no server answering, every
+    worker's exit was held 60-90 s past tracking.finish_wait_s. The handlers run on a thread joined for
+    EXIT_HANDLERS_S; logging's own (registered first, so run last) still closes the log files."""
+    import subprocess
+    import sys
+    import time
+
+    script = f"""
+import atexit, logging, threading, time
+import torch  # exit_process takes its fast way out only where torch is loaded
+from aura_hpc import errors
+errors.EXIT_HANDLERS_S = 2.0
+logging.basicConfig(filename={str(tmp_path / "rank.log")!r}, level=logging.INFO)
+logging.getLogger("x").info("the last line")
+atexit.register(threading.Event().wait)  # a hook that never returns (W&B's service.join with no server)
+errors.exit_process(3)
+"""
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=cli_env())
+    took = time.monotonic() - t0
+    assert r.returncode == 3 and "exit handlers still running after 2 s" in r.stderr, r.stderr
+    assert took < 60, took  # the hook alone would have held it for ever (the test's timeout)
+    assert "the last line" in (tmp_path / "rank.log").read_text()
