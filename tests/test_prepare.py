@@ -130,6 +130,14 @@ def test_hub_dataset_path_with_a_local_dataset_folder(tmp_path: Path) -> None:
     assert m is not None and m["dataset"]["name"] == str(ds) and m["train_tokens"] + m["val_tokens"] == 500
     bad = run_cli(["prepare", "--dataset", str(ds), "--text-column", "text", "--out", str(tmp_path / "q")], timeout=120)
     assert bad.returncode == 2 and "column 'text' not in" in bad.stderr and "--text-column" in bad.stderr
+    # A folder Dataset.save_to_disk wrote (load_dataset refused it: "use load_from_disk", with the wrong fix).
+    import datasets
+
+    from aura_hpc.data.sources import dataset_shards, records
+
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    assert dataset_shards(str(tmp_path / "saved"), None, "train") == 1
+    assert list(records("", None, str(tmp_path / "saved"), None, "train", "content", "saved")) == DOCS
 
 
 def test_text_added_to_a_local_dataset_folder_is_new_input(tmp_path: Path) -> None:

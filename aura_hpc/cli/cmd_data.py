@@ -139,7 +139,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     p.add_argument("inputs", nargs="*", help="files, folders, globs or s3://bucket/prefix")
     p.add_argument("--out", required=True, help="the prepared directory to create (a folder, or s3://bucket/prefix)")
-    p.add_argument("--dataset", help="a Hugging Face dataset name (or a local dataset folder)")
+    p.add_argument("--dataset", help="a Hugging Face dataset name (or a local dataset folder, or one save_to_disk wrote)")
     p.add_argument("--subset", help="the dataset's configuration/subset name")
     p.add_argument("--split", default="train", help="dataset split (default: train)")
     p.add_argument("--text-column", default="text", help="column holding the text (default: text)")

@@ -111,6 +111,10 @@ def open_dataset(builder: str, data_files: list[str] | None, name: str | None, s
     try:
         if data_files is not None:
             return datasets.load_dataset(builder, data_files=data_files, split="train", streaming=True)
+        saved = Path(name or "").expanduser()
+        if name and (saved / "state.json").is_file():  # Dataset.save_to_disk's folder: load_dataset says "use load_from_disk"
+            ds = datasets.load_from_disk(str(saved))
+            return ds.to_iterable_dataset(num_shards=max(1, len(ds.cache_files)))
         return datasets.load_dataset(name, subset, split=split, streaming=True)
     except FileNotFoundError as exc:
         raise DataError(f"dataset {source!r} not found ({exc}) (fix: check the name/path, or --subset/--split)") from None
