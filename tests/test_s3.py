@@ -325,6 +325,8 @@ def test_a_damaged_or_hostile_manifest_in_a_bucket_is_refused_in_one_line(tmp_pa
         ("shards[0].tokens", lambda m: m["shards"][0].update(tokens="x")),
         ("shards[0].tokens", lambda m: m["shards"][0].update(tokens=-5)),
         ("shards[0].file", lambda m: m["shards"][0].update(file="../x.bin")),
+        ("shards[0].file", lambda m: m["shards"][0].update(split="val")),  # training tokens named validation
+        ("shards[1].file", lambda m: m["shards"].append(dict(m["shards"][0]))),  # one file listed twice
         ("train_tokens", lambda m: m.update(shards=[], val_tokens=3)),
     ]
     cache = ShardCache(tmp_path / "a" / "b" / "cache", 2**30, storage.Policy(tries=1))

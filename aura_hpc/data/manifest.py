@@ -10,7 +10,7 @@ from aura_hpc.errors import DataError
 
 # The only token files a manifest may name: a name from a manifest (perhaps downloaded) never
 # leads outside the prepared directory.
-TOKEN_FILE = re.compile(r"(shards/(train|val)-\d{5,}|train|val)\.bin")
+TOKEN_FILE = re.compile(r"(shards/(train|val)-\d{5,}|(train|val))\.bin")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 DTYPES = ("uint16", "uint32")
 
@@ -52,13 +52,17 @@ def check_manifest(manifest: Any, where: str) -> dict[str, Any]:
         return manifest
     if not isinstance(listed, list):
         raise bad("shards", listed, "a list")
+    seen: set[str] = set()
     for i, entry in enumerate(listed):
         if not isinstance(entry, dict):
             raise bad(f"shards[{i}]", entry, "an object")
         if entry.get("split") not in ("train", "val"):
             raise bad(f"shards[{i}].split", entry.get("split"), "train or val")
-        if not isinstance(entry.get("file"), str) or not TOKEN_FILE.fullmatch(entry["file"]):
+        if not isinstance(entry.get("file"), str) or not (m := TOKEN_FILE.fullmatch(entry["file"])):
             raise bad(f"shards[{i}].file", entry.get("file"), "a token file (shards/train-NNNNN.bin)")
+        if (m.group(2) or m.group(3)) != entry["split"] or entry["file"] in seen:  # training tokens never in validation
+            raise bad(f"shards[{i}].file", entry["file"], f"a {entry['split']} token file listed once")
+        seen.add(entry["file"])
         if not _count(entry.get("tokens")):
             raise bad(f"shards[{i}].tokens", entry.get("tokens"), "a count of tokens")
         if not isinstance(entry.get("sha256"), str) or not SHA256.fullmatch(entry["sha256"]):
