@@ -418,6 +418,7 @@ def test_a_run_whose_killed_launchers_workers_still_run_is_refused_until_they_ex
     import os
     import subprocess
     import sys
+    import time
 
     run = tmp_path / "runs" / "tiny"
     run.mkdir(parents=True)
@@ -431,10 +432,25 @@ def test_a_run_whose_killed_launchers_workers_still_run_is_refused_until_they_ex
         said = refused.stderr.strip()
         assert refused.returncode == 2 and f"launcher (PID {gone.pid}) is gone but its workers still run (PIDs {worker.pid})" in said, said
         assert f"(fix: wait for them, or kill {worker.pid})" in said and not (run / "checkpoints").exists()
+        # status lists it (that state raised, and `status` with no target failed for every run), cancel names the PIDs.
+        (run / "config.yaml").write_text("run_name: tiny\n")  # what the killed launcher had written
+        listed = run_cli(["status", "--json"], cwd=tmp_path, timeout=60)
+        [row] = [r for r in json.loads(listed.stdout)["jobs"] if r["job_id"] == "local"]
+        assert row["state"] == "STOPPING" and f"(PIDs {worker.pid})" in row["reason"], listed.stdout + listed.stderr
+        cancel = run_cli(["cancel", str(run)], cwd=tmp_path, timeout=60)
+        assert cancel.returncode == 2 and f"kill {worker.pid}" in cancel.stderr, cancel.stderr
     finally:
         worker.kill()
         worker.wait()
-    assert run_cli(args, cwd=tmp_path, timeout=300).returncode == 0
+    # A lock whose holder stopped refreshing it (a reboot, a power cut) names a PID another program may hold now.
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    (run / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": stranger.pid, "since": "before the reboot"}))
+    os.utime(run / "run.lock", (time.time() - 600, time.time() - 600))
+    try:
+        assert run_cli(args, cwd=tmp_path, timeout=300).returncode == 0
+    finally:
+        stranger.kill()
+        stranger.wait()
     assert not os.path.exists(run / "run.lock")
 
 

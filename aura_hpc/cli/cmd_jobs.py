@@ -101,7 +101,7 @@ def _follow_local(path: Path, printer: Any) -> None:
     offset = 0
     while True:
         offset = print_new_lines(path, offset, printer)
-        if local_status(path.parent.parent, {})["state"] != "RUNNING":
+        if local_status(path.parent.parent, {})["state"] not in ("RUNNING", "STOPPING"):
             print_new_lines(path, offset, printer, final=True)
             return
         time.sleep(0.5)
@@ -117,6 +117,8 @@ def cmd_cancel(a: argparse.Namespace) -> int:
 
         row = local_status(Path(a.target), {})
         holder = row["holder"]
+        if row["state"] == "STOPPING":
+            raise LaunchError(row["reason"])
         if not holder:
             raise LaunchError(f"{a.target} is a `local` run, not a Slurm job, and nothing runs there now: nothing to cancel")
         raise LaunchError(
@@ -167,7 +169,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "status",
         help="your aura_hpc jobs (squeue; sacct for finished ones), or the local runs under ./runs",
-        description="Without a target: the local runs under ./runs (RUNNING, COMPLETED, STOPPED), and your aura_hpc Slurm jobs "
+        description="Without a target: the local runs under ./runs (RUNNING, STOPPING, COMPLETED, STOPPED), and your aura_hpc Slurm jobs "
         "when a Slurm is reachable. With a job id or a run directory: that one's state, step, loss and tokens/s.",
     )
     p.add_argument("target", nargs="?", help="a job id or a run directory (default: all your aura_hpc jobs)")

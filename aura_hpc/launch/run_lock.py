@@ -86,7 +86,9 @@ class RunLock:
         # The same attempt of a job: a second `local` inside one allocation (salloc) took a live trainer's run directory.
         if holder.get("host") == self.record["host"]:
             pid = int(holder.get("pid", 0))
-            if pid != os.getpid() and _pid_alive(pid):  # our own PID: a launcher restarted in a container, as PID 1 again
+            # Our own PID: a launcher restarted in a container, as PID 1 again. A lock its holder stopped refreshing
+            # (a reboot, a power cut) names a PID another program may hold now: not a trainer to wait for, nor to kill.
+            if pid != os.getpid() and _pid_alive(pid) and time.time() - mtime <= STALE_AFTER_S:
                 return False
             left = workers_left(self.path.parent)
             if left:
