@@ -640,6 +640,31 @@ def test_a_slurm_node_takes_its_evidence_on_another_nodes_record_and_the_naming_
     assert not w._within_budget(12)[0] and "it hung 4 times in a row" in w._within_budget(12)[1]
 
 
+def test_a_laptop_resumed_from_sleep_or_a_clock_stepped_forward_is_no_hang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idleness was measured on the wall clock, which counts a laptop's sleep (its ranks did not run either) and
+    jumps with NTP: the first look after a resume saw minutes without progress, and the ranks were killed and
+    restarted from their last checkpoint. It is the watchdog's own monotonic time since a page last moved."""
+    import subprocess
+
+    w = _watch(tmp_path, "health.hang_step_floor_s=10")
+    live = subprocess.Popen(["sleep", "600"])
+    try:
+        w.poll_s = 0.2
+        _old_page(w.folder, 0, live.pid, 12, idle_s=0)
+        w.start()
+        time.sleep(1)
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 600)  # the wall clock after a 10-minute sleep
+        time.sleep(2)
+        monkeypatch.undo()
+        declared = list((w.cfg.run_dir / "hangs").glob("*")) if (w.cfg.run_dir / "hangs").exists() else []
+        assert declared == [] and not w._busy.is_set() and w.hangs == [] and live.poll() is None, declared
+    finally:
+        live.kill()
+        w.close()
+        live.wait()
+
+
 def test_a_verdict_of_an_earlier_attempt_does_not_stop_the_restarted_workers(tmp_path: Path) -> None:
     """The elastic agent restarts the workers in place: node 1's verdict from before that restart stays on the
     board, and the new workers' pages (quiet for more than 10 s in their start-up) must not be read as

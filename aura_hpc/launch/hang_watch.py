@@ -152,7 +152,7 @@ class HangWatch:
     def start(self) -> None:
         os.environ[progress.ENV] = str(self.folder)
         prepare_flight_recorder(self.folder, self.cfg.run_dir)
-        self._seen, self._pids = {}, frozenset()
+        self._seen, self._pids, self._newest, self._moved = {}, frozenset(), 0.0, time.monotonic()
         self.peer_hangs, self.started = [], time.time()
         if self.board is not None:
             self.board.new_attempt()  # every node, node 0 included: the verdicts of this attempt name its store's round
@@ -178,11 +178,17 @@ class HangWatch:
                 continue
             for r, p in ranks.items():
                 self._learn(r, p)
-            now = time.time()
+            newest = max(p["beat"] for p in ranks.values())
+            if newest != self._newest:
+                self._newest, self._moved = newest, time.monotonic()
+            # Idleness on this watchdog's monotonic clock since a page last moved, in the pages' terms: the wall
+            # clock counts a laptop's sleep (its ranks did not run either) and jumps with NTP, and a resumed
+            # laptop's ranks were declared hung, killed and restarted from their last checkpoint.
+            now = newest + (time.monotonic() - self._moved)
             pids = frozenset(p["pid"] for p in ranks.values())
             if self._pids and pids != self._pids:
                 # New workers (the agent restarted them in place): the verdicts so far were another attempt's.
-                self.peer_hangs, self.started = [], now
+                self.peer_hangs, self.started = [], time.time()
             self._pids = pids
             self.last_beat = max(self.last_beat, *(p["beat"] for p in ranks.values()))
             if self.board is not None:
