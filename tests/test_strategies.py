@@ -214,6 +214,11 @@ def test_zero_shards_are_written_behind_the_loop_and_a_failed_shard_write_keeps_
     assert "no space left on" in r.stdout and "while writing checkpoint step 5 (no earlier checkpoint exists" in r.stdout, r.stdout[-3000:]
     assert not checkpoint.list_complete(tmp_path / "full" / "checkpoints")
     assert not list((tmp_path / "full" / "checkpoints").glob(".tmp-*"))
+    # One rank's copy of its shards to host memory fails (no memory to pin): that rank left DeepSpeed's save for
+    # the shards' agreement while the others waited in its closing barrier. Now every rank stops with the line.
+    r = run_cli(_args(tmp_path, "no-memory", prepared, "zero2"), timeout=300, AURA_FAULT_CKPT="enospc:capture")
+    assert r.returncode != 0 and "while writing checkpoint step 5 (no earlier checkpoint exists" in r.stdout, r.stdout[-3000:]
+    assert not checkpoint.list_complete(tmp_path / "no-memory" / "checkpoints")
     # The same full disk under synchronous saves: the rank whose file failed still leaves DeepSpeed's save
     # with the others (raised inside it, it skipped the save's closing barrier and every rank hung).
     sync = [*_args(tmp_path, "full-sync", prepared, "zero2"), "--set", "train.async_checkpoint=false"]

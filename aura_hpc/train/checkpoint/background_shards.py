@@ -28,15 +28,26 @@ class CapturingEngine:
     """Stands in for DeepSpeed's checkpoint engine during one save: `save` keeps a host copy of what
     would have been written; everything else (directories, commit, loading) is the real engine's."""
 
-    def __init__(self, inner: Any, mirror: HostMirror | None) -> None:
-        self.inner, self.mirror = inner, mirror
+    def __init__(self, inner: Any, mirror: HostMirror | None, run_dir: Path) -> None:
+        self.inner, self.mirror, self.run_dir = inner, mirror, run_dir
         self.files: list[tuple[Path, Any, bool]] = []
+        self.failure: Exception | None = None
         # The format DeepSpeed's own engine was configured to write (its `checkpoint.serialization`).
         self.zipfile = bool(getattr(inner, "zipfile_serialization", True))
 
     def save(self, state_dict: Any, path: str) -> None:
+        # A copy that fails (host memory to pin) is kept, not raised, as FailureKept does: raised here, this rank
+        # left DeepSpeed's save for the shards' agreement while the others waited in its closing barrier (a hang).
+        # The agreement (_write_and_agree) then tells every rank.
+        if self.failure is not None:
+            return
         name = Path(path).name
-        state = self.mirror.copy(state_dict, name) if self.mirror is not None else checkpoint.host_copy(state_dict)
+        try:
+            faults.checkpoint_stage("capture", self.run_dir)
+            state = self.mirror.copy(state_dict, name) if self.mirror is not None else checkpoint.host_copy(state_dict)
+        except Exception as exc:
+            self.failure = exc
+            return
         self.files.append((Path(path), state, self.zipfile))
 
     def preserves_storage_sharing(self) -> bool:
@@ -77,24 +88,28 @@ class ShardWriter:
         self.mirror = HostMirror() if device.type == "cuda" else None
         self._group: Any = None
 
-    def capture(self, inner: Any) -> CapturingEngine:
+    def capture(self, inner: Any, run_dir: Path) -> CapturingEngine:
         if self._group is None:  # collective: every rank is here at the same save
             self._group = collectives.new_group("checkpoint-io", host_only=True)
-        return CapturingEngine(inner, self.mirror)
+        return CapturingEngine(inner, self.mirror, run_dir)
 
     def write(self, captured: CapturingEngine, checkpoint_dir: Path) -> Future[dict[str, str]]:
         """Start writing what `captured` holds; the future gives every rank's file hashes (relative to
         `checkpoint_dir`) once all ranks' files are written, or raises the first rank's failure."""
         if self.mirror is not None:
             self.mirror.ready()
-        files, group = captured.files, self._group
-        return background.submit(lambda: _write_and_agree(files, checkpoint_dir, group))
+        files, group, failed = captured.files, self._group, captured.failure
+        return background.submit(lambda: _write_and_agree(files, checkpoint_dir, group, failed))
 
 
-def _write_and_agree(files: list[tuple[Path, Any, bool]], checkpoint_dir: Path, group: Any) -> dict[str, str]:
+def _write_and_agree(
+    files: list[tuple[Path, Any, bool]], checkpoint_dir: Path, group: Any, failed: Exception | None = None
+) -> dict[str, str]:
     hashes: dict[str, str] = {}
     failure: list[Any] | None = None
     try:
+        if failed is not None:  # this rank's copy to host memory failed: nothing of it to write
+            raise failed
         for path, state, zipfile in files:
             with open(path, "wb") as f:
                 hashing = checkpoint.HashingFile(f)

@@ -18,7 +18,8 @@ Inert unless one of these is set (never set them in production):
                                       config, tokenizer, files, marker): MODE=kill (SIGKILL the writer)
                                       or MODE=enospc (fail as a full disk would) or MODE=slow (hold the
                                       writer 3 s: a slow disk). STAGE=shards: a rank's background shard
-                                      writer, after its files. Once per run dir.
+                                      writer, after its files; STAGE=capture: a rank's copy of its ZeRO
+                                      shards to host memory, before it. Once per run dir.
     AURA_FAULT_SLOW=RANK:FRACTION     that rank (a `local` rank, or a `worker` rank) idles FRACTION of every
                                       step: a slower PC, for bench/bench_ps.py
     AURA_FAULT_SCREEN_SLOW=RANK:FRACTION  that rank's device idles FRACTION of the pre-flight screen's matmuls, in

@@ -101,7 +101,7 @@ class ZeroWrapped(Wrapped, ShardedCheckpoints):
             if kept.failure is not None:
                 raise kept.failure
             return None
-        captured = self._shards.capture(self.engine.checkpoint_engine)
+        captured = self._shards.capture(self.engine.checkpoint_engine, folder.parent.parent.parent)
         self.engine.checkpoint_engine = captured
         try:
             self.engine.save_checkpoint(str(folder), tag=TAG, client_state={}, save_latest=False)
