@@ -237,6 +237,26 @@ def test_zero_shards_are_written_behind_the_loop_and_a_failed_shard_write_keeps_
         assert len(shards) == 2, shards  # one per rank
 
 
+def test_zero3_local_weights_are_the_real_elements_of_each_partition(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A partition is padded to numel / world rounded up (torch.empty, never written): the checkpoint's finiteness
+    check read the padding, and a NaN pattern there refused every checkpoint. Rank 1 of 2, a 5-element parameter:
+    3 in its partition, 2 of them real."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from aura_hpc.train.strategies.zero import ZeroWrapped
+
+    part = torch.tensor([1.0, 2.0, float("nan")])
+    part.ds_numel = 3  # type: ignore[attr-defined]
+    p = torch.nn.Parameter(torch.empty(0))
+    p.ds_tensor, p.ds_numel, p.ds_process_group = part, 5, None  # type: ignore[attr-defined]
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    w = ZeroWrapped.__new__(ZeroWrapped)
+    w.stage, w.model = 3, SimpleNamespace(parameters=lambda: [p])  # type: ignore[assignment]
+    assert [t.tolist() for t in w.local_weights()] == [[1.0, 2.0]]
+
+
 def test_zero3_on_cpus_keeps_no_persistent_parameters_unless_the_users_json_says(tmp_path: Path) -> None:
     """DeepSpeed re-gathers ZeRO-3's persistent parameters after every step and, on a CPU, waits for the
     last of those all-gathers only: the next forward read a buffer gloo was still filling (a non-finite

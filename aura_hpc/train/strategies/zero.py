@@ -64,10 +64,23 @@ class ZeroWrapped(Wrapped, ShardedCheckpoints):
             self._loss_bad = torch.zeros((), dtype=torch.bool, device=self.device)
 
     def local_weights(self) -> list[torch.Tensor]:
-        """ZeRO-3 leaves each parameter an empty placeholder: this rank's partition is `ds_tensor`."""
+        """ZeRO-3 leaves each parameter an empty placeholder: this rank's partition is `ds_tensor`, its real
+        elements only. DeepSpeed pads a partition to numel / world rounded up, allocated with torch.empty and
+        never written: read whole, a NaN pattern in the padding refused every checkpoint of the run."""
         if self.stage != 3:
             return super().local_weights()
-        return [getattr(p, "ds_tensor", p) for p in self.model.parameters()]
+        import torch.distributed as dist
+
+        out = []
+        for p in self.model.parameters():
+            part = getattr(p, "ds_tensor", None)
+            if part is None:
+                out.append(p)
+                continue
+            n = int(part.ds_numel)
+            real = int(p.ds_numel) - n * dist.get_rank(group=p.ds_process_group)
+            out.append(part.narrow(0, 0, max(0, min(n, real))))
+        return out
 
     def grad_norm(self, optimizer: torch.optim.Optimizer, scaler: Any, max_norm: float) -> torch.Tensor:
         """DeepSpeed's norm, on this rank's device. After a skipped (non-finite) step DeepSpeed holds it
