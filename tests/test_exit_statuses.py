@@ -327,3 +327,25 @@ errors.exit_process(3)
     assert r.returncode == 3 and "exit handlers still running after 2 s" in r.stderr, r.stderr
     assert took < 60, took  # the hook alone would have held it for ever (the test's timeout)
     assert "the last line" in (tmp_path / "rank.log").read_text()
+
+
+def test_a_lan_node_without_the_checkpoints_tells_a_checkpointed_stop_from_one_that_was_not(tmp_path: Path) -> None:
+    """Node 0 keeps a LAN run's checkpoints: Ctrl-C on node 1 after every rank's stop was checkpointed said
+    "re-run ... from step 0: there is no checkpoint yet" and exited 130, not 75; its failure lines all said
+    "starts from step 0". This node's ranks' logs tell it now."""
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    from aura_hpc.launch.agent import _resumable, _resume_hint
+
+    plan = SimpleNamespace(cfg=SimpleNamespace(run_dir=tmp_path), node_rank=1, nproc=1, nnodes=2)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    start = "[rank1] 2026-11-30 05:00:00 INFO start rank=1 local_rank=0 world_size=2 node_rank=1 host=b backend=gloo"
+    (logs / "rank_1.log").write_text(f"{start}\n")
+    asked = (signal.SIGINT, time.time())
+    assert _resumable(plan, "SIGINT", asked) == 128 + signal.SIGINT  # type: ignore[arg-type]  # nothing says it was saved
+    (logs / "rank_1.log").write_text(f"{start}\n[rank1] x INFO {errors.EXITING_LINE}{errors.EXIT_RESUMABLE}\n")
+    assert _resumable(plan, "SIGINT", asked) == errors.EXIT_RESUMABLE  # type: ignore[arg-type]
+    assert "node 0's newest checkpoint (node 0 keeps them)" in _resume_hint(plan) and "step 0" not in _resume_hint(plan)  # type: ignore[arg-type]

@@ -341,8 +341,15 @@ def _resume_hint(plan: LocalPlan) -> str:
     from aura_hpc.train.checkpoint import files as checkpoint
 
     ckpts = checkpoint.list_complete(plan.cfg.run_dir / "checkpoints")
+    if _checkpoints_elsewhere(plan):
+        return "to resume from node 0's newest checkpoint (node 0 keeps them), fix the cause and re-run the same command on every node"
     where = f"from {ckpts[0].path.name}" if ckpts else "(no checkpoint yet: it starts from step 0)"
     return f"to resume {where}, fix the cause and re-run the same command"
+
+
+def _checkpoints_elsewhere(plan: LocalPlan) -> bool:
+    """A LAN node > 0 without storage shared with node 0: its run folder has no checkpoints/ at all."""
+    return plan.node_rank > 0 and not (plan.cfg.run_dir / "checkpoints").is_dir()
 
 
 def _resumable(plan: LocalPlan, why: str, asked: tuple[signal.Signals, float] | None = None) -> int:
@@ -353,6 +360,12 @@ def _resumable(plan: LocalPlan, why: str, asked: tuple[signal.Signals, float] | 
     from aura_hpc.train.checkpoint import files as checkpoint
 
     ckpts = checkpoint.list_complete(plan.cfg.run_dir / "checkpoints")
+    if _checkpoints_elsewhere(plan):  # this node's ranks say whether every rank's stop was checkpointed (on node 0)
+        if worker_logs.exited_with(plan, EXIT_RESUMABLE):
+            console.info(f"stopped by {why}: node 0 saved the checkpoint (it keeps them); re-run the same command on every node to resume")
+            return EXIT_RESUMABLE
+        console.error(f"stopped by {why}; re-run the same command on every node to resume from node 0's newest checkpoint")
+        return EXIT_RESUMABLE if asked is None else 128 + int(asked[0])
     if asked is None:  # the workers stopped by themselves (a signal sent to them): they say what they saved
         saved = f"checkpoint {ckpts[0].path.name} saved" if ckpts else "no checkpoint was saved"
         console.info(f"stopped by {why}: {saved}; re-run the same command to resume")

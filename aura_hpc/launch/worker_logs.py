@@ -62,15 +62,28 @@ def trained_since(plan: Any, started: float) -> bool:
     return False
 
 
+def _latest_attempt(path: Path) -> list[str] | None:
+    lines = tail(path)
+    if lines is None:
+        return None
+    starts = [i for i, line in enumerate(lines) if "start rank=" in line]
+    return lines[starts[-1] :] if starts else lines
+
+
+def exited_with(plan: Any, code: int) -> bool:
+    """Some worker of this node logged `code` as its exit status in its latest attempt (train/worker.py, and a
+    stop's checkpoint agreed by every rank: train/loop/endings.py)."""
+    attempts = [_latest_attempt(path) or [] for path in node_logs(plan)]
+    return any(line.endswith(f"{EXITING_LINE}{code}") for latest in attempts for line in latest)
+
+
 def refused_here(plan: Any) -> str | None:
     """The reason a worker of this node gave for refusing its input in its latest attempt (it logged
     the error, then its exit status 2: train/worker.py), or None."""
     for path in node_logs(plan):
-        lines = tail(path)
-        if lines is None:
+        latest = _latest_attempt(path)
+        if latest is None:
             continue
-        starts = [i for i, line in enumerate(lines) if "start rank=" in line]
-        latest = lines[starts[-1] :] if starts else lines
         if any(line.endswith(f"{EXITING_LINE}{EXIT_USER_ERROR}") for line in latest):
             errors = [line.split(" ERROR ", 1)[1].strip() for line in latest if " ERROR " in line]
             if errors:

@@ -13,7 +13,8 @@ import logging
 from typing import Any
 
 from aura_hpc.comm import collectives
-from aura_hpc.errors import EXIT_DATA_UNAVAILABLE, EXIT_RESUMABLE
+from aura_hpc.errors import EXIT_DATA_UNAVAILABLE, EXIT_RESUMABLE, EXITING_LINE
+from aura_hpc.train.process import worker_log
 from aura_hpc.train.process.stop import StopRequest
 
 log = logging.getLogger("aura_hpc")
@@ -46,6 +47,8 @@ def stop_on_signal(trainer: Any, stop: StopRequest) -> int:
         )
     close_outputs(trainer, failed=False)  # resumable: the trackers' run goes on when the run does, not a failure
     collectives.barrier()
+    # Every rank's log says the stop was checkpointed: a LAN node > 0 keeps no checkpoint of its own to show it.
+    worker_log.to_file_only(f"{EXITING_LINE}{EXIT_RESUMABLE}", exc_info=False)
     return EXIT_RESUMABLE
 
 
