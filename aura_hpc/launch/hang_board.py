@@ -30,7 +30,6 @@ from aura_hpc.comm import stores
 PREFIX = "aura-hang/node"
 MAX_VALUE = 16384
 CONNECT_S = 10.0
-FRESH_S = 180.0  # a verdict older than this is another hang's
 
 
 @dataclass
@@ -65,6 +64,7 @@ class HangBoard:
     round_seen: str | None = None
     _stale_round: str | None = None  # the last attempt's: never this attempt's, even while its store lingers
     _store: Any = field(default=None, repr=False)
+    _before: dict[str, bytes] = field(default_factory=dict, repr=False)  # the peers' keys when this attempt's workers started
 
     def _connect(self) -> Any:
         # A connection of our own (never the agent's store object: holding it would keep node 0's
@@ -88,34 +88,45 @@ class HangBoard:
             return False
         return True
 
-    def others(self, after: float) -> list[Verdict]:
-        """The other nodes' verdicts declared after `after` (unix seconds) in this store's round, valid ones only."""
-        keys = [f"{PREFIX}{n}" for n in range(self.nnodes) if n != self.node_rank]
+    def _keys(self) -> list[str]:
+        return [f"{PREFIX}{n}" for n in range(self.nnodes) if n != self.node_rank]
+
+    def mark_seen(self) -> None:
+        """The workers started again in place (the same store): a peer's verdict counts from here on only once its
+        key changes. The peers' clocks are never compared with this one's: a laptop minutes behind hid its
+        verdict, and this node read the broken collectives its kill left as a crash instead of a hang."""
+        self._before = {}
+        with contextlib.suppress(Exception):
+            store = self._connect()
+            self._before = {key: store.get(key) for key in self._keys() if store.check([key])}
+
+    def others(self) -> list[Verdict]:
+        """The other nodes' verdicts of this attempt (this store's round, published since mark_seen), valid ones only."""
         out = []
         self.note_round()
         try:
             store = self._connect()
-            for key in keys:
-                if store.check([key]):
-                    v = _parse(store.get(key), self.secret, int(key.removeprefix(PREFIX)))
-                    if v is not None and v.declared_at >= after and v.round == (self.round_seen or ""):
+            for key in self._keys():
+                if store.check([key]) and (raw := store.get(key)) != self._before.get(key):
+                    v = _parse(raw, self.secret, int(key.removeprefix(PREFIX)))
+                    if v is not None and v.round == (self.round_seen or ""):
                         out.append(v)
         except Exception:
             self.close()
         return sorted(out, key=lambda v: (not v.culprits, v.declared_at))
 
-    def wait_for_others(self, after: float, wait_s: float) -> list[Verdict]:
+    def wait_for_others(self, wait_s: float) -> list[Verdict]:
         """The other nodes' verdicts, waiting up to `wait_s` for one that names a culprit."""
-        return self._wait(after, wait_s, lambda found: any(v.culprits for v in found))
+        return self._wait(wait_s, lambda found: any(v.culprits for v in found))
 
-    def wait_for_all(self, after: float, wait_s: float) -> list[Verdict]:
+    def wait_for_all(self, wait_s: float) -> list[Verdict]:
         """The other nodes' verdicts, waiting up to `wait_s` for every other node's."""
-        return self._wait(after, wait_s, lambda found: len(found) >= self.nnodes - 1)
+        return self._wait(wait_s, lambda found: len(found) >= self.nnodes - 1)
 
-    def _wait(self, after: float, wait_s: float, enough: Any) -> list[Verdict]:
+    def _wait(self, wait_s: float, enough: Any) -> list[Verdict]:
         deadline = time.monotonic() + wait_s
         while True:
-            found = self.others(after)
+            found = self.others()
             if enough(found) or time.monotonic() > deadline:
                 return found
             time.sleep(0.5)
@@ -124,7 +135,7 @@ class HangBoard:
         """The launcher starts its workers again: node 0 makes its rendezvous store anew, with a new round mark."""
         if self.round_seen is not None:
             self._stale_round = self.round_seen
-        self.round_seen = None
+        self.round_seen, self._before = None, {}
         self.close()
 
     def note_round(self) -> None:

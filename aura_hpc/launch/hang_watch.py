@@ -189,6 +189,8 @@ class HangWatch:
             if self._pids and pids != self._pids:
                 # New workers (the agent restarted them in place): the verdicts so far were another attempt's.
                 self.peer_hangs, self.started = [], time.time()
+                if self.board is not None:
+                    self.board.mark_seen()
             self._pids = pids
             self.last_beat = max(self.last_beat, *(p["beat"] for p in ranks.values()))
             if self.board is not None:
@@ -233,9 +235,9 @@ class HangWatch:
         if hang.culprits:
             # The other nodes' ranks wait for this culprit: their watchdogs take their stacks on reading this
             # verdict and answer with their own. Killing first would end them without any (a broken connection).
-            self.board.wait_for_all(self.started, EVIDENCE_WAIT_S)
+            self.board.wait_for_all(EVIDENCE_WAIT_S)
             return hang
-        named = [v for v in self.board.wait_for_others(self.started, PEER_WAIT_S) if v.culprits]
+        named = [v for v in self.board.wait_for_others(PEER_WAIT_S) if v.culprits]
         if not named:
             return hang
         v = named[0]
@@ -249,7 +251,7 @@ class HangWatch:
 
     def peer_verdicts(self) -> list[Verdict]:
         """The other nodes' verdicts in this attempt (a LAN run's board; none on one machine)."""
-        return self.board.others(self.started) if self.board is not None else []
+        return self.board.others() if self.board is not None else []
 
     def named_elsewhere(self, ranks: dict[int, dict[str, Any]], now: float) -> bool:
         """Another node named a culprit while every live rank here waits: this node's evidence is taken now,
