@@ -145,3 +145,25 @@ def test_local_dry_run_prints_the_plan_and_starts_nothing(tmp_path: Path) -> Non
     assert res.returncode == 0, res.stderr
     assert "dist.strategy=fsdp on 2 ranks" in res.stdout and "activation checkpointing" in res.stdout
     assert "nothing was written or started" in res.stdout and not any(tmp_path.iterdir())
+
+
+def test_a_gpu_without_bf16_is_planned_in_the_fp32_it_trains_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.precision=auto trains in fp32 below compute capability 8.0 (T4, V100, RTX 20xx), and the plan assumed
+    bf16 there: gpt2-small at batch 24 on a 15 GiB T4 was only warned about (13.3 GiB planned, 18.3 GiB in fp32)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from aura_hpc.launch.local import _plan_memory
+
+    cfg = load_config("gpt2-small", ["train.batch_size=24"])
+    for major, refused in ((7, True), (9, False)):
+        props = SimpleNamespace(total_memory=15 * GIB, major=major, minor=5)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i, props=props: props)
+        local = SimpleNamespace(cfg=cfg, nproc=1, nnodes=1, memory=None, warnings=[], gpu_mem_gib=None)
+        if refused:
+            with pytest.raises(Exception, match="even allowing for the plan's 15% error"):
+                _plan_memory(local, True, False)  # type: ignore[arg-type]
+        else:
+            _plan_memory(local, True, False)  # type: ignore[arg-type]
+    assert cfg.train.precision == "auto"  # the run's own config is left as it was

@@ -240,12 +240,20 @@ def _plan_memory(plan: LocalPlan, gpu: bool, force: bool) -> None:
 
     world = plan.nproc * plan.nnodes
     vocab = tokenizer_vocab(plan.cfg)
-    plan.memory = plan_memory(plan.cfg, vocab, world, gpu=gpu)
+    cfg = plan.cfg
     if gpu:
+        import copy
+
         import torch
 
-        plan.gpu_mem_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-        refusal, warning = check_fits(plan.cfg, vocab, world, plan.gpu_mem_gib, force)
+        props = torch.cuda.get_device_properties(0)
+        plan.gpu_mem_gib = props.total_memory / 2**30
+        if cfg.train.precision == "auto" and props.major < 8:  # T4, V100, RTX 20xx: auto trains in fp32 there (runtime.py)
+            cfg = copy.deepcopy(cfg)
+            cfg.train.precision = "fp32"
+    plan.memory = plan_memory(cfg, vocab, world, gpu=gpu)
+    if gpu:
+        refusal, warning = check_fits(cfg, vocab, world, plan.gpu_mem_gib, force)
         if refusal:
             raise ConfigError(refusal.replace("this cluster's GPUs", "this machine's GPUs"))
         if warning:
