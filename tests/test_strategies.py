@@ -170,6 +170,16 @@ def test_fsdp_resumes_at_another_world_size_and_zero_says_it_cannot(tmp_path: Pa
     assert r.returncode == 2 and "resume at the world size they were written at (fix: resume on 2 processes" in r.stderr, r.stderr
     # Refused once, by the launcher, before any worker started (it was printed by every rank and again by the launcher).
     assert (r.stdout + r.stderr).count("ZeRO partitions for 2 ranks") == 1 and "start rank=" not in r.stdout, r.stdout + r.stderr
+    # A LAN node cannot count the world from its own processes (a 1-GPU laptop beside a 2-GPU desktop: 1 x 2
+    # here, 3 in all): its launcher left the judgement to the workers instead of refusing a checkpoint that fits.
+    from aura_hpc.config import load_config
+    from aura_hpc.errors import ConfigError
+    from aura_hpc.launch.run_setup import _check_resume_compatible
+
+    cfg = load_config(None, ["dist.strategy=zero2"], output_dir=str(tmp_path), run_name="zero")
+    _check_resume_compatible(cfg, 1, exact_world=False)
+    with pytest.raises(ConfigError, match="ZeRO partitions for 2 ranks"):
+        _check_resume_compatible(cfg, 1)
 
 
 def test_unsupported_combinations_are_refused_before_launch(tmp_path: Path) -> None:

@@ -314,8 +314,9 @@ def launch(plan: LocalPlan, ready: Callable[[], None] | None = None) -> int:
     # Node 0 holds the run directory for the whole run: a second `local` there is refused.
     node0 = plan.node_rank == 0
     secret = _secret_of_other_node(plan) if not node0 else None
+    world, exact = plan.nproc * plan.nnodes, plan.nnodes == 1  # a LAN's other nodes may run other process counts
     lock = prepare_run_dir(
-        plan.cfg, plan.nproc * plan.nnodes, lock=node0, check_lock=node0, config_name=plan.config_path.name, secret=node0
+        plan.cfg, world, lock=node0, check_lock=node0, config_name=plan.config_path.name, secret=node0, exact_world=exact
     )
     if node0:
         secret = ensure_run_secret(plan.cfg.run_dir)

@@ -76,9 +76,10 @@ def _check_zero_world_size(cfg: RunConfig, world_size: int) -> None:
 SHARDED = {"fsdp", "zero1", "zero2", "zero3"}  # each writes its own kind of shards
 
 
-def _check_resume_compatible(cfg: RunConfig, world_size: int) -> None:
+def _check_resume_compatible(cfg: RunConfig, world_size: int, exact_world: bool = True) -> None:
     _check_same_tokenizer(cfg)
-    _check_zero_world_size(cfg, world_size)
+    if exact_world:  # LAN nodes may run other process counts than this one: the workers judge the world they make
+        _check_zero_world_size(cfg, world_size)
     old = cfg.run_dir / "config.yaml"
     if not old.exists() or not (cfg.run_dir / "checkpoints").is_dir():
         return
@@ -291,7 +292,13 @@ def ensure_data(cfg: RunConfig, world_size: int) -> None:
 
 
 def prepare_run_dir(
-    cfg: RunConfig, world_size: int, lock: bool = False, check_lock: bool = True, config_name: str = "config.yaml", secret: bool = True
+    cfg: RunConfig,
+    world_size: int,
+    lock: bool = False,
+    check_lock: bool = True,
+    config_name: str = "config.yaml",
+    secret: bool = True,
+    exact_world: bool = True,
 ) -> RunLock | None:
     """Side effects before launch: the built-in data if needed, the run directory, config.yaml.
 
@@ -304,7 +311,7 @@ def prepare_run_dir(
     if check_lock:
         check_free(cfg.run_dir)
     ensure_data(cfg, world_size)
-    _check_resume_compatible(cfg, world_size)
+    _check_resume_compatible(cfg, world_size, exact_world)
     export_webhook_secret(cfg)
     try:
         make_run_dir(cfg.run_dir)
