@@ -344,7 +344,7 @@ def launch(plan: LocalPlan, ready: Callable[[], None] | None = None) -> int:
         if lock is not None:
             from aura_hpc.launch.run_lock import workers_left
 
-            if left := workers_left(plan.cfg.run_dir, parent=os.getpid()):  # ours, stopping (a second Ctrl+C cut the wait short)
+            if left := workers_left(plan.cfg.run_dir, parent=os.getpid()):  # ours, stopping (a third Ctrl+C cut the wait short)
                 from aura_hpc import console
 
                 console.info(f"workers {' '.join(map(str, left))} are still stopping: the run directory stays locked until they exit")
