@@ -203,7 +203,7 @@ def check_remote_shards(data: Any, cfg: RunConfig) -> None:
             f"each node must hold {need / 2**30:.2f} GB of shards at once "
             f"({'all of them' if window == len(train) else f'2 windows of {window}'}) "
             f"and data.cache_gb is {cfg.data.cache_gb:g} (fix: --set data.cache_gb={need / 2**30 * 1.1:.1f}, or "
-            f"--set data.shuffle_window={shards_fit} to shuffle fewer shards together)"
+            f"for a new run --set data.shuffle_window={shards_fit} to shuffle fewer shards together: a run resumes in its own order)"
         )
 
 
