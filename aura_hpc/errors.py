@@ -106,6 +106,7 @@ def exit_process(status: int) -> NoReturn:
     the normal exit (which waits for it) is taken."""
     import atexit
     import os
+    import signal
     import sys
     import threading
 
@@ -118,6 +119,8 @@ def exit_process(status: int) -> NoReturn:
     # W&B's hook waits for its service process with no limit, and online with no server answering that held every
     # worker's exit 60-90 s past tracking.finish_wait_s (measured), a `local` run and a Slurm step with it.
     handlers = threading.Thread(target=atexit._run_exitfuncs, name="aura-exit-handlers", daemon=True)
+    with contextlib.suppress(ValueError):  # a Ctrl+C now would raise here and run the handlers a second time
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     handlers.start()
     handlers.join(EXIT_HANDLERS_S)
     if handlers.is_alive():

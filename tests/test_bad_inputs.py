@@ -418,7 +418,6 @@ def test_a_run_whose_killed_launchers_workers_still_run_is_refused_until_they_ex
     import os
     import subprocess
     import sys
-    import time
 
     run = tmp_path / "runs" / "tiny"
     run.mkdir(parents=True)
@@ -434,6 +433,7 @@ def test_a_run_whose_killed_launchers_workers_still_run_is_refused_until_they_ex
         assert f"(fix: wait for them, or kill {worker.pid})" in said and not (run / "checkpoints").exists()
         # status lists it (that state raised, and `status` with no target failed for every run), cancel names the PIDs.
         (run / "config.yaml").write_text("run_name: tiny\n")  # what the killed launcher had written
+        (run / "summary.json").write_text('{"step": 5}')  # an earlier segment's (train.stop_at): it read as STOPPED
         listed = run_cli(["status", "--json"], cwd=tmp_path, timeout=60)
         [row] = [r for r in json.loads(listed.stdout)["jobs"] if r["job_id"] == "local"]
         assert row["state"] == "STOPPING" and f"(PIDs {worker.pid})" in row["reason"], listed.stdout + listed.stderr
@@ -442,10 +442,10 @@ def test_a_run_whose_killed_launchers_workers_still_run_is_refused_until_they_ex
     finally:
         worker.kill()
         worker.wait()
-    # A lock whose holder stopped refreshing it (a reboot, a power cut) names a PID another program may hold now.
+    # A lock of an earlier boot (a power cut) names a PID another program may hold now.
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    (run / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": stranger.pid, "since": "before the reboot"}))
-    os.utime(run / "run.lock", (time.time() - 600, time.time() - 600))
+    old_boot = {"host": socket.gethostname(), "pid": stranger.pid, "since": "before the reboot", "boot_id": "an-earlier-boot"}
+    (run / "run.lock").write_text(json.dumps(old_boot))
     try:
         assert run_cli(args, cwd=tmp_path, timeout=300).returncode == 0
     finally:

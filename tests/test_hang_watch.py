@@ -658,8 +658,12 @@ def test_a_laptop_resumed_from_sleep_or_a_clock_stepped_forward_is_no_hang(tmp_p
         time.sleep(1)
         real = time.time
         monkeypatch.setattr(time, "time", lambda: real() + 600)  # the wall clock after a 10-minute sleep
-        time.sleep(2)
+        time.sleep(1)
+        _old_page(w.folder, 0, live.pid, 13, idle_s=0)  # the rank's next step, on the woken wall clock
+        time.sleep(1)
         monkeypatch.undo()
+        # Nor is the sleep a step's time: five times it became the run's step timeout (the calibration file).
+        assert w.calibration.get("step", 0.0) < 10, w.calibration
         declared = list((w.cfg.run_dir / "hangs").glob("*")) if (w.cfg.run_dir / "hangs").exists() else []
         assert declared == [] and not w._busy.is_set() and w.hangs == [] and live.poll() is None, declared
     finally:

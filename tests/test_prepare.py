@@ -592,3 +592,8 @@ def test_rows_with_unicode_line_separators_a_byte_order_mark_and_a_column_that_i
     units = split_paragraphs(line + "\n")
     assert len(units) >= 3 and all(len(u) <= LONGEST_PARAGRAPH + 2 for u in units)
     assert "".join(u.removesuffix("\n\n") for u in units) == line and all(u.startswith(" ") for u in units[1:])
+    huge = tmp_path / "huge.jsonl"  # the same as one JSON row's text: one document, its end after its last piece
+    huge.write_text(json.dumps({"text": line}) + "\n", encoding="utf-8")
+    pieces = shards.plan([str(huge)], TEXT_SUFFIXES, 1 << 20, None, False)
+    got = [x for p in pieces for x in shards.piece_texts(shards.Job(p, str(tmp_path), "", 0, "uint16", 0.0, "text"))]
+    assert len(got) >= 3 and "".join(t for t, _ in got) == line and [e for _, e in got] == [False] * (len(got) - 1) + [True]

@@ -555,3 +555,33 @@ def test_the_line_for_the_other_nodes_carries_the_flags_this_node_took_from_its_
     assert words[:5] == ["AURA_RUN_SECRET=s3cret", "python", "-m", "aura_hpc", "local"], words
     for flag, value in (("--nnodes", "2"), ("--master-addr", "192.168.1.10"), ("--master-port", "29500"), ("--node-rank", "1")):
         assert words[words.index(flag) + 1] == value, words
+
+
+def test_a_resume_applies_the_configs_learning_rate_and_keeps_the_rollbacks_scaling() -> None:
+    """What a resume does to the optimizer and scheduler states it loaded (train/parts/schedule.py:apply_settings):
+    nothing when the config is the run's; a new train.lr, betas and weight decay otherwise, a checkpoint of before
+    meta.json kept train_lr included (its base read back from the scheduler, the rollbacks' halving taken out)."""
+    from aura_hpc.config import load_config
+    from aura_hpc.train.parts.schedule import apply_settings, make_optimizer, make_scheduler, scale_learning_rate
+
+    model = torch.nn.Linear(4, 4)
+    old = load_config(None, ["train.lr=0.001", "train.warmup_steps=2"]).train
+    opt = make_optimizer(model, old)
+    sched = make_scheduler(opt, old, 20)
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    scale_learning_rate(opt, sched, old, 5, 20)  # one rollback
+    opt_state, sched_state = opt.state_dict(), sched.state_dict()
+    for saved in (0.001, None):  # None: meta.json without train_lr
+        o = make_optimizer(model, old)
+        s = make_scheduler(o, old, 20)
+        o.load_state_dict(opt_state)
+        s.load_state_dict(sched_state)
+        before = [g["lr"] for g in o.param_groups]
+        apply_settings(o, s, old, saved, rollbacks=1)
+        assert [g["lr"] for g in o.param_groups] == before  # the same config: the same bits
+        new = load_config(None, ["train.lr=0.0004", "train.warmup_steps=2", "train.beta2=0.99", "train.weight_decay=0"]).train
+        apply_settings(o, s, new, saved, rollbacks=1)
+        assert s.base_lrs == pytest.approx([0.0002, 0.0002]) and o.param_groups[0]["lr"] == pytest.approx(0.0002 * s.lr_lambdas[0](5))
+        assert o.param_groups[0]["betas"] == (0.9, 0.99) and o.param_groups[0]["weight_decay"] == 0

@@ -142,7 +142,12 @@ class Job:
 
 def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
     """(text, ends a document) of a piece, in order."""
-    from aura_hpc.data.sources import check_column, check_text, records, split_paragraphs
+    from aura_hpc.data.sources import bounded, check_column, check_text, records, split_paragraphs
+
+    def document(text: str) -> Iterator[tuple[str, bool]]:  # one row's text; a huge one in pieces cut before a space
+        pieces = bounded(text)
+        for i, piece in enumerate(pieces):
+            yield piece, i == len(pieces) - 1
 
     p = job.piece
     if p.kind == "builtin":
@@ -154,7 +159,7 @@ def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
         return
     if p.kind == "dataset":
         for text in records("", None, p.source, job.subset, job.split, job.text_column, p.source, shard=(p.start, p.end)):
-            yield text, True
+            yield from document(text)
         return
     if p.kind in ("text", "jsonl"):
         raw = read_range(p.source, p.start, p.end, job.policy())
@@ -195,7 +200,7 @@ def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
                 first = False
                 if isinstance(value, str) and value.strip():
                     check_text(p.source, value)
-                    yield value, True
+                    yield from document(value)
         return
     local = p.source
     if storage.is_remote(p.source):  # a Parquet or JSON object: read whole, from a local copy
@@ -203,7 +208,7 @@ def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
         Path(local).parent.mkdir(parents=True, exist_ok=True)
         storage.download(p.source, local)
     for text in records(p.kind, [local], None, None, "train", job.text_column, p.source):
-        yield text, True
+        yield from document(text)
 
 
 def is_val(i: int, fraction: float) -> bool:

@@ -86,11 +86,11 @@ def split_paragraphs(text: str) -> list[str]:
     to be one (a file without blank lines was one unit: nothing of it in validation, one encoding call)."""
     parts = [p for p in re.split(r"\r?\n[ \t\r]*\n", text) if p.strip()]  # \r: Windows line ends (CRLF)
     parts = [line for p in parts for line in (p.split("\n") if len(p) > LONGEST_PARAGRAPH else [p]) if line.strip()]
-    parts = [piece for p in parts for piece in _bounded(p)]
+    parts = [piece for p in parts for piece in bounded(p)]
     return [p.strip("\r\n").replace("\r\n", "\n") + "\n\n" for p in parts]  # the same tokens as the LF text
 
 
-def _bounded(line: str) -> list[str]:
+def bounded(line: str) -> list[str]:
     """A line longer than LONGEST_PARAGRAPH in pieces cut before a space (where the byte-level pre-tokenizer
     cuts too): one encoding call took ~175 bytes a character, a 20 MB line 3.5 GB, an 80 MB one a laptop's memory."""
     pieces = []

@@ -79,6 +79,7 @@ class _Seen:
     beat: float = 0.0
     step: int = 0
     section: str = ""
+    skew: float = 0.0  # wall clock minus monotonic clock when read: it grows by a laptop's sleep, or an NTP step
 
 
 @dataclass
@@ -136,14 +137,19 @@ class HangWatch:
     def _learn(self, rank: int, now: dict[str, Any]) -> None:
         """The longest step (per step, between two readings) and section seen, kept across restarts."""
         before = self._seen.get(rank)
-        self._seen[rank] = _Seen(now["beat"], now["step"], now["section"])
+        skew = time.time() - time.monotonic()
+        first_seen = before.skew if before is not None and before.beat == now["beat"] else skew  # when this beat was new
+        self._seen[rank] = _Seen(now["beat"], now["step"], now["section"], first_seen)
         if before is None or now["beat"] <= before.beat:
             return
+        # Less what the wall clock jumped between the readings: a step across a laptop's sleep took the sleep on
+        # the wall clock, and five times that became the run's step timeout (kept in the calibration file).
+        span = now["beat"] - before.beat - max(0.0, skew - before.skew)
         took, key = 0.0, ""
         if now["section"] == "step" and before.section == "step" and now["step"] > before.step > 0:
-            took, key = (now["beat"] - before.beat) / (now["step"] - before.step), "step"
+            took, key = span / (now["step"] - before.step), "step"
         elif before.section in ("evaluation", "checkpoint", "meeting") and now["section"] != before.section:
-            took, key = now["beat"] - before.beat, before.section
+            took, key = span, before.section
         if key and took > self.calibration.get(key, 0.0):
             self.calibration[key] = round(took, 3)
             _write_calibration(self.cfg.run_dir / CALIBRATION, self.calibration)

@@ -63,6 +63,14 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _boot_id() -> str:
+    """This boot of the machine (Linux): a PID from another boot is another process."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip()
+    except OSError:
+        return ""
+
+
 class RunLock:
     """Held from acquire() until release(); a daemon thread refreshes its mtime meanwhile."""
 
@@ -75,6 +83,7 @@ class RunLock:
             "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""),
             "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
             "token": uuid.uuid4().hex,
+            "boot_id": _boot_id(),
         }
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,9 +95,10 @@ class RunLock:
         # The same attempt of a job: a second `local` inside one allocation (salloc) took a live trainer's run directory.
         if holder.get("host") == self.record["host"]:
             pid = int(holder.get("pid", 0))
-            # Our own PID: a launcher restarted in a container, as PID 1 again. A lock its holder stopped refreshing
-            # (a reboot, a power cut) names a PID another program may hold now: not a trainer to wait for, nor to kill.
-            if pid != os.getpid() and _pid_alive(pid) and time.time() - mtime <= STALE_AFTER_S:
+            # Our own PID: a launcher restarted in a container, as PID 1 again. A lock of an earlier boot (a power cut)
+            # names a PID another program may hold now: not a trainer to wait for, nor to kill.
+            rebooted = bool(holder.get("boot_id")) and holder.get("boot_id") != self.record["boot_id"]
+            if pid != os.getpid() and _pid_alive(pid) and not rebooted:
                 return False
             left = workers_left(self.path.parent)
             if left:

@@ -43,7 +43,7 @@ def local_status(run_dir: Path, latest: dict[str, Any]) -> dict[str, Any]:
                 state, reason = "RUNNING", f"PID {lock.get('pid')} on {lock.get('host')} since {lock.get('since')}"
         except LaunchError as exc:  # its launcher is gone, its workers still stop (a SIGKILLed launcher): one row, not a traceback
             state, reason = "STOPPING", str(exc)
-    if state != "RUNNING" and summary is not None and summary.get("step") == latest.get("step", summary.get("step")):
+    if state not in ("RUNNING", "STOPPING") and summary is not None and summary.get("step") == latest.get("step", summary.get("step")):
         state = "COMPLETED" if summary.get("finished") else "STOPPED"
         reason = "" if summary.get("finished") else "train.stop_at reached; re-run to continue"
     hang = read_json(run_dir / "hangs" / "last.json")

@@ -81,13 +81,13 @@ def submit(spec: PrepareSpec, nodes: int, partition: str | None, time_min: int, 
     # What reaches the jobs' #SBATCH lines, checked as `submit` checks its own (nothing made yet).
     script_safety.check_directive("--partition", partition)
     script_safety.check_directive("--account", account)
-    script_safety.check_path("--out", str(Path(spec.out_dir).expanduser().absolute()))
+    script_safety.check_path("--out", str(Path(spec.out_dir).expanduser().resolve()))
     script_safety.check_text("the Python interpreter's path", sys.executable)
     slurm_query.require("sbatch")
     slurm_query.require_config()
     files = [] if (spec.builtin or spec.dataset) else resolve_inputs(spec.inputs)
     key = input_key(spec, files)
-    out = Path(spec.out_dir).expanduser().absolute()
+    out = Path(spec.out_dir).expanduser().resolve()  # a link followed, as prepare() does: the finish job's build is the array's
     spec.out_dir = out
     from aura_hpc.data.prepare import input_folders, read_manifest
 

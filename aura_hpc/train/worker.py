@@ -32,15 +32,18 @@ log = logging.getLogger("aura_hpc")
 
 
 @contextlib.contextmanager
-def _process_group_cleanup() -> Iterator[None]:
+def _process_group_cleanup() -> Iterator[dict[str, bool]]:
+    exit_state = {"peer_lost": False}
     try:
-        yield
+        yield exit_state
     finally:
         # A save still being written (a ZeRO rank's shards, which agree over their own group, and rank 0's commit)
         # ends before the groups go: an error exit (a run that diverged) shut them first, the agreement failed,
-        # and the checkpoint in flight, the last good one, was thrown away unsaid.
-        with contextlib.suppress(Exception):
-            background.close()
+        # and the checkpoint in flight, the last good one, was thrown away unsaid. Not where a peer is gone: its
+        # agreement would wait for it as long as the host group's timeout (30 min) for a machine that vanished.
+        if not exit_state["peer_lost"]:
+            with contextlib.suppress(Exception):
+                background.close()
         with contextlib.suppress(Exception):
             distributed.shutdown()
 
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
 
     trainer = Trainer(cfg, env, why_not_leave_out)
     status = EXIT_TRAIN_FAILED
-    with _process_group_cleanup():
+    with _process_group_cleanup() as exit_state:
         try:
             status = trainer.run()
             page.enter("finished")
@@ -130,6 +133,7 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
                 raise
             # A peer's process or machine went away mid-collective: one line saying so (the launcher
             # repeats it); the C++ detail stays in this rank's log.
+            exit_state["peer_lost"] = True
             worker_log.to_file_only("the failed collective, in full:")
             log.error("%s", PEER_LOST.format(peer=peer, step=trainer.pos.step + 1))
             return EXIT_TRAIN_FAILED

@@ -128,7 +128,7 @@ class Checkpointer:
             p.data.learn_counts(learned)
             p.order.refresh()
         _restore_position(self.pos, meta)
-        apply_settings(p.optimizer, p.scheduler, self.cfg.train, meta.get("train_lr"))
+        apply_settings(p.optimizer, p.scheduler, self.cfg.train, meta.get("train_lr"), self.pos.rollbacks)
         per_step = self.layout.per_step
         if int(meta.get("effective_batch", per_step)) != per_step and self.env.is_main:
             log.warning("effective batch changed (%s -> %d) since the checkpoint", meta.get("effective_batch"), per_step)

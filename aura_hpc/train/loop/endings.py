@@ -47,8 +47,8 @@ def stop_on_signal(trainer: Any, stop: StopRequest) -> int:
         )
     close_outputs(trainer, failed=False)  # resumable: the trackers' run goes on when the run does, not a failure
     collectives.barrier()
-    # Every rank's log says the stop was checkpointed: a LAN node > 0 keeps no checkpoint of its own to show it.
-    worker_log.to_file_only(f"{EXITING_LINE}{EXIT_RESUMABLE}", exc_info=False)
+    if path is not None:  # every rank's log says the stop was checkpointed: a LAN node > 0 keeps none to show it
+        worker_log.to_file_only(f"{EXITING_LINE}{EXIT_RESUMABLE}", exc_info=False)
     return EXIT_RESUMABLE
 
 

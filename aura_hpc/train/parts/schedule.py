@@ -60,11 +60,17 @@ def scale_learning_rate(
         group["lr"] = base * factor
 
 
-def apply_settings(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, t: TrainConfig, saved_lr: Any) -> None:
+def apply_settings(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, t: TrainConfig, saved_lr: Any, rollbacks: int = 0
+) -> None:
     """After a resume, the config's learning rate, weight decay and betas over the checkpoint's: its optimizer
     and scheduler states held the old ones, so a re-run with a lower train.lr (what a divergence's fix says)
     trained on at the old one, and a new max_steps' first update at the old horizon's rate. What the
     rollbacks scaled stays scaled; with nothing changed every value is the one the checkpoint held."""
+    if not (isinstance(saved_lr, int | float) and saved_lr > 0) and scheduler.base_lrs:
+        # A checkpoint from before meta.json kept train_lr: its base learning rate, the rollbacks' scaling taken out.
+        saved_lr = scheduler.base_lrs[0] / t.nan_lr_scale**rollbacks
+        saved_lr = t.lr if math.isclose(saved_lr, t.lr, rel_tol=1e-9) else saved_lr
     if isinstance(saved_lr, int | float) and saved_lr > 0 and saved_lr != t.lr:
         scheduler.base_lrs = [base * (t.lr / saved_lr) for base in scheduler.base_lrs]
     for i, (group, base, factor) in enumerate(zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True)):
