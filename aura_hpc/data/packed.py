@@ -233,11 +233,10 @@ class PackedTokens(TokenReader):
 def _check_tokenizer(path: Path, sha: str) -> None:
     """A prepared folder copied in part (an rsync cut short) trained a whole run, then stopped at its last
     sample without a summary, and its checkpoints held no tokenizer: the one the manifest hashes, or nothing."""
-    import hashlib
+    from aura_hpc.data.prepare import sha256_file
 
     try:
-        with open(path, "rb") as f:
-            ours = hashlib.file_digest(f, "sha256").hexdigest()
+        ours = sha256_file(path)
     except OSError as exc:
         raise DataError(
             f"{path} cannot be read ({exc.strerror}): the prepared directory is incomplete (fix: copy the whole prepared "
