@@ -601,7 +601,6 @@ def test_a_slurm_node_takes_its_evidence_on_another_nodes_record_and_the_naming_
     cfg = load_config(None, ["health.hang_step_floor_s=1000"], output_dir=str(tmp_path), run_name="run")
     (tmp_path / "progress").mkdir()
     w = slurm_watch.SlurmHangWatch(cfg, tmp_path / "progress")
-    w.nodes, w.started = 3, time.time()
     monkeypatch.setenv("SLURMD_NODENAME", "n1")
 
     def record(folder: str, host: str, culprits: list[int], at: float) -> None:
@@ -609,9 +608,11 @@ def test_a_slurm_node_takes_its_evidence_on_another_nodes_record_and_the_naming_
         body = {"host": host, "line": f"hang: on {host}", "culprits": culprits, "declared_at": at}
         (cfg.run_dir / "hangs" / folder / "hang.json").write_text(json.dumps(body))
 
+    record("old-n2", "n2", [1], time.time() + 100)  # an earlier attempt's, from a node whose clock ran ahead
+    w.nodes, w.started = 3, time.time()
+    w.note_earlier_records()
     now = time.time()
     ranks = {0: _page("step", 12, 60, now - 20, pid=os.getpid())}
-    record("old-n2", "n2", [1], w.started - 100)  # an earlier attempt's
     record("mine-n1", "n1", [0], now)  # this node's own
     (cfg.run_dir / "hangs" / "torn-n3").mkdir()
     (cfg.run_dir / "hangs" / "torn-n3" / "hang.json").write_text('{"host": "n3", "cul')
@@ -621,7 +622,7 @@ def test_a_slurm_node_takes_its_evidence_on_another_nodes_record_and_the_naming_
     t0 = time.monotonic()
     w._wait_for_evidence_elsewhere()  # nobody else has spoken: it gives up after EVIDENCE_WAIT_S
     assert 1.4 <= time.monotonic() - t0 < 5
-    record("now-n2", "n2", [2], now)
+    record("now-n2", "n2", [2], now - 90)  # this attempt's, from a node whose clock runs 90 s behind this one's
     w.peer_hangs = w.peer_verdicts()
     assert [(v.host, v.culprits) for v in w.peer_hangs] == [("n2", [2])] and w.named_elsewhere(ranks, now)
     assert not w.named_elsewhere({0: _page("step", 12, 60, now - 2, pid=os.getpid())}, now)  # it still moves: not waiting

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from aura_hpc.errors import EXIT_SCREEN
 from aura_hpc.ops.screen import Expected, judge
-from tests.conftest import run_cli
+from tests.conftest import free_port, run_cli
 
 
 def _rows(gemm: list[float], node_gbps: list[float] | None = None, job: float | None = None) -> list[dict]:
@@ -69,6 +69,52 @@ def test_nodes_that_share_their_cpus_are_judged_against_their_peers_at_the_share
     assert judge(shared, hosts, lenient, "generic")[0] == []
     [finding] = judge(_rows([0.0342, 0.0034], job=1.2), hosts, lenient, "generic")[0]
     assert finding.line == "rank 1 on n4: matmul 0.0034 TFLOP/s, under 0.3 x the other devices' median 0.0342"
+
+
+def _time_my_matmuls(rank: int, port: int, node_ranks: list[list[int]], result_path: str) -> None:
+    """One of two gloo ranks: the screen's measurement, its matmuls replaced by a 0.4 s wait that notes when it ran."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from aura_hpc.comm import collectives
+    from aura_hpc.ops import screen
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    collectives.set_world(torch.device("cpu"))
+    when: list[float] = []
+
+    def matmuls(device: torch.device, min_s: float, slow_fraction: float = 0.0) -> float:
+        when.append(time.time())
+        time.sleep(0.4)
+        when.append(time.time())
+        return 1.0
+
+    screen.gemm_tflops = matmuls
+    row = screen.measure(torch.device("cpu"), node_ranks, rank)
+    Path(result_path).write_text(json.dumps({"when": when, "row": row}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_the_ranks_of_one_cpu_node_time_their_matmuls_in_turn(tmp_path: Path) -> None:
+    """Two clean ranks of one busy 2-core machine, timed together, measured 0.70 x of each other (the
+    scheduler's split of the cores, not a device) and the clean screen named one. A CPU node's ranks
+    take turns; what follows (the node's all-reduce) still has both."""
+    import multiprocessing as mp
+
+    port = free_port()
+    spawn = mp.get_context("spawn")
+    procs = [spawn.Process(target=_time_my_matmuls, args=(r, port, [[0, 1]], str(tmp_path / f"r{r}.json"))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in (0, 1))
+    assert r0["when"][1] <= r1["when"][0], (r0, r1)  # rank 0's turn ended before rank 1's began
+    assert r0["row"]["gemm_tflops"] == r1["row"]["gemm_tflops"] == 1.0 and "node_gbps" in r0["row"] and "node_gbps" in r1["row"]
 
 
 def test_selftest_screen_names_the_slow_process_and_a_clean_screen_names_none(tmp_path: Path) -> None:

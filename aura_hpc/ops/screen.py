@@ -82,7 +82,19 @@ _node_groups: dict[tuple[tuple[int, ...], ...], collectives.Group | None] = {}
 def measure(device: torch.device, node_ranks: list[list[int]], rank: int, slow_fraction: float = 0.0) -> dict[str, Any]:
     """This rank's figures; every rank calls it (the all-reduces are collective)."""
     cuda = device.type == "cuda"
-    row: dict[str, Any] = {"rank": rank, "gemm_tflops": round(gemm_tflops(device, 0.5 if cuda else 0.6, slow_fraction), 4)}
+    if cuda or all(len(ranks) == 1 for ranks in node_ranks):
+        tflops = gemm_tflops(device, 0.5 if cuda else 0.6, slow_fraction)
+    else:
+        # A CPU node's ranks share its cores: timed together they measure the scheduler's split of those
+        # cores (0.70 x between two clean ranks of one busy 2-core machine), not a device. Each rank of a
+        # node takes its turn while the others wait in the barrier; the nodes still measure side by side.
+        mine = next(ranks.index(rank) for ranks in node_ranks if rank in ranks)
+        tflops = 0.0
+        for turn in range(max(len(ranks) for ranks in node_ranks)):
+            if turn == mine:
+                tflops = gemm_tflops(device, 0.6, slow_fraction)
+            collectives.barrier()
+    row: dict[str, Any] = {"rank": rank, "gemm_tflops": round(tflops, 4)}
     nbytes, rounds = (256 << 20, 5) if cuda else (4 << 20, 3)
     if any(len(ranks) > 1 for ranks in node_ranks):
         # Every rank takes part in making every node's group (once: each NCCL group holds device memory until the

@@ -45,6 +45,7 @@ class SlurmHangWatch(HangWatch):
     restarts: int = 0
 
     nodes: int = 1
+    earlier: frozenset[str] | set[str] = frozenset()  # RUN_DIR/hangs/ folders of earlier attempts (note_earlier_records)
     stop_asked: bool = False  # Slurm's pre-timeout signal (or scancel --signal) reached the step: the ranks stop
 
     def act(self, hang: Hang, ranks: dict[int, dict[str, Any]], alone: bool = False) -> bool:
@@ -73,16 +74,24 @@ class SlurmHangWatch(HangWatch):
         self.kill(ranks)
         return True
 
+    def note_earlier_records(self) -> None:
+        """The hang records already in RUN_DIR/hangs/ when this attempt starts: an earlier attempt's. Told by
+        what is there, not by their times: each is stamped by its node's clock, and a node whose clock ran a
+        minute behind this one's had its record of this attempt taken for an older one's."""
+        self.earlier = {p.parent.name for p in (self.cfg.run_dir / "hangs").glob("*/hang.json")}
+
     def peer_verdicts(self) -> list[Verdict]:
         """The other nodes' hang records of this attempt, from the shared RUN_DIR/hangs/."""
         me, found = node_name(), []
         for record in (self.cfg.run_dir / "hangs").glob("*/hang.json"):
+            if record.parent.name in self.earlier:
+                continue
             try:
                 data = json.loads(record.read_text(encoding="utf-8"))
                 v = Verdict(-1, str(data["host"]), str(data["line"]), [int(c) for c in data["culprits"]], float(data["declared_at"]), 0)
             except (OSError, ValueError, TypeError, KeyError):
                 continue
-            if v.host != me and v.declared_at > self.started:
+            if v.host != me:
                 found.append(v)
         return sorted(found, key=lambda v: (not v.culprits, v.declared_at))
 
@@ -139,6 +148,7 @@ def main(argv: list[str]) -> int:
     watch.nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
     watch.calibration = read_calibration(cfg.run_dir / "hang_calibration.json")
     watch.started = time.time()
+    watch.note_earlier_records()
     os.environ[progress.ENV] = folder
 
     # Slurm signals every process of the step, this one included. The pre-timeout warning (--signal=USR2@...)
