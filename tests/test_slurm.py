@@ -494,7 +494,8 @@ def test_status_and_history_read_sweep_elements_and_names_with_a_pipe_as_slurm_h
     try:
         deadline = time.monotonic() + 60
         while True:
-            res = run_cli(["status", "--json"])
+            # LOGNAME/USER naming another user (su, sudo -E, a container): the jobs listed are still the caller's.
+            res = run_cli(["status", "--json"], LOGNAME="nobody", USER="nobody")
             assert res.returncode == 0, res.stderr
             rows = {r["job_id"]: r for r in json.loads(res.stdout)["jobs"] if r["name"] == name}
             if (set(rows) == elements and all(r["state"] == "RUNNING" for r in rows.values())) or time.monotonic() > deadline:
@@ -580,11 +581,19 @@ def test_cancel_stops_a_running_job(slurm_cluster: Path, prepared: Path, tmp_pat
     ]
     # sbatch lets SBATCH_* variables override the script's lines: a shell's leftovers gave the planned job 1 minute
     # and no requeue; the plan wins, and says so.
-    sub = run_cli(args, SBATCH_TIMELIMIT="1", SBATCH_NO_REQUEUE="1")
+    # Some change the job whatever its lines: SBATCH_ARRAY_INX made 2 copies of one run in one run directory.
+    sub = run_cli(args, SBATCH_TIMELIMIT="1", SBATCH_NO_REQUEUE="1", SBATCH_ARRAY_INX="0-1")
     assert sub.returncode == 0 and "SBATCH_TIMELIMIT='1' in this shell would override the script's --time" in sub.stderr
+    assert "SBATCH_ARRAY_INX='0-1' in this shell would add --array to the planned job" in sub.stderr, sub.stderr
     run_dir = out / "cx"
     shown = subprocess.run(["scontrol", "show", "job", _job_id(run_dir)], capture_output=True, text=True, check=True).stdout
-    assert "TimeLimit=00:10:00" in shown and "Requeue=1" in shown, shown
+    assert "TimeLimit=00:10:00" in shown and "Requeue=1" in shown and "ArrayTaskId" not in shown, shown
+    # The same run submitted again while its job is queued or running: its config.yaml would be what the first
+    # job starts (or restarts) with, and both would train in one folder.
+    config = (run_dir / "config.yaml").read_text()
+    again = run_cli([*args, "--set", "train.lr=0.01"])
+    assert again.returncode == 2 and f"job {_job_id(run_dir)} (" in again.stderr and "is already queued for" in again.stderr, again.stderr
+    assert (run_dir / "config.yaml").read_text() == config
     deadline = time.monotonic() + 120
     while _latest_step(run_dir) < 2:
         assert time.monotonic() < deadline
@@ -686,6 +695,38 @@ def test_a_job_whose_output_dir_is_gone_on_the_nodes_is_explained(slurm_cluster:
     assert any("output_dir is not mounted" in n for n in said["notes"]), said
     logs = run_cli(["logs", job])
     assert logs.returncode == 2 and "does not exist on this machine" in logs.stderr and "not mounted" in logs.stderr, logs.stderr
+
+
+def test_a_wait_on_a_job_whose_dependency_failed_ends_with_the_fix(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
+    """afterok on a job that fails leaves ours PENDING (DependencyNeverSatisfied) for ever where the site does not
+    set kill_invalid_depend: `submit --wait` waited with it."""
+    failing = ["sbatch", "--parsable", "-o", "/dev/null", "--wrap", "sleep 3; false"]
+    first = subprocess.run(failing, capture_output=True, text=True, check=True)
+    first_id = first.stdout.strip().split(";")[0]
+    out = tmp_path / "runs"
+    args = ["submit", *TINY, "--output-dir", str(out), "--run-name", "never", "--set", f"data.path={prepared}", "--after", first_id]
+    res = run_cli([*args, "--wait"], timeout=240)
+    job = _job_id(out / "never")
+    try:
+        said = res.stdout + res.stderr
+        assert res.returncode != 0 and f"job {job} will never start: the job it waits for (--after)" in said, said
+        assert f"python -m aura_hpc cancel {job}" in said
+    finally:
+        run_cli(["cancel", job])
+
+
+def test_a_failed_sweep_point_with_logs_in_the_sweeps_folder_is_not_said_to_have_failed_at_launch(tmp_path: Path) -> None:
+    """A sweep's logs are in the sweep's slurm/ folder (job.json's log_dir), not under its point's run directory:
+    every failed point of a sweep was said to have failed before any rank started (output_dir not mounted)."""
+    from aura_hpc.slurm.commands import _failed_at_launch
+    from aura_hpc.slurm.query import JobRow
+
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "lr0.001").mkdir()
+    row = JobRow("1234_1", "aura-sweep", "FAILED", "1", "0:10", exit_code="1:0")
+    assert _failed_at_launch(row, tmp_path / "lr0.001", tmp_path / "slurm") is not None  # no log at all: said
+    (tmp_path / "slurm" / "1234_1_0_log.err").write_text("Traceback (most recent call last):\n")
+    assert _failed_at_launch(row, tmp_path / "lr0.001", tmp_path / "slurm") is None
 
 
 def test_prepare_as_a_slurm_array_gives_the_tokens_of_a_local_prepare(slurm_cluster: Path, tmp_path: Path, home: Path) -> None:

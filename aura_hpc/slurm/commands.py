@@ -11,7 +11,7 @@ from aura_hpc.errors import LaunchError
 from aura_hpc.launch.run_status import goodput_note
 from aura_hpc.slurm import index as job_index
 from aura_hpc.slurm import query as slurm_query
-from aura_hpc.slurm.submit import print_new_lines, rank_log, squeue_patiently
+from aura_hpc.slurm.submit import never_starts, print_new_lines, rank_log, squeue_patiently
 
 
 def latest_metrics(run_dir: Path | None) -> dict[str, Any]:
@@ -53,7 +53,7 @@ def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], li
     """Rows for the table/--json and notes to show under it."""
     notes: list[str] = []
     if target:
-        job_id, run_dir, _ = job_index.resolve(target)
+        job_id, run_dir, info = job_index.resolve(target)
         row = slurm_query.squeue_job(job_id)
         if row is None:
             if not slurm_query.accounting_enabled():
@@ -68,7 +68,7 @@ def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], li
                 if not rows:
                     raise LaunchError(f"job {job_id} is unknown to squeue and sacct (fix: check the id with `python -m aura_hpc history`)")
                 row = rows[-1]
-        launch = _failed_at_launch(row, run_dir)
+        launch = _failed_at_launch(row, run_dir, Path(info["log_dir"]) if info is not None else None)
         if launch:
             notes.append(launch)
         if run_dir is not None and (split := goodput_note(run_dir, row.state)):
@@ -83,12 +83,14 @@ def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], li
     return [_row_dict(r, known.get(r.job_id)) for r in rows], notes
 
 
-def _failed_at_launch(row: slurm_query.JobRow, run_dir: Path | None) -> str | None:
+def _failed_at_launch(row: slurm_query.JobRow, run_dir: Path | None, log_dir: Path | None = None) -> str | None:
     """A job that failed before any rank wrote a line: Slurm could not start the tasks, most often because
-    the log files under output_dir could not be opened on the compute nodes (only slurmd's log says so)."""
-    if row.state not in ("FAILED", "NODE_FAIL", "LAUNCH_FAILED") or run_dir is None:
+    the log files under output_dir could not be opened on the compute nodes (only slurmd's log says so).
+    `log_dir`: where job.json says its logs go (a sweep's are in the sweep's folder, not the point's)."""
+    if row.state not in ("FAILED", "NODE_FAIL") or run_dir is None:
         return None
-    logs = list((run_dir / "slurm").glob(f"{row.job_id}_*_log.*")) if (run_dir / "slurm").is_dir() else []
+    folder = log_dir or run_dir / "slurm"
+    logs = list(folder.glob(f"{row.job_id}_*_log.*")) if folder.is_dir() else []
     if any(p.stat().st_size > 0 for p in logs):
         return None
     where = f"{run_dir} does not exist on this machine either" if not run_dir.is_dir() else f"nothing was written under {run_dir}"
@@ -132,6 +134,8 @@ def follow(job_id: str, path: Path, printer: Any, poll_s: float = 0.5) -> None:
         if ended:
             print_new_lines(path, offset, printer, final=True)
             return
+        if why := never_starts(row):
+            raise LaunchError(why)
         time.sleep(poll_s)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import getpass
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -148,7 +148,9 @@ def squeue(job_ids: list[str] | None = None, all_users: bool = False, all_states
     if job_ids:
         cmd += ["-j", ",".join(job_ids)]
     elif not all_users:
-        cmd += ["-u", getpass.getuser()]
+        # The real uid (squeue takes ids): getpass reads LOGNAME/USER first, which `su`, `sudo -E` or a container
+        # leave naming someone else, and `status` listed that user's jobs while `history` (sacct) read ours.
+        cmd += ["-u", str(os.getuid())]
     if all_states:
         cmd += ["-t", "all"]
     rows = []

@@ -32,16 +32,32 @@ _OVERRIDING = {
 }
 
 
+# Variables that change the planned job whatever its lines say: an array of copies in one run directory, an
+# sbatch that blocks until the job ends, per-task GPUs or per-GPU CPUs beside the plan's per-node requests, tasks
+# without the submitting environment (a site's SBATCH_EXPORT=NONE in .bashrc: the plan's variables, PYTHONPATH).
+_ALWAYS = {
+    "SBATCH_ARRAY_INX": "array",
+    "SBATCH_WAIT": "wait",
+    "SBATCH_GPUS_PER_TASK": "gpus-per-task",
+    "SBATCH_CPUS_PER_GPU": "cpus-per-gpu",
+    "SBATCH_EXPORT": "export",
+}
+
+
 def colliding(script: str, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """Each variable set in `environ` that would override a line of `script`, with that line's option."""
+    """Each variable set in `environ` that would override a line of `script` (or change the planned job
+    whatever its lines), with the option it stands for."""
     options = set(re.findall(r"^#SBATCH --([a-z-]+)", script, re.M))
-    return {name: option for option in sorted(options) for name in _OVERRIDING.get(option, ()) if name in environ}
+    found = {name: option for option in sorted(options) for name in _OVERRIDING.get(option, ()) if name in environ}
+    return found | {name: option for name, option in _ALWAYS.items() if name in environ and name not in found}
 
 
 def warnings(script: str, environ: Mapping[str, str] = os.environ) -> list[str]:
+    lines = set(re.findall(r"^#SBATCH --([a-z-]+)", script, re.M))
     return [
-        f"{name}={shown(environ[name], 30)} in this shell would override the script's --{option} (sbatch lets its "
-        "environment win); submit leaves it out, so the job is the one planned here"
+        f"{name}={shown(environ[name], 30)} in this shell would "
+        + (f"override the script's --{option}" if option in lines else f"add --{option} to the planned job")
+        + " (sbatch lets its environment win); submit leaves it out, so the job is the one planned here"
         for name, option in colliding(script, environ).items()
     ]
 

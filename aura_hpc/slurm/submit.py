@@ -21,6 +21,8 @@ JOB_FILE = "job.json"
 def submit(plan: SubmitPlan) -> list[str]:
     """Prepare the run directories, submit through submitit, record each job; returns the job ids."""
     slurm_query.require("sbatch")
+    if not plan.check:
+        _refuse_a_queued_job(plan)
     with sbatch_env.left_out(plan.script):
         slurm_query.test_only(plan.script)  # refused here, nothing is written or queued
     from aura_hpc.launch.run_setup import check_writable, prepare_run_dir
@@ -66,6 +68,30 @@ def submit(plan: SubmitPlan) -> list[str]:
             f"{exc.filename or ''}) (fix: free that place; `status`, `logs` and `cancel` take these ids meanwhile)"
         ) from None
     return ids
+
+
+def _refuse_a_queued_job(plan: SubmitPlan) -> None:
+    """A run directory whose job (job.json) is still queued, running or requeued takes no second job: the new
+    config.yaml would be what the first trains with when it starts (or restarts), job.json would name only the
+    second, and the two would train in one folder. A pending job holds no run lock, so the lock cannot tell."""
+    after = str(plan.params.get("dependency", "")).removeprefix("afterok:")
+    for p in plan.points:
+        try:
+            recorded = json.loads((p.cfg.run_dir / JOB_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        job_id = str(recorded.get("job_id", "")) if isinstance(recorded, dict) else ""
+        if not job_id or after in (job_id, job_id.partition("_")[0]):
+            continue  # --after that job: this one starts once it has ended
+        row = slurm_query.squeue_job(job_id)
+        name = str(recorded.get("job_name") or "")
+        if row is None or not row.active or (name and row.name and row.name != name):  # ended, or the id is another job's now
+            continue
+        raise LaunchError(
+            f"job {job_id} ({row.state}) is already queued for {p.cfg.run_dir}: a second job would change the settings "
+            f"it starts with and train in the same folder (fix: `python -m aura_hpc cancel {job_id}` first, --after "
+            f"{job_id} to follow it, or another --run-name)"
+        )
 
 
 def _record(plan: SubmitPlan, ids: list[str], script: str, submitted: str) -> None:
@@ -120,6 +146,9 @@ def wait(job_ids: list[str], follow_log: Path | None = None, poll_s: float = 1.0
             row = squeue_patiently(j)
             if row is None or not row.active:
                 final[j] = _final_state(j, row, since)
+            elif why := never_starts(row):
+                printer(why)
+                final[j] = row  # still PENDING: not COMPLETED, so the wait's status says it failed
         if follow_log is not None:
             offset = print_new_lines(follow_log, offset, printer)
         if len(final) == len(job_ids):
@@ -134,6 +163,23 @@ def wait(job_ids: list[str], follow_log: Path | None = None, poll_s: float = 1.0
             code = _exit_code(row)
             status = status or code or 1
     return status
+
+
+def never_starts(row: slurm_query.JobRow) -> str:
+    """Why a pending job will not start unless someone acts (a watch would wait on it for ever), or ""."""
+    if row.state != "PENDING":
+        return ""
+    if row.reason == "DependencyNeverSatisfied":
+        return (
+            f"job {row.job_id} will never start: the job it waits for (--after) did not complete successfully, and Slurm "
+            f"keeps it pending (fix: `python -m aura_hpc cancel {row.job_id}`, then submit again without that --after)"
+        )
+    if row.reason.lower().startswith("launch failed requeued held"):
+        return (
+            f"job {row.job_id} is held: Slurm could not launch it on its node(s) and held it after the requeue (fix: see "
+            f"slurmd's log on that node; `scontrol release {row.job_id}` tries again, `python -m aura_hpc cancel {row.job_id}` ends it)"
+        )
+    return ""
 
 
 def _final_state(job_id: str, row: slurm_query.JobRow | None, since: str, timeout_s: float = 60) -> slurm_query.JobRow | None:
