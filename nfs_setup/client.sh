@@ -63,7 +63,8 @@ if [[ ! -d $MOUNT ]]; then do_ "create mount point $MOUNT" mkdir -p "$MOUNT"; fi
 
 line="$SERVER:$EXPORT_DIR $MOUNT nfs4 $OPTIONS 0 0"
 # Each line for the mount point, "ours" (under the marker) or "theirs" (the admin's, or an older version's).
-entries=$(awk -v k="$MOUNT" -v mark="$MARK" '$0 == mark { m = 1; next } $2 == k { print (m ? "ours" : "theirs") "\t" $0 } { m = 0 }' "$FSTAB" 2>/dev/null || true)
+# An admin's `/mnt/aura/` names the same mount point.
+entries=$(awk -v k="$MOUNT" -v mark="$MARK" '$0 == mark { m = 1; next } { d = $2; sub(/\/+$/, "", d) } d == k && d != "" { print (m ? "ours" : "theirs") "\t" $0 } { m = 0 }' "$FSTAB" 2>/dev/null || true)
 theirs=$(printf '%s\n' "$entries" | awk -F'\t' '$1 == "theirs" { print $2 }')
 current=$(printf '%s\n' "$entries" | awk -F'\t' '$1 == "ours" { print $2 }')
 if [[ -n $theirs && $theirs != "$line" ]]; then

@@ -47,9 +47,18 @@ if [[ -n $OWNER ]]; then  # numbers, as `stat` prints them: a name never matched
   elif ! [[ $o_group =~ ^[0-9]+$ ]]; then o_group=$(getent group "$o_group" | cut -d: -f3); [[ -n $o_group ]] || { echo "error: --owner $OWNER: no group ${OWNER#*:} here (fix: --owner UID:GID)" >&2; exit 2; }; fi
   OWNER="$o_user:$o_group"
 fi
+# Each client goes into the exports line as written: a blank made "192.168.1.10 192.168.1.11" two clients, the
+# first with exportfs's defaults (read-only), and "(...)" smuggled options past the checks below.
+for c in "${CLIENTS[@]}"; do
+  [[ $c =~ ^@?[A-Za-z0-9._:/*?-]+$ ]] || { echo "error: --clients '$c' is not one subnet, address or host name (fix: one --clients per client, e.g. --clients 192.168.1.10 --clients 192.168.1.11)" >&2; exit 2; }
+done
+[[ $OPTIONS =~ ^[A-Za-z0-9_=,:.-]+$ ]] || { echo "error: --options '$OPTIONS' is not a comma-separated list of export options (fix: e.g. --options rw,sync,no_subtree_check)" >&2; exit 2; }
 if [[ $ALLOW_WIDE != 1 ]]; then
   for c in "${CLIENTS[@]}"; do
-    if [[ $c == *"*"* || $c == 0.0.0.0/0 || $c == ::/0 ]]; then
+    prefix=128
+    if [[ $c =~ /([0-9]+)$ ]]; then prefix=$((10#${BASH_REMATCH[1]})); fi
+    # A prefix shorter than /8 (IPv4) or /16 (IPv6) is most of the internet: 0.0.0.0/1 and 128.0.0.0/1 were "narrow".
+    if [[ $c == *"*"* || ( $c != *:* && $prefix -lt 8 ) || ( $c == *:* && $prefix -lt 16 ) ]]; then
       echo "error: --clients $c exports $EXPORT_DIR to every machine that reaches this one (fix: the training machines' subnet, e.g. 192.168.1.0/24, or --allow-wide)" >&2; exit 2
     fi
   done

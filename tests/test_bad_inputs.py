@@ -117,6 +117,9 @@ ROWS = [
     Row("unknown key", ["local", "--set", "train.lrr=1"], "unknown config key 'train.lrr': did you mean 'train.lr'?"),
     Row("misspelt key in a file", ["local", "--config", "{tmp}/typo.yaml"], "unknown config key 'train.max_step'", _files),
     Row("unknown section", ["local", "--set", "optim.lr=1"], "unknown config key 'optim.lr'"),
+    # A whole section, or a key without its section: a traceback before (AttributeError: 'str' object has no attribute 'get').
+    Row("a whole section", ["local", "--set", "model=x"], "--set model=... names a whole section (fix: one key of it, --set model.NAME"),
+    Row("a key without its section", ["local", "--set", "lr=3e-4"], "unknown config key 'lr' (fix: --set train.lr=..."),
     Row("zero batch", ["local", "--set", "train.batch_size=0"], "train.batch_size must be greater than 0"),
     Row("negative layers", ["local", "--set", "model.n_layer=-2"], "model.n_layer must be greater than 0"),
     Row("zero lr", ["local", "--set", "train.lr=0"], "train.lr must be greater than 0"),

@@ -65,6 +65,24 @@ def test_single_machine_check() -> None:
     assert f["backend gloo"]["ok"] and f["python"]["ok"] and "free" in f["disk"]["detail"]
 
 
+_HUNG_LOCAL_CHECK = """
+import sys, time
+from aura_hpc.ops import check
+check.LOCAL_CHECKS_S = 0.5
+check.local_checks = lambda report, output_dir: time.sleep(60)  # a GPU or driver that stops answering
+check.run(None, None, lambda report, stage: print("timed out in", stage, flush=True))
+print("returned", flush=True)
+"""
+
+
+def test_a_single_machine_check_that_hangs_ends_at_its_deadline() -> None:
+    """Only a check between machines had a watchdog: a plain `check` on a node whose GPU hung waited for ever."""
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", _HUNG_LOCAL_CHECK], capture_output=True, text=True, env=cli_env(), timeout=50)
+    assert res.returncode == 1 and res.stdout == "timed out in local checks\n", res.stdout + res.stderr
+    assert time.monotonic() - t0 < 45
+
+
 def test_healthy_pair_on_this_host_with_a_shared_dir(tmp_path: Path) -> None:
     t0 = time.perf_counter()
     results = _pair(["--json", "--shared-dir", str(tmp_path)], ["--json", "--shared-dir", str(tmp_path)])

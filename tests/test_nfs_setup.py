@@ -65,6 +65,20 @@ def test_a_line_of_the_admins_is_never_replaced_and_a_wide_export_needs_asking(t
         assert r.returncode == 2 and "--allow-wide" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     r = _run(SERVER, ["--export", str(tmp_path / "x"), "--clients", "*", "--allow-wide", "--dry-run"], AURA_NFS_EXPORTS=str(exports))
     assert r.returncode == 0 and "would: add to" in r.stdout
+    # Halves of the internet were "narrow"; two clients in one value gave the first exportfs's read-only defaults;
+    # options in parentheses slipped past the no_root_squash check.
+    for clients in (["0.0.0.0/1", "128.0.0.0/1"], ["2000::/3"]):
+        r = _run(SERVER, ["--export", "/srv/x", *[a for c in clients for a in ("--clients", c)]], AURA_NFS_EXPORTS=str(exports))
+        assert r.returncode == 2 and "--allow-wide" in r.stderr, r.stderr
+    for odd in ("192.168.1.10 192.168.1.11", "192.168.1.5(rw,no_root_squash)"):
+        r = _run(SERVER, ["--export", "/srv/x", "--clients", odd, "--allow-wide"], AURA_NFS_EXPORTS=str(exports))
+        assert r.returncode == 2 and "is not one subnet, address or host name" in r.stderr and "(fix: one --clients per client" in r.stderr
+    r = _run(SERVER, ["--export", "/srv/x", "--clients", "10.0.0.5", "--options", "rw sync"], AURA_NFS_EXPORTS=str(exports))
+    assert r.returncode == 2 and "is not a comma-separated list of export options" in r.stderr, r.stderr
+    # An admin's fstab line for the same mount point written with a trailing slash is theirs: no second line.
+    fstab.write_text(f"nas:/vol {tmp_path / 'mnt2'}/ nfs defaults 0 0\n")
+    r = _run(CLIENT, ["--server", "192.168.1.10", "--export", "/srv/aura", "--mount", str(tmp_path / "mnt2")], AURA_NFS_FSTAB=str(fstab))
+    assert r.returncode == 1 and "choose another --mount" in r.stderr and fstab.read_text().count("mnt2") == 1, r.stderr
 
 
 def test_client_dry_run_and_idempotent_fstab(tmp_path: Path) -> None:

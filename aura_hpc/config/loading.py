@@ -197,6 +197,13 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             if section not in SECTIONS or not name:
                 raise _unknown_key(key, valid_keys())
             out.setdefault(section, {})[name] = value
+        elif key in SECTIONS:
+            raise ConfigError(f"--set {key}=... names a whole section (fix: one key of it, --set {key}.NAME=VALUE; see `{LIST_KEYS}`)")
+        elif key not in TOP_LEVEL:
+            owners = [f"{name}.{key}" for name, cls in SECTIONS.items() if key in {f.name for f in dataclasses.fields(cls)}]
+            if len(owners) == 1:
+                raise ConfigError(f"unknown config key {shown(key)} (fix: --set {owners[0]}=...; every key: `{LIST_KEYS}`)")
+            raise _unknown_key(key, valid_keys())
         else:
             out[key] = value
     return out

@@ -23,6 +23,8 @@ from aura_hpc.ops.check_local import local_checks
 from aura_hpc.ops.check_report import Failed, Report
 from aura_hpc.ops.network import lan_master_problem
 
+LOCAL_CHECKS_S = 60.0  # CUDA's start and NCCL's self-test on 8 GPUs take seconds
+
 
 def run(output_dir: str | None, cluster: ClusterArgs | None, on_timeout: Callable[[Report, str], None]) -> Report:
     """All checks; a watchdog thread calls on_timeout(report, stage) and ends the process at the deadline."""
@@ -45,12 +47,12 @@ def run(output_dir: str | None, cluster: ClusterArgs | None, on_timeout: Callabl
 
     if cluster is not None:
         report.node_rank, report.nnodes = cluster.node_rank, cluster.nnodes
-        timer = watch(max(cluster.timeout, 60.0))  # CUDA's start and NCCL's self-test on 8 GPUs take seconds
+    # This machine alone too: a GPU or driver that stops answering hung a plain `check` for ever.
+    timer = watch(max(cluster.timeout, LOCAL_CHECKS_S) if cluster is not None else LOCAL_CHECKS_S)
     try:
         local_checks(report, output_dir)
         if cluster is not None:
             # --timeout is the across-machines part's own: the local checks used up the 10 s before the master was tried.
-            assert timer is not None
             timer.cancel()
             cluster.deadline = time.monotonic() + cluster.timeout
             timer = watch(cluster.timeout)
