@@ -606,3 +606,44 @@ def test_what_the_ranks_agree_on_in_the_store_is_signed_and_cleaned(monkeypatch:
     ]
     store.set(name, distributed._signed(key, name, "no\x1b]0;pwned\x07 NCCL here"))  # a rank's own text, cleaned
     assert distributed.agree("backend-ready", "", 5) == ["rank 1: no ]0;pwned  NCCL here"]
+
+
+def test_a_peers_join_bytes_a_nan_loss_and_a_lying_shape_cost_one_request_never_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review's runs: a join request whose MAC held a non-ASCII character raised out of the server's
+    poll (TypeError in compare_digest) and ended it; one poll read a nonce announced 3,725 times as many requests
+    (each took a seat); a diverged worker's NaN loss lost its link (headers must be finite) instead of dropping
+    its gradient; a peer's tensor shape was allocated whatever its bytes (2**40 elements: 1 TB)."""
+    import math
+    import secrets
+
+    import torch.distributed as dist
+
+    from aura_hpc.ps import auth, wire
+    from aura_hpc.ps.join import QUEUE, JoinQueue
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    queue = JoinQueue(store, auth.key_of("s3cret"))
+    odd = secrets.token_hex(16)
+    store.set(f"join/req/{odd}", json.dumps({"body": "x", "mac": "é" * 64}))
+    store.append(QUEUE, f"{odd}\n")
+    assert queue.poll() == [] and json.loads(store.get(f"join/reply/{odd}")) == {"unauthenticated": True}
+    read: list[str] = []
+    monkeypatch.setattr(queue, "_read", lambda nonce: read.append(nonce))
+    again = secrets.token_hex(16)
+    store.append(QUEUE, f"{again}\n" * 50)
+    assert queue.poll() == [] and read == [again]
+
+    assert wire.loss_on_wire(float("nan")) == wire.loss_on_wire(float("inf")) == wire.NONFINITE_LOSS and wire.loss_on_wire(2.5) == 2.5
+    based_on, loss, position, tokens = wire.grad_header([wire.GRAD, 3, wire.NONFINITE_LOSS, 8, 100], version=5)
+    assert (based_on, position, tokens) == (3, 8, 100) and math.isnan(loss)
+    assert wire.grad_header([wire.GRAD, 3, 2.5, 8, 100], version=5)[1] == 2.5
+
+    sent = tensor_tree.to_json({"a": torch.arange(4, dtype=torch.int64)})
+    assert torch.equal(tensor_tree.from_json(sent)["a"], torch.arange(4))
+    for shape in ([2**40], [True, 3], [4, 2], "4"):
+        lying = {**sent, "tensors": {"0": ["int64", shape, sent["tensors"]["0"][2]]}}
+        with pytest.raises(ValueError):
+            tensor_tree.from_json(lying)
+    empty = {**sent, "tensors": {"0": ["int64", [2**40], ""]}}
+    with pytest.raises(ValueError, match="does not match its 0 bytes"):
+        tensor_tree.from_json(empty)

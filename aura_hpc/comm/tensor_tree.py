@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from typing import Any
 
 import torch
@@ -98,8 +99,10 @@ def from_json(data: Any) -> Any:
         raise ValueError("not a state this version of aura_hpc sends")
     tensors = {}
     for name, (dtype, shape, b64) in data["tensors"].items():
-        if dtype not in _DTYPES or not all(isinstance(n, int) and n >= 0 for n in shape):
+        if dtype not in _DTYPES or not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
             raise ValueError("a tensor of a kind this version of aura_hpc does not send")
         raw = bytearray(base64.b64decode(b64, validate=True))
+        if math.prod(shape) * _DTYPES[dtype].itemsize != len(raw):  # a peer's shape is never allocated beyond its bytes
+            raise ValueError(f"a tensor whose shape {shape[:8]} does not match its {len(raw)} bytes")
         tensors[str(name)] = torch.frombuffer(raw, dtype=_DTYPES[dtype]).reshape(shape) if raw else torch.empty(shape, dtype=_DTYPES[dtype])
     return from_parts(data["skeleton"], tensors)

@@ -95,7 +95,8 @@ def tag(key: bytes, *parts: bytes | str) -> str:
 
 
 def valid(key: bytes, given: object, *parts: bytes | str) -> bool:
-    return isinstance(given, str) and hmac.compare_digest(given, tag(key, *parts))
+    # compare_digest raises TypeError on a str with non-ASCII characters: a peer's "é" ended the server.
+    return isinstance(given, str) and given.isascii() and hmac.compare_digest(given, tag(key, *parts))
 
 
 def pair_prefix(key: bytes, nonce: str) -> str:

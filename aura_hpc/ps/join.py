@@ -229,7 +229,7 @@ class JoinQueue:
         refuses, or it deleted a key under us) is a logged line and an empty poll, never the server's end."""
         try:
             return self._poll()
-        except (RuntimeError, ValueError, OSError) as exc:
+        except Exception as exc:  # whatever a peer's bytes provoke: one poll lost, never the server (and its run)
             self._note(f"the store answered a read of the join queue with an error ({one_line(str(exc))[:120]}); reading it afresh")
             self.offset = 0
             return []
@@ -254,11 +254,12 @@ class JoinQueue:
         if self.offset > COMPACT_BYTES and len(raw) == end:  # read to its end: started afresh, kept small
             self.store.delete_key(QUEUE)
             self.offset = 0
-        found = []
+        found, read = [], set()
         for line in lines:
             nonce = line.decode("ascii", "replace").strip()
-            if not nonce:
+            if not nonce or nonce in read:  # one request read once a poll: a replay announced 4,000 times took 4,000 seats
                 continue
+            read.add(nonce)
             req = self._read(nonce)
             if req is not None:
                 found.append(req)

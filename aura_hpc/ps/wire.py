@@ -300,13 +300,22 @@ def handshake(link: Link, key: bytes, nonce: str) -> None:
     link.session = proof("session", challenge)
 
 
+NONFINITE_LOSS = -1.0  # a loss that is NaN or inf, as sent: a header must be finite numbers (recv), a loss never is negative
+
+
+def loss_on_wire(loss: float) -> float:
+    return loss if math.isfinite(loss) else NONFINITE_LOSS
+
+
 def grad_header(header: list[float], version: int) -> tuple[int, float, int, int]:
     """(based on version, loss, shard position, tokens) of a GRAD message, each in range (else the
-    peer is dropped: these numbers index the server's state)."""
+    peer is dropped: these numbers index the server's state). A diverged worker's loss is NaN: its
+    gradient is dropped, the worker stays (sent as it was, its header lost the link and the worker
+    recomputed the same batches after its timeout, for ever when the data made the NaN)."""
     _, based_on, loss, position, tokens = header[:5]
     if not (0 <= based_on <= version and 0 <= position < 2**53 and 0 < tokens <= 2**40):
         raise LinkLost(f"a gradient header out of range (version {based_on:g}, position {position:g}, tokens {tokens:g})")
-    return int(based_on), loss, int(position), int(tokens)
+    return int(based_on), loss if loss >= 0 else math.nan, int(position), int(tokens)
 
 
 def failure(exc: BaseException) -> str:

@@ -205,7 +205,7 @@ class PsWorker:
             faults.slow_down(self.rank)
             sent = time.perf_counter()
             self._timed_gradient(sent - started)
-            link.send([wire.GRAD, version, loss, position, tokens], flat)
+            link.send([wire.GRAD, version, wire.loss_on_wire(loss), position, tokens], flat)
             header, got = link.recv({wire.WEIGHTS: weights})
             if header[0] == wire.STOP:
                 link.timed_round_trip(sent)
