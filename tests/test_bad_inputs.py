@@ -326,6 +326,12 @@ ROWS = [
     ),
     Row("a run secret anyone could guess", ["local", D], "under the 16 a run's secret needs", env={"AURA_RUN_SECRET": "k9"}),
     Row("submit: a node range from 0", ["submit", "--dry-run", "--nodes", "0:4", "--output-dir", "{tmp}/runs"], "starts at 0 nodes"),
+    # The fix offered the failing value itself (signal_lead_s=120 under a 1-minute limit).
+    Row(
+        "submit: a signal lead past a short limit",
+        ["submit", "--dry-run", "--time", "0:01:00", "--output-dir", "{tmp}/runs"],
+        "(fix: --set slurm.signal_lead_s=6, or a --time over 2 minutes)",
+    ),
     Row(
         "submit: a sweep value twice",
         ["submit", "--dry-run", "--sweep", "train.lr=1e-3,1e-3", "--output-dir", "{tmp}/runs"],

@@ -213,6 +213,18 @@ def test_a_failed_throughput_run_keeps_the_contract_results_in_the_report(tmp_pa
     written = json.loads((tmp_path / "selftest.json").read_text())
     assert [(c["name"], c["ok"]) for c in written["checks"]] == [("ddp", True), ("throughput", False)] and not report.ok
     assert any(line.startswith("FAIL throughput: the trainer's throughput run failed") for line in said), said
+    # Whatever else the benchmark raises (the reference loop past its hour: subprocess.TimeoutExpired) keeps them too.
+    import subprocess
+
+    def timed_out(*args: object) -> dict:
+        raise subprocess.TimeoutExpired(["reference_loop"], 3600)
+
+    monkeypatch.setattr(selftest, "throughput", timed_out)
+    said.clear()
+    selftest.run(tmp_path / "again", True, 0, ["ddp"], True, said.append)
+    written = json.loads((tmp_path / "again" / "selftest.json").read_text())
+    assert [(c["name"], c["ok"]) for c in written["checks"]] == [("ddp", True), ("throughput", False)]
+    assert "FAIL throughput: TimeoutExpired: Command '['reference_loop']' timed out after 3600 seconds" in said, said
 
 
 def test_auto_precision_is_agreed_by_the_ranks_and_a_gpu_fault_names_the_nodes_gpu(

@@ -306,7 +306,7 @@ def validate_slurm(s: SlurmConfig) -> None:
     if s.signal_lead_s < 0 or s.signal_lead_s >= minutes * 60:
         raise ConfigError(
             f"slurm.signal_lead_s ({s.signal_lead_s}) must be between 0 and the time limit ({minutes * 60}s) "
-            "(fix: --set slurm.signal_lead_s=120, or a longer --time)"
+            f"(fix: --set slurm.signal_lead_s={min(120, minutes * 60 // 10)}, or a --time over {-(-max(0, s.signal_lead_s) // 60)} minutes)"
         )
     if s.max_requeues < 0:
         raise ConfigError(f"slurm.max_requeues must be 0 or more, got {s.max_requeues} (fix: --set slurm.max_requeues=10)")

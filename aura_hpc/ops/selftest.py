@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aura_hpc.errors import LaunchError
+from aura_hpc.errors import LaunchError, one_line
 
 # Each check's settings beyond the shared ones. PowerSGD compresses from step 10, so the resumed run's
 # quiet steps are compressed; DiLoCo's replicas (one per GPU: the meetings cross between them) meet
@@ -292,8 +292,11 @@ def run(out: Path, cpu: bool, gpus: int, strategies: list[str], bench: bool, pro
         progress("throughput: the trainer against the reference loop on one device")
         try:
             report.throughput = throughput(data, runs, cpu, 12 if cpu else 60, 4 if cpu else 20)
-        except LaunchError as exc:  # after every contract run (up to an hour each): their results are still written
-            report.checks.append(Check("throughput", False, str(exc)))
-            progress(f"FAIL throughput: {exc}")
+        # After every contract run (up to an hour each): their results are still written, whatever the benchmark
+        # raised (a reference loop past its hour, a run that left no summary.json, an empty answer).
+        except Exception as exc:
+            why = str(exc) if isinstance(exc, LaunchError) else f"{type(exc).__name__}: {one_line(str(exc))[:300]}"
+            report.checks.append(Check("throughput", False, why))
+            progress(f"FAIL throughput: {why}")
     (out / "selftest.json").write_text(json.dumps(asdict(report), indent=1))
     return report
