@@ -715,6 +715,28 @@ def test_a_wait_on_a_job_whose_dependency_failed_ends_with_the_fix(slurm_cluster
         run_cli(["cancel", job])
 
 
+def test_the_nodes_to_leave_out_are_judged_before_the_requeue_is_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After `scontrol requeue`, KillWait (30 s) is left before SIGKILL; the judgement's Slurm queries (30 s each at
+    most on a busy controller) came after it, and the node was not left out. Only the update follows the requeue."""
+    from types import SimpleNamespace
+
+    from aura_hpc.ops import excluded_nodes
+    from aura_hpc.slurm import exclude
+    from aura_hpc.slurm.job import TrainJob
+
+    excluded_nodes.record(tmp_path, "n3", "rank 1 hung there")
+    order: list[str] = []
+    room = exclude._Room(["n3"], ["n1", "n2", "n4"], 2, "debug", "")
+    monkeypatch.setattr(exclude, "_judge", lambda job_id, nodes: (order.append("judge"), (room, ""))[1])
+    monkeypatch.setattr(exclude, "outlive_the_requeue", lambda: None)
+    monkeypatch.setattr(exclude, "requeue", lambda job_id: order.append("requeue"))
+    monkeypatch.setattr(exclude, "_scontrol", lambda *a: (order.append(" ".join(a)), subprocess.CompletedProcess(a, 0, "", ""))[1])
+    job = TrainJob(str(tmp_path / "config.yaml"), max_requeues=3)
+    job.launch = SimpleNamespace(requeued=lambda at: None)  # type: ignore[assignment]
+    assert job._requeue(1234, 0)
+    assert order == ["judge", "requeue", "update JobId=1234 ExcNodeList=n3"], order
+
+
 def test_a_failed_sweep_point_with_logs_in_the_sweeps_folder_is_not_said_to_have_failed_at_launch(tmp_path: Path) -> None:
     """A sweep's logs are in the sweep's slurm/ folder (job.json's log_dir), not under its point's run directory:
     every failed point of a sweep was said to have failed before any rank started (output_dir not mounted)."""

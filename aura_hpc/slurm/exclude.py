@@ -172,20 +172,42 @@ def why_not_leave_out(job_id: int, nodes: list[str]) -> str:
     return _judge(job_id, nodes)[1]
 
 
-def apply_after_requeue(job_id: int, run_dir: Path, say: Callable[[str], None]) -> list[str]:
-    """Leave the kept nodes out of the requeued job where the partition can spare them; the nodes left out."""
+@dataclass
+class Judged:
+    """What a requeue will leave out, judged before it is asked for (see judge_before_requeue)."""
+
+    room: _Room
+    nodes: list[str]
+    names: str
+
+
+def judge_before_requeue(job_id: int, run_dir: Path, say: Callable[[str], None]) -> Judged | None:
+    """The kept nodes the partition can spare, judged while the job still runs: after `scontrol requeue` only
+    KillWait (30 s by default) is left before SIGKILL, and the judgement's four Slurm queries (30 s each at most)
+    on a busy controller outlasted it: the node was not left out and nothing said why."""
     nodes = excluded_nodes.wanted(run_dir)
     if not nodes:
-        return []
+        return None
     names = ", ".join(f"{n} ({nodes[n].get('why', '')})" for n in sorted(nodes))
     room, why_not = _judge(job_id, sorted(nodes))
     if room is None or why_not:
         say(f"not leaving out {names}: {why_not}")
+        return None
+    return Judged(room, sorted(nodes), names)
+
+
+def apply_after_requeue(job_id: int, run_dir: Path, say: Callable[[str], None], judged: Judged | bool | None = True) -> list[str]:
+    """Leave the kept nodes out of the requeued job where the partition can spare them; the nodes left out.
+    `judged`: judge_before_requeue's answer (True: judge now)."""
+    if judged is True:
+        judged = judge_before_requeue(job_id, run_dir, say)
+    if not isinstance(judged, Judged):
         return []
+    room, names = judged.room, judged.names
     done = _scontrol("update", f"JobId={job_id}", f"ExcNodeList={','.join(room.leave_out)}")
     if done.returncode != 0:
         reason = (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
         say(f"the requeued job keeps its nodes: scontrol could not leave out {names}: {reason}")
         return []
     say(f"the requeued job leaves out {names} ({len(room.left)} usable node(s) remain in partition {room.partition})")
-    return sorted(nodes)
+    return judged.nodes

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -19,8 +21,14 @@ def record(job_id: str, run_dir: Path, name: str, submitted: str) -> None:
     path = index_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps({"job_id": job_id, "run_dir": str(run_dir), "name": name, "submitted": submitted})
-    with path.open("a", encoding="utf-8") as f:  # one short line per append: safe for concurrent submits
+    with path.open("a", encoding="utf-8") as f:
+        # O_APPEND alone is not atomic on NFS (open(2)), where ~/.aura_hpc usually is on a cluster: two login
+        # nodes' submits wrote at one offset and a job lost its line. A POSIX lock (NLM, NFSv4) orders them, and
+        # taking it makes the NFS client read the file's size afresh. Where the server has no locking, as before.
+        with contextlib.suppress(OSError):
+            fcntl.lockf(f, fcntl.LOCK_EX)
         f.write(line + "\n")
+        f.flush()  # before the lock goes with the file's closing
 
 
 def entries() -> list[dict[str, Any]]:

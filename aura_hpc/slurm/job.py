@@ -167,15 +167,16 @@ class TrainJob:
         # Said before asking: a requeue signals the job's processes, scontrol and this one included.
         say(f"requeuing job {job_id} (requeue {restarts + 1} of at most {self.max_requeues}); it resumes from its newest checkpoint if any")
         sys.stdout.flush()
+        from pathlib import Path
+
+        judged = exclude.judge_before_requeue(job_id, Path(self.config_path).parent, say)
         exclude.outlive_the_requeue()
         self.launch.requeued(time.time())
         failed = exclude.requeue(job_id)
         if failed:
             say(f"scontrol requeue {job_id} failed: {failed} (fix: resubmit the same command to resume)")
             return False
-        from pathlib import Path
-
-        exclude.apply_after_requeue(job_id, Path(self.config_path).parent, say)
+        exclude.apply_after_requeue(job_id, Path(self.config_path).parent, say, judged)
         return True
 
 

@@ -63,12 +63,14 @@ class SlurmHangWatch(HangWatch):
             excluded_nodes.record(self.cfg.run_dir, node_name(), f"rank {ranks_named} hung there")
         if requeue:
             print(f"[watchdog] requeuing job {self.job_id} after the hang: it resumes from its newest checkpoint ({why})", flush=True)
+            say = lambda m: print(f"[watchdog] {m}", flush=True)  # noqa: E731
+            judged = exclude.judge_before_requeue(self.job_id, self.cfg.run_dir, say)
             exclude.outlive_the_requeue()
             failed = exclude.requeue(self.job_id)
             if failed:
                 print(f"[watchdog] scontrol requeue {self.job_id} failed: {failed} (fix: resubmit the same command)", flush=True)
             else:
-                exclude.apply_after_requeue(self.job_id, self.cfg.run_dir, lambda m: print(f"[watchdog] {m}", flush=True))
+                exclude.apply_after_requeue(self.job_id, self.cfg.run_dir, say, judged)
         else:
             print(f"[watchdog] not requeued: {why} (fix: see the hang's line and stacks, then resubmit)", flush=True)
         self.kill(ranks)
