@@ -673,3 +673,21 @@ def test_a_stale_gradient_takes_a_smaller_step_under_adamw() -> None:
         moved.append(float((1 - fake.params[0].detach()).abs().mean()))
         assert opt.param_groups[0]["lr"] == 0.1
     assert abs(moved[1] / moved[0] - 0.5) < 1e-3, moved
+
+
+def test_the_server_checkpoints_by_time_as_well_as_by_versions(tmp_path: Path, prepared: Path) -> None:
+    """train.checkpoint_every_s (600 s by default) was ignored by the server: with checkpoint_every=0, or a slow
+    run, hours went by without a checkpoint, and a kill lost them."""
+    from aura_hpc.config import load_config
+    from aura_hpc.ps.server import ParameterServer
+
+    sets = [kv for kv in MODEL if kv != "--set"] + [f"data.path={prepared}", "train.checkpoint_every=0", "train.checkpoint_every_s=0.5"]
+    cfg = load_config(None, [*sets, "train.log_every=1000", "train.eval_every=0"], output_dir=str(tmp_path), run_name="ps")
+    server = ParameterServer(cfg, b"k" * 32)
+    server.version = 1
+    server._after_update()
+    assert server.saved_version == -1  # not yet due
+    time.sleep(0.6)
+    server.version = 2
+    server._after_update()
+    assert server.saved_version == 2 and (cfg.run_dir / "checkpoints").is_dir()

@@ -107,7 +107,7 @@ class ParameterServer:
         self.finished = threading.Event()
         self.interval = ledger.Interval()
         self.interval_start = time.perf_counter()
-        self.saved_version = -1
+        self.saved_version, self.saved_at = -1, time.monotonic()
         self.stats = ProcessStats("ps", 0)
         self.left: list[dict[str, Any]] = []
         self.closed = wire.Traffic()  # the links gone
@@ -326,7 +326,8 @@ class ParameterServer:
             eval_loss = self._evaluate()
         if (t.log_every and v % t.log_every == 0) or last or eval_loss is not None:
             self._log_row(eval_loss)
-        if (t.checkpoint_every and v % t.checkpoint_every == 0) or last:
+        due = t.checkpoint_every_s and time.monotonic() - self.saved_at >= t.checkpoint_every_s  # by time too, as `local` does
+        if (t.checkpoint_every and v % t.checkpoint_every == 0) or last or due:
             self._save(eval_loss)
 
     def _parts(self) -> Parts:
@@ -351,7 +352,7 @@ class ParameterServer:
     def _save(self, eval_loss: float | None) -> None:
         meta = ledger.meta(self.tokens, self.positions, self.best_eval, self.hist, self.t.max_steps, self.p.workers, eval_loss)
         path = ledger.save(self.cfg, self.model_copy, self.optimizer, self.scheduler, self.version, meta)
-        self.saved_version = self.version
+        self.saved_version, self.saved_at = self.version, time.monotonic()
         self._write_own_stats()
         log.info("checkpoint %s (last%s)", path.name, ", best" if eval_loss is not None and eval_loss == self.best_eval else "")
 
@@ -376,11 +377,8 @@ class ParameterServer:
         self.metrics.close()
         ledger.summary(self.cfg.run_dir, self.version, self.t.max_steps, self.tokens, self.best_eval, self.hist, text)
         if interrupted:
-            log.info(
-                "stopped at version %d of %d; checkpoint saved (checkpoints/last). Re-run the same command to resume.",
-                self.version,
-                self.t.max_steps,
-            )
+            said = "stopped at version %d of %d; checkpoint saved (checkpoints/last). Re-run the same command to resume."
+            log.info(said, self.version, self.t.max_steps)
             return EXIT_RESUMABLE
         best = f"{self.best_eval:.4f}" if isinstance(self.best_eval, float) else "none (no evaluation ran)"
         log.info("training finished at version %d; best eval loss %s", self.version, best)
