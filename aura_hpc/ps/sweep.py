@@ -18,6 +18,9 @@ from typing import Any
 log = logging.getLogger("aura_hpc")
 
 EVERY_S = 2.0
+# The serve loop's time one sweep may take: a flood of keys (30,000 in 20 ms with one multi_set) took a sweep
+# 4.4 s, one round trip a key, and a stop signal waited behind it past a supervisor's kill.
+BUDGET_S = 0.1
 # join/epoch, join/queue, join/req|reply/<nonce>, stats/<nonce>[/final], and a pair's keys while it is made.
 _KNOWN = re.compile(r"^(join/(epoch|queue)|join/(req|reply)/[0-9a-f]{32}|stats/[0-9a-f]{32}(/final)?|pair/[0-9a-f]{32}/.+)$")
 _NONCE = re.compile(r"[0-9a-f]{32}")
@@ -49,9 +52,13 @@ class StoreSweeper:
             keys = [k.decode("utf-8", "replace") if isinstance(k, bytes) else str(k) for k in list_keys()]
         except (RuntimeError, ValueError):
             return
+        began = time.monotonic()  # after the listing: each sweep deletes for its budget, so a flood always shrinks
         present = set(keys)
         self.first_seen = {k: t for k, t in self.first_seen.items() if k in present}
         for key in keys:
+            if time.monotonic() - began > BUDGET_S:
+                self.last = 0.0  # the rest at the loop's next turn, after it has looked at a stop
+                return
             if not _KNOWN.match(key):
                 self._delete(key)
                 continue
