@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -675,15 +676,16 @@ def test_a_stale_gradient_takes_a_smaller_step_under_adamw() -> None:
     assert abs(moved[1] / moved[0] - 0.5) < 1e-3, moved
 
 
-def test_the_server_checkpoints_by_time_as_well_as_by_versions(tmp_path: Path, prepared: Path) -> None:
+def test_the_server_checkpoints_by_time_and_a_leaving_worker_never_blocks_it(tmp_path: Path, prepared: Path) -> None:
     """train.checkpoint_every_s (600 s by default) was ignored by the server: with checkpoint_every=0, or a slow
-    run, hours went by without a checkpoint, and a kill lost them."""
+    run, hours went by without a checkpoint, and a kill lost them. (One server, two checks: see the helper.)"""
     from aura_hpc.config import load_config
     from aura_hpc.ps.server import ParameterServer
 
     sets = [kv for kv in MODEL if kv != "--set"] + [f"data.path={prepared}", "train.checkpoint_every=0", "train.checkpoint_every_s=0.5"]
     cfg = load_config(None, [*sets, "train.log_every=1000", "train.eval_every=0"], output_dir=str(tmp_path), run_name="ps")
     server = ParameterServer(cfg, b"k" * 32)
+    _a_leaving_worker_never_holds_the_servers_lock_while_a_pair_is_made(server)
     server.version = 1
     server._after_update()
     assert server.saved_version == -1  # not yet due
@@ -691,3 +693,29 @@ def test_the_server_checkpoints_by_time_as_well_as_by_versions(tmp_path: Path, p
     server.version = 2
     server._after_update()
     assert server.saved_version == 2 and (cfg.run_dir / "checkpoints").is_dir()
+
+
+def _a_leaving_worker_never_holds_the_servers_lock_while_a_pair_is_made(server: Any) -> None:
+    """A pair being made holds REGISTRY_LOCK (up to 15 s); a worker leaving then held the server's lock while it
+    waited for it to drop its pair, and joins, updates and the stop path waited behind it."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from aura_hpc.ps import wire
+    from aura_hpc.ps.server import Seat
+
+    seat = Seat(0, "laptop", "10.0.0.2", 1, "0" * 32, replaced=True)
+    seat.link = wire.Link(dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=5)), 0, bytes_sent=100)
+    server.seats[0] = seat
+    with wire.REGISTRY_LOCK:  # a pair being made
+        leaving = threading.Thread(target=server._leave, args=(seat, "left"))
+        leaving.start()
+        time.sleep(0.3)
+        free = server.lock.acquire(timeout=2)
+        if free:
+            server.lock.release()
+    leaving.join(10)
+    assert free and not leaving.is_alive() and seat.link.group is None and 0 not in server.seats
+    assert server.closed.bytes_sent == 100

@@ -263,15 +263,17 @@ class ParameterServer:
         link.send([wire.WEIGHTS, version, lr], flat)
 
     def _leave(self, seat: Seat, reason: str) -> None:
-        if seat.pending:  # a rejoin that never proved itself: the worker's seat was never given up
-            log.warning("a reconnection of worker %d from %s did not complete (%s); its seat is kept", seat.rank, seat.addr, reason)
-            return
-        with self.lock:
-            if self.seats.get(seat.rank) is seat:
+        with self.lock:  # the totals only: dropping the pair waits on REGISTRY_LOCK, which a pair being made holds 15 s
+            if not seat.pending and self.seats.get(seat.rank) is seat:
                 del self.seats[seat.rank]
             left = len(self.seats)
-            if seat.link is not None:
-                self.closed.add(seat.link, release=reason.startswith(("left", "stopped by the server")))
+            if seat.link is not None:  # a rejoin's pair that lost its rank meanwhile is kept (it may hold a transfer)
+                self.closed.add(seat.link, release=not seat.pending and reason.startswith(("left", "stopped by")), drop=False)
+        if seat.link is not None:
+            wire.drop_group(seat.link)
+        if seat.pending:  # a rejoin that never proved itself (or lost its rank): the worker's seat was never given up
+            log.warning("a reconnection of worker %d from %s did not complete (%s); its seat is kept", seat.rank, seat.addr, reason)
+            return
         if seat.replaced:
             log.info("the old connection of worker %d closed (%s)", seat.rank, reason)
             return

@@ -176,15 +176,22 @@ class Traffic:
     round_trip_s: float = 0.0
     kept: list[Any] = field(default_factory=list)
 
-    def add(self, link: Link, release: bool) -> None:
+    def add(self, link: Link, release: bool, drop: bool = True) -> None:
+        """`drop=False`: the caller drops the group itself with drop_group, outside a lock of its own (taking
+        REGISTRY_LOCK waits for a pair being made, up to CONSTRUCT_S)."""
         self.bytes_sent += link.bytes_sent
         self.bytes_received += link.bytes_received
         self.round_trips += link.round_trips
         self.round_trip_s += link.round_trip_s
         if not release:
             self.kept.append(link.group)
-        with REGISTRY_LOCK:  # the group's destructor is a pybind object's (see REGISTRY_LOCK)
-            link.group = None  # type: ignore[assignment]
+        if drop:
+            drop_group(link)
+
+
+def drop_group(link: Link) -> None:
+    with REGISTRY_LOCK:  # the group's destructor is a pybind object's (see REGISTRY_LOCK)
+        link.group = None  # type: ignore[assignment]
 
 
 class LinkLost(RuntimeError):
