@@ -420,6 +420,29 @@ def test_a_job_given_some_of_a_nodes_gpus_reads_those_and_is_told_when_it_reads_
     assert watch.monitor is None and "NVML reads none of this job's GPUs" in caplog.text, caplog.text
 
 
+def test_a_cuda_error_reads_this_processs_gpu_by_uuid_where_slurm_renumbered_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under Slurm's ConstrainDevices CUDA_VISIBLE_DEVICES counts the job's GPUs from 0 while NVML counts the node's:
+    an illegal access on a healthy GPU 4 read GPU 0 (another job's, faulty), blamed the node (exit 76, drain) and
+    named GPU 0."""
+    import types
+
+    from aura_hpc.errors import EXIT_TRAIN_FAILED
+    from aura_hpc.train.loop import health
+
+    replay = tmp_path / "nvml.jsonl"
+    node = [dict(FAULTS["ecc"], index=0, uuid="GPU-aaaa-0000"), dict(HEALTHY, index=4, uuid="GPU-eeee-4444")]
+    replay.write_text(json.dumps(node) + "\n")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(health, "_visible_uuids", lambda: ["GPU-eeee-4444"])
+    cfg = types.SimpleNamespace(health=types.SimpleNamespace(nvml_replay=str(replay), breaker=False, monitor_interval_s=0))
+    watch = health.HealthWatch(cfg, types.SimpleNamespace(local_rank=1, local_world_size=2))  # type: ignore[arg-type]
+    monkeypatch.setattr(health, "_bound_per_task", lambda local_world: False)
+    watch.start(None)
+    assert watch.uuids == ["GPU-eeee-4444"]
+    device = types.SimpleNamespace(index=0, type="cuda")
+    assert watch.gpu_error(RuntimeError("CUDA error: an illegal memory access was encountered"), device, 7) == EXIT_TRAIN_FAILED
+
+
 def test_another_jobs_faulty_gpu_does_not_stop_training(tmp_path: Path, prepared: Path) -> None:
     replay = tmp_path / "nvml.jsonl"
     other = dict(FAULTS["ecc"], index=1)

@@ -57,6 +57,7 @@ class HealthWatch:
     def __init__(self, cfg: RunConfig, env: DistEnv) -> None:
         self.cfg, self.env = cfg, env
         self.monitor: BackgroundMonitor | None = None
+        self.uuids: list[str] | None = None  # this process's CUDA devices', read at start (no CUDA call after an error)
 
     @property
     def fault(self) -> Fault | None:
@@ -67,11 +68,12 @@ class HealthWatch:
 
     def start(self, on_sample: Callable[[dict[str, Any]], None] | None) -> None:
         h = self.cfg.health
+        self.uuids = _visible_uuids()
         bound = self.env.local_rank != 0 and _bound_per_task(self.env.local_world_size)
         if self.env.local_rank != 0 and not bound:
             return
         # Only this job's GPUs: another job's faulty GPU on a shared node is not ours to stop for.
-        reader = open_reader(h.nvml_replay, selection_from_env(os.environ, _visible_uuids()))
+        reader = open_reader(h.nvml_replay, selection_from_env(os.environ, self.uuids))
         breaker = h.breaker and not isinstance(reader, NoGpus)
         if h.breaker and _cuda() and (not breaker or not reader.read()):
             log.warning(
@@ -125,7 +127,12 @@ class HealthWatch:
         """A sticky CUDA error in the loop: the GPU state is unusable, so no checkpoint and no collective. The
         node is called faulty unless NVML reads its GPU healthy (then the code is the likelier cause)."""
         index, said = physical_index(device), str(exc).splitlines()[0][:200]
-        reading = None if blames_the_gpu(exc, None) else self._reading(index)  # the hardware's own words need no reading
+        # By UUID where known: under Slurm's ConstrainDevices, CUDA_VISIBLE_DEVICES counts from 0 while NVML counts
+        # the node's GPUs, and a healthy GPU 4's illegal access read GPU 0 (blamed on the node, the wrong GPU named).
+        mine = (self.uuids or [])[device.index or 0 :][:1]
+        reading = None if blames_the_gpu(exc, None) else self._reading(index, mine[0] if mine else "")  # the hardware's own words suffice
+        if reading is not None and str(reading.get("index", "")).isdigit():
+            index = int(reading["index"])
         blame = blames_the_gpu(exc, reading)
         if blame is False:
             log.error(
@@ -145,12 +152,12 @@ class HealthWatch:
         log.error("%s; exiting with status %d (drain this node)", fault.describe(), EXIT_GPU_FAULT)
         return EXIT_GPU_FAULT
 
-    def _reading(self, index: int) -> dict[str, Any] | None:
-        """NVML's reading of the node's GPU `index` now, or None where it cannot be read (no CUDA call: after a
-        sticky error each one may fail)."""
+    def _reading(self, index: int, uuid: str = "") -> dict[str, Any] | None:
+        """NVML's reading of the node's GPU `uuid` (else `index`) now, or None where it cannot be read (no CUDA
+        call: after a sticky error each one may fail)."""
         try:
-            reader = open_reader(self.cfg.health.nvml_replay)
-            return next((g for g in reader.read() if int(g.get("index", -1)) == index), None)
+            reader = open_reader(self.cfg.health.nvml_replay, selection_from_env({}, [uuid]) if uuid else None)
+            return next((g for g in reader.read() if uuid or int(g.get("index", -1)) == index), None)
         except Exception:  # no NVML, no permission, a driver that no longer answers: it cannot tell
             return None
 
