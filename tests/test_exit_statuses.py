@@ -303,6 +303,28 @@ def test_a_launcher_whose_workers_are_still_stopping_keeps_the_run_locked(
     RunLock(plan.cfg.run_dir).acquire().release()  # once they are gone, the next launch takes it
 
 
+def test_a_live_lock_on_a_filesystem_whose_clock_runs_behind_this_machines_is_not_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On NFS the server stamps the heartbeat's mtime: a login node whose clock ran 90 s ahead of it took a live
+    trainer's lock (on another node) for a stale one, and `submit` wrote over its run directory."""
+    import json
+
+    from aura_hpc.launch import run_lock
+
+    (tmp_path / run_lock.LOCK_NAME).write_text(json.dumps({"host": "gpu07", "pid": 4242, "token": "t", "boot_id": "b"}))
+    real = time.time()
+    monkeypatch.setattr(run_lock.time, "time", lambda: real + 200.0)  # this machine's clock, 200 s ahead of the files' one
+    with pytest.raises(errors.LaunchError, match="gpu07"):
+        run_lock.check_free(tmp_path)
+    with pytest.raises(errors.LaunchError, match="gpu07"):
+        run_lock.RunLock(tmp_path).acquire()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [run_lock.LOCK_NAME]  # no probe left behind
+    old = real - 200.0  # a heartbeat that stopped 200 s ago by the files' clock: stale whatever this one says
+    os.utime(tmp_path / run_lock.LOCK_NAME, (old, old))
+    run_lock.check_free(tmp_path)
+
+
 def test_an_exit_handler_that_never_returns_holds_the_exit_a_bounded_time_and_logs_are_still_flushed(tmp_path: Path) -> None:
     """W&B's exit hook waits for its service process with no limit: online with no server answering, every
     worker's exit was held 60-90 s past tracking.finish_wait_s. The handlers run on a thread joined for

@@ -88,7 +88,8 @@ class RunLock:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def holder_is_gone(self, holder: dict[str, Any], mtime: float) -> bool:
+    def holder_is_gone(self, holder: dict[str, Any], mtime: float, now: float | None = None) -> bool:
+        """`now`: the lock's filesystem's time (fs_now): on NFS the heartbeat's mtime is the server's clock."""
         same_job = holder.get("slurm_job_id") and holder.get("slurm_job_id") == self.record["slurm_job_id"]
         if same_job and str(holder.get("slurm_restart", "0")) != self.record["slurm_restart"]:
             return True  # this job's earlier attempt (requeued): it ran on nodes that have let go
@@ -108,7 +109,7 @@ class RunLock:
                     f"(PIDs {pids}): they stop at their next step, after a checkpoint (fix: wait for them, or kill {pids})"
                 )
             return True
-        return time.time() - mtime > STALE_AFTER_S
+        return (time.time() if now is None else now) - mtime > STALE_AFTER_S
 
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +128,7 @@ class RunLock:
                     mtime = self.path.stat().st_mtime
                 except FileNotFoundError:
                     continue  # released meanwhile
-                if holder is not None and not self.holder_is_gone(holder, mtime):
+                if holder is not None and not self.holder_is_gone(holder, mtime, fs_now(self.path.parent, tmp)):
                     raise LaunchError(describe_holder(self.path, holder))
                 # Stale (or unreadable, left half-written by a crash): move it aside; a concurrent
                 # taker finds it gone and loses the race for the link above.
@@ -173,6 +174,23 @@ def describe_holder(path: Path, holder: dict[str, Any]) -> str:
     )
 
 
+def fs_now(folder: Path, fresh: Path | None = None) -> float:
+    """The time by the clock that stamps `folder`'s files: a file written now (`fresh`, or a probe of our own,
+    removed at once). On NFS the server stamps the heartbeat's mtime: a login node whose clock ran 90 s ahead
+    of it took a live trainer's lock for a stale one and wrote over its run directory."""
+    probe = fresh or folder / f".aura-clock.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    try:
+        if fresh is None:
+            os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        return probe.stat().st_mtime
+    except OSError:  # a read-only place: this machine's clock, as before
+        return time.time()
+    finally:
+        if fresh is None:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+
+
 def check_free(run_dir: Path) -> None:
     """Refuse when a live trainer holds the run directory (used before writing anything into it)."""
     path = Path(run_dir) / LOCK_NAME
@@ -183,5 +201,5 @@ def check_free(run_dir: Path) -> None:
         mtime = path.stat().st_mtime
     except FileNotFoundError:
         return
-    if not RunLock(Path(run_dir)).holder_is_gone(holder, mtime):
+    if not RunLock(Path(run_dir)).holder_is_gone(holder, mtime, fs_now(path.parent)):
         raise LaunchError(describe_holder(path, holder))
