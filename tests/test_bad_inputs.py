@@ -86,7 +86,10 @@ def _other_tokenizer_run(tmp: Path, prepared: Path) -> None:
     tok = ckpt / "tokenizer" / "tokenizer.json"
     tok.write_text(tok.read_text().replace('"vocab"', '"vocab" ', 1))
     (ckpt / "COMPLETE.json").write_text("{}")
-    (tmp / "runs" / "tiny" / "config.yaml").write_text("kept: as it was\n")
+    from aura_hpc.config import load_config
+
+    kept = load_config(None, [], output_dir=str(tmp / "runs"), run_name="tiny")
+    (tmp / "runs" / "tiny" / "config.yaml").write_text(kept.to_yaml())  # the run's own, kept as it was
 
 
 def _held_run_dir(tmp: Path, _prepared: Path) -> None:
@@ -96,6 +99,12 @@ def _held_run_dir(tmp: Path, _prepared: Path) -> None:
     run = tmp / "runs" / "tiny"
     run.mkdir(parents=True)
     (run / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": "now"}))
+
+
+def _users_own_project(tmp: Path, _prepared: Path) -> None:
+    project = tmp / "home" / "myproject"
+    project.mkdir(parents=True)
+    (project / "config.yaml").write_text("model: resnet50\nepochs: 90\n")
 
 
 _listener: socket.socket | None = None
@@ -152,6 +161,13 @@ ROWS = [
     Row("data.path is a text file", ["local", "--set", "data.path={tmp}/latin1.txt"], "is a file; the trainer reads a prepared", _files),
     Row("resume on data of another tokenizer", ["local", "--output-dir", "{tmp}/runs", D], "another tokenizer", _other_tokenizer_run),
     Row("run directory in use", ["local", "--output-dir", "{tmp}/runs", D], "is in use by PID", _held_run_dir),
+    # A folder of the user's own named as the run directory: its config.yaml was replaced without a word.
+    Row(
+        "a folder not ours",
+        ["local", "--output-dir", "{tmp}/home", "--run-name", "myproject", D],
+        "myproject/config.yaml was not written by aura_hpc, and a run there would replace it (fix: another --run-name",
+        _users_own_project,
+    ),
     Row("line break in a value", ["local", "--set", "slurm.partition=a\ntouch x #"], "contains the character '\\n'"),
     Row("truncated token file", ["local", "--set", "data.path={tmp}/trunc"], "re-run prepare with --force", _truncated),
     Row(
@@ -441,7 +457,7 @@ def test_a_run_whose_killed_launchers_workers_still_run_is_refused_until_they_ex
         assert refused.returncode == 2 and f"launcher (PID {gone.pid}) is gone but its workers still run (PIDs {worker.pid})" in said, said
         assert f"(fix: wait for them, or kill {worker.pid})" in said and not (run / "checkpoints").exists()
         # status lists it (that state raised, and `status` with no target failed for every run), cancel names the PIDs.
-        (run / "config.yaml").write_text("run_name: tiny\n")  # what the killed launcher had written
+        (run / "config.yaml").write_text("run_name: tiny\noutput_dir: runs\nmodel: {}\ndata: {}\ntrain: {}\n")  # the killed launcher's
         (run / "summary.json").write_text('{"step": 5}')  # an earlier segment's (train.stop_at): it read as STOPPED
         listed = run_cli(["status", "--json"], cwd=tmp_path, timeout=60)
         [row] = [r for r in json.loads(listed.stdout)["jobs"] if r["job_id"] == "local"]

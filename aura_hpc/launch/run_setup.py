@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from aura_hpc.config import RunConfig, embedding_rows, load_run_file
 from aura_hpc.errors import ConfigError, DataError, LaunchError, shown
 from aura_hpc.launch.run_lock import RunLock, check_free
@@ -255,6 +257,27 @@ def check_writable(out: Path) -> None:
 RUN_DIR_MODE = 0o750
 
 
+def _refuse_a_folder_not_ours(config_path: Path) -> None:
+    """An existing folder whose config file aura_hpc did not write (`--output-dir ~ --run-name myproject` named a
+    project of the user's own): its config.yaml was replaced without a word. Ours holds run_name, output_dir and
+    the model, data and train sections (an older version's may hold sections this one no longer has)."""
+    try:
+        text = config_path.read_text(encoding="utf-8", errors="replace")
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as exc:
+        raise LaunchError(f"{config_path} cannot be read ({exc.strerror}) (fix: another --run-name or --output-dir)") from None
+    try:
+        data = yaml.safe_load(text[:1_000_000])
+    except yaml.YAMLError:
+        data = None
+    if not (isinstance(data, dict) and {"run_name", "output_dir", "model", "data", "train"} <= set(data)):
+        raise LaunchError(
+            f"{config_path} was not written by aura_hpc, and a run there would replace it (fix: another --run-name or "
+            "--output-dir; a run directory is aura_hpc's own)"
+        )
+
+
 def make_run_dir(path: Path) -> None:
     """A new run directory is readable by its owner and group only: on a shared cluster filesystem the
     weights, configs and logs are not every user's (an existing one keeps the mode its owner chose)."""
@@ -310,6 +333,7 @@ def prepare_run_dir(
     check_writable(Path(cfg.output_dir))
     if check_lock:
         check_free(cfg.run_dir)
+    _refuse_a_folder_not_ours(cfg.run_dir / config_name)
     ensure_data(cfg, world_size)
     _check_resume_compatible(cfg, world_size, exact_world)
     export_webhook_secret(cfg)
