@@ -100,6 +100,33 @@ def test_a_full_disk_or_a_failing_tracker_costs_the_samples_never_the_breaker(ca
     assert "no longer written to /dev/full" in caplog.text and "no longer sent to the trackers (tracker down)" in caplog.text
 
 
+def test_the_breaker_and_the_samples_keep_their_own_cadences_on_one_sampling_thread(tmp_path: Path) -> None:
+    """One thread samples at the shorter cadence: the rules counted throttle_samples at that rate (monitor_interval_s=1
+    made 3 x 5 s of throttling a 3 s blip that drained the node) and rows went out at the breaker's 5 s when 60 s was
+    asked. A clock of the test's own: 1 s per sample, breaker every 5 s, rows every 3 s."""
+    from aura_hpc.ops.resources import BackgroundMonitor
+
+    now = [0.0]
+    evaluated: list[float] = []
+    written: list[float] = []
+
+    class Clocked:
+        def sample(self) -> dict[str, object]:
+            now[0] += 1.0
+            return {"gpus": [HEALTHY], "t": now[0]}
+
+    class Rules:
+        def evaluate(self, gpus: list[dict]) -> None:
+            evaluated.append(now[0])
+
+    monitor = BackgroundMonitor(Clocked(), 1e-3, None, Rules(), lambda row: written.append(now[0]), 5.0, 3.0, lambda: now[0])  # type: ignore[arg-type]
+    monitor.interval_s = 1.0  # as if the thread slept 1 s a sample (the clock above)
+    monitor._stop.wait = lambda timeout: now[0] >= 30  # type: ignore[method-assign]
+    monitor._run()
+    assert evaluated == [1.0, 6.0, 11.0, 16.0, 21.0, 26.0], evaluated
+    assert written == [1.0, 4.0, 7.0, 10.0, 13.0, 16.0, 19.0, 22.0, 25.0, 28.0], written
+
+
 def test_webhook_bodies_per_kind() -> None:
     event = {"event": "gpu.fault", "host": "n1", "gpu_index": 3, "reason": "hot", "job_id": "42", "run_dir": "/r", "step": 7}
     assert body("generic", event) == event

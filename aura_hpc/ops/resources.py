@@ -78,9 +78,18 @@ class BackgroundMonitor:
         out_path: Path | None,
         rules: HealthRules | None,
         on_sample: Callable[[dict[str, Any]], None] | None = None,
+        rules_every_s: float = 0.0,
+        write_every_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """One thread samples every `interval_s` (the shorter of the two cadences); the rules see a sample every
+        `rules_every_s` and the file and trackers one every `write_every_s` (0: each). Tied to one rate, a
+        monitor_interval_s of 1 s made the breaker's throttle_samples (3 x 5 s) a 3 s blip, and one of 60 s
+        wrote rows every 5 s."""
         self.sampler = sampler
         self.interval_s = interval_s
+        self.rules_every_s, self.write_every_s, self.clock = rules_every_s, write_every_s, clock
+        self._last = {"rules": -float("inf"), "write": -float("inf")}
         self.out_path = out_path
         self.rules = rules
         self.on_sample = on_sample
@@ -96,6 +105,14 @@ class BackgroundMonitor:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    def _due(self, what: str, every_s: float) -> bool:
+        """Whether `what` takes this sample (half a sampling interval early counts: samples drift late)."""
+        now = self.clock()
+        if now - self._last[what] < every_s - self.interval_s / 2:
+            return False
+        self._last[what] = now
+        return True
+
     def _run(self) -> None:
         # The breaker's rules come first and alone decide whether this thread goes on: a full disk under the
         # samples' file, or a tracker that fails on a row, costs the samples (said once), never the breaker.
@@ -107,8 +124,10 @@ class BackgroundMonitor:
                 except Exception as exc:  # a sampling hiccup must never stop training
                     log.warning("resource sample failed: %s", exc)
                     continue
-                if self.rules is not None and self.fault is None:
+                if self.rules is not None and self.fault is None and self._due("rules", self.rules_every_s):
                     self.fault = self.rules.evaluate(row.get("gpus", []))
+                if not self._due("write", self.write_every_s):
+                    continue
                 if self.out_path is not None:
                     try:
                         if f is None:

@@ -95,7 +95,9 @@ class HealthWatch:
             reasons = tuple(r.strip() for r in h.throttle_reasons.split(",") if r.strip())
             rules = HealthRules(Thresholds(h.temp_margin_c, reasons, h.throttle_samples))
         sink = on_sample if h.monitor_interval_s > 0 else None
-        self.monitor = BackgroundMonitor(Sampler(reader, run_dir), interval, out, rules, sink).start()
+        rules_every = h.breaker_interval_s if breaker else 0.0
+        write_every = h.monitor_interval_s if h.monitor_interval_s > 0 else 0.0
+        self.monitor = BackgroundMonitor(Sampler(reader, run_dir), interval, out, rules, sink, rules_every, write_every).start()
 
     def stop(self) -> None:
         if self.monitor is not None:
