@@ -17,6 +17,7 @@ DRY=0
 EXPORT_DIR=""
 OWNER=""
 CLIENTS=()
+NAMED=()
 OPTIONS="rw,sync,no_subtree_check"
 ALLOW_WIDE=0
 MARK="# aura_hpc nfs_setup: the next line is this script's (run it again to change it)"
@@ -134,8 +135,18 @@ if [[ $NO_SYSTEM != 1 ]] && command -v dnf >/dev/null && command -v systemctl >/
 fi
 
 # 4. firewall: NFSv4 needs only TCP 2049 from the clients
+# A firewall rule takes an address or a subnet: a host name (or a wildcard, a netgroup) is said, not passed on
+# (ufw refused it, and under set -e every run stopped there, 2049 never opened).
+is_address() { [[ $1 =~ ^[0-9.]+(/[0-9]+)?$ || ( $1 == *:* && $1 =~ ^[0-9A-Fa-f:.]+(/[0-9]+)?$ ) ]]; }
+FIREWALLED=()
+for c in "${CLIENTS[@]}"; do
+  if is_address "$c"; then FIREWALLED+=("$c"); else NAMED+=("$c"); fi
+done
+if [[ $NO_SYSTEM != 1 && ${#NAMED[@]} -gt 0 ]] && { command -v ufw >/dev/null || command -v firewall-cmd >/dev/null; }; then
+  echo "note: no firewall rule for ${NAMED[*]}: a rule takes an address or a subnet (fix: open TCP 2049 to its address yourself, or pass --clients ADDRESS)"
+fi
 if [[ $NO_SYSTEM != 1 ]] && command -v ufw >/dev/null && ufw status 2>/dev/null | grep -q "Status: active"; then
-  for c in "${CLIENTS[@]}"; do
+  for c in "${FIREWALLED[@]}"; do
     # The rule's source field whole: 192.168.1.5 is not covered by a rule for 192.168.1.50.
     if ! ufw status | awk -v c="$c" '$1 ~ /^2049/ && $2 == "ALLOW" && $NF == c { f = 1 } END { exit !f }'; then
       do_ "open TCP 2049 (NFSv4) to $c in ufw" ufw allow from "$c" to any port 2049 proto tcp
@@ -145,8 +156,9 @@ fi
 
 # firewalld (on by default on Fedora and RHEL) drops 2049 unless told: one rule per client, like ufw's.
 if [[ $NO_SYSTEM != 1 ]] && command -v firewall-cmd >/dev/null && firewall-cmd --state >/dev/null 2>&1; then
-  for c in "${CLIENTS[@]}"; do
-    rule="rule family=ipv4 source address=$c port port=2049 protocol=tcp accept"
+  for c in "${FIREWALLED[@]}"; do
+    family=ipv4; [[ $c == *:* ]] && family=ipv6
+    rule="rule family=$family source address=$c port port=2049 protocol=tcp accept"
     if ! firewall-cmd --permanent --query-rich-rule="$rule" >/dev/null 2>&1; then
       do_ "open TCP 2049 (NFSv4) to $c in firewalld" sh -c 'firewall-cmd --permanent --add-rich-rule="$1" && firewall-cmd --reload' _ "$rule"
     fi

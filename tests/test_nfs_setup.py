@@ -162,3 +162,24 @@ def test_blank_paths_an_admins_trailing_slash_and_an_owner_by_name_are_understoo
     assert _run(SERVER, args, AURA_NFS_EXPORTS=str(tmp_path / "exports2")).returncode == 0
     again = _run(SERVER, [*args, "--dry-run"], AURA_NFS_EXPORTS=str(tmp_path / "exports2"))
     assert again.returncode == 0 and "chown" not in again.stdout and "nothing to change" in again.stdout, again.stdout
+
+
+def test_the_firewall_step_opens_2049_to_addresses_and_names_the_clients_it_cannot(tmp_path: Path) -> None:
+    """`ufw allow from node1` is refused (a rule takes an address): under `set -e` every run stopped there, after
+    /etc/exports was written, and 2049 was never opened. A stand-in ufw (the real one needs root and a kernel
+    firewall) records what the script asks of it."""
+    bin_dir, asked = tmp_path / "bin", tmp_path / "ufw.log"
+    bin_dir.mkdir()
+    (bin_dir / "ufw").write_text(f'#!/bin/sh\nif [ "$1" = status ]; then echo "Status: active"; exit 0; fi\necho "$@" >> {asked}\n')
+    (bin_dir / "exportfs").write_text("#!/bin/sh\nexit 0\n")
+    for tool in ("ufw", "exportfs"):
+        (bin_dir / tool).chmod(0o755)
+    args = ["--export", str(tmp_path / "srv"), "--clients", "192.168.1.0/24", "--clients", "node1", "--clients", "fd00::/64"]
+    env = {"AURA_NFS_NO_SYSTEM": "0", "AURA_NFS_EXPORTS": str(tmp_path / "exports"), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    r = _run(SERVER, args, **env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert asked.read_text().splitlines() == [
+        "allow from 192.168.1.0/24 to any port 2049 proto tcp",
+        "allow from fd00::/64 to any port 2049 proto tcp",
+    ]
+    assert "note: no firewall rule for node1: a rule takes an address or a subnet (fix: open TCP 2049" in r.stdout, r.stdout
