@@ -737,6 +737,23 @@ def test_the_nodes_to_leave_out_are_judged_before_the_requeue_is_asked(tmp_path:
     assert order == ["judge", "requeue", "update JobId=1234 ExcNodeList=n3"], order
 
 
+def test_a_wait_on_a_sweep_asks_squeue_once_a_pass_for_all_its_points(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`submit --sweep ... --wait` asked squeue once per point every second (100 points: 100 requests a second to
+    slurmctld, the load sites ban); one call a pass covers them all."""
+    from aura_hpc.slurm import query, submit
+
+    calls: list[list[str]] = []
+
+    def squeue(job_ids: list[str] | None = None, all_users: bool = False, all_states: bool = False) -> list:
+        calls.append(list(job_ids or []))
+        return [query.JobRow(j, "aura-sweep", "COMPLETED", "1", "0:30") for j in job_ids or []]
+
+    monkeypatch.setattr(query, "squeue", squeue)
+    monkeypatch.setattr(query, "sacct", lambda *a, **k: [])
+    assert submit.wait(["7_0", "7_1", "7_2"], printer=lambda line: None) == 0
+    assert calls == [["7_0", "7_1", "7_2"]], calls
+
+
 def test_a_failed_sweep_point_with_logs_in_the_sweeps_folder_is_not_said_to_have_failed_at_launch(tmp_path: Path) -> None:
     """A sweep's logs are in the sweep's slurm/ folder (job.json's log_dir), not under its point's run directory:
     every failed point of a sweep was said to have failed before any rank started (output_dir not mounted)."""

@@ -6,8 +6,9 @@ import contextlib
 import io
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aura_hpc.errors import LaunchError
 from aura_hpc.slurm import index as job_index
@@ -16,6 +17,7 @@ from aura_hpc.slurm import sbatch_env
 from aura_hpc.slurm.plan import SubmitPlan
 
 JOB_FILE = "job.json"
+T = TypeVar("T")
 
 
 def submit(plan: SubmitPlan) -> list[str]:
@@ -142,8 +144,7 @@ def wait(job_ids: list[str], follow_log: Path | None = None, poll_s: float = 1.0
     since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 60))
     while True:
         pending = [j for j in job_ids if j not in final]
-        for j in pending:
-            row = squeue_patiently(j)
+        for j, row in squeue_all_patiently(pending).items():  # one squeue a pass, whatever the number of jobs
             if row is None or not row.active:
                 final[j] = _final_state(j, row, since)
             elif why := never_starts(row):
@@ -218,10 +219,19 @@ SQUEUE_PATIENCE_S = 300.0
 
 
 def squeue_patiently(job_id: str, patience_s: float = SQUEUE_PATIENCE_S) -> slurm_query.JobRow | None:
+    return _patiently(lambda: slurm_query.squeue_job(job_id), patience_s)
+
+
+def squeue_all_patiently(job_ids: list[str], patience_s: float = SQUEUE_PATIENCE_S) -> dict[str, slurm_query.JobRow | None]:
+    """squeue_patiently for several jobs in one squeue call a pass."""
+    return _patiently(lambda: slurm_query.squeue_jobs(job_ids), patience_s)
+
+
+def _patiently(ask: Callable[[], T], patience_s: float) -> T:
     failing_since, wait_s = 0.0, 2.0
     while True:
         try:
-            return slurm_query.squeue_job(job_id)
+            return ask()
         except LaunchError as exc:
             failing_since = failing_since or time.monotonic()
             if time.monotonic() - failing_since > patience_s:
