@@ -82,6 +82,8 @@ class HealthWatch:
                 "resource monitor are off for this run"
             )
             breaker = False
+        elif h.breaker and _cuda() and h.nvml_replay:  # the probe took the replay's first reading: from its start again
+            reader = open_reader(h.nvml_replay, selection_from_env(os.environ, self.uuids))
         if h.monitor_interval_s <= 0 and not breaker:
             return
         interval = h.monitor_interval_s if h.monitor_interval_s > 0 else h.breaker_interval_s
