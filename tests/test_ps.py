@@ -686,6 +686,7 @@ def test_the_server_checkpoints_by_time_and_a_leaving_worker_never_blocks_it(tmp
     cfg = load_config(None, [*sets, "train.log_every=1000", "train.eval_every=0"], output_dir=str(tmp_path), run_name="ps")
     server = ParameterServer(cfg, b"k" * 32)
     _a_leaving_worker_never_holds_the_servers_lock_while_a_pair_is_made(server)
+    server.saved_at = time.monotonic()  # the check above took its time: the cadence counts from here
     server.version = 1
     server._after_update()
     assert server.saved_version == -1  # not yet due
@@ -712,7 +713,10 @@ def _a_leaving_worker_never_holds_the_servers_lock_while_a_pair_is_made(server: 
     with wire.REGISTRY_LOCK:  # a pair being made
         leaving = threading.Thread(target=server._leave, args=(seat, "left"))
         leaving.start()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while 0 in server.seats and time.monotonic() < deadline:  # its seat is gone: it is at its pair now
+            time.sleep(0.01)
+        time.sleep(0.1)
         free = server.lock.acquire(timeout=2)
         if free:
             server.lock.release()

@@ -725,16 +725,24 @@ def test_the_nodes_to_leave_out_are_judged_before_the_requeue_is_asked(tmp_path:
     from aura_hpc.slurm.job import TrainJob
 
     excluded_nodes.record(tmp_path, "n3", "rank 1 hung there")
+    (tmp_path / "job.json").write_text(json.dumps({"job_id": "1234", "min_nodes": 3}))  # a running job's NumNodes is 4
     order: list[str] = []
-    room = exclude._Room(["n3"], ["n1", "n2", "n4"], 2, "debug", "")
-    monkeypatch.setattr(exclude, "_judge", lambda job_id, nodes: (order.append("judge"), (room, ""))[1])
+    room = exclude._Room(["n3"], ["n1", "n2", "n4"], 3, "debug", "")
+    monkeypatch.setattr(exclude, "_judge", lambda job_id, nodes, least: (order.append(f"judge least={least}"), (room, ""))[1])
     monkeypatch.setattr(exclude, "outlive_the_requeue", lambda: None)
     monkeypatch.setattr(exclude, "requeue", lambda job_id: order.append("requeue"))
     monkeypatch.setattr(exclude, "_scontrol", lambda *a: (order.append(" ".join(a)), subprocess.CompletedProcess(a, 0, "", ""))[1])
     job = TrainJob(str(tmp_path / "config.yaml"), max_requeues=3)
     job.launch = SimpleNamespace(requeued=lambda at: None)  # type: ignore[assignment]
     assert job._requeue(1234, 0)
-    assert order == ["judge", "requeue", "update JobId=1234 ExcNodeList=n3"], order
+    assert order == ["judge least=3", "requeue", "update JobId=1234 ExcNodeList=n3"], order
+    # A controller too busy to answer within the budget: the requeue goes first, with the job's nodes, and says so.
+    order.clear()
+    monkeypatch.setattr(exclude, "JUDGE_BUDGET_S", 0.2)
+    monkeypatch.setattr(exclude, "_judge", lambda job_id, nodes, least: (time.sleep(5), (room, ""))[1])
+    said: list[str] = []
+    assert exclude.judge_before_requeue(1234, tmp_path, said.append) is None
+    assert said == ["not leaving out n3 (rank 1 hung there): Slurm did not say which nodes are spare within 0 s (a busy controller)"], said
 
 
 def test_a_wait_on_a_sweep_asks_squeue_once_a_pass_for_all_its_points(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -752,6 +760,56 @@ def test_a_wait_on_a_sweep_asks_squeue_once_a_pass_for_all_its_points(monkeypatc
     monkeypatch.setattr(query, "sacct", lambda *a, **k: [])
     assert submit.wait(["7_0", "7_1", "7_2"], printer=lambda line: None) == 0
     assert calls == [["7_0", "7_1", "7_2"]], calls
+    # Elements still pending are one row of their array (7_[1-5:2,8%2]): each is found in it, not taken for ended.
+    pending = [
+        query.JobRow("7_[1-5:2,8%2]", "aura-sweep", "PENDING", "1", "0:00"),
+        query.JobRow("7_0", "aura-sweep", "RUNNING", "1", "0:09"),
+    ]
+    monkeypatch.setattr(query, "squeue", lambda *a, **k: pending)
+    found = query.squeue_jobs(["7_0", "7_1", "7_3", "7_4", "7_8"])
+    assert {j: r.state if r else None for j, r in found.items()} == {
+        "7_0": "RUNNING",
+        "7_1": "PENDING",
+        "7_3": "PENDING",
+        "7_4": None,
+        "7_8": "PENDING",
+    }
+    assert found["7_3"] is not None and found["7_3"].job_id == "7_3"
+
+
+def test_the_jobs_index_appends_under_a_lock_that_never_blocks_a_submit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """O_APPEND alone is not atomic on NFS (where ~/.aura_hpc is on a cluster): two login nodes' submits wrote at
+    one offset. Appends wait for another submit's lock, a few seconds at most, then append as before."""
+    import sys
+
+    from aura_hpc.slurm import index
+
+    monkeypatch.setenv("AURA_HPC_HOME", str(tmp_path))
+    index.record("1", tmp_path / "a", "aura-a", "now")
+    holder = (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.lockf(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(1.5)"
+    )
+    other = subprocess.Popen([sys.executable, "-c", holder, str(index.index_path())], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        index.record("2", tmp_path / "b", "aura-b", "now")
+        assert time.monotonic() - t0 > 0.5  # it waited for the other submit's append
+    finally:
+        other.wait(10)
+    assert [e["job_id"] for e in index.entries()] == ["1", "2"]
+    other = subprocess.Popen(
+        [sys.executable, "-c", holder.replace("1.5", "60"), str(index.index_path())], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        index.record("3", tmp_path / "c", "aura-c", "now")  # a lock never let go: appended all the same, in seconds
+        assert time.monotonic() - t0 < 30
+    finally:
+        other.kill()
+        other.wait()
+    assert [e["job_id"] for e in index.entries()] == ["1", "2", "3"]
 
 
 def test_a_failed_sweep_point_with_logs_in_the_sweeps_folder_is_not_said_to_have_failed_at_launch(tmp_path: Path) -> None:

@@ -274,7 +274,7 @@ def _refuse_a_folder_not_ours(config_path: Path) -> None:
     if not (isinstance(data, dict) and {"run_name", "output_dir", "model", "data", "train"} <= set(data)):
         raise LaunchError(
             f"{config_path} was not written by aura_hpc, and a run there would replace it (fix: another --run-name or "
-            "--output-dir; a run directory is aura_hpc's own)"
+            "--output-dir; if it is this run's own, damaged, restore it or remove it)"
         )
 
 

@@ -82,14 +82,12 @@ class BackgroundMonitor:
         write_every_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """One thread samples every `interval_s` (the shorter of the two cadences); the rules see a sample every
-        `rules_every_s` and the file and trackers one every `write_every_s` (0: each). Tied to one rate, a
-        monitor_interval_s of 1 s made the breaker's throttle_samples (3 x 5 s) a 3 s blip, and one of 60 s
-        wrote rows every 5 s."""
+        """One thread samples when the rules are due (every `rules_every_s`) and when the file and trackers are
+        (every `write_every_s`); 0: every `interval_s`. Tied to one rate, a monitor_interval_s of 1 s made the
+        breaker's throttle_samples (3 x 5 s) a 3 s blip, and one of 60 s wrote rows every 5 s."""
         self.sampler = sampler
         self.interval_s = interval_s
         self.rules_every_s, self.write_every_s, self.clock = rules_every_s, write_every_s, clock
-        self._last = {"rules": -float("inf"), "write": -float("inf")}
         self.out_path = out_path
         self.rules = rules
         self.on_sample = on_sample
@@ -105,28 +103,32 @@ class BackgroundMonitor:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def _due(self, what: str, every_s: float) -> bool:
-        """Whether `what` takes this sample (half a sampling interval early counts: samples drift late)."""
-        now = self.clock()
-        if now - self._last[what] < every_s - self.interval_s / 2:
-            return False
-        self._last[what] = now
-        return True
-
     def _run(self) -> None:
         # The breaker's rules come first and alone decide whether this thread goes on: a full disk under the
         # samples' file, or a tracker that fails on a row, costs the samples (said once), never the breaker.
+        every = {"rules": self.rules_every_s or self.interval_s, "write": self.write_every_s or self.interval_s}
+        start = self.clock()
+        due_at = {what: start + seconds for what, seconds in every.items()}
         f = None
         try:
-            while not self._stop.wait(self.interval_s):
+            while True:
+                watching = [w for w in due_at if w == "write" or (self.rules is not None and self.fault is None)]
+                if self._stop.wait(max(0.0, min(due_at[w] for w in watching) - self.clock())):
+                    break
+                now = self.clock()
+                due = {w for w in watching if now >= due_at[w] - 1e-3}
+                for w in due:  # the cadence kept (a late sample does not push the next), never a burst to catch up
+                    due_at[w] = max(due_at[w] + every[w], now + every[w] / 2)
+                if not due:
+                    continue
                 try:
                     row = self.sampler.sample()
                 except Exception as exc:  # a sampling hiccup must never stop training
                     log.warning("resource sample failed: %s", exc)
                     continue
-                if self.rules is not None and self.fault is None and self._due("rules", self.rules_every_s):
+                if "rules" in due and self.rules is not None and self.fault is None:
                     self.fault = self.rules.evaluate(row.get("gpus", []))
-                if not self._due("write", self.write_every_s):
+                if "write" not in due:
                     continue
                 if self.out_path is not None:
                     try:

@@ -15,9 +15,11 @@ requeue, whatever causes it (a hang, the pre-timeout signal), leaves out all of 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,10 +136,12 @@ class _Room:
     refused: str  # why Slurm could not start the job on the nodes left ("" when it could)
 
 
-def _room(job_id: int, nodes: list[str]) -> _Room:
+def _room(job_id: int, nodes: list[str], least: int | None = None) -> _Room:
+    """`least`: the job's --nodes minimum where known (job.json): a running job's NumNodes is what it was given,
+    only a pending one's reads MIN-MAX, and a job of --nodes 3:4 on 4 nodes was judged as one of 4."""
     job = _job_fields(job_id)
     already = set(_hostnames(job.get("ExcNodeList", "")))
-    least = int(job.get("NumNodes", "1").split("-")[0])
+    least = least or int(job.get("NumNodes", "1").split("-")[0])
     partition = job.get("Partition", "")
     leave_out = sorted(already | set(nodes))
     usable, unusable = _nodes_by_use(partition)
@@ -146,10 +150,19 @@ def _room(job_id: int, nodes: list[str]) -> _Room:
     return _Room(leave_out, left, least, partition or "?", refused)
 
 
-def _judge(job_id: int, nodes: list[str]) -> tuple[_Room | None, str]:
+def _least(run_dir: Path | None) -> int | None:
+    """The --nodes minimum `submit` recorded in the run's job.json, or None."""
+    try:
+        value = json.loads((run_dir / "job.json").read_text(encoding="utf-8")).get("min_nodes") if run_dir else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if type(value) is int and value > 0 else None
+
+
+def _judge(job_id: int, nodes: list[str], least: int | None = None) -> tuple[_Room | None, str]:
     """(the room the job would have without `nodes`, why they cannot be left out: "" when they can)."""
     try:
-        room = _room(job_id, nodes)
+        room = _room(job_id, nodes, least)
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         return None, f"Slurm could not be asked which nodes are spare ({exc}; inside a container image, scontrol may be missing)"
     if len(room.left) < room.least:
@@ -166,10 +179,13 @@ def _judge(job_id: int, nodes: list[str]) -> tuple[_Room | None, str]:
     return room, ""
 
 
-def why_not_leave_out(job_id: int, nodes: list[str]) -> str:
+def why_not_leave_out(job_id: int, nodes: list[str], run_dir: Path | None = None) -> str:
     """ "" when the job's partition keeps enough usable nodes for the job without `nodes` (and those it already
     excludes); otherwise why not, with the fix."""
-    return _judge(job_id, nodes)[1]
+    return _judge(job_id, nodes, _least(run_dir))[1]
+
+
+JUDGE_BUDGET_S = 20.0  # the requeue waits this long at most for the judgement of which nodes to leave out
 
 
 @dataclass
@@ -189,7 +205,15 @@ def judge_before_requeue(job_id: int, run_dir: Path, say: Callable[[str], None])
     if not nodes:
         return None
     names = ", ".join(f"{n} ({nodes[n].get('why', '')})" for n in sorted(nodes))
-    room, why_not = _judge(job_id, sorted(nodes))
+    # Within a budget: before a pre-timeout requeue the job's time is short, and the requeue comes first.
+    judged: list[tuple[_Room | None, str]] = []
+    asking = threading.Thread(target=lambda: judged.append(_judge(job_id, sorted(nodes), _least(run_dir))), daemon=True)
+    asking.start()
+    asking.join(JUDGE_BUDGET_S)
+    if not judged:
+        say(f"not leaving out {names}: Slurm did not say which nodes are spare within {JUDGE_BUDGET_S:.0f} s (a busy controller)")
+        return None
+    room, why_not = judged[0]
     if room is None or why_not:
         say(f"not leaving out {names}: {why_not}")
         return None

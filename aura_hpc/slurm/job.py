@@ -105,7 +105,7 @@ class TrainJob:
         def why_not_leave_out(nodes: list[str]) -> str:  # the screen's named nodes, asked by rank 0
             if restarts >= self.max_requeues:
                 return f"this job was already requeued {restarts} times (slurm.max_requeues={self.max_requeues})"
-            return exclude.why_not_leave_out(job_id, nodes)
+            return exclude.why_not_leave_out(job_id, nodes, Path(self.config_path).parent)
 
         try:
             status = worker.main([self.config_path], why_not_leave_out)

@@ -203,7 +203,27 @@ def _one(job_id: str, rows: list[JobRow], alone: bool) -> JobRow | None:
     if elements:
         first = next((r for r in elements if r.active), elements[0])
         return dataclasses.replace(first, job_id=job_id)
+    # An element still pending inside its array's one row: 123_[0-2] or 123_[2-99%4] holds 123_1.
+    array, _, index = job_id.partition("_")
+    for r in rows:
+        head, _, spec = r.job_id.partition("_")
+        if head == array and index.isdigit() and spec.startswith("[") and _in_spec(int(index), spec.lstrip("[").split("%")[0].rstrip("]")):
+            return dataclasses.replace(r, job_id=job_id)
     return rows[0] if alone and len(rows) == 1 else None
+
+
+def _in_spec(index: int, spec: str) -> bool:
+    """Whether an array index is in Slurm's task list (`0-2,5,8-20:4`)."""
+    for part in spec.split(","):
+        span, _, step = part.partition(":")
+        first, _, last = span.partition("-")
+        try:
+            lo, hi, every = int(first), int(last or first), int(step or 1)
+        except ValueError:
+            continue
+        if lo <= index <= hi and (index - lo) % max(1, every) == 0:
+            return True
+    return False
 
 
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "Submit", "NodeList", "Comment")

@@ -75,24 +75,24 @@ def submit(plan: SubmitPlan) -> list[str]:
 def _refuse_a_queued_job(plan: SubmitPlan) -> None:
     """A run directory whose job (job.json) is still queued, running or requeued takes no second job: the new
     config.yaml would be what the first trains with when it starts (or restarts), job.json would name only the
-    second, and the two would train in one folder. A pending job holds no run lock, so the lock cannot tell."""
-    after = str(plan.params.get("dependency", "")).removeprefix("afterok:")
+    second, and the two would train in one folder. A pending job holds no run lock, so the lock cannot tell; nor
+    is --after an exception (the follower's config.yaml would be the one the first job starts with)."""
     for p in plan.points:
         try:
             recorded = json.loads((p.cfg.run_dir / JOB_FILE).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
         job_id = str(recorded.get("job_id", "")) if isinstance(recorded, dict) else ""
-        if not job_id or after in (job_id, job_id.partition("_")[0]):
-            continue  # --after that job: this one starts once it has ended
+        if not job_id:
+            continue
         row = slurm_query.squeue_job(job_id)
         name = str(recorded.get("job_name") or "")
-        if row is None or not row.active or (name and row.name and row.name != name):  # ended, or the id is another job's now
+        # Ended (COMPLETING: cancelled or done, its processes on their way out), or the id is another job's now.
+        if row is None or not row.active or row.state == "COMPLETING" or (name and row.name and row.name != name):
             continue
         raise LaunchError(
             f"job {job_id} ({row.state}) is already queued for {p.cfg.run_dir}: a second job would change the settings "
-            f"it starts with and train in the same folder (fix: `python -m aura_hpc cancel {job_id}` first, --after "
-            f"{job_id} to follow it, or another --run-name)"
+            f"it starts with and train in the same folder (fix: `python -m aura_hpc cancel {job_id}` first, or another --run-name)"
         )
 
 

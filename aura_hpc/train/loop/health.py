@@ -160,8 +160,10 @@ class HealthWatch:
         """NVML's reading of the node's GPU `uuid` (else `index`) now, or None where it cannot be read (no CUDA
         call: after a sticky error each one may fail)."""
         try:
-            reader = open_reader(self.cfg.health.nvml_replay, selection_from_env({}, [uuid]) if uuid else None)
-            return next((g for g in reader.read() if uuid or int(g.get("index", -1)) == index), None)
+            readings = open_reader(self.cfg.health.nvml_replay).read()
+            # A MIG instance's UUID is none of NVML's GPUs': then by index, as before.
+            mine = [g for g in readings if selection_from_env({}, [uuid]).keeps(g)] if uuid else []
+            return next(iter(mine), None) or next((g for g in readings if int(g.get("index", -1)) == index), None)
         except Exception:  # no NVML, no permission, a driver that no longer answers: it cannot tell
             return None
 
