@@ -140,7 +140,7 @@ class HealthConfig:
 
     monitor_interval_s: float = 0.0  # > 0: sample CPU/RAM/disk/net/GPUs to RUN_DIR/resources/node<N>.jsonl and TensorBoard
     breaker: bool = True  # GPU circuit breaker (acts only where NVML sees GPUs, or with nvml_replay)
-    breaker_interval_s: float = 5.0  # seconds between two NVML readings of the breaker
+    breaker_interval_s: float = 5.0  # seconds between two NVML readings of the breaker (its own cadence, whatever the monitor's)
     temp_margin_c: float = 3.0  # open when a GPU is this close to its slowdown temperature
     # Not sw_thermal by default: NVML's normal clock control of a GPU at its temperature target (temp_margin_c judges heat).
     throttle_reasons: str = "hw_slowdown,hw_thermal,hw_power_brake"  # NVML throttle reasons that open the breaker when sustained
