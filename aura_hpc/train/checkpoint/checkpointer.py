@@ -296,7 +296,7 @@ class Checkpointer:
         if pos.rollbacks >= t.nan_max_rollbacks:
             raise TrainingError(
                 f"the loss stayed non-finite after {pos.rollbacks} rollbacks (step {pos.step}) "
-                "(fix: lower train.lr, raise train.warmup_steps, clip gradients harder (a lower train.grad_clip, above 0), or check the data)"
+                "(fix: lower train.lr, raise train.warmup_steps, clip harder (a lower train.grad_clip, above 0), or check the data)"
             )
         self.wait()
         if sharding(self.wrapped) is not None:
