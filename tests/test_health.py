@@ -129,6 +129,32 @@ def test_the_breaker_and_the_samples_keep_their_own_cadences_on_one_sampling_thr
     assert written == [7.0, 14.0, 21.0, 28.0, 35.0], written
 
 
+def test_a_replay_on_a_cuda_machine_starts_at_its_first_reading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where CUDA is, the breaker first probes NVML with one read: on a replay that read was its first line, and
+    the ECC baseline came from the second (an incident whose counter rose between them was never seen)."""
+    import time
+    import types
+
+    from aura_hpc.config import load_config
+    from aura_hpc.train.loop import health
+
+    replay = tmp_path / "incident.jsonl"
+    replay.write_text(json.dumps([HEALTHY]) + "\n" + json.dumps([FAULTS["ecc"]]) + "\n")
+    sets = [f"health.nvml_replay={replay}", "health.breaker_interval_s=0.05", "health.monitor_interval_s=0"]
+    cfg = load_config(None, sets, output_dir=str(tmp_path), run_name="r")
+    monkeypatch.setattr(health, "_cuda", lambda: True)
+    monkeypatch.setattr(health, "_visible_uuids", lambda: None)
+    watch = health.HealthWatch(cfg, types.SimpleNamespace(local_rank=0, local_world_size=1, node_rank=0))  # type: ignore[arg-type]
+    watch.start(None)
+    try:
+        deadline = time.monotonic() + 20
+        while watch.fault is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        watch.stop()
+    assert watch.fault is not None and "2 new uncorrectable ECC error(s)" in watch.fault.reason
+
+
 def test_webhook_bodies_per_kind() -> None:
     event = {"event": "gpu.fault", "host": "n1", "gpu_index": 3, "reason": "hot", "job_id": "42", "run_dir": "/r", "step": 7}
     assert body("generic", event) == event

@@ -743,6 +743,13 @@ def test_the_nodes_to_leave_out_are_judged_before_the_requeue_is_asked(tmp_path:
     said: list[str] = []
     assert exclude.judge_before_requeue(1234, tmp_path, said.append) is None
     assert said == ["not leaving out n3 (rank 1 hung there): Slurm did not say which nodes are spare within 0 s (a busy controller)"], said
+    # A judgement that fails in an unforeseen way is said as such, at once, not as a controller too busy.
+    monkeypatch.setattr(exclude, "JUDGE_BUDGET_S", 20.0)
+    monkeypatch.setattr(exclude, "_judge", lambda job_id, nodes, least: {}["NumNodes"])
+    said.clear()
+    t0 = time.monotonic()
+    assert exclude.judge_before_requeue(1234, tmp_path, said.append) is None and time.monotonic() - t0 < 10
+    assert said == ["not leaving out n3 (rank 1 hung there): Slurm could not be asked which nodes are spare (KeyError: 'NumNodes')"], said
 
 
 def test_a_wait_on_a_sweep_asks_squeue_once_a_pass_for_all_its_points(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -66,7 +66,8 @@ class Sampler:
 
 
 class BackgroundMonitor:
-    """Samples every `interval_s` in a daemon thread: JSON lines to a file, and the breaker rules.
+    """Samples in a daemon thread at the breaker's cadence and the rows' (see __init__): JSON lines to a file, and the
+    breaker rules.
 
     The training loop only reads `self.fault` (set once); it never waits on this thread.
     """

@@ -207,9 +207,19 @@ def judge_before_requeue(job_id: int, run_dir: Path, say: Callable[[str], None])
     names = ", ".join(f"{n} ({nodes[n].get('why', '')})" for n in sorted(nodes))
     # Within a budget: before a pre-timeout requeue the job's time is short, and the requeue comes first.
     judged: list[tuple[_Room | None, str]] = []
-    asking = threading.Thread(target=lambda: judged.append(_judge(job_id, sorted(nodes), _least(run_dir))), daemon=True)
-    asking.start()
-    asking.join(JUDGE_BUDGET_S)
+
+    def ask() -> None:
+        try:
+            judged.append(_judge(job_id, sorted(nodes), _least(run_dir)))
+        except Exception as exc:  # whatever it is, the requeue still goes
+            judged.append((None, f"Slurm could not be asked which nodes are spare ({type(exc).__name__}: {exc})"))
+
+    try:
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.start()
+        asking.join(JUDGE_BUDGET_S)
+    except RuntimeError as exc:  # no thread to be had (a pids limit): the requeue still goes
+        judged.append((None, f"no thread to ask Slurm ({exc})"))
     if not judged:
         say(f"not leaving out {names}: Slurm did not say which nodes are spare within {JUDGE_BUDGET_S:.0f} s (a busy controller)")
         return None

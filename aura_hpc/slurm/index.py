@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,18 +27,24 @@ def record(job_id: str, run_dir: Path, name: str, submitted: str) -> None:
         # O_APPEND alone is not atomic on NFS (open(2)), where ~/.aura_hpc usually is on a cluster: two login
         # nodes' submits wrote at one offset and a job lost its line. A POSIX lock (NLM, NFSv4) orders them, and
         # taking it makes the NFS client read the file's size afresh. Where the server has no locking, as before.
-        # Never blocking: an NFS lock daemon that does not answer would hold a submit whose job is queued
-        # already, before its id is printed. A few seconds of tries, then the append as before.
-        for _ in range(50):
-            try:
-                fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                    break  # no locking there (ENOLCK): as before
-                time.sleep(0.1)
+        # Never blocking: an NFS lock daemon that does not answer (LOCK_NB does not stop its RPC from retrying)
+        # would hold a submit whose job is queued already, before its id is printed. 5 s, then as before.
+        locking = threading.Thread(target=_lock, args=(f,), daemon=True)
+        locking.start()
+        locking.join(5.0)
         f.write(line + "\n")
         f.flush()  # before the lock goes with the file's closing
+
+
+def _lock(f: Any) -> None:
+    for _ in range(50):
+        try:
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                return  # no locking there (ENOLCK): as before
+            time.sleep(0.1)
 
 
 def entries() -> list[dict[str, Any]]:

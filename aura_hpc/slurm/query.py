@@ -146,7 +146,9 @@ def explain(command: str, stderr: str) -> str:
 def squeue(job_ids: list[str] | None = None, all_users: bool = False, all_states: bool = False) -> list[JobRow]:
     cmd = ["squeue", "-h", "-O", ",".join(f"{f}:{SEP}" for f in SQUEUE_FIELDS)]
     if job_ids:
-        cmd += ["-j", ",".join(job_ids)]
+        # One row per array element (-r): pending elements otherwise share one row, 123_[3,5,8-99%8], which squeue
+        # also cuts at 31 characters (its id buffer), and the elements past the cut read as ended.
+        cmd += ["-r", "-j", ",".join(job_ids)]
     elif not all_users:
         # The real uid (squeue takes ids): getpass reads LOGNAME/USER first, which `su`, `sudo -E` or a container
         # leave naming someone else, and `status` listed that user's jobs while `history` (sacct) read ours.

@@ -87,12 +87,13 @@ def _refuse_a_queued_job(plan: SubmitPlan) -> None:
             continue
         row = slurm_query.squeue_job(job_id)
         name = str(recorded.get("job_name") or "")
-        # Ended (COMPLETING: cancelled or done, its processes on their way out), or the id is another job's now.
-        if row is None or not row.active or row.state == "COMPLETING" or (name and row.name and row.name != name):
+        # Ended, or the id is another job's now. COMPLETING is not ended: a job being requeued passes through it.
+        if row is None or not row.active or (name and row.name and row.name != name):
             continue
         raise LaunchError(
             f"job {job_id} ({row.state}) is already queued for {p.cfg.run_dir}: a second job would change the settings "
-            f"it starts with and train in the same folder (fix: `python -m aura_hpc cancel {job_id}` first, or another --run-name)"
+            f"it starts with and train in the same folder (fix: `python -m aura_hpc cancel {job_id}` first, or another --run-name; "
+            "a job just cancelled or ended leaves the queue within a minute)"
         )
 
 

@@ -161,9 +161,11 @@ class HealthWatch:
         call: after a sticky error each one may fail)."""
         try:
             readings = open_reader(self.cfg.health.nvml_replay).read()
-            # A MIG instance's UUID is none of NVML's GPUs': then by index, as before.
-            mine = [g for g in readings if selection_from_env({}, [uuid]).keeps(g)] if uuid else []
-            return next(iter(mine), None) or next((g for g in readings if int(g.get("index", -1)) == index), None)
+            if uuid and any(g.get("uuid") for g in readings):
+                # Not found (a MIG instance's UUID is no GPU's; a GPU NVML skips): another GPU's reading would
+                # clear or blame the wrong hardware, so it cannot tell.
+                return next((g for g in readings if selection_from_env({}, [uuid]).keeps(g)), None)
+            return next((g for g in readings if int(g.get("index", -1)) == index), None)
         except Exception:  # no NVML, no permission, a driver that no longer answers: it cannot tell
             return None
 
