@@ -83,6 +83,42 @@ def test_a_single_machine_check_that_hangs_ends_at_its_deadline() -> None:
     assert time.monotonic() - t0 < 45
 
 
+_SLOW_LOCAL_CHECK = """
+import runpy, sys, time
+from aura_hpc.ops import check
+check.LOCAL_CHECKS_S = 0.5
+check.local_checks = lambda report, output_dir: time.sleep({sleep})  # {what}
+sys.argv = ["aura_hpc", "check", "--json", "--timeout", "{timeout}", *{args}]
+runpy.run_module("aura_hpc", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize(
+    ("what", "sleep", "timeout", "args", "stuck"),
+    [
+        ("a slow CUDA start: --timeout gives the local checks more", 2, 6, [], None),
+        ("a hung GPU under check --server", 60, 0.5, ["--server", "127.0.0.1:9"], "local checks"),
+    ],
+    ids=["slow-local-within-timeout", "server-check-hung-locally"],
+)
+def test_the_local_checks_get_timeout_and_check_server_has_the_watchdog_too(
+    what: str, sleep: float, timeout: float, args: list[str], stuck: str | None
+) -> None:
+    """--timeout did not reach the local checks (a fixed 60 s, whatever it said), and `check --server` had no
+    watchdog at all: a GPU that stopped answering hung it for ever."""
+    script = _SLOW_LOCAL_CHECK.format(sleep=sleep, what=what, timeout=timeout, args=args)
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), timeout=50)
+    assert time.monotonic() - t0 < 45, "no hang"
+    report = json.loads(res.stdout)
+    timed_out = [f for f in report["findings"] if f["name"] == "timeout"]
+    if stuck is None:
+        assert not timed_out and res.returncode == 0, res.stdout + res.stderr
+    else:
+        assert res.returncode == 1 and timed_out and f"stuck at: {stuck}" in timed_out[0]["detail"], res.stdout + res.stderr
+        assert "within 0.5s" in timed_out[0]["detail"]
+
+
 def test_healthy_pair_on_this_host_with_a_shared_dir(tmp_path: Path) -> None:
     t0 = time.perf_counter()
     results = _pair(["--json", "--shared-dir", str(tmp_path)], ["--json", "--shared-dir", str(tmp_path)])

@@ -45,28 +45,25 @@ def cmd_check(a: argparse.Namespace) -> int:
                 f"master address {cluster.master_addr} is neither private nor loopback: the rendezvous port and the process "
                 "group trust every peer that connects (fix: run on a private network or VPN, and firewall the port to your nodes)"
             )
-    return check.run_and_show(a.output_dir, cluster, a.json)
+    return check.run_and_show(a.output_dir, cluster, a.json, a.timeout)
 
 
 def _check_ps_server(a: argparse.Namespace) -> int:
     """From a worker PC: this machine, then the parameter server's port, a join and a tensor round trip."""
-    import time
-
-    from aura_hpc.ops.check import show
-    from aura_hpc.ops.check_local import local_checks
+    from aura_hpc.ops.check import run_and_show
     from aura_hpc.ops.check_report import Report
     from aura_hpc.ps.auth import given_secret
     from aura_hpc.ps.probe import check_server
     from aura_hpc.ps.worker import parse_server
 
     addr, port = parse_server(a.server, 30005)
-    report = Report()
-    t0 = time.perf_counter()
-    local_checks(report, a.output_dir)
-    check_server(report, addr, port, a.timeout, given_secret(a.secret_file))
-    report.elapsed_s = time.perf_counter() - t0
-    show(report, a.json, a.timeout)
-    return 0 if report.ok else 1
+    secret = given_secret(a.secret_file)
+
+    def probe(report: Report) -> None:
+        check_server(report, addr, port, a.timeout, secret)
+
+    # Under the same watchdog as a plain check: a GPU that stopped answering hung this one for ever.
+    return run_and_show(a.output_dir, None, a.json, a.timeout, probe)
 
 
 def cmd_monitor(a: argparse.Namespace) -> int:
@@ -131,7 +128,12 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--shared-dir", help="a directory that should be the same (NFS) on every node: write-then-read test")
     p.add_argument("--ifname", help="network interface for gloo/NCCL (default: the one that routes to the master)")
     p.add_argument("--sizes-mb", default="1,8,32", help="all_reduce sizes for the bandwidth test (default 1,8,32)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds the across-machines part may take (default 10; local checks: 60)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        help="seconds the across-machines part may take (default 10); the local checks: the larger of 60 and this",
+    )
     p.add_argument("--output-dir", help="where runs will go (free disk is checked there)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_check)

@@ -5,7 +5,8 @@ Single machine: Python/torch/CUDA/NCCL, GPUs, working backends, free disk. Acros
 rendezvous that catches duplicate node ranks, an all_reduce every rank verifies, bus bandwidth
 over a few sizes, clock skew, the address each node uses, and a shared-directory test.
 Each failure is one line with the cause and the fix. A watchdog ends the check (--timeout for the
-across-machines part, 60 s for the local checks), so an unhealthy setup never hangs it.
+across-machines part, and for the local checks the larger of 60 s and --timeout), so an unhealthy setup never
+hangs it.
 """
 
 from __future__ import annotations
@@ -24,10 +25,29 @@ from aura_hpc.ops.check_report import Failed, Report
 from aura_hpc.ops.network import lan_master_problem
 
 LOCAL_CHECKS_S = 60.0  # CUDA's start and NCCL's self-test on 8 GPUs take seconds
+SERVER_STAGE = "the parameter server"
 
 
-def run(output_dir: str | None, cluster: ClusterArgs | None, on_timeout: Callable[[Report, str], None]) -> Report:
-    """All checks; a watchdog thread calls on_timeout(report, stage) and ends the process at the deadline."""
+def local_deadline(timeout: float) -> float:
+    """Seconds the local checks may take: a slower machine's CUDA start (persistence mode off, 8 GPUs) asks --timeout for more."""
+    return max(LOCAL_CHECKS_S, timeout)
+
+
+def probe_deadline(timeout: float) -> float:
+    """Seconds `check --server` may take after the local checks: its five steps (port, store, join, pair, round
+    trip) are each bounded by --timeout; a peer that stalls between them does not hang the check."""
+    return 5 * timeout
+
+
+def run(
+    output_dir: str | None,
+    cluster: ClusterArgs | None,
+    on_timeout: Callable[[Report, str], None],
+    timeout: float = 0.0,
+    server: Callable[[Report], None] | None = None,
+) -> Report:
+    """All checks; a watchdog thread calls on_timeout(report, stage) and ends the process at the deadline.
+    `server`: the parameter server's probe (`check --server`), run after the local checks."""
     report = Report()
     t0 = time.perf_counter()
     stage = ["local checks"]
@@ -48,9 +68,14 @@ def run(output_dir: str | None, cluster: ClusterArgs | None, on_timeout: Callabl
     if cluster is not None:
         report.node_rank, report.nnodes = cluster.node_rank, cluster.nnodes
     # This machine alone too: a GPU or driver that stops answering hung a plain `check` for ever.
-    timer = watch(max(cluster.timeout, LOCAL_CHECKS_S) if cluster is not None else LOCAL_CHECKS_S)
+    timer = watch(local_deadline(cluster.timeout if cluster is not None else timeout))
     try:
         local_checks(report, output_dir)
+        if server is not None:
+            timer.cancel()
+            stage[0] = SERVER_STAGE
+            timer = watch(probe_deadline(timeout))
+            server(report)
         if cluster is not None:
             # --timeout is the across-machines part's own: the local checks used up the 10 s before the master was tried.
             timer.cancel()
@@ -105,10 +130,11 @@ def show(report: Report, as_json: bool, timeout: float, timed_out_at: str | None
 
     if timed_out_at:
         local = timed_out_at == "local checks"
+        seconds = local_deadline(timeout) if local else probe_deadline(timeout) if timed_out_at == SERVER_STAGE else timeout
         report.add(
             "timeout",
             False,
-            f"the check did not finish within {max(timeout, 60.0) if local else timeout:g}s (stuck at: {timed_out_at})",
+            f"the check did not finish within {seconds:g}s (stuck at: {timed_out_at})",
             "a GPU or driver that does not answer: see `nvidia-smi` on this machine"
             if local
             else "see the failed line above; a firewall that drops gloo/NCCL's data ports hangs here: open them between the nodes",
@@ -125,9 +151,15 @@ def show(report: Report, as_json: bool, timeout: float, timed_out_at: str | None
             console.warn(f.line())
 
 
-def run_and_show(output_dir: str | None, cluster: ClusterArgs | None, as_json: bool = False) -> int:
+def run_and_show(
+    output_dir: str | None,
+    cluster: ClusterArgs | None,
+    as_json: bool = False,
+    timeout: float = 0.0,
+    server: Callable[[Report], None] | None = None,
+) -> int:
     """`check` as a command: run everything, print the report, exit status 1 on any failure."""
-    timeout = cluster.timeout if cluster is not None else 0.0
-    report = run(output_dir, cluster, lambda r, stage: show(r, as_json, timeout, stage))
+    timeout = cluster.timeout if cluster is not None else timeout
+    report = run(output_dir, cluster, lambda r, stage: show(r, as_json, timeout, stage), timeout, server)
     show(report, as_json, timeout)
     return 0 if report.ok else 1
