@@ -28,6 +28,8 @@ EXIT_HUNG = 77
 EXIT_SCREEN = 78
 # What a worker writes to its log file as it leaves (train/worker.py), for its launcher to read.
 EXITING_LINE = "exiting with status "
+# Statuses a restart would end the same way (or that a stop asked for): `--max-restarts` restarts crashes only.
+NOT_RESTARTED = (EXIT_GPU_FAULT, EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_SCREEN, EXIT_DATA_UNAVAILABLE, EXIT_RESUMABLE)
 
 
 # Control, format and line/paragraph-separator characters: they can start a line (in a terminal, a

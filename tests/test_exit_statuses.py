@@ -371,3 +371,82 @@ def test_a_lan_node_without_the_checkpoints_tells_a_checkpointed_stop_from_one_t
     (logs / "rank_1.log").write_text(f"{start}\n[rank1] x INFO {errors.EXITING_LINE}{errors.EXIT_RESUMABLE}\n")
     assert _resumable(plan, "SIGINT", asked) == errors.EXIT_RESUMABLE  # type: ignore[arg-type]
     assert "node 0's newest checkpoint (node 0 keeps them)" in _resume_hint(plan) and "step 0" not in _resume_hint(plan)  # type: ignore[arg-type]
+
+
+def test_a_status_no_restart_changes_ends_the_launch_on_every_node_and_a_strangers_word_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's agent restarted workers after any failure while --max-restarts lasted: the breaker's GPU trained on, a
+    diverged run diverged again. Between two attempts the rendezvous handler (ours) asks this launch's logs: a status
+    in NOT_RESTARTED ends the launch, and the node tells the others through node 0's store (signed), whose handlers
+    find the rendezvous closed. Here node 1's worker logged 76; an earlier launch's 3 is not this one's."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    from aura_hpc.comm import stores
+    from aura_hpc.launch import agent, final_status
+
+    monkeypatch.setenv(stores.SECRET_ENV, "a-run-secret-of-24-chars")
+    store = stores.bound_server("127.0.0.1", 0, timedelta(seconds=10), multi_tenant=True)
+    store.set(stores.ROUND_KEY, "1764500000.0-42")
+    (tmp_path / "logs").mkdir()
+
+    def plan(node: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            cfg=SimpleNamespace(run_dir=tmp_path), worker_cmd=["python"], node_rank=node, nnodes=2, nproc=1, max_restarts=3,
+            master_addr="127.0.0.1", master_port=store.port, master=f"127.0.0.1:{store.port}",
+        )  # fmt: skip
+
+    def start(rank: int) -> str:
+        return f"[rank{rank}] 2026-11-30 12:00:00 INFO start rank={rank} local_rank=0 world_size=2 node_rank={rank} host=vm backend=gloo\n"
+
+    log1 = tmp_path / "logs" / "rank_1.log"
+    log1.write_text(f"{start(1)}[rank1] 2026-11-29 10:00:00 INFO {errors.EXITING_LINE}3\n")  # the launch before
+    attempts: list[str] = []
+
+    class Handler:  # torch's handler as far as the agent's restarts go: rendezvous, then again after a failure
+        def __init__(self, closed_by_a_peer: bool) -> None:
+            self.closed_by_a_peer = closed_by_a_peer
+
+        def next_rendezvous(self) -> str:
+            if self.closed_by_a_peer and attempts:
+                raise RendezvousClosedError("closed")
+            attempts.append("rendezvous")
+            return "info"
+
+    def elastic_launch(handler: Handler) -> object:
+        def launch(config: object, entrypoint: object) -> object:
+            def run(*args: object) -> None:
+                for hook in stores.HANDLER_HOOKS:  # as comm/stores.py's rendezvous backend does with each handler
+                    hook(handler, store)
+                handler.next_rendezvous()
+                if not handler.closed_by_a_peer:  # this node's worker: the GPU circuit breaker, then the agent restarts
+                    log1.open("a").write(f"{start(1)}[rank1] 2026-11-30 12:00:09 ERROR GPU 0 faulty\n{errors.EXITING_LINE}76\n")
+                handler.next_rendezvous()
+                attempts.append("restarted")
+
+            return run
+
+        return launch
+
+    monkeypatch.setattr(agent, "_resume_hint", lambda plan: "to resume, re-run")
+    monkeypatch.setattr(launcher_api, "elastic_launch", elastic_launch(Handler(closed_by_a_peer=False)))
+    assert agent._launch_once(plan(1), None) == errors.EXIT_GPU_FAULT  # type: ignore[arg-type]
+    assert attempts == ["rendezvous"], "not restarted"
+    assert not stores.HANDLER_HOOKS, "the launch's hook is gone with it"
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", elastic_launch(Handler(closed_by_a_peer=True)))
+    with pytest.raises(errors.TrainingFailed) as told:
+        agent._launch_once(plan(0), None)  # type: ignore[arg-type]
+    said = str(told.value)
+    assert told.value.exit_code == errors.EXIT_TRAIN_FAILED and said.startswith("node 1 ended the run with status 76"), said
+    assert "GPU circuit breaker" in said and "were not restarted" in said and store.check([f"{final_status.KEY}/read/0"])
+
+    # A stranger who reaches the store writes the key: unsigned, or signed for another store, it is not believed.
+    for forged in ({"code": 76, "node": 1, "mac": "0" * 64}, {"code": 76, "node": 1, "mac": ""}, {"code": "76", "node": 1}):
+        store.set(final_status.KEY, json.dumps(forged))
+        with pytest.raises(RendezvousClosedError):
+            final_status.Guard(plan(0), {}).wrap(handler := Handler(closed_by_a_peer=True), store) or handler.next_rendezvous()

@@ -410,15 +410,17 @@ def test_nan_burst_rolls_back_to_the_last_good_checkpoint(tmp_path: Path, prepar
 
 def test_nan_forever_stops_with_a_clear_error(tmp_path: Path, prepared: Path) -> None:
     """...and a failed run keeps its last rows in TensorBoard and reads as failed in the trackers (before,
-    the MLflow run of a failed attempt was never even written)."""
+    the MLflow run of a failed attempt was never even written). --max-restarts does not restart it: the
+    agent restarted a diverged run, which diverged again from its checkpoint (or, the fault spent, trained on)."""
     import importlib.util
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     mlflow = importlib.util.find_spec("mlflow") is not None
     extra = ("--set", "train.nan_max_rollbacks=1", "--set", f"tracking.backends=tensorboard{',mlflow' if mlflow else ''}")
-    r = run_cli(_args(tmp_path, "run", prepared, extra=extra), AURA_FAULT_NAN="0:6:100", timeout=180)
+    r = run_cli([*_args(tmp_path, "run", prepared, extra=extra), "--max-restarts", "2"], AURA_FAULT_NAN="0:6:100", timeout=180)
     assert r.returncode == errors.EXIT_DIVERGED == 3, _diagnose(r, tmp_path / "run")
+    assert (tmp_path / "run" / "logs" / "rank_0.log").read_text().count("start rank=") == 1, "one attempt: not restarted"
     assert "the loss stayed non-finite after 1 rollbacks" in r.stdout and "fix: lower train.lr" in r.stdout
     # One line naming what happened and the fix, taken from the worker that stopped.
     lines = [line for line in r.stderr.splitlines() if line.strip()]

@@ -392,8 +392,10 @@ def test_a_gpu_fault_surfacing_where_the_host_waits_for_a_step_is_a_gpu_fault(
     replay = tmp_path / "healthy.jsonl"
     replay.write_text(json.dumps([HEALTHY]) + "\n")
     healthy = [*args[:5], "--run-name", "code", *args[7:], "--set", f"health.nvml_replay={replay}"]
-    res, code = run_cli_together([args, healthy], timeout=240, AURA_FAULT_CUDA="1:5")
+    # --max-restarts restarts crashes, not a GPU the breaker named: the agent restarted the workers on it.
+    res, code = run_cli_together([[*args, "--max-restarts", "1"], healthy], timeout=240, AURA_FAULT_CUDA="1:5")
     assert res.returncode == 76, res.stdout[-3000:] + res.stderr[-3000:]
+    assert (tmp_path / "runs" / "xid" / "logs" / "rank_0.log").read_text().count("start rank=") == 1, "not restarted"
     assert "take this machine's GPU out of service" in res.stdout + res.stderr
     rank1 = (tmp_path / "runs" / "xid" / "logs" / "rank_1.log").read_text()
     assert "CUDA error in the training loop: CUDA error: an illegal memory access" in rank1 and "status 76" in rank1, rank1[-2000:]

@@ -27,6 +27,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -136,6 +137,10 @@ def client(addr: str, port: int, timeout: timedelta, give_up_s: float | None = N
 # ---- the elastic agent's rendezvous ------------------------------------------------------
 
 
+# Called with each rendezvous handler made (and its store) while a launch runs.
+HANDLER_HOOKS: list[Callable[[Any, Any], None]] = []
+
+
 def register_rendezvous() -> None:
     """`aura-c10d`: torch's c10d rendezvous with both of the agent's stores bound to an address (once per process)."""
     from torch.distributed.elastic.rendezvous import RendezvousStateError, rendezvous_handler_registry
@@ -216,6 +221,8 @@ def register_rendezvous() -> None:
             raise RendezvousConnectionError(f"the connection to the rendezvous store at {host}:{port} failed: {exc}") from exc
         hosted = params.get_as_bool("is_host", False)
         handler = create_handler(store, BoundBackend(store, params.run_id, params.max_nodes, hosted), params)
+        for hook in HANDLER_HOOKS:  # the launch's own seam between two attempts (launch/final_status.py)
+            hook(handler, store)
         own = params.local_addr or host
         if hasattr(handler, "_create_tcp_store_server"):  # the store the workers share (torch >= 2.6)
             handler._create_tcp_store_server = lambda _addr, p: bound_server(own, p, timeout, multi_tenant=True)

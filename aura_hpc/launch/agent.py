@@ -29,7 +29,7 @@ from aura_hpc.errors import (
     LaunchError,
     TrainingFailed,
 )
-from aura_hpc.launch import agent_folder, worker_logs
+from aura_hpc.launch import agent_folder, final_status, worker_logs
 from aura_hpc.launch.native_stderr import native_stderr_to
 from aura_hpc.launch.nccl_aborts import latest_attempts, waited_on_a_peer
 from aura_hpc.launch.plan import LocalPlan
@@ -193,43 +193,27 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
-    from aura_hpc import console
-
     cmd = plan.worker_cmd
     started = time.time()
     stores.forget_tampering()
     stderr_log = plan.cfg.run_dir / "logs" / f"stderr_node{plan.node_rank}.log"
     since = stderr_log.stat().st_size if stderr_log.is_file() else 0
     logs_since = worker_logs.offsets(plan)
+    guard = final_status.Guard(plan, logs_since)
     try:
-        with native_stderr_to(stderr_log):
+        with native_stderr_to(stderr_log), guard:
             elastic_launch(lc, cmd[0])(*cmd[1:])
     except SignalException as exc:
         return _resumable(plan, exc.sigval.name, stops.poll() if stops is not None else None)
+    except final_status.FinalStatus as final:  # a restart would have ended the same way: --max-restarts is for crashes
+        if final.node is None:
+            guard.hold()
+            return _ended(plan, [final.code], {}, since, logs_since)
+        return _ended_elsewhere(plan, final)
     except ChildFailedError as exc:
         if (what := _tampering(plan)) is not None:
             raise _tampered(plan, what) from None  # the workers stopped because the agent (here or on another node) did
-        # Every rank stopped resumably; one still shutting down when a peer had already exited is
-        # SIGTERMed by the agent, after the (collective) checkpoint: that is no failure.
-        codes = [f.exitcode for f in exc.failures.values()]
-        if EXIT_RESUMABLE in codes and all(c in (EXIT_RESUMABLE, -signal.SIGTERM) for c in codes):
-            return _resumable(plan, "a stop signal to the workers")
-        if EXIT_DATA_UNAVAILABLE in codes and all(c in (EXIT_DATA_UNAVAILABLE, -signal.SIGTERM) for c in codes):
-            console.error(worker_logs.data_unavailable_line(plan))
-            return EXIT_DATA_UNAVAILABLE
-        if EXIT_SCREEN in codes and all(c in (EXIT_SCREEN, -signal.SIGTERM) for c in codes):  # SIGTERM alone is no screen
-            console.error(
-                f"pre-flight screening named a node below its figures (health.screen; see {plan.cfg.run_dir / 'screen'}): "
-                "check or replace that machine, or train without it"
-            )
-            return EXIT_SCREEN
-        if any(f.exitcode == EXIT_GPU_FAULT for f in exc.failures.values()):
-            console.error(
-                f"the GPU circuit breaker stopped training (see {plan.cfg.run_dir / 'logs'}): take this machine's GPU out of "
-                "service before training on it again; re-run the same command on healthy hardware to resume"
-            )
-            return EXIT_GPU_FAULT
-        raise _failure(plan, exc.failures, since, logs_since) from None
+        return _ended(plan, [f.exitcode for f in exc.failures.values()], exc.failures, since, logs_since)
     except RendezvousError as exc:
         if (what := _tampering(plan, ran=worker_logs.trained_since(plan, started))) is not None:  # a failed join asks no one
             raise _tampered(plan, what) from None
@@ -253,7 +237,56 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
             f"{plan.rdzv_timeout}s ({type(exc).__name__}) (fix: start every node with the same --nnodes, "
             "--master-addr and --master-port, and check the firewall)"
         ) from None
+    finally:
+        guard.store = None  # node 0's next attempt (after a hang) binds the same port: no reference may keep this one open
     return 0
+
+
+def _ended(plan: LocalPlan, codes: list[int], failures: dict[int, Any], since: int, logs_since: worker_logs.Offsets) -> int:
+    """The verdict on workers that exited with `codes` (`failures`: torch's record of each, {} when the launch
+    ended before a restart: final_status.py); a status for the CLI, or TrainingFailed."""
+    from aura_hpc import console
+
+    # Every rank stopped resumably; one still shutting down when a peer had already exited is
+    # SIGTERMed by the agent, after the (collective) checkpoint: that is no failure.
+    if EXIT_RESUMABLE in codes and all(c in (EXIT_RESUMABLE, -signal.SIGTERM) for c in codes):
+        return _resumable(plan, "a stop signal to the workers")
+    if EXIT_DATA_UNAVAILABLE in codes and all(c in (EXIT_DATA_UNAVAILABLE, -signal.SIGTERM) for c in codes):
+        console.error(worker_logs.data_unavailable_line(plan))
+        return EXIT_DATA_UNAVAILABLE
+    if EXIT_SCREEN in codes and all(c in (EXIT_SCREEN, -signal.SIGTERM) for c in codes):  # SIGTERM alone is no screen
+        console.error(
+            f"pre-flight screening named a node below its figures (health.screen; see {plan.cfg.run_dir / 'screen'}): "
+            "check or replace that machine, or train without it"
+        )
+        return EXIT_SCREEN
+    if EXIT_GPU_FAULT in codes:
+        console.error(
+            f"the GPU circuit breaker stopped training (see {plan.cfg.run_dir / 'logs'}): take this machine's GPU out of "
+            "service before training on it again; re-run the same command on healthy hardware to resume"
+        )
+        return EXIT_GPU_FAULT
+    raise _failure(plan, failures, since, logs_since, set(codes)) from None
+
+
+_MEANING = {
+    EXIT_USER_ERROR: "a worker refused its input",
+    EXIT_DIVERGED: "the loss stayed non-finite",
+    EXIT_DATA_UNAVAILABLE: "its training data could not be read",
+    EXIT_GPU_FAULT: "the GPU circuit breaker",
+    EXIT_SCREEN: "the pre-flight screen named a node",
+}
+
+
+def _ended_elsewhere(plan: LocalPlan, final: final_status.FinalStatus) -> int:
+    """Another node's workers ended the run for good: this node's are not restarted either."""
+    if final.code == EXIT_RESUMABLE:
+        return _resumable(plan, f"a stop signal to node {final.node}'s workers")
+    raise TrainingFailed(
+        f"node {final.node} ended the run with status {final.code} ({_MEANING.get(final.code, 'see its terminal')}), so "
+        f"this node's workers were not restarted (see that node's terminal and {plan.cfg.run_dir / 'logs'}); {_resume_hint(plan)}",
+        EXIT_TRAIN_FAILED,
+    )
 
 
 def _lost_master(plan: LocalPlan) -> TrainingFailed:
@@ -293,13 +326,20 @@ def _master_gone(plan: LocalPlan) -> bool:
         return True
 
 
-def _failure(plan: LocalPlan, failures: dict[int, Any], since: int = 0, logs_since: worker_logs.Offsets | None = None) -> TrainingFailed:
+def _failure(
+    plan: LocalPlan,
+    failures: dict[int, Any],
+    since: int = 0,
+    logs_since: worker_logs.Offsets | None = None,
+    said_codes: set[int] | None = None,
+) -> TrainingFailed:
     """The one-line verdict on failed workers, with the exit status README.md documents (`since`: where this
-    launch began in the node's stderr log)."""
+    launch began in the node's stderr log; `said_codes`: the statuses, when torch's `failures` are not at hand)."""
     log_dir = plan.cfg.run_dir / "logs"
     # The agent stops the remaining workers with SIGTERM once one has failed; a worker already
     # on its way out then dies of it. Those are not what went wrong.
     codes = {f.exitcode for f in failures.values() if f.exitcode != -signal.SIGTERM} or {f.exitcode for f in failures.values()}
+    codes = codes or {c for c in said_codes or () if c != -signal.SIGTERM}
     said = worker_logs.worker_error(plan, logs_since)
     if codes == {EXIT_DIVERGED}:
         return TrainingFailed(f"training stopped: {said or 'the loss stayed non-finite'} (see {log_dir})", EXIT_DIVERGED)

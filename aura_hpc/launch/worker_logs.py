@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from aura_hpc.errors import EXIT_USER_ERROR, EXITING_LINE
+from aura_hpc.errors import EXIT_USER_ERROR, EXITING_LINE, NOT_RESTARTED
 
 Offsets = dict[str, int]  # a rank log's name -> its size when a launch began
 
@@ -75,6 +75,18 @@ def exited_with(plan: Any, code: int) -> bool:
     stop's checkpoint agreed by every rank: train/loop/endings.py)."""
     attempts = [_latest_attempt(path) or [] for path in node_logs(plan)]
     return any(line.endswith(f"{EXITING_LINE}{code}") for latest in attempts for line in latest)
+
+
+def not_restarted(plan: Any, since: Offsets) -> int | None:
+    """The status in NOT_RESTARTED (the first in its order) that a worker of this node logged as it left in
+    this launch (`since`: where it began in each log), or None."""
+    logged = set()
+    for path in node_logs(plan):
+        for line in tail(path, start=since.get(path.name, 0)) or []:
+            code = line.rpartition(EXITING_LINE)[2] if EXITING_LINE in line else ""
+            if code.isdigit():
+                logged.add(int(code))
+    return next((c for c in NOT_RESTARTED if c in logged), None)
 
 
 def refused_here(plan: Any) -> str | None:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import torch._dynamo  # noqa: F401  (every optimizer imports it on its first parameter group: here, where the entry points import unscanned)
 
 from aura_hpc.config import load_run_file
-from aura_hpc.errors import EXIT_TRAIN_FAILED, EXITING_LINE, AuraError
+from aura_hpc.errors import EXIT_TRAIN_FAILED, EXITING_LINE, NOT_RESTARTED, AuraError
 from aura_hpc.ops.disk import disk_full, disk_of
 from aura_hpc.train.checkpoint import background
 from aura_hpc.train.process import distributed, progress, worker_log
@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
         try:
             status = trainer.run()
             page.enter("finished")
-            return status
+            # A status no restart changes (the breaker, the screen, unreachable data...): said where the launcher reads it.
+            return _exiting(status) if status in NOT_RESTARTED else status
         except AuraError as exc:
             log.error("%s", exc)
             return _exiting(exc.exit_code)
