@@ -46,6 +46,9 @@ def _files(tmp: Path, _prepared: Path) -> None:
     (tmp / "doc.docx").write_bytes(b"PK")
     (tmp / "latin1.txt").write_bytes("año y señal".encode("latin-1"))
     (tmp / "rows.jsonl").write_text('{"body": "hola"}\n')
+    (tmp / "latin1.json").write_bytes('[{"text": "año y señal"}]'.encode("latin-1"))
+    (tmp / "broken.json").write_text('{"text": "hola"}\n' * 60 + '{"text": roto\n')
+    (tmp / "fake.parquet").write_text("not parquet")
     (tmp / "norun").mkdir()
 
 
@@ -247,6 +250,10 @@ ROWS = [
     ),
     Row("prepare: not UTF-8", ["prepare", "{tmp}/latin1.txt", "--out", "{tmp}/p"], "is not UTF-8 text", _files),
     Row("prepare: missing text column", ["prepare", "{tmp}/rows.jsonl", "--out", "{tmp}/p"], "column 'text' not in", _files),
+    # pyarrow's and the codec's tracebacks, without a file name, before
+    Row("prepare: .json not UTF-8", ["prepare", "{tmp}/latin1.json", "--out", "{tmp}/p"], "latin1.json' could not be read as json", _files),
+    Row("prepare: .json broken row", ["prepare", "{tmp}/broken.json", "--out", "{tmp}/p"], "in row 60 (fix: make it UTF-8 JSON", _files),
+    Row("prepare: not Parquet", ["prepare", "{tmp}/fake.parquet", "--out", "{tmp}/p"], "(fix: make it a Parquet file", _files),
     Row("prepare: nothing to do", ["prepare", "--out", "{tmp}/p"], "nothing to prepare"),
     Row(  # the files were dropped in silence
         "prepare: files and a dataset",

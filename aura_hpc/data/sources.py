@@ -106,7 +106,7 @@ def open_dataset(builder: str, data_files: list[str] | None, name: str | None, s
     """A streaming `datasets` dataset (hub name, local dataset folder, or local files of a builder)."""
     import datasets
 
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach us as exceptions, said in one line
     datasets.disable_progress_bars()
     try:
         if data_files is not None:
@@ -119,7 +119,9 @@ def open_dataset(builder: str, data_files: list[str] | None, name: str | None, s
     except FileNotFoundError as exc:
         raise DataError(f"dataset {source!r} not found ({exc}) (fix: check the name/path, or --subset/--split)") from None
     except ValueError as exc:
-        raise DataError(f"dataset {source!r} could not be loaded: {str(exc).splitlines()[0]} (fix: check --subset/--split)") from None
+        if data_files is not None:
+            raise _unreadable(source, builder, exc) from None
+        raise DataError(f"dataset {source!r} could not be loaded: {_first_line(exc)} (fix: check --subset/--split)") from None
     except ConnectionError as exc:
         raise DataError(f"dataset {source!r} needs the network ({exc}) (fix: download it first, or use local files)") from None
 
@@ -153,7 +155,7 @@ def records(
     if shard is not None and shard[1] > 1:
         ds = ds.shard(num_shards=shard[1], index=shard[0])
     first = True
-    for row in ds:
+    for row in _rows(ds, builder, data_files is not None, source):
         if first and column not in row:
             raise DataError(f"column {column!r} not in {source!r}; its columns are {', '.join(map(str, row))} (fix: --text-column NAME)")
         text = row[column]
@@ -163,6 +165,45 @@ def records(
         if isinstance(text, str) and text.strip():
             check_text(source, text)
             yield text
+
+
+def _rows(ds: Any, builder: str, local: bool, source: str) -> Iterator[Any]:
+    """`ds`'s rows; what goes wrong while reading them (a file that is not what its name says, a stream cut
+    off) is one line naming the input, not pyarrow's or the codec's traceback without a file name."""
+    from datasets.exceptions import DatasetGenerationError
+
+    rows = iter(ds)
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except (ValueError, OSError, DatasetGenerationError) as exc:  # UnicodeDecodeError and pyarrow's ArrowInvalid too
+            if local:
+                raise _unreadable(source, builder, exc) from None
+            raise DataError(
+                f"dataset {source!r} stopped while being read: {_first_line(exc)} (fix: check the network and re-run "
+                "prepare; or save the dataset locally and pass its files)"
+            ) from None
+        yield row
+
+
+_FORMS = {
+    "json": "UTF-8 JSON: one object per line, or one array of objects",
+    "parquet": "a Parquet file (write it again with pandas or pyarrow)",
+    "csv": "UTF-8 CSV with a header row",
+}
+
+
+def _unreadable(source: str, builder: str, exc: BaseException) -> DataError:
+    cause = exc.__cause__ or exc.__context__ if type(exc).__name__ == "DatasetGenerationError" else exc
+    return DataError(
+        f"{source!r} could not be read as {builder}: {_first_line(cause or exc)} (fix: make it {_FORMS.get(builder, f'valid {builder}')})"
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def check_column(source: Path | str, column: str, value: object) -> None:
