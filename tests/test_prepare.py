@@ -450,6 +450,11 @@ def test_the_tokenizer_folder_loads_with_transformers_4_and_5(prepared: Path) ->
     assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
     tok = AutoTokenizer.from_pretrained(str(prepared / "tokenizer"))
     assert tok.eos_token == "<|endoftext|>" and tok("hola").input_ids
+    # Accented Spanish decomposed (NFD: PDFs, macOS) is the same text: the trained tokenizer normalises it (NFC).
+    import unicodedata
+
+    said = "El niño comió piñones en la montaña."
+    assert tok(unicodedata.normalize("NFD", said)).input_ids == tok(said).input_ids
 
 
 def _multi_piece_corpus(root: Path) -> Path:
