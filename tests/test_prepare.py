@@ -64,6 +64,16 @@ def test_prepare_txt_jsonl_parquet_counts_match_the_tokenizer(tmp_path: Path) ->
     assert m["val_tokens"] > 0 and m["dtype"] == "uint16"
     data = PackedTokens(out, seq_len=16)
     assert data.vocab_size == m["tokenizer"]["vocab_size"] <= 300
+    # An evaluation reads every input's validation share: the split's first N were the first file's alone.
+    from aura_hpc.data.packed import eval_set
+
+    counts, n_val = data.counts("val"), data.num_sequences("val")
+    assert len(counts) == 3 and min(counts) > 0, counts
+    for wanted in (4, 7, n_val):  # each file's share of the sequences read, within one of its share of the split
+        picked = eval_set(n_val, wanted)
+        assert len(set(picked)) == len(picked) == min(wanted, n_val) and max(picked) < n_val
+        read = [data.locate("val", i)[0] for i in picked]
+        assert all(abs(read.count(f) - wanted * counts[f] / n_val) <= 1 for f in range(3)), (wanted, counts, read)
     # The packed stream decodes back to the input text.
     from transformers import AutoTokenizer
 

@@ -95,7 +95,7 @@ class TrainConfig:
     log_every: int = 10  # steps between two log lines and metrics rows
     eval_every: int = 50  # steps between two evaluations (0: none)
     eval_batches: int = 4  # validation batches per evaluation (train.eval_sequences = this x batch_size when 0)
-    eval_sequences: int = 0  # the first N validation sequences, whatever the world size; 0 = eval_batches x batch_size
+    eval_sequences: int = 0  # N validation sequences spread over the split, whatever the world size; 0 = eval_batches x batch_size
     checkpoint_every: int = 50  # steps between two checkpoints (0: only at the end and on signals)
     checkpoint_every_s: float = 600.0  # also one at the first logged step this long after the last (0: off); rank 0's clock decides
     keep_last: int = 3  # checkpoints kept (plus the best by validation loss)

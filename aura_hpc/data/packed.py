@@ -29,6 +29,14 @@ class Shard:
         return max(0, (self.tokens - 1) // seq_len)
 
 
+def eval_set(n_val: int, wanted: int) -> list[int]:
+    """The validation sequences an evaluation reads: `wanted` of the split's `n_val`, evenly spaced over it.
+    The split is numbered shard after shard, in the inputs' order: its first N were the first input file's
+    alone (of news, Wikipedia and forums, eval_loss measured the news)."""
+    n = min(n_val, wanted)
+    return [k * n_val // n for k in range(n)] if n else []
+
+
 class TokenReader:
     """What the trainer reads, whatever holds the tokens (a prepared directory, local or in object
     storage; a stream encoded as it trains): sequences by global index (via `locate` and `_map`,
@@ -49,10 +57,10 @@ class TokenReader:
         """Make these shards local (a no-op for local data)."""
 
     def fetch_validation(self, eval_sequences: int, first_window: list[int]) -> None:
-        """Make the validation set evaluation reads local: its first `eval_sequences` sequences (a
-        stream's validation text comes from the shards of its first window)."""
-        n = min(eval_sequences, self.num_sequences("val"))
-        self.fetch("val", sorted({self.locate("val", i)[0] for i in range(n)}) if n else [])
+        """Make the validation set evaluation reads local: `eval_set` of `eval_sequences` (a stream's
+        validation text comes from the shards of its first window)."""
+        picked = eval_set(self.num_sequences("val"), eval_sequences)
+        self.fetch("val", sorted({self.locate("val", i)[0] for i in picked}))
 
     def pin(self, split: str, keep: set[int]) -> None:
         """Only these shards of `split` are needed now (the others may leave the cache)."""

@@ -11,6 +11,7 @@ import torch
 
 from aura_hpc.comm import collectives
 from aura_hpc.config import TrainConfig
+from aura_hpc.data.packed import eval_set
 from aura_hpc.train.parts.state import Parts
 from aura_hpc.train.process.runtime import Runtime
 from aura_hpc.train.strategies.base import ShardedCheckpoints
@@ -18,9 +19,9 @@ from aura_hpc.train.strategies.base import ShardedCheckpoints
 
 @torch.no_grad()
 def evaluate(parts: Parts, t: TrainConfig, rank: int, world: int, rt: Runtime) -> float | None:
-    """Mean loss over a fixed set of validation sequences (the first N), split over the ranks; None
-    without a validation split. The set does not depend on the world size or the accumulation, so
-    the same weights report the same eval_loss under any layout.
+    """Mean loss over a fixed set of validation sequences (N spread evenly over the split: data/packed.py's
+    eval_set), split over the ranks; None without a validation split. The set does not depend on the world
+    size or the accumulation, so the same weights report the same eval_loss under any layout.
 
     Every rank runs the same number of forwards: under fsdp and zero3 each forward gathers the
     parameters from every rank, so a rank with one batch fewer would leave the others waiting in
@@ -29,8 +30,9 @@ def evaluate(parts: Parts, t: TrainConfig, rank: int, world: int, rt: Runtime) -
     n_val = data.num_sequences("val")
     if n_val == 0:
         return None
-    n = min(n_val, t.eval_sequences or t.eval_batches * t.batch_size)
-    mine = list(range(rank, n, world))
+    picked = eval_set(n_val, t.eval_sequences or t.eval_batches * t.batch_size)
+    n = len(picked)
+    mine = picked[rank::world]
     forwards = math.ceil(math.ceil(n / world) / t.batch_size)  # the most any rank needs
     model.eval()
     loss_sum, count = 0.0, 0
