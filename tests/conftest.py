@@ -116,6 +116,18 @@ def final_weights(run_dir: Path) -> dict:
     return load_file(str(newest.path / "model" / "model.safetensors"))
 
 
+def tensorboard_steps(folder: Path, tag: str) -> list[int]:
+    """The steps of `tag` as TensorBoard shows them with its Python loader (--load_fast=false, or where its Rust
+    data server does not run): that one drops a crashed attempt's points only on a session start after a first."""
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+
+    runs = EventMultiplexer(tensor_size_guidance={"scalars": 0})  # 0: every point, not a sample
+    runs.AddRunsFromDirectory(str(folder))
+    runs.Reload()
+    [name] = runs.Runs()
+    return [e.step for e in runs.Tensors(name, tag)]
+
+
 def max_diff(a: dict, b: dict) -> float:
     """The largest elementwise difference between two state dicts with the same keys."""
     assert sorted(a) == sorted(b)

@@ -25,7 +25,17 @@ import torch
 from aura_hpc import errors
 from aura_hpc.errors import EXIT_RESUMABLE
 from aura_hpc.train.checkpoint import files as checkpoint
-from tests.conftest import SMALL_MODEL, cli_env, final_weights, free_port, make_two_hosts, remove_hosts, run_cli, run_cli_together
+from tests.conftest import (
+    SMALL_MODEL,
+    cli_env,
+    final_weights,
+    free_port,
+    make_two_hosts,
+    remove_hosts,
+    run_cli,
+    run_cli_together,
+    tensorboard_steps,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -393,7 +403,7 @@ def test_nan_on_one_rank_skips_the_step_without_hanging(tmp_path: Path, prepared
 def test_nan_burst_rolls_back_to_the_last_good_checkpoint(tmp_path: Path, prepared: Path) -> None:
     # Steps 11-18 go bad once each: 3 in a row roll back to step_10, and after the replay again (the
     # count leaves room for the step that was already running when a rollback was decided).
-    extra = ("--set", "train.checkpoint_every=10")
+    extra = ("--set", "train.checkpoint_every=10", "--set", "train.log_every=1")  # rows of the steps redone too
     r = run_cli(_args(tmp_path, "run", prepared, extra=extra), AURA_FAULT_NAN="0:11:8", timeout=180)
     assert r.returncode == 0, r.stdout[-3000:]
     rollbacks = [line for line in r.stdout.splitlines() if "non-finite steps in a row: rolled back to step_00000010 (step 10)" in line]
@@ -405,6 +415,8 @@ def test_nan_burst_rolls_back_to_the_last_good_checkpoint(tmp_path: Path, prepar
     assert meta["step"] == STEPS and meta["rollbacks"] == 2
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)), "rows of the steps redone after a rollback are not kept twice"
+    shown = tensorboard_steps(run / "tensorboard", "train/loss")
+    assert shown == sorted(set(shown)) and shown[-1] == STEPS, f"nor are TensorBoard's points: {shown}"
     assert all(torch.isfinite(t).all() for t in final_weights(run).values())
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from aura_hpc.errors import EXIT_RESUMABLE
 from aura_hpc.train.loop.trackers import node_local_store
-from tests.conftest import SMALL_MODEL, cli_env, run_cli, run_cli_together
+from tests.conftest import SMALL_MODEL, cli_env, run_cli, run_cli_together, tensorboard_steps
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("trackio")
@@ -127,6 +127,10 @@ def test_every_tracker_reads_back_one_run_across_a_restart_and_a_silent_one_cost
     assert "restart=1" in tracked.stdout and resumed, tracked.stdout[-3000:]
     ids = json.loads((run / "tracking" / "ids.json").read_text())
     assert set(ids) == {"trackio", "wandb", "mlflow"}, ids
+    # TensorBoard: the killed attempt's points past the checkpoint are gone at the first resume (they stayed
+    # beside the redone ones: a fresh run wrote no session start, and TensorBoard takes the first as no restart).
+    shown = tensorboard_steps(run / "tensorboard", "train/loss")
+    assert shown == sorted(set(shown)) and shown[-1] == STEPS, shown
 
     # trackio: one run in the project's SQLite file, with the last step's loss.
     code = (

@@ -33,11 +33,24 @@ class MetricsWriter:
 
             progress.current().on_enter.append(self._section)
         self._file = open(self.path, "a", encoding="utf-8")
+        self._tb_dir = run_dir / "tensorboard"
         if cfg is None or "tensorboard" in backends(cfg):
-            from torch.utils.tensorboard import SummaryWriter
+            self._tb = self._tensorboard(resume_step)
 
-            # purge_step drops events from a previous attempt beyond the resumed step.
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+    def _tensorboard(self, step: int) -> Any:
+        """A new TensorBoard event file that starts by dropping every earlier event past `step`. TensorBoard takes
+        a file's session start for a restart (and purges) only after a first one: a fresh run writes it too (at
+        step 1), so that the first resume drops what the crashed attempt logged past its checkpoint."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self._tb_dir), purge_step=step + 1)
+
+    def rolled_back(self, step: int) -> None:
+        """Back to a checkpoint's `step` mid-run: the steps after it are redone, so what was logged for them goes."""
+        self.drop_rows_after(step)
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = self._tensorboard(step)
 
     def _section(self, section: str, step: int) -> None:
         if section == "checkpoint" and self.trackers is not None:

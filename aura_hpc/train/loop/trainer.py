@@ -198,7 +198,7 @@ class Trainer:
                     with self.page.section("checkpoint"):
                         self.ckpt.rollback(self.bad_in_a_row)
                     if self.metrics is not None:
-                        self.metrics.drop_rows_after(self.pos.step)  # the steps after it are redone
+                        self.metrics.rolled_back(self.pos.step)  # the steps after it are redone
                     self.bad_in_a_row = 0
                     self.interval.reset()
                     return ROLLED_BACK
