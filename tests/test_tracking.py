@@ -247,3 +247,45 @@ def test_a_trackers_thread_that_stops_keeps_the_node_local_stores_and_costs_no_r
         assert "rows behind" not in caplog.text
     finally:
         shutil.rmtree(local, ignore_errors=True)
+
+
+@pytest.mark.parametrize("outage", [2, 1000], ids=["short-outage", "server-gone"])
+def test_a_tracker_outage_of_a_few_rows_is_ridden_out_and_one_switched_off_still_ends_its_run(tmp_path: Path, outage: int) -> None:
+    """One failed call (a server restarting, a 429: MLflow's client gives up in seconds) switched MLflow off for the
+    rest of the run, and its run stayed RUNNING for ever (only live trackers were finished). The outage is a
+    server's error in the middle of MLflow's real client, which writes a real SQLite store."""
+    from mlflow.tracking import MlflowClient
+
+    from aura_hpc.config import load_config
+    from aura_hpc.train.loop.trackers import LOG_FAILURES_TOLERATED, Trackers
+
+    cfg = load_config(None, ["tracking.backends=mlflow", "tracking.sqlite_local=false"], output_dir=str(tmp_path / "runs"), run_name="t")
+    cfg.run_dir.mkdir(parents=True)
+    trackers = Trackers(cfg, 0)
+    trackers.start()
+    assert trackers._thread is not None
+    for _ in range(200):  # started in the trackers' thread
+        if "mlflow" in trackers._live:
+            break
+        time.sleep(0.1)
+    backend = trackers._live["mlflow"]
+    real, failures = backend.log, [0]
+
+    def log(values: dict[str, float], step: int) -> None:
+        if failures[0] < outage:
+            failures[0] += 1
+            raise ConnectionError("503 Service Unavailable: the tracking server is restarting")
+        real(values, step)
+
+    backend.log = log
+    for step in range(1, 11):
+        trackers.log({"loss": 1.0 / step}, step)
+    trackers.finish()
+    client = MlflowClient(tracking_uri=f"sqlite:///{cfg.run_dir / 'tracking' / 'mlflow.db'}")
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED", "ended, switched off or not"
+    logged = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    if outage < LOG_FAILURES_TOLERATED:
+        assert logged == list(range(outage + 1, 11)), logged
+    else:
+        assert logged == [] and failures[0] == LOG_FAILURES_TOLERATED, (logged, failures)

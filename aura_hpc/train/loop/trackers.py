@@ -69,6 +69,9 @@ def node_local_store(run_dir: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"aura-tracking-{os.getuid()}-{key}"
 
 
+LOG_FAILURES_TOLERATED = 5  # in a row, before a tracker is switched off (each costs its client's timeout, 10 s for MLflow)
+
+
 class Trackers:
     def __init__(self, cfg: RunConfig, resume_step: int) -> None:
         self.cfg = cfg
@@ -79,6 +82,8 @@ class Trackers:
         self.resume_step = resume_step
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=cfg.tracking.queue_rows)
         self._live: dict[str, Any] = {}
+        self._off: dict[str, Any] = {}  # switched off mid-run: still told the run's end (MLflow's run left RUNNING otherwise)
+        self._failing: dict[str, int] = {}  # a tracker's log calls that failed in a row
         self._dropped = 0
         self._copied = 0.0
         self._copy_failed = False  # the last copy into the run directory missed a store
@@ -182,8 +187,12 @@ class Trackers:
             elif kind == "finish":
                 if self.local != self.folder:
                     self._copy_out()  # first: a tracker slow to finish must not cost the run directory its copy
+                off = list(self._off.values())
                 for name in list(self._live):
                     self._call(name, "finish", bool(payload))
+                for backend in off:  # its server may answer again by now; said no more if not
+                    with contextlib.suppress(Exception):
+                        backend.finish(bool(payload))
                 if self.local != self.folder:
                     self._copy_out()
                 self._finished = True
@@ -192,9 +201,17 @@ class Trackers:
     def _call(self, name: str, method: str, *args: Any) -> None:
         try:
             getattr(self._live[name], method)(*args)
+            self._failing.pop(name, None)
         except Exception as exc:  # a tracker's failure costs a warning, never the run
+            failed = self._failing[name] = self._failing.get(name, 0) + 1
+            if method == "log" and failed < LOG_FAILURES_TOLERATED:
+                # A server restarting, a 429, a short outage: its client gives up in seconds, and one such
+                # failure switched MLflow off for a run of days. Those rows are lost to it (a resume adds them back).
+                if failed == 1:
+                    log.warning("tracking: %s failed to log step %s (%s); the next rows are tried", name, args[-1], _first_line(exc))
+                return
             log.warning("tracking: %s failed (%s); it is switched off for this run", name, _first_line(exc))
-            self._live.pop(name, None)
+            self._off[name] = self._live.pop(name)
 
     def _start_all(self, config: dict[str, Any]) -> None:
         from aura_hpc.train.loop import tracker_backends
