@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -612,3 +613,38 @@ def test_rows_with_unicode_line_separators_a_byte_order_mark_and_a_column_that_i
     pieces = shards.plan([str(huge)], TEXT_SUFFIXES, 1 << 20, None, False)
     got = [x for p in pieces for x in shards.piece_texts(shards.Job(p, str(tmp_path), "", 0, "uint16", 0.0, "text"))]
     assert len(got) >= 3 and "".join(t for t, _ in got) == line and [e for _, e in got] == [False] * (len(got) - 1) + [True]
+
+
+def test_the_tokenizer_sample_reads_its_share_of_each_piece_not_the_whole_corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--tokenizer-sample-mb took its share of every piece after reading the whole piece: a 256 MB sample of a
+    500 GB corpus read (from object storage: downloaded) all 500 GB before encoding began."""
+    from aura_hpc.data import prepare as prepare_module
+    from aura_hpc.data import shards
+    from aura_hpc.data.corpus import generate
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(generate(9000, seed=3), encoding="utf-8")
+    reads: list[int] = []
+    real_read, real_make = shards.read_range, prepare_module.make_tokenizer
+
+    def read_range(*args: Any, **kwargs: Any) -> bytes:
+        got = real_read(*args, **kwargs)
+        reads.append(len(got))
+        return got
+
+    during: list[int] = []
+
+    def make_tokenizer(*args: Any, **kwargs: Any) -> Any:
+        before = sum(reads)
+        made = real_make(*args, **kwargs)
+        during.append(sum(reads) - before)
+        return made
+
+    monkeypatch.setattr(shards, "read_range", read_range)
+    monkeypatch.setattr(prepare_module, "make_tokenizer", make_tokenizer)
+    spec = PrepareSpec(out_dir=tmp_path / "p", inputs=[str(corpus)], vocab_size=300, shard_mb=0.5, tokenizer_sample_mb=0.1)
+    m = prepare(spec)
+    size = corpus.stat().st_size
+    assert size > 1.5 * 2**20 and len(m["shards"]) >= 8, (size, len(m["shards"]))
+    assert during and 0.1 * 2**20 <= during[0] < 0.25 * size, (during, size)  # the sample's share, and line ends found
+    assert m["train_tokens"] + m["val_tokens"] > 0 and sum(reads) - during[0] >= size, "the encoding still reads it all"

@@ -258,8 +258,9 @@ def make_tokenizer(spec: PrepareSpec, pieces: list[shards.Piece], tok_dir: Path)
         share = spec.tokenizer_sample_mb * 2**20 / len(pieces)
 
         def sample() -> Iterator[str]:
-            for p in pieces:
+            for whole in pieces:
                 taken = 0
+                p = shards.head_of(whole, int(share * 1.25) + 4096)  # characters: Spanish text is ~1.05 bytes each
                 for text, _ in shards.piece_texts(
                     shards.Job(p, str(tok_dir.parent), "", 0, "uint16", spec.val_fraction, spec.text_column, spec.subset, spec.split)
                 ):

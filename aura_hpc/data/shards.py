@@ -18,7 +18,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +138,19 @@ class Job:
 
     def policy(self) -> storage.Policy | None:
         return storage.Policy(tries=self.read_tries, timeout_s=self.read_timeout_s) if self.read_tries > 0 else None
+
+
+def head_of(p: Piece, nbytes: int, policy: storage.Policy | None = None) -> Piece:
+    """The first ~`nbytes` of a text or JSON-lines piece, up to a line end: what a tokenizer sample of that much
+    reads (the whole piece was read, so a 256 MB sample of a 500 GB corpus read all of it, objects downloaded)."""
+    if p.kind not in ("text", "jsonl") or p.end - p.start <= nbytes:
+        return p
+    stop = p.start + nbytes
+    window = read_range(p.source, max(p.start, stop - 65536), stop, policy)
+    line_end = window.rfind(b"\n")
+    if line_end < 0:  # one line longer than the window: the whole piece
+        return p
+    return replace(p, end=stop - len(window) + line_end + 1, last=False)
 
 
 def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
