@@ -648,3 +648,25 @@ def test_the_tokenizer_sample_reads_its_share_of_each_piece_not_the_whole_corpus
     assert size > 1.5 * 2**20 and len(m["shards"]) >= 8, (size, len(m["shards"]))
     assert during and 0.1 * 2**20 <= during[0] < 0.25 * size, (during, size)  # the sample's share, and line ends found
     assert m["train_tokens"] + m["val_tokens"] > 0 and sum(reads) - during[0] >= size, "the encoding still reads it all"
+
+
+def test_a_token_budget_over_several_pieces_encodes_no_piece_past_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--max-tokens over several pieces encoded the first wave's pieces whole (up to --workers data files of a
+    Hub dataset), then the one that crossed the budget again, cut."""
+    from aura_hpc.data import shards
+    from aura_hpc.data.corpus import generate
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(generate(9000, seed=4), encoding="utf-8")
+    encoded: list[int] = []
+    real = shards.encode
+
+    def encode(job: Any) -> dict[str, Any]:
+        record = real(job)
+        encoded.append(record["train"]["tokens"] + record["val"]["tokens"])
+        return record
+
+    monkeypatch.setattr(shards, "encode", encode)
+    m = prepare(PrepareSpec(out_dir=tmp_path / "p", inputs=[str(corpus)], vocab_size=300, shard_mb=0.5, max_tokens=5000))
+    assert m["train_tokens"] + m["val_tokens"] == 5000
+    assert encoded and sum(encoded) <= 2 * 5000, encoded  # before: [330924, 5000]

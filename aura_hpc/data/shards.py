@@ -328,7 +328,9 @@ def encode_all(jobs: list[Job], workers: int, budget: int) -> list[dict[str, Any
     used = 0
     wave = max(1, workers) if budget else len(jobs)
     for at in range(0, len(jobs), wave):
-        group = jobs[at : at + wave]
+        # Each piece of a wave stops at what is left of the budget: the first wave was encoded whole (8 workers,
+        # 8 whole data files of a Hub dataset for a budget the first one's start covers), then again, cut.
+        group = [replace(job, max_tokens=budget - used) if budget else job for job in jobs[at : at + wave]]
         for job, record in zip(group, _encode_group(group, workers), strict=True):
             n = record["train"]["tokens"] + record["val"]["tokens"]
             if budget and used + n >= budget:
