@@ -289,3 +289,24 @@ def test_a_tracker_outage_of_a_few_rows_is_ridden_out_and_one_switched_off_still
         assert logged == list(range(outage + 1, 11)), logged
     else:
         assert logged == [] and failures[0] == LOG_FAILURES_TOLERATED, (logged, failures)
+
+
+def test_an_attempt_that_restarts_from_step_0_does_not_log_its_steps_twice(tmp_path: Path) -> None:
+    """An attempt killed before its first checkpoint: the next starts from step 0 and its rows up to the last
+    one the tracker holds are held back, as at any resume (they went to MLflow and trackio a second time)."""
+    from mlflow.tracking import MlflowClient
+
+    from aura_hpc.config import load_config
+    from aura_hpc.train.loop.trackers import Trackers
+
+    cfg = load_config(None, ["tracking.backends=mlflow", "tracking.sqlite_local=false"], output_dir=str(tmp_path / "runs"), run_name="t")
+    cfg.run_dir.mkdir(parents=True)
+    for last in (6, 10):  # the first attempt gets to step 6 (its tracker has them all), the second from 0 to 10
+        trackers = Trackers(cfg, 0)
+        trackers.start()
+        for step in range(1, last + 1):
+            trackers.log({"loss": 1.0 / step}, step)
+        trackers.finish()
+    client = MlflowClient(tracking_uri=f"sqlite:///{cfg.run_dir / 'tracking' / 'mlflow.db'}")
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 11))

@@ -238,8 +238,7 @@ class Trackers:
             except Exception as exc:
                 log.warning("tracking: %s could not start (%s); training goes on without it", name, _first_line(exc))
         _write_ids(self.folder / IDS, ids)
-        if self.resume_step > 0:
-            self._backfill()
+        self._backfill()  # from step 0 too: an attempt killed before its first checkpoint logged rows the next one redoes
         self._copied = time.monotonic()
 
     def _backfill(self) -> None:
