@@ -447,3 +447,40 @@ def test_the_default_cache_in_tmp_is_made_for_its_user_alone_and_one_another_cou
         os.chown(made, 12345, 12345)
         with pytest.raises(DataError, match="is not yours"):
             default_dir()
+
+
+def test_a_parquet_object_is_downloaded_once_and_its_copy_goes_once_encoded(
+    tmp_path: Path, s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizer's sample and the encoding each downloaded a Parquet or JSON object whole, and every copy stayed
+    on local disk until the end: twice the egress, and the whole corpus again on disk."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from aura_hpc.data import shards, storage
+
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    storage._FS.clear()
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": [p for p in generate(400, seed=5).split("\n\n") if p.strip()]}), table)
+    s3.fs().put(str(table), "raw/pq/t.parquet")
+    fetched: list[str] = []
+    real_download, real_encode = storage.download, shards.encode
+
+    def download(url: str, dest: Any, *args: Any) -> None:
+        fetched.append(url)
+        real_download(url, dest, *args)
+
+    left: list[list[Path]] = []
+
+    def encode(job: Any) -> dict[str, Any]:
+        record = real_encode(job)
+        left.append(list((Path(job.build) / "inputs").glob("*")))
+        return record
+
+    monkeypatch.setattr(storage, "download", download)
+    monkeypatch.setattr(shards, "encode", encode)
+    m = prepare(PrepareSpec(out_dir=tmp_path / "p", inputs=["s3://raw/pq/t.parquet"], vocab_size=300))
+    assert m["train_tokens"] > 0 and fetched == ["s3://raw/pq/t.parquet"], fetched
+    assert left == [[]], left

@@ -217,11 +217,20 @@ def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
         return
     local = p.source
     if storage.is_remote(p.source):  # a Parquet or JSON object: read whole, from a local copy
-        local = str(Path(job.build or ".") / "inputs" / f"{p.index:05d}{os.path.splitext(p.source)[1]}")
-        Path(local).parent.mkdir(parents=True, exist_ok=True)
-        storage.download(p.source, local)
+        local = str(input_copy(job))
+        # The tokenizer's sample downloaded it already (the encoding downloaded it again: twice the egress).
+        if not (os.path.isfile(local) and os.path.getsize(local) == storage.size(p.source, job.policy() or storage.Policy())):
+            Path(local).parent.mkdir(parents=True, exist_ok=True)
+            part = f"{local}.part{os.getpid()}"  # whole or not there: a killed download is no copy
+            storage.download(p.source, part, job.policy() or storage.Policy())
+            os.replace(part, local)
     for text in records(p.kind, [local], None, None, "train", job.text_column, p.source):
         yield from document(text)
+
+
+def input_copy(job: Job) -> Path:
+    """Where a Parquet or JSON object is copied to be read (records() reads local files)."""
+    return Path(job.build or ".") / "inputs" / f"{job.piece.index:05d}{os.path.splitext(job.piece.source)[1]}"
 
 
 def is_val(i: int, fraction: float) -> bool:
@@ -288,6 +297,8 @@ def encode(job: Job) -> dict[str, Any]:
     done = build / DONE / f"{p.index:05d}.json"
     done.with_suffix(".tmp").write_text(json.dumps(record))
     done.with_suffix(".tmp").replace(done)
+    if storage.is_remote(p.source) and p.kind not in ("text", "jsonl"):
+        input_copy(job).unlink(missing_ok=True)  # encoded: a corpus of objects is not kept whole on local disk
     return record
 
 
