@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -310,3 +311,39 @@ def test_an_attempt_that_restarts_from_step_0_does_not_log_its_steps_twice(tmp_p
     client = MlflowClient(tracking_uri=f"sqlite:///{cfg.run_dir / 'tracking' / 'mlflow.db'}")
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 11))
+
+
+def test_a_tracker_switched_off_while_rows_are_added_back_at_a_resume_leaves_the_others_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume adds back the rows a tracker lacks, one call each: a tracker switched off among them made the next
+    call fail on its name, which stopped the trackers' thread (every tracker off, none finished)."""
+    from mlflow.tracking import MlflowClient
+
+    from aura_hpc.config import load_config
+    from aura_hpc.train.loop import tracker_backends
+    from aura_hpc.train.loop.trackers import Trackers
+
+    cfg = load_config(None, ["tracking.backends=mlflow", "tracking.sqlite_local=false"], output_dir=str(tmp_path / "runs"), run_name="t")
+    cfg.run_dir.mkdir(parents=True)
+    (cfg.run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 21)))
+    real_make = tracker_backends.make
+
+    def make(*args: Any) -> Any:
+        backend = real_make(*args)
+
+        def log(values: dict[str, float], step: int) -> None:
+            raise ConnectionError("503 Service Unavailable")
+
+        backend.log = log
+        return backend
+
+    monkeypatch.setattr(tracker_backends, "make", make)
+    trackers = Trackers(cfg, 20)
+    trackers.start()
+    trackers.log({"loss": 0.01}, 21)
+    trackers.finish()
+    assert not trackers._broken and "mlflow" in trackers._off
+    client = MlflowClient(tracking_uri=f"sqlite:///{cfg.run_dir / 'tracking' / 'mlflow.db'}")
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED"

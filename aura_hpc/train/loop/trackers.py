@@ -190,15 +190,19 @@ class Trackers:
                 off = list(self._off.values())
                 for name in list(self._live):
                     self._call(name, "finish", bool(payload))
-                for backend in off:  # its server may answer again by now; said no more if not
-                    with contextlib.suppress(Exception):
-                        backend.finish(bool(payload))
                 if self.local != self.folder:
                     self._copy_out()
                 self._finished = True
+                # Last: its server may answer again by now (said no more if not), but a wait on it must not cost
+                # the stores their last copy within tracking.finish_wait_s.
+                for backend in off:
+                    with contextlib.suppress(Exception):
+                        backend.finish(bool(payload))
                 return
 
     def _call(self, name: str, method: str, *args: Any) -> None:
+        if name not in self._live:  # switched off meanwhile (a backfill's rows go on calling)
+            return
         try:
             getattr(self._live[name], method)(*args)
             self._failing.pop(name, None)
@@ -211,7 +215,7 @@ class Trackers:
                     log.warning("tracking: %s failed to log step %s (%s); the next rows are tried", name, args[-1], _first_line(exc))
                 return
             log.warning("tracking: %s failed (%s); it is switched off for this run", name, _first_line(exc))
-            self._off[name] = self._live.pop(name)
+            self._off[name] = self._live.pop(name, None)
 
     def _start_all(self, config: dict[str, Any]) -> None:
         from aura_hpc.train.loop import tracker_backends
@@ -262,6 +266,8 @@ class Trackers:
                 continue
             missing = [r for r in rows if last is None or r["step"] > last]
             for row in missing:
+                if name not in self._live:
+                    break
                 self._call(name, "log", scalars(row), row["step"])
             if missing:
                 log.info("tracking: %s had rows up to step %s; %d earlier rows added from metrics.jsonl", name, last, len(missing))
