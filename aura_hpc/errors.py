@@ -30,6 +30,8 @@ EXIT_SCREEN = 78
 EXITING_LINE = "exiting with status "
 # Statuses a restart would end the same way (or that a stop asked for): `--max-restarts` restarts crashes only.
 NOT_RESTARTED = (EXIT_GPU_FAULT, EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_SCREEN, EXIT_DATA_UNAVAILABLE, EXIT_RESUMABLE)
+# What a worker writes as it leaves with one of those (a line of its own: EXITING_LINE's 75 says a checkpoint was written).
+FINAL_LINE = "ending for good with status "
 
 
 # Control, format and line/paragraph-separator characters: they can start a line (in a terminal, a

@@ -404,15 +404,16 @@ def test_a_status_no_restart_changes_ends_the_launch_on_every_node_and_a_strange
         return f"[rank{rank}] 2026-11-30 12:00:00 INFO start rank={rank} local_rank=0 world_size=2 node_rank={rank} host=vm backend=gloo\n"
 
     log1 = tmp_path / "logs" / "rank_1.log"
-    log1.write_text(f"{start(1)}[rank1] 2026-11-29 10:00:00 INFO {errors.EXITING_LINE}3\n")  # the launch before
+    log1.write_text(f"{start(1)}[rank1] 2026-11-29 10:00:00 INFO {errors.FINAL_LINE}3\n")  # the launch before
     attempts: list[str] = []
 
     class Handler:  # torch's handler as far as the agent's restarts go: rendezvous, then again after a failure
         def __init__(self, closed_by_a_peer: bool) -> None:
-            self.closed_by_a_peer = closed_by_a_peer
+            self.closed_by_a_peer, self.calls = closed_by_a_peer, 0
 
         def next_rendezvous(self) -> str:
-            if self.closed_by_a_peer and attempts:
+            self.calls += 1
+            if self.closed_by_a_peer and self.calls > 1:  # the nodes met, then one ended the run and closed it
                 raise RendezvousClosedError("closed")
             attempts.append("rendezvous")
             return "info"
@@ -424,7 +425,7 @@ def test_a_status_no_restart_changes_ends_the_launch_on_every_node_and_a_strange
                     hook(handler, store)
                 handler.next_rendezvous()
                 if not handler.closed_by_a_peer:  # this node's worker: the GPU circuit breaker, then the agent restarts
-                    log1.open("a").write(f"{start(1)}[rank1] 2026-11-30 12:00:09 ERROR GPU 0 faulty\n{errors.EXITING_LINE}76\n")
+                    log1.open("a").write(f"{start(1)}[rank1] 2026-11-30 12:00:09 ERROR GPU 0 faulty\n{errors.FINAL_LINE}76\n")
                 handler.next_rendezvous()
                 attempts.append("restarted")
 
@@ -439,14 +440,24 @@ def test_a_status_no_restart_changes_ends_the_launch_on_every_node_and_a_strange
     assert not stores.HANDLER_HOOKS, "the launch's hook is gone with it"
 
     monkeypatch.setattr(launcher_api, "elastic_launch", elastic_launch(Handler(closed_by_a_peer=True)))
+    attempts.clear()
     with pytest.raises(errors.TrainingFailed) as told:
         agent._launch_once(plan(0), None)  # type: ignore[arg-type]
     said = str(told.value)
     assert told.value.exit_code == errors.EXIT_TRAIN_FAILED and said.startswith("node 1 ended the run with status 76"), said
     assert "GPU circuit breaker" in said and "were not restarted" in said and store.check([f"{final_status.KEY}/read/0"])
 
-    # A stranger who reaches the store writes the key: unsigned, or signed for another store, it is not believed.
-    for forged in ({"code": 76, "node": 1, "mac": "0" * 64}, {"code": 76, "node": 1, "mac": ""}, {"code": "76", "node": 1}):
+    # A stranger who reaches the store writes the key: unsigned, or a word of an earlier store replayed (its stamp
+    # written back too), it is not believed.
+    earlier = final_status.Guard(plan(1), {})
+    earlier.round = "1764400000.0-7"
+    replayed = {"code": 76, "node": 1, "mac": earlier._mac(earlier.round, 76, 1)}
+    for forged in ({"code": 76, "node": 1, "mac": "0" * 64}, {"code": 76, "node": 1, "mac": ""}, {"code": "76", "node": 1}, replayed):
+        guard = final_status.Guard(plan(0), {})
+        guard.wrap(handler := Handler(closed_by_a_peer=True), store)
+        handler.next_rendezvous()  # met: the stamp of this store is read now
         store.set(final_status.KEY, json.dumps(forged))
+        store.set(stores.ROUND_KEY, earlier.round)
         with pytest.raises(RendezvousClosedError):
-            final_status.Guard(plan(0), {}).wrap(handler := Handler(closed_by_a_peer=True), store) or handler.next_rendezvous()
+            handler.next_rendezvous()
+        store.set(stores.ROUND_KEY, "1764500000.0-42")

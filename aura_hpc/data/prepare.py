@@ -12,6 +12,7 @@ next run of the same inputs (shards.py).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -259,16 +260,21 @@ def make_tokenizer(spec: PrepareSpec, pieces: list[shards.Piece], tok_dir: Path)
 
         def sample() -> Iterator[str]:
             for whole in pieces:
-                taken = 0
-                p = shards.head_of(whole, int(share * 1.25) + 4096)  # characters: Spanish text is ~1.05 bytes each
-                for text, _ in shards.piece_texts(
-                    shards.Job(p, str(tok_dir.parent), "", 0, "uint16", spec.val_fraction, spec.text_column, spec.subset, spec.split)
-                ):
-                    if text:
-                        yield text
-                        taken += len(text)
-                    if taken >= share:
+                taken, start = 0, whole.start
+                while taken < share:
+                    # A window at a time: characters of the text are fewer than the bytes that hold them (JSON rows'
+                    # other fields, \uXXXX escapes: a Chinese corpus gave a fifth of its share in one window).
+                    p = shards.head_of(dataclasses.replace(whole, start=start), int(share * 1.25) + 4096)
+                    job = shards.Job(p, str(tok_dir.parent), "", 0, "uint16", spec.val_fraction, spec.text_column, spec.subset, spec.split)
+                    for text, _ in shards.piece_texts(job):
+                        if text:
+                            yield text
+                            taken += len(text)
+                        if taken >= share:
+                            break
+                    if p.end == whole.end:
                         break
+                    start = p.end
 
         tok = train_tokenizer(sample(), spec.vocab_size, tok_dir)
         source = f"byte-level BPE trained here (--vocab-size {spec.vocab_size}, on up to {spec.tokenizer_sample_mb:g} MB of the text)"

@@ -197,6 +197,8 @@ _FORMS = {
 
 def _unreadable(source: str, builder: str, exc: BaseException) -> DataError:
     cause = exc.__cause__ or exc.__context__ if type(exc).__name__ == "DatasetGenerationError" else exc
+    if isinstance(cause, OSError):  # the disk or the permissions, not the format (EIO on NFS, EACCES)
+        return DataError(f"{source!r} could not be read: {_first_line(cause)} (fix: check the file, its permissions and its disk)")
     return DataError(
         f"{source!r} could not be read as {builder}: {_first_line(cause or exc)} (fix: make it {_FORMS.get(builder, f'valid {builder}')})"
     )

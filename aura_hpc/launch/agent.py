@@ -206,9 +206,11 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
     except SignalException as exc:
         return _resumable(plan, exc.sigval.name, stops.poll() if stops is not None else None)
     except final_status.FinalStatus as final:  # a restart would have ended the same way: --max-restarts is for crashes
+        guard.hold()  # node 0: the others learn why from its store
         if final.node is None:
-            guard.hold()
             return _ended(plan, [final.code], {}, since, logs_since)
+        if (what := _tampering(plan)) is not None:  # a stranger's hand in the store: no word read there is taken
+            raise _tampered(plan, what) from None
         return _ended_elsewhere(plan, final)
     except ChildFailedError as exc:
         if (what := _tampering(plan)) is not None:

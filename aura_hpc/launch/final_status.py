@@ -45,6 +45,7 @@ class Guard:
         secret = os.environ.get(stores.SECRET_ENV, "")
         self.key = stores.key_of(secret) if secret else b""
         self.store: Any = None
+        self.round = ""  # node 0's stamp on the store, read once the nodes have met: a later write of it counts for nothing
 
     def __enter__(self) -> Guard:
         stores.HANDLER_HOOKS.append(self.wrap)
@@ -66,9 +67,12 @@ class Guard:
             if not first[0] and (code := worker_logs.not_restarted(self.plan, self.since)) is not None:
                 self._tell(code)
                 raise FinalStatus(code, None)
-            first[0] = False
             try:
-                return real(handler_ref())
+                met = real(handler_ref())
+                if first[0]:
+                    self.round = self._round()
+                first[0] = False
+                return met
             except RendezvousClosedError:
                 told = self._told()
                 if told is not None:
@@ -89,8 +93,13 @@ class Guard:
             return
         node = self.plan.node_rank
         with contextlib.suppress(Exception):  # the others then stop on a closed rendezvous, said less precisely
-            value = {"code": code, "node": node, "mac": self._mac(self._round(), code, node)}
+            value = {"code": code, "node": node, "mac": self._mac(self.round, code, node)}
             self.store.set(KEY, json.dumps(value))
+            self._knows()
+
+    def _knows(self) -> None:
+        """This node knows why the run ended (its own workers said, or another node did): node 0 need not wait for it."""
+        self.store.set(f"{KEY}/read/{self.plan.node_rank}", "1")
 
     def _told(self) -> tuple[int, int] | None:
         """(status, node) another node wrote, when it verifies: anyone who reaches the store can write the key."""
@@ -102,15 +111,15 @@ class Guard:
             value = json.loads(self.store.get(KEY)[:256])
             code, node = value["code"], value["node"]
             ok = type(code) is int and code in NOT_RESTARTED and type(node) is int and 0 <= node < self.plan.nnodes
-            if not ok or not hmac.compare_digest(str(value["mac"]), self._mac(self._round(), code, node)):
+            if not ok or not self.round or not hmac.compare_digest(str(value["mac"]), self._mac(self.round, code, node)):
                 return None
-            self.store.set(f"{KEY}/read/{self.plan.node_rank}", "1")
+            self._knows()
             return code, node
         except Exception:  # a store gone, a value that is not ours
             return None
 
     def hold(self) -> None:
-        """Node 0, whose workers ended the run: its store stays up until every other node read why (or READ_WAIT_S)."""
+        """Node 0, the store's host: it stays up until every other node knows why the run ended (or READ_WAIT_S)."""
         if self.plan.node_rank != 0 or self.plan.nnodes == 1 or self.store is None:
             return
         keys = [f"{KEY}/read/{n}" for n in range(1, self.plan.nnodes)]

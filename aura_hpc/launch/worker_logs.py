@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from aura_hpc.errors import EXIT_USER_ERROR, EXITING_LINE, NOT_RESTARTED
+from aura_hpc.errors import EXIT_USER_ERROR, EXITING_LINE, FINAL_LINE, NOT_RESTARTED
 
 Offsets = dict[str, int]  # a rank log's name -> its size when a launch began
 
@@ -83,7 +83,7 @@ def not_restarted(plan: Any, since: Offsets) -> int | None:
     logged = set()
     for path in node_logs(plan):
         for line in tail(path, start=since.get(path.name, 0)) or []:
-            code = line.rpartition(EXITING_LINE)[2] if EXITING_LINE in line else ""
+            code = line.rpartition(FINAL_LINE)[2] if FINAL_LINE in line else ""
             if code.isdigit():
                 logged.add(int(code))
     return next((c for c in NOT_RESTARTED if c in logged), None)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import torch._dynamo  # noqa: F401  (every optimizer imports it on its first parameter group: here, where the entry points import unscanned)
 
 from aura_hpc.config import load_run_file
-from aura_hpc.errors import EXIT_TRAIN_FAILED, EXITING_LINE, NOT_RESTARTED, AuraError
+from aura_hpc.errors import EXIT_TRAIN_FAILED, EXITING_LINE, FINAL_LINE, NOT_RESTARTED, AuraError, LaunchError
 from aura_hpc.ops.disk import disk_full, disk_of
 from aura_hpc.train.checkpoint import background
 from aura_hpc.train.process import distributed, progress, worker_log
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
     except AuraError as exc:
         worker_log.setup(None, env.rank)
         log.error("%s", exc)
-        return _exiting(exc.exit_code)
+        return _for_good(_exiting(exc.exit_code), exc)
     # Deprecation notices that DeepSpeed's calls into torch.distributed raise on every rank, every run:
     # nothing the user can act on.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
     except AuraError as exc:
         worker_log.setup(cfg.run_dir / "logs", env.rank)
         log.error("%s", exc)
-        return _exiting(exc.exit_code)
+        return _for_good(_exiting(exc.exit_code), exc)
     worker_log.mark_stderr(f"[rank{env.rank}]: {worker_log.JOINED}{env.local_rank}")  # before any NCCL group
     stream = ProgressAwareHandler(sys.stdout) if env.is_main else None
     worker_log.setup(cfg.run_dir / "logs", env.rank, stream)
@@ -114,11 +114,10 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
         try:
             status = trainer.run()
             page.enter("finished")
-            # A status no restart changes (the breaker, the screen, unreachable data...): said where the launcher reads it.
-            return _exiting(status) if status in NOT_RESTARTED else status
+            return _for_good(status)
         except AuraError as exc:
             log.error("%s", exc)
-            return _exiting(exc.exit_code)
+            return _for_good(_exiting(exc.exit_code), exc)
         except Exception as exc:
             peer = lost_peer(exc) if isinstance(exc, RuntimeError) else None
             if peer is None:
@@ -147,6 +146,15 @@ def _exiting(code: int) -> int:
     """`code`, noted in the rank's log file: a launcher that loses node 0 at the same moment still tells
     a worker's own refusal (status 2, its reason logged just before) from a lost master."""
     worker_log.to_file_only(f"{EXITING_LINE}{code}", exc_info=False)
+    return code
+
+
+def _for_good(code: int, exc: BaseException | None = None) -> int:
+    """`code`; one no restart changes (the breaker, the screen, a refused input, unreachable data, a stop) is said
+    in the log for the launcher, which then restarts none (launch/final_status.py). Not a LaunchError: a rank
+    that did not report in time or could not connect may well join on a restart."""
+    if code in NOT_RESTARTED and not isinstance(exc, LaunchError):
+        worker_log.to_file_only(f"{FINAL_LINE}{code}", exc_info=False)
     return code
 
 

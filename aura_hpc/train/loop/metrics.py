@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ class MetricsWriter:
         self.mfu_scale = mfu_scale  # model FLOPs utilisation per token/s, where the GPU's peak is known
         self.drop_rows_after(resume_step)
         self._tb: Any = None
+        self._tb_lock = threading.Lock()  # the monitor thread's samples against a writer being replaced or closed
         self.trackers: Any = None
         if cfg is not None:
             from aura_hpc.config.tracking import backends
@@ -48,9 +50,10 @@ class MetricsWriter:
     def rolled_back(self, step: int) -> None:
         """Back to a checkpoint's `step` mid-run: the steps after it are redone, so what was logged for them goes."""
         self.drop_rows_after(step)
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = self._tensorboard(step)
+        with self._tb_lock:  # a sample added to the closed writer made torch open a stray event file
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = self._tensorboard(step)
 
     def _section(self, section: str, step: int) -> None:
         if section == "checkpoint" and self.trackers is not None:
@@ -99,15 +102,16 @@ class MetricsWriter:
             from aura_hpc.train.loop.trackers import scalars
 
             self.trackers.log(scalars(row, "resources/"), step)
-        if self._tb is None:
-            return
-        for k, v in row.items():
-            if k not in ("time",) and isinstance(v, (int, float)) and math.isfinite(v):
-                self._tb.add_scalar(f"resources/{k}", v, step)
-        for g in row.get("gpus", []):
-            for k, v in g.items():
-                if k != "index" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(f"gpu{g.get('index', 0)}/{k}", v, step)
+        with self._tb_lock:
+            if self._tb is None:
+                return
+            for k, v in row.items():
+                if k not in ("time",) and isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(f"resources/{k}", v, step)
+            for g in row.get("gpus", []):
+                for k, v in g.items():
+                    if k != "index" and isinstance(v, (int, float)) and math.isfinite(v):
+                        self._tb.add_scalar(f"gpu{g.get('index', 0)}/{k}", v, step)
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self._tb is not None:
@@ -119,13 +123,14 @@ class MetricsWriter:
         run ends on an error."""
         # Each part on its own: a full disk failing TensorBoard's flush must not cost the trackers their end,
         # nor the run its own exit status and line.
-        for part, close in (("metrics.jsonl", self._file.close), ("TensorBoard", self._tb.close if self._tb is not None else None)):
+        with self._tb_lock:
+            tb, self._tb = self._tb, None
+        for part, close in (("metrics.jsonl", self._file.close), ("TensorBoard", tb.close if tb is not None else None)):
             try:
                 if close is not None:
                     close()
             except Exception as exc:
                 log.warning("%s could not be closed (%s)", part, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
-        self._tb = None
         if self.trackers is not None:
             trackers, self.trackers = self.trackers, None
             try:
