@@ -215,7 +215,8 @@ class Trackers:
                     log.warning("tracking: %s failed to log step %s (%s); the next rows are tried", name, args[-1], _first_line(exc))
                 return
             log.warning("tracking: %s failed (%s); it is switched off for this run", name, _first_line(exc))
-            self._off[name] = self._live.pop(name, None)
+            if (backend := self._live.pop(name, None)) is not None:
+                self._off[name] = backend
 
     def _start_all(self, config: dict[str, Any]) -> None:
         from aura_hpc.train.loop import tracker_backends
