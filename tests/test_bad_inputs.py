@@ -129,6 +129,19 @@ ROWS = [
     Row("unknown key", ["local", "--set", "train.lrr=1"], "unknown config key 'train.lrr': did you mean 'train.lr'?"),
     Row("misspelt key in a file", ["local", "--config", "{tmp}/typo.yaml"], "unknown config key 'train.max_step'", _files),
     Row("unknown section", ["local", "--set", "optim.lr=1"], "unknown config key 'optim.lr'"),
+    # A key put in another section (the commonest slip) was "unknown" with no hint.
+    Row(
+        "a key of another section",
+        ["local", "--set", "train.seq_len=512"],
+        "unknown config key 'train.seq_len': did you mean 'data.seq_len'?",
+    ),
+    Row("checkpoint every -1 s", ["local", "--set", "train.checkpoint_every_s=-1"], "train.checkpoint_every_s must be"),
+    Row("check reads the config", ["check", "--set", "train.lrr=1"], "unknown config key 'train.lrr': did you mean 'train.lr'?"),
+    Row(
+        "memory in megabytes",
+        ["submit", "--mem", "64", "--output-dir", "{tmp}/runs", "--dry-run"],
+        "slurm.mem 64 is 64 megabytes to Slurm (fix: --mem 64G",
+    ),
     # A whole section, or a key without its section: a traceback before (AttributeError: 'str' object has no attribute 'get').
     Row("a whole section", ["local", "--set", "model=x"], "--set model=... names a whole section (fix: one key of it, --set model.NAME"),
     Row("a key without its section", ["local", "--set", "lr=3e-4"], "unknown config key 'lr' (fix: --set train.lr=..."),
@@ -146,7 +159,7 @@ ROWS = [
     Row("bad backend value", ["local", "--set", "dist.backend=mpi"], "dist.backend must be one of auto, nccl, gloo"),
     Row("unknown preset", ["local", "--config", "gpt9"], "config 'gpt9' is neither a file nor a shipped preset"),
     Row("invalid YAML", ["local", "--config", "{tmp}/broken.yaml"], "is not valid YAML", _files),
-    Row("bad run name", ["local", "--run-name", "../x"], "run_name '../x' must be letters"),
+    Row("bad run name", ["local", "--run-name", "../x"], "run_name '../x' must be ASCII letters"),
     Row("--set without =", ["local", "--set", "train.lr"], "is not KEY=VALUE"),
     Row("selftest with nothing to run", ["selftest", "--cpu", "--strategies", ",", "--no-bench"], "selftest has nothing to run"),
     Row(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -199,3 +201,28 @@ def test_a_prune_killed_mid_delete_leaves_no_checkpoint_that_says_it_is_complete
         files.prune(tmp_path, keep_last=1)
     assert [c.step for c in files.list_complete(tmp_path)] in ([30, 10], [30]), files.list_complete(tmp_path)
     assert not (tmp_path / "step_00000020" / files.MARKER).exists()
+
+
+def test_a_consolidation_that_safetensors_cannot_write_is_one_line_and_leaves_the_checkpoint_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """safetensors says a failed write (a file-size limit, EIO) with its own error, not OSError: `generate` showed
+    a traceback and the part file's fate was unsaid."""
+    import safetensors
+    import safetensors.torch
+
+    from aura_hpc.errors import CheckpointError
+    from aura_hpc.train.checkpoint import consolidate
+
+    ckpt = tmp_path / "step_00000004"
+    (ckpt / "model").mkdir(parents=True)
+    marker = json.dumps({"files": {}})
+    (ckpt / checkpoint.MARKER).write_text(marker)
+
+    def too_large(*_args: Any, **_kwargs: Any) -> None:
+        raise safetensors.SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", too_large)
+    with pytest.raises(CheckpointError, match=r"could not write the full weights into checkpoint step_00000004 \(Error while .*too large"):
+        consolidate._commit(ckpt, {"w": torch.zeros(2)})
+    assert (ckpt / checkpoint.MARKER).read_text() == marker and sorted(p.name for p in ckpt.rglob("*")) == ["COMPLETE.json", "model"]

@@ -267,6 +267,20 @@ def test_a_refusal_of_local_on_a_machine_without_gpus_imports_no_torch(tmp_path:
         assert "TORCH False" in r.stdout, r.stdout
 
 
+def test_a_worker_or_a_check_refuses_a_misspelt_setting_before_importing_torch(tmp_path: Path) -> None:
+    """`worker` imported torch (seconds) before it read --set; `check` on one machine never read --config or --set."""
+    code = (
+        "import sys\n"
+        "from aura_hpc.cli import main\n"
+        "print('EXIT', main(['worker', '--server', '127.0.0.1', '--set', 'train.lrr=1', '--output-dir', sys.argv[1]]))\n"
+        "print('EXIT', main(['check', '--set', 'train.lrr=1']))\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.stdout.count("EXIT 2") == 2 and r.stderr.count("unknown config key 'train.lrr'") == 2, r.stdout + r.stderr
+    assert "TORCH False" in r.stdout, r.stdout
+
+
 def test_generate_refuses_its_arguments_and_a_run_without_checkpoints_without_importing_torch(tmp_path: Path) -> None:
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     code = (
@@ -387,3 +401,12 @@ def test_the_settings_every_rank_compares_include_the_sample_order_and_leave_out
     other = RunConfig()
     other.data.shuffle_window, other.data.path, other.data.cache_dir = 2, "/elsewhere", "/scratch"
     assert [k for k in settings if settings[k] != _shared_settings(other)[k]] == ["data.shuffle_window"]
+
+
+def test_an_auto_true_false_setting_takes_the_words_a_boolean_setting_takes() -> None:
+    """YAML's `compile: True` was taken; --set train.compile=yes (or True, on, 1) was refused with the fix `=auto`."""
+    for word, meant in [("yes", "true"), ("True", "true"), ("on", "true"), ("1", "true"), ("off", "false"), ("no", "false")]:
+        cfg = load_config("tiny", [f"train.compile={word}", f"train.fused_optimizer={word}", f"tracking.sqlite_local={word}"])
+        assert (cfg.train.compile, cfg.train.fused_optimizer, cfg.tracking.sqlite_local) == (meant, meant, meant), word
+    with pytest.raises(ConfigError, match=r"train.compile must be one of auto, true, false, got 'maybe'"):
+        load_config("tiny", ["train.compile=maybe"])

@@ -179,3 +179,15 @@ def test_the_first_host_of_a_slurm_nodelist_without_scontrol() -> None:
     cases = {"n1": "n1", "n[1-4]": "n1", "gpu[007-012,020],cpu3": "gpu007", "a-b[01-02]-ib": "a-b01-ib", "r[1-2]-n[3-4]": "r1-n3"}
     for nodelist, first in cases.items():
         assert first_host_of(nodelist) == first, nodelist
+    # The worker's second host (where rank 0's store must be reachable from): the text after a bracket was lost,
+    # so node[1-2]-ib gave node1, node2 and rank 0 bound its store to a name that was not a node.
+    from aura_hpc.train.process.dist_env import hostnames
+
+    seconds = {"node[1-2]-ib": "node2-ib", "rack[1-2]-node[01-04]": "rack1-node02", "gpu[007],cpu3": "cpu3", "n[9-10]": "n10"}
+    for nodelist, second in seconds.items():
+        assert hostnames(nodelist)[1] == second, nodelist
+    # The job's rendezvous port is never torchrun's or c10d's default, where other jobs on a shared node listen.
+    from aura_hpc.slurm.job import rendezvous_port
+
+    ports = {rendezvous_port(job, restarts) for job in range(18000, 19000) for restarts in (0, 1)}
+    assert ports and not any(29400 <= port < 29600 for port in ports)

@@ -624,6 +624,38 @@ def test_keep_last_plus_best_by_validation_loss(tmp_path: Path) -> None:
     assert [c.step for c in checkpoint.list_complete(tmp_path)] == [5, 4, 2]
     best = checkpoint.best(tmp_path)
     assert best is not None and best.step == 2
+    # A NaN validation loss (an overflowing evaluation with finite weights) compared less than nothing: the newest
+    # checkpoint became "best" and step 2, the real best, was pruned.
+    for step in (6, 7):
+        checkpoint.save(tmp_path, step, model, {}, {"step": step, "eval_loss": float("nan")}, None, "", keep_last=2)
+    assert [c.step for c in checkpoint.list_complete(tmp_path)] == [7, 6, 2]
+    assert (best := checkpoint.best(tmp_path)) is not None and best.step == 2
+
+
+def test_a_storage_that_fails_a_read_at_resume_sets_nothing_aside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EIO (or ESTALE, or a permission) while a resume checked the checkpoints moved good ones aside as corrupt;
+    with all of them read so, the advice was to start again from step 0."""
+    import errno
+
+    from aura_hpc.errors import CheckpointError
+    from aura_hpc.train.checkpoint import files
+    from aura_hpc.train.model.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2))
+    for step in (1, 2):
+        checkpoint.save(tmp_path, step, model, {}, {"step": step}, None, "", keep_last=3)
+
+    def blip(path: Path) -> str:
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    monkeypatch.setattr(files, "_sha256", blip)
+    with pytest.raises(
+        CheckpointError, match=r"checkpoint step_00000002 could not be checked: the storage could not read it: Input/output"
+    ):
+        checkpoint.newest_valid(tmp_path)
+    monkeypatch.undo()
+    assert [c.step for c in checkpoint.list_complete(tmp_path)] == [2, 1] and not list(tmp_path.glob("corrupt-*"))
+    assert (newest := checkpoint.newest_valid(tmp_path)) is not None and newest.step == 2
 
 
 def test_prune_leaves_a_linked_folder_and_damaged_markers_or_files_gone_mid_read_are_said(tmp_path: Path) -> None:

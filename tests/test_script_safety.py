@@ -129,6 +129,12 @@ def test_one_line_refusals_name_the_character(tmp_path: Path) -> None:
         plan_submit(None, [], str(tmp_path / "o\u2028x"), None, {})
     with pytest.raises(ConfigError, match=r"contains '%', which Slurm expands"):
         plan_submit(None, [], str(tmp_path / "100%"), None, {})
+    # sbatch drops a backslash from an #SBATCH value even inside quotes (job name 'exp\\1 lr' ran as 'exp1 lr':
+    # `cancel` then took the job for another one); refused, never sent changed.
+    with pytest.raises(ConfigError, match=r"slurm\.job_name 'exp\\\\1' contains a backslash, which sbatch would drop .*\(fix: remove it\)"):
+        plan_submit(_yaml_file(tmp_path, "slurm.job_name", "exp\\1"), [], str(tmp_path), None, {})
+    with pytest.raises(ConfigError, match=r"contains a backslash"):
+        plan_submit(None, [], str(tmp_path / "a\\b"), None, {})
 
 
 def test_a_prompt_may_hold_newlines(tmp_path: Path) -> None:

@@ -339,3 +339,22 @@ def test_a_late_portion_of_a_meeting_is_waited_for_in_the_meeting_on_the_host() 
     assert events["late"] == [False, ["meeting", "host wait in meeting", "step"]], events
     assert events["in time"] == [True, [], 3.0], events
     assert events["last"] == [True, ["meeting", "host wait in meeting", "step"], 3], events
+
+
+def test_diloco_resumed_from_a_checkpoint_without_an_outer_state_meets_from_its_weights(tmp_path: Path) -> None:
+    """A DDP checkpoint resumed under DiLoCo (a warm start, as the paper's): the anchor stayed the weights the model
+    was built with, and the first meeting moved every replica by the whole training so far again."""
+    from aura_hpc.config.tree import DistConfig
+    from aura_hpc.train.checkpoint.diloco_files import load_all
+    from aura_hpc.train.model.gpt import GPT, GPTConfig
+    from aura_hpc.train.strategies.diloco import DilocoWrapped
+
+    model = GPT(GPTConfig(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    wrapped = DilocoWrapped(model, model, DistConfig(strategy="diloco"), [[0]], 0, None, None)
+    wrapped.outer.state[wrapped.anchor[0]]["momentum_buffer"] = torch.ones_like(wrapped.anchor[0])
+    with torch.no_grad():  # the checkpoint's weights, as Checkpointer.load copies them in
+        for p in model.parameters():
+            p.add_(1.0)
+    load_all(wrapped, None, tmp_path, "step_00000010", {"world_size": 1}, {"scheduler": {}}, 0, 1)
+    assert all(torch.equal(a, p.detach().float()) for a, p in zip(wrapped.anchor, model.parameters(), strict=True))
+    assert not wrapped.outer.state

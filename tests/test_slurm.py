@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -416,6 +417,43 @@ def test_a_requeue_where_the_slurm_client_is_missing_is_a_reason_not_a_crash(tmp
     assert said is not None and "scontrol could not be run" in said and "lack the Slurm client" in said, said
 
 
+_TASK_START_UP = """
+import json, os, signal, sys, types
+signal.signal(signal.SIGUSR2, lambda *a: sys.exit(99))  # submitit's handler, which ruled a task's start-up
+os.environ.update(SLURM_JOB_ID="7", SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_JOB_NODELIST="n[1-2]-ib", RANK="0", WORLD_SIZE="1")
+import aura_hpc.train
+from aura_hpc.slurm import job
+
+def main(argv, why_not):
+    from aura_hpc.train.process.dist_env import DistEnv
+    from aura_hpc.train.process.stop import StopRequest
+    env = DistEnv.from_environ()
+    os.kill(os.getpid(), signal.SIGUSR2)  # the pre-timeout signal, while the rank is still starting
+    stop = StopRequest()
+    stop.install()
+    later = StopRequest()
+    later.install()
+    print(json.dumps({"rank": env.rank, "launcher": env.launcher, "stop": stop.signal_name, "later": later.signal_name}))
+    return 0
+
+fake = types.ModuleType("aura_hpc.train.worker")
+fake.main = main
+sys.modules["aura_hpc.train.worker"] = aura_hpc.train.worker = fake
+job._start_watchdog = lambda *a: None
+job.first_node = lambda nodelist: "n1-ib"
+print(job.TrainJob("/nowhere/config.yaml")())
+"""
+
+
+def test_a_signal_during_a_tasks_start_up_is_the_trainers_and_torchrun_variables_from_the_shell_are_not_read() -> None:
+    """Until the trainer installed its handlers, submitit's ruled: a pre-timeout USR2 failed the job or requeued it
+    outside slurm.max_requeues. sbatch passes the submitting shell's RANK/WORLD_SIZE on, and every task took rank 0."""
+    done = subprocess.run([sys.executable, "-c", _TASK_START_UP], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = json.loads(done.stdout.splitlines()[-2])
+    assert seen == {"rank": 1, "launcher": "slurm", "stop": "SIGUSR2", "later": None}, seen
+
+
 def test_a_second_local_in_one_allocation_is_refused_and_a_requeued_attempt_takes_the_lock(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -523,6 +561,15 @@ def test_status_and_history_read_sweep_elements_and_names_with_a_pipe_as_slurm_h
             break
         time.sleep(1)
     assert done == dict.fromkeys(elements, "CANCELLED"), res.stdout
+    # The array's id once its elements left the queue (after MinJobAge: a squeue that no longer has them) read
+    # "unknown to squeue and sacct".
+    forgot = tmp_path / "forgetful"
+    forgot.mkdir()
+    (forgot / "squeue").write_text("#!/bin/sh\nexit 0\n")
+    (forgot / "squeue").chmod(0o755)
+    gone = run_cli(["status", "--json", array], PATH=f"{forgot}:{os.environ['PATH']}")
+    assert gone.returncode == 0, gone.stderr
+    assert {r["job_id"]: r["state"] for r in json.loads(gone.stdout)["jobs"]} == dict.fromkeys(elements, "CANCELLED"), gone.stdout
     assert others and not any(r.get("name") == plain for r in json.loads(res.stdout)["jobs"]), every.stdout
     _a_node_failure_requeues_one_job_in_history(tmp_path, since)
 
@@ -563,6 +610,26 @@ def _a_node_failure_requeues_one_job_in_history(tmp_path: Path, since: str) -> N
     while "n4" not in subprocess.run(["sinfo", "-h", "-t", "idle,mix,alloc", "-o", "%N", "-N"], capture_output=True, text=True).stdout:
         assert time.monotonic() < deadline, "n4 did not come back"
         time.sleep(1)
+
+
+def test_a_cancel_during_a_stop_is_not_undone_by_the_requeue(slurm_cluster: Path, tmp_path: Path) -> None:
+    """A cancel that lands after the pre-timeout signal (or with slurm.signal=TERM, which scancel sends): rank 0
+    requeued the job while its processes were still stopping, and Slurm put the cancelled job back in the queue."""
+    from aura_hpc.slurm.job import TrainJob
+
+    sub = ["sbatch", "--parsable", "--requeue", "--job-name", f"cancelled {tmp_path.name}", "--wrap", "trap '' TERM; sleep 120"]
+    job = subprocess.run(sub, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip()
+    try:
+        deadline = time.monotonic() + 60
+        while "RUNNING" not in subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline, "the job never started"
+            time.sleep(0.5)
+        subprocess.run(["scancel", job], check=True)
+        assert TrainJob(str(tmp_path / "config.yaml"))._requeue(int(job), 0) is False
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+        assert "Restarts=0" in shown and "JobState=PENDING" not in shown, shown
+    finally:
+        subprocess.run(["scancel", job], check=False)
 
 
 def test_cancel_stops_a_running_job(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:

@@ -140,16 +140,50 @@ def test_both_spellings_of_the_size_flags_and_close_flags_suggested(tmp_path: Pa
 
 
 def test_a_profiles_node_range_is_planned_and_a_value_it_cannot_plan_with_names_its_line(tmp_path: Path) -> None:
-    """sbatch's --nodes=2-4 in a profile was refused, and a typed GPU count's message read "fix: --set #SBATCH in
-    prof.sh: gpus_per_node=<int>", no command at all."""
+    """sbatch's --nodes=2-4 in a profile was refused, and a value aura_hpc cannot plan with had a message that read
+    "fix: --set #SBATCH in prof.sh: gpus_per_node=<int>", no command at all."""
     prof = tmp_path / "site.sh"
     prof.write_text("#SBATCH --nodes=2-4\n#SBATCH --gpus-per-node=8\n")
     ranged = run_cli(["submit", "--cluster", str(prof), "--output-dir", str(tmp_path / "runs"), "--dry-run"])
     assert ranged.returncode == 0 and "#SBATCH --nodes=2-4" in ranged.stdout, ranged.stdout + ranged.stderr
-    prof.write_text("#SBATCH --gpus-per-node=h100:8\n")
-    typed = run_cli(["submit", "--cluster", str(prof), "--output-dir", str(tmp_path / "runs"), "--dry-run"])
-    expected = f"cluster profile {prof}: #SBATCH --gpus-per-node=h100:8 is not a count aura_hpc can plan with"
-    assert typed.returncode == 2 and expected in typed.stderr and "--set slurm.gpus_per_node=" in typed.stderr, typed.stderr
+    prof.write_text("#SBATCH --cpus-per-task=lots\n")
+    bad = run_cli(["submit", "--cluster", str(prof), "--output-dir", str(tmp_path / "runs"), "--dry-run"])
+    expected = f"cluster profile {prof}: #SBATCH --cpus-per-task=lots is not a count aura_hpc can plan with"
+    assert bad.returncode == 2 and expected in bad.stderr and "--set slurm.cpus_per_task=" in bad.stderr, bad.stderr
+
+
+def test_gpus_asked_in_any_of_sbatchs_ways_plan_one_task_per_gpu_and_every_option_of_a_line_is_kept(tmp_path: Path) -> None:
+    """A profile's --gres=gpu:8 (the commonest site form) was passed through while the plan saw no GPU: the job got
+    16 GPUs and trained on one per node (1 task per node, NCCL on cuda:0). A typed count (h100:8) was refused with
+    advice (--constraint) that selects node features, not GPU types; a line's second option was dropped."""
+    prof = tmp_path / "site.sh"
+    out = str(tmp_path / "runs")
+    prof.write_text("#SBATCH --partition=gpu --account=proj42\n#SBATCH --gres=gpu:h100:8,nvme:1\n#SBATCH --exclusive --qos=high\n")
+    planned = run_cli(["submit", "--cluster", str(prof), "--nodes", "2", "--output-dir", out, "--dry-run"])
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    lines = set(_script(planned.stdout).splitlines())
+    expected = {"#SBATCH --gpus-per-node=h100:8", "#SBATCH --ntasks-per-node=8", "#SBATCH --gres=nvme:1", "#SBATCH --account=proj42"}
+    assert expected | {"#SBATCH --partition=gpu", "#SBATCH --qos=high", "#SBATCH --exclusive"} <= lines, planned.stdout
+    assert "tasks: 2 node(s) x 8 task(s) = world size 16" in planned.stdout
+    # The CLI's count keeps the profile's type; the CLI's type wins over it.
+    four = run_cli(["submit", "--cluster", str(prof), "--gpus", "a100:4", "--output-dir", out, "--dry-run"])
+    assert "#SBATCH --gpus-per-node=a100:4" in four.stdout and "#SBATCH --ntasks-per-node=4" in four.stdout, four.stdout + four.stderr
+    prof.write_text("#SBATCH --gres=gpu:4\n")
+    untyped = run_cli(["submit", "--cluster", str(prof), "--output-dir", out, "--dry-run"])
+    assert "#SBATCH --gpus-per-node=4" in untyped.stdout and "--gres" not in _script(untyped.stdout), untyped.stdout + untyped.stderr
+    for line, option in [("#SBATCH --gpus=16", "--gpus"), ("#SBATCH --time=10 --gpus-per-task=1", "--gpus-per-task")]:
+        prof.write_text(line + "\n")
+        refused = run_cli(["submit", "--cluster", str(prof), "--output-dir", out, "--dry-run"])
+        assert refused.returncode == 2 and f"#SBATCH {option} is not how aura_hpc asks for GPUs" in refused.stderr, refused.stderr
+        assert "fix: write #SBATCH --gpus-per-node=[TYPE:]N" in refused.stderr and "Traceback" not in refused.stderr
+    prof.write_text("#SBATCH --partition=gpu --ntasks-per-node=4\n")
+    reserved = run_cli(["submit", "--cluster", str(prof), "--output-dir", out, "--dry-run"])
+    assert reserved.returncode == 2 and "#SBATCH --ntasks-per-node is set by aura_hpc itself" in reserved.stderr, reserved.stderr
+    bad = run_cli(["submit", "--gpus", "eight", "--output-dir", out, "--dry-run"])
+    assert bad.returncode == 2 and "--gpus 'eight' is not a GPU count (fix: --gpus 8, or --gpus h100:8" in bad.stderr, bad.stderr
+    # bash leaves `~` after `=` alone: `local` expanded it, `submit` said "not an absolute path".
+    home = run_cli(["submit", "--output-dir=~/runs", "--dry-run"], HOME=str(tmp_path))
+    assert home.returncode == 0 and f"run directory: {tmp_path}/runs/" in home.stdout, home.stdout + home.stderr
 
 
 def test_a_missing_module_is_said_in_the_job_log(tmp_path: Path) -> None:

@@ -8,6 +8,10 @@ import argparse
 def cmd_check(a: argparse.Namespace) -> int:
     import math
 
+    from aura_hpc.config import load_config
+
+    # Read first, on one machine too: a typo in --config or --set was ignored there and the report said all was well.
+    run_config = load_config(a.config, a.overrides)
     from aura_hpc.ops import check
 
     if not (math.isfinite(a.timeout) and a.timeout > 0):  # nan passed every comparison: "within nans"
@@ -32,10 +36,7 @@ def cmd_check(a: argparse.Namespace) -> int:
         a.nnodes, a.node_rank, a.master_addr, a.master_port, a.backend, a.shared_dir, a.timeout, a.sizes_mb, a.ifname
     )
     if cluster is not None and cluster.nnodes > 1:
-        from aura_hpc.config import load_config
-
-        # The model and batch the link advice is for: what the user will train.
-        cluster.run_config = load_config(a.config, a.overrides)
+        cluster.run_config = run_config  # the model and batch the link advice is for: what the user will train
     if cluster is not None and cluster.nnodes > 1:
         from aura_hpc import console
         from aura_hpc.ops.network import is_trusted_range

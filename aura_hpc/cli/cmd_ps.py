@@ -77,11 +77,12 @@ def cmd_worker(a: argparse.Namespace) -> int:
     from aura_hpc.train.process import worker_log
     from aura_hpc.train.process.startup_gc import imports_unscanned
 
+    # The config and the secret first: a typo in --set was said after torch's import (seconds), not at once.
+    cfg = load_ps_config(a.config, a.overrides, a.output_dir, a.run_name, None, None)
+    key = auth.key_of(auth.worker_secret(a.secret_file))
     with imports_unscanned():
         from aura_hpc.ps.worker import PsWorker, parse_server
 
-    cfg = load_ps_config(a.config, a.overrides, a.output_dir, a.run_name, None, None)
-    key = auth.key_of(auth.worker_secret(a.secret_file))
     addr, port = parse_server(a.server, cfg.ps.port)
     if a.worker_rank is not None and a.worker_rank < 1:
         from aura_hpc.errors import LaunchError

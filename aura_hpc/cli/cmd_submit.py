@@ -12,10 +12,12 @@ def cmd_submit(a: argparse.Namespace) -> int:
     from aura_hpc.slurm.plan import describe, plan_submit
 
     least, most = _node_range(a.nodes)
+    gpu_type, gpus = _gpus(a.gpus)
     flags = {
         "nodes": most,
         "min_nodes": least,
-        "gpus_per_node": a.gpus,
+        "gpus_per_node": gpus,
+        "gpu_type": gpu_type,
         "cpus_per_task": a.cpus_per_task,
         "mem": a.mem,
         "time": a.time,
@@ -105,7 +107,13 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         dest="nodes",
         help="number of nodes, or MIN:MAX: the job starts on as many as Slurm gives between them (spares to leave a bad node out)",
     )
-    p.add_argument("--gpus", "--nproc-per-node", dest="gpus", type=int, help="GPUs per node; one task per GPU (0: a CPU job with gloo)")
+    p.add_argument(
+        "--gpus",
+        "--nproc-per-node",
+        dest="gpus",
+        metavar="[TYPE:]N",
+        help="GPUs per node, e.g. 8 or h100:8 (a typed gres); one task per GPU (0: a CPU job with gloo)",
+    )
     p.add_argument("--cpus-per-task", type=int, help="CPUs per task (rank)")
     p.add_argument("--mem", help="memory per node, e.g. 64G (0 = all)")
     p.add_argument("--time", help="time limit: minutes, HH:MM:SS or D-HH:MM:SS")
@@ -130,6 +138,20 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--wait", action="store_true", help="block until the job ends; the exit status is the job's")
     p.add_argument("--follow", action="store_true", help="like --wait, streaming rank 0's log")
     p.set_defaults(func=cmd_submit)
+
+
+def _gpus(given: str | None) -> tuple[str | None, int | None]:
+    """--gpus 8 or h100:8 (sbatch's --gpus-per-node=TYPE:N) -> (type or None, count or None)."""
+    if given is None:
+        return None, None
+    import re
+
+    from aura_hpc.errors import ConfigError
+
+    m = re.fullmatch(r"(?:([A-Za-z0-9_.-]+):)?(\d+)", given.strip())
+    if m is None:
+        raise ConfigError(f"--gpus {given!r} is not a GPU count (fix: --gpus 8, or --gpus h100:8 for a GPU type of the cluster's gres)")
+    return m.group(1), int(m.group(2))
 
 
 def _node_range(given: str | None) -> tuple[int | None, int | None]:

@@ -9,10 +9,12 @@ from aura_hpc.errors import ConfigError, shown
 
 
 def validate_health(h: HealthConfig) -> None:
-    if h.monitor_interval_s < 0 or h.breaker_interval_s <= 0:
+    if h.monitor_interval_s < 0:
         raise ConfigError(
-            "health.monitor_interval_s must be >= 0 and health.breaker_interval_s > 0 (fix: --set health.breaker_interval_s=5)"
+            f"health.monitor_interval_s must be 0 (off) or more, got {h.monitor_interval_s} (fix: --set health.monitor_interval_s=10)"
         )
+    if h.breaker_interval_s <= 0:
+        raise ConfigError(f"health.breaker_interval_s must be above 0, got {h.breaker_interval_s} (fix: --set health.breaker_interval_s=5)")
     if not 0 <= h.temp_margin_c <= 20 or h.throttle_samples < 1:
         # A margin of 30 C (for 3.0) opened the breaker on every healthy GPU: exit 76, "drain the node".
         raise ConfigError(

@@ -14,7 +14,7 @@ import yaml
 
 from aura_hpc.config import strict_yaml
 from aura_hpc.config.checks import check_text_value, line_breaking, validate
-from aura_hpc.config.tree import SECTIONS, TOP_LEVEL, RunConfig
+from aura_hpc.config.tree import CHOICES, SECTIONS, TOP_LEVEL, RunConfig
 from aura_hpc.errors import ConfigError, one_line, shown
 
 # Keys resolved relative to the config file they appear in.
@@ -51,15 +51,23 @@ def _unknown_key(key: str, valid: list[str]) -> ConfigError:
     if len(key) > 60 or not key.isprintable():
         return ConfigError(f"unknown config key {shown(key)} (fix: see every key with `{LIST_KEYS}`)")
     section, _, name = key.rpartition(".")
-    if section in SECTIONS:  # a known section: compare the name with that section's names only
+    lowered = {k.lower(): k for k in valid}
+    if key.lower() in lowered:  # train.LR, TRAIN.lr
+        close = [lowered[key.lower()]]
+    elif section in SECTIONS:  # a known section: compare the name with that section's names first
         names = [f.name for f in dataclasses.fields(SECTIONS[section])]
         near = difflib.get_close_matches(name, names, n=1, cutoff=0.75)
-        close = [f"{section}.{near[0]}"] if near else []
+        # The commonest slip: the key of another section (train.seq_len is data.seq_len).
+        elsewhere = [k for k in valid if k.rpartition(".")[2] == name]
+        close = [f"{section}.{near[0]}"] if near else elsewhere[:1]
     else:
         close = difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
     if close:
         return ConfigError(f"unknown config key '{key}': did you mean '{close[0]}'? (fix: use that, or see every key with `{LIST_KEYS}`)")
     return ConfigError(f"unknown config key '{key}' (fix: see every key with `{LIST_KEYS}`)")
+
+
+_BOOL_WORDS = {w: "true" for w in ("true", "yes", "on", "1")} | {w: "false" for w in ("false", "no", "off", "0")}
 
 
 def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
@@ -103,6 +111,9 @@ def coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
             name = key.split(".")[-1]
             raise ConfigError(f'{key} is text, and YAML read {shown(value)} as a number (fix: quote it, e.g. {name}: "...")')
         check_text_value(key, str(value))  # before the value is used as a path or anything else
+        if CHOICES.get(key) == ("auto", "true", "false") and str(value).lower() in _BOOL_WORDS:
+            # --set train.compile=yes (or True, on, 1) as a boolean key takes it; YAML's `compile: True` already was
+            return _BOOL_WORDS[str(value).lower()]
         return str(value)
     raise ConfigError(f"{key}: unsupported type {typ}")  # pragma: no cover
 
@@ -317,6 +328,8 @@ def load_config(
         _merge(merged, {"model": preset_model}, str(preset), None)
     _merge(merged, cli_raw, "--set", Path.cwd(), given, "cli")
     if output_dir is not None:
+        if output_dir.startswith("~") or "$" in output_dir:  # --output-dir=~/runs: bash leaves `~` after `=` to us
+            output_dir = _relative_to(Path.cwd(), output_dir, "--output-dir")
         merged["output_dir"] = output_dir
         if given is not None:
             given["output_dir"] = "cli"

@@ -40,8 +40,10 @@ def validate_tracking(cfg: RunConfig) -> None:
                 "tracking.mlflow_uri holds a user name, password or query (a token?), which would be stored in config.yaml "
                 "(fix: the plain URL, and MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME / _PASSWORD in the environment)"
             )
-    if t.copy_every_s <= 0 or t.queue_rows < 1:
-        raise ConfigError("tracking.copy_every_s must be > 0 and tracking.queue_rows >= 1 (fix: --set tracking.copy_every_s=60)")
+    if t.copy_every_s <= 0:
+        raise ConfigError(f"tracking.copy_every_s must be above 0, got {t.copy_every_s} (fix: --set tracking.copy_every_s=60)")
+    if t.queue_rows < 1:
+        raise ConfigError(f"tracking.queue_rows must be 1 or more, got {t.queue_rows} (fix: --set tracking.queue_rows=1000)")
     if not 0 <= t.finish_wait_s < float("inf"):
         raise ConfigError(f"tracking.finish_wait_s must be 0 or more seconds, got {t.finish_wait_s} (fix: --set tracking.finish_wait_s=30)")
 

@@ -175,6 +175,7 @@ class SlurmConfig:
     nodes: int = 1  # nodes of the job (--nodes)
     min_nodes: int = 0  # > 0: the job may start on min_nodes..nodes nodes (--nodes MIN:MAX): spares to leave a bad node out
     gpus_per_node: int = 0  # 0: a CPU job (gloo); one task per GPU otherwise
+    gpu_type: str = ""  # a GPU type of the cluster's gres, e.g. h100: --gpus-per-node=h100:8 ("": any GPU)
     cpus_per_task: int = 0  # 0: Slurm's default
     mem: str = ""  # per node, e.g. 64G; "0" = all of it; "": Slurm's default
     time: str = "01:00:00"  # minutes, HH:MM:SS or D-HH:MM:SS
@@ -280,7 +281,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dist.strategy": ("ddp", "fsdp", "zero1", "zero2", "zero3", "diloco"),
     "dist.compress": ("none", "bf16", "powersgd"),
     "dist.diloco_wire": ("bf16", "fp32", "int8"),
-    "slurm.signal": ("USR2", "USR1", "TERM", "INT", "HUP"),
+    "slurm.signal": ("USR2", "USR1", "INT", "HUP"),  # not TERM: scancel sends it, and a cancel would requeue
     "slurm.container": ("none", "pyxis", "apptainer"),
     "health.webhook_type": ("generic", "discord", "slack"),
     "health.straggler_action": ("warn", "exclude"),

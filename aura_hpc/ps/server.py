@@ -328,7 +328,7 @@ class ParameterServer:
             eval_loss = self._evaluate()
         if (t.log_every and v % t.log_every == 0) or last or eval_loss is not None:
             self._log_row(eval_loss)
-        due = t.checkpoint_every_s and time.monotonic() - self.saved_at >= t.checkpoint_every_s  # by time too, as `local` does
+        due = t.checkpoint_every_s > 0 and time.monotonic() - self.saved_at >= t.checkpoint_every_s  # by time too, as `local` does
         if (t.checkpoint_every and v % t.checkpoint_every == 0) or last or due:
             self._save(eval_loss)
 

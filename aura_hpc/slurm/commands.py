@@ -64,7 +64,11 @@ def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], li
                 state = "COMPLETED" if summary.get("finished") else "UNKNOWN"
                 row = slurm_query.JobRow(job_id, "", state, "", "", source="run directory")
             else:
-                rows = [r for r in slurm_query.sacct([job_id]) if r.job_id == job_id]
+                found = slurm_query.sacct([job_id])
+                rows = [r for r in found if r.job_id == job_id]
+                elements = [r for r in found if r.job_id.startswith(f"{job_id}_")]
+                if not rows and elements:  # a sweep's array id, once its elements have left the queue
+                    return [_row_dict(r, None) for r in elements], notes
                 if not rows:
                     raise LaunchError(f"job {job_id} is unknown to squeue and sacct (fix: check the id with `python -m aura_hpc history`)")
                 row = rows[-1]

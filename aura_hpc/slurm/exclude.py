@@ -52,6 +52,24 @@ def requeue(job_id: int) -> str | None:
     return None
 
 
+def cancelled(job_id: int) -> bool:
+    """Whether the job was cancelled (scancel, a preemption that cancels): `scontrol requeue` takes a job whose
+    processes are still stopping (COMPLETING) and undoes the cancel (tried on Slurm 22.05: Restarts=1, back to
+    pending). While it completes, only the accounting says why. Unknown (no Slurm client in the image, no
+    answer) reads as not cancelled: the requeue decides as before."""
+    try:
+        state = _job_fields(job_id).get("JobState", "")
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return False
+    if state != "COMPLETING":
+        return state.startswith("CANCELLED")
+    try:
+        done = subprocess.run(["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o", "State"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return any(line.startswith("CANCELLED") for line in done.stdout.splitlines())
+
+
 def _job_fields(job_id: int) -> dict[str, str]:
     """The job's record; a failed query raises (read as empty, the job's own --exclude list was overwritten)."""
     done = _scontrol("show", "job", "-o", str(job_id))

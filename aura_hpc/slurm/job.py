@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import subprocess
 import sys
 import time
@@ -25,11 +24,14 @@ log = logging.getLogger("aura_hpc")
 SIGNAL_LAG_S = 15.0  # rank 0 waits this long for its own copy of a stop signal another rank acted on
 PORT_BASE = 11000  # below Linux's ephemeral range (32768+), so a client socket never holds it
 PORT_SPAN = 20000
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "NODE_RANK")
 
 
 def rendezvous_port(job_id: int, restart_count: int) -> int:
-    """A port derived from the job id; a new one for each requeue so no old socket is in the way."""
-    return PORT_BASE + (job_id + 1009 * restart_count) % PORT_SPAN
+    """A port derived from the job id; a new one for each requeue so no old socket is in the way. Never torchrun's
+    and c10d's defaults (29500, 29400), where other jobs' rendezvous on a shared node listen."""
+    port = PORT_BASE + (job_id + 1009 * restart_count) % PORT_SPAN
+    return port + 200 if 29400 <= port < 29600 else port
 
 
 def first_node(nodelist: str) -> str:
@@ -45,18 +47,9 @@ def first_node(nodelist: str) -> str:
 
 def first_host_of(nodelist: str) -> str:
     """'gpu[007-012,020],cpu3' -> 'gpu007': the first name of a Slurm hostlist expression."""
-    depth, first = 0, nodelist
-    for i, c in enumerate(nodelist):
-        depth += (c == "[") - (c == "]")
-        if c == "," and depth == 0:
-            first = nodelist[:i]
-            break
-    m = re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", first)
-    if m is None:
-        return first
-    prefix, ranges, suffix = m.groups()
-    start = ranges.split(",")[0].split("-")[0]
-    return prefix + start + (first_host_of(suffix) if "[" in suffix else suffix)
+    from aura_hpc.train.process.dist_env import hostnames
+
+    return (hostnames(nodelist, 1) or [nodelist])[0]
 
 
 class TrainJob:
@@ -70,7 +63,14 @@ class TrainJob:
         self.max_requeues = max_requeues
 
     def __call__(self) -> int:
+        from aura_hpc.train.process import stop
+
+        stop.record_early()
         e = os.environ
+        # sbatch passes the submitting shell's environment on: a torchrun variable left there (RANK, WORLD_SIZE)
+        # would be read before Slurm's own, and every task would take the same rank.
+        for name in _TORCHRUN_VARIABLES:
+            e.pop(name, None)
         job_id = int(e["SLURM_JOB_ID"])
         restarts = int(e.get("SLURM_RESTART_COUNT", "0"))
         os.environ["MASTER_ADDR"] = first_node(e["SLURM_JOB_NODELIST"])
@@ -79,7 +79,6 @@ class TrainJob:
 
         with imports_unscanned():
             from aura_hpc.train import worker
-            from aura_hpc.train.process import stop
 
         rank = int(e.get("SLURM_PROCID", "0"))
         watcher = _start_watchdog(self.config_path, job_id, restarts)
@@ -158,6 +157,9 @@ class TrainJob:
         def say(msg: str) -> None:
             print(f"[rank0] {msg}", flush=True)
 
+        if exclude.cancelled(job_id):
+            say(f"not requeued: job {job_id} was cancelled (fix: submit the same command again to resume from its newest checkpoint)")
+            return False
         if restarts >= self.max_requeues:
             say(
                 f"not requeued: this job was already requeued {restarts} times (slurm.max_requeues={self.max_requeues}) "

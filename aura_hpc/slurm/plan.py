@@ -197,8 +197,8 @@ def _from_profile(prof: profiles.Profile, name: str, typ: Any) -> Any:
     except ConfigError:
         kind = {"int": "a count", "bool": "on or off"}.get(typ if isinstance(typ, str) else typ.__name__, "a value")
         raise ConfigError(
-            f"cluster profile {prof.path}: #SBATCH --{option}={value} is not {kind} aura_hpc can plan with (a typed "
-            f"GPU such as h100:8 goes in --constraint) (fix: edit that line, or override it with --set slurm.{name}=...)"
+            f"cluster profile {prof.path}: #SBATCH --{option}={value} is not {kind} aura_hpc can plan with "
+            f"(fix: edit that line, or override it with --set slurm.{name}=...)"
         ) from None
 
 
@@ -307,7 +307,8 @@ def plan_submit(
         # sbatch --nodes=MIN-MAX (submitit's own `nodes` is a count): the ranks learn the world size Slurm gave.
         params["additional_parameters"]["nodes"] = f"{slurm.min_nodes}-{slurm.nodes}"
     if slurm.gpus_per_node:
-        params["gpus_per_node"] = slurm.gpus_per_node
+        # sbatch's own TYPE:N (a typed gres); one task per GPU whatever the type.
+        params["gpus_per_node"] = f"{slurm.gpu_type}:{slurm.gpus_per_node}" if slurm.gpu_type else slurm.gpus_per_node
     if slurm.cpus_per_task:
         params["cpus_per_task"] = slurm.cpus_per_task
         # srun no longer inherits sbatch's --cpus-per-task (Slurm 22.05+): each rank got one core, and its

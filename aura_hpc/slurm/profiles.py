@@ -7,6 +7,7 @@ venv, NCCL exports) that run in the job before the trainer.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from dataclasses import dataclass, field
 from importlib import resources
@@ -94,20 +95,111 @@ def resolve(name_or_path: str) -> Path:
     )
 
 
-def _sbatch_option(text: str, where: str) -> tuple[str, str | bool]:
+# sbatch options that take no value, or one only after "=": a word after them is the next option's, not theirs.
+_NO_SEPARATE_VALUE = {
+    "exclusive",
+    "requeue",
+    "no-requeue",
+    "hold",
+    "overcommit",
+    "oversubscribe",
+    "contiguous",
+    "spread-job",
+    "use-min-nodes",
+    "nice",
+    "parsable",
+    "test-only",
+    "wait",
+    "get-user-env",
+    "ignore-pbs",
+    "no-kill",
+    "reboot",
+}
+# Per-task or per-job GPU counts: the task layout (one task per GPU of a node) is planned from --gpus-per-node.
+_GPU_OTHER_WAYS = {"gpus", "gpus-per-task", "gpus-per-socket", "ntasks-per-gpu", "cpus-per-gpu", "mem-per-gpu"}
+
+
+def _sbatch_options(text: str, where: str) -> list[tuple[str, str | bool]]:
+    """Every option of one #SBATCH line, as sbatch reads them (it reads them all, not just the first)."""
     try:
         parts = shlex.split(text, comments=True)
     except ValueError as exc:  # an unclosed quote
         raise ConfigError(f"{where}: '#SBATCH {text}' cannot be parsed ({exc}) (fix: close the quote, or quote the whole value)") from None
-    if not parts or not parts[0].startswith("--"):
-        raise ConfigError(f"{where}: '#SBATCH {text}' is not a long option (fix: write it as #SBATCH --option=value)")
-    opt = parts[0][2:]
-    if "=" in opt:
-        key, value = opt.split("=", 1)
-        return key, value
-    if len(parts) > 1:
-        return opt, parts[1]
-    return opt, True
+    out: list[tuple[str, str | bool]] = []
+    i = 0
+    while i < len(parts):
+        word = parts[i]
+        if not word.startswith("--") or word == "--":
+            raise ConfigError(f"{where}: '{word}' in '#SBATCH {text}' is not a long option (fix: write it as #SBATCH --option=value)")
+        opt = word[2:]
+        if "=" in opt:
+            key, value = opt.split("=", 1)
+            out.append((key, value))
+        elif opt not in _NO_SEPARATE_VALUE and i + 1 < len(parts) and not parts[i + 1].startswith("-"):
+            out.append((opt, parts[i + 1]))
+            i += 1
+        else:
+            out.append((opt, True))
+        i += 1
+    return out
+
+
+def gpu_request(value: str) -> tuple[str, str] | None:
+    """'h100:8' -> ('h100', '8'), '8' -> ('', '8'): a GPU count with its optional type, as --gpus-per-node takes it."""
+    m = re.fullmatch(r"(?:([A-Za-z0-9_.-]+):)?(\d+)", value.strip())
+    return None if m is None else (m.group(1) or "", m.group(2))
+
+
+def _gres_gpus(value: str, where: str) -> tuple[tuple[str, str] | None, str]:
+    """--gres=gpu[:type]:N[,other...] -> the GPU request, and the other resources to pass on as they are."""
+    gpus, others = None, []
+    for item in filter(None, value.split(",")):
+        name, _, rest = item.partition(":")
+        if name != "gpu":
+            others.append(item)
+            continue
+        asked = gpu_request(rest) if rest else ("", "1")
+        if asked is None and rest and ":" not in rest and not rest.isdigit():
+            asked = (rest, "1")  # gpu:h100 is one GPU of that type
+        if asked is None or gpus is not None:
+            raise ConfigError(
+                f"{where}: #SBATCH --gres={value} is not a GPU request aura_hpc can plan with (fix: write #SBATCH --gpus-per-node=[TYPE:]N)"
+            )
+        gpus = asked
+    return gpus, ",".join(others)
+
+
+def _take(prof: Profile, key: str, value: str | bool, where: str) -> None:
+    if key in RESERVED:
+        raise ConfigError(f"{where}: #SBATCH --{key} is set by aura_hpc itself (fix: remove that option from the profile)")
+    if key in _GPU_OTHER_WAYS:
+        raise ConfigError(
+            f"{where}: #SBATCH --{key} is not how aura_hpc asks for GPUs: it starts one task per GPU of each node "
+            "(fix: write #SBATCH --gpus-per-node=[TYPE:]N instead)"
+        )
+    gpus: tuple[str, str] | None = None
+    if key == "gres" and isinstance(value, str):
+        # Slurm refuses --gres=gpu beside --gpus-per-node, and a GPU count aura_hpc does not see trains on one
+        # GPU per node: the GPUs are asked the one way the task layout is planned from.
+        gpus, value = _gres_gpus(value, where)
+        if not value:
+            value = ""
+    elif key == "gpus-per-node" and isinstance(value, str):
+        gpus = gpu_request(value)
+        if gpus is None:
+            raise ConfigError(
+                f"{where}: #SBATCH --gpus-per-node={value} is not a GPU count (fix: write --gpus-per-node=8 or --gpus-per-node=h100:8)"
+            )
+    if gpus is not None:
+        if "gpus_per_node" in prof.values:
+            raise ConfigError(f"{where}: the profile asks for GPUs twice (fix: keep one #SBATCH --gpus-per-node=[TYPE:]N line)")
+        prof.values["gpu_type"], prof.values["gpus_per_node"] = gpus
+    if key == "gpus-per-node" or (key == "gres" and not value):
+        return
+    if key in SBATCH_TO_KEY:
+        prof.values[SBATCH_TO_KEY[key]] = value
+    else:
+        prof.extra_sbatch[key] = value
 
 
 def load(name_or_path: str) -> Profile:
@@ -123,13 +215,8 @@ def load(name_or_path: str) -> Profile:
         if bad is not None:
             raise ConfigError(f"{where} contains the character {describe_char(bad)} (fix: remove it from the profile)")
         if line.startswith("#SBATCH"):
-            key, value = _sbatch_option(line[len("#SBATCH") :].strip(), where)
-            if key in RESERVED:
-                raise ConfigError(f"{where}: #SBATCH --{key} is set by aura_hpc itself (fix: remove that line from the profile)")
-            if key in SBATCH_TO_KEY:
-                prof.values[SBATCH_TO_KEY[key]] = value
-            else:
-                prof.extra_sbatch[key] = value
+            for key, value in _sbatch_options(line[len("#SBATCH") :].strip(), where):
+                _take(prof, key, value, where)
         elif line.startswith("#AURA"):
             key, sep, value = line[len("#AURA") :].strip().partition("=")
             key = key.strip()

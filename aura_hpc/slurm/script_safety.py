@@ -26,11 +26,20 @@ def check_directive(field: str, value: Any) -> None:
     """A value written as `#SBATCH --option=value`."""
     if not isinstance(value, bool) and value is not None:
         check_text(field, str(value))
+        _no_backslash(field, str(value))
+
+
+def _no_backslash(field: str, value: str) -> None:
+    # sbatch's #SBATCH parser reads a backslash as an escape even inside quotes: 'exp\\1' became the job name
+    # exp1, which `cancel` then took for another job, and a log path lost its backslash.
+    if "\\" in value:
+        raise ConfigError(f"{field} {value!r} contains a backslash, which sbatch would drop from the #SBATCH line (fix: remove it)")
 
 
 def check_path(field: str, value: str) -> None:
     """A path that reaches `#SBATCH --output`, an exported variable and the srun line."""
     check_text(field, value, "a path without it")
+    _no_backslash(field, value)
     if "%" in value:
         raise ConfigError(
             f"{field} {value!r} contains '%', which Slurm expands in log file names (%j, %t...) so the logs would land "

@@ -80,6 +80,9 @@ class Checkpointer:
             problems = [p for p in collectives.gather_json(mine) if p]
             if not problems:
                 return str(name)
+            for problem in problems:  # every rank holds the same list: all stop together
+                if (error := checkpoint.not_read(problem, str(name))) is not None:
+                    raise error
             if env.is_main:
                 checkpoint.set_aside(checkpoint.Checkpoint(local, int(name.split("_")[1])), self.root, problems[0])
             collectives.barrier()

@@ -155,13 +155,13 @@ def _commit(ckpt: Path, weights: dict[str, torch.Tensor]) -> None:
         new_marker.write_text(json.dumps(marker, indent=1))
         checkpoint.fsync(new_marker)
         part.rename(final)  # not yet listed: the old marker still describes a valid checkpoint
+        checkpoint.fsync(ckpt / "model")  # before the marker that lists it: a power cut kept a marker of a file gone
         new_marker.rename(marker_path)
-        checkpoint.fsync(ckpt / "model")
         checkpoint.fsync(ckpt)
-    except OSError as exc:
+    except Exception as exc:  # safetensors says a failed write with its own error (a traceback for `generate`)
+        reason = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
         raise CheckpointError(
-            f"could not write the full weights into checkpoint {ckpt.name} ({exc.strerror or exc}) "
-            f"(fix: free space or make {ckpt} writable)"
+            f"could not write the full weights into checkpoint {ckpt.name} ({reason}) (fix: free space or make {ckpt} writable)"
         ) from None
     finally:
         for leftover in (part, new_marker):

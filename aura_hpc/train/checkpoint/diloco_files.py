@@ -14,7 +14,7 @@ import torch
 
 from aura_hpc.comm import collectives
 from aura_hpc.errors import CheckpointWriteError
-from aura_hpc.train.checkpoint.files import HashingFile, host_copy, sha256_of, step_dir_name, write_failure
+from aura_hpc.train.checkpoint.files import HashingFile, fsync, host_copy, sha256_of, step_dir_name, write_failure
 from aura_hpc.train.strategies.base import OuterLoop, PerRankState, Wrapped, capability
 
 log = logging.getLogger("aura_hpc")
@@ -28,12 +28,16 @@ def write_replica(root: Path, step: int, rank: int, state: dict[str, Any]) -> di
     folder.mkdir(parents=True, exist_ok=True)
     name = replica_name(step, rank)
     tmp = folder / f".{name}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        hashing = HashingFile(f)
-        torch.save(state, hashing)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(folder / name)
+    try:
+        with open(tmp, "wb") as f:
+            hashing = HashingFile(f)
+            torch.save(state, hashing)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(folder / name)
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed write's part: on a full disk it kept the disk full
+    fsync(folder)  # the rename itself: rank 0's meta.json records this file
     return {"file": name, "size": (folder / name).stat().st_size, "sha256": hashing.h.hexdigest()}
 
 
@@ -74,7 +78,7 @@ def save_all(wrapped: Wrapped, optimizer: Any, root: Path, step: int, rank: int,
     if own.replica_writer(rank) == rank:
         try:
             info = write_replica(root, step, rank, host_copy(own.replica_state(optimizer)))
-        except OSError as exc:
+        except Exception as exc:  # said on every rank at the gather below: one raising alone left the others in it
             info = str(write_failure(exc, root, step))
         prune_replicas(root, rank, keep_last + 2)
     infos = collectives.gather_json(info)
@@ -91,8 +95,12 @@ def load_all(
     (DiLoCo: weights and AdamW moments; PowerSGD: error feedback); if any rank lacks its file
     (another world size, a node's disk lost), every rank starts it afresh (said so). Collective."""
     outer = capability(wrapped, OuterLoop)
-    if "outer" in state and outer is not None:
+    if outer is not None and "outer" in state:
         outer.load_outer_state(state["outer"])
+    elif outer is not None:
+        outer.start_from_model()
+        if rank == 0:
+            log.info("checkpoint %s holds no outer state (saved under another strategy): the replicas meet from its weights", chosen)
     files = meta.get("replica_files")
     own_state = capability(wrapped, PerRankState)
     writer = own_state.replica_writer(rank) if own_state is not None else None

@@ -19,6 +19,7 @@ import copy
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -30,6 +31,11 @@ from typing import TYPE_CHECKING, Any
 from aura_hpc.data.prepare import sha256_file as _sha256
 from aura_hpc.errors import CheckpointError, CheckpointWriteError
 from aura_hpc.ops.disk import disk_full, disk_of
+from aura_hpc.train.checkpoint.reading import load_weights as load_weights
+from aura_hpc.train.checkpoint.reading import load_weights_from as load_weights_from
+from aura_hpc.train.checkpoint.reading import read_meta as read_meta
+from aura_hpc.train.checkpoint.reading import read_trainer_state as read_trainer_state
+from aura_hpc.train.checkpoint.reading import unreadable as unreadable
 
 if TYPE_CHECKING:  # torch is imported where a tensor is handled: `generate` refuses bad arguments without it
     import torch
@@ -314,8 +320,11 @@ def list_complete(root: Path) -> list[Checkpoint]:
 
 
 def _eval_loss(ckpt: Checkpoint) -> float | None:
-    with contextlib.suppress(OSError, json.JSONDecodeError):
-        return None if (value := json.loads((ckpt.path / "meta.json").read_text()).get("eval_loss")) is None else float(value)
+    """A finite validation loss, or None: a NaN compares less than nothing and was "best" wherever it stood first
+    (the newest), and the real best was pruned."""
+    with contextlib.suppress(OSError, json.JSONDecodeError, TypeError, ValueError):
+        value = json.loads((ckpt.path / "meta.json").read_text()).get("eval_loss")
+        return float(value) if value is not None and math.isfinite(float(value)) else None
     return None
 
 
@@ -350,15 +359,44 @@ def verify(ckpt: Path, share: tuple[int, int] = (0, 1)) -> str | None:
                 return f"{rel} has {p.stat().st_size} bytes, expected {want['size']}"
             if i % world == rank and _sha256(p) != want["sha256"]:
                 return f"{rel} does not match its checksum"
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+    except FileNotFoundError as exc:
+        return f"unreadable commit marker or files ({type(exc).__name__}: {str(exc)[:200]})"
+    except OSError as exc:
+        # The storage failed to read (EIO, ESTALE, a permission): nothing says the checkpoint is damaged, and setting
+        # it aside on a blip sent a run back to step 0.
+        return f"{READ_FAILED}{exc.strerror or type(exc).__name__}: {getattr(exc, 'filename', None) or ckpt}"
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
         return f"unreadable commit marker or files ({type(exc).__name__}: {str(exc)[:200]})"
     return None
 
 
+READ_FAILED = "the storage could not read it: "
+
+
+def not_read(problem: str, name: str) -> CheckpointError | None:
+    """The error for a checkpoint the storage failed to read (nothing is set aside), or None for real damage."""
+    if not problem.startswith(READ_FAILED):
+        return None
+    return CheckpointError(
+        f"checkpoint {name} could not be checked: {problem} (fix: check the storage's mount and permissions, then re-run the "
+        "same command; nothing was set aside)"
+    )
+
+
 def set_aside(ckpt: Checkpoint, root: Path, problem: str) -> None:
+    if (error := not_read(problem, ckpt.path.name)) is not None:
+        raise error
     aside = root / f"corrupt-{ckpt.path.name}-{int(time.time())}"
-    with contextlib.suppress(OSError):
+    try:
         ckpt.path.rename(aside)
+    except OSError as exc:  # said as it is (it read "moved it"); rank 0 alone is here, the others wait: no raise
+        log.warning(
+            "checkpoint %s is corrupt (%s) and could not be moved aside (%s); trying the one before it (fix: move it away yourself)",
+            ckpt.path.name,
+            problem,
+            exc.strerror or exc,
+        )
+        return
     log.warning("checkpoint %s is corrupt (%s); moved it to %s, trying the one before it", ckpt.path.name, problem, aside.name)
 
 
@@ -383,68 +421,3 @@ def newest_valid(root: Path) -> Checkpoint | None:
             return ckpt
         set_aside(ckpt, root, problem)
     return None
-
-
-def unreadable(exc: BaseException) -> CheckpointError:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return CheckpointError(
-        f"checkpoint could not be loaded safely ({type(exc).__name__}: {first[:200]}) "
-        "(fix: move that checkpoint directory away to resume from the previous one)"
-    )
-
-
-def read_meta(ckpt: Path) -> dict[str, Any]:
-    try:
-        meta: dict[str, Any] = json.loads((ckpt / "meta.json").read_bytes())
-    except Exception as exc:
-        raise unreadable(exc) from None
-    return meta
-
-
-def load_weights_from(ckpt: Path, model: torch.nn.Module) -> None:
-    """Copy the saved weights into `model` one tensor at a time (memory-mapped: one tensor in host memory)."""
-    import torch
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(ckpt / "model" / "model.safetensors"), framework="pt", device="cpu") as f:
-            names = list(f.keys())
-            _check_keys(model, names)
-            params = model.state_dict()
-            with torch.no_grad():
-                for name in names:
-                    params[name].copy_(f.get_tensor(name))
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        raise unreadable(exc) from None
-
-
-def read_trainer_state(ckpt: Path) -> dict[str, Any]:
-    """Optimizer, scheduler and RNG states, memory-mapped: the ranks of a node share the pages
-    (the file is read from shared storage once per node, not once per rank)."""
-    import torch
-
-    try:
-        # weights_only: a checkpoint is data, never code.
-        state: dict[str, Any] = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:
-        raise unreadable(exc) from None
-    return state
-
-
-def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    _check_keys(model, list(weights))
-    model.load_state_dict(weights, strict=False)
-
-
-def _check_keys(model: torch.nn.Module, names: list[str]) -> None:
-    expected = set(model.state_dict())
-    tied = {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
-    missing = sorted(expected - set(names) - tied)
-    unexpected = sorted(set(names) - expected)
-    if missing or unexpected:
-        raise CheckpointError(
-            f"checkpoint weights do not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]}) "
-            "(fix: resume with the config the run was started with, or use a new --run-name)"
-        )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 
@@ -81,7 +81,7 @@ class DistEnv:
         if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
             # One task per GPU under srun: ranks come from Slurm; the master is the first node.
             rank = int(e["SLURM_PROCID"])
-            nodes = _hostnames(e.get("SLURM_JOB_NODELIST", ""))
+            nodes = hostnames(e.get("SLURM_JOB_NODELIST", ""))
             return cls(
                 rank=rank,
                 local_rank=int(e.get("SLURM_LOCALID", "0")),
@@ -111,23 +111,37 @@ def tasks_per_node(spec: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _hostnames(nodelist: str) -> list[str]:
-    """The first two hosts of a Slurm hostlist ('gpu[007-008]' -> gpu007, gpu008), enough to know another node."""
+def hostnames(nodelist: str, limit: int = 2) -> list[str]:
+    """The first `limit` hosts of a Slurm hostlist: 'gpu[007-008],cpu3' -> gpu007, gpu008; 'node[1-2]-ib' ->
+    node1-ib, node2-ib; 'rack[1-2]-node[01-04]' -> rack1-node01, rack1-node02 (the text after a bracket was lost)."""
     names: list[str] = []
-    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist):
-        prefix, ranges = m.group(1), m.group(2)
-        if not ranges:
-            names.append(prefix)
-        else:
-            for r in ranges.split(","):
-                lo, _, hi = r.partition("-")
-                for i in range(int(lo), int(hi or lo) + 1):
-                    names.append(f"{prefix}{i:0{len(lo)}d}")
-                    if len(names) >= 2:
-                        return names
-        if len(names) >= 2:
-            return names
+    depth, start = 0, 0
+    for i, c in enumerate(nodelist + ","):
+        depth += (c == "[") - (c == "]")
+        if c == "," and depth == 0:
+            for name in _expand(nodelist[start:i]):
+                if name:
+                    names.append(name)
+                if len(names) >= limit:
+                    return names
+            start = i + 1
     return names
+
+
+def _expand(item: str) -> Iterator[str]:
+    m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
+    if m is None:
+        yield item
+        return
+    prefix, ranges, rest = m.groups()
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or not (hi or lo).isdigit():
+            yield item  # not a hostlist Slurm writes: the text as it is
+            return
+        for n in range(int(lo), int(hi or lo) + 1):
+            for tail in _expand(rest):
+                yield f"{prefix}{n:0{len(lo)}d}{tail}"
 
 
 def node_name(env: Mapping[str, str] | None = None) -> str:

@@ -71,9 +71,12 @@ def _store(env: DistEnv, timeout: timedelta) -> Any:
     try:
         return stores.bound_server(_bind_address(env), env.master_port, timeout)
     except stores.StoreAddressInUse:
-        raise LaunchError(
-            f"port {env.master_port} on {env.master_addr} is already in use (fix: another MASTER_PORT, or stop the program using it)"
-        ) from None
+        fix = (
+            "submit the same command again: the port comes from the job id, and a new job gets another"
+            if env.launcher == "slurm"
+            else "another MASTER_PORT, or stop the program using it"
+        )
+        raise LaunchError(f"port {env.master_port} on {env.master_addr} is already in use (fix: {fix})") from None
 
 
 def run_secret(run_dir: Path) -> str | None:

@@ -16,6 +16,27 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, s
 last_signal: str | None = None
 
 
+# A stop signal that came before the trainer's StopRequest was installed (a Slurm task's start-up: rendezvous, build,
+# resume): the first StopRequest installed takes it over and stops at its first step boundary, with a checkpoint.
+early_signal: str | None = None
+
+
+def record_early() -> None:
+    """Until a StopRequest is installed, a stop signal is recorded, not acted on. Under submitit, its own handlers
+    ruled until then: a pre-timeout USR2 failed the job ("not checkpointable") or requeued it outside
+    slurm.max_requeues, and a cancel's SIGTERM was only logged."""
+    for sig in STOP_SIGNALS:
+        if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+            continue
+        signal.signal(sig, _record)
+
+
+def _record(signum: int, _frame: FrameType | None) -> None:
+    global early_signal, last_signal
+    if early_signal is None:
+        early_signal = last_signal = signal.Signals(signum).name
+
+
 class StopRequest:
     def __init__(self) -> None:
         self.signal_name: str | None = None
@@ -25,6 +46,9 @@ class StopRequest:
             if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
                 continue  # started under nohup: a logout must not stop the run
             signal.signal(sig, self._handle)
+        global early_signal
+        if early_signal is not None and self.signal_name is None:
+            self.signal_name, early_signal = early_signal, None
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         # Only a flag: raising here (KeyboardInterrupt) could tear a checkpoint write in half.

@@ -105,6 +105,10 @@ class OuterLoop(Protocol):
 
     def load_outer_state(self, state: dict[str, Any]) -> None: ...
 
+    def start_from_model(self) -> None:
+        """The outer state of a checkpoint saved without one: from the weights just loaded."""
+        ...
+
 
 C = TypeVar("C")
 

@@ -361,6 +361,16 @@ class DilocoWrapped(Wrapped, OuterLoop, PerRankState):
         """What every rank holds alike: the anchor and the outer optimizer's momentum (host copies by the caller)."""
         return {"anchor": list(self.anchor), "outer": self.outer.state_dict()}
 
+    def start_from_model(self) -> None:
+        """A checkpoint with no outer state (trained under DDP, say): the anchor is the weights just loaded and the
+        momentum none. The anchor was the weights the model was built with, and the first meeting moved every
+        replica by the whole training so far again (a third of it with the paper's outer lr and momentum)."""
+        self.drain()
+        with torch.no_grad():
+            for a, p in zip(self.anchor, self.params, strict=True):
+                a.copy_(p)
+        self.outer.state.clear()
+
     def load_outer_state(self, state: dict[str, Any]) -> None:
         self.drain()
         with torch.no_grad():
