@@ -136,6 +136,11 @@ ROWS = [
         "unknown config key 'train.seq_len': did you mean 'data.seq_len'?",
     ),
     Row("checkpoint every -1 s", ["local", "--set", "train.checkpoint_every_s=-1"], "train.checkpoint_every_s must be"),
+    Row(
+        "a preset's name misspelt",
+        ["local", "--config", "gpt2_small"],
+        "config 'gpt2_small' is neither a file nor a shipped preset: did you mean 'gpt2-small'?",
+    ),
     Row("check reads the config", ["check", "--set", "train.lrr=1"], "unknown config key 'train.lrr': did you mean 'train.lr'?"),
     Row(
         "memory in megabytes",

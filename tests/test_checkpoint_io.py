@@ -226,3 +226,18 @@ def test_a_consolidation_that_safetensors_cannot_write_is_one_line_and_leaves_th
     with pytest.raises(CheckpointError, match=r"could not write the full weights into checkpoint step_00000004 \(Error while .*too large"):
         consolidate._commit(ckpt, {"w": torch.zeros(2)})
     assert (ckpt / checkpoint.MARKER).read_text() == marker and sorted(p.name for p in ckpt.rglob("*")) == ["COMPLETE.json", "model"]
+
+
+def test_weights_of_another_shape_are_one_line_on_either_way_of_loading(tmp_path: Path) -> None:
+    """copy_ broadcast a smaller saved tensor into the model in silence (shared storage), and load_state_dict's size
+    mismatch was a traceback (a node without shared storage, which receives the weights)."""
+    from aura_hpc.errors import CheckpointError
+    from aura_hpc.train.model.gpt import GPT, GPTConfig
+
+    small = GPT(GPTConfig(vocab_size=300, n_positions=8, n_embd=32, n_layer=1, n_head=2))
+    model = GPT(GPTConfig(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2))
+    checkpoint.save(tmp_path, 1, small, {}, {"step": 1}, None, "", keep_last=2)
+    with pytest.raises(CheckpointError, match=r"checkpoint weight transformer.wpe.weight has shape \(8, 32\), the model's is \(32, 32\)"):
+        checkpoint.load_weights_from(tmp_path / "step_00000001", model)
+    with pytest.raises(CheckpointError, match=r"has shape \(8, 32\), the model's is \(32, 32\)"):
+        checkpoint.load_weights(model, dict(small.state_dict()))

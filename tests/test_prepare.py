@@ -550,6 +550,9 @@ def test_dry_run_says_what_it_would_read_and_write(tmp_path: Path) -> None:
         assert f"{row}:" in r.stdout, r.stdout
     assert "2 file(s)" in r.stdout and "with 2 worker(s)" in r.stdout and "uint16" in r.stdout
     assert not out.exists() and not list(tmp_path.glob(".p.*"))
+    # An --out the run refuses (the input folder itself) printed a plan and exited 0.
+    into = run_cli(["prepare", str(corpus), "--out", str(corpus), "--dry-run"], timeout=60)
+    assert into.returncode == 2 and f"--out {corpus} contains the input" in into.stderr, into.stdout + into.stderr
 
 
 def test_a_folder_with_files_prepare_cannot_read_says_so_and_the_path_to_use_is_quoted(tmp_path: Path) -> None:

@@ -630,6 +630,23 @@ def test_a_cancel_during_a_stop_is_not_undone_by_the_requeue(slurm_cluster: Path
         assert "Restarts=0" in shown and "JobState=PENDING" not in shown, shown
     finally:
         subprocess.run(["scancel", job], check=False)
+    # A sweep: its last element has the array's id, and read a cancelled sibling's state as its own.
+    from aura_hpc.slurm import exclude
+
+    sub = ["sbatch", "--parsable", "--array=0-1", "--job-name", f"sweep {tmp_path.name}", "--wrap", "sleep 120"]
+    array = subprocess.run(sub, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip().split(";")[0]
+    try:
+        raw: dict[str, str] = {}
+        deadline = time.monotonic() + 60
+        while len(raw) < 2:
+            assert time.monotonic() < deadline, "the sweep never started"
+            listed = subprocess.run(["squeue", "-h", "-r", "-t", "R", "-j", array, "-o", "%i %A"], capture_output=True, text=True)
+            raw = dict(line.split() for line in listed.stdout.splitlines())
+            time.sleep(0.5)
+        subprocess.run(["scancel", f"{array}_0"], check=True)
+        assert exclude.cancelled(int(raw[f"{array}_0"])) and not exclude.cancelled(int(raw[f"{array}_1"]))
+    finally:
+        subprocess.run(["scancel", array], check=False)
 
 
 def test_cancel_stops_a_running_job(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
@@ -780,6 +797,25 @@ def test_a_wait_on_a_job_whose_dependency_failed_ends_with_the_fix(slurm_cluster
         assert f"python -m aura_hpc cancel {job}" in said
     finally:
         run_cli(["cancel", job])
+
+
+def test_a_held_job_is_one_that_never_starts_unless_released(slurm_cluster: Path, tmp_path: Path) -> None:
+    """Only a failed dependency and a held launch were known: `--wait` and `logs -f` waited for ever on a job held
+    by its user (or over its partition's limits)."""
+    from aura_hpc.slurm import query
+    from aura_hpc.slurm.submit import never_starts
+
+    held = subprocess.run(
+        ["sbatch", "--parsable", "--hold", "-o", "/dev/null", "--wrap", "true"], capture_output=True, text=True, check=True
+    )
+    job = held.stdout.strip().split(";")[0]
+    try:
+        row = query.squeue_job(job)
+        assert row is not None and row.state == "PENDING", row
+        said = never_starts(row)
+        assert f"job {job} will not start: it is held" in said and f"`scontrol release {job}`" in said, (row, said)
+    finally:
+        subprocess.run(["scancel", job], check=False)
 
 
 def test_the_nodes_to_leave_out_are_judged_before_the_requeue_is_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

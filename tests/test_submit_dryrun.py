@@ -168,6 +168,15 @@ def test_gpus_asked_in_any_of_sbatchs_ways_plan_one_task_per_gpu_and_every_optio
     # The CLI's count keeps the profile's type; the CLI's type wins over it.
     four = run_cli(["submit", "--cluster", str(prof), "--gpus", "a100:4", "--output-dir", out, "--dry-run"])
     assert "#SBATCH --gpus-per-node=a100:4" in four.stdout and "#SBATCH --ntasks-per-node=4" in four.stdout, four.stdout + four.stderr
+    cpu = run_cli(["submit", "--cluster", str(prof), "--gpus", "0", "--output-dir", out, "--dry-run"])
+    assert cpu.returncode == 0 and "--gpus-per-node" not in _script(cpu.stdout), cpu.stdout + cpu.stderr
+    # A type in the config, the count from the profile (the check ran before the profile was read).
+    typed = tmp_path / "typed.yaml"
+    typed.write_text("slurm:\n  gpu_type: h100\n")
+    prof.write_text("#SBATCH --gpus-per-node=8 --cpus-per-gpu=14\n")  # a per-GPU option is no GPU count: passed on
+    by_config = run_cli(["submit", "--cluster", str(prof), "--config", str(typed), "--output-dir", out, "--dry-run"])
+    assert by_config.returncode == 0, by_config.stdout + by_config.stderr
+    assert {"#SBATCH --gpus-per-node=h100:8", "#SBATCH --cpus-per-gpu=14"} <= set(_script(by_config.stdout).splitlines())
     prof.write_text("#SBATCH --gres=gpu:4\n")
     untyped = run_cli(["submit", "--cluster", str(prof), "--output-dir", out, "--dry-run"])
     assert "#SBATCH --gpus-per-node=4" in untyped.stdout and "--gres" not in _script(untyped.stdout), untyped.stdout + untyped.stderr

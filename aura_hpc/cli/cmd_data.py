@@ -10,7 +10,7 @@ def cmd_prepare(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     from aura_hpc import console
-    from aura_hpc.data.prepare import PrepareSpec, check_spec, prepare
+    from aura_hpc.data.prepare import PrepareSpec, check_out, check_spec, prepare
     from aura_hpc.errors import DataError
 
     # Accepted and dropped before: the files beside a dataset, and the Slurm flags of a local prepare.
@@ -45,6 +45,7 @@ def cmd_prepare(a: argparse.Namespace) -> int:
         raise DataError(f"--nodes and --time must be 1 or more, got {a.nodes} and {a.time} (fix: --nodes 2 --time 120)")
     if a.dry_run:
         check_spec(spec)  # what the run itself would refuse
+        check_out(spec)
         from aura_hpc.data.plan import describe
 
         console.table(

@@ -286,6 +286,11 @@ def resolve_config_path(name_or_path: str) -> Path:
         return shipped[name_or_path]
     if p.suffix in (".yaml", ".yml") or p.exists():
         return p
+    near = difflib.get_close_matches(name_or_path.replace("_", "-").lower(), list(shipped), n=1, cutoff=0.75)
+    if near:
+        raise ConfigError(
+            f"config '{name_or_path}' is neither a file nor a shipped preset: did you mean '{near[0]}'? (fix: --config {near[0]})"
+        )
     raise ConfigError(
         f"config '{name_or_path}' is neither a file nor a shipped preset (fix: use one of {', '.join(shipped)}, or a path to a .yaml file)"
     )

@@ -45,10 +45,6 @@ def validate_slurm(s: SlurmConfig) -> None:
         raise ConfigError(
             f"slurm.gpu_type {shown(s.gpu_type)} is not a GPU type of Slurm's gres (fix: --gpus h100:8, or --set slurm.gpu_type=h100)"
         )
-    if s.gpu_type and s.gpus_per_node == 0:
-        raise ConfigError(
-            f"slurm.gpu_type {s.gpu_type} asks for GPUs in a CPU job (--gpus 0) (fix: --gpus {s.gpu_type}:8, or --set slurm.gpu_type=)"
-        )
     if s.cpus_per_task < 0:
         raise ConfigError(
             f"slurm.cpus_per_task must be 0 (Slurm's default) or more, got {s.cpus_per_task} (fix: --set slurm.cpus_per_task=8)"

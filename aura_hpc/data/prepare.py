@@ -136,6 +136,20 @@ def check_spec(spec: PrepareSpec) -> None:
         raise DataError("nothing to prepare (fix: pass input files/folders/globs, or --dataset NAME)")
 
 
+def check_out(spec: PrepareSpec) -> None:
+    """What the run would refuse of --out (an input, inside an input folder, files not ours, other inputs'
+    data without --force): a dry run says it, nothing written."""
+    if storage.is_remote(str(spec.out_dir)):
+        return
+    files = [] if (spec.builtin or spec.dataset) else resolve_inputs(spec.inputs)
+    out = Path(spec.out_dir).expanduser().resolve()
+    existing = read_manifest(out)
+    if existing and existing.get("input_key") == input_key(spec, files) and not spec.force:
+        return  # up to date: the run would do nothing
+    local_files = [f for f in files if isinstance(f, Path)]
+    out_dir.check_out_dir(out, local_files, [] if spec.builtin or spec.dataset else input_folders(spec.inputs), existing, spec.force)
+
+
 def prepare(spec: PrepareSpec) -> dict[str, Any]:
     """Tokenize and pack; returns the manifest. Idempotent and atomic."""
     check_spec(spec)

@@ -56,18 +56,22 @@ def cancelled(job_id: int) -> bool:
     """Whether the job was cancelled (scancel, a preemption that cancels): `scontrol requeue` takes a job whose
     processes are still stopping (COMPLETING) and undoes the cancel (tried on Slurm 22.05: Restarts=1, back to
     pending). While it completes, only the accounting says why. Unknown (no Slurm client in the image, no
-    answer) reads as not cancelled: the requeue decides as before."""
+    answer, no accounting) reads as not cancelled: the requeue decides as before. A sweep's last element has
+    the array's id: only this job's own record counts, not its siblings'."""
     try:
-        state = _job_fields(job_id).get("JobState", "")
-    except (OSError, subprocess.TimeoutExpired, ValueError):
+        shown = _scontrol("show", "job", "-o", str(job_id)).stdout
+    except (OSError, subprocess.TimeoutExpired):
         return False
+    mine = [line.split() for line in shown.splitlines() if f"JobId={job_id}" in line.split()]  # not ArrayJobId=
+    state = next((f.split("=", 1)[1] for f in (mine[0] if mine else []) if f.startswith("JobState=")), "")
     if state != "COMPLETING":
         return state.startswith("CANCELLED")
     try:
-        done = subprocess.run(["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o", "State"], capture_output=True, text=True, timeout=30)
+        cmd = ["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o", "JobIDRaw,State"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return False
-    return any(line.startswith("CANCELLED") for line in done.stdout.splitlines())
+    return any(line.split("|")[0] == str(job_id) and "|CANCELLED" in line for line in done.stdout.splitlines())
 
 
 def _job_fields(job_id: int) -> dict[str, str]:

@@ -219,6 +219,14 @@ def plan_submit(
     cfg = load_config(config, base_overrides, output_dir, run_name, given)
     prof = profiles.load(cfg.slurm.cluster)
     slurm, sources = resolve_slurm(cfg, given, prof)
+    if slurm.gpu_type and slurm.gpus_per_node == 0:
+        if sources.get("gpu_type") == "profile":  # --gpus 0 on a profile of typed GPUs: a CPU job
+            slurm.gpu_type, sources["gpu_type"] = "", sources.get("gpus_per_node", "default")
+        else:
+            raise ConfigError(
+                f"slurm.gpu_type {slurm.gpu_type} asks for GPUs in a CPU job (--gpus 0) "
+                f"(fix: --gpus {slurm.gpu_type}:8, or --set slurm.gpu_type=)"
+            )
     if "output_dir" in given:
         sources["output_dir"] = given["output_dir"]
     elif prof.output_dir:

@@ -98,6 +98,9 @@ def resolve(name_or_path: str) -> Path:
 # sbatch options that take no value, or one only after "=": a word after them is the next option's, not theirs.
 _NO_SEPARATE_VALUE = {
     "exclusive",
+    "verbose",
+    "quiet",
+    "propagate",
     "requeue",
     "no-requeue",
     "hold",
@@ -116,7 +119,7 @@ _NO_SEPARATE_VALUE = {
     "reboot",
 }
 # Per-task or per-job GPU counts: the task layout (one task per GPU of a node) is planned from --gpus-per-node.
-_GPU_OTHER_WAYS = {"gpus", "gpus-per-task", "gpus-per-socket", "ntasks-per-gpu", "cpus-per-gpu", "mem-per-gpu"}
+_GPU_OTHER_WAYS = {"gpus", "gpus-per-task", "gpus-per-socket", "ntasks-per-gpu"}
 
 
 def _sbatch_options(text: str, where: str) -> list[tuple[str, str | bool]]:
@@ -184,8 +187,8 @@ def _take(prof: Profile, key: str, value: str | bool, where: str) -> None:
         gpus, value = _gres_gpus(value, where)
         if not value:
             value = ""
-    elif key == "gpus-per-node" and isinstance(value, str):
-        gpus = gpu_request(value)
+    elif key == "gpus-per-node":
+        gpus = gpu_request(value) if isinstance(value, str) else None
         if gpus is None:
             raise ConfigError(
                 f"{where}: #SBATCH --gpus-per-node={value} is not a GPU count (fix: write --gpus-per-node=8 or --gpus-per-node=h100:8)"

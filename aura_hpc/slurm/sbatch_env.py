@@ -21,6 +21,7 @@ _OVERRIDING = {
     "constraint": ("SBATCH_CONSTRAINT",),
     "exclusive": ("SBATCH_EXCLUSIVE",),
     "gpus-per-node": ("SBATCH_GPUS_PER_NODE", "SBATCH_GPUS", "SBATCH_GRES"),
+    "gres": ("SBATCH_GRES",),
     "mem": ("SBATCH_MEM_PER_NODE", "SBATCH_MEM_PER_CPU", "SBATCH_MEM_PER_GPU"),
     "signal": ("SBATCH_SIGNAL",),
     "requeue": ("SBATCH_NO_REQUEUE", "SBATCH_REQUEUE"),

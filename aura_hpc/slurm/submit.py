@@ -181,7 +181,34 @@ def never_starts(row: slurm_query.JobRow) -> str:
             f"job {row.job_id} is held: Slurm could not launch it on its node(s) and held it after the requeue (fix: see "
             f"slurmd's log on that node; `scontrol release {row.job_id}` tries again, `python -m aura_hpc cancel {row.job_id}` ends it)"
         )
+    why = _WAITS_FOR_SOMEONE.get(row.reason)
+    if why:
+        return f"job {row.job_id} will not start: {why} (squeue's reason {row.reason}) (fix: {_FIXES[row.reason].format(job=row.job_id)})"
     return ""
+
+
+# Pending reasons that no time cures (a watch waited on them for ever): a hold, or a request the partition or
+# account can never grant. Capacity and priority reasons (Resources, Priority, ReqNodeNotAvail...) pass with time.
+_WAITS_FOR_SOMEONE = {
+    "JobHeldUser": "it is held (scontrol hold, or sbatch --hold)",
+    "JobHeldAdmin": "an administrator holds it",
+    "PartitionTimeLimit": "its time limit is over its partition's",
+    "PartitionNodeLimit": "its node count is outside its partition's limits",
+    "BadConstraints": "no node has the features (--constraint) it asks for",
+    "InvalidAccount": "its account is not valid for this user",
+    "InvalidQOS": "its quality of service is not valid for this user",
+    "QOSMaxWallDurationPerJobLimit": "its time limit is over its QOS's",
+}
+_FIXES = {
+    "JobHeldUser": "`scontrol release {job}` lets it start",
+    "JobHeldAdmin": "ask the administrators, or `python -m aura_hpc cancel {job}`",
+    "PartitionTimeLimit": "`python -m aura_hpc cancel {job}`, then submit with a shorter --time",
+    "PartitionNodeLimit": "`python -m aura_hpc cancel {job}`, then submit with another --nodes or --partition",
+    "BadConstraints": "`python -m aura_hpc cancel {job}`, then submit with another --constraint",
+    "InvalidAccount": "`python -m aura_hpc cancel {job}`, then submit with your --account",
+    "InvalidQOS": "`python -m aura_hpc cancel {job}`, then submit with another --qos",
+    "QOSMaxWallDurationPerJobLimit": "`python -m aura_hpc cancel {job}`, then submit with a shorter --time",
+}
 
 
 def _final_state(job_id: str, row: slurm_query.JobRow | None, since: str, timeout_s: float = 60) -> slurm_query.JobRow | None:

@@ -58,6 +58,8 @@ class SlurmHangWatch(HangWatch):
         # Alone, after the node that named the culprit acted (and counted the hang) without ending this task:
         # the same hang, not one more against the budget.
         requeue, why = self._within_budget(hang.progress_step, count=not alone)
+        if requeue and exclude.cancelled(self.job_id):  # a hang seen while a cancel stops the ranks: not undone
+            requeue, why = False, f"job {self.job_id} was cancelled"
         if hang.culprits and self.cfg.health.hang_exclude_node:
             ranks_named = ", ".join(map(str, hang.culprits))
             excluded_nodes.record(self.cfg.run_dir, node_name(), f"rank {ranks_named} hung there")

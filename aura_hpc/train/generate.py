@@ -86,5 +86,8 @@ def _newest_valid(root: Path) -> checkpoint.Checkpoint:
             return ckpt
         problems.append(f"{ckpt.path.name}: {problem}")
     if problems:
-        raise CheckpointError(f"no checkpoint in {root} verifies ({'; '.join(problems[:3])}) (fix: resume the run, which sets them aside)")
+        raise CheckpointError(
+            f"no checkpoint in {root} verifies ({'; '.join(problems[:3])}) (fix: if the storage failed to read, check it and "
+            "try again; otherwise resume the run, which sets damaged ones aside)"
+        )
     raise CheckpointError(f"no complete checkpoint in {root} (fix: train first: python -m aura_hpc local)")

@@ -37,7 +37,8 @@ def _process_group_cleanup() -> Iterator[dict[str, bool]]:
     try:
         yield exit_state
     finally:
-        # A save still being written (a ZeRO rank's shards, which agree over their own group, and rank 0's commit)
+        # A save still being written (a ZeRO rank's shards, which agree over their own group, a DCP save's, waited for
+        # on the checkpoint thread, and rank 0's commit)
         # ends before the groups go: an error exit (a run that diverged) shut them first, the agreement failed,
         # and the checkpoint in flight, the last good one, was thrown away unsaid. Not where a peer is gone: its
         # agreement would wait for it as long as the host group's timeout (30 min) for a machine that vanished.

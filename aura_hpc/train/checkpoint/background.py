@@ -7,7 +7,9 @@ sharded save's commit therefore always runs after that rank's own shards.
 
 FSDP's shards are the exception: DCP's `async_save` stages DTensor shards and plans their files
 across the ranks itself, on its own executor and process group; writing them here would mean
-redoing its planner. Its future joins the commit like ours (the commit waits for it).
+redoing its planner. Its future joins the commit like ours (the commit waits for it), and on the
+other ranks a job here waits for it, so that an error exit's close() lets DCP's last agreement finish
+before the process groups go.
 """
 
 from __future__ import annotations

@@ -296,12 +296,12 @@ class Checkpointer:
     def rollback(self, bad_steps: int) -> None:
         """Back to the newest good checkpoint, past the data that went bad, with a lower LR."""
         t, pos = self.cfg.train, self.pos
+        self.wait()  # the save in flight ends first, on every rank, whatever follows (an error exit lost it)
         if pos.rollbacks >= t.nan_max_rollbacks:
             raise TrainingError(
                 f"the loss stayed non-finite after {pos.rollbacks} rollbacks (step {pos.step}) "
                 "(fix: lower train.lr, raise train.warmup_steps, clip harder (a lower train.grad_clip, above 0), or check the data)"
             )
-        self.wait()
         if sharding(self.wrapped) is not None:
             check_one_folder(self.root, self.env, self.cfg.dist.strategy)
         chosen = self.newest_name()

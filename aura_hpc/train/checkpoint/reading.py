@@ -68,6 +68,13 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
 
 def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
     _check_keys(model, list(weights))
+    params = model.state_dict()
+    for name, saved in weights.items():  # load_state_dict's size mismatch was a traceback
+        if saved.shape != params[name].shape:
+            raise CheckpointError(
+                f"checkpoint weight {name} has shape {tuple(saved.shape)}, the model's is {tuple(params[name].shape)} "
+                "(fix: resume with the config the run was started with, or use a new --run-name)"
+            )
     model.load_state_dict(weights, strict=False)
 
 

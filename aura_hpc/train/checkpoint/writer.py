@@ -123,7 +123,10 @@ def save_sharded(
     weights = wrapped.full_weights() if full_weights else {}
     hashes = {str(k): str(v) for part in collectives.gather_json(mine) for k, v in dict(part).items()}
     if not env.is_main:
-        return None, shards
+        # DCP's own thread writes this rank's shards, and its last step agrees with every rank: waited for on ours, so an
+        # error exit (background.close, then the groups go) lets it finish. Unwaited, the groups went first and rank
+        # 0's commit failed ("Connection closed by peer") and threw the checkpoint away unsaid (tried: torch 2.13, 2.6).
+        return None, (background.submit(shards.result) if shards is not None else None)
     snap = checkpoint.ModelSnapshot(weights, *checkpoint.model_configs(p.model))
     state = checkpoint.host_copy(
         {"scheduler": p.scheduler.state_dict(), "scaler": p.scaler.state_dict() if p.scaler.is_enabled() else {}, "rng": rngs}
