@@ -241,3 +241,19 @@ def test_weights_of_another_shape_are_one_line_on_either_way_of_loading(tmp_path
         checkpoint.load_weights_from(tmp_path / "step_00000001", model)
     with pytest.raises(CheckpointError, match=r"has shape \(8, 32\), the model's is \(32, 32\)"):
         checkpoint.load_weights(model, dict(small.state_dict()))
+
+
+def test_the_model_folder_loads_with_its_tokenizer_in_transformers_alone(tmp_path: Path, prepared: Path) -> None:
+    """AutoTokenizer (and pipeline) pointed at a checkpoint's model/ built an empty GPT-2 tokenizer from config.json's
+    model_type: 'hola mundo' encoded to [] and nothing was generated, without an error."""
+    from transformers import AutoTokenizer
+
+    from aura_hpc.train.model.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=300, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    checkpoint.save(tmp_path, 1, model, {}, {"step": 1}, prepared / "tokenizer", "", keep_last=2)
+    ckpt = tmp_path / "step_00000001"
+    trained = AutoTokenizer.from_pretrained(str(prepared / "tokenizer"))
+    beside = AutoTokenizer.from_pretrained(str(ckpt / "model"))
+    assert len(beside) == len(trained) and beside("hola mundo")["input_ids"] == trained("hola mundo")["input_ids"] != []
+    assert checkpoint.verify(ckpt) is None

@@ -47,11 +47,25 @@ def _rules() -> HealthRules:
 def test_rules_trip_on_faults_and_not_on_healthy_readings() -> None:
     r = _rules()
     assert all(r.evaluate([HEALTHY, dict(HEALTHY, index=1)]) is None for _ in range(10))
-    for kind in ("ecc", "thermal"):
-        r = _rules()
-        assert r.evaluate([HEALTHY]) is None
-        fault = r.evaluate([FAULTS[kind]])
-        assert fault is not None and REASON[kind] in fault.reason and fault.gpu_index == 0
+    r = _rules()
+    assert r.evaluate([HEALTHY]) is None
+    fault = r.evaluate([FAULTS["ecc"]])
+    assert fault is not None and REASON["ecc"] in fault.reason and "2 new uncorrectable ECC error(s)" in fault.reason
+    # One hot reading (a sensor's spike) stopped the run with exit 76, "drain the node": as throttling, in a row.
+    r = _rules()
+    assert r.evaluate([FAULTS["thermal"]]) is None and r.evaluate([FAULTS["thermal"]]) is None
+    fault = r.evaluate([FAULTS["thermal"]])
+    assert fault is not None and "within 3 C of the 87 C slowdown threshold for 3 samples in a row" in fault.reason
+    r = _rules()
+    r.evaluate([FAULTS["thermal"]])
+    r.evaluate([HEALTHY])
+    assert r.evaluate([FAULTS["thermal"]]) is None, "the count restarts after a cool sample"
+    no_slowdown = {k: v for k, v in FAULTS["thermal"].items() if k != "temp_slowdown_c"} | {"temp_c": 90}
+    r = _rules()
+    assert [r.evaluate([no_slowdown]) for _ in range(3)][-1].reason.startswith("temperature 90 C within 3 C of the 92 C shutdown")  # type: ignore[union-attr]
+    # A GPU fallen off the bus answers nothing: it vanished from the watch (no UUID, no field a rule reads).
+    lost = _rules().evaluate([HEALTHY, {"index": 3, "uuid": "GPU-dddd", "lost": True}])
+    assert lost is not None and lost.gpu_index == 3 and "answers nothing" in lost.reason
     r = _rules()
     assert r.evaluate([FAULTS["throttle"]]) is None and r.evaluate([FAULTS["throttle"]]) is None, "a short throttle is not a fault"
     fault = r.evaluate([FAULTS["throttle"]])
@@ -67,11 +81,10 @@ def test_rules_trip_on_faults_and_not_on_healthy_readings() -> None:
     warm, r = dict(HEALTHY, throttle_reasons=THROTTLE_BITS["sw_thermal"]), _rules()
     assert all(r.evaluate([warm]) is None for _ in range(10)) and "sw_thermal" not in HealthConfig().throttle_reasons
     assert _rules().evaluate([dict(HEALTHY, recovery_action=2)]).reason == "the driver asks to reboot the node"  # type: ignore[union-attr]
-    # An ECC count present from before the job is the baseline, not a new fault.
-    r = _rules()
-    assert (
-        r.evaluate([dict(HEALTHY, ecc_uncorrected_volatile=5)]) is None and r.evaluate([dict(HEALTHY, ecc_uncorrected_volatile=5)]) is None
-    )
+    # An ECC count already there when the job starts: an uncorrectable error since the GPU's last reset, which NVIDIA
+    # answers with a reset. Taken as the baseline, the damaged GPU was trained on.
+    fault = _rules().evaluate([dict(HEALTHY, ecc_uncorrected_volatile=5)])
+    assert fault is not None and "5 uncorrectable ECC error(s) since the GPU was last reset" in fault.reason
 
 
 def test_a_full_disk_or_a_failing_tracker_costs_the_samples_never_the_breaker(caplog: pytest.LogCaptureFixture) -> None:
@@ -84,7 +97,7 @@ def test_a_full_disk_or_a_failing_tracker_costs_the_samples_never_the_breaker(ca
     class Readings:
         rows = iter([[HEALTHY], [HEALTHY], [FAULTS["ecc"]]])
 
-        def sample(self) -> dict[str, object]:
+        def sample(self, full: bool = True) -> dict[str, object]:
             return {"gpus": next(self.rows, [FAULTS["ecc"]])}
 
     def tracker(row: dict[str, object]) -> None:
@@ -109,9 +122,11 @@ def test_the_breaker_and_the_samples_keep_their_own_cadences_on_one_sampling_thr
     now = [0.0]
     evaluated: list[float] = []
     written: list[float] = []
+    fulls: list[bool] = []
 
     class Clocked:
-        def sample(self) -> dict[str, object]:
+        def sample(self, full: bool = True) -> dict[str, object]:
+            fulls.append(full)
             return {"gpus": [HEALTHY]}
 
     class Rules:
@@ -127,6 +142,8 @@ def test_the_breaker_and_the_samples_keep_their_own_cadences_on_one_sampling_thr
     monitor._run()
     assert evaluated == [5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 35.0], evaluated
     assert written == [7.0, 14.0, 21.0, 28.0, 35.0], written
+    # A sample for the rules alone reads the GPUs alone (the disk's statvfs on a hung shared filesystem blocked it).
+    assert fulls.count(True) == len(written) and fulls.count(False) == 6, fulls
 
 
 def test_a_replay_on_a_cuda_machine_starts_at_its_first_reading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -465,6 +482,19 @@ def test_a_job_given_some_of_a_nodes_gpus_reads_those_and_is_told_when_it_reads_
     reader = open_reader("", GpuSelection(indices=frozenset({4, 5})))
     assert not isinstance(reader, NoGpus)
     assert [(g["index"], g["uuid"]) for g in reader.read()] == [(4, "GPU-h4"), (5, "GPU-h5")]
+
+    # GPU 4 falls off the bus mid-run: its row kept no UUID (the job's selection dropped it) and no field a rule reads.
+    def name(h: str) -> str:
+        if h == "h4":
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return "NVIDIA H100 80GB HBM3"
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", name)
+    by_uuid = open_reader("", GpuSelection(uuids=("h4", "h5")))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda h: name(h) and f"GPU-{h}")  # lost: no UUID either
+    rows = by_uuid.read()
+    assert rows[0] == {"index": 4, "uuid": "GPU-h4", "lost": True} and rows[1]["uuid"] == "GPU-h5" and "lost" not in rows[1], rows
+    assert HealthRules(Thresholds()).evaluate(rows).gpu_index == 4  # type: ignore[union-attr]
     allowed.clear()  # a driver that lets this job read none of them: said once, not silent
     monkeypatch.setattr(health, "_cuda", lambda: True)
     monkeypatch.setattr(health, "_visible_uuids", lambda: None)

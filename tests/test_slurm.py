@@ -838,7 +838,8 @@ def test_the_nodes_to_leave_out_are_judged_before_the_requeue_is_asked(tmp_path:
     job = TrainJob(str(tmp_path / "config.yaml"), max_requeues=3)
     job.launch = SimpleNamespace(requeued=lambda at: None)  # type: ignore[assignment]
     assert job._requeue(1234, 0)
-    assert order == ["judge least=3", "requeue", "update JobId=1234 ExcNodeList=n3"], order
+    # Whether the job was cancelled is asked first: a cancel is not undone.
+    assert order == ["show job -o 1234", "judge least=3", "requeue", "update JobId=1234 ExcNodeList=n3"], order
     # A controller too busy to answer within the budget: the requeue goes first, with the job's nodes, and says so.
     order.clear()
     monkeypatch.setattr(exclude, "JUDGE_BUDGET_S", 0.2)

@@ -4,6 +4,7 @@ throttling, the driver's recovery action)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -94,11 +95,14 @@ class NvmlReader:
         # others keeping the node's index. The first one refused ended the reader, and with it the breaker of
         # every healthy GPU of the node, in silence: on the node a lost GPU makes the one to watch.
         self.handles: list[tuple[int, Any]] = []
+        self.uuids: dict[int, str] = {}  # kept from the start: a GPU lost later answers nothing, its UUID included
         for i in range(pynvml.nvmlDeviceGetCount()):
             try:
                 self.handles.append((i, pynvml.nvmlDeviceGetHandleByIndex(i)))
             except pynvml.NVMLError:
                 continue
+            with contextlib.suppress(Exception):
+                self.uuids[i] = _text(pynvml.nvmlDeviceGetUUID(self.handles[-1][1]))
 
     def read(self) -> list[dict[str, Any]]:
         nv = self.nv
@@ -131,12 +135,20 @@ class NvmlReader:
             for key, call in calls.items():
                 try:
                     value = call()
-                except Exception:  # not supported on this GPU/driver: leave the field out
+                except Exception as exc:  # not supported on this GPU/driver: leave the field out
+                    if getattr(exc, "value", None) in _LOST:  # fallen off the bus (Xid 79), or waiting for a reset
+                        g = {"index": i, "uuid": self.uuids.get(i, ""), "lost": True}
+                        break
                     continue
                 if value is not None:
                     g[key] = round(value, 1) if isinstance(value, float) else value
             out.append(g)
         return out
+
+
+# NVML_ERROR_GPU_IS_LOST, NVML_ERROR_RESET_REQUIRED: the GPU answers nothing until it is reset. Its row kept only
+# its index, without a UUID the job's selection dropped it, and no rule saw a fault: the GPU vanished from the watch.
+_LOST = (15, 16)
 
 
 def _text(v: Any) -> str:
@@ -202,23 +214,47 @@ class HealthRules:
 
     def __init__(self, thresholds: Thresholds) -> None:
         self.t = thresholds
-        self.ecc_base: dict[int, int] = {}
+        self.ecc_seen: dict[int, int] = {}
         self.throttled: dict[int, int] = {}
+        self.hot: dict[int, int] = {}
 
     def evaluate(self, gpus: list[dict[str, Any]]) -> Fault | None:
         for g in gpus:
             i = int(g.get("index", 0))
+            if g.get("lost"):
+                return Fault(i, "the GPU answers nothing (NVML: lost, fallen off the bus, or waiting for a reset)", g)
             ecc = g.get("ecc_uncorrected_volatile")
             if ecc is not None:
-                base = self.ecc_base.setdefault(i, int(ecc))
-                if int(ecc) > base:
-                    return Fault(i, f"{int(ecc) - base} new uncorrectable ECC error(s) (volatile counter {ecc})", g)
+                # The volatile counter restarts at a GPU reset: any count is an uncorrectable error since the last one,
+                # and NVIDIA's answer to it is a reset (its memory rows are remapped then). A count already there when
+                # the job started was taken as the baseline, and a damaged GPU was trained on.
+                seen = self.ecc_seen.get(i)
+                self.ecc_seen[i] = int(ecc)
+                if int(ecc) > (seen or 0):
+                    what = (
+                        f"{int(ecc) - seen} new uncorrectable ECC error(s)"
+                        if seen is not None
+                        else (f"{ecc} uncorrectable ECC error(s) since the GPU was last reset")
+                    )
+                    return Fault(i, f"{what} (volatile counter {ecc})", g)
             action = g.get("recovery_action")
             if action:
                 return Fault(i, f"the driver asks to {RECOVERY_ACTIONS.get(int(action), f'recover (action {action})')}", g)
-            temp, limit = g.get("temp_c"), g.get("temp_slowdown_c") or g.get("temp_shutdown_c")
-            if temp is not None and limit and temp >= limit - self.t.temp_margin_c:
-                return Fault(i, f"temperature {temp} C within {self.t.temp_margin_c:g} C of the {limit} C slowdown threshold", g)
+            slowdown = g.get("temp_slowdown_c")
+            temp, limit = g.get("temp_c"), slowdown or g.get("temp_shutdown_c")
+            if temp is not None and limit and float(temp) >= float(limit) - self.t.temp_margin_c:
+                # As throttling: a sensor's one spike is not a node to drain (exit 76).
+                self.hot[i] = self.hot.get(i, 0) + 1
+                if self.hot[i] >= self.t.throttle_samples:
+                    which = "slowdown" if slowdown else "shutdown"
+                    return Fault(
+                        i,
+                        f"temperature {temp} C within {self.t.temp_margin_c:g} C of the {limit} C {which} threshold "
+                        f"for {self.hot[i]} samples in a row",
+                        g,
+                    )
+            else:
+                self.hot[i] = 0
             reasons = int(g.get("throttle_reasons") or 0)
             active = [name for name in self.t.throttle_reasons if reasons & THROTTLE_BITS.get(name, 0)]
             if active:

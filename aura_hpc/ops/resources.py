@@ -36,7 +36,10 @@ class Sampler:
         real = [c for name, c in nics.items() if name != "lo" and not name.startswith("lo:")]
         return sum(c.bytes_recv for c in real), sum(c.bytes_sent for c in real)
 
-    def sample(self) -> dict[str, Any]:
+    def sample(self, full: bool = True) -> dict[str, Any]:
+        """A row of every reading; `full=False`: the GPUs' alone (what the breaker's rules read)."""
+        if not full:
+            return {"gpus": self.reader.read()}
         ps = self.psutil
         now = time.monotonic()
         net = self._network()
@@ -123,12 +126,17 @@ class BackgroundMonitor:
                 if not due:
                     continue
                 try:
-                    row = self.sampler.sample()
+                    # The rules alone read the GPUs alone: the disk's statvfs on a hung shared filesystem blocked the
+                    # breaker for good, and every rank asked the metadata server every 5 s for nothing.
+                    row = self.sampler.sample(full="write" in due)
                 except Exception as exc:  # a sampling hiccup must never stop training
                     log.warning("resource sample failed: %s", exc)
                     continue
                 if "rules" in due and self.rules is not None and self.fault is None:
-                    self.fault = self.rules.evaluate(row.get("gpus", []))
+                    try:
+                        self.fault = self.rules.evaluate(row.get("gpus", []))
+                    except Exception as exc:  # a reading of another shape (a replay, a new field): said, not the thread's end
+                        log.warning("the GPU circuit breaker could not judge a reading (%s: %s)", type(exc).__name__, exc)
                 if "write" not in due:
                     continue
                 if self.out_path is not None:

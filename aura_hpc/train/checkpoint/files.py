@@ -1,7 +1,7 @@
 """Atomic, self-verifying checkpoints: one directory per step.
 
     checkpoints/step_00000100/
-        model/            config.json + model.safetensors (loadable by transformers; sharded: checkpoint/writer.py)
+        model/            config.json + model.safetensors + the tokenizer's files (loadable by transformers alone)
         trainer_state.pt  optimizer, scheduler, RNG states (loaded with weights_only=True)
         meta.json         step, data position, tokens, config fingerprint, world size
         tokenizer/        the tokenizer the model was trained with
@@ -235,6 +235,12 @@ def save(
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src, dst)
                 hashes[str(dst.relative_to(tmp))] = _sha256_cached(src)
+                # Also beside the weights: transformers' AutoTokenizer (and pipeline) on model/ alone built an empty
+                # GPT-2 tokenizer from config.json's model_type, and generated nothing, without an error.
+                beside = tmp / "model" / src.name
+                if src.parent == tokenizer_dir and (tmp / "model").is_dir() and not beside.exists():
+                    shutil.copyfile(src, beside)
+                    hashes[str(beside.relative_to(tmp))] = _sha256_cached(src)
         stage("tokenizer")
         absent = sorted(rel for rel in known_hashes or {} if not (tmp / rel).is_file())
         if absent:  # another rank's shards written elsewhere: a checkpoint without them would verify and not resume
