@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -630,6 +631,31 @@ def test_keep_last_plus_best_by_validation_loss(tmp_path: Path) -> None:
         checkpoint.save(tmp_path, step, model, {}, {"step": step, "eval_loss": float("nan")}, None, "", keep_last=2)
     assert [c.step for c in checkpoint.list_complete(tmp_path)] == [7, 6, 2]
     assert (best := checkpoint.best(tmp_path)) is not None and best.step == 2
+
+
+def test_a_run_that_diverges_for_good_says_so_even_when_the_save_in_flight_failed(caplog: pytest.LogCaptureFixture) -> None:
+    """The rollback waits for the save in flight before anything else; at the rollback limit, that save's failure
+    (a full disk) became the run's verdict: exit 1, restarted, where a divergence is exit 3 and not restarted."""
+    from types import SimpleNamespace
+
+    from aura_hpc.errors import CheckpointWriteError, TrainingError
+    from aura_hpc.train.checkpoint.checkpointer import Checkpointer
+
+    def wait() -> None:
+        raise CheckpointWriteError("no space left on /scratch while writing checkpoint step 400")
+
+    stub = SimpleNamespace(
+        cfg=SimpleNamespace(train=SimpleNamespace(nan_max_rollbacks=3)), pos=SimpleNamespace(rollbacks=3, step=420), wait=wait
+    )
+    with (
+        caplog.at_level(logging.ERROR, logger="aura_hpc"),
+        pytest.raises(TrainingError, match="the loss stayed non-finite after 3 rollbacks"),
+    ):
+        Checkpointer.rollback(stub, 3)  # type: ignore[arg-type]
+    assert "no space left on /scratch" in caplog.text
+    stub.pos.rollbacks = 1  # below the limit the write's failure is the error, as before
+    with pytest.raises(CheckpointWriteError):
+        Checkpointer.rollback(stub, 3)  # type: ignore[arg-type]
 
 
 def test_a_storage_that_fails_a_read_at_resume_sets_nothing_aside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -144,6 +144,12 @@ def test_the_breaker_and_the_samples_keep_their_own_cadences_on_one_sampling_thr
     assert written == [7.0, 14.0, 21.0, 28.0, 35.0], written
     # A sample for the rules alone reads the GPUs alone (the disk's statvfs on a hung shared filesystem blocked it).
     assert fulls.count(True) == len(written) and fulls.count(False) == 6, fulls
+    # With no file and no trackers to write to (monitor_interval_s=0, the default), no sample is a full one.
+    now[0], fulls[:] = 0.0, []
+    quiet = BackgroundMonitor(Clocked(), 5.0, None, Rules(), None, 5.0, 0.0, lambda: now[0])  # type: ignore[arg-type]
+    quiet._stop.wait = wait  # type: ignore[method-assign]
+    quiet._run()
+    assert fulls == [False] * 7, fulls
 
 
 def test_a_replay_on_a_cuda_machine_starts_at_its_first_reading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -434,6 +440,7 @@ def test_cuda_errors_that_mean_a_broken_gpu_are_recognised() -> None:
     access = RuntimeError("CUDA error: an illegal memory access was encountered")
     assert blames_the_gpu(access, None) is None and blames_the_gpu(access, HEALTHY) is False
     assert blames_the_gpu(access, FAULTS["ecc"]) is True and blames_the_gpu(access, dict(HEALTHY, recovery_action=1)) is True
+    assert blames_the_gpu(access, {"index": 3, "uuid": "GPU-dddd", "lost": True}) is True  # a GPU that answers nothing
     assert blames_the_gpu(RuntimeError("CUDA error: uncorrectable ECC error encountered"), HEALTHY) is True
 
 

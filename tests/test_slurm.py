@@ -633,7 +633,8 @@ def test_a_cancel_during_a_stop_is_not_undone_by_the_requeue(slurm_cluster: Path
     # A sweep: its last element has the array's id, and read a cancelled sibling's state as its own.
     from aura_hpc.slurm import exclude
 
-    sub = ["sbatch", "--parsable", "--array=0-1", "--job-name", f"sweep {tmp_path.name}", "--wrap", "sleep 120"]
+    # Its name holds what a state looks like: JobName comes before JobState on scontrol's line, unquoted.
+    sub = ["sbatch", "--parsable", "--array=0-1", "--job-name", f"sweep JobState=CANCELLED {tmp_path.name}", "--wrap", "sleep 120"]
     array = subprocess.run(sub, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip().split(";")[0]
     try:
         raw: dict[str, str] = {}

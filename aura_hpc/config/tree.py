@@ -144,7 +144,7 @@ class HealthConfig:
     temp_margin_c: float = 3.0  # open when a GPU is this close to its slowdown temperature
     # Not sw_thermal by default: NVML's normal clock control of a GPU at its temperature target (temp_margin_c judges heat).
     throttle_reasons: str = "hw_slowdown,hw_thermal,hw_power_brake"  # NVML throttle reasons that open the breaker when sustained
-    throttle_samples: int = 3  # consecutive throttled samples before opening
+    throttle_samples: int = 3  # consecutive throttled samples (or ones within temp_margin_c of the threshold) before opening
     webhook_url: str = ""  # a secret: stored redacted, never logged (prefer webhook_url_env or webhook_url_file)
     webhook_url_env: str = ""  # the name of an environment variable holding the URL (read where the trainer runs)
     webhook_url_file: str = ""  # a file holding the URL (chmod 600; on a shared filesystem for Slurm jobs)

@@ -139,9 +139,12 @@ def check_spec(spec: PrepareSpec) -> None:
 def check_out(spec: PrepareSpec) -> None:
     """What the run would refuse of --out (an input, inside an input folder, files not ours, other inputs'
     data without --force): a dry run says it, nothing written."""
-    if storage.is_remote(str(spec.out_dir)):
-        return
     files = [] if (spec.builtin or spec.dataset) else resolve_inputs(spec.inputs)
+    if storage.is_remote(str(spec.out_dir)):
+        from aura_hpc.data.to_bucket import check_inputs
+
+        check_inputs(str(spec.out_dir), spec.inputs, files)
+        return
     out = Path(spec.out_dir).expanduser().resolve()
     existing = read_manifest(out)
     if existing and existing.get("input_key") == input_key(spec, files) and not spec.force:

@@ -295,4 +295,4 @@ def blames_the_gpu(exc: BaseException, reading: dict[str, Any] | None) -> bool |
         return True
     if reading is None:
         return None
-    return int(reading.get("ecc_uncorrected_volatile") or 0) > 0 or bool(reading.get("recovery_action"))
+    return bool(reading.get("lost")) or int(reading.get("ecc_uncorrected_volatile") or 0) > 0 or bool(reading.get("recovery_action"))

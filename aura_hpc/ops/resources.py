@@ -116,7 +116,15 @@ class BackgroundMonitor:
         f = None
         try:
             while True:
-                watching = [w for w in due_at if w == "write" or (self.rules is not None and self.fault is None)]
+                # Rows are sampled only for a file or trackers that take them: with neither (monitor_interval_s=0, the
+                # default) every breaker sample was a full one, the disk's statvfs included, and the row thrown away.
+                writing = self.out_path is not None or self.on_sample is not None
+                watching = [
+                    w for w in due_at if (w == "write" and writing) or (w == "rules" and self.rules is not None and self.fault is None)
+                ]
+                if not watching:
+                    self._stop.wait()
+                    break
                 if self._stop.wait(max(0.0, min(due_at[w] for w in watching) - self.clock())):
                     break
                 now = self.clock()

@@ -62,8 +62,10 @@ def cancelled(job_id: int) -> bool:
         shown = _scontrol("show", "job", "-o", str(job_id)).stdout
     except (OSError, subprocess.TimeoutExpired):
         return False
-    mine = [line.split() for line in shown.splitlines() if f"JobId={job_id}" in line.split()]  # not ArrayJobId=
-    state = next((f.split("=", 1)[1] for f in (mine[0] if mine else []) if f.startswith("JobState=")), "")
+    # The line that starts with this job's id (not ArrayJobId=); its last JobState= field (JobName, before it, is
+    # not quoted: a name holding "JobState=CANCELLED" read as the state).
+    mine = [line.split() for line in shown.splitlines() if line.split()[:1] == [f"JobId={job_id}"]]
+    state = next((f.split("=", 1)[1] for f in reversed(mine[0] if mine else []) if f.startswith("JobState=")), "")
     if state != "COMPLETING":
         return state.startswith("CANCELLED")
     try:

@@ -188,12 +188,12 @@ def never_starts(row: slurm_query.JobRow) -> str:
 
 
 # Pending reasons that no time cures (a watch waited on them for ever): a hold, or a request the partition or
-# account can never grant. Capacity and priority reasons (Resources, Priority, ReqNodeNotAvail...) pass with time.
+# account can never grant. Capacity and priority reasons (Resources, Priority, ReqNodeNotAvail...) pass with time, and so
+# may PartitionNodeLimit (also said when required nodes are down or drained: man squeue).
 _WAITS_FOR_SOMEONE = {
     "JobHeldUser": "it is held (scontrol hold, or sbatch --hold)",
     "JobHeldAdmin": "an administrator holds it",
     "PartitionTimeLimit": "its time limit is over its partition's",
-    "PartitionNodeLimit": "its node count is outside its partition's limits",
     "BadConstraints": "no node has the features (--constraint) it asks for",
     "InvalidAccount": "its account is not valid for this user",
     "InvalidQOS": "its quality of service is not valid for this user",
@@ -203,7 +203,6 @@ _FIXES = {
     "JobHeldUser": "`scontrol release {job}` lets it start",
     "JobHeldAdmin": "ask the administrators, or `python -m aura_hpc cancel {job}`",
     "PartitionTimeLimit": "`python -m aura_hpc cancel {job}`, then submit with a shorter --time",
-    "PartitionNodeLimit": "`python -m aura_hpc cancel {job}`, then submit with another --nodes or --partition",
     "BadConstraints": "`python -m aura_hpc cancel {job}`, then submit with another --constraint",
     "InvalidAccount": "`python -m aura_hpc cancel {job}`, then submit with your --account",
     "InvalidQOS": "`python -m aura_hpc cancel {job}`, then submit with another --qos",

@@ -296,7 +296,12 @@ class Checkpointer:
     def rollback(self, bad_steps: int) -> None:
         """Back to the newest good checkpoint, past the data that went bad, with a lower LR."""
         t, pos = self.cfg.train, self.pos
-        self.wait()  # the save in flight ends first, on every rank, whatever follows (an error exit lost it)
+        try:
+            self.wait()  # the save in flight ends first, on every rank, whatever follows (an error exit lost it)
+        except CheckpointWriteError as exc:
+            if pos.rollbacks < t.nan_max_rollbacks:
+                raise
+            log.error("%s", exc)  # said; the run's verdict stays the divergence (exit 3, not restarted), not exit 1
         if pos.rollbacks >= t.nan_max_rollbacks:
             raise TrainingError(
                 f"the loss stayed non-finite after {pos.rollbacks} rollbacks (step {pos.step}) "

@@ -43,6 +43,21 @@ if TYPE_CHECKING:  # torch is imported where a tensor is handled: `generate` ref
 log = logging.getLogger("aura_hpc")
 
 MARKER = "COMPLETE.json"
+# A tokenizer's own files (a Hub snapshot's folder may hold weights and adapters of other formats: not copied beside ours).
+TOKENIZER_FILES = {
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+}
 _NAME = re.compile(r"^step_(\d{8,})$")
 
 
@@ -238,7 +253,7 @@ def save(
                 # Also beside the weights: transformers' AutoTokenizer (and pipeline) on model/ alone built an empty
                 # GPT-2 tokenizer from config.json's model_type, and generated nothing, without an error.
                 beside = tmp / "model" / src.name
-                if src.parent == tokenizer_dir and (tmp / "model").is_dir() and not beside.exists():
+                if src.name in TOKENIZER_FILES and src.parent == tokenizer_dir and (tmp / "model").is_dir() and not beside.exists():
                     shutil.copyfile(src, beside)
                     hashes[str(beside.relative_to(tmp))] = _sha256_cached(src)
         stage("tokenizer")

@@ -14,7 +14,6 @@ from typing import Any
 
 from aura_hpc.comm import collectives
 from aura_hpc.errors import EXIT_DATA_UNAVAILABLE, EXIT_RESUMABLE, EXITING_LINE
-from aura_hpc.train.checkpoint import files as checkpoint
 from aura_hpc.train.process import worker_log
 from aura_hpc.train.process.stop import StopRequest
 
@@ -35,11 +34,10 @@ def close_outputs(trainer: Any, failed: bool) -> None:
 
 def stop_on_signal(trainer: Any, stop: StopRequest) -> int:
     ckpt, pos, env = trainer.ckpt, trainer.pos, trainer.env
-    again = pos.step == pos.saved_step  # saved (or resumed) at this very step: not written twice in the signal's lead time
-    path = ckpt.root / checkpoint.step_dir_name(pos.step) if again else ckpt.save()
+    path = ckpt.save()
     ckpt.wait()
     if env.is_main:
-        what = f"checkpoint {path.name} {'already ' if again else ''}written" if path else "no checkpoint written (weights not finite)"
+        what = f"checkpoint {path.name} written" if path else "no checkpoint written (weights not finite)"
         log.warning(
             "stop requested (%s) at step %d: %s; exiting with status %d (resumable: re-run the same command, or Slurm requeues)",
             stop.signal_name or "signal on another rank",
