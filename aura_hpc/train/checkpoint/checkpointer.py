@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -80,9 +81,7 @@ class Checkpointer:
             problems = [p for p in collectives.gather_json(mine) if p]
             if not problems:
                 return str(name)
-            for problem in problems:  # every rank holds the same list: all stop together
-                if (error := checkpoint.not_read(problem, str(name))) is not None:
-                    raise error
+            checkpoint.raise_if_not_read(problems, str(name))  # every rank holds the same list: all stop together
             if env.is_main:
                 checkpoint.set_aside(checkpoint.Checkpoint(local, int(name.split("_")[1])), self.root, problems[0])
             collectives.barrier()
@@ -296,12 +295,8 @@ class Checkpointer:
     def rollback(self, bad_steps: int) -> None:
         """Back to the newest good checkpoint, past the data that went bad, with a lower LR."""
         t, pos = self.cfg.train, self.pos
-        try:
+        with _only_said(CheckpointWriteError, pos.rollbacks >= t.nan_max_rollbacks):
             self.wait()  # the save in flight ends first, on every rank, whatever follows (an error exit lost it)
-        except CheckpointWriteError as exc:
-            if pos.rollbacks < t.nan_max_rollbacks:
-                raise
-            log.error("%s", exc)  # said; the run's verdict stays the divergence (exit 3, not restarted), not exit 1
         if pos.rollbacks >= t.nan_max_rollbacks:
             raise TrainingError(
                 f"the loss stayed non-finite after {pos.rollbacks} rollbacks (step {pos.step}) "
@@ -410,3 +405,15 @@ def _same_settings(chosen: str, meta: dict[str, Any], cfg: RunConfig) -> None:
                 f"differs, so the rest of the epoch would train some sequences twice and others never (fix: resume with "
                 f"--set {setting}={meta[field]}, or a new --run-name)"
             )
+
+
+@contextlib.contextmanager
+def _only_said(kind: type[Exception], said: bool) -> Iterator[None]:
+    """`kind` raised inside is logged instead where `said` (at the rollback limit a failed save in flight is said, and
+    the run's verdict stays the divergence: exit 3, not restarted, where the write's error made it exit 1)."""
+    try:
+        yield
+    except kind as exc:
+        if not said:
+            raise
+        log.error("%s", exc)

@@ -404,6 +404,12 @@ def not_read(problem: str, name: str) -> CheckpointError | None:
     )
 
 
+def raise_if_not_read(problems: list[str], name: str) -> None:
+    for problem in problems:
+        if (error := not_read(problem, name)) is not None:
+            raise error
+
+
 def set_aside(ckpt: Checkpoint, root: Path, problem: str) -> None:
     if (error := not_read(problem, ckpt.path.name)) is not None:
         raise error
