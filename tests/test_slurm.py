@@ -574,6 +574,14 @@ def test_status_and_history_read_sweep_elements_and_names_with_a_pipe_as_slurm_h
     _a_node_failure_requeues_one_job_in_history(tmp_path, since)
 
 
+def _wait_for_state(job: str, state: str, failure: str, timeout: float = 60) -> None:
+    """Until squeue shows `job` in `state`; `failure` if it never does."""
+    deadline = time.monotonic() + timeout
+    while state not in subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout:
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.5)
+
+
 def _a_node_failure_requeues_one_job_in_history(tmp_path: Path, since: str) -> None:
     """A node that goes down under a job submitted with --requeue: Slurm requeues it itself, and its
     first attempt ends NODE_FAIL, not REQUEUED (PREEMPTED under PreemptMode=REQUEUE alike). History
@@ -582,15 +590,9 @@ def _a_node_failure_requeues_one_job_in_history(tmp_path: Path, since: str) -> N
     sub = ["sbatch", "--parsable", "--requeue", "-w", "n4", "--job-name", name, "--comment", "aura_hpc", "--wrap", "sleep 120"]
     job = subprocess.run(sub, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip()
     try:
-        deadline = time.monotonic() + 60
-        while "RUNNING" not in subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout:
-            assert time.monotonic() < deadline, "the job never started on n4"
-            time.sleep(0.5)
+        _wait_for_state(job, "RUNNING", "the job never started on n4")
         subprocess.run(["scontrol", "update", "nodename=n4", "state=down", "reason=aura-test"], check=True)
-        deadline = time.monotonic() + 60
-        while "PENDING" not in subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout:
-            assert time.monotonic() < deadline, "the job was not requeued after its node went down"
-            time.sleep(0.5)
+        _wait_for_state(job, "PENDING", "the job was not requeued after its node went down")
     finally:
         subprocess.run(["scancel", job], check=False)
         subprocess.run(["scontrol", "update", "nodename=n4", "state=resume"], check=False, capture_output=True)
@@ -620,10 +622,7 @@ def test_a_cancel_during_a_stop_is_not_undone_by_the_requeue(slurm_cluster: Path
     sub = ["sbatch", "--parsable", "--requeue", "--job-name", f"cancelled {tmp_path.name}", "--wrap", "trap '' TERM; sleep 120"]
     job = subprocess.run(sub, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip()
     try:
-        deadline = time.monotonic() + 60
-        while "RUNNING" not in subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout:
-            assert time.monotonic() < deadline, "the job never started"
-            time.sleep(0.5)
+        _wait_for_state(job, "RUNNING", "the job never started")
         subprocess.run(["scancel", job], check=True)
         assert TrainJob(str(tmp_path / "config.yaml"))._requeue(int(job), 0) is False
         shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout

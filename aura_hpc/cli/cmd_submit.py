@@ -144,14 +144,13 @@ def _gpus(given: str | None) -> tuple[str | None, int | None]:
     """--gpus 8 or h100:8 (sbatch's --gpus-per-node=TYPE:N) -> (type or None, count or None)."""
     if given is None:
         return None, None
-    import re
-
     from aura_hpc.errors import ConfigError
+    from aura_hpc.slurm.profiles import gpu_request
 
-    m = re.fullmatch(r"(?:([A-Za-z0-9_.-]+):)?(\d+)", given.strip())
-    if m is None:
+    asked = gpu_request(given)
+    if asked is None:
         raise ConfigError(f"--gpus {given!r} is not a GPU count (fix: --gpus 8, or --gpus h100:8 for a GPU type of the cluster's gres)")
-    return m.group(1), int(m.group(2))
+    return asked[0] or None, int(asked[1])
 
 
 def _node_range(given: str | None) -> tuple[int | None, int | None]:
