@@ -257,3 +257,51 @@ def test_the_model_folder_loads_with_its_tokenizer_in_transformers_alone(tmp_pat
     beside = AutoTokenizer.from_pretrained(str(ckpt / "model"))
     assert len(beside) == len(trained) and beside("hola mundo")["input_ids"] == trained("hola mundo")["input_ids"] != []
     assert checkpoint.verify(ckpt) is None
+
+
+def test_padded_rows_are_never_generated_by_transformers_from_the_model_folder_alone(tmp_path: Path) -> None:
+    """Padded embedding rows (model.padded_vocab_size) have no token behind them. `generate` kept them out with its own
+    arguments, but transformers' generate() and pipeline() on model/ read generation_config.json, which said nothing:
+    here the padded rows are made the likeliest, and greedy decoding took one at every step."""
+    from aura_hpc.train.model.gpt import GPT, GPTConfig, import_weights
+    from aura_hpc.train.model.language_model import load_pretrained
+
+    tokens, rows = 260, 384
+    model = GPT(GPTConfig(vocab_size=rows, n_positions=16, n_embd=16, n_layer=1, n_head=2, tokens=tokens))
+    with torch.no_grad():  # every hidden state is ln_f's bias alone; a padded row along it wins every argmax
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.copy_(torch.linspace(-1, 1, 16))
+        model.transformer.wte.weight[tokens:] = 50 * model.transformer.ln_f.bias
+    checkpoint.save(tmp_path, 1, model, {}, {"step": 1}, None, "", keep_last=2)
+    hf = load_pretrained(str(tmp_path / "step_00000001" / "model"))
+    out = hf.generate(torch.tensor([[5, 6]]), attention_mask=torch.ones(1, 2, dtype=torch.long), max_new_tokens=6, do_sample=False)
+    assert out.shape[1] == 8 and int(out[0, 2:].max()) < tokens, out.tolist()
+    assert hf.generation_config.suppress_tokens == list(range(tokens, rows))
+    # A weight of another shape is refused by name (copy_ broadcast a (1, 16) bias row over every row of wte).
+    other = dict(model.state_dict(), **{"transformer.wte.weight": torch.zeros(1, 16)})
+    with pytest.raises(KeyError, match=r"other shapes \[\('transformer.wte.weight', \(1, 16\), \(384, 16\)\)\]"):
+        import_weights(GPT(model.config), other)
+
+
+def test_a_training_sample_ends_with_its_document(prepared: Path) -> None:
+    """Past an end-of-text token the model starts another document: the sample in the log ran on into it (the token
+    itself decoded to nothing, so the two read as one text)."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer
+
+    from aura_hpc.config import TrainConfig
+    from aura_hpc.data.packed import PackedTokens
+    from aura_hpc.train.loop.evaluation import sample
+
+    data = PackedTokens(str(prepared), 16)
+    tok = Tokenizer.from_file(str(prepared / "tokenizer" / "tokenizer.json"))
+    first, second = tok.encode(" el caballero", add_special_tokens=False).ids, tok.encode(" la nave", add_special_tokens=False).ids
+
+    class Drawn(torch.nn.Module):  # the tokens a model drew after the prompt: a document's end, then another's start
+        def sample(self, idx: torch.Tensor, new_tokens: int, **_: Any) -> torch.Tensor:
+            return torch.cat([idx, torch.tensor([[*first, data.eos_id, *second]])], dim=1)
+
+    parts = SimpleNamespace(data=data, model=None)
+    text = sample(parts, TrainConfig(sample_prompt="En un lugar"), 1, SimpleNamespace(), model=Drawn())  # type: ignore[arg-type]
+    assert text.startswith("En un lugar") and text.rstrip().endswith("caballero") and "nave" not in text, text

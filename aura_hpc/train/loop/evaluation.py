@@ -79,7 +79,11 @@ def sample(parts: Parts, t: TrainConfig, step: int, rt: Runtime, model: Any = No
     with _eager(), rt.autocast() if live else contextlib.nullcontext():
         out = model.sample(ids, t.sample_tokens, temperature=0.8, top_k=40, allowed=parts.data.vocab_size, generator=generator)
     model.train()
-    return str(tok.decode(out[0].tolist(), skip_special_tokens=True))
+    # The sample ends with its document: past an end-of-text token the model starts another, unrelated one.
+    prompt, new = ids[0].tolist(), out[0, ids.shape[1] :].tolist()
+    if parts.data.eos_id in new:
+        new = new[: new.index(parts.data.eos_id)]
+    return str(tok.decode(prompt + new, skip_special_tokens=True))
 
 
 def host_model(like: Any, weights: dict[str, torch.Tensor], cached: Any = None) -> Any:

@@ -35,6 +35,7 @@ class GPTConfig:
     dropout: float = 0.0
     eos_id: int = 0
     tie_word_embeddings: bool = True  # the output matrix is the token embedding (GPT-2)
+    tokens: int = 0  # the tokenizer's vocabulary when vocab_size is padded past it (0: every row is a token)
 
 
 class Conv1D(nn.Module):
@@ -192,7 +193,12 @@ def hf_config(cfg: GPTConfig) -> dict[str, Any]:
 
 
 def generation_config(cfg: GPTConfig) -> dict[str, Any]:
-    return {"bos_token_id": cfg.eos_id, "eos_token_id": cfg.eos_id, "pad_token_id": cfg.eos_id}
+    """generation_config.json. Padded embedding rows have no token behind them: transformers' generate() and
+    pipeline() read `suppress_tokens` from here (without it they sampled ids the tokenizer decodes to nothing)."""
+    config: dict[str, Any] = {"bos_token_id": cfg.eos_id, "eos_token_id": cfg.eos_id, "pad_token_id": cfg.eos_id}
+    if 0 < cfg.tokens < cfg.vocab_size:
+        config["suppress_tokens"] = list(range(cfg.tokens, cfg.vocab_size))
+    return config
 
 
 def import_weights(model: GPT, weights: dict[str, torch.Tensor]) -> None:
@@ -203,8 +209,13 @@ def import_weights(model: GPT, weights: dict[str, torch.Tensor]) -> None:
     given = {k: v for k, v in weights.items() if not skipped(k)}
     missing = sorted(set(ours) - set(given) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set()))
     unexpected = sorted(set(given) - set(ours))
-    if missing or unexpected:
-        raise KeyError(f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    # copy_ broadcasts: a (1, n) tensor would fill every row of an (m, n) weight without a word.
+    shapes = sorted(k for k in given if k in ours and tuple(given[k].shape) != tuple(ours[k].shape))
+    if missing or unexpected or shapes:
+        raise KeyError(
+            f"missing {missing[:3]}, unexpected {unexpected[:3]}, "
+            f"other shapes {[(k, tuple(given[k].shape), tuple(ours[k].shape)) for k in shapes[:3]]}"
+        )
     with torch.no_grad():
         for name, value in given.items():
             ours[name].copy_(value)

@@ -15,9 +15,10 @@ from aura_hpc.train.model.gpt import GPT, GPTConfig
 from aura_hpc.train.model.loss import chunked_cross_entropy
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, eos_id: int) -> GPT:
-    """Our GPT-2 (train/model/gpt.py): GPT2LMHeadModel's names and numerics, none of its per-step host work."""
-    return GPT(GPTConfig(vocab_size, cfg.n_positions, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.dropout, eos_id))
+def build_model(cfg: ModelConfig, vocab_size: int, eos_id: int, tokens: int = 0) -> GPT:
+    """Our GPT-2 (train/model/gpt.py): GPT2LMHeadModel's names and numerics, none of its per-step host work.
+    `vocab_size` embedding rows, of which the tokenizer's `tokens` are tokens (the rest is padding)."""
+    return GPT(GPTConfig(vocab_size, cfg.n_positions, cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.dropout, eos_id, tokens=tokens))
 
 
 def load_pretrained(path: str, dtype: torch.dtype = torch.float32) -> Any:

@@ -108,7 +108,7 @@ def model_and_loss(cfg: RunConfig, rt: Runtime, data: Any, strategy: str, world:
     are made of. `strategy` "ps" is the parameter server's: a whole model on every process."""
     t = cfg.train
     rows = embedding_rows(cfg.model, data.vocab_size)
-    model, init = _build_model(lambda: build_model(cfg.model, rows, data.eos_id), cfg, strategy, rt, world)
+    model, init = _build_model(lambda: build_model(cfg.model, rows, data.eos_id, data.vocab_size), cfg, strategy, rt, world)
     cuda = rt.device.type == "cuda"
     if t.activation_checkpointing:
         enable_activation_checkpointing(model)
