@@ -167,9 +167,15 @@ def test_a_preset_is_the_preset_whatever_the_folder_holds_and_paths_may_name_var
     assert (cfg.output_dir, cfg.data.path) == ("/scratch/u/runs", "/scratch/u/es")
     monkeypatch.delenv("AURA_TEST_SCRATCH")
     with pytest.raises(
-        ConfigError, match=r"^output_dir names \$\{AURA_TEST_SCRATCH\}, which is not set here \(fix: export AURA_TEST_SCRATCH="
+        ConfigError, match=rf"^{conf}: output_dir names \$\{{AURA_TEST_SCRATCH\}}, which is not set here \(fix: export AURA_TEST_SCRATCH="
     ):
         load_config(str(conf))
+    # Each refusal of a file's value names the file (with a preset, a file and --set, the user guessed which).
+    conf.write_text("train:\n  lrr: 1\n")
+    with pytest.raises(ConfigError, match=rf"^{conf}: unknown config key 'train.lrr': did you mean 'train.lr'\?"):
+        load_config(str(conf), ["train.lr=1"])
+    with pytest.raises(ConfigError, match=r"^unknown config key 'train.lrr'"):
+        load_config(None, ["train.lrr=1"])
 
 
 def test_relative_data_path_is_relative_to_the_config_file(tmp_path: Path) -> None:
@@ -245,11 +251,20 @@ def test_help_does_not_import_heavy_libraries() -> None:
         "import sys\n"
         "from aura_hpc.cli import main\n"
         "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "try:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
         "heavy = [m for m in ('torch', 'transformers', 'datasets', 'deepspeed', 'numpy') if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "local" in r.stdout and "prepare" in r.stdout
+    import torch
+
+    from aura_hpc import __version__
+
+    # --version: what a bug report needs, the stack's versions too, without importing it.
+    line = next(x for x in r.stdout.splitlines() if x.startswith("aura_hpc "))
+    head = f"aura_hpc {__version__} (python {sys.version.split()[0]}, torch {torch.__version__},"
+    assert line.startswith(head) and "submitit" in line, line
     assert "HEAVY []" in r.stdout
 
 

@@ -26,11 +26,37 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m aura_hpc",
         description="Train a GPT-2-style language model from a laptop to a Slurm cluster with the same trainer.",
     )
+    parser.add_argument("--version", action=_Version, nargs=0, help="this package's version and its stack's")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     # The order of `--help`: train, follow jobs, check machines, data, configs.
     for command in (cmd_local, cmd_submit, cmd_ps, cmd_jobs, cmd_check, cmd_selftest, cmd_data, cmd_config):
         command.add(sub)
     return parser
+
+
+class _Version(argparse.Action):
+    """argparse's own version action wraps the line at the terminal's width: one line here, read only when asked."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(_versions())
+        parser.exit()
+
+
+def _versions() -> str:
+    """What a bug report needs, read from the installed packages' metadata (importing them costs seconds)."""
+    import platform
+    from importlib import metadata
+
+    from aura_hpc import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    stack = ", ".join(f"{name} {installed(name)}" for name in ("torch", "transformers", "deepspeed", "submitit"))
+    return f"aura_hpc {__version__} (python {platform.python_version()}, {stack})"
 
 
 # Flags users bring from torchrun, accelerate and our own other commands, and what they are here.

@@ -142,8 +142,20 @@ def _merge(
 ) -> None:
     """Merge `raw` (a YAML mapping) into `base`, rejecting unknown keys and coercing types.
 
-    `given` records, for each key set here, `label` (where it came from: config or cli).
+    `given` records, for each key set here, `label` (where it came from: config or cli). A refusal names
+    the file it came from: with a preset, a config file and --set, 'unknown config key' alone left the user to guess.
     """
+    try:
+        _merge_into(base, raw, origin, base_dir, given, label)
+    except ConfigError as exc:
+        if origin == "--set" or str(exc).startswith(f"{origin}:"):
+            raise
+        raise ConfigError(f"{origin}: {exc}") from None
+
+
+def _merge_into(
+    base: dict[str, Any], raw: dict[str, Any], origin: str, base_dir: Path | None, given: dict[str, str] | None, label: str
+) -> None:
     valid = valid_keys()
     if not isinstance(raw, dict):
         raise ConfigError(f"{origin}: a config must be a YAML mapping of sections, got {type(raw).__name__}")
