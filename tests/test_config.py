@@ -95,6 +95,8 @@ def test_cli_output_dir_and_run_name_win() -> None:
         (["slurm.nodes=0"], "(fix: --set slurm.nodes=1, or submit's --nodes 1)"),
         # A token in the query was stored in config.yaml, every checkpoint, and sent to the trackers.
         (["tracking.mlflow_uri=https://mlflow.example.com/?token=SECRET"], "tracking.mlflow_uri holds a user name, password or query"),
+        # Accepted, then refused by MLflow inside the run (its file store is in maintenance mode): no tracker, a warning.
+        (["tracking.mlflow_uri=file:/tmp/mlruns"], "which MLflow refuses unless MLFLOW_ALLOW_FILE_STORE=true"),
     ],
 )
 def test_bad_overrides_give_one_line_errors(overrides: list[str], expected: str) -> None:

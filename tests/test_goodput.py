@@ -41,3 +41,23 @@ def test_a_hung_attempt_splits_into_kept_steps_recomputed_steps_the_hang_and_the
     assert abs(sec["other"] - (101.0 - 16 - 2 - 39 - 5 - 34 - 2 - 3)) < 1e-6
     line = goodput.line(split)
     assert line.startswith("time: 39% productive steps, 34% hangs") and line.endswith("of 1m41s (goodput ledger)"), line
+    assert goodput.line({**split, "wall_s": 119.6}).endswith("of 2m00s (goodput ledger)")  # it read "1m60s"
+
+
+def test_status_reads_a_summary_only_when_the_newest_launch_wrote_it(tmp_path: Path) -> None:
+    """A finished run extended with a larger train.max_steps that crashed before its first new row read COMPLETED:
+    the summary.json was the earlier launch's (each launch writes config.yaml before anything else)."""
+    import os
+
+    from aura_hpc.launch.run_status import goodput_note, local_status
+
+    (tmp_path / "summary.json").write_text(
+        json.dumps({"step": 100, "finished": True, "goodput": {"fractions": {"step": 1.0}, "wall_s": 50}})
+    )
+    (tmp_path / "config.yaml").write_text("train:\n  max_steps: 200\n")
+    os.utime(tmp_path / "summary.json", (1_000_000, 1_000_000))  # before this launch's config.yaml
+    row = local_status(tmp_path, {"step": 100})
+    assert row["state"] == "STOPPED" and "resume" in row["reason"] and goodput_note(tmp_path, "STOPPED") is None, row
+    os.utime(tmp_path / "summary.json")  # written by this launch
+    assert local_status(tmp_path, {"step": 100})["state"] == "COMPLETED"
+    assert goodput_note(tmp_path, "COMPLETED") == "time: 100% step of 0m50s (goodput ledger)"

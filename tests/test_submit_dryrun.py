@@ -214,7 +214,8 @@ def test_a_missing_module_is_said_in_the_job_log(tmp_path: Path) -> None:
 def test_dry_run_checks_the_data_and_submit_refuses_it(tmp_path: Path) -> None:
     args = ["submit", "--output-dir", str(tmp_path / "runs"), "--set", f"data.path={tmp_path / 'missing'}"]
     dry = run_cli([*args, "--dry-run"])
-    assert dry.returncode == 0 and "effective batch 8 sequences = 1,024 tokens per step" in dry.stdout
+    # The plan is shown, and the status is the run's (0 let a script that gates on the dry run go on to submit).
+    assert dry.returncode == 2 and "effective batch 8 sequences = 1,024 tokens per step" in dry.stdout
     assert "submit would refuse this: data.path" in dry.stderr and "missing does not exist (fix:" in dry.stderr
     real = run_cli(args)
     assert real.returncode == 2 and "missing does not exist (fix:" in real.stderr and not (tmp_path / "runs").exists()

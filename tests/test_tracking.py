@@ -127,7 +127,7 @@ def test_every_tracker_reads_back_one_run_across_a_restart_and_a_silent_one_cost
     resumed = re.search(r"resumed from checkpoint step_000000(10|05) at step", tracked.stdout)
     assert "restart=1" in tracked.stdout and resumed, tracked.stdout[-3000:]
     ids = json.loads((run / "tracking" / "ids.json").read_text())
-    assert set(ids) == {"trackio", "wandb", "mlflow"}, ids
+    assert set(ids) == {"trackio", "wandb", "mlflow", "run_key"}, ids
     # TensorBoard: the killed attempt's points past the checkpoint are gone at the first resume (they stayed
     # beside the redone ones: a fresh run wrote no session start, and TensorBoard takes the first as no restart).
     shown = tensorboard_steps(run / "tensorboard", "train/loss")
@@ -347,3 +347,133 @@ def test_a_tracker_switched_off_while_rows_are_added_back_at_a_resume_leaves_the
     client = MlflowClient(tracking_uri=f"sqlite:///{cfg.run_dir / 'tracking' / 'mlflow.db'}")
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.info.status == "FINISHED"
+
+
+def test_a_run_directory_made_again_is_another_tracked_run_and_its_store_starts_empty(tmp_path: Path) -> None:
+    """A run directory deleted and made again is a new run. MLflow found the old run by the directory's path (a server
+    or database outliving the directory), and a node-local store left by a killed attempt was opened again; either
+    way the new run's first steps were taken for ones the tracker held, and never logged."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from aura_hpc.config import load_config
+    from aura_hpc.train.loop.trackers import Trackers
+
+    def attempt(cfg: Any, last: int, loss: float) -> Trackers:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        trackers = Trackers(cfg, 0)
+        trackers.start()
+        for step in range(1, last + 1):
+            trackers.log({"loss": loss}, step)
+        trackers.finish()
+        return trackers
+
+    def history(uri: str) -> dict[str, list[tuple[int, float]]]:
+        client = MlflowClient(tracking_uri=uri)
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        return {r.info.run_id: sorted((m.step, m.value) for m in client.get_metric_history(r.info.run_id, "loss")) for r in runs}
+
+    shared = f"sqlite:///{tmp_path / 'server.db'}"  # a store that outlives run directories, as a server does
+    cfg = load_config(None, ["tracking.backends=mlflow", "tracking.sqlite_local=false", f"tracking.mlflow_uri={shared}"],
+                      output_dir=str(tmp_path / "runs"), run_name="t")  # fmt: skip
+    attempt(cfg, 10, 9.0)
+    shutil.rmtree(cfg.run_dir)
+    attempt(cfg, 6, 1.0)
+    assert sorted(history(shared).values()) == [[(s, 1.0) for s in range(1, 7)], [(s, 9.0) for s in range(1, 11)]]
+
+    # A node-local store a killed attempt left (its copy never removed), then the directory deleted and made again.
+    cfg = load_config(None, ["tracking.backends=mlflow", "tracking.sqlite_local=true"], output_dir=str(tmp_path / "local"), run_name="t")
+    local = node_local_store(cfg.run_dir)
+    try:
+        attempt(cfg, 10, 9.0)
+        local.mkdir(mode=0o700)
+        shutil.copy(cfg.run_dir / "tracking" / "mlflow.db", local / "mlflow.db")
+        shutil.rmtree(cfg.run_dir)
+        # In a process of its own, as every attempt is (MLflow keeps one engine per store address in a process).
+        code = (
+            "import sys\nfrom aura_hpc.config import load_config\nfrom aura_hpc.train.loop.trackers import Trackers\n"
+            "cfg = load_config(None, ['tracking.backends=mlflow', 'tracking.sqlite_local=true'], output_dir=sys.argv[1], run_name='t')\n"
+            "cfg.run_dir.mkdir(parents=True)\ntrackers = Trackers(cfg, 0)\ntrackers.start()\n"
+            "for step in range(1, 7):\n    trackers.log({'loss': 1.0}, step)\ntrackers.finish()\n"
+        )
+        r = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / "local")], env=cli_env(), capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert not local.exists()  # its stores copied into the run directory, the node-local folder removed
+        assert list(history(f"sqlite:///{cfg.run_dir / 'tracking' / 'mlflow.db'}").values()) == [[(s, 1.0) for s in range(1, 7)]]
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def test_a_store_copied_back_in_is_not_rewound_by_a_write_ahead_log_a_killed_process_left(tmp_path: Path) -> None:
+    """SQLite replays a -wal file it finds beside a database: the node-local store a killed attempt left (database,
+    -wal, -shm) took the run directory's newer copy back to that attempt's rows when it was copied in."""
+    import shutil
+    import sqlite3
+
+    from aura_hpc.train.loop.trackers import _backup
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    con = sqlite3.connect(killed / "store.db")
+    con.execute("PRAGMA journal_mode = WAL")
+    con.execute("PRAGMA wal_autocheckpoint = 0")
+    con.execute("CREATE TABLE rows (v REAL)")
+    con.executemany("INSERT INTO rows VALUES (?)", [(1.0,)] * 300)
+    con.commit()
+    local = tmp_path / "local"
+    shutil.copytree(killed, local)  # what the killed process left: its log never checkpointed into the database
+    con.close()
+    kept = tmp_path / "kept.db"
+    newer = sqlite3.connect(kept)
+    newer.execute("CREATE TABLE rows (v REAL)")
+    newer.executemany("INSERT INTO rows VALUES (?)", [(2.0,)] * 1000)
+    newer.commit()
+    newer.close()
+    assert (local / "store.db-wal").stat().st_size > 0
+    _backup(kept, local / "store.db")
+    read = sqlite3.connect(local / "store.db")
+    assert read.execute("SELECT v, COUNT(*) FROM rows GROUP BY v").fetchall() == [(2.0, 1000)]
+    read.close()
+
+
+def test_a_wandb_attempt_killed_seconds_after_its_start_keeps_its_run_record_and_rows(tmp_path: Path) -> None:
+    """W&B writes its offline file every 15 s by default: an attempt killed sooner left a 7-byte file (no run record,
+    no config), and W&B is the one tracker a resume does not fill in from metrics.jsonl."""
+    code = (
+        "import os, sys, time\nfrom aura_hpc.config import load_config\nfrom aura_hpc.train.loop.trackers import Trackers\n"
+        "cfg = load_config(None, ['tracking.backends=wandb'], output_dir=sys.argv[1], run_name='t')\n"
+        "cfg.run_dir.mkdir(parents=True)\ntrackers = Trackers(cfg, 0)\ntrackers.start()\n"
+        "for step in range(1, 11):\n    trackers.log({'loss': 1.0 / step}, step)\n"
+        "time.sleep(4)\nos._exit(9)\n"  # killed: nothing finished, nothing flushed on the way out
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 9, r.stderr[-2000:]
+    [log] = glob.glob(str(tmp_path / "t" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    records = _wandb_records(Path(log))
+    assert [r.run.run_id for r in records if r.WhichOneof("record_type") == "run"], f"no run record in {os.path.getsize(log)} bytes"
+    assert sum(r.WhichOneof("record_type") == "history" for r in records) >= 5
+
+
+def test_a_worker_whose_node_lacks_a_tracker_refuses_before_it_builds_anything(tmp_path: Path, prepared: Path) -> None:
+    """Under Slurm no launcher checks the compute node's packages: rank 0 found a missing tracker only once the model
+    was built, resumed and warmed up (GPU time), on its way to the first metrics row."""
+    from aura_hpc.config import load_config
+
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['wandb'] = None  # not installed on this node\n")
+    cfg = load_config(
+        None, ["tracking.backends=wandb", f"data.path={prepared}", *SMALL_MODEL[1::2]], output_dir=str(tmp_path), run_name="t"
+    )
+    cfg.run_dir.mkdir()
+    (cfg.run_dir / "config.yaml").write_text(cfg.to_yaml())
+    env = cli_env(PYTHONPATH=f"{hide}{os.pathsep}{cli_env().get('PYTHONPATH', '')}")
+    r = subprocess.run(
+        [sys.executable, "-m", "aura_hpc.train", str(cfg.run_dir / "config.yaml")], env=env, capture_output=True, text=True, timeout=300
+    )
+    said = r.stdout + r.stderr
+    assert r.returncode == 2 and "tracking.backends asks for wandb, not installed here (fix: pip install" in said, said[-3000:]
+    assert "parameters" not in said and not (cfg.run_dir / "checkpoints").exists(), said[-3000:]

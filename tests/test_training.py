@@ -549,9 +549,11 @@ def test_the_line_for_the_other_nodes_carries_the_flags_this_node_took_from_its_
 
     from aura_hpc.launch.local import other_nodes_command
 
-    monkeypatch.setattr("sys.argv", ["aura_hpc", "local", "--set", "train.max_steps=9"])
+    # --ifname is this machine's interface (wlan0 here, wlp2s0 there): each node finds its own route.
+    monkeypatch.setattr("sys.argv", ["aura_hpc", "local", "--ifname", "wlan0", "--set", "train.max_steps=9", "--ifname=wlan1"])
     line = other_nodes_command(types.SimpleNamespace(nnodes=2, master_addr="192.168.1.10", master_port=29500), "s3cret", 1)
     words = shlex.split(line)  # pasted whole: a "K" to replace, or a note after it, failed (bash's syntax error at "(")
+    assert not [w for w in words if "ifname" in w or w.startswith("wlan")], words
     assert words[:5] == ["AURA_RUN_SECRET=s3cret", "python", "-m", "aura_hpc", "local"], words
     for flag, value in (("--nnodes", "2"), ("--master-addr", "192.168.1.10"), ("--master-port", "29500"), ("--node-rank", "1")):
         assert words[words.index(flag) + 1] == value, words
@@ -585,3 +587,62 @@ def test_a_resume_applies_the_configs_learning_rate_and_keeps_the_rollbacks_scal
         apply_settings(o, s, new, saved, rollbacks=1)
         assert s.base_lrs == pytest.approx([0.0002, 0.0002]) and o.param_groups[0]["lr"] == pytest.approx(0.0002 * s.lr_lambdas[0](5))
         assert o.param_groups[0]["betas"] == (0.9, 0.99) and o.param_groups[0]["weight_decay"] == 0
+
+
+def test_metrics_rows_dropped_at_a_resume_or_rollback_never_cost_the_others(tmp_path: Path) -> None:
+    """The rows past a resumed or rolled-back step were dropped by rewriting metrics.jsonl in place: a full disk
+    (here a file size limit) mid-rewrite left 515 of 2,000 rows, the last one torn. After a rollback the rows
+    written next must land in the file that is there."""
+    from aura_hpc.train.loop.metrics import MetricsWriter
+
+    rows = "".join(json.dumps({"step": s, "loss": 2.0, "lr": 1e-4, "note": "x" * 40}) + "\n" for s in range(1, 2001))
+    (tmp_path / "metrics.jsonl").write_text(rows)
+    code = (
+        "import resource, signal, sys\nfrom pathlib import Path\nfrom aura_hpc.train.loop.metrics import MetricsWriter\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\nresource.setrlimit(resource.RLIMIT_FSIZE, (40000, 40000))\n"
+        "MetricsWriter(Path(sys.argv[1]), 1500)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "File too large" in r.stderr, r.stderr[-2000:]
+    assert (tmp_path / "metrics.jsonl").read_text() == rows and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+    w = MetricsWriter(tmp_path, 2000)
+    w.rolled_back(3)
+    w.write({"step": 4, "loss": 1.5, "lr": 1e-4})
+    w.close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_a_node_started_with_another_node_count_or_a_master_address_no_node_has_is_refused_in_one_line(
+    tmp_path: Path, prepared: Path
+) -> None:
+    """Node 0 with --nnodes 3 and node 1 with --nnodes 2: torch's rendezvous completed at node 1's count, the two
+    trained, and a third machine waited for ever without a word. 0.0.0.0 (every interface, no machine's address) and
+    torchrun's HOST:PORT were taken, the second as an IPv6 address; an --ifname this machine lacks failed in the workers."""
+    port = free_port()
+    base = ["local", "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "1", "--set", f"data.path={prepared}"]
+    node0 = subprocess.Popen(
+        [sys.executable, "-m", "aura_hpc", *base, "--nnodes", "3", "--node-rank", "0", "--output-dir", str(tmp_path / "m0")],
+        env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        r = run_cli([*base, "--nnodes", "2", "--node-rank", "1", "--output-dir", str(tmp_path / "m1")], timeout=120)
+    finally:
+        node0.kill()
+        node0.wait()
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    assert "started this run with --nnodes 3, this node with --nnodes 2 (fix: the same --nnodes on every node)" in lines[0], lines
+    for addr, said in (
+        ("0.0.0.0", "is no machine's address (fix: node 0's LAN IP"),
+        ("192.0.2.2:29500", "carries a port (fix: --master-addr 192.0.2.2 --master-port 29500)"),
+    ):
+        r = run_cli(["local", "--dry-run", "--nnodes", "2", "--master-addr", addr], timeout=60)
+        assert r.returncode == 2 and said in r.stderr, r.stderr
+    # A node without the run's secret is told so at once, not after waiting --rdzv-timeout for a master that is not there.
+    alone = ["local", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    r = run_cli([*alone, "--rdzv-timeout", "600", "--output-dir", str(tmp_path / "m2"), "--set", f"data.path={prepared}"], timeout=300,
+                AURA_RUN_SECRET="")  # fmt: skip
+    assert r.returncode == 2 and "node 1 has no secret for this run" in r.stderr and "cannot reach" not in r.stderr, r.stderr
+    r = run_cli(["local", "--dry-run", "--ifname", "aura-no-such-if0"], timeout=60)
+    assert r.returncode == 2 and "--ifname aura-no-such-if0 is no interface with an IPv4 address on this machine (fix: one of" in r.stderr

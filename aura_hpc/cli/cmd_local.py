@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from aura_hpc.cli.common import add_run_options, flags_from_env, show_plan
+from aura_hpc.errors import EXIT_USER_ERROR
 
 
 def cmd_local(a: argparse.Namespace) -> int:
@@ -50,8 +51,9 @@ def cmd_local(a: argparse.Namespace) -> int:
         for line in plan.data_lines:
             console.info(line)
         console.info(f"run directory: {plan.cfg.run_dir} (nothing was written or started)")
-        if plan.refusal:
+        if plan.refusal:  # the plan is shown, and the status is the run's: a script gating on the dry run stops here
             console.warn(f"local would refuse this: {plan.refusal}")
+            return EXIT_USER_ERROR
         return 0
     status = launch(plan, ready=warn)  # warnings once the data and run directory passed their checks
     if status != 0:

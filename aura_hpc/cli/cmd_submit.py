@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from aura_hpc.cli.common import add_run_options, show_plan
+from aura_hpc.errors import EXIT_USER_ERROR
 
 
 def cmd_submit(a: argparse.Namespace) -> int:
@@ -63,7 +64,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
             console.plain(f"  {k}={v}")
         console.info(f"sbatch script ({plan.folder / '<jobid>_submission.sh'}):")
         console.plain(plan.script)
-        return 0
+        return EXIT_USER_ERROR if plan.data_problem else 0  # the run's status: a script gating on the dry run stops here
     from aura_hpc.slurm import submit as submitting
 
     ids = submitting.submit(plan)

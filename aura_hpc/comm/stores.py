@@ -39,6 +39,7 @@ RDZV_BACKEND = "aura-c10d"
 SECRET_ENV = "AURA_RUN_SECRET"
 # Set by node 0's launcher in each rendezvous store it makes: after a hang, the other nodes relaunch once it differs.
 ROUND_KEY = "aura-round"
+NNODES_KEY = "aura-nnodes"  # node 0's --nnodes: a node started with another count is refused, not left waiting or trained short
 SECRET_FILE = "run.secret"  # in the run directory, mode 600 (Slurm jobs; LAN node 0 keeps its own)
 MIN_SECRET = 16
 
@@ -198,9 +199,11 @@ def register_rendezvous() -> None:
         try:
             if params.get_as_bool("is_host", False):
                 store = bound_server(host, port, timeout, multi_tenant=True)
+                store.set(NNODES_KEY, str(params.max_nodes))
                 store.set(ROUND_KEY, f"{time.time():.6f}-{os.getpid()}")
             else:
                 store = client(host, port, timeout, give_up_s=float(params.get_as_int("join_timeout", 600) or 600))
+                _same_node_count(store, params.max_nodes, host, port)
         except NotAStore as exc:
             raise RendezvousConnectionError(
                 f"{exc} (fix: --master-addr and --master-port of node 0's `local`, which prints them; another port if that one is taken)"
@@ -232,6 +235,28 @@ def register_rendezvous() -> None:
 
     rendezvous_handler_registry.register(RDZV_BACKEND, create)
     register_rendezvous.done = True  # type: ignore[attr-defined]
+
+
+def _same_node_count(store: Any, nnodes: int, host: str, port: int) -> None:
+    """Node 0's --nnodes against this node's. Torch's rendezvous completes at its own max_nodes: node 0 with 3 and
+    node 1 with 2 trained on 2 machines, and the third waited for ever on a full rendezvous, without a word."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    try:
+        for _ in range(8):  # node 0 writes it right after it listens: a client may come in between
+            if store.check([NNODES_KEY]):
+                break
+            time.sleep(0.25)
+        else:
+            return  # a node 0 of an older release: torch's own checks only
+        said = store.get(NNODES_KEY).decode("ascii", "replace")
+    except (RuntimeError, TimeoutError, OSError):
+        return
+    if said.isdigit() and int(said) != nnodes:
+        raise RendezvousConnectionError(
+            f"node 0 at {host}:{port} started this run with --nnodes {said}, this node with --nnodes {nnodes} "
+            f"(fix: the same --nnodes on every node)"
+        )
 
 
 def _tampering_in(base64_state: bytes, max_nodes: int) -> rendezvous_state.StateTampered | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from urllib.parse import urlsplit
 
 from aura_hpc.config.tree import TRACKERS, RunConfig
@@ -34,6 +35,12 @@ def validate_tracking(cfg: RunConfig) -> None:
             raise ConfigError(
                 "tracking.mlflow_uri must be an http(s):// server or a sqlite:/// store "
                 "(fix: leave it empty for RUN_DIR/tracking/mlflow.db)"
+            )
+        if parts.scheme == "file" and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true", "yes"):
+            # Accepted here, MLflow refused it in the run (its file store is in maintenance mode): no tracker, one warning.
+            raise ConfigError(
+                "tracking.mlflow_uri is a file: store, which MLflow refuses unless MLFLOW_ALLOW_FILE_STORE=true "
+                "(fix: leave it empty for RUN_DIR/tracking/mlflow.db, or export MLFLOW_ALLOW_FILE_STORE=true)"
             )
         if parts.username or parts.password or (parts.scheme in ("http", "https") and (parts.query or parts.fragment)):
             raise ConfigError(

@@ -237,7 +237,8 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
         raise LaunchError(
             f"the {plan.nnodes} nodes did not all join at {plan.master_addr}:{plan.master_port} within "
             f"{plan.rdzv_timeout}s ({type(exc).__name__}) (fix: start every node with the same --nnodes, "
-            "--master-addr and --master-port, and check the firewall)"
+            f"--master-addr and --master-port, and check the firewall; nodes started minutes apart: --rdzv-timeout "
+            f"{max(600, plan.rdzv_timeout * 2)} on every node)"
         ) from None
     finally:
         guard.store = None  # node 0's next attempt (after a hang) binds the same port: no reference may keep this one open

@@ -180,5 +180,5 @@ def line(split: dict[str, Any]) -> str:
     """`time: 81% productive steps, 12% start-up, ... of 2m05s`: the parts of 0.5% or more, largest first."""
     fr = split["fractions"]
     shown = sorted(((v, k) for k, v in fr.items() if v >= 0.005), reverse=True)
-    wall = float(split["wall_s"])
-    return "time: " + ", ".join(f"{v:.0%} {k}" for v, k in shown) + f" of {int(wall // 60)}m{wall % 60:02.0f}s (goodput ledger)"
+    seconds = round(float(split["wall_s"]))  # rounded once: 119.6 s read "1m60s"
+    return "time: " + ", ".join(f"{v:.0%} {k}" for v, k in shown) + f" of {seconds // 60}m{seconds % 60:02d}s (goodput ledger)"

@@ -26,7 +26,16 @@ from aura_hpc.errors import ConfigError, LaunchError
 from aura_hpc.launch.agent import run_workers
 from aura_hpc.launch.plan import LocalPlan
 from aura_hpc.launch.run_setup import ensure_run_secret, prepare_run_dir
-from aura_hpc.ops.network import is_own_address, is_trusted_range, lan_master_problem, loopback_interface, port_in_use, resolve, route_to
+from aura_hpc.ops.network import (
+    interface_problem,
+    is_own_address,
+    is_trusted_range,
+    lan_master_problem,
+    loopback_interface,
+    port_in_use,
+    resolve,
+    route_to,
+)
 
 
 def wait_for_master(
@@ -68,8 +77,8 @@ def wait_for_master(
                 "No route to host": f"{addr} is unreachable: a firewall on {peer} rejects port {port}, or the address is wrong",
             }.get(last, f"no answer from {addr}: {peer} is off or not at that address, or a firewall drops port {port}")
             fix = fix or (
-                f"start node 0 first with --master-addr {addr}, the same --master-port on every node, and allow TCP port {port} "
-                "and gloo's ports in node 0's firewall"
+                f"start node 0 first with --master-addr {addr}, the same --master-port on every node; allow TCP between the "
+                f"nodes both ways, port {port} on node 0 included"
             )
             raise LaunchError(f"cannot reach {who} at {addr}:{port} within {timeout:.0f}s ({last}; likely: {cause}) (fix: {fix})")
         time.sleep(0.5)
@@ -172,6 +181,8 @@ def plan_local(
     if gpus and wanted != "gloo" and nproc > gpus:
         raise LaunchError(f"--nproc-per-node {nproc} is more than the {gpus} GPUs on this machine (fix: --nproc-per-node {gpus})")
 
+    if ifname and (problem := interface_problem(ifname)):
+        raise LaunchError(problem)  # gloo said "Unable to find address for" it inside every worker, after the rendezvous
     if nnodes == 1 and not master_addr:
         master_addr = "127.0.0.1"
     assert master_addr is not None
@@ -307,13 +318,13 @@ def launch(plan: LocalPlan, ready: Callable[[], None] | None = None) -> int:
             f"port {plan.master_port} is already in use on this machine (fix: --master-port {plan.master_port + 1}{where}, "
             "or stop the program using it)"
         )
+    # Node 0 holds the run directory for the whole run: a second `local` there is refused.
+    node0 = plan.node_rank == 0
+    secret = _secret_of_other_node(plan) if not node0 else None  # before the wait: a missing secret is known now
     if plan.node_rank > 0:
         from aura_hpc import console
 
         wait_for_master(plan.master_addr, plan.master_port, plan.rdzv_timeout, console.info)
-    # Node 0 holds the run directory for the whole run: a second `local` there is refused.
-    node0 = plan.node_rank == 0
-    secret = _secret_of_other_node(plan) if not node0 else None
     world, exact = plan.nproc * plan.nnodes, plan.nnodes == 1  # a LAN's other nodes may run other process counts
     lock = prepare_run_dir(
         plan.cfg, world, lock=node0, check_lock=node0, config_name=plan.config_path.name, secret=node0, exact_world=exact
@@ -382,10 +393,11 @@ def other_nodes_command(plan: LocalPlan, secret: str, rank: int) -> str:
         if skip:
             skip = False
             continue
-        if arg == "--node-rank" and i + 1 < len(argv):
+        # --ifname too: interface names are each machine's own (wlan0 here, wlp2s0 there); each finds its route itself.
+        if arg in ("--node-rank", "--ifname") and i + 1 < len(argv):
             skip = True
             continue
-        if arg.startswith("--node-rank="):
+        if arg.startswith(("--node-rank=", "--ifname=")):
             continue
         out.append(arg)
     # Flags this node took from its environment (AURA_LOCAL_FROM_ENV, the Docker image's) are written out: the line
@@ -398,8 +410,13 @@ def other_nodes_command(plan: LocalPlan, secret: str, rank: int) -> str:
 
 
 def summary(plan: LocalPlan) -> dict[str, object] | None:
+    """The run's summary.json when this launch wrote it (after its config file, on the same filesystem's clock): on a LAN
+    node with a folder of its own, an earlier run's there was shown as this one's "training finished"."""
     path = plan.cfg.run_dir / "summary.json"
-    if not path.exists():
+    try:
+        if path.stat().st_mtime < plan.config_path.stat().st_mtime:
+            return None
+    except OSError:
         return None
     data: dict[str, object] = json.loads(path.read_text(encoding="utf-8"))
     return data

@@ -34,10 +34,13 @@ def local_status(run_dir: Path, latest: dict[str, Any]) -> dict[str, Any]:
     """One status row (the columns `status` shows for jobs) for a local run directory."""
     run_dir = run_dir.expanduser().resolve()
     lock = read_json(run_dir / LOCK_NAME)
-    summary = read_json(run_dir / "summary.json")
+    summary = _this_launchs_summary(run_dir)
     state, reason = "STOPPED", "re-run the same `local` command to resume"
-    if lock is not None:
+    try:
         mtime = (run_dir / LOCK_NAME).stat().st_mtime
+    except OSError:  # released since it was read: the run ended meanwhile
+        lock = None
+    if lock is not None:
         try:
             if not RunLock(run_dir).holder_is_gone(lock, mtime):
                 state, reason = "RUNNING", f"PID {lock.get('pid')} on {lock.get('host')} since {lock.get('since')}"
@@ -70,13 +73,25 @@ def local_status(run_dir: Path, latest: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _this_launchs_summary(run_dir: Path) -> dict[str, Any] | None:
+    """summary.json when the newest launch wrote it: each launch writes config.yaml first, so an older summary is an
+    earlier launch's (a finished run extended with a larger train.max_steps, then crashed, read COMPLETED)."""
+    summary = read_json(run_dir / "summary.json")
+    config = local_config(run_dir)
+    if summary is not None and config is not None:
+        with contextlib.suppress(OSError):
+            if (run_dir / "summary.json").stat().st_mtime < config.stat().st_mtime:
+                return None
+    return summary
+
+
 def goodput_note(run_dir: Path, state: str) -> str | None:
     """Where the newest launch's time went: the finished run's split (summary.json), or a running one's so far."""
     import time
 
     from aura_hpc.launch import goodput
 
-    summary = read_json(run_dir / "summary.json")
+    summary = _this_launchs_summary(run_dir)
     split = summary.get("goodput") if summary is not None and state != "RUNNING" else None
     if not isinstance(split, dict):
         launch = goodput.newest_launch(run_dir)

@@ -70,16 +70,35 @@ def loopback_name(addr: str) -> str | None:
 
 def lan_master_problem(addr: str, nnodes: int) -> str | None:
     """Why `addr` cannot be the master of a run of `nnodes` machines, in one line with the fix, or None."""
+    import re
+
+    if host_port := re.fullmatch(r"([^:\s]+):(\d+)", addr.strip()):  # torchrun's --rdzv-endpoint form, pasted
+        return f"master address {addr!r} carries a port (fix: --master-addr {host_port.group(1)} --master-port {host_port.group(2)})"
     if ":" in addr.strip("[]"):  # an IPv6 literal: the rendezvous and the stores are IPv4 (it read "does not resolve")
         return f"master address {addr!r} is an IPv6 address: IPv4 only (fix: node 0's IPv4 address, e.g. 192.168.1.10)"
+    if addr != addr.strip():
+        return f"master address {addr!r} has spaces around it (fix: --master-addr {addr.strip()})"
     if resolve(addr) is None:
         return f"master address {addr!r} does not resolve (fix: use node 0's IP address, e.g. 192.168.1.10)"
+    if resolve(addr) in ("0.0.0.0", "::"):  # every interface: listened on by node 0, and each other node dialled itself
+        return f"master address {addr!r} is no machine's address (fix: node 0's LAN IP, see `ip -4 addr`, on every node)"
     if nnodes > 1 and (loopback := loopback_name(addr)):
         return (
             f"master address {addr} resolves to {loopback} on this machine (/etc/hosts maps the name there), where the other "
             "nodes cannot reach it (fix: --master-addr <node 0's LAN IP, see `ip -4 addr`> on every node)"
         )
     return None
+
+
+def interface_problem(names: str) -> str | None:
+    """Why `--ifname` (one name, or gloo's comma list) names no IPv4 interface of this machine, in one line, or None."""
+    import psutil
+
+    have = {n for n, addrs in psutil.net_if_addrs().items() if any(a.family == socket.AF_INET for a in addrs)}
+    missing = [n for n in names.split(",") if n.strip() not in have]
+    if not missing:
+        return None
+    return f"--ifname {missing[0]} is no interface with an IPv4 address on this machine (fix: one of {', '.join(sorted(have))}, or omit it)"
 
 
 def is_own_address(addr: str) -> bool:

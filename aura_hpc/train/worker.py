@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None, why_not_leave_out: Callable[[list[str]],
     try:
         # Before anything is logged: the rank (and so the log file) is final once the ranks have met.
         env = distributed.join(env, cfg.run_dir, cfg.dist.init_timeout_s)
+        if env.is_main:  # under Slurm nothing checked this node's packages before: refused before the model is built
+            from aura_hpc.config.tracking import require_installed
+
+            require_installed(cfg)
     except AuraError as exc:
         worker_log.setup(cfg.run_dir / "logs", env.rank)
         log.error("%s", exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -65,14 +66,31 @@ class MetricsWriter:
             self._file.flush()
         if not self.path.exists():
             return
+        lines = self.path.read_text(encoding="utf-8").splitlines()
         kept = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        for line in lines:
             try:
-                if json.loads(line).get("step", 0) <= step:
-                    kept.append(line)
+                row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-        self.path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+            if isinstance(row, dict) and isinstance(row.get("step", 0), (int, float)) and row.get("step", 0) <= step:
+                kept.append(line)
+        if kept == lines:
+            return
+        # Written beside it and renamed over it: truncated in place, a full disk or a kill mid-write lost the whole history.
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write("".join(k + "\n" for k in kept))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if getattr(self, "_file", None) is not None:  # a rollback: the open handle still appends to the replaced file
+            self._file.close()
+            self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, row: dict[str, Any]) -> None:
         if self.mfu_scale and row.get("tokens_per_s"):

@@ -15,8 +15,11 @@ from typing import Any
 from aura_hpc.config import RunConfig
 
 
-def make(name: str, cfg: RunConfig, local: Path, folder: Path) -> Any:
-    return {"trackio": Trackio, "wandb": Wandb, "mlflow": Mlflow}[name](cfg, local, folder)
+def make(name: str, cfg: RunConfig, local: Path, folder: Path, run_key: str = "") -> Any:
+    """`run_key`: this run directory's own (RUN_DIR/tracking/ids.json): a run directory deleted and made again is another run."""
+    backend = {"trackio": Trackio, "wandb": Wandb, "mlflow": Mlflow}[name](cfg, local, folder)
+    backend.run_key = run_key
+    return backend
 
 
 def chosen_id(name: str, cfg: RunConfig) -> str | None:
@@ -28,7 +31,11 @@ def chosen_id(name: str, cfg: RunConfig) -> str | None:
     return None
 
 
-RUN_KEY_TAG = "aura_hpc.run_dir"
+# A run made by an attempt killed before it kept MLflow's id is found again by this tag. Its value is the run
+# directory's random key, not its path: with a server or a database that outlives the directory, the path found a
+# deleted run's record, and the new run's first steps were taken for ones it already held.
+RUN_KEY_TAG = "aura_hpc.run_key"
+RUN_DIR_TAG = "aura_hpc.run_dir"
 
 
 def flat(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -126,7 +133,9 @@ class Wandb:
 
         mode = self.cfg.tracking.wandb_mode
         run_id = run_id or chosen_id("wandb", self.cfg)
-        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True)
+        # Its offline file is written every 15 s by default: an attempt killed sooner left no run record, config included,
+        # and W&B is the one tracker a resume does not fill in from metrics.jsonl. The file is local: every second.
+        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_transaction_log_flush_interval=1.0)
         self.run = wandb.init(
             project=self.cfg.tracking.project,
             id=run_id,
@@ -177,16 +186,15 @@ class Mlflow:
         exp_id = exp.experiment_id if exp else self.client.create_experiment(project, artifact_location=artifacts)
         if run_id and not self._exists(run_id):  # a store lost (or another mlflow_uri): the kept id names nothing
             run_id = None
-        if not run_id:  # an attempt killed before it kept MLflow's id: the run it made is found by its tag
-            key = str(self.cfg.run_dir.resolve()).replace("'", "")
-            found = self.client.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'", max_results=1)
+        if not run_id and self.run_key.isalnum():  # an attempt killed before it kept MLflow's id: found by its tag
+            found = self.client.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{self.run_key}'", max_results=1)
             run_id = found[0].info.run_id if found else None
         if run_id:
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
             self.client.set_tag(run_id, "aura_hpc.resumed_at_step", str(resume_step))
         else:
-            tags = {RUN_KEY_TAG: str(self.cfg.run_dir.resolve()).replace("'", "")}
+            tags = {RUN_KEY_TAG: self.run_key, RUN_DIR_TAG: str(self.cfg.run_dir.resolve())}
             self.run_id = self.client.create_run(exp_id, run_name=self.cfg.run_name, tags=tags).info.run_id
         if not self.client.get_run(self.run_id).data.params:  # the settings it started with (MLflow never changes a param)
             params = [Param(k, v) for k, v in flat(config).items()]

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import queue
+import secrets
 import shutil
 import sqlite3
 import tempfile
@@ -42,6 +43,7 @@ from aura_hpc.ops.disk import is_network_fs
 
 log = logging.getLogger("aura_hpc")
 IDS = "ids.json"
+RUN_KEY = "run_key"  # in IDS, and in a node-local store folder: whose stores these are
 
 
 def scalars(row: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -111,6 +113,8 @@ class Trackers:
         # started must not leave the next one to choose another (a second W&B run for one training run).
         self.folder.mkdir(parents=True, exist_ok=True)
         ids = _read_ids(self.folder / IDS)
+        ids.setdefault(RUN_KEY, secrets.token_hex(8))  # this run directory's; one made again gets another
+        self.run_key = ids[RUN_KEY]
         from aura_hpc.train.loop import tracker_backends
 
         for name in self.names:
@@ -230,13 +234,14 @@ class Trackers:
                     f"the node-local store folder is another user's or open to others: {untrusted} "
                     "(fix: remove it, or --set tracking.sqlite_local=false)"
                 )
+            self._own_local_folder()
             self._copy_in()
         else:
             self.local.mkdir(parents=True, exist_ok=True, mode=0o700)
         ids = _read_ids(self.folder / IDS)
         for name in self.names:
             try:
-                backend = tracker_backends.make(name, self.cfg, self.local, self.folder)
+                backend = tracker_backends.make(name, self.cfg, self.local, self.folder, self.run_key)
                 ids[name] = backend.start(config, ids.get(name), self.resume_step)
                 self._live[name] = backend
                 self.hints.append(backend.hint())
@@ -273,6 +278,19 @@ class Trackers:
             if missing:
                 log.info("tracking: %s had rows up to step %s; %d earlier rows added from metrics.jsonl", name, last, len(missing))
 
+    def _own_local_folder(self) -> None:
+        """The node-local folder is named after the run directory's path: one left by a run whose directory was deleted
+        since (a killed attempt, a copy that failed) held another run's stores, which this run continued."""
+        key = self.local / RUN_KEY
+        with contextlib.suppress(OSError):
+            if self.local.is_dir() and key.read_text(encoding="utf-8").strip() == self.run_key:
+                return
+        if self.local.is_dir():
+            log.info("tracking: %s held another run's stores (a run directory of this name made again); replaced", self.local)
+            shutil.rmtree(self.local)
+        self.local.mkdir(parents=True, mode=0o700)
+        key.write_text(self.run_key + "\n", encoding="utf-8")
+
     def _copy_in(self) -> None:
         """A resumed run on this node: start from the copy in the run directory when it is newer."""
         for kept in self.folder.glob("**/*.db"):
@@ -307,6 +325,10 @@ def _backup(src: Path, dst: Path) -> None:
     and renamed over it: a reader never sees half a copy."""
     tmp = dst.with_name(f".{dst.name}.tmp")
     tmp.unlink(missing_ok=True)
+    # SQLite replays a write-ahead log it finds beside a database onto it: one a killed process left beside `dst`
+    # turned the fresh copy back into that process's store. Nothing has `dst` open here.
+    for side in ("-wal", "-shm", "-journal"):
+        dst.with_name(dst.name + side).unlink(missing_ok=True)
     source = sqlite3.connect(f"file:{src}?mode=ro", uri=True)
     try:
         target = sqlite3.connect(tmp)

@@ -120,8 +120,11 @@ def join(env: DistEnv, run_dir: Path, timeout_s: float) -> DistEnv:
         if isinstance(exc, LaunchError):
             raise
         raise LaunchError(
-            f"cannot reach the rendezvous store at {env.master_addr}:{env.master_port} ({_first_line(exc)}) (fix: check that "
-            "the master node runs and that this machine can reach it; `python -m aura_hpc check`)"
+            # torch's elastic rendezvous puts this store on whichever node it ranks first (the address that sorts first
+            # as text), not always node 0: on a LAN the machine named here is the one whose firewall to look at.
+            f"cannot reach the workers' store on the machine at {env.master_addr}:{env.master_port} ({_first_line(exc)}) (fix: "
+            f"check that {env.master_addr} still runs its launcher, and allow TCP between the nodes in both directions, "
+            "in each machine's firewall; `python -m aura_hpc check`)"
         ) from None
     prefix = f"aura/attempt{env.restart_count}"
     secret = run_secret(run_dir)
@@ -233,7 +236,7 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, init_ti
             # Some ranks connected and others did not: NCCL's set-up is not something to fall back from.
             raise LaunchError(
                 f"NCCL did not connect every rank ({failed[0]}) (fix: `python -m aura_hpc check` between the nodes; "
-                "NCCL_SOCKET_IFNAME / InfiniBand settings in the cluster profile; or --backend gloo)"
+                "NCCL_SOCKET_IFNAME / InfiniBand settings in the cluster profile; or --backend gloo, which trains on the CPUs)"
             )
     if not failed:
         collectives.set_world(device, timeout)
@@ -283,7 +286,9 @@ def _connect(backend: str, store: Any, env: DistEnv, device: torch.device, init_
 
     def give_up(why: str) -> None:
         log.error(
-            "%s (fix: `python -m aura_hpc check` between the nodes; NCCL_SOCKET_IFNAME / InfiniBand settings; or --backend gloo)", why
+            "%s (fix: `python -m aura_hpc check` between the nodes; NCCL_SOCKET_IFNAME / InfiniBand settings; "
+            "or --backend gloo, which trains on the CPUs)",
+            why,
         )
         logging.shutdown()
         os._exit(EXIT_TRAIN_FAILED)
