@@ -43,16 +43,16 @@ def _write_inputs(root: Path) -> dict[str, Path]:
 
 
 def _expected_tokens(out: Path, files: dict[str, Path]) -> int:
-    """Independent count: encode every unit with the saved tokenizer, plus one eos per document."""
+    """Independent count: encode every unit with the saved tokenizer (the end-of-text tokens aside)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
     n = 0
     text = files["txt"].read_text(encoding="utf-8")
-    n += sum(len(tok.encode(p, add_special_tokens=False)) for p in split_paragraphs(text)) + 1
+    n += sum(len(tok.encode(p, add_special_tokens=False)) for p in split_paragraphs(text))
     for line in files["jsonl"].read_text(encoding="utf-8").splitlines():
-        n += len(tok.encode(json.loads(line)["text"], add_special_tokens=False)) + 1
-    n += sum(len(tok.encode(d, add_special_tokens=False)) + 1 for d in DOCS[:30])
+        n += len(tok.encode(json.loads(line)["text"], add_special_tokens=False))
+    n += sum(len(tok.encode(d, add_special_tokens=False)) for d in DOCS[:30])
     return n
 
 
@@ -61,7 +61,15 @@ def test_prepare_txt_jsonl_parquet_counts_match_the_tokenizer(tmp_path: Path) ->
     out = tmp_path / "prepared"
     m = prepare(PrepareSpec(out_dir=out, inputs=[str(tmp_path / "in")], vocab_size=300, val_fraction=0.1))
     assert len(m["sources"]) == 3
-    assert m["train_tokens"] + m["val_tokens"] == _expected_tokens(out, files)
+    eos = m["tokenizer"]["eos_id"]
+    shards = {f.name: np.fromfile(f, dtype=np.uint16) for f in sorted((out / "shards").glob("*.bin"))}
+    assert sum(int((t != eos).sum()) for t in shards.values()) == _expected_tokens(out, files)
+    # Every document ends with an end-of-text token in each split it reached (a document whose last paragraph went to
+    # validation ran into the next one in train): here every piece ends documents, so every shard ends with one.
+    ended = [name for name, t in shards.items() if len(t)]
+    assert ended and all(shards[name][-1] == eos for name in ended), {n: t[-3:].tolist() for n, t in shards.items()}
+    docs = 1 + len(files["jsonl"].read_text(encoding="utf-8").splitlines()) + 30
+    assert docs <= sum(int((t == eos).sum()) for t in shards.values()) <= 2 * docs
     assert m["val_tokens"] > 0 and m["dtype"] == "uint16"
     data = PackedTokens(out, seq_len=16)
     assert data.vocab_size == m["tokenizer"]["vocab_size"] <= 300
@@ -139,6 +147,11 @@ def test_hub_dataset_path_with_a_local_dataset_folder(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     m = read_manifest(out)
     assert m is not None and m["dataset"]["name"] == str(ds) and m["train_tokens"] + m["val_tokens"] == 500
+    # An --out inside the dataset's own folder was accepted, and the same command then refused (its output changed the input).
+    inside = run_cli(
+        ["prepare", "--dataset", str(ds), "--text-column", "content", "--vocab-size", "300", "--out", str(ds / "p")], timeout=120
+    )
+    assert inside.returncode == 2 and f"is inside the input folder {ds}" in inside.stderr and not (ds / "p").exists(), inside.stderr
     bad = run_cli(["prepare", "--dataset", str(ds), "--text-column", "text", "--out", str(tmp_path / "q")], timeout=120)
     assert bad.returncode == 2 and "column 'text' not in" in bad.stderr and "--text-column" in bad.stderr
     # A folder Dataset.save_to_disk wrote (load_dataset refused it: "use load_from_disk", with the wrong fix).
@@ -385,6 +398,16 @@ def test_an_interrupted_replacement_is_put_back(tmp_path: Path) -> None:
     foreign.mkdir()
     m = prepare(PrepareSpec(out_dir=out, inputs=[str(files["txt"])], vocab_size=300))
     assert m["up_to_date"] is True and _snapshot(out) == snap and foreign.is_dir()
+    # An --out whose name reads as a pattern (data[12]) leaves data2's leftovers alone: they matched, and its old data,
+    # its only copy after an interrupted replacement, was moved into data[12] (or removed when data[12] existed).
+    from aura_hpc.data.out_dir import clean_leftovers
+
+    other = tmp_path / f".data2.old-{_dead_pid()}"
+    (tmp_path / "p").rename(other)
+    (other / ".aura-prepare").write_text(json.dumps({"host": socket.gethostname(), "pid": int(other.name.rsplit("-", 1)[1])}))
+    assert clean_leftovers(tmp_path / "data[12]") == []
+    kept = {k: v for k, v in _snapshot(other).items() if k != ".aura-prepare"}
+    assert kept == snap and not (tmp_path / "data[12]").exists()
 
 
 def test_truncated_token_file_is_detected(tmp_path: Path) -> None:
@@ -571,6 +594,12 @@ def test_a_folder_with_files_prepare_cannot_read_says_so_and_the_path_to_use_is_
     said = r.stdout + r.stderr
     assert "prepare skips 1 file(s) in" in said and "NOTES (rename them to .txt to include them)" in said and ".hidden" not in said, said
     assert f"--set data.path='{out}'" in said, said
+    # A compressed file: renamed to .txt as advised, gzip's bytes were read as text.
+    import gzip
+
+    (src / "more.jsonl.gz").write_bytes(gzip.compress(b'{"text": "hola"}\n'))
+    r = run_cli(["prepare", str(src), "--out", str(tmp_path / "again"), "--vocab-size", "300"], timeout=120)
+    assert r.returncode == 0 and "(decompress them (e.g. gunzip), or rename plain-text ones to .txt to include them)" in r.stderr, r.stderr
 
 
 def test_rows_with_unicode_line_separators_a_byte_order_mark_and_a_column_that_is_not_text(tmp_path: Path) -> None:
@@ -707,3 +736,20 @@ def test_an_input_the_disk_cannot_read_is_not_called_malformed() -> None:
 
     said = str(_unreadable("/datos/filas.json", "json", OSError(5, "Input/output error")))
     assert "could not be read: [Errno 5] Input/output error" in said and "make it UTF-8 JSON" not in said, said
+
+
+def test_a_disk_that_refuses_a_write_mid_prepare_is_one_line(tmp_path: Path) -> None:
+    """A full disk (here a file size limit: the same OSError path) while the shards were written was a traceback."""
+    text = tmp_path / "in.txt"
+    text.write_text("".join(f"{d} {i}\n\n" for i in range(40) for d in DOCS), encoding="utf-8")
+    code = (
+        "import resource, signal, sys\nfrom aura_hpc.cli import main\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\nresource.setrlimit(resource.RLIMIT_FSIZE, (60000, 60000))\n"
+        "sys.exit(main(['prepare', sys.argv[1], '--out', sys.argv[2], '--vocab-size', '300', '--workers', '1']))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(text), str(tmp_path / "p")], env=cli_env(), capture_output=True, text=True, timeout=300
+    )
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "File too large while preparing (fix: check that path" in lines[0], r.stderr[-3000:]
+    assert not (tmp_path / "p").exists()

@@ -6,6 +6,18 @@ import argparse
 import shlex
 
 
+def _os_error_line(exc: OSError, out: str) -> str:
+    import errno
+
+    where = exc.filename or out
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (
+            f"no space left on the disk of {where} while preparing (fix: free space there or choose another --out; "
+            "a re-run keeps the finished pieces)"
+        )
+    return f"{where}: {exc.strerror or exc} while preparing (fix: check that path and its permissions, then run again; pieces done stay)"
+
+
 def cmd_prepare(a: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -70,7 +82,10 @@ def cmd_prepare(a: argparse.Namespace) -> int:
         if a.wait:
             console.info(prepare_slurm.wait(jobs))
         return 0
-    m = prepare(spec)
+    try:
+        m = prepare(spec)
+    except OSError as exc:  # a full disk, an input or folder it may not read or write: a line, not a traceback
+        raise DataError(_os_error_line(exc, str(a.out))) from None
     if m.get("up_to_date"):
         console.info(f"{a.out} is already prepared from these inputs (nothing to do; --force to redo)")
     console.table(

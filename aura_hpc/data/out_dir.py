@@ -137,7 +137,9 @@ def clean_leftovers(out: Path, key: str = "") -> list[str]:
     done: list[str] = []
     host = socket.gethostname()
     for kind in ("tmp", "build", "old"):
-        for sib in sorted(out.parent.glob(f".{out.name}.{kind}-*")):
+        prefix = f".{out.name}.{kind}-"
+        # Compared as text, not as a pattern: --out data[12] matched data1's and data2's, and removed data2's only copy.
+        for sib in sorted(p for p in out.parent.iterdir() if p.name.startswith(prefix)) if out.parent.is_dir() else []:
             owner = _owner(sib)
             if owner is None or owner.get("host") != host or _alive(int(owner.get("pid", 0))):
                 continue  # not ours, another machine's, or a prepare still running

@@ -150,7 +150,17 @@ def check_out(spec: PrepareSpec) -> None:
     if existing and existing.get("input_key") == input_key(spec, files) and not spec.force:
         return  # up to date: the run would do nothing
     local_files = [f for f in files if isinstance(f, Path)]
-    out_dir.check_out_dir(out, local_files, [] if spec.builtin or spec.dataset else input_folders(spec.inputs), existing, spec.force)
+    out_dir.check_out_dir(out, local_files, _input_folders(spec), existing, spec.force)
+
+
+def _input_folders(spec: PrepareSpec) -> list[Path]:
+    """The folders an --out must not be inside. A local dataset folder is one: every file in it is in the input key, so
+    an --out there was accepted, and the same command then refused as other inputs' data."""
+    if spec.builtin:
+        return []
+    if spec.dataset:
+        return [Path(spec.dataset).expanduser().resolve()] if dataset_folder_files(spec.dataset) else []
+    return input_folders(spec.inputs)
 
 
 def prepare(spec: PrepareSpec) -> dict[str, Any]:
@@ -182,7 +192,7 @@ def prepare(spec: PrepareSpec) -> dict[str, Any]:
         existing["up_to_date"] = True
         return existing
     local_files = [f for f in files if isinstance(f, Path)]
-    out_dir.check_out_dir(out, local_files, [] if spec.builtin or spec.dataset else input_folders(spec.inputs), existing, spec.force)
+    out_dir.check_out_dir(out, local_files, _input_folders(spec), existing, spec.force)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

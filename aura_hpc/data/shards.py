@@ -206,7 +206,10 @@ def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
                     ) from None
                 if first and (not isinstance(row, dict) or job.text_column not in row):
                     keys = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
-                    raise DataError(f"column {job.text_column!r} not in {p.source!r}; its columns are {keys} (fix: --text-column NAME)")
+                    raise DataError(
+                        f"column {job.text_column!r} not in {p.source!r}; its columns are {keys} (fix: --text-column NAME, or "
+                        "if it is no data (metadata beside the corpus), move it out of the folder or pass the data files by a glob)"
+                    )
                 value = row.get(job.text_column) if isinstance(row, dict) else None
                 if first:
                     check_column(p.source, job.text_column, value)
@@ -255,6 +258,10 @@ def encode(job: Job) -> dict[str, Any]:
     counts, hashes = {"train": 0, "val": 0}, {"train": hashlib.sha256(), "val": hashlib.sha256()}
     unit = p.index * 7919  # a piece-dependent start: validation units spread over the pieces
     full = False
+    # A split holds tokens of a document not yet closed by an end-of-text token: the document's end closes it in every
+    # split it reached (on the last unit's alone, a document whose last paragraph went to validation ran into the next
+    # one in train, without a separator).
+    open_doc = {"train": False, "val": False}
     with open(tmp["train"], "wb") as f_train, open(tmp["val"], "wb") as f_val:
         sinks = {"train": f_train, "val": f_val}
         batch: list[tuple[str, bool]] = []
@@ -265,16 +272,23 @@ def encode(job: Job) -> dict[str, Any]:
             encs = tok.encode_batch([t for t, _ in batch], add_special_tokens=False)
             out: dict[str, list[int]] = {"train": [], "val": []}
             for (_, ends), enc in zip(batch, encs, strict=True):
-                ids = list(enc.ids) + ([job.eos_id] if ends else [])
                 split = "val" if is_val(unit, job.val_fraction) else "train"
                 unit += 1
-                if job.max_tokens:
-                    room = job.max_tokens - counts["train"] - counts["val"] - len(out["train"]) - len(out["val"])
-                    if room <= len(ids):
-                        out[split].extend(ids[:room])
-                        _write(out, sinks, hashes, counts, dtype)
-                        return True
-                out[split].extend(ids)
+                adds = [(split, list(enc.ids) + ([job.eos_id] if ends else []))]
+                open_doc[split] = open_doc[split] or bool(enc.ids)
+                if ends:
+                    other = "train" if split == "val" else "val"
+                    if open_doc[other]:
+                        adds.append((other, [job.eos_id]))
+                    open_doc.update(train=False, val=False)
+                for into, ids in adds:
+                    if job.max_tokens:
+                        room = job.max_tokens - counts["train"] - counts["val"] - len(out["train"]) - len(out["val"])
+                        if room <= len(ids):
+                            out[into].extend(ids[:room])
+                            _write(out, sinks, hashes, counts, dtype)
+                            return True
+                    out[into].extend(ids)
             _write(out, sinks, hashes, counts, dtype)
             return False
 
