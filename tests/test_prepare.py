@@ -753,3 +753,36 @@ def test_a_disk_that_refuses_a_write_mid_prepare_is_one_line(tmp_path: Path) -> 
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "File too large while preparing (fix: check that path" in lines[0], r.stderr[-3000:]
     assert not (tmp_path / "p").exists()
+
+
+def test_a_token_id_past_the_vocabulary_is_named_before_it_reaches_a_device(tmp_path: Path) -> None:
+    """A shard whose ids pass the vocabulary (damaged; or a bucket's shard and manifest that agree with each other alone)
+    reached the embedding: on a GPU a device-side assert, the batch unnamed. The rank that reads it says so, and the
+    launcher shows its line, not rank 0's "lost the connection" to it."""
+    files = _write_inputs(tmp_path / "in")
+    out = tmp_path / "p"
+    prepare(PrepareSpec(out_dir=out, inputs=[str(files["txt"])], vocab_size=300))
+    data = PackedTokens(out, seq_len=16)
+    assert data.sequences("train", [0, 1]).max() < data.vocab_size
+    shard = out / "shards" / "train-00000.bin"
+    ids = np.fromfile(shard, dtype=np.uint16)
+    ids[20:400] = 60_000
+    ids.tofile(shard)
+    said = r"the train data holds token id 60000, outside the tokenizer's \d+ \(a damaged or foreign shard of train shard\(s\) 0\)"
+    with pytest.raises(DataError, match=said):
+        PackedTokens(out, seq_len=16).sequences("train", [0, 1])
+    # The launcher's verdict when rank 1 read it and rank 0 lost rank 1 (rank 0's line came first, exit 1).
+    from types import SimpleNamespace
+
+    from aura_hpc.launch.agent import _failure
+
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    lost = "lost the connection to the rank(s) at 127.0.0.1 during step 109: their process or machine stopped"
+    for rank, error in ((0, lost), (1, "the train data holds token id 60000, outside the tokenizer's 300 (...) (fix: prepare")):
+        start = f"[rank{rank}] 2026-11-30 19:13:20 INFO start rank={rank} local_rank={rank} world_size=2 node_rank=0 host=h\n"
+        (logs / f"rank_{rank}.log").write_text(start + f"[rank{rank}] 2026-11-30 19:13:22 ERROR {error}\n")
+    cfg = SimpleNamespace(run_dir=tmp_path / "run", output_dir=str(tmp_path))
+    plan = SimpleNamespace(cfg=cfg, node_rank=0, nproc=2, nnodes=1, max_restarts=0, master="127.0.0.1:1")
+    failed = _failure(plan, {}, said_codes={1, 2})  # type: ignore[arg-type]
+    assert failed.exit_code == 2 and str(failed).startswith("the train data holds token id 60000"), str(failed)

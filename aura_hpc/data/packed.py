@@ -81,7 +81,20 @@ class TokenReader:
         for row, i in enumerate(indices):
             shard, local = self.locate(split, i)
             out[row] = self._map(split, shard)[local * t : local * t + t + 1]
+        # A token id past the vocabulary (a damaged shard; a bucket's shard and manifest that agree with each other
+        # only) stopped a GPU with a device-side assert in the embedding, the batch unnamed. A host read of
+        # a few thousand ids, next to the copy this batch makes anyway.
+        if out.size and (int(out.max()) >= self.vocab_size or int(out.min()) < 0):
+            bad = int(out.max()) if int(out.max()) >= self.vocab_size else int(out.min())
+            raise DataError(
+                f"the {split} data holds token id {bad}, outside the tokenizer's {self.vocab_size} (a damaged or foreign shard "
+                f"of {self.describe_shard(split, indices)}) (fix: prepare the data again with --force)"
+            )
         return out
+
+    def describe_shard(self, split: str, indices: list[int]) -> str:
+        shards = sorted({self.locate(split, i)[0] for i in indices})
+        return f"{split} shard(s) {', '.join(map(str, shards[:3]))}"
 
     @property
     def vocab_size(self) -> int:

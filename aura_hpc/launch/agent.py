@@ -349,10 +349,13 @@ def _failure(
     if codes == {EXIT_USER_ERROR} and said:
         # A worker refused its input (e.g. a checkpoint that does not fit): nothing was trained.
         return TrainingFailed(f"{said} (see {log_dir})", EXIT_USER_ERROR)
+    if EXIT_USER_ERROR in codes and codes <= {EXIT_USER_ERROR, EXIT_TRAIN_FAILED} and said and not said.startswith(worker_logs.LOST_PEER):
+        # One rank refused its input mid-run (damaged data), and the others lost it: its line, the resume after the fix.
+        return TrainingFailed(f"{said} (see {log_dir}); {_resume_hint(plan)}", EXIT_USER_ERROR)
     if said and said.startswith(("no space left on", "could not write checkpoint")):
         return TrainingFailed(f"training failed: {said}", EXIT_TRAIN_FAILED)  # it names what is intact and the fix
     killed = [f for f in failures.values() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
-    if said and said.startswith("lost the connection to the rank(s) at") and not killed:
+    if said and said.startswith(worker_logs.LOST_PEER) and not killed:
         # A peer on another node went away (a rank of this node killed by a signal is named below instead).
         # When it was node 0 as a whole, the workers may notice before the agent does: say so
         # (checkpoints are written there), not "no checkpoint yet" from this node's point of view.

@@ -103,17 +103,24 @@ def refused_here(plan: Any) -> str | None:
     return None
 
 
+LOST_PEER = "lost the connection to the rank(s) at"
+
+
 def worker_error(plan: Any, since: Offsets | None = None) -> str | None:
     """The last error a worker of this machine logged in this launch (each logs its error before leaving):
     the newest one of the log was quoted for a rank killed before it logged anything, from a launch before."""
+    said = []
     for path in node_logs(plan):
         lines = tail(path, start=(since or {}).get(path.name, 0))
         if lines is None:
             continue
         for line in reversed(lines):
             if " ERROR " in line:
-                return line.split(" ERROR ", 1)[1].strip()
-    return None
+                said.append(line.split(" ERROR ", 1)[1].strip())
+                break
+    # A rank that stopped on its own error takes its peers down: theirs say they lost it. The cause is the line to show
+    # (rank 0's "lost the connection" was shown for rank 1's damaged data).
+    return next((s for s in said if not s.startswith(LOST_PEER)), said[0] if said else None)
 
 
 def data_unavailable_line(plan: Any) -> str:
