@@ -299,3 +299,29 @@ def test_a_stream_without_one_complete_sequence_says_so_in_one_line(tmp_path: Pa
             order.refresh()
     finally:
         data.close()
+
+
+def test_a_streams_encoded_pieces_keep_to_data_cache_gb_and_come_back_when_needed(tmp_path: Path, tok: Path) -> None:
+    """data.cache_gb bounded the shards fetched from a bucket, not a stream's encoded pieces: a stream of a large Hub
+    dataset filled the node's disk. Past the bound the oldest go, never the pieces a window or validation needs."""
+    from aura_hpc.config.tree import DataConfig
+    from aura_hpc.data.stream import StreamTokens
+
+    text = generate(400, seed=3)
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    shard_mb = len(text.encode()) / 6 / 2**20 * 1.05
+    d = DataConfig(stream=True, path=str(tmp_path / "a.txt"), tokenizer=str(tok), cache_dir=str(tmp_path / "c"), shard_mb=shard_mb)
+    d.cache_gb = 1e-6  # ~1 KB: under one piece
+    data = StreamTokens(d, seq_len=16)
+    try:
+        n = len(data.pieces)
+        data.fetch_validation(4, [0])
+        data.fetch("train", list(range(n)))
+        first = data.sequences("train", [2 * STRIDE])
+        data.pin("train", {n - 1})
+        left = sorted(int(f.stem.rsplit("-", 1)[1]) for f in (data.build / "shards").glob("*.bin"))
+        assert left == [0, 0, n - 1, n - 1], left  # validation's piece and the window's, each a train and a val shard
+        data.fetch("train", [2])  # an epoch comes back to piece 2: encoded again, the same tokens
+        assert (data.sequences("train", [2 * STRIDE]) == first).all()
+    finally:
+        data.close()

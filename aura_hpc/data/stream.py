@@ -113,6 +113,7 @@ class StreamTokens(TokenReader):
                          subset=d.dataset_subset or None, split=d.dataset_split,
                          read_tries=d.read_tries, read_timeout_s=d.read_timeout_s)  # fmt: skip
         self.cache_policy = storage.Policy(tries=d.read_tries, timeout_s=d.read_timeout_s)
+        self.max_bytes = int(d.cache_gb * 2**30)
         self._sizes: dict[str, list[int]] = {"train": [-1] * len(self.pieces), "val": [-1] * len(self.pieces)}
         self.val_pieces: list[int] = []
         self._maps: dict[tuple[str, int], np.ndarray] = {}
@@ -193,6 +194,33 @@ class StreamTokens(TokenReader):
     def pin(self, split: str, keep: set[int]) -> None:
         for key in [k for k in self._maps if k[0] == split and k[1] not in keep]:
             del self._maps[key]
+        if split == "train":
+            self._evict(keep)
+
+    def _evict(self, keep: set[int]) -> None:
+        """data.cache_gb bounds the encoded pieces too (a stream of a large Hub dataset filled the node's disk): past it, the
+        pieces encoded longest ago go first, never the window in use or the next one (`keep`) nor the validation pieces.
+        One gone is encoded again if an epoch comes back to it; a rank still reading its memory map keeps the file's data."""
+        folder = self.build / shards.SHARDS
+        by_piece: dict[int, list[tuple[float, int, Path]]] = {}
+        for f in folder.glob("*.bin"):
+            try:
+                st, piece = f.stat(), int(f.stem.rsplit("-", 1)[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            by_piece.setdefault(piece, []).append((st.st_mtime, st.st_size, f))
+        used = sum(size for files in by_piece.values() for _, size, _ in files)
+        protected = {*keep, *self.val_pieces}
+        for piece in sorted(by_piece, key=lambda i: max(m for m, _, _ in by_piece[i])):
+            if used <= self.max_bytes:
+                return
+            if piece in protected:
+                continue
+            with self._locked(f"piece-{piece}"):  # not while a rank of this node encodes it
+                (self.build / shards.DONE / f"{piece:05d}.json").unlink(missing_ok=True)
+                for _, size, f in by_piece[piece]:
+                    f.unlink(missing_ok=True)
+                    used -= size
 
     # ---- reading, as PackedTokens --------------------------------------------------------------
     def _map(self, split: str, piece: int) -> np.ndarray:
