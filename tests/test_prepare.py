@@ -557,7 +557,12 @@ def test_a_vocabulary_above_65535_is_stored_as_uint32(tmp_path: Path) -> None:
     folder = tmp_path / "big-tokenizer"
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", unk_token="<unk>").save_pretrained(str(folder))
     files = _write_inputs(tmp_path / "in")
-    m = prepare(PrepareSpec(out_dir=tmp_path / "p", inputs=[str(files["txt"])], tokenizer=str(folder)))
+    spec = PrepareSpec(out_dir=tmp_path / "p", inputs=[str(files["txt"])], tokenizer=str(folder))
+    from aura_hpc.data.plan import describe
+
+    # The dry run's disk figure is for the given tokenizer's width (it read --vocab-size's: half of it).
+    assert "(uint32)" in dict(describe(spec))["disk"], describe(spec)
+    m = prepare(spec)
     assert m["dtype"] == "uint32" and m["tokenizer"]["vocab_size"] > 65_536
     data = PackedTokens(tmp_path / "p", seq_len=8)
     ids = data.sequences("train", list(range(data.num_sequences("train"))))

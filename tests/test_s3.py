@@ -341,6 +341,13 @@ def test_a_damaged_or_hostile_manifest_in_a_bucket_is_refused_in_one_line(tmp_pa
             _ = PackedTokens(f"s3://prep/hostile/{i}", 16, cache).tokenizer_dir
         said = str(got.value)
         assert f"s3://prep/hostile/{i}/manifest.json: {field} is " in said and "(fix: prepare the data again with --force)" in said, said
+    # An older release's one-file format, whole: set up, then exit 74 at the first window ("storage does not answer").
+    old = {k: v for k, v in good.items() if k != "shards"} | {"train_tokens": 100, "val_tokens": 0}
+    fs.pipe("prep/hostile/old/manifest.json", json.dumps(old).encode())
+    with pytest.raises(
+        DataError, match=r"is in an older release's format, read locally only \(fix: python -m aura_hpc prepare .* --force\)"
+    ):
+        PackedTokens("s3://prep/hostile/old", 16, cache)
     storage._FS.clear()
 
 
@@ -484,3 +491,23 @@ def test_a_parquet_object_is_downloaded_once_and_its_copy_goes_once_encoded(
     m = prepare(PrepareSpec(out_dir=tmp_path / "p", inputs=["s3://raw/pq/t.parquet"], vocab_size=300))
     assert m["train_tokens"] > 0 and fetched == ["s3://raw/pq/t.parquet"], fetched
     assert left == [[]], left
+
+
+def test_data_replaced_in_a_bucket_leaves_no_file_of_the_old_tokenizer(tmp_path: Path, s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old shards went, the old tokenizer's vocab.json and merges.txt (an earlier --tokenizer) stayed beside the new
+    tokenizer.json, and were fetched with it."""
+    from aura_hpc.data import storage
+
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    storage._FS.clear()
+    (tmp_path / "a.txt").write_text(generate(40, seed=2), encoding="utf-8")
+    spec = PrepareSpec(out_dir="s3://prep/replaced", inputs=[str(tmp_path / "a.txt")], vocab_size=300, cache_dir=str(tmp_path / "c"))
+    prepare(spec)
+    fs = s3.fs()
+    fs.pipe("prep/replaced/tokenizer/merges.txt", b"#version: 0.2\n")  # an earlier tokenizer's
+    spec.force, spec.vocab_size = True, 280
+    prepare(spec)
+    left = sorted(p.rsplit("/", 1)[1] for p in fs.ls("prep/replaced/tokenizer"))
+    assert "merges.txt" not in left and "tokenizer.json" in left, left
+    storage._FS.clear()

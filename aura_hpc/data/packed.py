@@ -137,6 +137,10 @@ class PackedTokens(TokenReader):
         self.manifest: dict[str, Any] = check_manifest(manifest, storage.join(self.location, "manifest.json"))
         self.seq_len = seq_len
         self.dtype = np.dtype(manifest["dtype"])
+        if self.remote and not manifest.get("shards"):
+            # The one-file format of older releases names no sha256 to fetch by: it set up, then stopped at the first
+            # window as storage that does not answer (exit 74, "run again once it answers"), which never helps.
+            raise DataError(f"data.path {self.location!r} is in an older release's format, read locally only (fix: {hint} --force)")
         listed = manifest.get("shards") or [
             {"split": split, "file": f"{split}.bin", "tokens": manifest[f"{split}_tokens"], "sha256": ""} for split in ("train", "val")
         ]

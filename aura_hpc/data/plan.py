@@ -57,7 +57,7 @@ def describe(spec: PrepareSpec) -> list[tuple[str, str]]:
     tokens = total / BYTES_PER_TOKEN
     if spec.max_tokens:
         tokens = min(tokens, spec.max_tokens)
-    width = 4 if spec.vocab_size > 65536 else 2
+    width = 4 if _vocab(spec) > 65536 else 2
     sample_mb = min(spec.tokenizer_sample_mb, total / 2**20)
     seconds = (0 if spec.tokenizer else sample_mb * TOKENIZER_S_PER_MB) + tokens / (TOKENS_PER_S_PER_WORKER * max(1, spec.workers))
     shown = ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
@@ -79,3 +79,16 @@ def describe(spec: PrepareSpec) -> list[tuple[str, str]]:
             ),
         ),
     ]
+
+
+def _vocab(spec: PrepareSpec) -> int:
+    """The vocabulary the tokens are stored for: a given --tokenizer's own (a 128K one is 4 bytes a token), else --vocab-size."""
+    if spec.tokenizer and (Path(spec.tokenizer) / "tokenizer.json").is_file():
+        import json
+
+        try:
+            saved = json.loads((Path(spec.tokenizer) / "tokenizer.json").read_text(encoding="utf-8"))
+            return len(saved.get("model", {}).get("vocab") or ()) + len(saved.get("added_tokens") or ())
+        except (OSError, ValueError, AttributeError, TypeError):
+            return spec.vocab_size
+    return spec.vocab_size

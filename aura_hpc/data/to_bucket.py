@@ -123,8 +123,14 @@ def prepare_to_bucket(spec: Any, key: str, build_here: Callable[[Path], dict[str
         storage.upload(f, storage.join(url, "tokenizer", f.name), policy)
     storage.upload(build / "manifest.json", storage.join(url, "manifest.json"), policy)
     listed = {storage.join(url, s["file"]) for s in manifest["shards"]}
-    for old in present:  # shards of the replaced data (ours: under our prefix's shards/)
-        if old.startswith(storage.join(url, "shards") + "/") and old not in listed:
+    listed |= {storage.join(url, "tokenizer", f.name) for f in (build / "tokenizer").iterdir()}
+    tok_prefix = storage.join(url, "tokenizer") + "/"
+    for old in present:  # of the replaced data (ours: shards/, and tokenizer/ files by the names prepare writes)
+        ours = old.startswith(storage.join(url, "shards") + "/") or (
+            old.startswith(tok_prefix) and out_dir.our_file("tokenizer/" + old[len(tok_prefix) :])
+        )
+        # An earlier --tokenizer's vocab.json and merges.txt were left beside the new tokenizer.json, and read with it.
+        if ours and old not in listed:
             storage.delete(old, policy)
     storage.delete(marker_url, policy)
     shutil.rmtree(build, ignore_errors=True)
