@@ -429,11 +429,16 @@ def test_bad_input(row: Row, tmp_path: Path, prepared: Path) -> None:
         (["local", "--mastr-port", "5"], "--mastr-port: did you mean --master-port?"),
         (["local", "--nproc_per_node", "2"], "--nproc_per_node: did you mean --nproc-per-node?"),
         (["generate"], "the following arguments are required: --run"),
+        # torchrun's words for the default are taken (auto, gpu); anything else is named with the fix.
+        (["local", "--nproc-per-node", "all"], "'all' is no count (fix: a number, or omit it for one per GPU, 2 on CPU)"),
     ],
 )
 def test_a_mistyped_flag_gets_one_line_naming_the_flag_or_setting_it_meant(args: list[str], hint: str) -> None:
     """argparse's 13-line usage block buried the hint, and a config key was matched against flags only
     (`--max-step` was "did you mean --master-port?")."""
+    if args[-1] == "all":
+        auto = run_cli(["local", "--dry-run", "--nproc-per-node", "auto"], timeout=60)
+        assert auto.returncode == 0 and "2 processes" in auto.stdout, auto.stderr
     r = run_cli(args, timeout=60)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr

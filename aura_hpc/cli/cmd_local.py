@@ -74,6 +74,16 @@ def cmd_local(a: argparse.Namespace) -> int:
     return status
 
 
+def _nproc(value: str) -> int | None:
+    """A count, or torchrun's words for the default (one per GPU)."""
+    if value.strip().lower() in ("auto", "gpu"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is no count (fix: a number, or omit it for one per GPU, 2 on CPU)") from None
+
+
 def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "local",
@@ -85,7 +95,11 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--nnodes", "--nodes", dest="nnodes", type=int, help="number of machines (default 1)")
     p.add_argument("--node-rank", type=int, help="this machine's index, 0 on the master (default 0)")
     p.add_argument(
-        "--nproc-per-node", "--gpus", dest="nproc_per_node", type=int, help="processes on this machine (default: one per GPU, or 2 on CPU)"
+        "--nproc-per-node",
+        "--gpus",
+        dest="nproc_per_node",
+        type=_nproc,
+        help="processes on this machine (default, or torchrun's auto/gpu: one per GPU, or 2 on CPU)",
     )
     p.add_argument("--master-addr", help="IP address of node 0 (needed with --nnodes > 1)")
     p.add_argument("--master-port", type=int, help="TCP port on node 0 (default 29500; a free one on a single machine)")
