@@ -281,6 +281,40 @@ def test_the_network_columns_leave_loopback_out() -> None:
     assert row["net_rx_mbps"] < loopback_mbps / 4 and row["net_tx_mbps"] < loopback_mbps / 4, (row, loopback_mbps)
 
 
+def test_the_network_columns_count_a_bonds_bytes_once_and_never_go_negative(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bond's members' bytes were counted again in the bond (twice the traffic), and an interface gone between two
+    samples (a NIC reset, a USB adapter pulled) took its whole counter off the sum: a negative rate."""
+    import os
+    from types import SimpleNamespace
+
+    from aura_hpc.ops.gpu_health import NoGpus
+    from aura_hpc.ops.resources import Sampler
+
+    members = {"eth0", "eth1"}  # enslaved to bond0
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: p in {f"/sys/class/net/{m}/master" for m in members} or real_exists(p))
+    readings = iter(
+        [
+            {"bond0": (1000, 0), "eth0": (500, 0), "eth1": (500, 0), "wlan0": (9_000_000, 0)},
+            {"bond0": (1_001_000, 0), "eth0": (500_500, 0), "eth1": (500_500, 0)},  # wlan0 gone
+            {"bond0": (0, 0), "eth0": (0, 0), "eth1": (0, 0), "wlan0": (0, 0)},  # the bond reset: counters from 0
+        ]
+    )
+    import psutil
+
+    monkeypatch.setattr(
+        psutil,
+        "net_io_counters",
+        lambda pernic=True: {n: SimpleNamespace(bytes_recv=r, bytes_sent=t) for n, (r, t) in next(readings).items()},
+    )
+    sampler = Sampler(NoGpus())
+    sampler._t -= 1.0  # one second between the samples
+    row = sampler.sample()
+    assert 7.9 <= row["net_rx_mbps"] <= 8.0, row  # 1 MB in ~1 s: the bond's, once
+    row = sampler.sample()
+    assert row["net_rx_mbps"] == 0.0 and row["net_tx_mbps"] == 0.0, row
+
+
 def test_monitor_shows_gpu_readings_when_there_are_some(tmp_path: Path) -> None:
     replay = tmp_path / "nvml.jsonl"
     replay.write_text(json.dumps([HEALTHY]) + "\n")

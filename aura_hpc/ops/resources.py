@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -29,12 +30,23 @@ class Sampler:
         self._t = time.monotonic()
         psutil.cpu_percent(None)  # the first call only starts the measurement
 
-    def _network(self) -> tuple[int, int]:
-        """Bytes received and sent on the network interfaces: not loopback, where one machine's ranks talk
-        to each other (gloo on 127.0.0.1: a single-machine run showed hundreds of Mbit/s of "network")."""
+    def _network(self) -> dict[str, tuple[int, int]]:
+        """Bytes received and sent per network interface: not loopback, where one machine's ranks talk to each other
+        (gloo on 127.0.0.1: a single-machine run showed hundreds of Mbit/s of "network"), nor a bond's or bridge's
+        members, whose bytes their master counts again (a bond of two ports read twice its traffic)."""
         nics = self.psutil.net_io_counters(pernic=True)
-        real = [c for name, c in nics.items() if name != "lo" and not name.startswith("lo:")]
-        return sum(c.bytes_recv for c in real), sum(c.bytes_sent for c in real)
+        return {
+            name: (c.bytes_recv, c.bytes_sent)
+            for name, c in nics.items()
+            if name != "lo" and not name.startswith("lo:") and not os.path.exists(f"/sys/class/net/{name}/master")
+        }
+
+    def _rates(self, now: dict[str, tuple[int, int]], dt: float) -> tuple[float, float]:
+        """Mbit/s since the last sample, over the interfaces seen both times. A counter that went back (a NIC reset, a
+        device gone and back) counts nothing: summed whole, an interface lost between two samples read as a negative rate."""
+        rx = sum(max(0, c[0] - self._net[n][0]) for n, c in now.items() if n in self._net)
+        tx = sum(max(0, c[1] - self._net[n][1]) for n, c in now.items() if n in self._net)
+        return round(rx * 8 / dt / 1e6, 2), round(tx * 8 / dt / 1e6, 2)
 
     def sample(self, full: bool = True) -> dict[str, Any]:
         """A row of every reading; `full=False`: the GPUs' alone (what the breaker's rules read)."""
@@ -58,9 +70,8 @@ class Sampler:
             "ram_pct": mem.percent,
             "disk_free_gb": disk_free_gb,
             "disk_used_pct": disk_used_pct,
-            "net_rx_mbps": round((net[0] - self._net[0]) * 8 / dt / 1e6, 2),
-            "net_tx_mbps": round((net[1] - self._net[1]) * 8 / dt / 1e6, 2),
         }
+        row["net_rx_mbps"], row["net_tx_mbps"] = self._rates(net, dt)
         self._net, self._t = net, now
         gpus = self.reader.read()
         if gpus:
