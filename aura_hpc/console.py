@@ -141,7 +141,7 @@ def resources_table(row: dict[str, Any]) -> Any:
     when = row.get("time")
     shown = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(when))) if isinstance(when, (int, float)) else when
     t = Table(title=f"{row.get('host')}  {shown}", title_justify="left")
-    for c in ("cpu %", "ram GB (%)", "disk free GB", "net rx/tx Mbit/s"):
+    for c in ("cpu %", "ram GiB (%)", "disk free GiB", "net rx/tx Mbit/s"):  # the _gb fields are GiB (2**30)
         t.add_column(c)
     t.add_row(
         f"{row['cpu_pct']:.0f}",
