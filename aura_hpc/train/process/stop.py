@@ -7,6 +7,7 @@ ranks agree in one collective, write one checkpoint and exit with EXIT_RESUMABLE
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from types import FrameType
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
@@ -25,10 +26,14 @@ def record_early() -> None:
     """Until a StopRequest is installed, a stop signal is recorded, not acted on. Under submitit, its own handlers
     ruled until then: a pre-timeout USR2 failed the job ("not checkpointable") or requeued it outside
     slurm.max_requeues, and a cancel's SIGTERM was only logged."""
+    _handle_stop_signals(_record)
+
+
+def _handle_stop_signals(handler: Callable[[int, FrameType | None], None]) -> None:
     for sig in STOP_SIGNALS:
         if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
-            continue
-        signal.signal(sig, _record)
+            continue  # started under nohup: a logout must not stop the run
+        signal.signal(sig, handler)
 
 
 def _record(signum: int, _frame: FrameType | None) -> None:
@@ -42,10 +47,7 @@ class StopRequest:
         self.signal_name: str | None = None
 
     def install(self) -> None:
-        for sig in STOP_SIGNALS:
-            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
-                continue  # started under nohup: a logout must not stop the run
-            signal.signal(sig, self._handle)
+        _handle_stop_signals(self._handle)
         global early_signal
         if early_signal is not None and self.signal_name is None:
             self.signal_name, early_signal = early_signal, None
