@@ -73,6 +73,15 @@ if [[ -n $theirs && $theirs != "$line" ]]; then
 elif [[ -n $theirs || $current == "$line" ]]; then
   echo "ok: $FSTAB already mounts $MOUNT as wanted"
 else
+  # Renamed over it, the file took the new one's mode (umask 077: 0600), a link became a file, and SELinux's label
+  # went: written beside its real path instead, with its mode and owner, then renamed, then its label restored.
+  write_over() {
+    local target; target=$(readlink -f "$2")
+    cp "$1" "$target.aura-new" && rm -f "$1"
+    chmod --reference="$target" "$target.aura-new" && { chown --reference="$target" "$target.aura-new" 2>/dev/null || true; }
+    mv "$target.aura-new" "$target"
+    if command -v restorecon >/dev/null; then restorecon "$target" 2>/dev/null || true; fi
+  }
   persist() {
     touch "$FSTAB"
     cp "$FSTAB" "$FSTAB.aura-backup"
@@ -82,7 +91,7 @@ else
         { print }
         END { if (held != "") print held }' "$FSTAB.aura-backup"
       echo "$MARK"; echo "$line"; } >"$FSTAB.tmp"
-    mv "$FSTAB.tmp" "$FSTAB"
+    write_over "$FSTAB.tmp" "$FSTAB"
   }
   if [[ -n $current ]]; then do_ "replace in $FSTAB: '$current' -> '$line'" persist
   else do_ "add to $FSTAB: '$line'" persist; fi

@@ -113,6 +113,15 @@ elif [[ -n $theirs || $current == "$line" ]]; then
     do_ "reload the exports (exportfs -ra): $EXPORT_DIR is in $EXPORTS but not exported" exportfs -ra
   fi
 else
+  # Renamed over it, the file took the new one's mode (umask 077: 0600), a link became a file, and SELinux's label
+  # went: written beside its real path instead, with its mode and owner, then renamed, then its label restored.
+  write_over() {
+    local target; target=$(readlink -f "$2")
+    cp "$1" "$target.aura-new" && rm -f "$1"
+    chmod --reference="$target" "$target.aura-new" && { chown --reference="$target" "$target.aura-new" 2>/dev/null || true; }
+    mv "$target.aura-new" "$target"
+    if command -v restorecon >/dev/null; then restorecon "$target" 2>/dev/null || true; fi
+  }
   replace() {
     touch "$EXPORTS"
     cp "$EXPORTS" "$EXPORTS.aura-backup"
@@ -122,7 +131,7 @@ else
         { print }
         END { if (held != "") print held }' "$EXPORTS.aura-backup"
       echo "$MARK"; echo "$line"; } >"$EXPORTS.tmp"
-    mv "$EXPORTS.tmp" "$EXPORTS"
+    write_over "$EXPORTS.tmp" "$EXPORTS"
   }
   if [[ -n $current ]]; then do_ "replace in $EXPORTS: '$current' -> '$line'" replace
   else do_ "add to $EXPORTS: '$line'" replace; fi
@@ -160,7 +169,9 @@ if [[ $NO_SYSTEM != 1 ]] && command -v firewall-cmd >/dev/null && firewall-cmd -
     family=ipv4; [[ $c == *:* ]] && family=ipv6
     rule="rule family=$family source address=$c port port=2049 protocol=tcp accept"
     if ! firewall-cmd --permanent --query-rich-rule="$rule" >/dev/null 2>&1; then
-      do_ "open TCP 2049 (NFSv4) to $c in firewalld" sh -c 'firewall-cmd --permanent --add-rich-rule="$1" && firewall-cmd --reload' _ "$rule"
+      # Saved and applied as two calls: --reload would drop every rule an admin added for this boot only (the
+      # rendezvous port opened with firewall-cmd --add-port, say).
+      do_ "open TCP 2049 (NFSv4) to $c in firewalld" sh -c 'firewall-cmd --permanent --add-rich-rule="$1" && firewall-cmd --add-rich-rule="$1"' _ "$rule"
     fi
   done
 fi

@@ -201,7 +201,7 @@ def test_each_room_of_train_imports_only_the_rooms_below_it() -> None:
 def test_the_loop_reaches_its_instruments_through_one_seam() -> None:
     """Fault injection and probes: the loop holds one `Instruments` (train/instruments/seam.py); only the
     code a fault must break inside (a checkpoint writer's stages, the backend's start, a `ps` worker's
-    pace) calls faults.py itself."""
+    pace, the `ps` server's evaluation) calls faults.py itself."""
     seam = "aura_hpc.train.instruments.seam"
     users = {src for src, targets in GRAPH.items() for dst in targets if _room(dst) == "instruments" and _room(src) != "instruments"}
     assert {u for u in users if _room(u) == "loop"} == {"aura_hpc.train.loop.trainer"}
@@ -211,4 +211,5 @@ def test_the_loop_reaches_its_instruments_through_one_seam() -> None:
         "aura_hpc.train.checkpoint.background_shards",
         "aura_hpc.train.process.distributed",
         "aura_hpc.ps.worker",
+        "aura_hpc.ps.versions",
     }

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,6 +74,23 @@ check.local_checks = lambda report, output_dir: time.sleep(60)  # a GPU or drive
 check.run(None, None, lambda report, stage: print("timed out in", stage, flush=True))
 print("returned", flush=True)
 """
+
+
+def test_a_peer_gone_mid_check_is_a_finding_and_the_report_still_comes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl+C on the other laptop, or a Wi-Fi drop, during the measurement: gloo's "Connection reset by peer" was a
+    traceback, with no report and no fix."""
+    from aura_hpc.ops import check
+
+    def measuring(report: Any, a: Any, stage: list[str]) -> None:
+        stage[0] = "bandwidth"
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:4242: Connection reset by peer")
+
+    monkeypatch.setattr(check, "local_checks", lambda report, output_dir: None)
+    monkeypatch.setattr(check, "cluster_checks", measuring)
+    a = check.cluster_args(2, 0, "127.0.0.1", 29999)
+    report = check.run(None, a, lambda report, stage: None)
+    [f] = [f for f in report.findings if f.name == "bandwidth"]
+    assert not f.ok and f.detail.endswith("Connection reset by peer") and "run it again on every node" in f.fix, f
 
 
 def test_a_single_machine_check_that_hangs_ends_at_its_deadline() -> None:
@@ -290,4 +308,20 @@ def test_check_on_a_rate_limited_link_recommends_diloco(two_hosts: tuple[str, st
     line = next((ln for ln in out.splitlines() if "link advice" in ln), "")
     m = re.search(r"link (\d+) Mbit/s", line)
     assert m and 8 <= int(m.group(1)) <= 25, line
+    # In Mbit/s, not "0.00 GB/s" (rounded to 3 decimals of GB/s, a link under 4 Mbit/s divided by zero in the advice).
+    measured = next((ln for ln in out.splitlines() if "bus bandwidth up to" in ln), "")
+    assert re.search(r"up to \d+\.\d Mbit/s \(1 MiB: ", measured), measured
     assert "use --set dist.strategy=diloco" in line and "one node)" in line, line
+
+
+def test_a_gpu_machine_whose_torch_sees_no_gpu_fails_the_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU-only wheel on a GPU laptop, or a driver older than torch's CUDA: the check said "none seen: CPU training"
+    and passed, and `local` trained on the CPUs."""
+    from aura_hpc.ops import check_local
+    from aura_hpc.ops.check_report import Report
+
+    monkeypatch.setattr(check_local, "gpu_device_nodes", lambda: True)
+    report = Report()
+    check_local.local_checks(report, str(tmp_path))
+    [f] = [f for f in report.findings if f.name == "gpus"]
+    assert not f.ok and "this machine has NVIDIA GPUs, and torch sees none" in f.detail and "install a torch build" in f.fix, f

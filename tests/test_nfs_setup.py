@@ -183,3 +183,32 @@ def test_the_firewall_step_opens_2049_to_addresses_and_names_the_clients_it_cann
         "allow from fd00::/64 to any port 2049 proto tcp",
     ]
     assert "note: no firewall rule for node1: a rule takes an address or a subnet (fix: open TCP 2049" in r.stdout, r.stdout
+
+
+def test_the_files_it_edits_keep_their_mode_and_links_and_firewalld_keeps_its_runtime_rules(tmp_path: Path) -> None:
+    """Renamed over /etc/exports, the new file took the umask's mode (077: 0600, unreadable to the NFS daemons' user
+    where they drop root), a link to it became a plain file, and SELinux's label went. firewall-cmd --reload dropped
+    every rule an admin had added for this boot only."""
+    real = tmp_path / "etc" / "exports.real"
+    real.parent.mkdir()
+    real.write_text("/srv/other 10.0.0.9(ro)\n")
+    real.chmod(0o644)
+    link = tmp_path / "etc" / "exports"
+    link.symlink_to(real)
+    bin_dir, asked = tmp_path / "bin", tmp_path / "fw.log"
+    bin_dir.mkdir()
+    (bin_dir / "firewall-cmd").write_text(f'#!/bin/sh\necho "$@" >> {asked}\ncase "$*" in *query*) exit 1;; esac\nexit 0\n')
+    (bin_dir / "exportfs").write_text("#!/bin/sh\nexit 0\n")
+    for tool in ("firewall-cmd", "exportfs"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"AURA_NFS_NO_SYSTEM": "0", "AURA_NFS_EXPORTS": str(link), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    r = subprocess.run(
+        ["bash", "-c", f'umask 077; exec bash "{SERVER}" --export "{tmp_path / "srv"}" --clients 192.168.1.0/24'],
+        capture_output=True, text=True, env={**os.environ, **env}, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert link.is_symlink() and (real.stat().st_mode & 0o777) == 0o644, oct(real.stat().st_mode)
+    assert "/srv/other 10.0.0.9(ro)" in real.read_text() and "192.168.1.0/24" in real.read_text()
+    said = asked.read_text()
+    assert "--reload" not in said and "--permanent --add-rich-rule=" in said, said
+    assert any(ln.startswith("--add-rich-rule=") for ln in said.splitlines()), said

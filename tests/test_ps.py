@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -389,6 +391,28 @@ def test_a_worker_slower_than_the_servers_timeout_stops_with_the_fix_instead_of_
         server.finish()
 
 
+def test_an_evaluation_longer_than_the_workers_timeout_holds_up_no_worker(tmp_path: Path, base: list[str]) -> None:
+    """Evaluations and checkpoints ran under the lock every worker's thread takes: gpt2-small's evaluation on a CPU
+    server (minutes) outlasted ps.worker_timeout_s, every worker timed out, its rejoin waited on the same lock, and
+    every worker left. Here each evaluation takes 6 s more, past the workers' timeout."""
+    port = free_port()
+    common = [*base, "--set", "train.max_steps=160", "--set", "train.eval_every=40", "--set", "train.log_every=10"]
+    common += ["--set", "train.checkpoint_every=40", "--set", "ps.worker_timeout_s=4"]
+    server = Proc(["ps", "--workers", "1", "--port", str(port), *common], tmp_path / "ps.log", AURA_FAULT_SLOW_EVAL="6")
+    _listening(port, server)
+    # A worker of 0.1 s a gradient: the run outlasts an evaluation, whose loss goes into a later row.
+    worker = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / "w.log", AURA_FAULT_SLOW="1:+0.1")
+    assert worker.finish(timeout=240) == 0 and server.finish(timeout=240) == 0, server.text + worker.text
+    assert "timed out" not in server.text and "rejoined" not in worker.text, server.text + worker.text
+    rows = _rows(tmp_path / "runs" / "ps")
+    # Evaluated off the lock: in a later row, with the version whose weights it measured; the rows' versions in order.
+    assert any(r.get("eval_version", r["version"]) < r["version"] for r in rows if "eval_loss" in r), rows
+    assert [r["version"] for r in rows] == sorted({r["version"] for r in rows}), rows
+    assert rows[-1]["version"] == rows[-1]["eval_version"] == 160 and rows[-1]["tokens_per_s"] > 0, rows[-1]
+    kept = sorted(p.name for p in (tmp_path / "runs" / "ps" / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert kept[-1] == "step_00000160", kept
+
+
 def test_a_token_budget_counts_every_batch_a_pushed_gradient_carries() -> None:
     """Each version carries ps.push_every batches of a worker: max_tokens=1,048,576 with push_every=4 ran 1,024
     versions, 4,194,304 tokens."""
@@ -488,7 +512,7 @@ def test_a_full_disk_on_the_server_stops_the_run_with_the_fix_and_keeps_nothing_
     _listening(port, server)
     worker = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / "w.log")
     assert server.finish() == 1, server.text
-    assert worker.finish() == 0, worker.text
+    assert worker.finish() == 1, worker.text  # 0 read as a finished run to a script over the workers
     assert "error: no space left on" in server.text and "while writing checkpoint step 20" in server.text, server.text
     assert "(fix: free space there" in server.text, server.text
     assert "the server stopped on an error" in worker.text
@@ -684,15 +708,20 @@ def test_the_server_checkpoints_by_time_and_a_leaving_worker_never_blocks_it(tmp
 
     sets = [kv for kv in MODEL if kv != "--set"] + [f"data.path={prepared}", "train.checkpoint_every=0", "train.checkpoint_every_s=0.5"]
     cfg = load_config(None, [*sets, "train.log_every=1000", "train.eval_every=0"], output_dir=str(tmp_path), run_name="ps")
+    from aura_hpc.ps.off_lock import OffLock, Shadow
+
     server = ParameterServer(cfg, b"k" * 32)
+    server.shadow, server.off_lock = Shadow(server.model_copy), OffLock(server._evaluate_and_save)  # as serve() makes them
     _a_leaving_worker_never_holds_the_servers_lock_while_a_pair_is_made(server)
     server.saved_at = time.monotonic()  # the check above took its time: the cadence counts from here
     server.version = 1
     server._after_update()
+    server.off_lock.drain()
     assert server.saved_version == -1  # not yet due
     time.sleep(0.6)
     server.version = 2
     server._after_update()
+    server.off_lock.drain()  # written off the lock, on the snapshot taken at version 2
     assert server.saved_version == 2 and (cfg.run_dir / "checkpoints").is_dir()
 
 
@@ -723,3 +752,24 @@ def _a_leaving_worker_never_holds_the_servers_lock_while_a_pair_is_made(server: 
     leaving.join(10)
     assert free and not leaving.is_alive() and seat.link.group is None and 0 not in server.seats
     assert server.closed.bytes_sent == 100
+
+
+def test_a_resumed_server_trains_at_the_configs_learning_rate(tmp_path: Path, prepared: Path) -> None:
+    """The server loaded the checkpoint's optimizer and schedule as they were: a re-run with a lower train.lr (what a
+    divergence's fix says) went on at the old one, without a word (local's resume applies the config's)."""
+    from aura_hpc.config import load_config
+    from aura_hpc.ps import ledger
+    from aura_hpc.ps.server import ParameterServer
+
+    sets = [kv for kv in MODEL if kv != "--set"] + [f"data.path={prepared}", "train.max_steps=100", "train.warmup_steps=0"]
+    first = load_config(None, [*sets, "train.lr=1e-3"], output_dir=str(tmp_path), run_name="ps")
+    server = ParameterServer(first, b"k" * 32)
+    for _ in range(50):
+        server.scheduler.step()
+    meta = ledger.meta(0, {}, None, Counter(), 100, first.ps.workers, None)
+    ledger.save(first, server.model_copy, server.optimizer, server.scheduler, 50, meta)
+    lower = load_config(None, [*sets, "train.lr=1e-4"], output_dir=str(tmp_path), run_name="ps")
+    again = ParameterServer(lower, b"k" * 32)
+    again.resume()
+    factor = again.scheduler.lr_lambdas[0](again.scheduler.last_epoch)
+    assert again.version == 50 and math.isclose(again.optimizer.param_groups[0]["lr"], 1e-4 * factor, rel_tol=1e-9)

@@ -407,6 +407,29 @@ def test_a_run_directory_made_again_is_another_tracked_run_and_its_store_starts_
         shutil.rmtree(local, ignore_errors=True)
 
 
+def test_the_node_local_stores_of_a_run_begun_by_an_older_release_are_adopted_not_replaced(tmp_path: Path) -> None:
+    """An older release kept no run key: its run's ids.json and node-local folder have none. That folder holds rows newer
+    than the run directory's copy: it is this run's, and was deleted as another run's."""
+    import shutil
+
+    from aura_hpc.config import load_config
+    from aura_hpc.train.loop.trackers import IDS, Trackers
+
+    cfg = load_config(None, ["tracking.backends=mlflow", "tracking.sqlite_local=true"], output_dir=str(tmp_path), run_name="t")
+    local = node_local_store(cfg.run_dir)
+    try:
+        (cfg.run_dir / "tracking").mkdir(parents=True)
+        (cfg.run_dir / "tracking" / IDS).write_text(json.dumps({"mlflow": "0123abcd"}))  # an older release's
+        local.mkdir(mode=0o700)
+        (local / "mlflow.db").write_bytes(b"the newest rows")
+        trackers = Trackers(cfg, 0)
+        trackers.start()
+        trackers.finish()  # MLflow cannot read the stand-in store: what matters is what is left of it
+        assert (local / "mlflow.db").read_bytes() == b"the newest rows" and (local / "run_key").read_text().strip() == trackers.run_key
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
 def test_a_store_copied_back_in_is_not_rewound_by_a_write_ahead_log_a_killed_process_left(tmp_path: Path) -> None:
     """SQLite replays a -wal file it finds beside a database: the node-local store a killed attempt left (database,
     -wal, -shm) took the run directory's newer copy back to that attempt's rows when it was copied in."""

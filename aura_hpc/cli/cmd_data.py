@@ -10,6 +10,9 @@ def _os_error_line(exc: OSError, out: str) -> str:
     import errno
 
     where = exc.filename or out
+    if exc.errno is None or isinstance(exc, (TimeoutError, ConnectionError)):  # a network's, not a path's
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return f"reading the inputs failed: {said} (fix: check the network or the storage, then run again; pieces done stay)"
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return (
             f"no space left on the disk of {where} while preparing (fix: free space there or choose another --out; "

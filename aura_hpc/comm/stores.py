@@ -243,12 +243,11 @@ def _same_node_count(store: Any, nnodes: int, host: str, port: int) -> None:
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     try:
-        for _ in range(8):  # node 0 writes it right after it listens: a client may come in between
-            if store.check([NNODES_KEY]):
-                break
-            time.sleep(0.25)
-        else:
-            return  # a node 0 of an older release: torch's own checks only
+        # Node 0 writes it, then ROUND_KEY (as older releases did, without it): once the round is there, its absence
+        # says an older node 0 (torch's own checks only), never a node 0 not done yet.
+        store.wait([ROUND_KEY])
+        if not store.check([NNODES_KEY]):
+            return
         said = store.get(NNODES_KEY).decode("ascii", "replace")
     except (RuntimeError, TimeoutError, OSError):
         return

@@ -36,7 +36,7 @@ def validate_tracking(cfg: RunConfig) -> None:
                 "tracking.mlflow_uri must be an http(s):// server or a sqlite:/// store "
                 "(fix: leave it empty for RUN_DIR/tracking/mlflow.db)"
             )
-        if parts.scheme == "file" and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true", "yes"):
+        if parts.scheme == "file" and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true"):  # MLflow's own words
             # Accepted here, MLflow refused it in the run (its file store is in maintenance mode): no tracker, one warning.
             raise ConfigError(
                 "tracking.mlflow_uri is a file: store, which MLflow refuses unless MLFLOW_ALLOW_FILE_STORE=true "

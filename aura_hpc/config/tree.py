@@ -61,7 +61,7 @@ class DataConfig:
     vocab_size: int = 4096  # used only when `local` or `submit` prepares the built-in corpus
     shuffle_window: int = 0  # shards shuffled together: 0 = all (a full shuffle); N = a node needs only about 2N shards at a time
     cache_dir: str = ""  # where each node keeps shards read from s3:// or streamed; "" = /tmp/aura_hpc-cache-USER
-    cache_gb: float = 100.0  # the bound on that cache; least recently used shards go first
+    cache_gb: float = 100.0  # the bound on that cache (GiB); least recently used shards go first (a stream's: encoded longest ago)
     read_tries: int = 5  # attempts per object-storage read, with exponential backoff between them
     read_timeout_s: float = 60.0  # the limit on one attempt (connecting, then reading)
     stream: bool = False  # train from data.path's raw text (local or s3://) or data.dataset, tokenized on the fly

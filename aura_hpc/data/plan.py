@@ -84,11 +84,10 @@ def describe(spec: PrepareSpec) -> list[tuple[str, str]]:
 def _vocab(spec: PrepareSpec) -> int:
     """The vocabulary the tokens are stored for: a given --tokenizer's own (a 128K one is 4 bytes a token), else --vocab-size."""
     if spec.tokenizer and (Path(spec.tokenizer) / "tokenizer.json").is_file():
-        import json
+        from tokenizers import Tokenizer
 
         try:
-            saved = json.loads((Path(spec.tokenizer) / "tokenizer.json").read_text(encoding="utf-8"))
-            return len(saved.get("model", {}).get("vocab") or ()) + len(saved.get("added_tokens") or ())
-        except (OSError, ValueError, AttributeError, TypeError):
+            return int(Tokenizer.from_file(str(Path(spec.tokenizer) / "tokenizer.json")).get_vocab_size(with_added_tokens=True))
+        except Exception:  # tokenizers raises its own for a damaged file: the run says it; the estimate takes --vocab-size
             return spec.vocab_size
     return spec.vocab_size

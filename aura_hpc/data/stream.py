@@ -85,7 +85,8 @@ class StreamTokens(TokenReader):
         tok_sha = sha256_file(tok_src / "tokenizer.json")
         # Local files are named relative to their common folder: LAN nodes may keep their copies elsewhere.
         named = _portable(self.pieces)
-        key = {"pieces": [asdict(p) for p in named], "tokenizer": tok_sha, "val": d.val_fraction, "column": d.text_column}
+        # "encoder": what a piece's tokens are (2: a document's end in both splits); another release's pieces are not these.
+        key = {"pieces": [asdict(p) for p in named], "tokenizer": tok_sha, "val": d.val_fraction, "column": d.text_column, "encoder": 2}
         if d.dataset:  # c4's es/train, en/train and es/validation have the same pieces: not the same text
             key["dataset"] = [d.dataset_subset, d.dataset_split]
             key["objects"] = _folder_versions(d.dataset)
@@ -226,10 +227,16 @@ class StreamTokens(TokenReader):
     def _map(self, split: str, piece: int) -> np.ndarray:
         m = self._maps.get((split, piece))
         if m is None:
-            if self._sizes[split][piece] < 0:
-                self._encode(piece)
             path = shards.shard_path(self.build, split, piece)
-            m = self._maps[split, piece] = np.memmap(path, dtype=self.dtype, mode="r") if path.stat().st_size else np.zeros(0, self.dtype)
+            for _ in range(3):  # a piece this node's cache let go (data.cache_gb: _evict) since it was sized is encoded again
+                self._encode(piece)
+                with self._locked(f"piece-{piece}"):  # mapped before any rank of this node can let it go again
+                    if shards.finished(self.build, self.pieces[piece], 0, self.dtype.itemsize) is not None:
+                        m = np.memmap(path, dtype=self.dtype, mode="r") if path.stat().st_size else np.zeros(0, self.dtype)
+                        break
+            else:
+                raise DataError(f"piece {piece} of {self.location} keeps leaving the node's cache (fix: a larger data.cache_gb)")
+            self._maps[split, piece] = m
         return m
 
     def locate(self, split: str, index: int) -> tuple[int, int]:

@@ -320,11 +320,14 @@ def launch(plan: LocalPlan, ready: Callable[[], None] | None = None) -> int:
         )
     # Node 0 holds the run directory for the whole run: a second `local` there is refused.
     node0 = plan.node_rank == 0
-    secret = _secret_of_other_node(plan) if not node0 else None  # before the wait: a missing secret is known now
+    # A secret given in the environment is judged before the wait (one too short is refused now); without one, a node
+    # sharing node 0's folder finds it there once node 0 has written it: after the wait.
+    secret = _secret_of_other_node(plan) if not node0 and os.environ.get(SECRET_ENV, "").strip() else None
     if plan.node_rank > 0:
         from aura_hpc import console
 
         wait_for_master(plan.master_addr, plan.master_port, plan.rdzv_timeout, console.info)
+        secret = secret or _secret_of_other_node(plan)
     world, exact = plan.nproc * plan.nnodes, plan.nnodes == 1  # a LAN's other nodes may run other process counts
     lock = prepare_run_dir(
         plan.cfg, world, lock=node0, check_lock=node0, config_name=plan.config_path.name, secret=node0, exact_world=exact

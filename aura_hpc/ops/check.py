@@ -11,7 +11,6 @@ hangs it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import threading
@@ -22,7 +21,7 @@ from aura_hpc.errors import LaunchError
 from aura_hpc.ops.check_cluster import ClusterArgs, cluster_checks
 from aura_hpc.ops.check_local import local_checks
 from aura_hpc.ops.check_report import Failed, Report
-from aura_hpc.ops.network import lan_master_problem
+from aura_hpc.ops.network import interface_problem, lan_master_problem
 
 LOCAL_CHECKS_S = 60.0  # CUDA's start and NCCL's self-test on 8 GPUs take seconds
 SERVER_STAGE = "the parameter server"
@@ -81,8 +80,15 @@ def run(
             timer.cancel()
             cluster.deadline = time.monotonic() + cluster.timeout
             timer = watch(cluster.timeout)
-            with contextlib.suppress(Failed):
+            try:
                 cluster_checks(report, cluster, stage)
+            except Failed:
+                pass
+            except Exception as exc:  # a peer gone mid-check (Ctrl+C there, a Wi-Fi drop): the report, not a traceback
+                why = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__
+                report.add(
+                    stage[0], False, f"stopped: {why}", "a node stopped or the link dropped during the check: run it again on every node"
+                )
     finally:
         report.elapsed_s = time.perf_counter() - t0
         if timer is not None:
@@ -109,6 +115,8 @@ def cluster_args(
         raise LaunchError(f"--node-rank {node_rank} is not in 0..{nnodes - 1} (fix: --node-rank 0 on the master, 1..N-1 on the others)")
     if nnodes > 1 and not master_addr:
         raise LaunchError("--nnodes > 1 needs --master-addr (fix: --master-addr <IP of node 0> on every node)")
+    if ifname and (problem := interface_problem(ifname)):
+        raise LaunchError(problem)  # as `local` refuses it (gloo said "Unable to find address for" it, after the rendezvous)
     if not 1 <= master_port <= 65535:  # 0 had node 0 listen on a random port, and the others blame the firewall
         raise LaunchError(f"--master-port {master_port} is not a TCP port (fix: --master-port 29500, the same on every node)")
     # As `local` says it: check must not pass a master that training refuses. A name Slurm gave (typed_master False)

@@ -4,21 +4,19 @@ ranks, an all_reduce every rank verifies, bus bandwidth, clock skew, addresses a
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
 import socket
 import sys
 import time
-import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from aura_hpc.comm import collectives, stores
 from aura_hpc.ops.check_report import Failed, Report
-from aura_hpc.ops.check_store import node_from_store, peer_token
+from aura_hpc.ops.check_shared_dir import shared_dir
+from aura_hpc.ops.check_store import node_from_store
 from aura_hpc.ops.network import resolve, route_to
 
 
@@ -78,9 +76,11 @@ def _explain_connect(a: ClusterArgs, exc: OSError | None) -> tuple[str, str]:
             f"on it (ufw allow {a.master_port}/tcp; Windows/WSL2: a firewall rule plus mirrored networking or a portproxy)",
         )
     if code in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        # firewalld's default reject (icmp-host-prohibited) reaches a program as "no route to host" too.
         return (
-            f"no route to {a.master_addr}{hint}",
-            "check --master-addr (node 0's IP on the network both machines share: `ip -4 addr` there) and that both are on that network",
+            f"no route to {a.master_addr}, or its firewall rejects port {a.master_port}{hint}",
+            "check --master-addr (node 0's IP on the network both machines share: `ip -4 addr` there) and that both are on that "
+            f"network; on node 0, open the port (firewalld: firewall-cmd --add-port={a.master_port}/tcp; ufw allow {a.master_port}/tcp)",
         )
     return (
         f"no answer from {where} within the timeout (packets dropped){hint}",
@@ -106,7 +106,14 @@ def _node_info(a: ClusterArgs) -> dict[str, Any]:
         "gid": os.getgid() if hasattr(os, "getgid") else None,
         "user": os.environ.get("USER") or os.environ.get("USERNAME") or "",
         "pid": os.getpid(),
+        "cuda": _has_cuda(),  # `auto` is decided from every node's (training agrees on one backend too)
     }
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
@@ -179,8 +186,13 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
 
     stage[0] = f"process group ({a.backend})"
     backend = a.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    cuda = [n.get("cuda") is True for n in nodes]
+    if backend == "auto":  # NCCL where every node has a GPU, as training decides: one GPU laptop beside a CPU one is gloo
+        backend = "nccl" if all(cuda) else "gloo"
+    elif backend == "nccl" and not all(cuda):
+        without = ", ".join(str(r) for r, c in enumerate(cuda) if not c)
+        report.add("process group", False, f"--backend nccl, and node(s) {without} have no CUDA GPU", "--backend auto (gloo then) or gloo")
+        raise Failed
     iface = info["interface"]
     if iface and a.nnodes > 1:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
@@ -217,7 +229,7 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
             _advice(report, a, device)
         if a.shared_dir:
             stage[0] = "shared directory"
-            _shared_dir(report, a, store, nodes)
+            shared_dir(report, a, store, nodes)
         stage[0] = "finishing"
         collectives.barrier()
     finally:
@@ -335,11 +347,21 @@ def _bandwidth(report: Report, a: ClusterArgs, device: Any) -> None:
         algbw = size / secs / 1e9
         busbw = algbw * 2 * (n - 1) / n if n > 1 else algbw  # nccl-tests' bus bandwidth for all_reduce
         report.bandwidth.append(
-            {"size_mb": mb, "time_ms": round(secs * 1000, 3), "algbw_gbps": round(algbw, 3), "busbw_gbps": round(busbw, 3)}
+            {
+                "size_mb": mb,  # MiB
+                "time_ms": round(secs * 1000, 3),
+                "algbw_gbps": round(algbw, 3),  # GB/s (1e9 bytes), as nccl-tests
+                "busbw_gbps": round(busbw, 3),
+                "busbw_mbit_s": round(busbw * 8000, 3),  # a Wi-Fi link's figure: 0.00 GB/s rounded
+            }
         )
-    best = max(b["busbw_gbps"] for b in report.bandwidth)
-    sizes = ", ".join(f"{b['size_mb']:g} MB: {b['busbw_gbps']:.2f}" for b in report.bandwidth)
-    report.add("bandwidth", True, f"all_reduce bus bandwidth up to {best:.2f} GB/s ({sizes})")
+    best = max(b["busbw_mbit_s"] for b in report.bandwidth)
+    sizes = ", ".join(f"{b['size_mb']:g} MiB: {_rate(b['busbw_mbit_s'])}" for b in report.bandwidth)
+    report.add("bandwidth", True, f"all_reduce bus bandwidth up to {_rate(best)} ({sizes})")
+
+
+def _rate(mbit_s: float) -> str:
+    return f"{mbit_s / 8000:.2f} GB/s" if mbit_s >= 8000 else f"{mbit_s:.1f} Mbit/s"
 
 
 def _advice(report: Report, a: ClusterArgs, device: Any) -> None:
@@ -349,11 +371,18 @@ def _advice(report: Report, a: ClusterArgs, device: Any) -> None:
     from aura_hpc.ops import link_advice
 
     cfg = a.run_config or RunConfig()
-    best = max(report.bandwidth, key=lambda b: b["busbw_gbps"])
+    best = max(report.bandwidth, key=lambda b: b["busbw_mbit_s"])
     latency = link_advice.measure_link(a.nnodes, probe_mb=0.0).latency
-    link = link_advice.Link(a.nnodes, best["busbw_gbps"] * 1e9, latency)
     vocab = tokenizer_vocab(cfg)
-    opts = link_advice.options(cfg, vocab, link, link_advice.compute_seconds(cfg, vocab, device))
+    # The slowest node's step: each node's own made a fast and a slow laptop print different advice.
+    compute = collectives.reduce_values([link_advice.compute_seconds(cfg, vocab, device)], op="max")[0]
+    if best["busbw_mbit_s"] <= 0:
+        report.add(
+            "link advice", False, "the link measured no bandwidth", "run the check again; a link this slow cannot train across nodes"
+        )
+        return
+    link = link_advice.Link(a.nnodes, best["busbw_mbit_s"] * 1e6 / 8, latency)
+    opts = link_advice.options(cfg, vocab, link, compute)
     report.advice = [
         {
             "option": o.name,
@@ -366,74 +395,3 @@ def _advice(report: Report, a: ClusterArgs, device: Any) -> None:
     ]
     rows = "; ".join(f"{o.name} {o.compute_s:.2f}s compute + {o.comm_s:.2f}s network = {o.speedup:.2f}x" for o in opts)
     report.add("link advice", True, f"{link_advice.advice(opts, link)} [per step: {rows}]")
-
-
-STRANGER = "the folder name node 0 published is not one `check` makes (another program wrote into its port)"
-
-
-def _shared_dir(report: Report, a: ClusterArgs, store: Any, nodes: list[dict[str, Any]]) -> None:
-
-    root = Path(a.shared_dir or ".").expanduser()
-    token = peer_token(store) if a.node_rank else uuid.uuid4().hex
-    if a.node_rank == 0:
-        store.set("shared-token", token)
-    where = root / ".aura-check" / (token or "refused")
-    error = "" if token else STRANGER
-    try:
-        if not error:
-            where.mkdir(parents=True, exist_ok=True)
-            uid = os.getuid() if hasattr(os, "getuid") else None
-            (where / f"node{a.node_rank}").write_text(json.dumps({"node_rank": a.node_rank, "uid": uid, "token": token}))
-    except OSError as exc:
-        error = f"cannot write in {root} ({exc.strerror})"
-    collectives.barrier()
-    seen, foreign_owner = [], []
-    if not error:
-        for r, n in enumerate(nodes):
-            f = where / f"node{r}"
-            if f.exists():
-                seen.append(r)
-                st = f.stat()
-                if n["uid"] is not None and st.st_uid != n["uid"]:
-                    foreign_owner.append(f"node {r}'s file is owned by uid {st.st_uid}, not {n['uid']}")
-    results = collectives.gather_json({"error": error, "seen": seen, "owners": foreign_owner})
-    if not error:
-        (where / f"node{a.node_rank}").unlink(missing_ok=True)
-    collectives.barrier()
-    # Every node removes what it wrote, then the folders if they are empty (another user's or run's stay): on
-    # nodes that did not share the folder, node 0 alone left each other node its own behind.
-    if not error:
-        for folder in (where, where.parent):
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-    problems = []
-    for r, res in enumerate(results):
-        if res["error"]:
-            problems.append(f"node {r}: {res['error']}")
-        elif sorted(res["seen"]) != list(range(a.nnodes)):
-            unseen = sorted(set(range(a.nnodes)) - set(res["seen"]))
-            problems.append(f"node {r} does not see the files of node(s) {', '.join(map(str, unseen))}")
-    if problems:
-        report.add(
-            "shared dir",
-            False,
-            f"{root} is not one shared directory: " + "; ".join(problems),
-            "run the check again on a port only your machines reach (--master-port)"
-            if any(STRANGER in p for p in problems)
-            else "mount the same NFS export at this path on every node (see nfs_setup/) and pass that path",
-        )
-        return
-    uids = {n["uid"] for n in nodes}
-    owners = [o for res in results for o in res["owners"]]
-    if len(uids) > 1 or owners:
-        detail = f"users differ: uid {sorted(uids)}" if len(uids) > 1 else "; ".join(owners[:2])
-        report.add(
-            "shared dir",
-            False,
-            f"{root} is shared but {detail}",
-            "use the same UID/GID for the training user on every node (NFS matches numbers, not names); root_squash maps root to nobody",
-        )
-        return
-    report.add(
-        "shared dir", True, f"{root} is the same directory on all {a.nnodes} nodes, same uid/gid {nodes[0]['uid']}/{nodes[0]['gid']}"
-    )

@@ -34,6 +34,20 @@ def local_checks(report: Report, output_dir: str | None) -> None:
             report.add("nvidia driver", True, driver)
         nccl = ".".join(str(x) for x in torch.cuda.nccl.version()) if dist.is_nccl_available() else "not built in"
         report.add("nccl", dist.is_nccl_available(), nccl, "" if dist.is_nccl_available() else "install a CUDA build of torch")
+    elif gpu_device_nodes():
+        # NVIDIA's device nodes are here, and torch sees no GPU: a CPU-only wheel, or a driver older than its CUDA.
+        # It passed as "CPU training", and `local` trained on the CPUs of a GPU machine.
+        driver = _nvml_driver()
+        why = (
+            f"this torch is a CPU-only build ({torch.__version__})"
+            if not torch.version.cuda
+            else (f"this torch's CUDA {torch.version.cuda} does not start" + (f" with driver {driver}" if driver else ""))
+        )
+        report.add(
+            "gpus", False, f"this machine has NVIDIA GPUs, and torch sees none: {why}",
+            "install a torch build for this driver's CUDA (pip install torch --index-url https://download.pytorch.org/whl/cu124, "
+            "or the cu version `nvidia-smi` names); check `nvidia-smi` works",
+        )  # fmt: skip
     else:
         report.add("gpus", True, "none seen: CPU training with gloo", warning=True)
     for backend in ("gloo", "nccl"):
@@ -93,3 +107,10 @@ def _try_backend(backend: str) -> tuple[bool, str]:
         if dist.is_initialized():
             dist.destroy_process_group()
         return False, str(exc).splitlines()[0][:200]
+
+
+def gpu_device_nodes() -> bool:
+    """NVIDIA's GPU device nodes (/dev/nvidia0, ...), which its driver makes for each GPU; a container given none has none."""
+    import glob
+
+    return bool(glob.glob("/dev/nvidia[0-9]*"))

@@ -80,7 +80,7 @@ def lan_master_problem(addr: str, nnodes: int) -> str | None:
         return f"master address {addr!r} has spaces around it (fix: --master-addr {addr.strip()})"
     if resolve(addr) is None:
         return f"master address {addr!r} does not resolve (fix: use node 0's IP address, e.g. 192.168.1.10)"
-    if resolve(addr) in ("0.0.0.0", "::"):  # every interface: listened on by node 0, and each other node dialled itself
+    if nnodes > 1 and resolve(addr) in ("0.0.0.0", "::"):  # every interface: listened on by node 0, and each other node dialled itself
         return f"master address {addr!r} is no machine's address (fix: node 0's LAN IP, see `ip -4 addr`, on every node)"
     if nnodes > 1 and (loopback := loopback_name(addr)):
         return (

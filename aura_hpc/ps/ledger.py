@@ -22,6 +22,7 @@ from aura_hpc.config import RunConfig
 from aura_hpc.errors import CheckpointError
 from aura_hpc.ps.model_copy import ModelCopy
 from aura_hpc.train.checkpoint import files as checkpoint
+from aura_hpc.train.parts.schedule import apply_settings
 
 log = logging.getLogger("aura_hpc")
 
@@ -95,12 +96,22 @@ def save(
     version: int,
     meta: dict[str, Any],
 ) -> Path:
-    root = cfg.run_dir / "checkpoints"
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
-    full_meta = {"step": version, "version": version, "mode": MODE, "fingerprint": cfg.model_fingerprint(), **meta}
-    path = checkpoint.save(
-        root, version, model_copy.model, state, full_meta, model_copy.data.tokenizer_dir, cfg.to_yaml(), max(cfg.train.keep_last, 1)
-    )
+    return save_state(cfg, model_copy.model, model_copy.data.tokenizer_dir, state, version, meta)
+
+
+def save_state(cfg: RunConfig, model: Any, tokenizer_dir: Path | None, state: dict[str, Any], version: int, meta: dict[str, Any]) -> Path:
+    """A checkpoint of `model` and the optimizer and schedule `state` (a snapshot's, ps/off_lock.py, or the live ones)."""
+    root = cfg.run_dir / "checkpoints"
+    full_meta = {
+        "step": version,
+        "version": version,
+        "mode": MODE,
+        "fingerprint": cfg.model_fingerprint(),
+        "train_lr": cfg.train.lr,
+        **meta,
+    }
+    path = checkpoint.save(root, version, model, state, full_meta, tokenizer_dir, cfg.to_yaml(), max(cfg.train.keep_last, 1))
     _link(root, "last", path)
     best = checkpoint.best(root)
     if best is not None:
@@ -136,6 +147,9 @@ def resume(cfg: RunConfig, model_copy: ModelCopy, optimizer: torch.optim.Optimiz
     state = checkpoint.read_trainer_state(ckpt.path)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    # The config's learning rate, weight decay and betas over the checkpoint's, as `local` takes them: a re-run with a
+    # lower train.lr (a divergence's fix) trained on at the old one.
+    apply_settings(optimizer, scheduler, cfg.train, meta.get("train_lr"))
     return Resumed(
         version=int(meta["version"]),
         tokens=int(meta.get("tokens_seen", 0)),
@@ -178,6 +192,11 @@ def progress_line(row: dict[str, Any], max_steps: int, hist: Counter[str]) -> st
     return (
         f"version {row['version']}/{max_steps} loss {f'{loss:.4f}' if loss is not None else '-'}"
         + (f" eval {eval_loss:.4f}" if eval_loss is not None else "")
+        + (
+            f" (of version {row['eval_version']})"
+            if eval_loss is not None and row.get("eval_version", row["version"]) != row["version"]
+            else ""
+        )
         + f" | {row['tokens_per_s']:.0f} tokens/s | workers {row['workers']} | staleness {staleness_text(hist)}"
     )
 

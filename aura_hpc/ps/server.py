@@ -25,13 +25,14 @@ from aura_hpc.ps import ledger, wire
 from aura_hpc.ps.auth import pair_prefix
 from aura_hpc.ps.join import JoinQueue, Request, decide, settings
 from aura_hpc.ps.model_copy import ModelCopy, build_model_copy, check_shard_size
+from aura_hpc.ps.off_lock import OffLock, Shadow
 from aura_hpc.ps.pairing import Pairing
-from aura_hpc.ps.stats import ProcessStats, copy_worker_stats, write_server_stats
+from aura_hpc.ps.stats import ProcessStats, copy_worker_stats
 from aura_hpc.ps.sweep import StoreSweeper
-from aura_hpc.train.loop.evaluation import evaluate, sample
+from aura_hpc.ps.versions import VersionWork
+from aura_hpc.train.loop.evaluation import sample
 from aura_hpc.train.loop.metrics import MetricsWriter
 from aura_hpc.train.parts.schedule import make_optimizer, make_scheduler
-from aura_hpc.train.parts.state import Parts
 from aura_hpc.train.process.stop import StopRequest
 from aura_hpc.train.process.worker_log import to_file_only
 
@@ -85,7 +86,7 @@ def take_seat(seats: dict[int, Seat], seat: Seat) -> None:
     seats[seat.rank] = seat
 
 
-class ParameterServer:
+class ParameterServer(VersionWork):
     def __init__(self, cfg: RunConfig, key: bytes) -> None:
         self.cfg, self.t, self.p = cfg, cfg.train, cfg.ps
         self.key = key  # the HMAC key of the run's secret (ps/auth.py)
@@ -112,6 +113,8 @@ class ParameterServer:
         self.left: list[dict[str, Any]] = []
         self.closed = wire.Traffic()  # the links gone
         self.fatal: AuraError | None = None  # what stopped the server from inside a worker's thread (a full disk)
+        self.final_eval: tuple[int, float | None] = (-1, None)  # the last version's evaluation, saved with it
+        self.pending_eval: tuple[int, float] | None = None  # an off-lock evaluation for the next metrics row
 
     # ---- start -----------------------------------------------------------------------------
     def resume(self) -> None:
@@ -135,6 +138,7 @@ class ParameterServer:
         self.pairing = Pairing(self.store, port, self.key, self.p.worker_timeout_s)
         self.sweeper = StoreSweeper(self.store, self.p.worker_timeout_s + 30)
         self.metrics = MetricsWriter(self.cfg.run_dir, self.version)
+        self.shadow, self.off_lock = Shadow(self.model_copy), OffLock(self._evaluate_and_save)
         try:
             return self._serve()
         except BaseException:
@@ -142,6 +146,7 @@ class ParameterServer:
             raise
 
     def _save_on_the_way_out(self) -> None:
+        self.off_lock.drain(drop_waiting=True)
         with self.lock:
             self.stopping = True
             if self.version != self.saved_version and self.fatal is None:
@@ -174,6 +179,7 @@ class ParameterServer:
             self.sweeper.sweep({seat.nonce for seat in list(self.seats.values())})  # threads change seats
             time.sleep(0.05)
         if self.fatal is not None:
+            self.off_lock.drain(drop_waiting=True)
             join_threads(self.threads, self.pairing.setting_up)
             self.metrics.close()
             raise self.fatal
@@ -319,57 +325,16 @@ class ParameterServer:
                     self.finished.set()
             return self.stopping
 
-    def _after_update(self) -> None:
-        """Logging, evaluation and checkpoints at their cadence, counted in versions (under the lock)."""
-        t, v = self.t, self.version
-        last = v >= t.max_steps
-        eval_loss = None
-        if (t.eval_every and v % t.eval_every == 0) or last:
-            eval_loss = self._evaluate()
-        if (t.log_every and v % t.log_every == 0) or last or eval_loss is not None:
-            self._log_row(eval_loss)
-        due = t.checkpoint_every_s > 0 and time.monotonic() - self.saved_at >= t.checkpoint_every_s  # by time too, as `local` does
-        if (t.checkpoint_every and v % t.checkpoint_every == 0) or last or due:
-            self._save(eval_loss)
-
-    def _parts(self) -> Parts:
-        return self.model_copy.parts(self.optimizer, self.scheduler)
-
-    def _evaluate(self) -> float | None:
-        loss = evaluate(self._parts(), self.t, 0, 1, self.model_copy.rt)
-        if loss is not None and (self.best_eval is None or loss < self.best_eval):
-            self.best_eval = loss
-        return loss
-
-    def _log_row(self, eval_loss: float | None) -> None:
-        now = time.perf_counter()
-        row = ledger.metrics_row(self.version, self.trained_lr, self.interval, now - self.interval_start, len(self.seats), self.hist)
-        if eval_loss is not None:
-            row["eval_loss"] = eval_loss
-        self.metrics.write(row)
-        log.info("%s", ledger.progress_line(row, self.t.max_steps, self.hist))
-        self.interval = ledger.Interval()
-        self.interval_start = now
-
-    def _save(self, eval_loss: float | None) -> None:
-        meta = ledger.meta(self.tokens, self.positions, self.best_eval, self.hist, self.t.max_steps, self.p.workers, eval_loss)
-        path = ledger.save(self.cfg, self.model_copy, self.optimizer, self.scheduler, self.version, meta)
-        self.saved_version, self.saved_at = self.version, time.monotonic()
-        self._write_own_stats()
-        log.info("checkpoint %s (last%s)", path.name, ", best" if eval_loss is not None and eval_loss == self.best_eval else "")
-
-    def _write_own_stats(self) -> None:
-        links = [self.closed, *(seat.link for seat in list(self.seats.values()) if seat.link is not None)]
-        extra = {"staleness": dict(self.hist), "workers_left": self.left[-20:], "max_staleness": self.p.max_staleness}
-        write_server_stats(self.stats, self.cfg.run_dir, self.version, self.tokens, links, extra)
-
     # ---- the end ---------------------------------------------------------------------------
 
     def _finish(self, interrupted: bool) -> int:
+        self.off_lock.drain(drop_waiting=True)  # its checkpoint, if one is waiting, is written anew below
+        self.off_lock.close()
         with self.lock:  # the sample too: a worker's pair may still be being set up (wire.py, REGISTRY_LOCK)
             self.stopping = True
             if self.version != self.saved_version:
-                self._save(self._evaluate() if not interrupted else None)
+                done = self.final_eval[1] if self.final_eval[0] == self.version else None
+                self._save(done if done is not None or interrupted else self._evaluate())
             text = sample(self._parts(), self.t, self.version, self.model_copy.rt) if not interrupted else ""
         join_threads(self.threads, self.pairing.setting_up)
         for seat in list(self.seats.values()):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from aura_hpc.config import RunConfig
-from aura_hpc.errors import AuraError, LaunchError, TrainingFailed
+from aura_hpc.errors import EXIT_TRAIN_FAILED, AuraError, LaunchError, TrainingFailed
 from aura_hpc.ops.network import route_to
 from aura_hpc.ps import auth, wire
 from aura_hpc.ps.join import StoppedWaiting, request_join, settings
@@ -216,7 +216,7 @@ class PsWorker:
                     int(header[2]), "is stopping (Ctrl+C there; it saved a checkpoint)"
                 )
                 log.info("the server %s at version %d; this worker sent %d gradients", how, int(header[1]), self.stats.steps)
-                return 0
+                return EXIT_TRAIN_FAILED if int(header[2]) == 2 else 0  # a script over the workers tells a failed run apart
             if got is None:
                 raise wire.LinkLost(f"an unexpected message kind {header[0]:g} from the server")
             link.timed_round_trip(sent)

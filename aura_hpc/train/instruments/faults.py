@@ -199,3 +199,10 @@ def checkpoint_stage(stage: str, run_dir: Path) -> None:
     if mode == "slow":
         print(f"fault injection: checkpoint writer held 3 s after {stage} at {time.time():.3f}", flush=True)
         time.sleep(3.0)
+
+
+def slow_evaluation() -> None:
+    """AURA_FAULT_SLOW_EVAL=S: the parameter server's evaluation takes S seconds more (a big model on its CPU)."""
+    spec = os.environ.get("AURA_FAULT_SLOW_EVAL")
+    if spec:
+        time.sleep(float(spec))

@@ -66,7 +66,8 @@ class MetricsWriter:
             self._file.flush()
         if not self.path.exists():
             return
-        lines = self.path.read_text(encoding="utf-8").splitlines()
+        text = self.path.read_text(encoding="utf-8")
+        lines = text.splitlines()
         kept = []
         for line in lines:
             try:
@@ -75,7 +76,7 @@ class MetricsWriter:
                 continue
             if isinstance(row, dict) and isinstance(row.get("step", 0), (int, float)) and row.get("step", 0) <= step:
                 kept.append(line)
-        if kept == lines:
+        if kept == lines and (not text or text.endswith("\n")):  # a last line cut short of its end: the next row joined it
             return
         # Written beside it and renamed over it: truncated in place, a full disk or a kill mid-write lost the whole history.
         tmp = self.path.with_name(f".{self.path.name}.tmp")

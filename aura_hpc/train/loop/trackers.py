@@ -113,7 +113,14 @@ class Trackers:
         # started must not leave the next one to choose another (a second W&B run for one training run).
         self.folder.mkdir(parents=True, exist_ok=True)
         ids = _read_ids(self.folder / IDS)
-        ids.setdefault(RUN_KEY, secrets.token_hex(8))  # this run directory's; one made again gets another
+        # This run directory's key; one made again gets another. An ids.json without one (an older release's run, or
+        # one this attempt could not read) is this run's: its node-local folder is adopted, never replaced.
+        self.adopt_local = RUN_KEY not in ids and (self.folder / IDS).exists()
+        if RUN_KEY not in ids:
+            kept = ""
+            with contextlib.suppress(OSError):
+                kept = (self.local / RUN_KEY).read_text(encoding="utf-8").strip() if self.adopt_local else ""
+            ids[RUN_KEY] = kept if self.adopt_local and kept.isalnum() else secrets.token_hex(8)
         self.run_key = ids[RUN_KEY]
         from aura_hpc.train.loop import tracker_backends
 
@@ -285,6 +292,9 @@ class Trackers:
         with contextlib.suppress(OSError):
             if self.local.is_dir() and key.read_text(encoding="utf-8").strip() == self.run_key:
                 return
+        if self.local.is_dir() and self.adopt_local and not key.exists():
+            key.write_text(self.run_key + "\n", encoding="utf-8")
+            return
         if self.local.is_dir():
             log.info("tracking: %s held another run's stores (a run directory of this name made again); replaced", self.local)
             shutil.rmtree(self.local)
