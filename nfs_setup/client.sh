@@ -75,11 +75,20 @@ elif [[ -n $theirs || $current == "$line" ]]; then
 else
   # Renamed over it, the file took the new one's mode (umask 077: 0600), a link became a file, and SELinux's label
   # went: written beside its real path instead, with its mode and owner, then renamed, then its label restored.
+  # Each step stops the script on its own: `set -e` does not see a failure before the last `&&` (a cp cut short by a full
+  # disk went on, and the cut copy was renamed over the file).
   write_over() {
-    local target; target=$(readlink -f "$2")
-    cp "$1" "$target.aura-new" && rm -f "$1"
-    chmod --reference="$target" "$target.aura-new" && { chown --reference="$target" "$target.aura-new" 2>/dev/null || true; }
-    mv "$target.aura-new" "$target"
+    local target new
+    target=$(readlink -f "$2") || { echo "error: cannot resolve $2" >&2; exit 1; }
+    new="$target.aura-new"
+    if ! cp "$1" "$new" || ! chmod "$(stat -c %a "$target")" "$new"; then
+      rm -f "$new"
+      echo "error: could not write $new (a full disk?); $2 is unchanged (fix: free space, then run this again)" >&2
+      exit 1
+    fi
+    chown "$(stat -c %u:%g "$target")" "$new" 2>/dev/null || true
+    mv "$new" "$target" || { rm -f "$new"; echo "error: could not replace $target; it is unchanged" >&2; exit 1; }
+    rm -f "$1"
     if command -v restorecon >/dev/null; then restorecon "$target" 2>/dev/null || true; fi
   }
   persist() {

@@ -115,11 +115,20 @@ elif [[ -n $theirs || $current == "$line" ]]; then
 else
   # Renamed over it, the file took the new one's mode (umask 077: 0600), a link became a file, and SELinux's label
   # went: written beside its real path instead, with its mode and owner, then renamed, then its label restored.
+  # Each step stops the script on its own: `set -e` does not see a failure before the last `&&` (a cp cut short by a full
+  # disk went on, and the cut copy was renamed over the file).
   write_over() {
-    local target; target=$(readlink -f "$2")
-    cp "$1" "$target.aura-new" && rm -f "$1"
-    chmod --reference="$target" "$target.aura-new" && { chown --reference="$target" "$target.aura-new" 2>/dev/null || true; }
-    mv "$target.aura-new" "$target"
+    local target new
+    target=$(readlink -f "$2") || { echo "error: cannot resolve $2" >&2; exit 1; }
+    new="$target.aura-new"
+    if ! cp "$1" "$new" || ! chmod "$(stat -c %a "$target")" "$new"; then
+      rm -f "$new"
+      echo "error: could not write $new (a full disk?); $2 is unchanged (fix: free space, then run this again)" >&2
+      exit 1
+    fi
+    chown "$(stat -c %u:%g "$target")" "$new" 2>/dev/null || true
+    mv "$new" "$target" || { rm -f "$new"; echo "error: could not replace $target; it is unchanged" >&2; exit 1; }
+    rm -f "$1"
     if command -v restorecon >/dev/null; then restorecon "$target" 2>/dev/null || true; fi
   }
   replace() {
@@ -168,10 +177,13 @@ if [[ $NO_SYSTEM != 1 ]] && command -v firewall-cmd >/dev/null && firewall-cmd -
   for c in "${FIREWALLED[@]}"; do
     family=ipv4; [[ $c == *:* ]] && family=ipv6
     rule="rule family=$family source address=$c port port=2049 protocol=tcp accept"
+    # Saved and applied, each where it is missing: --reload would drop every rule an admin added for this boot only
+    # (the rendezvous port opened with firewall-cmd --add-port, say).
     if ! firewall-cmd --permanent --query-rich-rule="$rule" >/dev/null 2>&1; then
-      # Saved and applied as two calls: --reload would drop every rule an admin added for this boot only (the
-      # rendezvous port opened with firewall-cmd --add-port, say).
-      do_ "open TCP 2049 (NFSv4) to $c in firewalld" sh -c 'firewall-cmd --permanent --add-rich-rule="$1" && firewall-cmd --add-rich-rule="$1"' _ "$rule"
+      do_ "save TCP 2049 (NFSv4) to $c in firewalld" firewall-cmd --permanent --add-rich-rule="$rule"
+    fi
+    if ! firewall-cmd --query-rich-rule="$rule" >/dev/null 2>&1; then
+      do_ "open TCP 2049 (NFSv4) to $c in firewalld now" firewall-cmd --add-rich-rule="$rule"
     fi
   done
 fi

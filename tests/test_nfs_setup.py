@@ -212,3 +212,20 @@ def test_the_files_it_edits_keep_their_mode_and_links_and_firewalld_keeps_its_ru
     said = asked.read_text()
     assert "--reload" not in said and "--permanent --add-rich-rule=" in said, said
     assert any(ln.startswith("--add-rich-rule=") for ln in said.splitlines()), said
+
+
+def test_a_copy_cut_short_leaves_the_file_as_it_was_and_stops_the_script(tmp_path: Path) -> None:
+    """`cp ... && rm ...` under set -e: a cp cut short by a full disk did not stop the script, and the cut copy was
+    renamed over /etc/exports (over /etc/fstab: a machine that may not boot)."""
+    exports = tmp_path / "exports"
+    exports.write_text("/srv/other 10.0.0.9(ro)\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # The copy that replaces the file gets 8 bytes, then a full disk; every other copy is the real cp's.
+    shim = '#!/bin/sh\nfor last; do :; done\ncase "$last" in *.aura-new) printf "/srv/oth" > "$last"; exit 1;; esac\nexec /bin/cp "$@"\n'
+    (bin_dir / "cp").write_text(shim)
+    (bin_dir / "cp").chmod(0o755)
+    env = {"AURA_NFS_EXPORTS": str(exports), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    r = _run(SERVER, ["--export", str(tmp_path / "srv"), "--clients", "192.168.1.0/24"], **env)
+    assert r.returncode != 0 and "is unchanged" in r.stderr, r.stdout + r.stderr
+    assert exports.read_text() == "/srv/other 10.0.0.9(ro)\n" and not list(tmp_path.glob("exports.aura-new"))

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from aura_hpc.errors import EXIT_RESUMABLE
 from tests.conftest import SMALL_MODEL, cli_env, free_port, run_cli, run_cli_together
 
 # conftest's small model, learning fast enough that a few hundred updates show the loss falling.
@@ -411,6 +412,21 @@ def test_an_evaluation_longer_than_the_workers_timeout_holds_up_no_worker(tmp_pa
     assert rows[-1]["version"] == rows[-1]["eval_version"] == 160 and rows[-1]["tokens_per_s"] > 0, rows[-1]
     kept = sorted(p.name for p in (tmp_path / "runs" / "ps" / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert kept[-1] == "step_00000160", kept
+    # Ctrl+C while an evaluation runs (here 600 s): it is cut short at its next batch, the checkpoint written, exit 75
+    # (a stop waited for the whole evaluation: minutes for a large model on the server's CPU).
+    again = [*base, "--run-name", "ps2", "--set", "train.max_steps=100000", "--set", "train.eval_every=170", "--set", "train.log_every=10"]
+    again += ["--set", "train.checkpoint_every=0"]
+    server = Proc(["ps", "--workers", "1", "--port", str(port + 1), *again], tmp_path / "ps2.log", AURA_FAULT_SLOW_EVAL="600")
+    _listening(port + 1, server)
+    worker = Proc(["worker", "--server", f"127.0.0.1:{port + 1}", *again], tmp_path / "w2.log")
+    try:
+        _wait_version(tmp_path / "runs" / "ps2", 180, server)
+        server.signal(signal.SIGINT)
+        assert server.finish(timeout=120) == EXIT_RESUMABLE, server.text
+    finally:
+        worker.signal(signal.SIGINT)
+        worker.finish(timeout=120)
+    assert "the evaluation of version 170 was cut short by the stop" in server.text, server.text
 
 
 def test_a_token_budget_counts_every_batch_a_pushed_gradient_carries() -> None:

@@ -245,7 +245,7 @@ def _same_node_count(store: Any, nnodes: int, host: str, port: int) -> None:
     try:
         # Node 0 writes it, then ROUND_KEY (as older releases did, without it): once the round is there, its absence
         # says an older node 0 (torch's own checks only), never a node 0 not done yet.
-        store.wait([ROUND_KEY])
+        store.wait([ROUND_KEY], timedelta(seconds=10))  # a node 0 of a release before it: this long, then on
         if not store.check([NNODES_KEY]):
             return
         said = store.get(NNODES_KEY).decode("ascii", "replace")

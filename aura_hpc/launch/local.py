@@ -77,8 +77,8 @@ def wait_for_master(
                 "No route to host": f"{addr} is unreachable: a firewall on {peer} rejects port {port}, or the address is wrong",
             }.get(last, f"no answer from {addr}: {peer} is off or not at that address, or a firewall drops port {port}")
             fix = fix or (
-                f"start node 0 first with --master-addr {addr}, the same --master-port on every node; allow TCP between the "
-                f"nodes both ways, port {port} on node 0 included"
+                f"start node 0 first with --master-addr {addr}, the same --master-port on every node; let each node's firewall "
+                f"allow TCP between the nodes both ways, port {port} on node 0 included"
             )
             raise LaunchError(f"cannot reach {who} at {addr}:{port} within {timeout:.0f}s ({last}; likely: {cause}) (fix: {fix})")
         time.sleep(0.5)

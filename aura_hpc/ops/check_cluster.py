@@ -187,9 +187,11 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
     stage[0] = f"process group ({a.backend})"
     backend = a.backend
     cuda = [n.get("cuda") is True for n in nodes]
-    if backend == "auto":  # NCCL where every node has a GPU, as training decides: one GPU laptop beside a CPU one is gloo
+    if backend == "auto" and all("cuda" in n for n in nodes):  # NCCL where every node has a GPU, as training decides
         backend = "nccl" if all(cuda) else "gloo"
-    elif backend == "nccl" and not all(cuda):
+    elif backend == "auto":  # a node of an older release says nothing: each decides for itself, as that one does
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and a.backend == "nccl" and all("cuda" in n for n in nodes) and not all(cuda):
         without = ", ".join(str(r) for r, c in enumerate(cuda) if not c)
         report.add("process group", False, f"--backend nccl, and node(s) {without} have no CUDA GPU", "--backend auto (gloo then) or gloo")
         raise Failed

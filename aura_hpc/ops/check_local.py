@@ -34,7 +34,7 @@ def local_checks(report: Report, output_dir: str | None) -> None:
             report.add("nvidia driver", True, driver)
         nccl = ".".join(str(x) for x in torch.cuda.nccl.version()) if dist.is_nccl_available() else "not built in"
         report.add("nccl", dist.is_nccl_available(), nccl, "" if dist.is_nccl_available() else "install a CUDA build of torch")
-    elif gpu_device_nodes():
+    elif gpu_device_nodes() and os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() not in ("", "-1"):  # hidden on purpose: CPU
         # NVIDIA's device nodes are here, and torch sees no GPU: a CPU-only wheel, or a driver older than its CUDA.
         # It passed as "CPU training", and `local` trained on the CPUs of a GPU machine.
         driver = _nvml_driver()

@@ -43,13 +43,18 @@ def shared_dir(report: Report, a: Any, store: Any, nodes: list[dict[str, Any]]) 
     if not error:
         for r, n in enumerate(nodes):
             f = where / f"node{r}"
-            if f.exists():
-                seen.append(r)
+            try:  # an NFS error (ESTALE, EACCES) here left this node out of the collectives below, the others waiting
                 st = f.stat()
-                if n["uid"] is not None and st.st_uid != n["uid"]:
-                    foreign_owner.append(f"node {r}'s file is owned by uid {st.st_uid}, not {n['uid']}")
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                error = f"cannot read in {root} ({exc.strerror})"
+                break
+            seen.append(r)
+            if n["uid"] is not None and st.st_uid != n["uid"]:
+                foreign_owner.append(f"node {r}'s file is owned by uid {st.st_uid}, not {n['uid']}")
     results = collectives.gather_json({"error": error, "seen": seen, "owners": foreign_owner})
-    if not error:
+    with contextlib.suppress(OSError):
         (where / f"node{a.node_rank}").unlink(missing_ok=True)
     collectives.barrier()
     # Every node removes what it wrote, then the folders if they are empty (another user's or run's stay): on

@@ -36,7 +36,7 @@ class Snapshot:
 
 def take(model_copy: Any, optimizer: Any, scheduler: Any, version: int, evaluate: bool, save: bool, ledger: dict[str, Any]) -> Snapshot:
     """The copy (under the lock): milliseconds to a second for gpt2-small's weights and Adam state, not an evaluation."""
-    snap = Snapshot(version, model_copy.flat_weights(torch.float32).clone(), evaluate, save)
+    snap = Snapshot(version, model_copy.flat_weights(torch.float32), evaluate, save)  # a new tensor (torch.cat)
     if save:
         snap.state = copy.deepcopy({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
         snap.ledger = copy.deepcopy(ledger)
@@ -98,21 +98,39 @@ class OffLock:
                     self._cv.notify_all()
 
 
+class Cancelled(Exception):
+    """A stop cut an evaluation short."""
+
+
+class _Cancellable(torch.nn.Module):
+    """The shadow's loss, checking before each batch whether a stop asked to cut the evaluation short."""
+
+    def __init__(self, loss: torch.nn.Module, cancel: threading.Event) -> None:
+        super().__init__()
+        self.loss, self.cancel = loss, cancel
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        if self.cancel.is_set():
+            raise Cancelled
+        return self.loss(batch)  # type: ignore[no-any-return]
+
+
 class Shadow:
-    """A model of the evaluator's own (the server's is updated while it evaluates): built on first use, loaded with
-    each snapshot's weights."""
+    """A model of the evaluator's own (the server's is updated while it evaluates), made before any worker joins (its
+    gradients none), loaded with each snapshot's weights. `cancel` cuts an evaluation short at its next batch."""
 
     def __init__(self, model_copy: Any) -> None:
         self.model_copy = model_copy
-        self._loss: Any = None
+        self.cancel = threading.Event()
+        self._loss = copy.deepcopy(model_copy.loss_model)
+        for p in self._loss.parameters():
+            p.grad = None
 
     def parts(self, flat: torch.Tensor) -> Any:
         from aura_hpc.train.parts.state import Parts
 
         mc = self.model_copy
-        if self._loss is None:  # every weight is overwritten below: one read while an update writes does not matter
-            self._loss = copy.deepcopy(mc.loss_model)
         model = self._loss.lm
         with torch.no_grad():
             torch.nn.utils.vector_to_parameters(flat.to(mc.rt.device, mc.rt.param_dtype), list(model.parameters()))
-        return Parts(mc.data, mc.order, model, self._loss, mc.numel, None, None, None)
+        return Parts(mc.data, mc.order, model, _Cancellable(self._loss, self.cancel), mc.numel, None, None, None)

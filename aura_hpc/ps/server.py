@@ -113,8 +113,8 @@ class ParameterServer(VersionWork):
         self.left: list[dict[str, Any]] = []
         self.closed = wire.Traffic()  # the links gone
         self.fatal: AuraError | None = None  # what stopped the server from inside a worker's thread (a full disk)
-        self.final_eval: tuple[int, float | None] = (-1, None)  # the last version's evaluation, saved with it
         self.pending_eval: tuple[int, float] | None = None  # an off-lock evaluation for the next metrics row
+        self.final_row: dict[str, Any] | None = None  # the last version's figures, written with its evaluation
 
     # ---- start -----------------------------------------------------------------------------
     def resume(self) -> None:
@@ -138,7 +138,7 @@ class ParameterServer(VersionWork):
         self.pairing = Pairing(self.store, port, self.key, self.p.worker_timeout_s)
         self.sweeper = StoreSweeper(self.store, self.p.worker_timeout_s + 30)
         self.metrics = MetricsWriter(self.cfg.run_dir, self.version)
-        self.shadow, self.off_lock = Shadow(self.model_copy), OffLock(self._evaluate_and_save)
+        self.shadow, self.off_lock = Shadow(self.model_copy), OffLock(self._evaluate_and_save)  # before any worker joins
         try:
             return self._serve()
         except BaseException:
@@ -146,9 +146,11 @@ class ParameterServer(VersionWork):
             raise
 
     def _save_on_the_way_out(self) -> None:
+        with self.lock:  # first: no update after it submits a save that would write beside this one
+            self.stopping = True
+        self.shadow.cancel.set()
         self.off_lock.drain(drop_waiting=True)
         with self.lock:
-            self.stopping = True
             if self.version != self.saved_version and self.fatal is None:
                 try:
                     self._save(None)
@@ -179,6 +181,7 @@ class ParameterServer(VersionWork):
             self.sweeper.sweep({seat.nonce for seat in list(self.seats.values())})  # threads change seats
             time.sleep(0.05)
         if self.fatal is not None:
+            self.shadow.cancel.set()
             self.off_lock.drain(drop_waiting=True)
             join_threads(self.threads, self.pairing.setting_up)
             self.metrics.close()
@@ -328,15 +331,24 @@ class ParameterServer(VersionWork):
     # ---- the end ---------------------------------------------------------------------------
 
     def _finish(self, interrupted: bool) -> int:
-        self.off_lock.drain(drop_waiting=True)  # its checkpoint, if one is waiting, is written anew below
-        self.off_lock.close()
-        with self.lock:  # the sample too: a worker's pair may still be being set up (wire.py, REGISTRY_LOCK)
+        with self.lock:
             self.stopping = True
-            if self.version != self.saved_version:
-                done = self.final_eval[1] if self.final_eval[0] == self.version else None
-                self._save(done if done is not None or interrupted else self._evaluate())
-            text = sample(self._parts(), self.t, self.version, self.model_copy.rt) if not interrupted else ""
+        # An evaluation in progress is cut short (a stop waited for all of it: minutes for a large model on a CPU); a
+        # checkpoint in progress is finished, one waiting is written anew below.
+        self.shadow.cancel.set()
+        self.off_lock.drain(drop_waiting=True)
+        self.off_lock.close()
+        if self.fatal is not None:  # the last checkpoint off the lock failed
+            raise self.fatal
+        # The workers get their stop first: the last evaluation (minutes on a CPU server) must not outlast their timeout.
         join_threads(self.threads, self.pairing.setting_up)
+        with self.lock:  # the sample too: a worker's pair may still be being set up (wire.py, REGISTRY_LOCK)
+            if self.version != self.saved_version:
+                loss = None if interrupted else self._evaluate()
+                if not interrupted:
+                    self._log_row(loss, self.final_row if self.final_row and self.final_row["version"] == self.version else None)
+                self._save(loss)
+            text = sample(self._parts(), self.t, self.version, self.model_copy.rt) if not interrupted else ""
         for seat in list(self.seats.values()):
             self._copy_worker_stats(seat)
         self.stats.end_time = time.time()

@@ -13,7 +13,7 @@ from aura_hpc.config import RunConfig, TrainConfig
 from aura_hpc.errors import AuraError, TrainingFailed
 from aura_hpc.ps import ledger, wire
 from aura_hpc.ps.model_copy import ModelCopy
-from aura_hpc.ps.off_lock import OffLock, Shadow, Snapshot, take
+from aura_hpc.ps.off_lock import Cancelled, OffLock, Shadow, Snapshot, take
 from aura_hpc.ps.stats import ProcessStats, write_server_stats
 from aura_hpc.train.instruments import faults
 from aura_hpc.train.loop.evaluation import evaluate
@@ -49,19 +49,21 @@ class VersionWork:
     trained_lr: float
     saved_version: int
     saved_at: float
-    final_eval: tuple[int, float | None]
     pending_eval: tuple[int, float] | None
+    final_row: dict[str, Any] | None
     fatal: AuraError | None
     stopping: bool
     shadow: Shadow
     off_lock: OffLock
 
     def _after_update(self) -> None:
-        """Logging at its cadence (under the lock); evaluations and checkpoints off it (ps/off_lock.py), but the last version's."""
+        """Logging at its cadence (under the lock); evaluations and checkpoints off it (ps/off_lock.py). The last version's
+        are _finish's, once the workers have their stop (here, under the lock, they outlasted the workers' timeout)."""
         t, v = self.t, self.version
-        if v >= t.max_steps:  # the workers are stopping: evaluated here, saved by _finish once the off-lock thread is done
-            self.final_eval = (v, self._evaluate())
-            self._log_row(self.final_eval[1])
+        if v >= t.max_steps:  # its row's figures now (the workers still counted), its evaluation added by _finish
+            self.final_row = ledger.metrics_row(
+                v, self.trained_lr, self.interval, time.perf_counter() - self.interval_start, len(self.seats), self.hist
+            )
             return
         evaluating = bool(t.eval_every and v % t.eval_every == 0)
         if (t.log_every and v % t.log_every == 0) or evaluating:
@@ -74,12 +76,22 @@ class VersionWork:
             self.saved_at = time.monotonic() if saving else self.saved_at
 
     def _evaluate_and_save(self, snap: Snapshot) -> None:
-        """On the off-lock thread: a snapshot's evaluation (its own row in metrics.jsonl) and checkpoint."""
+        """On the off-lock thread: a snapshot's evaluation (its loss in the next metrics row) and checkpoint. A failed
+        evaluation is said and training goes on; a failed checkpoint stops the server, as it did."""
+        parts = self.shadow.parts(snap.flat)
+        loss = None
         try:
-            parts = self.shadow.parts(snap.flat)
             if snap.evaluate:
-                faults.slow_evaluation()
-            loss = evaluate(parts, self.t, 0, 1, self.model_copy.rt) if snap.evaluate else None
+                if faults.slow_evaluation(self.shadow.cancel):
+                    raise Cancelled
+                loss = evaluate(parts, self.t, 0, 1, self.model_copy.rt)
+        except Cancelled:
+            log.info("the evaluation of version %d was cut short by the stop", snap.version)
+            return
+        except Exception as exc:
+            to_file_only(f"the evaluation of version {snap.version} failed")
+            log.warning("the evaluation of version %d failed (%s: %s); training goes on", snap.version, type(exc).__name__, str(exc)[:160])
+        try:
             with self.lock:
                 if loss is not None:
                     self.best_eval = loss if self.best_eval is None or loss < self.best_eval else self.best_eval
@@ -96,30 +108,25 @@ class VersionWork:
                     self.saved_version = max(self.saved_version, snap.version)
                     self._write_own_stats()
                 log.info("checkpoint %s (last%s)", path.name, ", best" if loss is not None and loss == best else "")
-        except Exception as exc:  # a full disk (CheckpointWriteError) or a failed evaluation: the server stops, as before
-            to_file_only(f"the evaluation or checkpoint of version {snap.version} failed")
+        except Exception as exc:  # a full disk (CheckpointWriteError): the server stops, as it did
+            to_file_only(f"the checkpoint of version {snap.version} failed")
             with self.lock:
-                self.fatal = (
-                    exc
-                    if isinstance(exc, AuraError)
-                    else TrainingFailed(
-                        f"the evaluation or checkpoint of version {snap.version} failed ({type(exc).__name__}: {str(exc)[:160]})"
-                    )
-                )
-                self.stopping = True
+                failed = TrainingFailed(f"the checkpoint of version {snap.version} failed ({type(exc).__name__}: {str(exc)[:160]})")
+                self.fatal, self.stopping = (exc if isinstance(exc, AuraError) else failed), True
 
     def _parts(self) -> Parts:
         return self.model_copy.parts(self.optimizer, self.scheduler)
 
     def _evaluate(self) -> float | None:
+        faults.slow_evaluation()
         loss = evaluate(self._parts(), self.t, 0, 1, self.model_copy.rt)
         if loss is not None and (self.best_eval is None or loss < self.best_eval):
             self.best_eval = loss
         return loss
 
-    def _log_row(self, eval_loss: float | None) -> None:
+    def _log_row(self, eval_loss: float | None, row: dict[str, Any] | None = None) -> None:
         now = time.perf_counter()
-        row = ledger.metrics_row(self.version, self.trained_lr, self.interval, now - self.interval_start, len(self.seats), self.hist)
+        row = row or ledger.metrics_row(self.version, self.trained_lr, self.interval, now - self.interval_start, len(self.seats), self.hist)
         if eval_loss is not None:
             row["eval_loss"], row["eval_version"] = eval_loss, self.version
         elif self.pending_eval is not None:

@@ -201,8 +201,13 @@ def checkpoint_stage(stage: str, run_dir: Path) -> None:
         time.sleep(3.0)
 
 
-def slow_evaluation() -> None:
-    """AURA_FAULT_SLOW_EVAL=S: the parameter server's evaluation takes S seconds more (a big model on its CPU)."""
+def slow_evaluation(cancel: Any = None) -> bool:
+    """AURA_FAULT_SLOW_EVAL=S: the parameter server's evaluation takes S seconds more (a big model on its CPU), or until
+    `cancel` (a threading.Event) is set, as a real one stops at its next batch: True then."""
     spec = os.environ.get("AURA_FAULT_SLOW_EVAL")
-    if spec:
-        time.sleep(float(spec))
+    if not spec:
+        return False
+    if cancel is not None:
+        return bool(cancel.wait(float(spec)))
+    time.sleep(float(spec))
+    return False
