@@ -67,6 +67,12 @@ def max_bytes(max_nodes: int) -> int:
 
 def check(bits: bytes, max_nodes: int) -> None:
     """Raises StateTampered unless `bits` is a pickled rendezvous state of at most `max_nodes` nodes."""
+    read(bits, max_nodes)
+
+
+def read(bits: bytes, max_nodes: int) -> Any:
+    """The state as data (its fields on a stand-in, its nodes with addr, pid and local_id), once `check`'s reading
+    passed; raises StateTampered like it."""
     limit = max_bytes(max_nodes)
     if len(bits) > limit:
         raise StateTampered(f"rewritten (a value of {len(bits):,} bytes, over the {limit:,} a state of {max_nodes} nodes can take)")
@@ -78,6 +84,7 @@ def check(bits: bytes, max_nodes: int) -> None:
         raise
     except Exception as exc:  # any damage at all: a truncated or hand-made pickle, a node hashed before it was made
         raise StateTampered(f"rewritten (not a rendezvous state: {type(exc).__name__})") from None
+    return state
 
 
 def _check_opcodes(bits: bytes) -> None:

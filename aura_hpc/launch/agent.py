@@ -33,6 +33,7 @@ from aura_hpc.launch import agent_folder, final_status, worker_logs
 from aura_hpc.launch.native_stderr import native_stderr_to
 from aura_hpc.launch.nccl_aborts import latest_attempts, waited_on_a_peer
 from aura_hpc.launch.plan import LocalPlan
+from aura_hpc.launch.spare_watch import SpareWatch
 
 if TYPE_CHECKING:
     from aura_hpc.launch.hang_board import HangBoard
@@ -199,10 +200,15 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
     stderr_log = plan.cfg.run_dir / "logs" / f"stderr_node{plan.node_rank}.log"
     since = stderr_log.stat().st_size if stderr_log.is_file() else 0
     logs_since = worker_logs.offsets(plan)
-    guard = final_status.Guard(plan, logs_since)
+    guard, spare = final_status.Guard(plan, logs_since), SpareWatch(plan, f"torch.rendezvous.{RDZV_RUN_ID}")
     try:
-        with native_stderr_to(stderr_log), guard:
-            elastic_launch(lc, cmd[0])(*cmd[1:])
+        with native_stderr_to(stderr_log), guard, spare:
+            try:
+                elastic_launch(lc, cmd[0])(*cmd[1:])
+            except AttributeError:  # torch's launcher reads the result a spare's agent does not return (launcher/api.py)
+                if not spare.spare:
+                    raise
+                raise LaunchError(spare.line(waiting=False)) from None
     except SignalException as exc:
         return _resumable(plan, exc.sigval.name, stops.poll() if stops is not None else None)
     except final_status.FinalStatus as final:  # a restart would have ended the same way: --max-restarts is for crashes
@@ -219,6 +225,8 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
     except RendezvousError as exc:
         if (what := _tampering(plan, ran=worker_logs.trained_since(plan, started))) is not None:  # a failed join asks no one
             raise _tampered(plan, what) from None
+        if spare.spare:  # it waited, a spare, until the run ended or node 0 went away
+            raise LaunchError(spare.line(waiting=False)) from None
         if worker_logs.trained_since(plan, started):
             refused = worker_logs.refused_here(plan)
             if refused:
