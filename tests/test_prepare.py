@@ -358,6 +358,29 @@ def test_a_text_of_one_document_per_line_is_cut_into_pieces_and_units_at_line_en
     assert split_paragraphs(paragraphs) == ["uno\ndos\n\n", "x" * (LONGEST_PARAGRAPH // 2) + "\n\n"]
 
 
+def test_a_text_without_line_ends_is_cut_into_pieces_before_a_space_or_a_character(tmp_path: Path) -> None:
+    """A dump without newlines was one piece whatever --shard-mb said: read whole into one encoder's memory.
+    Now it is cut before a space (as a long line is cut within a piece), and with no space either, between two
+    characters (each piece is UTF-8 on its own). JSON lines are still cut at line ends only."""
+    from aura_hpc.data import shards
+    from aura_hpc.data.sources import TEXT_SUFFIXES
+
+    words = tmp_path / "words.txt"
+    words.write_text(" ".join(f"palabra{i}" for i in range(400_000)), encoding="utf-8")  # 4.7 MB on one line
+    han = tmp_path / "han.txt"
+    han.write_text("ñ語" * 700_000, encoding="utf-8")  # 3.5 MB, no space, no line end: 2- and 3-byte characters
+    blob = tmp_path / "one.jsonl"
+    blob.write_text('{"text": "' + "x " * 1_500_000 + '"}\n', encoding="utf-8")
+    for path in (words, han):
+        pieces = shards.plan([str(path)], TEXT_SUFFIXES, 1 << 20, None, False)
+        assert len(pieces) >= 3 and all(p.end - p.start <= (1 << 20) + (3 << 20) for p in pieces), pieces
+        raw = [shards.read_range(str(path), p.start, p.end) for p in pieces]
+        assert b"".join(raw) == path.read_bytes() and all(r.decode("utf-8") for r in raw)
+    words_pieces = shards.plan([str(words)], TEXT_SUFFIXES, 1 << 20, None, False)
+    assert all(shards.read_range(str(words), p.start, p.start + 1) == b" " for p in words_pieces[1:]), words_pieces
+    assert len(shards.plan([str(blob)], TEXT_SUFFIXES, 1 << 20, None, False)) == 1  # one JSON row: never cut
+
+
 def test_text_with_nul_bytes_is_refused_at_once(tmp_path: Path) -> None:
     blob = tmp_path / "disk.txt"
     blob.write_bytes(b"\0" * 3_000_000)  # ran for more than 10 minutes in BPE training before

@@ -62,12 +62,18 @@ _LONGEST_SEPARATOR = 3  # a window reads this far past its end: a separator acro
 
 
 _PARAGRAPH_PATIENCE = 1 << 20  # no blank line within this of a cut: the text is cut at a line end
+# A text with no line end near a cut either (a dump without newlines) is cut before a space, as `bounded` cuts a
+# long line, and with none of those, before a character's first byte: else one piece, read whole into memory.
+_SPACE = re.compile(rb" ")
+_CHAR_START = re.compile(rb"[\x00-\x7f\xc0-\xff]")  # not a UTF-8 continuation byte
+_FALLBACK = {_BLANK_LINE: _LINE_END, _LINE_END: _SPACE, _SPACE: _CHAR_START}
 
 
 def _cut(source: str, piece_bytes: int, separator: re.Pattern[bytes], policy: storage.Policy | None = None) -> list[tuple[int, int]]:
     """Byte ranges of at most ~piece_bytes, each ending just after a separator (or at the end). Text with no
     blank line near a cut (one document per line) is cut at a line end: it was one piece of the whole file,
-    read whole into one encoder's memory, by every rank, 64 KiB at a time."""
+    read whole into one encoder's memory, by every rank, 64 KiB at a time. JSON lines are cut at line ends only."""
+    text = separator is _BLANK_LINE
     size = _size(source)
     if size <= piece_bytes:
         return [(0, size)]
@@ -82,11 +88,11 @@ def _cut(source: str, piece_bytes: int, separator: re.Pattern[bytes], policy: st
             window = read_range(source, at, min(size, at + (1 << 16) + _LONGEST_SEPARATOR), policy)
             found = wanted.search(window)
             if found is not None:
-                end = at + found.end()
+                end = at + (found.end() if wanted in (_BLANK_LINE, _LINE_END) else found.start())  # a space starts the next
                 break
             at += 1 << 16
-            if wanted is _BLANK_LINE and at - nominal >= _PARAGRAPH_PATIENCE:
-                wanted, at = _LINE_END, nominal
+            if at - nominal >= _PARAGRAPH_PATIENCE and wanted in _FALLBACK and (text or wanted is not _LINE_END):
+                wanted, at = _FALLBACK[wanted], nominal
         ranges.append((start, end))
         start = end
     return ranges
