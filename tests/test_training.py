@@ -288,12 +288,12 @@ def test_a_node_started_when_the_run_has_all_its_nodes_says_it_waits_as_a_spare(
     spare, with no timeout. It waited without a word until the run ended, then said the nodes "did not all join"."""
     port = free_port()
     base = ["local", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "1",
-            "--set", f"data.path={prepared}", *SMALL_MODEL, "--set", "train.max_steps=20", "--run-name", "full"]  # fmt: skip
+            "--set", f"data.path={prepared}", *SMALL_MODEL, "--set", "train.max_steps=40", "--run-name", "full"]  # fmt: skip
 
     def start(node: int, folder: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
             [sys.executable, "-m", "aura_hpc", *base, "--node-rank", str(node), "--output-dir", str(tmp_path / folder)],
-            env=cli_env(AURA_FAULT_SLOW="0:+0.5"),  # rank 0 idles 0.5 s a step: the run lasts, the cores stay free
+            env=cli_env(AURA_FAULT_SLOW="0:+1"),  # rank 0 idles 1 s a step: the run outlasts SURE_S, the cores stay free
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -306,7 +306,7 @@ def test_a_node_started_when_the_run_has_all_its_nodes_says_it_waits_as_a_spare(
     spare = start(1, "m2")
     node0, _ = _collect(nodes)
     said = spare.communicate(timeout=120)[0]
-    assert "all 2 ranks finished at step 20" in node0
+    assert "all 2 ranks finished at step 40" in node0
     assert spare.returncode == 2 and "step 1" not in said, said
     assert "already has its 2 nodes training: this node waits as a spare" in said and "--node-rank 1" in said, said
     assert "ended while this node waited as a spare (its 2 nodes were all training), so it trained nothing" in said, said

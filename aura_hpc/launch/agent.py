@@ -205,8 +205,8 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
         with native_stderr_to(stderr_log), guard, spare:
             try:
                 elastic_launch(lc, cmd[0])(*cmd[1:])
-            except AttributeError:  # torch's launcher reads the result a spare's agent does not return (launcher/api.py)
-                if not spare.spare:
+            except AttributeError as exc:  # torch's launcher reads the result a spare's agent does not return (launcher/api.py)
+                if not SpareWatch.ended_as_spare(exc):
                     raise
                 raise LaunchError(spare.line(waiting=False)) from None
     except SignalException as exc:
@@ -225,7 +225,7 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
     except RendezvousError as exc:
         if (what := _tampering(plan, ran=worker_logs.trained_since(plan, started))) is not None:  # a failed join asks no one
             raise _tampered(plan, what) from None
-        if spare.spare:  # it waited, a spare, until the run ended or node 0 went away
+        if spare.spare and not worker_logs.trained_since(plan, started):  # it waited, a spare, until node 0 went away
             raise LaunchError(spare.line(waiting=False)) from None
         if worker_logs.trained_since(plan, started):
             refused = worker_logs.refused_here(plan)
