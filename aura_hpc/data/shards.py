@@ -2,8 +2,8 @@
 (by one of `--workers` processes, or one task of a Slurm array) into one train and one validation
 shard, and a manifest over all of them.
 
-The pieces depend only on the input and --shard-mb (a text or JSON-lines file is cut into byte
-ranges at blank lines or line ends; a Parquet or JSON file is one piece; a Hub dataset or the
+The pieces depend only on the input and --shard-mb (a text file is cut into byte ranges at blank lines, else
+line ends, else before a space or a character; a JSON-lines file at line ends; a Parquet or JSON file is one piece; a Hub dataset or the
 built-in corpus is one), and a piece's tokens depend only on the piece and the tokenizer, so the
 same input gives the same shards whatever the number of workers. A shard is written under a
 temporary name and renamed, and a piece counts as done only once both its shards and its record
@@ -70,10 +70,11 @@ _FALLBACK = {_BLANK_LINE: _LINE_END, _LINE_END: _SPACE, _SPACE: _CHAR_START}
 
 
 def _cut(source: str, piece_bytes: int, separator: re.Pattern[bytes], policy: storage.Policy | None = None) -> list[tuple[int, int]]:
-    """Byte ranges of at most ~piece_bytes, each ending just after a separator (or at the end). Text with no
-    blank line near a cut (one document per line) is cut at a line end: it was one piece of the whole file,
-    read whole into one encoder's memory, by every rank, 64 KiB at a time. JSON lines are cut at line ends only."""
-    text = separator is _BLANK_LINE
+    """Byte ranges of about piece_bytes (up to 1 MiB more), each ending just after a separator, before a space or
+    a character (_FALLBACK), or at the end. Text with no blank line near a cut (one document per line) is cut at a
+    line end: it was one piece of the whole file, read whole into one encoder's memory, by every rank, 64 KiB at a
+    time. JSON lines are cut at line ends only."""
+    text, piece_bytes = separator is _BLANK_LINE, max(piece_bytes, 1)  # 0 (a --shard-mb under a byte) cut nowhere
     size = _size(source)
     if size <= piece_bytes:
         return [(0, size)]
@@ -153,10 +154,12 @@ def head_of(p: Piece, nbytes: int, policy: storage.Policy | None = None) -> Piec
         return p
     stop = p.start + nbytes
     window = read_range(p.source, max(p.start, stop - 65536), stop, policy)
-    line_end = window.rfind(b"\n")
-    if line_end < 0:  # one line longer than the window: the whole piece
+    end = window.rfind(b"\n") + 1  # after a line end; in text without one, before a space or a character, as _cut
+    if end == 0 and p.kind == "text":
+        end = max(window.rfind(b" "), 0) or next((i for i in range(len(window) - 1, 0, -1) if not 0x80 <= window[i] < 0xC0), 0)
+    if end <= 0:  # one JSON row longer than the window: the whole piece
         return p
-    return replace(p, end=stop - len(window) + line_end + 1, last=False)
+    return replace(p, end=stop - len(window) + end, last=False)
 
 
 def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
