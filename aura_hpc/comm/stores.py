@@ -29,6 +29,7 @@ import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from aura_hpc.comm import rendezvous_state
@@ -149,6 +150,7 @@ def register_rendezvous() -> None:
 
     if getattr(register_rendezvous, "done", False):
         return
+    _quiet_a_keep_alive_timers_self_join()
 
     class BoundBackend(C10dRendezvousBackend):
         @property
@@ -235,6 +237,32 @@ def register_rendezvous() -> None:
 
     rendezvous_handler_registry.register(RDZV_BACKEND, create)
     register_rendezvous.done = True  # type: ignore[attr-defined]
+
+
+def _quiet_a_keep_alive_timers_self_join() -> None:
+    """torch's rendezvous handler stops its keep-alive timer with a finalizer that sets the timer's stop event, then
+    joins its thread. A launch ended by a signal leaves the handler open (torch keeps the rendezvous for the other
+    nodes), so the garbage collector runs that finalizer on whichever thread it runs: on the timer's own thread the
+    join fails after the stop was set (the thread ends at its next tick), and that traceback was the last line a
+    Ctrl+C printed, under the verdict. Only that error is dropped."""
+    import sys
+    import traceback
+    import weakref
+
+    before = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        frames = traceback.extract_tb(unraisable.exc_traceback) if unraisable.exc_traceback is not None else []
+        if (
+            isinstance(unraisable.object, weakref.finalize)
+            and unraisable.exc_type is RuntimeError
+            and str(unraisable.exc_value) == "cannot join current thread"
+            and any(f.name == "_stop_thread" and Path(f.filename).parts[-2:] == ("rendezvous", "utils.py") for f in frames)
+        ):
+            return
+        before(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def _same_node_count(store: Any, nnodes: int, host: str, port: int) -> None:
