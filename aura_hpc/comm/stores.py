@@ -247,22 +247,34 @@ def _quiet_a_keep_alive_timers_self_join() -> None:
     Ctrl+C printed, under the verdict. Only that error is dropped."""
     import sys
     import traceback
-    import weakref
 
     before = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
-        frames = traceback.extract_tb(unraisable.exc_traceback) if unraisable.exc_traceback is not None else []
+        # Not by the finalizer object: from Python 3.14 a weakref callback's error is said without it.
+        frames = [frame.f_code for frame, _ in traceback.walk_tb(unraisable.exc_traceback)]
         if (
-            isinstance(unraisable.object, weakref.finalize)
-            and unraisable.exc_type is RuntimeError
+            unraisable.exc_type is RuntimeError
             and str(unraisable.exc_value) == "cannot join current thread"
-            and any(f.name == "_stop_thread" and Path(f.filename).parts[-2:] == ("rendezvous", "utils.py") for f in frames)
+            and any(c.co_name == "_stop_thread" and Path(c.co_filename).parts[-2:] == ("rendezvous", "utils.py") for c in frames)
         ):
             return
         before(unraisable)
 
     sys.unraisablehook = hook
+
+
+# compare_set of a value no key of ours holds: the store answers with what the key holds and writes nothing; on a
+# missing key it answers with this at once (libuv's server also wakes a `get` waiting on that key, with b"").
+_ABSENT = b"aura: no value"
+
+
+def read_now(store: Any, key: str) -> bytes | None:
+    """The value under `key`, or None where there is none, without waiting: `check` then `get` leaves a window in
+    which a stranger's delete makes `get` wait the store's whole timeout holding the client's lock, and torch's
+    keep-alive shares the handler's client (its heartbeats stop, and the other nodes drop this one)."""
+    held = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+    return None if held == _ABSENT else held
 
 
 def _same_node_count(store: Any, nnodes: int, host: str, port: int) -> None:

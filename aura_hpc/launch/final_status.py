@@ -86,7 +86,7 @@ class Guard:
 
     def _round(self) -> str:
         # Node 0's launcher stamps each store it makes: a value from an earlier store does not verify in this one.
-        return self.store.get(stores.ROUND_KEY)[:64].decode("ascii", "replace") if self.store.check([stores.ROUND_KEY]) else ""
+        return (stores.read_now(self.store, stores.ROUND_KEY) or b"")[:64].decode("ascii", "replace")
 
     def _tell(self, code: int) -> None:
         if self.plan.nnodes == 1 or self.store is None:
@@ -106,9 +106,10 @@ class Guard:
         if self.plan.nnodes == 1 or self.store is None:
             return None
         try:
-            if not self.store.check([KEY]):
+            held = stores.read_now(self.store, KEY)
+            if held is None:
                 return None
-            value = json.loads(self.store.get(KEY)[:256])
+            value = json.loads(held[:256])
             code, node = value["code"], value["node"]
             ok = type(code) is int and code in NOT_RESTARTED and type(node) is int and 0 <= node < self.plan.nnodes
             if not ok or not self.round or not hmac.compare_digest(str(value["mac"]), self._mac(self.round, code, node)):

@@ -21,9 +21,6 @@ POLL_S = 2.0
 # torch drops a participant whose heartbeats stopped after 3 x 5 s: a node relaunched at once (Ctrl+C, then the same
 # command) is a spare until its old self is dropped, then joins. Said only of a node still a spare after this long.
 SURE_S = 20.0
-# compare_set of a value no state is: the store answers with what it holds, writes nothing, and on a missing key
-# answers with this at once.
-_ABSENT = b"aura-spare-watch: no state"
 
 
 class SpareWatch:
@@ -62,8 +59,8 @@ class SpareWatch:
             try:
                 # Not `get`: on a key a stranger deleted it waits the store's whole timeout holding the client's lock,
                 # and the agent's own reads, which name the deletion, waited behind it until node 0 had gone.
-                held = store.compare_set(self.state_key, _ABSENT, _ABSENT)  # the value, or _ABSENT where there is none
-                if held == _ABSENT:
+                held = stores.read_now(store, self.state_key)
+                if held is None:
                     continue
                 state = rendezvous_state.read(base64.b64decode(held), self.plan.nnodes)
             except Exception:  # torch's sentinel before the first round, a store gone, a state a stranger rewrote
