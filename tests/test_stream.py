@@ -66,6 +66,7 @@ def test_a_stream_resumed_at_another_world_size_with_an_empty_cache_trains_like_
         AURA_PROBE_SAMPLES=str(samples / "cut"),
     )
     assert second.returncode == 0 and "resumed from checkpoint step_00000017" in second.stdout, second.stdout[-3000:]
+    assert "trained on other data" not in second.stdout + second.stderr  # the same files: the same stream
     a, b = final_weights(tmp_path / "straight"), final_weights(tmp_path / "cut")
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a), "the resumed stream trained on other samples"
     # The resumed half encoded only what it read from step 17 on, not the stream from its start.
@@ -281,6 +282,29 @@ def test_an_encoder_killed_mid_piece_is_a_data_error_at_once_not_a_wait_forever(
         assert len(said) == 1 and "the encoder of piece 0 of " in said[0] and "died (killed: out of memory?" in said[0], said
     finally:
         data.close()
+
+
+def test_a_run_resumed_on_edited_files_says_its_position_is_in_another_order(tmp_path: Path, tok: Path) -> None:
+    """A checkpoint of a stream whose files were edited before the resume: it went on silently, at the old sample
+    count in the new text's order, with the old pieces' learned sizes. It goes on (new text is a use), and says so."""
+    from aura_hpc.train.checkpoint.reading import read_meta
+
+    dataset = _dataset(tmp_path)
+    args = lambda cache, extra: _args(tmp_path, "edited", dataset, tok, tmp_path / cache, 1, extra)  # noqa: E731
+    first = run_cli(args("cache-a", ["--set", "train.stop_at=17"]), timeout=400)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    before = read_meta(tmp_path / "edited" / "checkpoints" / "step_00000017")["data_sha256"]
+    for f in sorted((dataset / "data").iterdir()):  # each file cut to its first quarter
+        rows = f.read_text(encoding="utf-8").splitlines(keepends=True)
+        f.write_text("".join(rows[: len(rows) // 4]), encoding="utf-8")
+    second = run_cli(args("cache-b", []), timeout=400)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0 and "resumed from checkpoint step_00000017" in out, out[-3000:]
+    line = next((x for x in out.splitlines() if "trained on other data" in x), "")
+    assert f"checkpoint step_00000017 was trained on other data (data_sha256 {before[:12]}" in line, out[-3000:]
+    assert "goes on at sample 68 of this data's order" in line and "(fix: for an exact resume" in line, line
+    after = read_meta(tmp_path / "edited" / "checkpoints" / "step_00000040")["data_sha256"]
+    assert after != before and after[:12] in line
 
 
 def test_a_stream_without_one_complete_sequence_says_so_in_one_line(tmp_path: Path, tok: Path) -> None:

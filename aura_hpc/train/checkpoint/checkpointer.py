@@ -126,7 +126,7 @@ class Checkpointer:
         elif self.env.is_main:
             log.warning("world size changed (%d -> %d): RNG streams re-seeded", len(rngs), self.layout.world)
         learned = (meta.get("data_order") or {}).get("piece_sequences")
-        if learned:
+        if _same_data(chosen, meta, p.data.manifest.get("data_sha256"), self.env.is_main) and learned:  # said before it is used
             p.data.learn_counts(learned)
             p.order.refresh()
         _restore_position(self.pos, meta)
@@ -272,6 +272,7 @@ class Checkpointer:
             "strategy": self.wrapped.name,
             "optimizer": self.cfg.train.optimizer,
             **_order_settings(self.cfg),
+            "data_sha256": self.parts.data.manifest.get("data_sha256"),  # the data samples_seen counts along
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             # A stream's piece sizes learned so far: a resumed run finds its position without encoding the past again.
             **({"data_order": order} if (order := self.parts.order.state()) is not None else {}),
@@ -383,6 +384,23 @@ def _order_settings(cfg: RunConfig) -> dict[str, Any]:
     """The settings of the sample order samples_seen counts along (checked by _same_settings at a resume), and
     the learning rate the optimizer's state was scaled from (a resume with another scales it: apply_settings)."""
     return {"seed": cfg.train.seed, "shuffle_window": cfg.data.shuffle_window, "train_lr": cfg.train.lr}
+
+
+def _same_data(chosen: str, meta: dict[str, Any], ours: str | None, said: bool) -> bool:
+    """Whether the checkpoint was trained on this data. Other data (a corpus prepared again, a stream's files edited)
+    is not refused: going on over new text is a use. But the position is only a count of samples, now in another
+    order, and a stream's piece sizes learned then are not these pieces'; it is said, once, with what it costs."""
+    theirs = meta.get("data_sha256")
+    if not theirs or not ours or theirs == ours:
+        return True
+    if said:
+        log.warning(
+            "checkpoint %s was trained on other data (data_sha256 %s, this data's %s): the run goes on at sample %s of this "
+            "data's order, so some of its sequences may train twice and others never (fix: for an exact resume, the data the "
+            "checkpoint was trained on: the same prepared folder, or a stream's files as they were)",
+            chosen, str(theirs)[:12], ours[:12], meta["samples_seen"],
+        )  # fmt: skip
+    return False
 
 
 def _restore_position(pos: Position, meta: dict[str, Any]) -> None:
