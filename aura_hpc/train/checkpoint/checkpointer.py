@@ -386,11 +386,11 @@ def _order_settings(cfg: RunConfig) -> dict[str, Any]:
     return {"seed": cfg.train.seed, "shuffle_window": cfg.data.shuffle_window, "train_lr": cfg.train.lr}
 
 
-def _same_data(chosen: str, meta: dict[str, Any], ours: str | None, said: bool) -> bool:
+def _same_data(chosen: str, meta: dict[str, Any], ours: Any, said: bool) -> bool:
     """Whether the checkpoint was trained on this data. Other data (a corpus prepared again, a stream's files edited)
     is not refused: going on over new text is a use. But the position is only a count of samples, now in another
-    order, and a stream's piece sizes learned then are not these pieces'; it is said, once, with what it costs."""
-    theirs = meta.get("data_sha256")
+    order, and a stream's piece sizes learned then are not these pieces'; it is said at the resume, with what it costs."""
+    theirs, ours = str(meta.get("data_sha256") or ""), str(ours or "")  # a manifest's value is not trusted to be text
     if not theirs or not ours or theirs == ours:
         return True
     if said:
@@ -398,7 +398,7 @@ def _same_data(chosen: str, meta: dict[str, Any], ours: str | None, said: bool) 
             "checkpoint %s was trained on other data (data_sha256 %s, this data's %s): the run goes on at sample %s of this "
             "data's order, so some of its sequences may train twice and others never (fix: for an exact resume, the data the "
             "checkpoint was trained on: the same prepared folder, or a stream's files as they were)",
-            chosen, str(theirs)[:12], ours[:12], meta["samples_seen"],
+            chosen, theirs[:12], ours[:12], meta["samples_seen"],
         )  # fmt: skip
     return False
 
