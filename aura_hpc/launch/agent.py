@@ -223,11 +223,12 @@ def _launch_once(plan: LocalPlan, lc: Any, stops: StopSignals | None = None) -> 
             raise _tampered(plan, what) from None  # the workers stopped because the agent (here or on another node) did
         return _ended(plan, [f.exitcode for f in exc.failures.values()], exc.failures, since, logs_since)
     except RendezvousError as exc:
-        if (what := _tampering(plan, ran=worker_logs.trained_since(plan, started))) is not None:  # a failed join asks no one
+        trained = worker_logs.trained_since(plan, started)  # the node's logs, read once
+        if (what := _tampering(plan, ran=trained)) is not None:  # a failed join asks no one
             raise _tampered(plan, what) from None
-        if spare.spare and not worker_logs.trained_since(plan, started):  # it waited, a spare, until node 0 went away
+        if spare.spare and not trained:  # it waited, a spare, until node 0 went away
             raise LaunchError(spare.line(waiting=False)) from None
-        if worker_logs.trained_since(plan, started):
+        if trained:
             refused = worker_logs.refused_here(plan)
             if refused:
                 # This node's worker refused its input (a setting that differs from node 0's): node 0's
