@@ -370,6 +370,35 @@ def test_ctrl_c_on_the_server_saves_and_resumes_then_a_killed_server_stops_the_w
     assert time.monotonic() - killed_at < 60  # they notice a closed connection, not a timeout (120 s)
 
 
+def test_ctrl_c_on_a_worker_whose_server_fell_silent_leaves_in_seconds(tmp_path: Path, base: list[str]) -> None:
+    """The server stopped answering (SIGSTOP: its connections open, as over a dropped Wi-Fi), then Ctrl+C on the worker.
+    The worker's main thread sat in gloo's wait, where no Python handler runs, for ps.worker_timeout_s (120 s) and
+    exited 1 saying it had lost the server; it leaves STOP_GRACE_S after the stop, and says so."""
+    port = free_port()
+    common = [*base, "--set", "train.max_steps=100000", "--set", "train.log_every=5", "--set", "train.checkpoint_every=0"]
+    common += ["--set", "train.eval_every=0"]
+    server = Proc(["ps", "--port", str(port), "--workers", "1", *common], tmp_path / "ps.log")
+    worker = None
+    try:
+        _listening(port, server)
+        worker = Proc(["worker", "--server", f"127.0.0.1:{port}", *common], tmp_path / "w.log")
+        worker.wait_for("gradient 5:")
+        server.signal(signal.SIGSTOP)
+        time.sleep(1)
+        asked = time.monotonic()
+        worker.signal(signal.SIGINT)
+        assert worker.finish(timeout=70) == 0, worker.text
+        assert time.monotonic() - asked < 45, time.monotonic() - asked
+        assert "the server did not answer within 10 s of the stop; left the run after" in worker.text, worker.text
+        assert "without a goodbye" in worker.text and "lost the parameter server" not in worker.text, worker.text
+    finally:
+        server.signal(signal.SIGCONT)
+        server.signal(signal.SIGINT)
+        server.finish(timeout=120)
+        if worker is not None and worker.p.poll() is None:
+            worker.p.kill()
+
+
 def test_a_worker_slower_than_the_servers_timeout_stops_with_the_fix_instead_of_rejoining_forever(tmp_path: Path, base: list[str]) -> None:
     """A laptop whose gradient takes longer than ps.worker_timeout_s: the server drops it as silent, and it said "lost
     the parameter server (fix: re-run once the server runs again)" of a server that ran on, or, where the link only

@@ -22,7 +22,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -194,6 +194,15 @@ def drop_group(link: Link) -> None:
         link.group = None  # type: ignore[assignment]
 
 
+# A live server answers a message in a round trip (its evaluations and checkpoints run beside the links): a stop this
+# much older than the wait's answer finds the server silent (a dropped network, a stopped process).
+STOP_GRACE_S = 10.0
+
+
+class StopOutlasted(Exception):
+    """A stop (Ctrl+C, SIGTERM) asked for while a message waited on a silent server for longer than STOP_GRACE_S."""
+
+
 class LinkLost(RuntimeError):
     """The other end of a pair closed or fell silent (gloo's first line), or failed to prove the run's
     secret; told apart from errors of the model or the optimizer, which are not a lost peer."""
@@ -217,6 +226,7 @@ class Link:
     round_trips: int = 0
     round_trip_s: float = 0.0
     _header: torch.Tensor = field(default_factory=lambda: torch.zeros(HEADER_LEN, dtype=torch.float64))
+    stopping: Callable[[], bool] | None = None  # a worker's stop flag: a wait it outlasts by STOP_GRACE_S is left
 
     @property
     def peer(self) -> int:
@@ -227,13 +237,44 @@ class Link:
         try:
             with REGISTRY_LOCK:  # gloo's send/recv only queue the transfer: the wait is outside
                 work = op(self.group, tensor, self.peer, tag)
-            work.wait(timedelta(seconds=self.timeout_s))
+            if self.stopping is None:
+                work.wait(timedelta(seconds=self.timeout_s))
+            else:
+                self._wait_unless_stopped(work)
         except RuntimeError as exc:
             raise LinkLost(failure(exc)) from None
         finally:
             with REGISTRY_LOCK:
                 del work
         return tensor.numel() * tensor.element_size()
+
+    def _wait_unless_stopped(self, work: Any) -> None:
+        """gloo's wait on a thread of its own: in the main thread it held off the stop handler for as long as the
+        server stayed silent (ps.worker_timeout_s, 120 s), and a gloo Work can be neither polled (is_completed turns
+        true only inside wait) nor aborted. A stop that the wait outlasts by STOP_GRACE_S leaves it behind (a daemon
+        thread, blocked until the timeout or the process's end)."""
+        failed: list[BaseException] = []
+        done = threading.Event()
+
+        def wait(held: Any) -> None:
+            try:
+                held.wait(timedelta(seconds=self.timeout_s))
+            except BaseException as exc:  # handed to the waiting thread, which raises it there
+                failed.append(exc)
+            finally:
+                with REGISTRY_LOCK:
+                    del held
+                done.set()
+
+        threading.Thread(target=wait, args=(work,), name="aura-ps-wait", daemon=True).start()
+        asked = None
+        while not done.wait(0.2):
+            if self.stopping is not None and self.stopping():
+                asked = asked if asked is not None else time.monotonic()
+                if time.monotonic() - asked > min(STOP_GRACE_S, self.timeout_s):
+                    raise StopOutlasted(f"the server did not answer within {STOP_GRACE_S:g} s of the stop")
+        if failed:
+            raise failed[0]
 
     def _mac(self, direction: int, seq: int, header: torch.Tensor, payload: torch.Tensor | None) -> torch.Tensor:
         mac = hmac.new(self.session, digestmod=hashlib.sha256)

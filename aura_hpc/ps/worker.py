@@ -90,8 +90,19 @@ class PsWorker:
         stop.install()
         try:
             while True:
+                link.stopping = lambda: stop.requested
                 try:
                     return self._train(link, position, stop)
+                except wire.StopOutlasted as exc:
+                    self.server_gone = True  # its store may not answer either: the stats go to the local file
+                    log.info(
+                        "%s: %s; left the run after %d gradients, without a goodbye (the server lets this worker's seat go "
+                        "after ps.worker_timeout_s)",
+                        stop.signal_name,
+                        exc,
+                        self.stats.steps,
+                    )
+                    return 0
                 except wire.LinkLost as exc:
                     first = str(exc)
                     if self.slowest_gradient_s > 0.8 * self.cfg.ps.worker_timeout_s and not stop.requested:
