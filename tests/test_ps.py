@@ -389,7 +389,7 @@ def test_ctrl_c_on_a_worker_whose_server_fell_silent_leaves_in_seconds(tmp_path:
         worker.signal(signal.SIGINT)
         assert worker.finish(timeout=70) == 0, worker.text
         assert time.monotonic() - asked < 45, time.monotonic() - asked
-        assert "the server did not answer within 10 s of the stop; left the run after" in worker.text, worker.text
+        assert re.search(r"the server did not answer within \d+ s of the stop; left the run after", worker.text), worker.text
         assert "without a goodbye" in worker.text and "lost the parameter server" not in worker.text, worker.text
     finally:
         server.signal(signal.SIGCONT)

@@ -226,7 +226,9 @@ class Link:
     round_trips: int = 0
     round_trip_s: float = 0.0
     _header: torch.Tensor = field(default_factory=lambda: torch.zeros(HEADER_LEN, dtype=torch.float64))
-    stopping: Callable[[], bool] | None = None  # a worker's stop flag: a wait it outlasts by STOP_GRACE_S is left
+    stopping: Callable[[], bool] | None = None  # a worker's stop flag: a wait it outlasts by the grace is left
+    stop_seen: float | None = None  # when a wait first saw the stop (monotonic): the grace counts across the waits
+    slowest_wait_s: float = 0.0  # the longest wait that ended, on the stopping path: the grace is at least 3 times it
 
     @property
     def peer(self) -> int:
@@ -240,7 +242,8 @@ class Link:
             if self.stopping is None:
                 work.wait(timedelta(seconds=self.timeout_s))
             else:
-                self._wait_unless_stopped(work)
+                held, work = [work], None  # moved, not dropped: the waiting thread drops it, under the lock
+                self._wait_unless_stopped(held)
         except RuntimeError as exc:
             raise LinkLost(failure(exc)) from None
         finally:
@@ -248,33 +251,39 @@ class Link:
                 del work
         return tensor.numel() * tensor.element_size()
 
-    def _wait_unless_stopped(self, work: Any) -> None:
+    def _wait_unless_stopped(self, held: list[Any]) -> None:
         """gloo's wait on a thread of its own: in the main thread it held off the stop handler for as long as the
         server stayed silent (ps.worker_timeout_s, 120 s), and a gloo Work can be neither polled (is_completed turns
-        true only inside wait) nor aborted. A stop that the wait outlasts by STOP_GRACE_S leaves it behind (a daemon
-        thread, blocked until the timeout or the process's end)."""
+        true only inside wait) nor aborted. A stop that the waits outlast by the grace leaves the last one behind (a
+        daemon thread, blocked until the timeout or the process's end). The thread holds the Work alone (in `held`)
+        and nothing of the link, and drops it under the lock."""
         failed: list[BaseException] = []
         done = threading.Event()
+        timeout = timedelta(seconds=self.timeout_s)
 
-        def wait(held: Any) -> None:
+        def wait() -> None:
             try:
-                held.wait(timedelta(seconds=self.timeout_s))
-            except BaseException as exc:  # handed to the waiting thread, which raises it there
-                failed.append(exc)
+                held[0].wait(timeout)
+            except BaseException as exc:  # handed to the waiting thread, which raises it there, without the frames of
+                failed.append(exc.with_traceback(None))  # this thread (a Python-level wait's frame holds the Work)
             finally:
                 with REGISTRY_LOCK:
-                    del held
+                    held.clear()
                 done.set()
 
-        threading.Thread(target=wait, args=(work,), name="aura-ps-wait", daemon=True).start()
-        asked = None
+        began = time.monotonic()
+        threading.Thread(target=wait, name="aura-ps-wait", daemon=True).start()
         while not done.wait(0.2):
             if self.stopping is not None and self.stopping():
-                asked = asked if asked is not None else time.monotonic()
-                if time.monotonic() - asked > min(STOP_GRACE_S, self.timeout_s):
-                    raise StopOutlasted(f"the server did not answer within {STOP_GRACE_S:g} s of the stop")
+                now = time.monotonic()
+                self.stop_seen = self.stop_seen if self.stop_seen is not None else now
+                # A large message on a slow link (a model's weights over Wi-Fi) may take longer than STOP_GRACE_S.
+                grace = min(max(STOP_GRACE_S, 3 * self.slowest_wait_s), self.timeout_s)
+                if now - self.stop_seen > grace:
+                    raise StopOutlasted(f"the server did not answer within {grace:.0f} s of the stop")
+        self.slowest_wait_s = max(self.slowest_wait_s, time.monotonic() - began)
         if failed:
-            raise failed[0]
+            raise failed.pop()  # not kept in a list the raising frame holds: no cycle keeps the error's frames
 
     def _mac(self, direction: int, seq: int, header: torch.Tensor, payload: torch.Tensor | None) -> torch.Tensor:
         mac = hmac.new(self.session, digestmod=hashlib.sha256)

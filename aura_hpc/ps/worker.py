@@ -97,7 +97,7 @@ class PsWorker:
                     self.server_gone = True  # its store may not answer either: the stats go to the local file
                     log.info(
                         "%s: %s; left the run after %d gradients, without a goodbye (the server lets this worker's seat go "
-                        "after ps.worker_timeout_s)",
+                        "when it sees the connection close, or after ps.worker_timeout_s where the network is down)",
                         stop.signal_name,
                         exc,
                         self.stats.steps,
