@@ -165,6 +165,16 @@ def _node_chain(depth: int) -> bytes:
     return b"\x80\x04\x8f(" + node_class + chain + b"\x90."  # a set of them
 
 
+def _hosting_alone(port: int, run_id: str, read_timeout: int) -> Any:
+    """The parameters of our rendezvous backend for node 0 of a one-node run on loopback."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    return RendezvousParameters(
+        backend=stores.RDZV_BACKEND, endpoint=f"127.0.0.1:{port}", run_id=run_id, min_nodes=1, max_nodes=1,
+        is_host=True, read_timeout=read_timeout, local_addr="127.0.0.1",
+    )  # fmt: skip
+
+
 def test_the_rendezvous_state_is_read_as_data_and_a_deleted_one_stops_at_once(tmp_path: Path) -> None:
     """torch's c10d rendezvous keeps its state pickled in node 0's store, and every launcher unpickles it.
     A stranger who rewrites it (code, a change to torch's classes, another object or shape, a huge value)
@@ -174,17 +184,14 @@ def test_the_rendezvous_state_is_read_as_data_and_a_deleted_one_stops_at_once(tm
     import datetime
     import pickle
 
-    from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError, rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous import RendezvousStateError, rendezvous_handler_registry
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
     from aura_hpc.comm import rendezvous_state
 
     stores.register_rendezvous()
     port = free_port()
-    params = RendezvousParameters(
-        backend=stores.RDZV_BACKEND, endpoint=f"127.0.0.1:{port}", run_id="wire", min_nodes=1, max_nodes=1,
-        is_host=True, read_timeout=60, local_addr="127.0.0.1",
-    )  # fmt: skip
+    params = _hosting_alone(port, "wire", read_timeout=60)
     handler = rendezvous_handler_registry.create_handler(params)
     eq_before = _RendezvousState.__dict__.get("__eq__")
     try:
@@ -266,7 +273,7 @@ def test_the_spare_watch_reads_the_state_without_holding_the_store_on_a_deleted_
     store and said it had lost node 0). It reads without waiting, and says nothing of a state that is not there."""
     from types import SimpleNamespace
 
-    from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError, rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous import RendezvousStateError, rendezvous_handler_registry
 
     from aura_hpc.comm import rendezvous_state
     from aura_hpc.launch import spare_watch
@@ -274,10 +281,7 @@ def test_the_spare_watch_reads_the_state_without_holding_the_store_on_a_deleted_
     monkeypatch.setattr(spare_watch, "POLL_S", 0.05)
     stores.register_rendezvous()
     port = free_port()
-    params = RendezvousParameters(
-        backend=stores.RDZV_BACKEND, endpoint=f"127.0.0.1:{port}", run_id="spare", min_nodes=1, max_nodes=1,
-        is_host=True, read_timeout=8, local_addr="127.0.0.1",
-    )  # fmt: skip
+    params = _hosting_alone(port, "spare", read_timeout=8)
     plan = SimpleNamespace(node_rank=1, nnodes=2, master=f"127.0.0.1:{port}")
     with spare_watch.SpareWatch(plan, "torch.rendezvous.spare") as watch:
         handler = rendezvous_handler_registry.create_handler(params)
