@@ -614,17 +614,35 @@ def _a_node_failure_requeues_one_job_in_history(tmp_path: Path, since: str) -> N
         time.sleep(1)
 
 
-def test_a_cancel_during_a_stop_is_not_undone_by_the_requeue(slurm_cluster: Path, tmp_path: Path) -> None:
+def test_a_cancel_during_a_stop_is_not_undone_by_the_requeue(slurm_cluster: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A cancel that lands after the pre-timeout signal (or with slurm.signal=TERM, which scancel sends): rank 0
-    requeued the job while its processes were still stopping, and Slurm put the cancelled job back in the queue."""
+    requeued the job while its processes were still stopping, and Slurm put the cancelled job back in the queue.
+    The accounting, which alone says why a stopping job stops, records the cancel a moment later on a loaded
+    controller (the suite once read it before then): here its first two answers still say RUNNING."""
     from aura_hpc.slurm.job import TrainJob
 
-    sub = ["sbatch", "--parsable", "--requeue", "--job-name", f"cancelled {tmp_path.name}", "--wrap", "trap '' TERM; sleep 120"]
+    real, calls = shutil.which("sacct"), tmp_path / "sacct_calls"
+    lagging = tmp_path / "lagging_accounting"
+    lagging.mkdir()
+    (lagging / "sacct").write_text(
+        f'#!/bin/sh\necho x >> {calls}\nif [ "$(wc -l < {calls})" -le 2 ]; then echo "$5|RUNNING"; exit 0; fi\nexec {real} "$@"\n'
+    )
+    (lagging / "sacct").chmod(0o755)
+    trapped = tmp_path / "trapped"  # the cancel then finds it stopping (COMPLETING), not gone
+    wrap = f"trap '' TERM; touch {trapped}; sleep 120"
+    sub = ["sbatch", "--parsable", "--requeue", "--job-name", f"cancelled {tmp_path.name}", "--wrap", wrap]
     job = subprocess.run(sub, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip()
     try:
         _wait_for_state(job, "RUNNING", "the job never started")
+        deadline = time.monotonic() + 60
+        while not trapped.exists():
+            assert time.monotonic() < deadline, "the job's script never ran"
+            time.sleep(0.2)
         subprocess.run(["scancel", job], check=True)
-        assert TrainJob(str(tmp_path / "config.yaml"))._requeue(int(job), 0) is False
+        with monkeypatch.context() as m:
+            m.setenv("PATH", f"{lagging}:{os.environ['PATH']}")
+            assert TrainJob(str(tmp_path / "config.yaml"))._requeue(int(job), 0) is False
+        assert len(calls.read_text().splitlines()) >= 3  # it waited for the accounting to record the end
         shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
         assert "Restarts=0" in shown and "JobState=PENDING" not in shown, shown
     finally:

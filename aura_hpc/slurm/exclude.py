@@ -20,12 +20,17 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from aura_hpc.ops import excluded_nodes
 
+# What the accounting shows of a started job before it records its end (PENDING: it was requeued), and how long a
+# cancel may take to reach it.
+NOT_ENDED = ("", "RUNNING", "RESIZING", "SUSPENDED")
+ACCOUNTING_LAG_S = 10.0
 UNUSABLE = ("down", "drain", "drng", "fail", "maint", "unk", "inval", "futr", "npc", "resv", "boot", "powered", "pow_dn")
 
 
@@ -68,12 +73,27 @@ def cancelled(job_id: int) -> bool:
     state = next((f.split("=", 1)[1] for f in reversed(mine[0] if mine else []) if f.startswith("JobState=")), "")
     if state != "COMPLETING":
         return state.startswith("CANCELLED")
-    try:
-        cmd = ["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o", "JobIDRaw,State"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return any(line.split("|")[0] == str(job_id) and "|CANCELLED" in line for line in done.stdout.splitlines())
+    return _accounted_state(job_id).startswith("CANCELLED")
+
+
+def _accounted_state(job_id: int, wait_s: float = ACCOUNTING_LAG_S) -> str:
+    """The job's own state in the accounting once it records the end: slurmctld sends it to slurmdbd on a queue of
+    its own, and on a loaded controller sacct still said RUNNING just after the cancel (the requeue then undid it).
+    "" when the accounting cannot be asked (no sacct, an error) or still has no end after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    cmd = ["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o", "JobIDRaw,State"]
+    while True:
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        if done.returncode != 0:
+            return ""
+        rows = [line.split("|") for line in done.stdout.splitlines()]
+        state = next((row[1].strip() for row in reversed(rows) if len(row) > 1 and row[0] == str(job_id)), "")
+        if state.split(" ")[0] not in NOT_ENDED or time.monotonic() > deadline:
+            return "" if state.split(" ")[0] in NOT_ENDED else state
+        time.sleep(0.5)
 
 
 def _job_fields(job_id: int) -> dict[str, str]:
