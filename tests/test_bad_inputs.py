@@ -479,7 +479,7 @@ def test_a_run_whose_killed_launchers_workers_still_run_is_refused_until_they_ex
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     (run / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": gone.pid, "since": "now"}))
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "aura_hpc.train", str(run / "config.yaml")])
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "-m", "aura_hpc.train", str(run / "config.yaml")])
     args = ["local", "--output-dir", str(tmp_path / "runs"), f"--set=data.path={prepared}", "--set", "train.max_steps=2"]
     try:
         refused = run_cli(args, cwd=tmp_path, timeout=60)

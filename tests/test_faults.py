@@ -714,8 +714,11 @@ def test_a_killed_launcher_takes_its_workers_along_and_a_run_dir_admits_one_trai
 ) -> None:
     args = _args(tmp_path, "run", prepared, LONG)
     run = tmp_path / "run"
+    # Rank 0 idles 1 s a step: the 48 steps left outlast the three commands below on a busy machine (its launcher is
+    # killed after them).
+    slow = {"AURA_FAULT_SLOW": "0:+1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "aura_hpc", *args], env=cli_env(**SLOWER), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", "aura_hpc", *args], env=cli_env(**slow), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
         _wait_for_step(run, 12)

@@ -703,6 +703,14 @@ def test_a_verdict_of_an_earlier_attempt_does_not_stop_the_restarted_workers(tmp
             proc.wait()
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether the process has a handler for `sig` (the kernel's SigCgt mask)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
 def test_a_slurm_attempts_pages_are_its_own_and_leave_with_it(tmp_path: Path) -> None:
     """A controller restarted without its state hands job ids out again: the page a killed task left under
     the same job, attempt and node (here: a finished rank 0) is not read as this attempt's, which would end
@@ -742,6 +750,10 @@ def test_a_slurm_attempts_pages_are_its_own_and_leave_with_it(tmp_path: Path) ->
         assert not (folder / "rank0").exists(), "the stale page is still there"
         time.sleep(3)
         assert process_alive(watchdog), "the watchdog left at once: it read the stale page as this attempt's"
+        deadline = time.monotonic() + 60  # its start on a busy machine: until it catches Slurm's signals
+        while not _catches(watchdog, signal.SIGUSR2) or not _catches(watchdog, signal.SIGTERM):
+            assert time.monotonic() < deadline and process_alive(watchdog), "the watchdog never caught SIGUSR2 and SIGTERM"
+            time.sleep(0.1)
         os.kill(watchdog, signal.SIGUSR2)  # Slurm's pre-timeout warning reaches every process of the step
         time.sleep(1.5)
         assert process_alive(watchdog), "Slurm's USR2 ended the watchdog: the ranks' checkpoint and stop went unwatched"

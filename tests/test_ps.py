@@ -273,6 +273,7 @@ def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, ba
     assert "3 connected" in server.text
     version_at_join = _version(run_dir)
     _wait_version(run_dir, version_at_join + 40, server)
+    version_before_kill = _version(run_dir)  # the rows after it, until the server sees the loss, may hold two workers
     w2.p.kill()  # a crash (or the PC switched off) with three workers training
     assert w2.finish() < 0
     try:
@@ -304,7 +305,7 @@ def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, ba
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert len(evals) == 5 and evals[-1] < first_loss - 1.0, (first_loss, evals)
     # Three contributed together; after the kill, the killed one's rank never again.
-    together = [r for r in rows if version_at_join + 20 < r["version"] <= version_at_kill]
+    together = [r for r in rows if version_at_join + 20 < r["version"] <= version_before_kill]
     assert together and all(len(r["contributions"]) == 3 for r in together[1:]), together
     after = [r for r in rows if r["version"] > version_at_kill + 40]
     assert sum(r["contributions"].get("2", 0) for r in after) > 0, after
@@ -606,7 +607,9 @@ def test_server_and_workers_on_three_lan_addresses_and_a_wifi_drop(tmp_path: Pat
     # No end of its own: once the drops are seen, Ctrl-C ends it (a fixed version count cost minutes of training on
     # busy cores after the last assertion, 193 s in all against 57 s idle).
     common = [*base, "--set", "train.max_steps=100000", "--set", "train.log_every=20", "--set", "train.eval_every=0"]
-    common += ["--set", "ps.worker_timeout_s=4", "--set", "ps.join_timeout_s=8"]
+    # The dropped worker tries to rejoin for ps.join_timeout_s: longer than the other worker's versions below take on a
+    # busy machine before the link comes back.
+    common += ["--set", "ps.worker_timeout_s=4", "--set", "ps.join_timeout_s=15"]
     server = Proc(["ps", *common], tmp_path / "ps.log", netns=lan[0])
     server.wait_for("worker --server 10.78.1.1:30005")  # its LAN address, in the command it prints
     probe = subprocess.run(
@@ -630,7 +633,7 @@ def test_server_and_workers_on_three_lan_addresses_and_a_wifi_drop(tmp_path: Pat
         server.wait_for("timed out (no message for ps.worker_timeout_s)", timeout=30)
         dropped.wait_for("the network may have dropped", timeout=30)
         at_drop = _version(run_dir)
-        _wait_version(run_dir, at_drop + 40, server)  # the other worker keeps the run going
+        _wait_version(run_dir, at_drop + 10, server)  # the other worker keeps the run going
         subprocess.run(["nsenter", f"--net={hub}", "ip", "link", "set", switch_port, "up"], check=True, timeout=20)
         dropped.wait_for("rejoined the parameter server at 10.78.1.1:30005 as worker", timeout=60)
         _wait_version(run_dir, _version(run_dir) + 40, server)

@@ -470,9 +470,12 @@ def test_a_wandb_attempt_killed_seconds_after_its_start_keeps_its_run_record_and
         "cfg = load_config(None, ['tracking.backends=wandb'], output_dir=sys.argv[1], run_name='t')\n"
         "cfg.run_dir.mkdir(parents=True)\ntrackers = Trackers(cfg, 0)\ntrackers.start()\n"
         "for step in range(1, 11):\n    trackers.log({'loss': 1.0 / step}, step)\n"
-        "time.sleep(4)\nos._exit(9)\n"  # killed: nothing finished, nothing flushed on the way out
+        # Seconds after W&B took the rows (its start on a busy machine can outlast a fixed 4 s).
+        "deadline = time.monotonic() + 120\n"
+        "while not ('wandb' in trackers._live and trackers._queue.empty()) and time.monotonic() < deadline:\n    time.sleep(0.1)\n"
+        "time.sleep(3)\nos._exit(9)\n"  # killed: nothing finished, nothing flushed on the way out
     )
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=cli_env(), capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=cli_env(), capture_output=True, text=True, timeout=200)
     assert r.returncode == 9, r.stderr[-2000:]
     [log] = glob.glob(str(tmp_path / "t" / "wandb" / "offline-run-*" / "run-*.wandb"))
     records = _wandb_records(Path(log))

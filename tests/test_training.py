@@ -293,7 +293,9 @@ def test_a_node_started_when_the_run_has_all_its_nodes_says_it_waits_as_a_spare(
     def start(node: int, folder: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
             [sys.executable, "-m", "aura_hpc", *base, "--node-rank", str(node), "--output-dir", str(tmp_path / folder)],
-            env=cli_env(AURA_FAULT_SLOW="0:+1"),  # rank 0 idles 1 s a step: the run outlasts SURE_S, the cores stay free
+            # Rank 0 idles 1.5 s a step: the run (60 s) outlasts the spare's start and SURE_S (20 s) twice over on a busy
+            # machine, and the cores stay free.
+            env=cli_env(AURA_FAULT_SLOW="0:+1.5"),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from aura_hpc.ops import excluded_nodes
@@ -30,6 +31,10 @@ from aura_hpc.ops import excluded_nodes
 # What the accounting shows of a started job before it records its end (PENDING: it was requeued), and how long a
 # cancel may take to reach it.
 NOT_ENDED = ("", "RUNNING", "RESIZING", "SUSPENDED")
+# What Slurm's clients say when the controller did not answer.
+NO_ANSWER = ("socket timed out", "unable to contact slurm controller", "zero bytes were transmitted", "connection refused")
+# A job someone stopped: a cancel, or a preemption of PreemptMode=CANCEL.
+STOPPED_BY_SOMEONE = ("CANCELLED", "PREEMPTED")
 ACCOUNTING_LAG_S = 10.0
 UNUSABLE = ("down", "drain", "drng", "fail", "maint", "unk", "inval", "futr", "npc", "resv", "boot", "powered", "pow_dn")
 
@@ -45,11 +50,21 @@ def _scontrol(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=30)
 
 
+def job_ref(job_id: int) -> str:
+    """How scontrol and sacct are told of this job: a sweep's element as ARRAY_TASK. One element of every array (the
+    last split off) has the array's id as its own, and `scontrol requeue|update|show` read the array's id as the
+    whole array: its requeue requeued every sibling, finished and cancelled ones included."""
+    e = os.environ
+    if e.get("SLURM_JOB_ID") == str(job_id) and e.get("SLURM_ARRAY_JOB_ID", "").isdigit() and e.get("SLURM_ARRAY_TASK_ID", "").isdigit():
+        return f"{e['SLURM_ARRAY_JOB_ID']}_{e['SLURM_ARRAY_TASK_ID']}"
+    return str(job_id)
+
+
 def requeue(job_id: int) -> str | None:
     """Ask Slurm to requeue the job: why it could not, or None. A negative status is scontrol killed by the
     requeue's own signal, after it asked."""
     try:
-        done = _scontrol("requeue", str(job_id))
+        done = _scontrol("requeue", job_ref(job_id))
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"scontrol could not be run ({exc}; a container image may lack the Slurm client)"
     if done.returncode > 0:
@@ -58,22 +73,53 @@ def requeue(job_id: int) -> str | None:
 
 
 def cancelled(job_id: int) -> bool:
-    """Whether the job was cancelled (scancel, a preemption that cancels): `scontrol requeue` takes a job whose
+    return bool(why_stopped(job_id))
+
+
+def why_stopped(job_id: int) -> str:
+    """Why the job is ending by someone's hand ("" when not, or unknown): a cancel (scancel), a preemption that
+    cancels. `scontrol requeue` takes a job whose
     processes are still stopping (COMPLETING) and undoes the cancel (tried on Slurm 22.05: Restarts=1, back to
-    pending). While it completes, only the accounting says why. Unknown (no Slurm client in the image, no
-    answer, no accounting) reads as not cancelled: the requeue decides as before. A sweep's last element has
-    the array's id: only this job's own record counts, not its siblings'."""
-    try:
-        shown = _scontrol("show", "job", "-o", str(job_id)).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+    pending). While it completes, only the accounting says why; without an answer from it, a job that ends before
+    its time limit was stopped by someone (a cancel, a preemption, a requeue already asked): not requeued again.
+    Unknown (no Slurm client in the image, no answer) reads as not cancelled: the requeue decides as before. A
+    sweep's last element has the array's id: only this job's own record counts, not its siblings'."""
+    for attempt in range(3):
+        try:
+            shown = _scontrol("show", "job", "-o", job_ref(job_id))
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        # A busy controller's "Socket timed out" is no answer: asked again.
+        if shown.returncode == 0 or "invalid job id" in shown.stderr.lower() or attempt == 2:
+            break
+        time.sleep(2.0 * (attempt + 1))
     # The line that starts with this job's id (not ArrayJobId=); its last JobState= field (JobName, before it, is
     # not quoted: a name holding "JobState=CANCELLED" read as the state).
-    mine = [line.split() for line in shown.splitlines() if line.split()[:1] == [f"JobId={job_id}"]]
-    state = next((f.split("=", 1)[1] for f in reversed(mine[0] if mine else []) if f.startswith("JobState=")), "")
-    if state != "COMPLETING":
-        return state.startswith("CANCELLED")
-    return _accounted_state(job_id).startswith("CANCELLED")
+    fields = next((line.split() for line in shown.stdout.splitlines() if line.split()[:1] == [f"JobId={job_id}"]), [])
+    state = next((f.split("=", 1)[1] for f in reversed(fields) if f.startswith("JobState=")), "")
+    if state == "COMPLETING":
+        state = _accounted_state(job_id)
+        if not state and _ended_early(fields):
+            return (
+                f"job {job_ref(job_id)} is ending before its time limit (a cancel, a preemption or a requeue already asked; "
+                "no accounting says which)"
+            )
+    word = state.split(" ")[0].lower()
+    return f"job {job_ref(job_id)} was {word}" if state.startswith(STOPPED_BY_SOMEONE) else ""
+
+
+def _ended_early(fields: list[str]) -> bool:
+    """Whether a completing job's end came before its time limit (its EndTime is set when it ends): False when
+    its fields do not say."""
+    values = dict(f.split("=", 1) for f in fields if "=" in f)
+    try:
+        start, end = (datetime.fromisoformat(values[k]) for k in ("StartTime", "EndTime"))
+        days, _, clock = values["TimeLimit"].rpartition("-")
+        parts = [int(p) for p in clock.split(":")]
+    except (KeyError, ValueError):
+        return False  # an unlimited job, a field missing
+    limit = int(days or 0) * 86400 + sum(p * 60**i for i, p in enumerate(reversed(parts)))
+    return (end - start).total_seconds() < limit - 60
 
 
 def _accounted_state(job_id: int, wait_s: float = ACCOUNTING_LAG_S) -> str:
@@ -81,7 +127,7 @@ def _accounted_state(job_id: int, wait_s: float = ACCOUNTING_LAG_S) -> str:
     its own, and on a loaded controller sacct still said RUNNING just after the cancel (the requeue then undid it).
     "" when the accounting cannot be asked (no sacct, an error) or still has no end after `wait_s`."""
     deadline = time.monotonic() + wait_s
-    cmd = ["sacct", "-X", "-n", "-P", "-j", str(job_id), "-o", "JobIDRaw,State"]
+    cmd = ["sacct", "-X", "-n", "-P", "-j", job_ref(job_id), "-o", "JobIDRaw,State"]
     while True:
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
@@ -98,7 +144,7 @@ def _accounted_state(job_id: int, wait_s: float = ACCOUNTING_LAG_S) -> str:
 
 def _job_fields(job_id: int) -> dict[str, str]:
     """The job's record; a failed query raises (read as empty, the job's own --exclude list was overwritten)."""
-    done = _scontrol("show", "job", "-o", str(job_id))
+    done = _scontrol("show", "job", "-o", job_ref(job_id))
     fields = dict(f.split("=", 1) for f in done.stdout.split() if "=" in f)
     if done.returncode != 0 or "NumNodes" not in fields or "Partition" not in fields:
         raise ValueError(f"scontrol show job {job_id}: {(done.stderr or done.stdout).strip()[:200] or f'exit status {done.returncode}'}")
@@ -117,7 +163,10 @@ def _hostnames(expr: str) -> list[str]:
 def _nodes_by_use(partition: str) -> tuple[list[str], list[str]]:
     """The partition's (usable, unusable) nodes."""
     args = ["sinfo", "-h", "-N", "-o", "%N %t"] + (["-p", partition] if partition else [])
-    out = subprocess.run(args, capture_output=True, text=True, timeout=30).stdout
+    done = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:  # a busy controller's answer read as an empty partition: "no node to spare"
+        raise ValueError(f"sinfo: {(done.stderr or done.stdout).strip()[:200] or f'exit status {done.returncode}'}")
+    out = done.stdout
     usable, unusable = set(), set()
     for line in out.splitlines():
         name, _, state = line.partition(" ")
@@ -168,6 +217,8 @@ def _slurm_refuses(job: dict[str, str], least: int, exclude: list[str]) -> str:
     if done.returncode == 0:
         return ""
     said = " ".join((done.stderr or done.stdout).split())
+    if any(word in said.lower() for word in NO_ANSWER):  # the controller did not answer: not a refusal of the request
+        raise ValueError(f"sbatch --test-only: {said[:200]}")
     return said.removeprefix("sbatch: ").removeprefix("error: ")[:200] or f"sbatch --test-only: exit status {done.returncode}"
 
 
@@ -282,7 +333,7 @@ def apply_after_requeue(job_id: int, run_dir: Path, say: Callable[[str], None], 
     if not isinstance(judged, Judged):
         return []
     room, names = judged.room, judged.names
-    done = _scontrol("update", f"JobId={job_id}", f"ExcNodeList={','.join(room.leave_out)}")
+    done = _scontrol("update", f"JobId={job_ref(job_id)}", f"ExcNodeList={','.join(room.leave_out)}")
     if done.returncode != 0:
         reason = (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
         say(f"the requeued job keeps its nodes: scontrol could not leave out {names}: {reason}")

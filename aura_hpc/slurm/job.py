@@ -157,8 +157,9 @@ class TrainJob:
         def say(msg: str) -> None:
             print(f"[rank0] {msg}", flush=True)
 
-        if exclude.cancelled(job_id):
-            say(f"not requeued: job {job_id} was cancelled (fix: submit the same command again to resume from its newest checkpoint)")
+        fix = "(fix: submit the same command again to resume from its newest checkpoint)"
+        if stopped := exclude.why_stopped(job_id):
+            say(f"not requeued: {stopped} {fix}")
             return False
         if restarts >= self.max_requeues:
             say(
@@ -171,7 +172,12 @@ class TrainJob:
         sys.stdout.flush()
         from pathlib import Path
 
+        judging = time.monotonic()
         judged = exclude.judge_before_requeue(job_id, Path(self.config_path).parent, say)
+        # A cancel that landed while Slurm was asked which nodes are spare (up to 20 s): not undone either.
+        if time.monotonic() - judging > 1 and (stopped := exclude.why_stopped(job_id)):
+            say(f"not requeued: {stopped} {fix}")
+            return False
         exclude.outlive_the_requeue()
         self.launch.requeued(time.time())
         failed = exclude.requeue(job_id)

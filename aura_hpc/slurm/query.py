@@ -21,7 +21,12 @@ FINAL_STATES = {
     "BOOT_FAIL",
     "DEADLINE",
     "REVOKED",
-    "SPECIAL_EXIT",
+}
+# Ended, but kept pending by Slurm until someone releases or cancels the job: not final, and a wait on it never ends.
+HELD_STATES = {
+    "SPECIAL_EXIT": "it was requeued and held after a special exit (the cluster's epilog asked for it)",
+    "REQUEUE_HOLD": "it was requeued and is held",
+    "RESV_DEL_HOLD": "its reservation was deleted and Slurm holds it",
 }
 # A job's name and comment are free text (a `|` in --job-name arrives literally), so fields are split on
 # ASCII's unit separator, a control character our own values refuse (slurm/script_safety.py).

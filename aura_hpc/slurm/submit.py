@@ -55,7 +55,7 @@ def submit(plan: SubmitPlan) -> list[str]:
                 p = plan.points[0]
                 jobs.append(executor.submit(TrainJob(str(p.config_path), plan.slurm.signal, plan.slurm.max_requeues)))
     except (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError, OSError) as exc:
-        raise LaunchError(_rejection(str(exc))) from None
+        raise LaunchError(_queued_anyway(plan, str(exc)) or _rejection(str(exc))) from None
     submitted = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     ids = [str(j.job_id) for j in jobs]
     script_file = plan.folder / f"{ids[0].split('_')[0]}_submission.sh"
@@ -122,6 +122,29 @@ def _record(plan: SubmitPlan, ids: list[str], script: str, submitted: str) -> No
         job_index.record(job_id, p.cfg.run_dir, plan.params["job_name"], submitted)
 
 
+def _queued_anyway(plan: SubmitPlan, text: str) -> str:
+    """sbatch's "Socket timed out" can come after slurmctld queued the job: "try again" then queued a second job for
+    the same run directory, the first one unrecorded. The jobs of this name in the queue now, said ("" otherwise)."""
+    if "socket timed out" not in text.lower():
+        return ""
+    name = plan.params["job_name"]
+    try:
+        ids = [r.job_id for r in slurm_query.squeue() if r.name == name]
+    except LaunchError:
+        ids = []
+    if not ids:
+        return (
+            f"sbatch did not hear back from slurmctld in time, and no job named {name!r} is in the queue yet (fix: check "
+            "`squeue --me` in a minute before submitting again: a submission sbatch timed out on may still be queued)"
+        )
+    listed = ", ".join(ids)
+    return (
+        f"sbatch did not hear back from slurmctld in time, but job(s) {listed} named {name!r} are in the queue: this "
+        f"submission may be among them, not recorded in its run directory (fix: `python -m aura_hpc cancel ID` for each "
+        "of them, then submit again)"
+    )
+
+
 def _rejection(text: str) -> str:
     """sbatch's own message (submitit wraps it in a traceback-like text) plus what to change."""
     lines: list[str] = []
@@ -169,6 +192,11 @@ def wait(job_ids: list[str], follow_log: Path | None = None, poll_s: float = 1.0
 
 def never_starts(row: slurm_query.JobRow) -> str:
     """Why a pending job will not start unless someone acts (a watch would wait on it for ever), or ""."""
+    if held := slurm_query.HELD_STATES.get(row.state):
+        return (
+            f"job {row.job_id} will not start: {held} (squeue's state {row.state}) (fix: `scontrol release {row.job_id}` "
+            f"lets it start, `python -m aura_hpc cancel {row.job_id}` ends it)"
+        )
     if row.state != "PENDING":
         return ""
     if row.reason == "DependencyNeverSatisfied":
@@ -198,6 +226,7 @@ _WAITS_FOR_SOMEONE = {
     "InvalidAccount": "its account is not valid for this user",
     "InvalidQOS": "its quality of service is not valid for this user",
     "QOSMaxWallDurationPerJobLimit": "its time limit is over its QOS's",
+    "JobHoldMaxRequeue": "Slurm held it after too many requeues (MaxBatchRequeue)",
 }
 _FIXES = {
     "JobHeldUser": "`scontrol release {job}` lets it start",
@@ -207,17 +236,27 @@ _FIXES = {
     "InvalidAccount": "`python -m aura_hpc cancel {job}`, then submit with your --account",
     "InvalidQOS": "`python -m aura_hpc cancel {job}`, then submit with another --qos",
     "QOSMaxWallDurationPerJobLimit": "`python -m aura_hpc cancel {job}`, then submit with a shorter --time",
+    "JobHoldMaxRequeue": "see why its launches failed in slurmd's log; `scontrol release {job}` tries again",
 }
+
+
+ACCOUNTING_LAG_S = 10.0
 
 
 def _final_state(job_id: str, row: slurm_query.JobRow | None, since: str, timeout_s: float = 60) -> slurm_query.JobRow | None:
     if row is not None and row.state in slurm_query.FINAL_STATES:
-        # squeue knows the state but not the exit code: ask accounting for it when there is one.
-        try:
-            acct = [r for r in slurm_query.sacct([job_id], since=since) if r.job_id == job_id and r.state == row.state]
-        except LaunchError:
-            acct = []
-        return acct[-1] if acct else row
+        # squeue knows the state but not the exit code: ask accounting for it when there is one, a few seconds
+        # (it records the end after the controller: read at once, it could still lack the job, and the wait gave 1 for
+        # the run's own status, 3 or 74-78).
+        deadline = time.monotonic() + ACCOUNTING_LAG_S
+        while True:
+            try:
+                acct = [r for r in slurm_query.sacct([job_id], since=since) if r.job_id == job_id and r.state == row.state]
+            except LaunchError:
+                return row
+            if acct or time.monotonic() > deadline:
+                return acct[-1] if acct else row
+            time.sleep(1)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:  # accounting lags behind the controller
         try:

@@ -58,21 +58,26 @@ class SlurmHangWatch(HangWatch):
         # Alone, after the node that named the culprit acted (and counted the hang) without ending this task:
         # the same hang, not one more against the budget.
         requeue, why = self._within_budget(hang.progress_step, count=not alone)
-        if requeue and exclude.cancelled(self.job_id):  # a hang seen while a cancel stops the ranks: not undone
-            requeue, why = False, f"job {self.job_id} was cancelled"
+        if requeue and (stopped := exclude.why_stopped(self.job_id)):  # a hang seen while a cancel stops the ranks: not undone
+            requeue, why = False, stopped
         if hang.culprits and self.cfg.health.hang_exclude_node:
             ranks_named = ", ".join(map(str, hang.culprits))
             excluded_nodes.record(self.cfg.run_dir, node_name(), f"rank {ranks_named} hung there")
         if requeue:
             print(f"[watchdog] requeuing job {self.job_id} after the hang: it resumes from its newest checkpoint ({why})", flush=True)
             say = lambda m: print(f"[watchdog] {m}", flush=True)  # noqa: E731
+            judging = time.monotonic()
             judged = exclude.judge_before_requeue(self.job_id, self.cfg.run_dir, say)
-            exclude.outlive_the_requeue()
-            failed = exclude.requeue(self.job_id)
-            if failed:
-                print(f"[watchdog] scontrol requeue {self.job_id} failed: {failed} (fix: resubmit the same command)", flush=True)
+            # A cancel that landed while Slurm was asked which nodes are spare (up to 20 s): not undone either.
+            stopped = exclude.why_stopped(self.job_id) if time.monotonic() - judging > 1 else ""
+            if stopped:
+                print(f"[watchdog] not requeued: {stopped} (fix: resubmit the same command to resume)", flush=True)
             else:
-                exclude.apply_after_requeue(self.job_id, self.cfg.run_dir, say, judged)
+                exclude.outlive_the_requeue()
+                if failed := exclude.requeue(self.job_id):
+                    print(f"[watchdog] scontrol requeue {self.job_id} failed: {failed} (fix: resubmit the same command)", flush=True)
+                else:
+                    exclude.apply_after_requeue(self.job_id, self.cfg.run_dir, say, judged)
         else:
             print(f"[watchdog] not requeued: {why} (fix: see the hang's line and stacks, then resubmit)", flush=True)
         self.kill(ranks)
@@ -145,28 +150,34 @@ def main(argv: list[str]) -> int:
     from aura_hpc.config import load_config
     from aura_hpc.train.process import progress
 
-    config, folder, job_id, restarts, task_pid = argv
-    cfg = load_config(config)
-    watch = SlurmHangWatch(cfg, Path(folder))
-    watch.job_id, watch.restarts = int(job_id), int(restarts)
-    watch.nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
-    watch.calibration = read_calibration(cfg.run_dir / "hang_calibration.json")
-    watch.started = time.time()
-    watch.note_earlier_records()
-    os.environ[progress.ENV] = folder
-
     # Slurm signals every process of the step, this one included. The pre-timeout warning (--signal=USR2@...)
     # or `scancel --signal` asks the ranks to checkpoint and stop: keep watching them do it, a training rank
     # that does not stop being a hang within seconds (as under `local`); by default the signal ended this
     # process. SIGTERM ends the attempt (a requeue, the time limit, scancel): leave through `finally`, which
-    # removes the attempt's pages from the node's /dev/shm.
+    # removes the attempt's pages from the node's /dev/shm. Caught first: one that came while this process read
+    # the config ended it.
+    asked: dict[str, Any] = {"stop": False, "watch": None}
+
     def stop_asked(*_: object) -> None:
-        watch.stop_asked = True
+        asked["stop"] = True
+        if asked["watch"] is not None:
+            asked["watch"].stop_asked = True
 
     for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, stop_asked)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    config, folder, job_id, restarts, task_pid = argv
     try:
+        cfg = load_config(config)
+        watch = SlurmHangWatch(cfg, Path(folder))
+        watch.job_id, watch.restarts = int(job_id), int(restarts)
+        watch.nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or 1)
+        watch.calibration = read_calibration(cfg.run_dir / "hang_calibration.json")
+        watch.started = time.time()
+        watch.note_earlier_records()
+        os.environ[progress.ENV] = folder
+        asked["watch"] = watch
+        watch.stop_asked = watch.stop_asked or asked["stop"]
         return _watch(watch, int(task_pid))
     finally:  # the attempt's pages (ours alone: a folder holding anything else stays)
         progress.remove_pages(Path(folder))
