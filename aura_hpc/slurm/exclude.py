@@ -28,9 +28,9 @@ from pathlib import Path
 
 from aura_hpc.ops import excluded_nodes
 
-# What the accounting shows of a started job before it records its end (PENDING: it was requeued), and how long a
-# cancel may take to reach it.
-NOT_ENDED = ("", "RUNNING", "RESIZING", "SUSPENDED")
+# What the accounting shows of a started job before it records its end (PENDING: its start not recorded yet, or it
+# was requeued), and how long a cancel may take to reach it.
+NOT_ENDED = ("", "PENDING", "RUNNING", "RESIZING", "SUSPENDED")
 # What Slurm's clients say when the controller did not answer.
 NO_ANSWER = ("socket timed out", "unable to contact slurm controller", "zero bytes were transmitted", "connection refused")
 # A job someone stopped: a cancel, or a preemption of PreemptMode=CANCEL.
@@ -51,13 +51,13 @@ def _scontrol(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def job_ref(job_id: int) -> str:
-    """How scontrol and sacct are told of this job: a sweep's element as ARRAY_TASK. One element of every array (the
-    last split off) has the array's id as its own, and `scontrol requeue|update|show` read the array's id as the
-    whole array: its requeue requeued every sibling, finished and cancelled ones included."""
+    """How scontrol and sacct are told of this job: the sweep's element that has the array's id as its own (the last
+    split off) as ARRAY_TASK, as `scontrol requeue|update|show` read the array's id as the whole array: its requeue
+    requeued every sibling, finished and cancelled ones included. Any other job by its id: a job sbatch started from
+    inside an array element inherits that element's SLURM_ARRAY_* variables (sbatch exports the environment)."""
     e = os.environ
-    if e.get("SLURM_JOB_ID") == str(job_id) and e.get("SLURM_ARRAY_JOB_ID", "").isdigit() and e.get("SLURM_ARRAY_TASK_ID", "").isdigit():
-        return f"{e['SLURM_ARRAY_JOB_ID']}_{e['SLURM_ARRAY_TASK_ID']}"
-    return str(job_id)
+    mine = e.get("SLURM_JOB_ID") == str(job_id) == e.get("SLURM_ARRAY_JOB_ID")
+    return f"{job_id}_{e['SLURM_ARRAY_TASK_ID']}" if mine and e.get("SLURM_ARRAY_TASK_ID", "").isdigit() else str(job_id)
 
 
 def requeue(job_id: int) -> str | None:
@@ -84,22 +84,26 @@ def why_stopped(job_id: int) -> str:
     its time limit was stopped by someone (a cancel, a preemption, a requeue already asked): not requeued again.
     Unknown (no Slurm client in the image, no answer) reads as not cancelled: the requeue decides as before. A
     sweep's last element has the array's id: only this job's own record counts, not its siblings'."""
-    for attempt in range(3):
+    deadline = time.monotonic() + 20  # within KillWait (30 s by default) of a cancel's SIGTERM
+    while True:
         try:
             shown = _scontrol("show", "job", "-o", job_ref(job_id))
         except (OSError, subprocess.TimeoutExpired):
-            return False
+            return ""
         # A busy controller's "Socket timed out" is no answer: asked again.
-        if shown.returncode == 0 or "invalid job id" in shown.stderr.lower() or attempt == 2:
+        if shown.returncode == 0 or "invalid job id" in shown.stderr.lower() or time.monotonic() > deadline - 2:
             break
-        time.sleep(2.0 * (attempt + 1))
+        time.sleep(2.0)
     # The line that starts with this job's id (not ArrayJobId=); its last JobState= field (JobName, before it, is
     # not quoted: a name holding "JobState=CANCELLED" read as the state).
     fields = next((line.split() for line in shown.stdout.splitlines() if line.split()[:1] == [f"JobId={job_id}"]), [])
     state = next((f.split("=", 1)[1] for f in reversed(fields) if f.startswith("JobState=")), "")
     if state == "COMPLETING":
-        state = _accounted_state(job_id)
-        if not state and _ended_early(fields):
+        early = _ended_early(fields)
+        if early is False:  # at its time limit: a timeout, which the requeue is for (KillWait leaves no time to ask)
+            return ""
+        state = _accounted_state(job_id, min(ACCOUNTING_LAG_S, max(0.0, deadline - time.monotonic())))
+        if not state and early:
             return (
                 f"job {job_ref(job_id)} is ending before its time limit (a cancel, a preemption or a requeue already asked; "
                 "no accounting says which)"
@@ -108,23 +112,23 @@ def why_stopped(job_id: int) -> str:
     return f"job {job_ref(job_id)} was {word}" if state.startswith(STOPPED_BY_SOMEONE) else ""
 
 
-def _ended_early(fields: list[str]) -> bool:
-    """Whether a completing job's end came before its time limit (its EndTime is set when it ends): False when
-    its fields do not say."""
+def _ended_early(fields: list[str]) -> bool | None:
+    """Whether a completing job's end came before its time limit (its EndTime is set when it ends); None when its
+    fields do not say (an unlimited job, a time format of the site's)."""
     values = dict(f.split("=", 1) for f in fields if "=" in f)
     try:
         start, end = (datetime.fromisoformat(values[k]) for k in ("StartTime", "EndTime"))
         days, _, clock = values["TimeLimit"].rpartition("-")
         parts = [int(p) for p in clock.split(":")]
     except (KeyError, ValueError):
-        return False  # an unlimited job, a field missing
+        return None
     limit = int(days or 0) * 86400 + sum(p * 60**i for i, p in enumerate(reversed(parts)))
     return (end - start).total_seconds() < limit - 60
 
 
 def _accounted_state(job_id: int, wait_s: float = ACCOUNTING_LAG_S) -> str:
     """The job's own state in the accounting once it records the end: slurmctld sends it to slurmdbd on a queue of
-    its own, and on a loaded controller sacct still said RUNNING just after the cancel (the requeue then undid it).
+    its own, and on a loaded controller a cancel can reach it after rank 0 asks (read then, the requeue undid it).
     "" when the accounting cannot be asked (no sacct, an error) or still has no end after `wait_s`."""
     deadline = time.monotonic() + wait_s
     cmd = ["sacct", "-X", "-n", "-P", "-j", job_ref(job_id), "-o", "JobIDRaw,State"]

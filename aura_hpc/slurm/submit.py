@@ -40,6 +40,7 @@ def submit(plan: SubmitPlan) -> list[str]:
     executor = submitit.SlurmExecutor(folder=plan.folder, max_num_timeout=plan.slurm.max_requeues, python=plan.python)
     executor.update_parameters(**plan.params)
     jobs: list[Any] = []
+    started = time.time()
     # submitit echoes sbatch's stderr when sbatch fails; it is reported once, below, with the fix.
     quiet = contextlib.redirect_stderr(io.StringIO())
     try:
@@ -55,7 +56,7 @@ def submit(plan: SubmitPlan) -> list[str]:
                 p = plan.points[0]
                 jobs.append(executor.submit(TrainJob(str(p.config_path), plan.slurm.signal, plan.slurm.max_requeues)))
     except (submitit.core.utils.FailedJobError, submitit.core.utils.FailedSubmissionError, OSError) as exc:
-        raise LaunchError(_queued_anyway(plan, str(exc)) or _rejection(str(exc))) from None
+        raise LaunchError(_queued_anyway(plan, str(exc), started) or _rejection(str(exc))) from None
     submitted = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     ids = [str(j.job_id) for j in jobs]
     script_file = plan.folder / f"{ids[0].split('_')[0]}_submission.sh"
@@ -122,16 +123,27 @@ def _record(plan: SubmitPlan, ids: list[str], script: str, submitted: str) -> No
         job_index.record(job_id, p.cfg.run_dir, plan.params["job_name"], submitted)
 
 
-def _queued_anyway(plan: SubmitPlan, text: str) -> str:
+def _since(submit_time: str, started: float) -> bool:
+    """Whether squeue's SubmitTime (local time, to the second) is at or after `started`, a minute of clock skew aside."""
+    try:
+        return time.mktime(time.strptime(submit_time, "%Y-%m-%dT%H:%M:%S")) >= started - 60
+    except (ValueError, OverflowError):
+        return True  # a site's own time format: the name and comment decide
+
+
+def _queued_anyway(plan: SubmitPlan, text: str, started: float) -> str:
     """sbatch's "Socket timed out" can come after slurmctld queued the job: "try again" then queued a second job for
     the same run directory, the first one unrecorded. The jobs of this name in the queue now, said ("" otherwise)."""
     if "socket timed out" not in text.lower():
         return ""
     name = plan.params["job_name"]
-    try:
-        ids = [r.job_id for r in slurm_query.squeue() if r.name == name]
-    except LaunchError:
-        ids = []
+    try:  # ours (the comment submit gives its jobs), of this name, submitted since this command started
+        ids = [r.job_id for r in slurm_query.squeue() if r.name == name and r.comment == "aura_hpc" and _since(r.submit, started)]
+    except LaunchError as exc:
+        return (
+            f"sbatch did not hear back from slurmctld in time, and the queue could not be read ({exc}) (fix: check "
+            f"`squeue --me -n {name}` before submitting again: a submission sbatch timed out on may still be queued)"
+        )
     if not ids:
         return (
             f"sbatch did not hear back from slurmctld in time, and no job named {name!r} is in the queue yet (fix: check "
@@ -192,7 +204,12 @@ def wait(job_ids: list[str], follow_log: Path | None = None, poll_s: float = 1.0
 
 def never_starts(row: slurm_query.JobRow) -> str:
     """Why a pending job will not start unless someone acts (a watch would wait on it for ever), or ""."""
-    if held := slurm_query.HELD_STATES.get(row.state):
+    held = slurm_query.HELD_STATES.get(row.state)
+    # Slurm clears SPECIAL_EXIT at `scontrol release`, the other two only when the job starts: released, its reason
+    # is no hold's any more (Resources, Priority).
+    if held and row.state != "SPECIAL_EXIT" and not any(w in row.reason.lower() for w in ("hold", "held", "reservationdeleted")):
+        held = None
+    if held:
         return (
             f"job {row.job_id} will not start: {held} (squeue's state {row.state}) (fix: `scontrol release {row.job_id}` "
             f"lets it start, `python -m aura_hpc cancel {row.job_id}` ends it)"
