@@ -690,7 +690,7 @@ def test_a_cancel_during_a_stop_is_not_undone_by_the_requeue(slurm_cluster: Path
             raw = dict(line.split() for line in listed.stdout.splitlines())
             time.sleep(0.5)
         subprocess.run(["scancel", f"{array}_0"], check=True)
-        assert exclude.cancelled(int(raw[f"{array}_0"])) and not exclude.cancelled(int(raw[f"{array}_1"]))
+        assert exclude.why_stopped(int(raw[f"{array}_0"])) and not exclude.why_stopped(int(raw[f"{array}_1"]))
         # Its element that has the array's id requeues itself (its task's variables): `scontrol requeue ARRAY` was
         # every element's, and put the cancelled sibling back in the queue.
         (element,) = [e for e, r in raw.items() if r == array]

@@ -27,15 +27,13 @@ from datetime import datetime
 from pathlib import Path
 
 from aura_hpc.ops import excluded_nodes
+from aura_hpc.slurm.query import ACCOUNTING_LAG_S, NO_ANSWER
 
 # What the accounting shows of a started job before it records its end (PENDING: its start not recorded yet, or it
-# was requeued), and how long a cancel may take to reach it.
+# was requeued).
 NOT_ENDED = ("", "PENDING", "RUNNING", "RESIZING", "SUSPENDED")
-# What Slurm's clients say when the controller did not answer.
-NO_ANSWER = ("socket timed out", "unable to contact slurm controller", "zero bytes were transmitted", "connection refused")
 # A job someone stopped: a cancel, or a preemption of PreemptMode=CANCEL.
 STOPPED_BY_SOMEONE = ("CANCELLED", "PREEMPTED")
-ACCOUNTING_LAG_S = 10.0
 UNUSABLE = ("down", "drain", "drng", "fail", "maint", "unk", "inval", "futr", "npc", "resv", "boot", "powered", "pow_dn")
 
 
@@ -72,18 +70,14 @@ def requeue(job_id: int) -> str | None:
     return None
 
 
-def cancelled(job_id: int) -> bool:
-    return bool(why_stopped(job_id))
-
-
 def why_stopped(job_id: int) -> str:
     """Why the job is ending by someone's hand ("" when not, or unknown): a cancel (scancel), a preemption that
-    cancels. `scontrol requeue` takes a job whose
-    processes are still stopping (COMPLETING) and undoes the cancel (tried on Slurm 22.05: Restarts=1, back to
-    pending). While it completes, only the accounting says why; without an answer from it, a job that ends before
-    its time limit was stopped by someone (a cancel, a preemption, a requeue already asked): not requeued again.
-    Unknown (no Slurm client in the image, no answer) reads as not cancelled: the requeue decides as before. A
-    sweep's last element has the array's id: only this job's own record counts, not its siblings'."""
+    cancels. `scontrol requeue` takes a job whose processes are still stopping (COMPLETING) and undoes the cancel
+    (tried on Slurm 22.05: Restarts=1, back to pending). While it completes, only the accounting says why; without
+    an answer from it, a job that ends before its time limit was stopped by someone (a cancel, a preemption, a
+    requeue already asked): not requeued again. Unknown (no Slurm client in the image, no answer) reads as not
+    cancelled: the requeue decides as before. A sweep's last element has the array's id: only this job's own record
+    counts, not its siblings'."""
     deadline = time.monotonic() + 20  # within KillWait (30 s by default) of a cancel's SIGTERM
     while True:
         try:
@@ -294,6 +288,14 @@ class Judged:
     room: _Room
     nodes: list[str]
     names: str
+
+
+def judge_unless_stopped(job_id: int, run_dir: Path, say: Callable[[str], None]) -> tuple[Judged | None, str]:
+    """judge_before_requeue, and why the job is being stopped by someone ("" when it is not) where the judgement
+    took its time (up to 20 s): a cancel that landed meanwhile is not undone by the requeue either."""
+    judging = time.monotonic()
+    judged = judge_before_requeue(job_id, run_dir, say)
+    return judged, why_stopped(job_id) if time.monotonic() - judging > 1 else ""
 
 
 def judge_before_requeue(job_id: int, run_dir: Path, say: Callable[[str], None]) -> Judged | None:

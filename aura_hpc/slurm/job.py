@@ -172,10 +172,8 @@ class TrainJob:
         sys.stdout.flush()
         from pathlib import Path
 
-        judging = time.monotonic()
-        judged = exclude.judge_before_requeue(job_id, Path(self.config_path).parent, say)
-        # A cancel that landed while Slurm was asked which nodes are spare (up to 20 s): not undone either.
-        if time.monotonic() - judging > 1 and (stopped := exclude.why_stopped(job_id)):
+        judged, stopped = exclude.judge_unless_stopped(job_id, Path(self.config_path).parent, say)
+        if stopped:
             say(f"not requeued: {stopped} {fix}")
             return False
         exclude.outlive_the_requeue()

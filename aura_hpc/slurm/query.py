@@ -22,6 +22,11 @@ FINAL_STATES = {
     "DEADLINE",
     "REVOKED",
 }
+# How long the accounting may take to record a job's end after the controller (slurmctld sends it to slurmdbd on a
+# queue of its own, later on a busy controller).
+ACCOUNTING_LAG_S = 10.0
+# What Slurm's clients say when the controller did not answer (a busy or restarting slurmctld).
+NO_ANSWER = ("socket timed out", "unable to contact slurm controller", "zero bytes were transmitted", "connection refused")
 # Ended, but kept pending by Slurm until someone releases or cancels the job: not final, and a wait on it never ends.
 HELD_STATES = {
     "SPECIAL_EXIT": "it was requeued and held after a special exit (the cluster's epilog asked for it)",

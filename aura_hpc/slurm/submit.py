@@ -134,7 +134,7 @@ def _since(submit_time: str, started: float) -> bool:
 def _queued_anyway(plan: SubmitPlan, text: str, started: float) -> str:
     """sbatch's "Socket timed out" can come after slurmctld queued the job: "try again" then queued a second job for
     the same run directory, the first one unrecorded. The jobs of this name in the queue now, said ("" otherwise)."""
-    if "socket timed out" not in text.lower():
+    if slurm_query.NO_ANSWER[0] not in text.lower():  # "socket timed out": the request may have reached slurmctld
         return ""
     name = plan.params["job_name"]
     try:  # ours (the comment submit gives its jobs), of this name, submitted since this command started
@@ -257,15 +257,12 @@ _FIXES = {
 }
 
 
-ACCOUNTING_LAG_S = 10.0
-
-
 def _final_state(job_id: str, row: slurm_query.JobRow | None, since: str, timeout_s: float = 60) -> slurm_query.JobRow | None:
     if row is not None and row.state in slurm_query.FINAL_STATES:
         # squeue knows the state but not the exit code: ask accounting for it when there is one, a few seconds
         # (it records the end after the controller: read at once, it could still lack the job, and the wait gave 1 for
         # the run's own status, 3 or 74-78).
-        deadline = time.monotonic() + ACCOUNTING_LAG_S
+        deadline = time.monotonic() + slurm_query.ACCOUNTING_LAG_S
         while True:
             try:
                 acct = [r for r in slurm_query.sacct([job_id], since=since) if r.job_id == job_id and r.state == row.state]

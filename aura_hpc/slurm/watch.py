@@ -66,10 +66,7 @@ class SlurmHangWatch(HangWatch):
         if requeue:
             print(f"[watchdog] requeuing job {self.job_id} after the hang: it resumes from its newest checkpoint ({why})", flush=True)
             say = lambda m: print(f"[watchdog] {m}", flush=True)  # noqa: E731
-            judging = time.monotonic()
-            judged = exclude.judge_before_requeue(self.job_id, self.cfg.run_dir, say)
-            # A cancel that landed while Slurm was asked which nodes are spare (up to 20 s): not undone either.
-            stopped = exclude.why_stopped(self.job_id) if time.monotonic() - judging > 1 else ""
+            judged, stopped = exclude.judge_unless_stopped(self.job_id, self.cfg.run_dir, say)
             if stopped:
                 print(f"[watchdog] not requeued: {stopped} (fix: resubmit the same command to resume)", flush=True)
             else:
