@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -409,6 +410,24 @@ def test_a_watch_outlasts_a_controller_that_misses_an_answer_and_prints_the_jobs
         submit.squeue_patiently("42", patience_s=1)
 
 
+def test_a_completing_jobs_run_time_is_read_across_a_clock_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """scontrol prints local times. Across the spring clock change, a job cancelled after 61 minutes of a 2-hour
+    limit read as 2 h 1 min, its limit reached: a timeout, requeued where no accounting said it was a cancel."""
+    from aura_hpc.slurm import exclude
+
+    monkeypatch.setenv("TZ", "CET-1CEST,M3.5.0,M10.5.0/3")  # Central Europe's rule, no tzdata needed
+    time.tzset()
+    try:
+        across = ["StartTime=2026-03-29T01:30:00", "EndTime=2026-03-29T03:31:00", "TimeLimit=02:00:00"]
+        assert exclude._ended_early(across) is True
+        at_limit = ["StartTime=2026-03-29T01:30:00", "EndTime=2026-03-29T04:30:00", "TimeLimit=02:00:00"]
+        assert exclude._ended_early(at_limit) is False
+        assert exclude._ended_early(["StartTime=2026-03-29T01:30:00", "EndTime=2026-03-29T03:31:00", "TimeLimit=UNLIMITED"]) is None
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
 def test_a_requeue_where_the_slurm_client_is_missing_is_a_reason_not_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A container image without scontrol: the watchdog still kills the hung ranks, a screen's requeue
     that did not happen ends the job failed; both read this reason instead of a FileNotFoundError."""
@@ -663,7 +682,7 @@ def test_a_cancel_during_a_stop_is_not_undone_by_the_requeue(slurm_cluster: Path
         (lagging / "sacct").write_text("#!/bin/sh\necho 'sacct: error: Slurm accounting storage is disabled' >&2\nexit 1\n")
         with monkeypatch.context() as m:
             m.setenv("PATH", f"{lagging}:{os.environ['PATH']}")
-            assert "ending before its time limit" in exclude.why_stopped(int(job))
+            assert "ending before its time limit" in exclude.why_stopped(int(job)).why
         shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
         assert "Restarts=0" in shown and "JobState=PENDING" not in shown, shown
     finally:
@@ -703,6 +722,49 @@ def test_a_cancel_during_a_stop_is_not_undone_by_the_requeue(slurm_cluster: Path
             assert f"Restarts={int(e == element)}" in shown, shown
     finally:
         subprocess.run(["scancel", array], check=False)
+
+
+def test_a_job_requeued_by_another_hand_is_neither_requeued_again_nor_submitted_again(
+    slurm_cluster: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cluster that preempts by requeuing and sends the job's signal first (PreemptMode=REQUEUE with
+    SlurmctldParameters=preempt_send_user_signal): rank 0 gets USR2, checkpoints, and finds the job requeued by
+    Slurm itself (an admin's `scontrol requeue` alike). It said "was preempted" or asked again ("Job is pending
+    execution"), and either way told the user to submit the same command again: a second job for one run. Now
+    the job's Restarts, past this attempt's SLURM_RESTART_COUNT, says it is back in the queue."""
+    from aura_hpc.launch import goodput
+    from aura_hpc.slurm import exclude
+    from aura_hpc.slurm.job import TrainJob
+
+    monkeypatch.setenv(goodput.LAUNCH_ENV, "")  # the ledger's own variable, put back after the test
+    trapped = tmp_path / "trapped"
+    sub = ["sbatch", "--parsable", "--requeue", "--time", "10", "--job-name", f"requeued {tmp_path.name}"]
+    job = subprocess.run(
+        [*sub, "--wrap", f"trap '' TERM; touch {trapped}; sleep 120"], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
+    job_id = job.stdout.strip()
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        deadline = time.monotonic() + 60
+        while not trapped.exists():
+            assert time.monotonic() < deadline, "the job's script never ran"
+            time.sleep(0.2)
+        subprocess.run(["scontrol", "requeue", job_id], check=True)  # its processes stop: COMPLETING, Restarts=1
+        attempt = TrainJob(str(tmp_path / "config.yaml"))
+        attempt.launch = goodput.Launch.of_slurm_job(tmp_path, int(job_id), time.time())
+        assert attempt._requeue(int(job_id), 0) is True  # back in the queue: the job's tasks end as requeued
+        said = capsys.readouterr().out
+        assert "not requeued again" in said and "Restarts=1" in said and "nothing to submit" in said, said
+        assert "fix: submit" not in said and "requeuing job" not in said, said
+        assert len(attempt.launch.requeues) == 1  # the goodput ledger counts the wait in the queue as a restart
+        _wait_for_state(job_id, "PENDING", "the requeued job did not go back to pending")
+        # Another hand's requeue landing between the look and the ask: the answer is that it is done.
+        assert exclude.requeue(int(job_id)) is None
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+        assert "Restarts=1 " in shown, shown
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        subprocess.run(["scancel", job_id], check=False)
 
 
 def test_an_sbatch_that_timed_out_after_queuing_names_the_job(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:

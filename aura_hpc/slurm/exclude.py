@@ -58,22 +58,53 @@ def job_ref(job_id: int) -> str:
     return f"{job_id}_{e['SLURM_ARRAY_TASK_ID']}" if mine and e.get("SLURM_ARRAY_TASK_ID", "").isdigit() else str(job_id)
 
 
+RESUBMIT = "(fix: submit the same command again to resume from its newest checkpoint)"
+# What `scontrol requeue` answers for a job already back in the queue: another hand's requeue came first.
+REQUEUED_BY_ANOTHER = "pending execution"
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """Why a job is ending by another hand ("" when it is not, or unknown), and what its owner does about it."""
+
+    why: str = ""
+    then: str = RESUBMIT
+
+    def __bool__(self) -> bool:
+        return bool(self.why)
+
+    def __str__(self) -> str:
+        return f"{self.why} {self.then}" if self.why else ""
+
+    @property
+    def requeued_anyway(self) -> bool:
+        return self.then != RESUBMIT
+
+    @property
+    def line(self) -> str:
+        return f"not requeued{' again' if self.requeued_anyway else ''}: {self}"
+
+
 def requeue(job_id: int) -> str | None:
     """Ask Slurm to requeue the job: why it could not, or None. A negative status is scontrol killed by the
-    requeue's own signal, after it asked."""
+    requeue's own signal, after it asked. A job already back in the queue (another hand's requeue since it was
+    last read) is what was asked."""
     try:
         done = _scontrol("requeue", job_ref(job_id))
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"scontrol could not be run ({exc}; a container image may lack the Slurm client)"
-    if done.returncode > 0:
+    if done.returncode > 0 and REQUEUED_BY_ANOTHER not in (done.stderr + done.stdout).lower():
         return (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
     return None
 
 
-def why_stopped(job_id: int) -> str:
-    """Why the job is ending by someone's hand ("" when not, or unknown): a cancel (scancel), a preemption that
-    cancels. `scontrol requeue` takes a job whose processes are still stopping (COMPLETING) and undoes the cancel
-    (tried on Slurm 22.05: Restarts=1, back to pending). While it completes, only the accounting says why; without
+def why_stopped(job_id: int, restarts: int | None = None) -> Stopped:
+    """Why the job is ending by another hand: a cancel (scancel), a preemption that cancels, or a requeue already
+    made (Slurm's own after a node failure or a preemption that requeues, an admin's or our watchdog's `scontrol
+    requeue`), told by its Restarts past `restarts` (this attempt's SLURM_RESTART_COUNT): requeued a second time, it
+    failed ("Job is pending execution") and its line said to submit again, a second job for one run.
+    `scontrol requeue` takes a job whose processes are still stopping (COMPLETING) and undoes the cancel (tried on
+    Slurm 22.05: Restarts=1, back to pending). While it completes, only the accounting says why; without
     an answer from it, a job that ends before its time limit was stopped by someone (a cancel, a preemption, a
     requeue already asked): not requeued again. Unknown (no Slurm client in the image, no answer) reads as not
     cancelled: the requeue decides as before. A sweep's last element has the array's id: only this job's own record
@@ -83,7 +114,7 @@ def why_stopped(job_id: int) -> str:
         try:
             shown = _scontrol("show", "job", "-o", job_ref(job_id))
         except (OSError, subprocess.TimeoutExpired):
-            return ""
+            return Stopped()
         # A busy controller's "Socket timed out" is no answer: asked again.
         if shown.returncode == 0 or "invalid job id" in shown.stderr.lower() or time.monotonic() > deadline - 2:
             break
@@ -92,18 +123,24 @@ def why_stopped(job_id: int) -> str:
     # not quoted: a name holding "JobState=CANCELLED" read as the state).
     fields = next((line.split() for line in shown.stdout.splitlines() if line.split()[:1] == [f"JobId={job_id}"]), [])
     state = next((f.split("=", 1)[1] for f in reversed(fields) if f.startswith("JobState=")), "")
+    counted = next((f.split("=", 1)[1] for f in reversed(fields) if f.startswith("Restarts=")), "")
+    if restarts is not None and counted.isdigit() and int(counted) > restarts and not state.startswith(STOPPED_BY_SOMEONE):
+        return Stopped(
+            f"job {job_ref(job_id)} was already requeued by another hand (Slurm's, or an scontrol requeue: Restarts={counted})",
+            "(nothing to submit: Slurm starts it again, and it resumes from its newest checkpoint)",
+        )
     if state == "COMPLETING":
         early = _ended_early(fields)
         if early is False:  # at its time limit: a timeout, which the requeue is for (KillWait leaves no time to ask)
-            return ""
+            return Stopped()
         state = _accounted_state(job_id, min(ACCOUNTING_LAG_S, max(0.0, deadline - time.monotonic())))
         if not state and early:
-            return (
+            return Stopped(
                 f"job {job_ref(job_id)} is ending before its time limit (a cancel, a preemption or a requeue already asked; "
                 "no accounting says which)"
             )
     word = state.split(" ")[0].lower()
-    return f"job {job_ref(job_id)} was {word}" if state.startswith(STOPPED_BY_SOMEONE) else ""
+    return Stopped(f"job {job_ref(job_id)} was {word}" if state.startswith(STOPPED_BY_SOMEONE) else "")
 
 
 def _ended_early(fields: list[str]) -> bool | None:
@@ -117,7 +154,8 @@ def _ended_early(fields: list[str]) -> bool | None:
     except (KeyError, ValueError):
         return None
     limit = int(days or 0) * 86400 + sum(p * 60**i for i, p in enumerate(reversed(parts)))
-    return (end - start).total_seconds() < limit - 60
+    # scontrol prints the host's local time: across a clock change only the instants (timestamp()) tell the run time.
+    return end.timestamp() - start.timestamp() < limit - 60
 
 
 def _accounted_state(job_id: int, wait_s: float = ACCOUNTING_LAG_S) -> str:
@@ -290,12 +328,12 @@ class Judged:
     names: str
 
 
-def judge_unless_stopped(job_id: int, run_dir: Path, say: Callable[[str], None]) -> tuple[Judged | None, str]:
-    """judge_before_requeue, and why the job is being stopped by someone ("" when it is not) where the judgement
-    took its time (up to 20 s): a cancel that landed meanwhile is not undone by the requeue either."""
+def judge_unless_stopped(job_id: int, run_dir: Path, say: Callable[[str], None], restarts: int) -> tuple[Judged | None, Stopped]:
+    """judge_before_requeue, and why the job is being stopped by another hand where the judgement took its time (up
+    to 20 s): a cancel or a requeue that landed meanwhile is neither undone nor doubled by this requeue."""
     judging = time.monotonic()
     judged = judge_before_requeue(job_id, run_dir, say)
-    return judged, why_stopped(job_id) if time.monotonic() - judging > 1 else ""
+    return judged, why_stopped(job_id, restarts) if time.monotonic() - judging > 1 else Stopped()
 
 
 def judge_before_requeue(job_id: int, run_dir: Path, say: Callable[[str], None]) -> Judged | None:

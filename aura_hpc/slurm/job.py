@@ -15,9 +15,13 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from aura_hpc.errors import EXIT_RESUMABLE, EXIT_SCREEN
+
+if TYPE_CHECKING:
+    from aura_hpc.slurm.exclude import Stopped
 
 log = logging.getLogger("aura_hpc")
 
@@ -157,14 +161,12 @@ class TrainJob:
         def say(msg: str) -> None:
             print(f"[rank0] {msg}", flush=True)
 
-        fix = "(fix: submit the same command again to resume from its newest checkpoint)"
-        if stopped := exclude.why_stopped(job_id):
-            say(f"not requeued: {stopped} {fix}")
-            return False
+        if stopped := exclude.why_stopped(job_id, restarts):
+            return self._not_requeued(stopped, say)
         if restarts >= self.max_requeues:
             say(
                 f"not requeued: this job was already requeued {restarts} times (slurm.max_requeues={self.max_requeues}) "
-                "(fix: submit the same command again to resume from the checkpoint, or raise slurm.max_requeues)"
+                "(fix: submit the same command again to resume from its newest checkpoint, or raise slurm.max_requeues)"
             )
             return False
         # Said before asking: a requeue signals the job's processes, scontrol and this one included.
@@ -172,10 +174,9 @@ class TrainJob:
         sys.stdout.flush()
         from pathlib import Path
 
-        judged, stopped = exclude.judge_unless_stopped(job_id, Path(self.config_path).parent, say)
+        judged, stopped = exclude.judge_unless_stopped(job_id, Path(self.config_path).parent, say, restarts)
         if stopped:
-            say(f"not requeued: {stopped} {fix}")
-            return False
+            return self._not_requeued(stopped, say)
         exclude.outlive_the_requeue()
         self.launch.requeued(time.time())
         failed = exclude.requeue(job_id)
@@ -183,6 +184,15 @@ class TrainJob:
             say(f"scontrol requeue {job_id} failed: {failed} (fix: resubmit the same command to resume)")
             return False
         exclude.apply_after_requeue(job_id, Path(self.config_path).parent, say, judged)
+        return True
+
+    def _not_requeued(self, stopped: Stopped, say: Callable[[str], None]) -> bool:
+        """Said, and whether the job is back in the queue all the same (another hand requeued it)."""
+        say(stopped.line)
+        if not stopped.requeued_anyway:
+            return False
+        if self.launch is not None:
+            self.launch.requeued(time.time())
         return True
 
 

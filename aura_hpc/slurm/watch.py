@@ -58,23 +58,26 @@ class SlurmHangWatch(HangWatch):
         # Alone, after the node that named the culprit acted (and counted the hang) without ending this task:
         # the same hang, not one more against the budget.
         requeue, why = self._within_budget(hang.progress_step, count=not alone)
-        if requeue and (stopped := exclude.why_stopped(self.job_id)):  # a hang seen while a cancel stops the ranks: not undone
-            requeue, why = False, stopped
+        stopped = exclude.why_stopped(self.job_id, self.restarts) if requeue else exclude.Stopped()
+        if stopped:  # a hang seen while a cancel or another hand's requeue stops the ranks: neither undone nor doubled
+            requeue = False
         if hang.culprits and self.cfg.health.hang_exclude_node:
             ranks_named = ", ".join(map(str, hang.culprits))
             excluded_nodes.record(self.cfg.run_dir, node_name(), f"rank {ranks_named} hung there")
         if requeue:
             print(f"[watchdog] requeuing job {self.job_id} after the hang: it resumes from its newest checkpoint ({why})", flush=True)
             say = lambda m: print(f"[watchdog] {m}", flush=True)  # noqa: E731
-            judged, stopped = exclude.judge_unless_stopped(self.job_id, self.cfg.run_dir, say)
+            judged, stopped = exclude.judge_unless_stopped(self.job_id, self.cfg.run_dir, say, self.restarts)
             if stopped:
-                print(f"[watchdog] not requeued: {stopped} (fix: resubmit the same command to resume)", flush=True)
+                print(f"[watchdog] {stopped.line}", flush=True)
             else:
                 exclude.outlive_the_requeue()
                 if failed := exclude.requeue(self.job_id):
                     print(f"[watchdog] scontrol requeue {self.job_id} failed: {failed} (fix: resubmit the same command)", flush=True)
                 else:
                     exclude.apply_after_requeue(self.job_id, self.cfg.run_dir, say, judged)
+        elif stopped:
+            print(f"[watchdog] {stopped.line}", flush=True)
         else:
             print(f"[watchdog] not requeued: {why} (fix: see the hang's line and stacks, then resubmit)", flush=True)
         self.kill(ranks)
