@@ -138,11 +138,30 @@ def submit(spec: PrepareSpec, nodes: int, partition: str | None, time_min: int, 
     return PrepareJobs(str(tok.job_id), array_id, str(fin.job_id), logs)
 
 
+# How long an ended finish job's result file may take to appear here (written on a node, read over NFS).
+RESULT_LAG_S = 30.0
+
+
 def wait(jobs: PrepareJobs) -> str:
-    """Block until the finish job ends; its result line, or a LaunchError naming the failed stage's log."""
+    """Block until the finish job ends; its result line, or a LaunchError naming the failed stage's log. The end is
+    read from the queue (slurm/submit.py's wait), not from submitit's watcher, which asks the accounting alone: on
+    a cluster without it ("accounting storage is disabled"), a finish job that ended without its result (cancelled
+    after a failed or cancelled tokenizer or encode job: kill_on_invalid_dep) kept the wait going for ever."""
     import submitit
 
+    from aura_hpc.slurm.submit import wait as wait_for_jobs
+
+    status = wait_for_jobs([jobs.finish], printer=lambda line: print(line, flush=True))
     fin = submitit.SlurmJob(folder=jobs.logs, job_id=jobs.finish)
+    deadline = time.monotonic() + (RESULT_LAG_S if status == 0 else 3)
+    while not fin.paths.result_pickle.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not fin.paths.result_pickle.exists():  # submitit's result() would wait for it for ever without accounting
+        raise LaunchError(
+            f"prepare job {jobs.finish} ended without its result (exit status {status}) (fix: see the logs in {jobs.logs}: "
+            "a failed or cancelled tokenizer or encode job cancels the jobs after it; submitting again redoes only the "
+            "unfinished pieces)"
+        )
     try:
         return str(fin.result())
     except Exception as exc:  # submitit raises the job's own error, with its log
