@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -410,19 +411,32 @@ def test_a_watch_outlasts_a_controller_that_misses_an_answer_and_prints_the_jobs
         submit.squeue_patiently("42", patience_s=1)
 
 
-def test_a_completing_jobs_run_time_is_read_across_a_clock_change(monkeypatch: pytest.MonkeyPatch) -> None:
-    """scontrol prints local times. Across the spring clock change, a job cancelled after 61 minutes of a 2-hour
-    limit read as 2 h 1 min, its limit reached: a timeout, requeued where no accounting said it was a cancel."""
+def test_a_completing_jobs_run_time_is_read_in_utc_across_a_clock_change(slurm_cluster: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """scontrol printed the host's local time. Across the spring clock change, a job cancelled after 61 minutes of
+    a 2-hour limit read as 2 h 1 min, its limit reached: a timeout, requeued where no accounting said it was a
+    cancel (and the hour a fall-back repeats has no one reading). The job's times are now asked in UTC."""
     from aura_hpc.slurm import exclude
 
     monkeypatch.setenv("TZ", "CET-1CEST,M3.5.0,M10.5.0/3")  # Central Europe's rule, no tzdata needed
     time.tzset()
     try:
-        across = ["StartTime=2026-03-29T01:30:00", "EndTime=2026-03-29T03:31:00", "TimeLimit=02:00:00"]
+        across = ["StartTime=2026-03-29T00:30:00", "EndTime=2026-03-29T01:31:00", "TimeLimit=02:00:00"]  # UTC: 61 min
         assert exclude._ended_early(across) is True
-        at_limit = ["StartTime=2026-03-29T01:30:00", "EndTime=2026-03-29T04:30:00", "TimeLimit=02:00:00"]
+        at_limit = ["StartTime=2026-03-29T00:30:00", "EndTime=2026-03-29T02:30:00", "TimeLimit=02:00:00"]
         assert exclude._ended_early(at_limit) is False
-        assert exclude._ended_early(["StartTime=2026-03-29T01:30:00", "EndTime=2026-03-29T03:31:00", "TimeLimit=UNLIMITED"]) is None
+        assert exclude._ended_early(["StartTime=2026-03-29T00:30:00", "EndTime=2026-03-29T01:31:00", "TimeLimit=UNLIMITED"]) is None
+        # What scontrol says of a job here, in this time zone: its submit time in UTC.
+        job = subprocess.run(
+            ["sbatch", "--parsable", "--hold", "-o", "/dev/null", "--wrap", "true"], capture_output=True, text=True, check=True
+        )
+        job_id = job.stdout.strip()
+        try:
+            shown = exclude._scontrol("show", "job", "-o", job_id).stdout
+            submitted = re.search(r"SubmitTime=(\S+)", shown).group(1)
+            utc = datetime.fromisoformat(submitted).replace(tzinfo=UTC)
+            assert abs(utc.timestamp() - time.time()) < 600, shown  # read as local time, an hour off
+        finally:
+            subprocess.run(["scancel", job_id], check=False)
     finally:
         monkeypatch.undo()
         time.tzset()
@@ -739,11 +753,9 @@ def test_a_job_requeued_by_another_hand_is_neither_requeued_again_nor_submitted_
     monkeypatch.setenv(goodput.LAUNCH_ENV, "")  # the ledger's own variable, put back after the test
     trapped = tmp_path / "trapped"
     sub = ["sbatch", "--parsable", "--requeue", "--time", "10", "--job-name", f"requeued {tmp_path.name}"]
-    job = subprocess.run(
-        [*sub, "--wrap", f"trap '' TERM; touch {trapped}; sleep 120"], capture_output=True, text=True, check=True, cwd=tmp_path
-    )
-    job_id = job.stdout.strip()
-    sigterm = signal.getsignal(signal.SIGTERM)
+    sub += ["--wrap", f"trap '' TERM; touch {trapped}; sleep 120"]
+    job_id = subprocess.run(sub, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip()
+    sigterm, job_ids = signal.getsignal(signal.SIGTERM), [job_id]
     try:
         deadline = time.monotonic() + 60
         while not trapped.exists():
@@ -762,9 +774,20 @@ def test_a_job_requeued_by_another_hand_is_neither_requeued_again_nor_submitted_
         assert exclude.requeue(int(job_id)) is None
         shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
         assert "Restarts=1 " in shown, shown
+        # Requeued and held (`scontrol requeuehold`, a prolog that failed): it starts again only once released.
+        trapped.unlink()
+        held = subprocess.run(sub, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip()
+        job_ids.append(held)
+        while not trapped.exists():
+            assert time.monotonic() < deadline + 60, "the second job's script never ran"
+            time.sleep(0.2)
+        subprocess.run(["scontrol", "requeuehold", held], check=True)
+        stopped = exclude.why_stopped(int(held), 0)
+        assert stopped.requeued_anyway and "requeued and held" in stopped.why and f"scontrol release {held}" in stopped.then, stopped
+        assert not exclude.why_stopped(int(held), 1)  # the attempt that asked for it itself: no other hand
     finally:
         signal.signal(signal.SIGTERM, sigterm)
-        subprocess.run(["scancel", job_id], check=False)
+        subprocess.run(["scancel", *job_ids], check=False)
 
 
 def test_an_sbatch_that_timed_out_after_queuing_names_the_job(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:

@@ -23,11 +23,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 from aura_hpc.ops import excluded_nodes
-from aura_hpc.slurm.query import ACCOUNTING_LAG_S, NO_ANSWER
+from aura_hpc.slurm.query import ACCOUNTING_LAG_S, HELD_STATES, NO_ANSWER
 
 # What the accounting shows of a started job before it records its end (PENDING: its start not recorded yet, or it
 # was requeued).
@@ -45,7 +45,9 @@ def outlive_the_requeue() -> None:
 
 
 def _scontrol(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=30)
+    # Times in UTC, Slurm's standard format: a local time is ambiguous in the hour a clock change repeats.
+    env = {**os.environ, "TZ": "UTC0", "SLURM_TIME_FORMAT": "standard"}
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=30, env=env)
 
 
 def job_ref(job_id: int) -> str:
@@ -59,8 +61,9 @@ def job_ref(job_id: int) -> str:
 
 
 RESUBMIT = "(fix: submit the same command again to resume from its newest checkpoint)"
-# What `scontrol requeue` answers for a job already back in the queue: another hand's requeue came first.
-REQUEUED_BY_ANOTHER = "pending execution"
+# What `scontrol requeue` answers for a job already back in the queue: another hand's requeue came first (not
+# "Job is no longer pending execution", which is a running job's answer to an update).
+REQUEUED_BY_ANOTHER = "job is pending execution"
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,8 @@ def requeue(job_id: int) -> str | None:
         done = _scontrol("requeue", job_ref(job_id))
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"scontrol could not be run ({exc}; a container image may lack the Slurm client)"
-    if done.returncode > 0 and REQUEUED_BY_ANOTHER not in (done.stderr + done.stdout).lower():
+    answer = (done.stderr + done.stdout).lower()
+    if done.returncode > 0 and (REQUEUED_BY_ANOTHER not in answer or "no longer" in answer):
         return (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
     return None
 
@@ -123,12 +127,8 @@ def why_stopped(job_id: int, restarts: int | None = None) -> Stopped:
     # not quoted: a name holding "JobState=CANCELLED" read as the state).
     fields = next((line.split() for line in shown.stdout.splitlines() if line.split()[:1] == [f"JobId={job_id}"]), [])
     state = next((f.split("=", 1)[1] for f in reversed(fields) if f.startswith("JobState=")), "")
-    counted = next((f.split("=", 1)[1] for f in reversed(fields) if f.startswith("Restarts=")), "")
-    if restarts is not None and counted.isdigit() and int(counted) > restarts and not state.startswith(STOPPED_BY_SOMEONE):
-        return Stopped(
-            f"job {job_ref(job_id)} was already requeued by another hand (Slurm's, or an scontrol requeue: Restarts={counted})",
-            "(nothing to submit: Slurm starts it again, and it resumes from its newest checkpoint)",
-        )
+    if restarts is not None and not state.startswith(STOPPED_BY_SOMEONE) and (requeued := _requeued_by_another(fields, restarts, job_id)):
+        return requeued
     if state == "COMPLETING":
         early = _ended_early(fields)
         if early is False:  # at its time limit: a timeout, which the requeue is for (KillWait leaves no time to ask)
@@ -143,19 +143,47 @@ def why_stopped(job_id: int, restarts: int | None = None) -> Stopped:
     return Stopped(f"job {job_ref(job_id)} was {word}" if state.startswith(STOPPED_BY_SOMEONE) else "")
 
 
+def _requeued_by_another(fields: list[str], restarts: int, job_id: int) -> Stopped:
+    """The job's Restarts past this attempt's: requeued by another hand, and maybe held (`scontrol requeuehold`, a
+    prolog that failed: Priority=0 while it still completes). Read around the last JobState= field: Priority comes
+    before it, Reason and Restarts after it, and the job's name (before them all) is not quoted."""
+    at = max((i for i, f in enumerate(fields) if f.startswith("JobState=")), default=len(fields))
+    before = dict(f.split("=", 1) for f in fields[:at] if "=" in f)
+    after = dict(f.split("=", 1) for f in reversed(fields[at:]) if "=" in f)  # the first of each after JobState
+    counted, state, reason = after.get("Restarts", ""), after.get("JobState", ""), after.get("Reason", "")
+    if not counted.isdigit() or int(counted) <= restarts:
+        return Stopped()
+    ref = job_ref(job_id)
+    if before.get("Priority") == "0" or state in HELD_STATES or "held" in reason.lower():
+        return Stopped(
+            f"job {ref} was requeued and held by another hand (Restarts={counted}, Reason={reason})",
+            f"(nothing to submit: `scontrol release {ref}` lets it start again from its newest checkpoint)",
+        )
+    return Stopped(
+        f"job {ref} was already requeued by another hand (Slurm's, or an scontrol requeue: Restarts={counted})",
+        f"(nothing to submit while `squeue -j {ref}` lists it: Slurm starts it again, and it resumes from its newest checkpoint)",
+    )
+
+
+def after_another_hands_requeue(job_id: int, run_dir: Path, say: Callable[[str], None]) -> None:
+    """A job requeued by another hand is pending all the same: the kept nodes are left out of it as after our own."""
+    outlive_the_requeue()
+    apply_after_requeue(job_id, run_dir, say, True)
+
+
 def _ended_early(fields: list[str]) -> bool | None:
     """Whether a completing job's end came before its time limit (its EndTime is set when it ends); None when its
-    fields do not say (an unlimited job, a time format of the site's)."""
+    fields do not say (an unlimited job). Its times are UTC (_scontrol): read in local time, a job cancelled across
+    the spring clock change after 61 minutes of a 2-hour limit ran 2 h 1 min, a timeout, and was requeued."""
     values = dict(f.split("=", 1) for f in fields if "=" in f)
     try:
-        start, end = (datetime.fromisoformat(values[k]) for k in ("StartTime", "EndTime"))
+        start, end = (datetime.fromisoformat(values[k]).replace(tzinfo=UTC) for k in ("StartTime", "EndTime"))
         days, _, clock = values["TimeLimit"].rpartition("-")
         parts = [int(p) for p in clock.split(":")]
     except (KeyError, ValueError):
         return None
     limit = int(days or 0) * 86400 + sum(p * 60**i for i, p in enumerate(reversed(parts)))
-    # scontrol prints the host's local time: across a clock change only the instants (timestamp()) tell the run time.
-    return end.timestamp() - start.timestamp() < limit - 60
+    return (end - start).total_seconds() < limit - 60
 
 
 def _accounted_state(job_id: int, wait_s: float = ACCOUNTING_LAG_S) -> str:

@@ -162,7 +162,7 @@ class TrainJob:
             print(f"[rank0] {msg}", flush=True)
 
         if stopped := exclude.why_stopped(job_id, restarts):
-            return self._not_requeued(stopped, say)
+            return self._not_requeued(job_id, stopped, say)
         if restarts >= self.max_requeues:
             say(
                 f"not requeued: this job was already requeued {restarts} times (slurm.max_requeues={self.max_requeues}) "
@@ -176,7 +176,7 @@ class TrainJob:
 
         judged, stopped = exclude.judge_unless_stopped(job_id, Path(self.config_path).parent, say, restarts)
         if stopped:
-            return self._not_requeued(stopped, say)
+            return self._not_requeued(job_id, stopped, say)
         exclude.outlive_the_requeue()
         self.launch.requeued(time.time())
         failed = exclude.requeue(job_id)
@@ -186,13 +186,18 @@ class TrainJob:
         exclude.apply_after_requeue(job_id, Path(self.config_path).parent, say, judged)
         return True
 
-    def _not_requeued(self, stopped: Stopped, say: Callable[[str], None]) -> bool:
+    def _not_requeued(self, job_id: int, stopped: Stopped, say: Callable[[str], None]) -> bool:
         """Said, and whether the job is back in the queue all the same (another hand requeued it)."""
+        from pathlib import Path
+
+        from aura_hpc.slurm import exclude
+
         say(stopped.line)
         if not stopped.requeued_anyway:
             return False
         if self.launch is not None:
             self.launch.requeued(time.time())
+        exclude.after_another_hands_requeue(job_id, Path(self.config_path).parent, say)
         return True
 
 

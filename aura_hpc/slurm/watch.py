@@ -69,7 +69,7 @@ class SlurmHangWatch(HangWatch):
             say = lambda m: print(f"[watchdog] {m}", flush=True)  # noqa: E731
             judged, stopped = exclude.judge_unless_stopped(self.job_id, self.cfg.run_dir, say, self.restarts)
             if stopped:
-                print(f"[watchdog] {stopped.line}", flush=True)
+                self._not_requeued(stopped)
             else:
                 exclude.outlive_the_requeue()
                 if failed := exclude.requeue(self.job_id):
@@ -77,11 +77,18 @@ class SlurmHangWatch(HangWatch):
                 else:
                     exclude.apply_after_requeue(self.job_id, self.cfg.run_dir, say, judged)
         elif stopped:
-            print(f"[watchdog] {stopped.line}", flush=True)
+            self._not_requeued(stopped)
         else:
             print(f"[watchdog] not requeued: {why} (fix: see the hang's line and stacks, then resubmit)", flush=True)
         self.kill(ranks)
         return True
+
+    def _not_requeued(self, stopped: exclude.Stopped) -> None:
+        if not stopped.requeued_anyway:  # a cancel
+            print(f"[watchdog] not requeued: {stopped.why} (fix: see the hang's line and stacks, then resubmit)", flush=True)
+            return
+        print(f"[watchdog] {stopped.line}", flush=True)
+        exclude.after_another_hands_requeue(self.job_id, self.cfg.run_dir, lambda m: print(f"[watchdog] {m}", flush=True))
 
     def note_earlier_records(self) -> None:
         """The hang records already in RUN_DIR/hangs/ when this attempt starts: an earlier attempt's. Told by
