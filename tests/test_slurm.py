@@ -1144,12 +1144,13 @@ def test_prepare_as_a_slurm_array_gives_the_tokens_of_a_local_prepare(slurm_clus
     assert sorted(p.name for p in out.parent.iterdir()) == [".es.slurm", "es"]
 
 
-def test_a_prepare_whose_jobs_were_cancelled_ends_its_wait_on_a_cluster_without_accounting(
+def test_a_prepare_whose_tokenizer_job_failed_ends_its_wait_on_a_cluster_without_accounting(
     slurm_cluster: Path, tmp_path: Path, home: Path
 ) -> None:
     """submitit's watcher asks the accounting alone: where there is none, the finish job cancelled before it wrote
-    its result (the tokenizer job failed or was cancelled, and kill_on_invalid_dep cancelled the rest) kept
-    `prepare --submit --wait` waiting for ever. The queue says the job ended; the wait says how and what to do."""
+    its result (the tokenizer job failed, and kill_on_invalid_dep cancelled the rest) kept `prepare --submit
+    --wait` waiting for ever. The queue says the job ended; the wait names the job that failed and its last words
+    (submitit's error ended on the log's path). The chain waits behind a job that holds every node meanwhile."""
     from aura_hpc.data.corpus import generate
 
     no_accounting = tmp_path / "no_accounting"
@@ -1160,22 +1161,36 @@ def test_a_prepare_whose_jobs_were_cancelled_ends_its_wait_on_a_cluster_without_
     text.write_text(generate(300, seed=2), encoding="utf-8")
     out = tmp_path / "shared" / "es"
     args = ["prepare", str(text), "--vocab-size", "400", "--out", str(out), "--submit", "--nodes", "1", "--time", "10", "--wait"]
-    env = cli_env(PATH=f"{no_accounting}:{os.environ['PATH']}")
-    waiting = subprocess.Popen(
-        [sys.executable, "-m", "aura_hpc", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    blocker = subprocess.run(
+        ["sbatch", "--parsable", "-N4", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 600"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    jobs: list[str] = []
     try:
+        _wait_for_state(blocker, "RUNNING", "the job that holds every node did not start")
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "aura_hpc", *args],
+            env=cli_env(PATH=f"{no_accounting}:{os.environ['PATH']}"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         logs, deadline = out.parent / ".es.slurm", time.monotonic() + 120
         while len(jobs := [str(j) for j in sorted({int(p.name.split("_")[0]) for p in logs.glob("*_submitted.pkl")})]) < 3:
             assert time.monotonic() < deadline and waiting.poll() is None, "the three prepare jobs were not submitted"
             time.sleep(0.2)
-        subprocess.run(["scancel", jobs[0]], check=True)  # the tokenizer job: the array and the finish job follow
-        said = waiting.communicate(timeout=120)[0]
+        text.unlink()  # the tokenizer job, still pending, will not find its input
+        subprocess.run(["scancel", blocker], check=True)
+        try:
+            said = waiting.communicate(timeout=180)[0]
+        finally:
+            waiting.kill()
     finally:
-        waiting.kill()
-        subprocess.run(["scancel", *jobs], check=False)
+        subprocess.run(["scancel", blocker, *jobs], check=False)
     assert waiting.returncode == 2, said
-    assert f"prepare job {jobs[-1]} ended without its result" in said and "fix: see the logs" in said, said
+    assert (
+        f"prepare job {jobs[-1]} did not end with its result" in said and f"job {jobs[0]} failed: aura_hpc.errors.DataError: input" in said
+    ), said
+    assert "corpus.txt" in said and "fix: see the logs" in said, said
 
 
 def test_a_stopped_rank_of_a_two_node_job_is_named_by_its_nodes_watchdog_and_the_job_requeued(

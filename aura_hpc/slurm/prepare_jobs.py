@@ -138,13 +138,14 @@ def submit(spec: PrepareSpec, nodes: int, partition: str | None, time_min: int, 
     return PrepareJobs(str(tok.job_id), array_id, str(fin.job_id), logs)
 
 
-# How long an ended finish job's result file may take to appear here (written on a node, read over NFS).
-RESULT_LAG_S = 30.0
+# How long an ended job's result file may take to appear here: written on a node, read over NFS, whose folder cache
+# (acdirmax, 60 s by default) keeps a file missing for up to a minute after it was written.
+RESULT_LAG_S = 90.0
 
 
 def wait(jobs: PrepareJobs) -> str:
-    """Block until the finish job ends; its result line, or a LaunchError naming the failed stage's log. The end is
-    read from the queue (slurm/submit.py's wait), not from submitit's watcher, which asks the accounting alone: on
+    """Block until the finish job ends; its result line, or a LaunchError with the failed job's last words. The end
+    is read from the queue (slurm/submit.py's wait), not from submitit's watcher, which asks the accounting alone: on
     a cluster without it ("accounting storage is disabled"), a finish job that ended without its result (cancelled
     after a failed or cancelled tokenizer or encode job: kill_on_invalid_dep) kept the wait going for ever."""
     import submitit
@@ -153,19 +154,52 @@ def wait(jobs: PrepareJobs) -> str:
 
     status = wait_for_jobs([jobs.finish], printer=lambda line: print(line, flush=True))
     fin = submitit.SlurmJob(folder=jobs.logs, job_id=jobs.finish)
-    deadline = time.monotonic() + (RESULT_LAG_S if status == 0 else 3)
-    while not fin.paths.result_pickle.exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    if not fin.paths.result_pickle.exists():  # submitit's result() would wait for it for ever without accounting
+    fix = "submitting again redoes only the unfinished pieces"
+    if not _appears(fin.paths.result_pickle, fin.paths.stdout):  # submitit's result() would wait for it for ever
+        failed = _first_failure(jobs)
+        why = f"; {failed}" if failed else ""
         raise LaunchError(
-            f"prepare job {jobs.finish} ended without its result (exit status {status}) (fix: see the logs in {jobs.logs}: "
-            "a failed or cancelled tokenizer or encode job cancels the jobs after it; submitting again redoes only the "
-            "unfinished pieces)"
+            f"prepare job {jobs.finish} did not end with its result (exit status {status}{why}) (fix: see the logs in "
+            f"{jobs.logs}: a failed or cancelled tokenizer or encode job cancels the jobs after it; {fix})"
         )
     try:
         return str(fin.result())
     except Exception as exc:  # submitit raises the job's own error, with its log
-        raise LaunchError(
-            f"prepare job {jobs.finish} did not finish ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}) "
-            f"(fix: see the logs in {jobs.logs}; submitting again redoes only the unfinished pieces)"
-        ) from None
+        raise LaunchError(f"prepare job {jobs.finish} failed: {_last_words(exc)} (fix: see the logs in {jobs.logs}; {fix})") from None
+
+
+def _appears(result: Path, started: Path) -> bool:
+    """Whether a job's result file is there, given time to cross NFS where the job started (wrote its log)."""
+    deadline = time.monotonic() + RESULT_LAG_S
+    while True:
+        with contextlib.suppress(OSError):  # a folder's changed attribute refreshes NFS's cache of it (as submitit does)
+            result.parent.chmod(result.parent.stat().st_mode)
+        if result.exists():
+            return True
+        if not started.exists() or time.monotonic() > deadline:
+            return False
+        time.sleep(1)
+
+
+def _first_failure(jobs: PrepareJobs) -> str:
+    """The first earlier job of the chain that left an error: its id and last words ("" when none did)."""
+    import submitit
+
+    for job_id in [jobs.tokenizer, *sorted(p.name.rsplit("_", 2)[0] for p in jobs.logs.glob(f"{jobs.encode}_*_result.pkl"))]:
+        job = submitit.SlurmJob(folder=jobs.logs, job_id=job_id)
+        if not job.paths.result_pickle.exists():
+            continue
+        try:
+            job.result()
+        except Exception as exc:
+            return f"job {job_id} failed: {_last_words(exc)}"
+    return ""
+
+
+def _last_words(exc: Exception) -> str:
+    """A submitit error's cause: the last line of the job's traceback, not of its message (the log's path)."""
+    text = str(exc).strip()
+    parts = [p for p in text.split("----------------------") if p.strip()]
+    trace = parts[1] if len(parts) >= 3 else text  # message, traceback, where the logs are
+    lines = [ln.strip() for ln in trace.splitlines() if ln.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:300]
