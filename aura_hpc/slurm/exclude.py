@@ -72,16 +72,13 @@ class Stopped:
 
     why: str = ""
     then: str = RESUBMIT
+    requeued_anyway: bool = False  # another hand put it back in the queue: nothing to submit
 
     def __bool__(self) -> bool:
         return bool(self.why)
 
     def __str__(self) -> str:
         return f"{self.why} {self.then}" if self.why else ""
-
-    @property
-    def requeued_anyway(self) -> bool:
-        return self.then != RESUBMIT
 
     @property
     def line(self) -> str:
@@ -158,10 +155,12 @@ def _requeued_by_another(fields: list[str], restarts: int, job_id: int) -> Stopp
         return Stopped(
             f"job {ref} was requeued and held by another hand (Restarts={counted}, Reason={reason})",
             f"(nothing to submit: `scontrol release {ref}` lets it start again from its newest checkpoint)",
+            requeued_anyway=True,
         )
     return Stopped(
         f"job {ref} was already requeued by another hand (Slurm's, or an scontrol requeue: Restarts={counted})",
         f"(nothing to submit while `squeue -j {ref}` lists it: Slurm starts it again, and it resumes from its newest checkpoint)",
+        requeued_anyway=True,
     )
 
 
