@@ -251,6 +251,9 @@ def s3() -> Iterator[Any]:
 # Files that share one machine-wide resource form one group: the test Slurm cluster is started and
 # stopped by whichever worker holds the group, and its four nodes would queue two files' jobs.
 _SHARED_GROUP = {"test_slurm.py": "slurm", "test_containers.py": "slurm", "test_script_safety.py": "slurm"}
+# test_containers.py last in its group: CI builds the image its real containers run beside the first tests
+# (3 minutes the suite no longer waits for), and the group's Slurm tests come first.
+_LAST_IN_GROUP = ("test_containers.py",)
 # The order the groups are handed out in. xdist (3.7+) keeps it only with `--no-loadscope-reorder`
 # (pyproject.toml's addopts): by default it sorts the groups by their number of tests, which ran the
 # one-process refusals of test_bad_inputs.py (71 tests) beside the Slurm group first, both cores
@@ -306,4 +309,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_group(item)))
     # A stable sort: within a file the tests keep their order.
-    items.sort(key=lambda it: (_order(_group(it)), _group(it)))
+    items.sort(key=lambda it: (_order(_group(it)), _group(it), it.path.name in _LAST_IN_GROUP))

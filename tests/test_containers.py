@@ -1,6 +1,6 @@
 """Containers: the compose file (validated by docker-compose itself, and golden), the launch
 variables the Docker guide uses, and real containers of the CPU image (docker/build-cpu-image.sh,
-built by CI before the tests): `check`, a plain program, and two containers training as two LAN nodes.
+built by CI beside the first tests): `check`, a plain program, and two containers training as two LAN nodes.
 The GPU service (NVIDIA Container Toolkit) cannot run without a GPU: only its configuration is
 checked here."""
 
@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -96,8 +97,24 @@ def test_the_guides_launch_variables_fill_locals_flags(tmp_path: Path) -> None:
 # ---- real containers -------------------------------------------------------------------
 
 
+def _wait_for_the_build(status: Path, log: Path, timeout: float = 1200) -> None:
+    """CI builds the image beside the first tests (`.ci/run`: AURA_TEST_IMAGE_BUILD names the file its build
+    writes its exit status to); a build that failed fails these tests with its log's last lines, never a skip."""
+    deadline = time.monotonic() + timeout
+    while not status.is_file():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the image build CI started had not finished after {timeout:.0f} s (log: {log})")
+        time.sleep(2)
+    code = status.read_text().strip()
+    if code != "0":
+        tail = log.read_text(errors="replace").splitlines()[-30:] if log.is_file() else []
+        pytest.fail(f"the image build CI started exited {code} (log: {log}):\n" + "\n".join(tail))
+
+
 @pytest.fixture(scope="module")
 def image() -> str:
+    if building := os.environ.get("AURA_TEST_IMAGE_BUILD"):
+        _wait_for_the_build(Path(building), Path(os.environ.get("AURA_TEST_IMAGE_LOG", "/tmp/aura-ci-image.log")))
     if shutil.which("docker") is None or shutil.which("docker-compose") is None:
         pytest.skip("docker and docker-compose are not installed (CI installs docker.io and docker-compose)")
     if subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode != 0:
