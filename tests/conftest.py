@@ -252,7 +252,7 @@ def s3() -> Iterator[Any]:
 # stopped by whichever worker holds the group, and its four nodes would queue two files' jobs.
 _SHARED_GROUP = {"test_slurm.py": "slurm", "test_containers.py": "slurm", "test_script_safety.py": "slurm"}
 # test_containers.py last in its group: CI builds the image its real containers run beside the first tests
-# (3 minutes the suite no longer waits for), and the group's Slurm tests come first.
+# (2.5 minutes on an idle machine, one core of two idle, that the suite no longer waits for), and the group's Slurm tests come first.
 _LAST_IN_GROUP = ("test_containers.py",)
 # The order the groups are handed out in. xdist (3.7+) keeps it only with `--no-loadscope-reorder`
 # (pyproject.toml's addopts): by default it sorts the groups by their number of tests, which ran the
