@@ -185,7 +185,10 @@ def _first_failure(jobs: PrepareJobs) -> str:
     """The first earlier job of the chain that left an error: its id and last words ("" when none did)."""
     import submitit
 
-    for job_id in [jobs.tokenizer, *sorted(p.name.rsplit("_", 2)[0] for p in jobs.logs.glob(f"{jobs.encode}_*_result.pkl"))]:
+    # The encode array's elements (ARRAY_INDEX_TASK_result.pkl) in index order: by name, element 10 came before 2.
+    named = {p.name.rsplit("_", 2)[0] for p in jobs.logs.glob(f"{jobs.encode}_*_*_result.pkl")}
+    elements = sorted((j for j in named if j.rsplit("_", 1)[1].isdigit()), key=lambda j: int(j.rsplit("_", 1)[1]))
+    for job_id in [jobs.tokenizer, *elements]:
         job = submitit.SlurmJob(folder=jobs.logs, job_id=job_id)
         if not job.paths.result_pickle.exists():
             continue
