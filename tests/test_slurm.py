@@ -6,6 +6,7 @@ Debian's slurm-wlm, munge, slurmdbd and mariadb-server first.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -1151,46 +1152,84 @@ def test_a_prepare_whose_tokenizer_job_failed_ends_its_wait_on_a_cluster_without
     its result (the tokenizer job failed, and kill_on_invalid_dep cancelled the rest) kept `prepare --submit
     --wait` waiting for ever. The queue says the job ended; the wait names the job that failed and its last words
     (submitit's error ended on the log's path). The chain waits behind a job that holds every node meanwhile."""
-    from aura_hpc.data.corpus import generate
-
     no_accounting = tmp_path / "no_accounting"
     no_accounting.mkdir()
     (no_accounting / "sacct").write_text("#!/bin/sh\necho 'sacct: error: Slurm accounting storage is disabled' >&2\nexit 1\n")
     (no_accounting / "sacct").chmod(0o755)
     text = tmp_path / "corpus.txt"
-    text.write_text(generate(300, seed=2), encoding="utf-8")
-    out = tmp_path / "shared" / "es"
-    args = ["prepare", str(text), "--vocab-size", "400", "--out", str(out), "--submit", "--nodes", "1", "--time", "10", "--wait"]
-    blocker = subprocess.run(
-        ["sbatch", "--parsable", "-N4", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 600"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    jobs: list[str] = []
-    try:
-        _wait_for_state(blocker, "RUNNING", "the job that holds every node did not start")
-        waiting = subprocess.Popen(
-            [sys.executable, "-m", "aura_hpc", *args],
-            env=cli_env(PATH=f"{no_accounting}:{os.environ['PATH']}"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        logs, deadline = out.parent / ".es.slurm", time.monotonic() + 120
-        while len(jobs := [str(j) for j in sorted({int(p.name.split("_")[0]) for p in logs.glob("*_submitted.pkl")})]) < 3:
-            assert time.monotonic() < deadline and waiting.poll() is None, "the three prepare jobs were not submitted"
-            time.sleep(0.2)
+    with _prepare_behind_a_blocker(text, tmp_path / "shared" / "es", PATH=f"{no_accounting}:{os.environ['PATH']}") as (
+        jobs,
+        blocker,
+        waiting,
+    ):
         text.unlink()  # the tokenizer job, still pending, will not find its input
         subprocess.run(["scancel", blocker], check=True)
-        try:
-            said = waiting.communicate(timeout=180)[0]
-        finally:
-            waiting.kill()
-    finally:
-        subprocess.run(["scancel", blocker, *jobs], check=False)
+        said = waiting.communicate(timeout=180)[0]
     assert waiting.returncode == 2, said
     assert (
         f"prepare job {jobs[-1]} did not end with its result" in said and f"job {jobs[0]} failed: aura_hpc.errors.DataError: input" in said
     ), said
     assert "corpus.txt" in said and "fix: see the logs" in said, said
+
+
+def test_a_prepare_whose_tokenizer_job_is_held_ends_its_wait_naming_it(slurm_cluster: Path, tmp_path: Path, home: Path) -> None:
+    """The finish job of a prepare chain whose tokenizer job is held is pending for "Dependency", as it is while
+    the tokenizer job waits for nodes: `prepare --submit --wait` waited for ever. The wait follows the chain
+    (finish -> encode array -> tokenizer) in its one squeue a pass and ends naming the held job and its fix;
+    `submit --after` waits the same way."""
+    text = tmp_path / "corpus.txt"
+    with _prepare_behind_a_blocker(text, tmp_path / "shared" / "es") as (jobs, _, waiting):
+        tokenizer, encode, finish = jobs
+        subprocess.run(["scontrol", "uhold", tokenizer], check=True)  # as its user would (root's `hold` is an admin's)
+        said = waiting.communicate(timeout=60)[0]
+        state = subprocess.run(["squeue", "-h", "-j", finish, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+    assert waiting.returncode == 2, said
+    chain = f"prepare job {finish} waits for job {encode}: job {encode} waits for job {tokenizer}: job {tokenizer} will not start"
+    assert chain in said and f"(fix: `scontrol release {tokenizer}` lets it start" in said, said
+    assert state == "PENDING", "the wait ended, not the jobs: released, the chain runs"
+
+
+def test_a_dependency_names_the_jobs_it_waits_for_as_squeue_shows_them() -> None:
+    """squeue's Dependency field (Slurm 22.05's own strings): `,` needs each job, `?` any one; an array's `_*` is
+    the array's own id; a singleton in an OR may pass without any job."""
+    from aura_hpc.slurm.query import waits_for
+
+    assert waits_for("afterok:2(unfulfilled)") == (["2"], False)
+    assert waits_for("afterok:3_*(unfulfilled)") == (["3"], False)
+    assert waits_for("afterok:3_1(unfulfilled),afterany:2+5(unfulfilled)") == (["3_1", "2"], False)
+    assert waits_for("afterok:3_1(unfulfilled)?afterany:2(unfulfilled)") == (["3_1", "2"], True)
+    assert waits_for("afterok:3_1(unfulfilled)?afterany:2(unfulfilled)?singleton(unfulfilled)") == ([], True)
+    assert waits_for("singleton(unfulfilled)") == ([], False)
+
+
+@contextlib.contextmanager
+def _prepare_behind_a_blocker(text: Path, out: Path, **env: str) -> Iterator[tuple[list[str], str, subprocess.Popen[str]]]:
+    """`prepare --submit --wait` of a small corpus while a job holds every node: (its tokenizer, encode array and
+    finish job ids, the blocker's, the waiting CLI). Every job is cancelled, and the CLI killed, on the way out."""
+    from aura_hpc.data.corpus import generate
+
+    text.write_text(generate(300, seed=2), encoding="utf-8")
+    args = ["prepare", str(text), "--vocab-size", "400", "--out", str(out), "--submit", "--nodes", "1", "--time", "10", "--wait"]
+    blocker = subprocess.run(
+        ["sbatch", "--parsable", "-N4", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 600"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    jobs: list[str] = []
+    waiting: subprocess.Popen[str] | None = None
+    try:
+        _wait_for_state(blocker, "RUNNING", "the job that holds every node did not start")
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "aura_hpc", *args], env=cli_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        logs, deadline = out.parent / f".{out.name}.slurm", time.monotonic() + 120
+        while len(jobs := [str(j) for j in sorted({int(p.name.split("_")[0]) for p in logs.glob("*_submitted.pkl")})]) < 3:
+            assert time.monotonic() < deadline and waiting.poll() is None, "the three prepare jobs were not submitted"
+            time.sleep(0.2)
+        yield jobs, blocker, waiting
+    finally:
+        if waiting is not None and waiting.poll() is None:
+            waiting.kill()
+            waiting.communicate()
+        subprocess.run(["scancel", blocker, *jobs], check=False)
 
 
 def test_a_stopped_rank_of_a_two_node_job_is_named_by_its_nodes_watchdog_and_the_job_requeued(

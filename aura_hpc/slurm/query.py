@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -37,7 +38,9 @@ HELD_STATES = {
 # ASCII's unit separator, a control character our own values refuse (slurm/script_safety.py).
 SEP = "\x1f"
 # JobArrayID: a sweep's element as `123_4` (the id its index and logs know); squeue's JobID is the raw id.
-SQUEUE_FIELDS = ("JobArrayID", "Name", "State", "NumNodes", "TimeUsed", "TimeLeft", "Reason", "Comment", "SubmitTime", "UserName")
+SQUEUE_FIELDS = (
+    "JobArrayID", "Name", "State", "NumNodes", "TimeUsed", "TimeLeft", "Reason", "Comment", "SubmitTime", "UserName", "Dependency",
+)  # fmt: skip
 
 
 @dataclass
@@ -55,6 +58,7 @@ class JobRow:
     source: str = "squeue"
     requeues: int = 0  # earlier attempts of this job (requeued), from sacct -D
     nodelist: str = ""  # the nodes it ran (or failed to start) on, from sacct
+    dependency: str = ""  # what a pending job still waits for, as squeue says it: afterok:123_*(unfulfilled)
 
     @property
     def active(self) -> bool:
@@ -182,9 +186,30 @@ def squeue(job_ids: list[str] | None = None, all_users: bool = False, all_states
                 reason="" if v["Reason"] == "None" else v["Reason"],
                 comment="" if v["Comment"] == "(null)" else v["Comment"],
                 submit=v["SubmitTime"],
+                dependency="" if v["Dependency"] == "(null)" else v["Dependency"],
             )
         )
     return rows
+
+
+def waits_for(dependency: str) -> tuple[list[str], bool]:
+    """The jobs a dependency names (an array's `123_*` as its own id, 123), and whether any one of them suffices
+    (`?`: Slurm's OR) rather than each (`,`). ([], True) where an OR names something other than a job (singleton):
+    that part may pass without any of them."""
+    any_one = "?" in dependency
+    jobs: list[str] = []
+    for part in dependency.replace("?", ",").split(","):
+        kind, _, ids = part.partition("(")[0].partition(":")
+        named = [i.split("+")[0].removesuffix("_*") for i in ids.split(":") if i]
+        if not kind.startswith("after") or not named or not all(_JOB_ID.fullmatch(j) for j in named):
+            if any_one:
+                return [], True
+            continue
+        jobs += named
+    return jobs, any_one
+
+
+_JOB_ID = re.compile(r"\d+(_\d+)?")
 
 
 def squeue_job(job_id: str) -> JobRow | None:

@@ -178,12 +178,16 @@ def wait(job_ids: list[str], follow_log: Path | None = None, poll_s: float = 1.0
     # where job ids were reset, such a record is another job under the same id. A minute of margin
     # covers clock skew between this host and slurmdbd.
     since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 60))
+    upstream: set[str] = set()  # the jobs the watched ones wait for (--after, a prepare chain), asked in the same squeue
     while True:
         pending = [j for j in job_ids if j not in final]
-        for j, row in squeue_all_patiently(pending).items():  # one squeue a pass, whatever the number of jobs
+        rows = squeue_all_patiently([*pending, *sorted(upstream - set(pending))])  # one squeue a pass, whatever the number
+        upstream = set()
+        for j in pending:
+            row = rows[j]
             if row is None or not row.active:
                 final[j] = _final_state(j, row, since)
-            elif why := never_starts(row):
+            elif why := never_starts(row) or waits_for_ever(row, rows, upstream):
                 printer(why)
                 final[j] = row  # still PENDING: not COMPLETED, so the wait's status says it failed
         if follow_log is not None:
@@ -230,6 +234,22 @@ def never_starts(row: slurm_query.JobRow) -> str:
     if why:
         return f"job {row.job_id} will not start: {why} (squeue's reason {row.reason}) (fix: {_FIXES[row.reason].format(job=row.job_id)})"
     return ""
+
+
+def waits_for_ever(row: slurm_query.JobRow, rows: dict[str, slurm_query.JobRow | None], named: set[str], depth: int = 0) -> str:
+    """Why a job pending on its dependency never starts: a job it needs will not start unless someone acts (Slurm
+    says only "Dependency" for it, and a watch waited for ever), or "". Every job its chain names is added to
+    `named`: the next pass's squeue asks for those `rows` lacks, one level further each pass."""
+    if row.state != "PENDING" or row.reason != "Dependency" or depth > 8:
+        return ""
+    needed, any_one = slurm_query.waits_for(row.dependency)
+    named.update(needed)
+    stuck = []
+    for job in needed:
+        up = rows.get(job)
+        if up is not None and up.active and (why := never_starts(up) or waits_for_ever(up, rows, named, depth + 1)):
+            stuck.append(f"job {row.job_id} waits for job {job}: {why}")
+    return stuck[0] if stuck and (not any_one or len(stuck) == len(needed)) else ""
 
 
 # Pending reasons that no time cures (a watch waited on them for ever): a hold, or a request the partition or
