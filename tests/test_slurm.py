@@ -1167,7 +1167,7 @@ def test_a_prepare_whose_tokenizer_job_failed_ends_its_wait_on_a_cluster_without
         said = waiting.communicate(timeout=180)[0]
     assert waiting.returncode == 2, said
     assert (
-        f"prepare job {jobs[-1]} did not end with its result" in said and f"job {jobs[0]} failed: aura_hpc.errors.DataError: input" in said
+        f"prepare job {jobs[-1]} did not end with its result (CANCELLED; job {jobs[0]} failed: aura_hpc.errors.DataError: input" in said
     ), said
     assert "corpus.txt" in said and "fix: see the logs" in said, said
 

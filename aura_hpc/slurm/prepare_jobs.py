@@ -146,24 +146,25 @@ RESULT_LAG_S = 90.0
 def wait(jobs: PrepareJobs) -> str:
     """Block until the finish job ends; its result line, or a LaunchError with the failed job's last words, or with
     the job of the chain that will not start unless someone acts (held, or asking what the cluster never grants). The end
-    is read from the queue (slurm/submit.py's wait), not from submitit's watcher, which asks the accounting alone: on
+    is read from the queue (slurm/submit.py's watch), not from submitit's watcher, which asks the accounting alone: on
     a cluster without it ("accounting storage is disabled"), a finish job that ended without its result (cancelled
     after a failed or cancelled tokenizer or encode job: kill_on_invalid_dep) kept the wait going for ever."""
     import submitit
 
-    from aura_hpc.slurm.submit import wait as wait_for_jobs
+    from aura_hpc.slurm.submit import watch
 
     said: list[str] = []  # why the finish job will not start, where it will not (held, or behind a job that is)
-    status = wait_for_jobs([jobs.finish], printer=said.append)
+    row = watch([jobs.finish], printer=said.append)[jobs.finish]
     if said:
         raise LaunchError(f"prepare {said[-1]}")
     fin = submitit.SlurmJob(folder=jobs.logs, job_id=jobs.finish)
     fix = "submitting again redoes only the unfinished pieces"
     if not _appears(fin.paths.result_pickle, fin.paths.stdout):  # submitit's result() would wait for it for ever
         failed = _first_failure(jobs)
+        state = row.state if row else "no longer known to Slurm"  # CANCELLED after an earlier job failed, not "exit 1"
         why = f"; {failed}" if failed else ""
         raise LaunchError(
-            f"prepare job {jobs.finish} did not end with its result (exit status {status}{why}) (fix: see the logs in "
+            f"prepare job {jobs.finish} did not end with its result ({state}{why}) (fix: see the logs in "
             f"{jobs.logs}: a failed or cancelled tokenizer or encode job cancels the jobs after it; {fix})"
         )
     try:

@@ -172,6 +172,21 @@ def _rejection(text: str) -> str:
 
 def wait(job_ids: list[str], follow_log: Path | None = None, poll_s: float = 1.0, printer: Any = print) -> int:
     """Block until every job has ended; the exit status reflects the jobs' (0 only if all COMPLETED)."""
+    final = watch(job_ids, follow_log, poll_s, printer)
+    status = 0
+    for j in job_ids:
+        row = final[j]
+        if row is None or row.state != "COMPLETED":
+            code = _exit_code(row)
+            status = status or code or 1
+    return status
+
+
+def watch(
+    job_ids: list[str], follow_log: Path | None = None, poll_s: float = 1.0, printer: Any = print
+) -> dict[str, slurm_query.JobRow | None]:
+    """Block until every job has ended, or will not start unless someone acts (said through `printer`): each one's
+    last row (None where neither the queue nor the accounting knows it any more)."""
     offset = 0
     final: dict[str, slurm_query.JobRow | None] = {}
     # Accounting from before this wait cannot describe these jobs (they were queued or running then);
@@ -197,13 +212,7 @@ def wait(job_ids: list[str], follow_log: Path | None = None, poll_s: float = 1.0
         time.sleep(poll_s)
     if follow_log is not None:
         print_new_lines(follow_log, offset, printer, final=True)
-    status = 0
-    for j in job_ids:
-        row = final[j]
-        if row is None or row.state != "COMPLETED":
-            code = _exit_code(row)
-            status = status or code or 1
-    return status
+    return final
 
 
 def never_starts(row: slurm_query.JobRow) -> str:
