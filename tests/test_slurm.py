@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -1187,6 +1188,29 @@ def test_a_prepare_whose_tokenizer_job_is_held_ends_its_wait_naming_it(slurm_clu
     chain = f"prepare job {finish} waits for job {encode}: job {encode} waits for job {tokenizer}: job {tokenizer} will not start"
     assert chain in said and f"(fix: `scontrol release {tokenizer}` lets it start" in said, said
     assert state == "PENDING", "the wait ended, not the jobs: released, the chain runs"
+
+
+def test_a_job_submitted_from_inside_an_array_element_is_its_own(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
+    """A shell inside a job holds that job's SLURM_* variables, and sbatch passed them to the job submitted from it:
+    from an array element (a workflow's step, a sweep of scripts), submitit took the new job for that element and
+    failed after waiting 60 s for its pickle. `submit` leaves them out (saying so), and the job runs as itself."""
+    out = tmp_path / "runs"
+    inner = [sys.executable, "-m", "aura_hpc", "submit", *TINY[2:], "--nodes", "1", "--output-dir", str(out), "--run-name", "inner"]
+    inner += ["--set", f"data.path={prepared}", "--set", "train.max_steps=2", "--wait"]
+    log = tmp_path / "outer.out"
+    outer = subprocess.run(
+        ["sbatch", "--parsable", "--array=0", "-N1", "-o", str(log), "--wrap", shlex.join(inner)],
+        capture_output=True, text=True, check=True, env=cli_env(), cwd=tmp_path,
+    ).stdout.strip()  # fmt: skip
+    deadline = time.monotonic() + 240
+    while subprocess.run(["squeue", "-h", "-j", outer], capture_output=True, text=True).stdout.strip():  # 123_[0], then 123_0
+        assert time.monotonic() < deadline, f"job {outer} still queued after 240 s"
+        time.sleep(0.5)
+    said = log.read_text()
+    job = _job_id(out / "inner")
+    assert f"this shell is inside Slurm job {outer}_0: its " in said and f"job {job} ended: COMPLETED" in said, said
+    ran = (out / "inner" / "slurm" / f"{job}_0_log.out").read_text()
+    assert f"Starting with JobEnvironment(job_id={job}," in ran, ran[-2000:]
 
 
 def test_a_dependency_names_the_jobs_it_waits_for_as_squeue_shows_them() -> None:

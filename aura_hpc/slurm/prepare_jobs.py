@@ -116,8 +116,12 @@ def submit(spec: PrepareSpec, nodes: int, partition: str | None, time_min: int, 
     if account:
         params["account"] = account
     quiet = contextlib.redirect_stderr(io.StringIO())
+    from aura_hpc.slurm import sbatch_env
+
+    for line in sbatch_env.warnings(""):
+        print(f"warning: {line}")
     try:
-        with quiet:
+        with quiet, sbatch_env.left_out(""):  # a job's SLURM_* variables, where this runs inside one
             ex.update_parameters(**params)
             tok = ex.submit(run_stage, spec, "tokenizer")
             ex.update_parameters(
