@@ -1215,7 +1215,8 @@ def test_a_job_submitted_from_inside_an_array_element_is_its_own(slurm_cluster: 
 
 def test_a_dependency_names_the_jobs_it_waits_for_as_squeue_shows_them() -> None:
     """squeue's Dependency field (Slurm 22.05's own strings): `,` needs each job, `?` any one; an array's `_*` is
-    the array's own id; a singleton in an OR may pass without any job."""
+    the array's own id; a singleton in an OR may pass without any job, an OR's failed part is out of it, and an
+    aftercorr (element by element) is not judged."""
     from aura_hpc.slurm.query import waits_for
 
     assert waits_for("afterok:2(unfulfilled)") == (["2"], False)
@@ -1224,6 +1225,9 @@ def test_a_dependency_names_the_jobs_it_waits_for_as_squeue_shows_them() -> None
     assert waits_for("afterok:3_1(unfulfilled)?afterany:2(unfulfilled)") == (["3_1", "2"], True)
     assert waits_for("afterok:3_1(unfulfilled)?afterany:2(unfulfilled)?singleton(unfulfilled)") == ([], True)
     assert waits_for("singleton(unfulfilled)") == ([], False)
+    assert waits_for("afterok:1(failed)?afterok:2(unfulfilled)") == (["2"], True)
+    assert waits_for("aftercorr:3_*(unfulfilled)?afterok:2(unfulfilled)") == ([], True)
+    assert waits_for("aftercorr:3_*(unfulfilled),afterok:2(unfulfilled)") == (["2"], False)
 
 
 @contextlib.contextmanager

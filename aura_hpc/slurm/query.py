@@ -194,14 +194,17 @@ def squeue(job_ids: list[str] | None = None, all_users: bool = False, all_states
 
 def waits_for(dependency: str) -> tuple[list[str], bool]:
     """The jobs a dependency names (an array's `123_*` as its own id, 123), and whether any one of them suffices
-    (`?`: Slurm's OR) rather than each (`,`). ([], True) where an OR names something other than a job (singleton):
-    that part may pass without any of them."""
+    (`?`: Slurm's OR) rather than each (`,`). ([], True) where an OR names something other than a job (singleton) or
+    a part not judged here (aftercorr): that part may pass without any of them."""
     any_one = "?" in dependency
     jobs: list[str] = []
     for part in dependency.replace("?", ",").split(","):
+        if any_one and part.endswith("(failed)"):
+            continue  # an OR's failed part: the others decide
         kind, _, ids = part.partition("(")[0].partition(":")
         named = [i.split("+")[0].removesuffix("_*") for i in ids.split(":") if i]
-        if not kind.startswith("after") or not named or not all(_JOB_ID.fullmatch(j) for j in named):
+        # aftercorr:A_* waits for the element of A with its own index, not for the whole array: not judged here.
+        if not kind.startswith("after") or kind == "aftercorr" or not named or not all(_JOB_ID.fullmatch(j) for j in named):
             if any_one:
                 return [], True
             continue

@@ -52,8 +52,14 @@ _ALWAYS = {
 # submitit took the new job for element SLURM_ARRAY_JOB_ID_SLURM_ARRAY_TASK_ID and waited 60 s for its pickle
 # (tried); a requeued job's SLURM_RESTART_COUNT made a new job's first attempt its fourth; srun reads SLURM_NTASKS,
 # SLURM_CPUS_PER_TASK and SLURM_MEM_PER_* as its own options. Kept: what a user or a site module sets for the
-# clients, which Slurm never sets for a job.
-_CLIENT_SETTINGS = frozenset({"SLURM_CONF", "SLURM_CLUSTERS", "SLURM_TIME_FORMAT", "SLURM_MPI_TYPE"})
+# clients, which Slurm never sets for a job (SLURM_JWT: the client authenticates with it, not munge; a review read
+# them in Slurm 22.05-25.05's source).
+_CLIENT_SETTINGS = frozenset(
+    {
+        "SLURM_CONF", "SLURM_CLUSTERS", "SLURM_TIME_FORMAT", "SLURM_MPI_TYPE", "SLURM_JWT", "SLURM_SACK_KEY", "SLURM_SACK_JWKS",
+        "SLURM_DEBUG_FLAGS", "SLURM_EXIT_ERROR", "SLURM_BITSTR_LEN", "SUBMITIT_PREEMPT_SIGNAL",
+    }
+)  # fmt: skip
 
 
 def of_the_enclosing_job(environ: Mapping[str, str] = os.environ) -> list[str]:
