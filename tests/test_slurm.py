@@ -985,9 +985,9 @@ def test_a_wait_on_a_job_whose_dependency_failed_ends_with_the_fix(slurm_cluster
         run_cli(["cancel", job])
 
 
-def test_a_held_job_is_one_that_never_starts_unless_released(slurm_cluster: Path, tmp_path: Path) -> None:
+def test_a_held_job_is_one_that_never_starts_unless_released(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
     """Only a failed dependency and a held launch were known: `--wait` and `logs -f` waited for ever on a job held
-    by its user (or over its partition's limits)."""
+    by its user (or over its partition's limits), and on a job submitted `--after` it (pending for "Dependency")."""
     from aura_hpc.slurm import query
     from aura_hpc.slurm.submit import never_starts
 
@@ -995,13 +995,22 @@ def test_a_held_job_is_one_that_never_starts_unless_released(slurm_cluster: Path
         ["sbatch", "--parsable", "--hold", "-o", "/dev/null", "--wrap", "true"], capture_output=True, text=True, check=True
     )
     job = held.stdout.strip().split(";")[0]
+    out, after = tmp_path / "runs", ""
     try:
         row = query.squeue_job(job)
         assert row is not None and row.state == "PENDING", row
         said = never_starts(row)
         assert f"job {job} will not start: it is held" in said and f"`scontrol release {job}`" in said, (row, said)
+        args = ["submit", *TINY, "--output-dir", str(out), "--run-name", "after", "--set", f"data.path={prepared}", "--after", job]
+        waited = run_cli([*args, "--wait"], timeout=120)
+        after = _job_id(out / "after")
+        behind = f"job {after} waits for job {job}: job {job} will not start: it is held"
+        said = waited.stdout + waited.stderr
+        assert waited.returncode == 1 and behind in said and f"job {after} still queued; the wait ends here" in said, said
+        followed = run_cli(["logs", after, "--follow"], timeout=120)
+        assert followed.returncode == 2 and behind in followed.stderr, followed.stdout + followed.stderr
     finally:
-        subprocess.run(["scancel", job], check=False)
+        subprocess.run(["scancel", job, *([after] if after else [])], check=False)
 
 
 def test_the_nodes_to_leave_out_are_judged_before_the_requeue_is_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

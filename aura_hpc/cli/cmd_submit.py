@@ -78,9 +78,15 @@ def cmd_submit(a: argparse.Namespace) -> int:
     if not (a.wait or a.follow):
         return 0
     log = submitting.rank_log(plan.folder, ids[0]) if a.follow else None
-    status = submitting.wait(ids, log, printer=console.plain)
-    console.info(f"job{'s' if len(ids) > 1 else ''} {', '.join(ids)} ended: {'COMPLETED' if status == 0 else f'exit status {status}'}")
-    return status
+    final = submitting.watch(ids, log, printer=console.plain)
+    queued = [j for j, row in final.items() if row is not None and row.active]  # will not start unless someone acts
+    ended = {j: final[j] for j in ids if j not in queued}
+    if ended:
+        code = submitting.exit_status(ended)
+        console.info(f"job{'s' if len(ended) > 1 else ''} {', '.join(ended)} ended: {'COMPLETED' if code == 0 else f'exit status {code}'}")
+    if queued:
+        console.info(f"job{'s' if len(queued) > 1 else ''} {', '.join(queued)} still queued; the wait ends here (why: above)")
+    return submitting.exit_status(final)
 
 
 def _profiles() -> list[str]:

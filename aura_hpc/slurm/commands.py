@@ -11,7 +11,7 @@ from aura_hpc.errors import LaunchError
 from aura_hpc.launch.run_status import goodput_note
 from aura_hpc.slurm import index as job_index
 from aura_hpc.slurm import query as slurm_query
-from aura_hpc.slurm.submit import never_starts, print_new_lines, rank_log, squeue_patiently
+from aura_hpc.slurm.submit import never_starts, print_new_lines, rank_log, squeue_all_patiently, waits_for_ever
 
 
 def latest_metrics(run_dir: Path | None) -> dict[str, Any]:
@@ -131,14 +131,17 @@ def log_file(target: str, rank: int, stderr: bool) -> tuple[str, Path]:
 def follow(job_id: str, path: Path, printer: Any, poll_s: float = 0.5) -> None:
     """Print the log as it grows; return once the job has ended and the last lines are out."""
     offset = 0
+    upstream: set[str] = set()  # the jobs it waits for (--after), asked in the same squeue
     while True:
-        row = squeue_patiently(job_id)
+        rows = squeue_all_patiently([job_id, *sorted(upstream - {job_id})])
+        row = rows[job_id]
         ended = row is None or not row.active
         offset = print_new_lines(path, offset, printer)
         if ended:
             print_new_lines(path, offset, printer, final=True)
             return
-        if why := never_starts(row):
+        upstream = set()
+        if why := never_starts(row) or waits_for_ever(row, rows, upstream):
             raise LaunchError(why)
         time.sleep(poll_s)
 

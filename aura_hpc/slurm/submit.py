@@ -172,13 +172,15 @@ def _rejection(text: str) -> str:
 
 def wait(job_ids: list[str], follow_log: Path | None = None, poll_s: float = 1.0, printer: Any = print) -> int:
     """Block until every job has ended; the exit status reflects the jobs' (0 only if all COMPLETED)."""
-    final = watch(job_ids, follow_log, poll_s, printer)
+    return exit_status(watch(job_ids, follow_log, poll_s, printer))
+
+
+def exit_status(final: dict[str, slurm_query.JobRow | None]) -> int:
+    """0 only if every job COMPLETED; else the first other job's exit code, or 1 (one still pending: 1)."""
     status = 0
-    for j in job_ids:
-        row = final[j]
+    for row in final.values():
         if row is None or row.state != "COMPLETED":
-            code = _exit_code(row)
-            status = status or code or 1
+            status = status or _exit_code(row) or 1
     return status
 
 
