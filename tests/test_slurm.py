@@ -396,13 +396,13 @@ def test_a_watch_outlasts_a_controller_that_misses_an_answer_and_prints_the_jobs
 
     answers: list[object] = [LaunchError("squeue: error: Socket timed out on send/recv operation"), None]
 
-    def squeue_job(job_id: str) -> object:
+    def squeue_jobs(job_ids: list[str]) -> object:
         answer = answers.pop(0)
         if isinstance(answer, Exception):
             raise answer
-        return answer
+        return dict.fromkeys(job_ids, answer)
 
-    monkeypatch.setattr(submit.slurm_query, "squeue_job", squeue_job)
+    monkeypatch.setattr(submit.slurm_query, "squeue_jobs", squeue_jobs)
     log = tmp_path / "42_0_log.out"
     log.write_text("step 10 loss 3.1\nRuntimeError: CUDA out of memory")
     printed: list[str] = []
@@ -1009,6 +1009,8 @@ def test_a_held_job_is_one_that_never_starts_unless_released(slurm_cluster: Path
         assert waited.returncode == 1 and behind in said and f"job {after} still queued; the wait ends here" in said, said
         followed = run_cli(["logs", after, "--follow"], timeout=120)
         assert followed.returncode == 2 and behind in followed.stderr, followed.stdout + followed.stderr
+        for shown in (run_cli(["status", after]), run_cli(["status"])):  # the job, and the table of them all
+            assert shown.returncode == 0 and " ".join(behind.split()) in " ".join(shown.stdout.split()), shown.stdout + shown.stderr
     finally:
         subprocess.run(["scancel", job, *([after] if after else [])], check=False)
 

@@ -11,7 +11,7 @@ from aura_hpc.errors import LaunchError
 from aura_hpc.launch.run_status import goodput_note
 from aura_hpc.slurm import index as job_index
 from aura_hpc.slurm import query as slurm_query
-from aura_hpc.slurm.submit import never_starts, print_new_lines, rank_log, squeue_all_patiently, waits_for_ever
+from aura_hpc.slurm.submit import never_starts, print_new_lines, rank_log, squeue_all_patiently, waits_for_ever, why_it_waits
 
 
 def latest_metrics(run_dir: Path | None) -> dict[str, Any]:
@@ -75,13 +75,17 @@ def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], li
         launch = _failed_at_launch(row, run_dir, Path(info["log_dir"]) if info is not None else None)
         if launch:
             notes.append(launch)
+        if row.active and (why := why_it_waits(row)):
+            notes.append(why)  # pending for "Dependency" behind a held job, or held itself: no time cures it
         if run_dir is not None and (split := goodput_note(run_dir, row.state)):
             notes.append(split)  # where the job's time went, across its requeues
         return [_row_dict(row, run_dir)], notes
     rows = slurm_query.squeue()
     known = job_index.run_dirs()
+    everyone: dict[str, slurm_query.JobRow | None] = {r.job_id: r for r in rows}  # the jobs ours may wait for
     if not all_jobs:
         rows = [r for r in rows if r.comment == "aura_hpc" or r.job_id in known]
+    notes += [why for r in rows if r.active and (why := never_starts(r) or waits_for_ever(r, everyone, set()))]
     if not rows:
         notes.append("no aura_hpc jobs in the queue" + ("" if all_jobs else " (--all shows your other jobs; `history` the finished ones)"))
     return [_row_dict(r, known.get(r.job_id)) for r in rows], notes

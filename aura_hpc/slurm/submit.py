@@ -263,6 +263,19 @@ def waits_for_ever(row: slurm_query.JobRow, rows: dict[str, slurm_query.JobRow |
     return stuck[0] if stuck and (not any_one or len(stuck) == len(needed)) else ""
 
 
+def why_it_waits(row: slurm_query.JobRow) -> str:
+    """never_starts or waits_for_ever for one job now, its chain asked level by level (`status JOB`)."""
+    rows: dict[str, slurm_query.JobRow | None] = {row.job_id: row}
+    for _ in range(9):
+        named: set[str] = set()
+        if why := never_starts(row) or waits_for_ever(row, rows, named):
+            return why
+        if not (unknown := sorted(named - rows.keys())):
+            return ""
+        rows.update(squeue_all_patiently(unknown))
+    return ""
+
+
 # Pending reasons that no time cures (a watch waited on them for ever): a hold, or a request the partition or
 # account can never grant. Capacity and priority reasons (Resources, Priority, ReqNodeNotAvail...) pass with time, and so
 # may PartitionNodeLimit (also said when required nodes are down or drained: man squeue).
