@@ -1195,10 +1195,36 @@ def test_a_prepare_whose_tokenizer_job_is_held_ends_its_wait_naming_it(slurm_clu
         subprocess.run(["scontrol", "uhold", tokenizer], check=True)  # as its user would (root's `hold` is an admin's)
         said = waiting.communicate(timeout=60)[0]
         state = subprocess.run(["squeue", "-h", "-j", finish, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+        table = " ".join(run_cli(["status", "--all"]).stdout.split())  # the array's pending element is one row, 12_[0]
     assert waiting.returncode == 2, said
-    chain = f"prepare job {finish} waits for job {encode}: job {encode} waits for job {tokenizer}: job {tokenizer} will not start"
-    assert chain in said and f"(fix: `scontrol release {tokenizer}` lets it start" in said, said
+    chain = f"job {finish} waits for job {encode}: job {encode} waits for job {tokenizer}: job {tokenizer} will not start"
+    assert f"prepare {chain}" in said and f"(fix: `scontrol release {tokenizer}` lets it start" in said, said
+    assert chain in table, table
     assert state == "PENDING", "the wait ended, not the jobs: released, the chain runs"
+
+
+def test_a_held_job_released_while_the_others_run_is_waited_for_again(slurm_cluster: Path) -> None:
+    """A watch of several jobs (a sweep's points) said a held one would not start and took it as ended: released
+    while the others still ran, it completed, and the wait still ended saying it was queued, with exit status 1."""
+    import threading
+
+    from aura_hpc.slurm import submit
+
+    def sbatch(*args: str) -> str:
+        return subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", *args], capture_output=True, text=True, check=True).stdout.strip()
+
+    held, running = sbatch("--hold", "--wrap", "true"), sbatch("--wrap", "sleep 8")
+    release = threading.Timer(1.5, lambda: subprocess.run(["scontrol", "release", held], check=True))
+    printed: list[str] = []
+    release.start()
+    try:
+        final = submit.watch([held, running], printer=printed.append, poll_s=0.3)
+    finally:
+        release.cancel()
+        subprocess.run(["scancel", held, running], check=False)
+    assert [row.state if row else None for row in final.values()] == ["COMPLETED", "COMPLETED"], (final, printed)
+    assert sum(f"job {held} will not start: it is held" in line for line in printed) == 1, printed
+    assert submit.exit_status(final) == 0
 
 
 def test_a_job_submitted_from_inside_an_array_element_is_its_own(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:

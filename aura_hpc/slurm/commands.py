@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -82,10 +83,17 @@ def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], li
         return [_row_dict(row, run_dir)], notes
     rows = slurm_query.squeue()
     known = job_index.run_dirs()
-    everyone: dict[str, slurm_query.JobRow | None] = {r.job_id: r for r in rows}  # the jobs ours may wait for
+    # The jobs ours may wait for, an array also under its own id (`afterok:123_*`); pending elements share one row,
+    # 123_[0-4], judged under the id `cancel` takes.
+    judged = {r.job_id: dataclasses.replace(r, job_id=r.job_id.split("_[")[0]) for r in rows}
+    everyone: dict[str, slurm_query.JobRow | None] = {r.job_id: r for r in judged.values()}
+    for r in judged.values():
+        everyone.setdefault(r.job_id.split("_")[0], r)
     if not all_jobs:
         rows = [r for r in rows if r.comment == "aura_hpc" or r.job_id in known]
-    notes += [why for r in rows if r.active and (why := never_starts(r) or waits_for_ever(r, everyone, set()))]
+    for r in (judged[r.job_id] for r in rows if r.active):
+        if why := never_starts(r) or waits_for_ever(r, everyone, set()):
+            notes.append(why)
     if not rows:
         notes.append("no aura_hpc jobs in the queue" + ("" if all_jobs else " (--all shows your other jobs; `history` the finished ones)"))
     return [_row_dict(r, known.get(r.job_id)) for r in rows], notes

@@ -196,6 +196,9 @@ def watch(
     # covers clock skew between this host and slurmdbd.
     since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 60))
     upstream: set[str] = set()  # the jobs the watched ones wait for (--after, a prepare chain), asked in the same squeue
+    # Will not start unless someone acts: said once, and asked again each pass while other jobs still run (a sweep's
+    # held point released meanwhile is waited for again); the wait ends when every job has ended or is stuck.
+    stuck: dict[str, slurm_query.JobRow] = {}
     while True:
         pending = [j for j in job_ids if j not in final]
         rows = squeue_all_patiently([*pending, *sorted(upstream - set(pending))])  # one squeue a pass, whatever the number
@@ -203,18 +206,22 @@ def watch(
         for j in pending:
             row = rows[j]
             if row is None or not row.active:
+                stuck.pop(j, None)
                 final[j] = _final_state(j, row, since)
             elif why := never_starts(row) or waits_for_ever(row, rows, upstream):
-                printer(why)
-                final[j] = row  # still PENDING: not COMPLETED, so the wait's status says it failed
+                if j not in stuck:
+                    printer(why)
+                stuck[j] = row  # still PENDING: not COMPLETED, so the wait's status says it failed
+            else:
+                stuck.pop(j, None)
         if follow_log is not None:
             offset = print_new_lines(follow_log, offset, printer)
-        if len(final) == len(job_ids):
+        if len(final) + len(stuck) == len(job_ids):
             break
         time.sleep(poll_s)
     if follow_log is not None:
         print_new_lines(follow_log, offset, printer, final=True)
-    return final
+    return {j: final[j] if j in final else stuck[j] for j in job_ids}
 
 
 def never_starts(row: slurm_query.JobRow) -> str:
@@ -264,7 +271,8 @@ def waits_for_ever(row: slurm_query.JobRow, rows: dict[str, slurm_query.JobRow |
 
 
 def why_it_waits(row: slurm_query.JobRow) -> str:
-    """never_starts or waits_for_ever for one job now, its chain asked level by level (`status JOB`)."""
+    """never_starts or waits_for_ever for one job now, its chain asked level by level (`status JOB`); "" where the
+    controller does not answer (a note, not worth `status`'s failing or waiting)."""
     rows: dict[str, slurm_query.JobRow | None] = {row.job_id: row}
     for _ in range(9):
         named: set[str] = set()
@@ -272,7 +280,10 @@ def why_it_waits(row: slurm_query.JobRow) -> str:
             return why
         if not (unknown := sorted(named - rows.keys())):
             return ""
-        rows.update(squeue_all_patiently(unknown))
+        try:
+            rows.update(slurm_query.squeue_jobs(unknown))
+        except LaunchError:
+            return ""
     return ""
 
 
