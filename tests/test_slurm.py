@@ -143,8 +143,11 @@ def _ends_equal_to_the_straight_run(run_dir: Path, out: Path, what: str) -> None
 
 
 def test_two_node_job_completes_and_status_logs_find_it(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
+    """On n3 and n4: n3's name resolves nowhere (tests/slurm/cluster.sh), as on a site whose node names are in no DNS.
+    Every rank was told MASTER_ADDR=n3, which no rank could look up; they are now told its NodeAddr."""
     out = tmp_path / "runs"
     args = ["submit", *TINY, "--output-dir", str(out), "--run-name", "two", "--set", f"data.path={prepared}", "--set", "train.max_steps=12"]
+    args += ["--set", "slurm.exclude=n1,n2"]
     dry = run_cli([*args, "--dry-run"])
     assert dry.returncode == 0, dry.stderr
     t0 = time.perf_counter()
@@ -181,6 +184,7 @@ def test_two_node_job_completes_and_status_logs_find_it(slurm_cluster: Path, pre
         log = run_cli(["logs", job, "--rank", str(rank)])
         assert log.returncode == 0, log.stderr
         assert f"[rank{rank}]" in log.stdout and "world_size=2" in log.stdout
+        assert f"node_rank={rank} host=" in log.stdout and "master=127.0.0.1:" in log.stdout, log.stdout  # n3's NodeAddr
         assert (run_dir / "slurm" / f"{job}_{rank}_log.out").exists()
     assert "all 2 ranks finished at step 12" in run_cli(["logs", str(run_dir)]).stdout
     bad = run_cli(["logs", job, "--rank", "5"])
@@ -454,6 +458,24 @@ def test_a_requeue_where_the_slurm_client_is_missing_is_a_reason_not_a_crash(tmp
     assert said is not None and "scontrol could not be run" in said and "lack the Slurm client" in said, said
 
 
+def test_the_rendezvous_host_is_the_first_nodes_name_or_where_slurm_reaches_it(
+    slurm_cluster: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """n3 resolves nowhere (tests/slurm/cluster.sh): its NodeAddr. The controller is asked only for a name that does not
+    resolve; a node that has no address at all is one line before any rank starts."""
+    from aura_hpc.errors import LaunchError
+    from aura_hpc.slurm.job import rendezvous_host
+
+    assert rendezvous_host("n[1-2]") == "n1"
+    assert rendezvous_host("n[3-4]") == "127.0.0.1"
+    with pytest.raises(LaunchError, match=r"first node zz9 has no address here: .*\(fix: make the node names resolvable"):
+        rendezvous_host("zz[9-10]")
+    monkeypatch.setenv("PATH", "/nowhere")  # a container image without the Slurm client, whose first node resolves
+    assert rendezvous_host("n[1-2]") == "n1"
+    with pytest.raises(LaunchError, match=r"gives none \(scontrol could not be run"):
+        rendezvous_host("n[3-4]")
+
+
 _TASK_START_UP = """
 import json, os, signal, sys, types
 signal.signal(signal.SIGUSR2, lambda *a: sys.exit(99))  # submitit's handler, which ruled a task's start-up
@@ -477,7 +499,7 @@ fake = types.ModuleType("aura_hpc.train.worker")
 fake.main = main
 sys.modules["aura_hpc.train.worker"] = aura_hpc.train.worker = fake
 job._start_watchdog = lambda *a: None
-job.first_node = lambda nodelist: "n1-ib"
+job.rendezvous_host = lambda nodelist: "n1-ib"
 print(job.TrainJob("/nowhere/config.yaml")())
 """
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from aura_hpc.errors import EXIT_RESUMABLE, EXIT_SCREEN
+from aura_hpc.errors import EXIT_RESUMABLE, EXIT_SCREEN, AuraError
 
 if TYPE_CHECKING:
     from aura_hpc.slurm.exclude import Stopped
@@ -49,6 +49,39 @@ def first_node(nodelist: str) -> str:
         return first_host_of(nodelist)
 
 
+def rendezvous_host(nodelist: str) -> str:
+    """Where every rank reaches rank 0's store: the first node's name where it resolves here, else the address
+    Slurm itself reaches that node at (NodeAddr). A site whose node names are not in DNS or /etc/hosts
+    (`NodeName=gpu001 NodeAddr=10.1.0.1`) gave every rank an address no one could look up. Asked of the
+    controller only then: a job of a thousand ranks on a site whose names resolve sends it nothing."""
+    from aura_hpc.errors import LaunchError
+    from aura_hpc.ops.network import resolve
+
+    name = first_node(nodelist)
+    if resolve(name) is not None:
+        return name
+    addr, why = node_addr(name)
+    if addr and resolve(addr) is not None:
+        return addr
+    raise LaunchError(
+        f"the job's first node {name} has no address here: its name does not resolve and Slurm gives "
+        f"{'NodeAddr=' + addr + ', which does not resolve either' if addr else f'none ({why})'} "
+        "(fix: make the node names resolvable on the compute nodes (DNS or /etc/hosts), or set their NodeAddr in slurm.conf)"
+    )
+
+
+def node_addr(name: str) -> tuple[str, str]:
+    """The node's NodeAddr in Slurm's config, or "" and why not (no Slurm client, a node Slurm does not know)."""
+    try:
+        done = subprocess.run(["scontrol", "show", "node", "-o", name], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return "", f"scontrol could not be run: {exc}"
+    fields = dict(f.split("=", 1) for f in done.stdout.split() if "=" in f)
+    if done.returncode != 0 or fields.get("NodeName") != name:
+        return "", " ".join((done.stderr or done.stdout or f"scontrol: exit status {done.returncode}").split())[:200]
+    return fields.get("NodeAddr", ""), "scontrol shows no NodeAddr"
+
+
 def first_host_of(nodelist: str) -> str:
     """'gpu[007-012,020],cpu3' -> 'gpu007': the first name of a Slurm hostlist expression."""
     from aura_hpc.train.process.dist_env import hostnames
@@ -77,20 +110,23 @@ class TrainJob:
             e.pop(name, None)
         job_id = int(e["SLURM_JOB_ID"])
         restarts = int(e.get("SLURM_RESTART_COUNT", "0"))
-        os.environ["MASTER_ADDR"] = first_node(e["SLURM_JOB_NODELIST"])
+        rank = int(e.get("SLURM_PROCID", "0"))
+        try:
+            os.environ["MASTER_ADDR"] = rendezvous_host(e["SLURM_JOB_NODELIST"])
+        except AuraError as exc:  # before the trainer's imports: one line per rank, no traceback
+            print(f"[rank{rank}] error: {exc}", flush=True)
+            raise SystemExit(exc.exit_code) from None
         os.environ["MASTER_PORT"] = str(rendezvous_port(job_id, restarts))
         from aura_hpc.train.process.startup_gc import imports_unscanned
 
         with imports_unscanned():
             from aura_hpc.train import worker
 
-        rank = int(e.get("SLURM_PROCID", "0"))
         watcher = _start_watchdog(self.config_path, job_id, restarts)
         lock = None
         if rank == 0:
             from pathlib import Path
 
-            from aura_hpc.errors import AuraError
             from aura_hpc.launch.goodput import Launch
             from aura_hpc.launch.run_lock import RunLock
             from aura_hpc.train.process.time_ledger import process_started
@@ -248,10 +284,15 @@ class CheckJob:
         job_id, restarts = int(e["SLURM_JOB_ID"]), int(e.get("SLURM_RESTART_COUNT", "0"))
         from aura_hpc.ops import check
 
+        try:
+            master = rendezvous_host(e["SLURM_JOB_NODELIST"])
+        except AuraError as exc:
+            print(f"error: {exc}", flush=True)
+            raise SystemExit(exc.exit_code) from None
         cluster = check.cluster_args(
             int(e.get("SLURM_NNODES", "1")),
             int(e.get("SLURM_NODEID", "0")),
-            first_node(e["SLURM_JOB_NODELIST"]),
+            master,
             rendezvous_port(job_id, restarts),
             backend=self.backend,
             shared_dir=self.shared_dir,

@@ -7,8 +7,9 @@
 #
 # Needs root and Debian's packages: slurm-wlm slurm-client munge slurmdbd mariadb-server
 # (.ci/run installs them). Four emulated nodes n1..n4 (2 CPUs each) run as four slurmd
-# processes (Debian builds Slurm with MULTIPLE_SLURMD); n1..n4 resolve to 127.0.0.1 through
-# /etc/hosts, so a job's first node "n1" is a real hostname for the rendezvous.
+# processes (Debian builds Slurm with MULTIPLE_SLURMD); n1, n2 and n4 resolve to 127.0.0.1 through
+# /etc/hosts, so a job's first node "n1" is a real hostname for the rendezvous. n3 deliberately does
+# not: a site whose node names are in no DNS, where Slurm reaches a node at its NodeAddr alone.
 # Settings are tuned for tests: scheduling every second, requeued jobs restart in seconds.
 set -euo pipefail
 
@@ -146,11 +147,13 @@ start_slurm() {
 }
 
 hosts_entries() {
-  local names=""
-  for ((n = 1; n <= NODES; n++)); do names+=" n$n"; done
-  if ! grep -q "aura-slurm-nodes" /etc/hosts; then
-    echo "127.0.0.1$names # aura-slurm-nodes" >>/etc/hosts
-  fi
+  local names="" line others
+  for ((n = 1; n <= NODES; n++)); do [[ $n == 3 ]] || names+=" n$n"; done
+  line="127.0.0.1$names # aura-slurm-nodes"
+  grep -qxF "$line" /etc/hosts && return
+  # Only our own line is replaced (an earlier one named n3 too); written in place, as Docker bind-mounts the file.
+  others=$(grep -v "# aura-slurm-nodes$" /etc/hosts || true)
+  printf '%s\n%s\n' "$others" "$line" >/etc/hosts
 }
 
 up() {

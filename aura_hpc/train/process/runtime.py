@@ -69,7 +69,7 @@ def start(cfg: RunConfig, env: DistEnv) -> Runtime:
     if env.launcher != "none" or env.world_size > 1:
         backend = distributed.init_process_group(env, cfg.dist.backend, device, cfg.dist.init_timeout_s, cfg.dist.timeout_s)
     log.info(
-        "start rank=%d local_rank=%d world_size=%d node_rank=%d host=%s backend=%s device=%s restart=%d malloc=%s",
+        "start rank=%d local_rank=%d world_size=%d node_rank=%d host=%s backend=%s device=%s restart=%d malloc=%s master=%s:%d",
         env.rank,
         env.local_rank,
         env.world_size,
@@ -79,6 +79,8 @@ def start(cfg: RunConfig, env: DistEnv) -> Runtime:
         device_name(device),
         env.restart_count,
         malloc,
+        env.master_addr,  # where rank 0's store was looked for: the first thing to check when a rendezvous times out
+        env.master_port,
     )
     dtypes = precision_dtypes(cfg.train.precision, device)
     if cfg.train.precision == "auto" and backend != "none":
