@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 
+from aura_hpc.ops.network import resolve
 from tests.conftest import SMALL_MODEL, cli_env, final_weights, run_cli
 
 TINY = [
@@ -144,7 +146,7 @@ def _ends_equal_to_the_straight_run(run_dir: Path, out: Path, what: str) -> None
 
 def test_two_node_job_completes_and_status_logs_find_it(slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path) -> None:
     """On n3 and n4: n3's name resolves nowhere (tests/slurm/cluster.sh), as on a site whose node names are in no DNS.
-    Every rank was told MASTER_ADDR=n3, which no rank could look up; they are now told its NodeAddr."""
+    Every rank was told MASTER_ADDR=n3, which no rank could look up; they are now told where srun ran from."""
     out = tmp_path / "runs"
     args = ["submit", *TINY, "--output-dir", str(out), "--run-name", "two", "--set", f"data.path={prepared}", "--set", "train.max_steps=12"]
     args += ["--set", "slurm.exclude=n1,n2"]
@@ -180,11 +182,15 @@ def test_two_node_job_completes_and_status_logs_find_it(slurm_cluster: Path, pre
     by_dir = json.loads(run_cli(["status", str(run_dir), "--json"]).stdout)["jobs"][0]
     assert by_dir["job_id"] == job
 
+    own = resolve(socket.gethostname())  # where gloo would listen: told the route to the master instead where loopback
+    told = 1 if own is None or own.startswith("127.") else 0
+    gloo_line = f"GLOO_SOCKET_IFNAME=lo: this node's name {socket.gethostname()} resolves to {own or 'nothing'}"
     for rank in (0, 1):
         log = run_cli(["logs", job, "--rank", str(rank)])
         assert log.returncode == 0, log.stderr
         assert f"[rank{rank}]" in log.stdout and "world_size=2" in log.stdout
-        assert f"node_rank={rank} host=" in log.stdout and "master=127.0.0.1:" in log.stdout, log.stdout  # n3's NodeAddr
+        assert f"node_rank={rank} host=" in log.stdout and "master=127.0.0.1:" in log.stdout, log.stdout  # srun's address
+        assert log.stdout.count(gloo_line) == told, log.stdout
         assert (run_dir / "slurm" / f"{job}_{rank}_log.out").exists()
     assert "all 2 ranks finished at step 12" in run_cli(["logs", str(run_dir)]).stdout
     bad = run_cli(["logs", job, "--rank", "5"])
@@ -458,22 +464,28 @@ def test_a_requeue_where_the_slurm_client_is_missing_is_a_reason_not_a_crash(tmp
     assert said is not None and "scontrol could not be run" in said and "lack the Slurm client" in said, said
 
 
-def test_the_rendezvous_host_is_the_first_nodes_name_or_where_slurm_reaches_it(
-    slurm_cluster: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """n3 resolves nowhere (tests/slurm/cluster.sh): its NodeAddr. The controller is asked only for a name that does not
-    resolve; a node that has no address at all is one line before any rank starts."""
-    from aura_hpc.errors import LaunchError
-    from aura_hpc.slurm.job import rendezvous_host
+def test_the_rendezvous_host_is_where_srun_started_and_gloo_is_kept_off_a_loopback_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The address srun ran from is the same in every task and reached by every node (the tasks' output goes back to
+    srun there); the first node's name only where srun gave none (or an IPv6 one, which the stores do not take).
+    Gloo's own choice, the machine name's address, is kept where it is no loopback address."""
+    from aura_hpc.slurm.job import gloo_interface, rendezvous_host
 
-    assert rendezvous_host("n[1-2]") == "n1"
-    assert rendezvous_host("n[3-4]") == "127.0.0.1"
-    with pytest.raises(LaunchError, match=r"first node zz9 has no address here: .*\(fix: make the node names resolvable"):
-        rendezvous_host("zz[9-10]")
-    monkeypatch.setenv("PATH", "/nowhere")  # a container image without the Slurm client, whose first node resolves
-    assert rendezvous_host("n[1-2]") == "n1"
-    with pytest.raises(LaunchError, match=r"gives none \(scontrol could not be run"):
-        rendezvous_host("n[3-4]")
+    monkeypatch.delenv("SLURM_LAUNCH_NODE_IPADDR", raising=False)
+    assert rendezvous_host("n[3-4]") == "n3"
+    for given, expected in (("10.1.0.7", "10.1.0.7"), ("fd00::7", "n3"), ("0.0.0.0", "n3"), ("n1;x", "n3")):
+        monkeypatch.setenv("SLURM_LAUNCH_NODE_IPADDR", given)
+        assert rendezvous_host("n[3-4]") == expected, given
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert gloo_interface("127.0.0.1", 1) is None  # one node: gloo's choice is every rank's
+    monkeypatch.setattr("socket.gethostname", lambda: "n3")  # resolves nowhere: gloo would fall back to loopback
+    lo = gloo_interface("127.0.0.1", 2)
+    assert lo is not None and lo[0] and "n3 resolves to nothing" in lo[1], lo
+    monkeypatch.setattr("aura_hpc.ops.network.resolve", lambda name: "10.1.0.7")  # a name on the network: gloo's own
+    assert gloo_interface("127.0.0.1", 2) is None
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")  # the site's, or the profile's, always wins
+    monkeypatch.setattr("aura_hpc.ops.network.resolve", lambda name: None)
+    assert gloo_interface("127.0.0.1", 2) is None
 
 
 _TASK_START_UP = """

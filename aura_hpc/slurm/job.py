@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from aura_hpc.errors import EXIT_RESUMABLE, EXIT_SCREEN, AuraError
+from aura_hpc.errors import EXIT_RESUMABLE, EXIT_SCREEN
 
 if TYPE_CHECKING:
     from aura_hpc.slurm.exclude import Stopped
@@ -50,36 +50,44 @@ def first_node(nodelist: str) -> str:
 
 
 def rendezvous_host(nodelist: str) -> str:
-    """Where every rank reaches rank 0's store: the first node's name where it resolves here, else the address
-    Slurm itself reaches that node at (NodeAddr). A site whose node names are not in DNS or /etc/hosts
-    (`NodeName=gpu001 NodeAddr=10.1.0.1`) gave every rank an address no one could look up. Asked of the
-    controller only then: a job of a thousand ranks on a site whose names resolve sends it nothing."""
-    from aura_hpc.errors import LaunchError
-    from aura_hpc.ops.network import resolve
+    """Where every rank reaches rank 0's store: the address srun was started from (SLURM_LAUNCH_NODE_IPADDR),
+    else the allocation's first node's name.
 
-    name = first_node(nodelist)
-    if resolve(name) is not None:
-        return name
-    addr, why = node_addr(name)
-    if addr and resolve(addr) is not None:
-        return addr
-    raise LaunchError(
-        f"the job's first node {name} has no address here: its name does not resolve and Slurm gives "
-        f"{'NodeAddr=' + addr + ', which does not resolve either' if addr else f'none ({why})'} "
-        "(fix: make the node names resolvable on the compute nodes (DNS or /etc/hosts), or set their NodeAddr in slurm.conf)"
-    )
+    srun runs in the batch script, on the batch host, the allocation's first node in Slurm's own order, where
+    task 0 runs. Every node's slurmstepd has already connected back to srun at that address (the tasks' output
+    goes there), so it is one every node reaches, and every task is given the same one. A node name need not be:
+    on a site whose node names are in no DNS only NodeAddr reaches a node, and a Debian or Ubuntu node maps its
+    own name to 127.0.1.1 (each node then judged the name its own way). It also costs the controller nothing."""
+    import ipaddress
 
-
-def node_addr(name: str) -> tuple[str, str]:
-    """The node's NodeAddr in Slurm's config, or "" and why not (no Slurm client, a node Slurm does not know)."""
+    launched_from = os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "").strip()
     try:
-        done = subprocess.run(["scontrol", "show", "node", "-o", name], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return "", f"scontrol could not be run: {exc}"
-    fields = dict(f.split("=", 1) for f in done.stdout.split() if "=" in f)
-    if done.returncode != 0 or fields.get("NodeName") != name:
-        return "", " ".join((done.stderr or done.stdout or f"scontrol: exit status {done.returncode}").split())[:200]
-    return fields.get("NodeAddr", ""), "scontrol shows no NodeAddr"
+        if ipaddress.ip_address(launched_from).version == 4 and not ipaddress.ip_address(launched_from).is_unspecified:
+            return launched_from
+    except ValueError:  # unset (a task not started by srun), or IPv6, which the stores do not take
+        pass
+    return first_node(nodelist)
+
+
+def gloo_interface(master: str, nnodes: int) -> tuple[str, str] | None:
+    """(interface, why) for GLOO_SOCKET_IFNAME where gloo would listen where no other node reaches it, else None.
+    Unset, gloo listens at this machine's name's address, and falls back to loopback where the name does not
+    resolve: a Debian or Ubuntu node (127.0.1.1) told every peer to dial its own loopback. `local` sets it from
+    the route to the master address; here it is set the same way, only where gloo's own choice is loopback."""
+    import socket
+
+    from aura_hpc.ops.network import resolve, route_to
+
+    if nnodes < 2 or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    name = socket.gethostname()
+    own = resolve(name)
+    if own is not None and not own.startswith("127."):
+        return None
+    _, iface = route_to(master)
+    if iface is None:
+        return None
+    return iface, f"this node's name {name} resolves to {own or 'nothing'}, where gloo would listen instead of on the route to {master}"
 
 
 def first_host_of(nodelist: str) -> str:
@@ -111,12 +119,12 @@ class TrainJob:
         job_id = int(e["SLURM_JOB_ID"])
         restarts = int(e.get("SLURM_RESTART_COUNT", "0"))
         rank = int(e.get("SLURM_PROCID", "0"))
-        try:
-            os.environ["MASTER_ADDR"] = rendezvous_host(e["SLURM_JOB_NODELIST"])
-        except AuraError as exc:  # before the trainer's imports: one line per rank, no traceback
-            print(f"[rank{rank}] error: {exc}", flush=True)
-            raise SystemExit(exc.exit_code) from None
+        os.environ["MASTER_ADDR"] = rendezvous_host(e["SLURM_JOB_NODELIST"])
         os.environ["MASTER_PORT"] = str(rendezvous_port(job_id, restarts))
+        if gloo := gloo_interface(os.environ["MASTER_ADDR"], int(e.get("SLURM_NNODES", "1"))):
+            os.environ["GLOO_SOCKET_IFNAME"] = gloo[0]
+            if e.get("SLURM_LOCALID", "0") == "0":  # one line per node
+                print(f"[rank{rank}] GLOO_SOCKET_IFNAME={gloo[0]}: {gloo[1]}", flush=True)
         from aura_hpc.train.process.startup_gc import imports_unscanned
 
         with imports_unscanned():
@@ -127,6 +135,7 @@ class TrainJob:
         if rank == 0:
             from pathlib import Path
 
+            from aura_hpc.errors import AuraError
             from aura_hpc.launch.goodput import Launch
             from aura_hpc.launch.run_lock import RunLock
             from aura_hpc.train.process.time_ledger import process_started
@@ -284,15 +293,10 @@ class CheckJob:
         job_id, restarts = int(e["SLURM_JOB_ID"]), int(e.get("SLURM_RESTART_COUNT", "0"))
         from aura_hpc.ops import check
 
-        try:
-            master = rendezvous_host(e["SLURM_JOB_NODELIST"])
-        except AuraError as exc:
-            print(f"error: {exc}", flush=True)
-            raise SystemExit(exc.exit_code) from None
         cluster = check.cluster_args(
             int(e.get("SLURM_NNODES", "1")),
             int(e.get("SLURM_NODEID", "0")),
-            master,
+            rendezvous_host(e["SLURM_JOB_NODELIST"]),
             rendezvous_port(job_id, restarts),
             backend=self.backend,
             shared_dir=self.shared_dir,
