@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from aura_hpc.ops.network import resolve
-from tests.conftest import SMALL_MODEL, cli_env, final_weights, run_cli
+from tests.conftest import SMALL_MODEL, cli_env, final_weights, free_port, run_cli
 
 TINY = [
     "--nodes",
@@ -465,27 +465,50 @@ def test_a_requeue_where_the_slurm_client_is_missing_is_a_reason_not_a_crash(tmp
 
 
 def test_the_rendezvous_host_is_where_srun_started_and_gloo_is_kept_off_a_loopback_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The address srun ran from is the same in every task and reached by every node (the tasks' output goes back to
-    srun there); the first node's name only where srun gave none (or an IPv6 one, which the stores do not take).
-    Gloo's own choice, the machine name's address, is kept where it is no loopback address."""
-    from aura_hpc.slurm.job import gloo_interface, rendezvous_host
+    """The address srun ran from, which every node's slurmstepd reached already (the tasks' output goes back to srun
+    there); the first node's name only where srun gave none (or an IPv6 one, which the stores do not take). On the
+    master's node, a loopback address (srun reached its own slurmd over loopback: a name Debian maps to 127.0.1.1)
+    is where the store listens only when every node is on this machine; gloo's own choice, the machine name's
+    address, is kept where it is no loopback address."""
+    from aura_hpc.slurm.job import rendezvous_host
+    from aura_hpc.train.process import master_address
+    from aura_hpc.train.process.dist_env import DistEnv
 
     monkeypatch.delenv("SLURM_LAUNCH_NODE_IPADDR", raising=False)
     assert rendezvous_host("n[3-4]") == "n3"
-    for given, expected in (("10.1.0.7", "10.1.0.7"), ("fd00::7", "n3"), ("0.0.0.0", "n3"), ("n1;x", "n3")):
-        monkeypatch.setenv("SLURM_LAUNCH_NODE_IPADDR", given)
-        assert rendezvous_host("n[3-4]") == expected, given
+    given = {"10.1.0.7": "10.1.0.7", "::ffff:10.1.0.7": "10.1.0.7", "fd00::7": "n3", "0.0.0.0": "n3", "n1;x": "n3"}
+    for launched_from, expected in given.items():
+        monkeypatch.setenv("SLURM_LAUNCH_NODE_IPADDR", launched_from)
+        assert rendezvous_host("n[3-4]") == expected, launched_from
+
+    node0 = DistEnv(world_size=4, local_rank=1, master_addr="127.0.0.1", launcher="slurm", peer_host="n4", hostname="n3")
+    assert master_address.reached_at(node0) == "127.0.0.1"  # n4 is this machine too (the test cluster)
+    monkeypatch.setattr(master_address, "resolve", lambda name: {"127.0.0.1": "127.0.0.1", "n4": "10.1.0.8"}.get(name))
+    monkeypatch.setattr(master_address, "route_to", lambda addr: ("10.1.0.7", "eth1") if addr.startswith("10.") else (None, None))
+    assert master_address.reached_at(node0) == "10.1.0.7"  # where rank 0 listens, and its node's other ranks dial
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    assert gloo_interface("127.0.0.1", 1) is None  # one node: gloo's choice is every rank's
     monkeypatch.setattr("socket.gethostname", lambda: "n3")  # resolves nowhere: gloo would fall back to loopback
-    lo = gloo_interface("127.0.0.1", 2)
-    assert lo is not None and lo[0] and "n3 resolves to nothing" in lo[1], lo
-    monkeypatch.setattr("aura_hpc.ops.network.resolve", lambda name: "10.1.0.7")  # a name on the network: gloo's own
-    assert gloo_interface("127.0.0.1", 2) is None
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")  # the site's, or the profile's, always wins
-    monkeypatch.setattr("aura_hpc.ops.network.resolve", lambda name: None)
-    assert gloo_interface("127.0.0.1", 2) is None
+    assert master_address.gloo_interface(node0) == (
+        "eth1",
+        "this node's name n3 resolves to nothing, where gloo would listen instead of on the route to 10.1.0.7",
+    )
+    assert master_address.gloo_interface(DistEnv(launcher="slurm", hostname="n3")) is None  # one node: every rank's choice
+    monkeypatch.setattr(master_address, "resolve", lambda name: "10.1.0.7")  # a name on the network: gloo's own choice
+    assert master_address.gloo_interface(node0) is None
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")  # the site's, or the profile's, always wins
+    monkeypatch.setattr(master_address, "resolve", lambda name: None)
+    assert master_address.gloo_interface(node0) is None
+
+    # Task 0 on another node than srun's (a `#SBATCH --batch` feature): one line, not a traceback from the bind.
+    from datetime import timedelta
+
+    from aura_hpc.errors import LaunchError
+    from aura_hpc.train.process import distributed
+
+    elsewhere = DistEnv(world_size=2, master_addr="192.0.2.7", launcher="slurm", hostname="n3", master_port=free_port())
+    with pytest.raises(LaunchError, match=r"rank 0 runs on n3, and 192.0.2.7, where srun was started, is none of its addresses"):
+        distributed._store(elsewhere, timedelta(seconds=5))
 
 
 _TASK_START_UP = """

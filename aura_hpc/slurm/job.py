@@ -39,7 +39,7 @@ def rendezvous_port(job_id: int, restart_count: int) -> int:
 
 
 def first_node(nodelist: str) -> str:
-    """The allocation's first hostname: the rendezvous host (never localhost, never the submit host).
+    """The allocation's first hostname: where task 0 runs (never localhost, never the submit host).
     Slurm's own expansion where scontrol exists; inside a container image (Pyxis, Apptainer) there is
     usually no Slurm client, and the first host of the list is read from the expression itself."""
     try:
@@ -50,44 +50,24 @@ def first_node(nodelist: str) -> str:
 
 
 def rendezvous_host(nodelist: str) -> str:
-    """Where every rank reaches rank 0's store: the address srun was started from (SLURM_LAUNCH_NODE_IPADDR),
-    else the allocation's first node's name.
+    """Where the ranks reach rank 0's store: the address srun was started from (SLURM_LAUNCH_NODE_IPADDR), else
+    the allocation's first node's name.
 
-    srun runs in the batch script, on the batch host, the allocation's first node in Slurm's own order, where
-    task 0 runs. Every node's slurmstepd has already connected back to srun at that address (the tasks' output
-    goes there), so it is one every node reaches, and every task is given the same one. A node name need not be:
-    on a site whose node names are in no DNS only NodeAddr reaches a node, and a Debian or Ubuntu node maps its
-    own name to 127.0.1.1 (each node then judged the name its own way). It also costs the controller nothing."""
+    srun runs in the batch script, on the batch host: the allocation's first node in Slurm's own order, where
+    task 0 runs. Each node's slurmstepd has already connected back to srun at the address its tasks are given
+    (their output goes there), so every node reaches it. A node name need not be reached: on a site whose node
+    names are in no DNS only NodeAddr reaches a node, and a Debian or Ubuntu node maps its own name to
+    127.0.1.1. Asking nothing of the controller, it costs a job of a thousand ranks nothing either."""
     import ipaddress
 
-    launched_from = os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "").strip()
     try:
-        if ipaddress.ip_address(launched_from).version == 4 and not ipaddress.ip_address(launched_from).is_unspecified:
-            return launched_from
-    except ValueError:  # unset (a task not started by srun), or IPv6, which the stores do not take
-        pass
-    return first_node(nodelist)
-
-
-def gloo_interface(master: str, nnodes: int) -> tuple[str, str] | None:
-    """(interface, why) for GLOO_SOCKET_IFNAME where gloo would listen where no other node reaches it, else None.
-    Unset, gloo listens at this machine's name's address, and falls back to loopback where the name does not
-    resolve: a Debian or Ubuntu node (127.0.1.1) told every peer to dial its own loopback. `local` sets it from
-    the route to the master address; here it is set the same way, only where gloo's own choice is loopback."""
-    import socket
-
-    from aura_hpc.ops.network import resolve, route_to
-
-    if nnodes < 2 or os.environ.get("GLOO_SOCKET_IFNAME"):
-        return None
-    name = socket.gethostname()
-    own = resolve(name)
-    if own is not None and not own.startswith("127."):
-        return None
-    _, iface = route_to(master)
-    if iface is None:
-        return None
-    return iface, f"this node's name {name} resolves to {own or 'nothing'}, where gloo would listen instead of on the route to {master}"
+        ip = ipaddress.ip_address(os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "").strip())
+    except ValueError:  # unset: a task not started by srun
+        return first_node(nodelist)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:  # srun's socket was an IPv6 one
+        ip = ip.ipv4_mapped
+    # An IPv6 address the stores do not take; loopback is this node's view alone (train/process/master_address.py).
+    return str(ip) if ip.version == 4 and not ip.is_unspecified else first_node(nodelist)
 
 
 def first_host_of(nodelist: str) -> str:
@@ -121,10 +101,6 @@ class TrainJob:
         rank = int(e.get("SLURM_PROCID", "0"))
         os.environ["MASTER_ADDR"] = rendezvous_host(e["SLURM_JOB_NODELIST"])
         os.environ["MASTER_PORT"] = str(rendezvous_port(job_id, restarts))
-        if gloo := gloo_interface(os.environ["MASTER_ADDR"], int(e.get("SLURM_NNODES", "1"))):
-            os.environ["GLOO_SOCKET_IFNAME"] = gloo[0]
-            if e.get("SLURM_LOCALID", "0") == "0":  # one line per node
-                print(f"[rank{rank}] GLOO_SOCKET_IFNAME={gloo[0]}: {gloo[1]}", flush=True)
         from aura_hpc.train.process.startup_gc import imports_unscanned
 
         with imports_unscanned():

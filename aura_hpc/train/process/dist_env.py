@@ -79,7 +79,7 @@ class DistEnv:
                 node_sizes=sizes,
             )
         if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
-            # One task per GPU under srun: ranks come from Slurm; the master is the first node.
+            # One task per GPU under srun: ranks come from Slurm; the master is where srun ran (slurm/job.py).
             rank = int(e["SLURM_PROCID"])
             nodes = hostnames(e.get("SLURM_JOB_NODELIST", ""))
             return cls(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import hmac
 import logging
@@ -27,8 +28,8 @@ import torch.distributed as dist
 
 from aura_hpc.comm import collectives, stores
 from aura_hpc.errors import EXIT_TRAIN_FAILED, LaunchError
-from aura_hpc.ops.network import resolve, route_to
-from aura_hpc.train.process import flight_dump
+from aura_hpc.ops.network import resolve
+from aura_hpc.train.process import flight_dump, master_address
 from aura_hpc.train.process.dist_env import DistEnv
 
 log = logging.getLogger("aura_hpc")
@@ -51,25 +52,21 @@ class _Rendezvous:
 _RDZV: _Rendezvous | None = None
 
 
-def _bind_address(env: DistEnv) -> str:
-    """Where the store rank 0 hosts listens: MASTER_ADDR's address here, unless that is loopback while
-    peers on other machines must reach it (a hostname Debian maps to 127.0.1.1): then the address this
-    machine reaches them from."""
-    addr = resolve(env.master_addr) or env.master_addr
-    if not addr.startswith("127.") or not env.peer_host:
-        return addr
-    peer = resolve(env.peer_host)
-    if peer is None or peer.startswith("127."):
-        return addr  # every node on this machine (a test cluster)
-    return route_to(peer)[0] or addr
-
-
 def _store(env: DistEnv, timeout: timedelta) -> Any:
     """The agent's store under torchrun (its rendezvous binds it), else one that rank 0 hosts."""
     if env.uses_agent_store or env.launcher_rank != 0:
-        return stores.client(env.master_addr, env.master_port, timeout)
+        on_its_node = env.launcher == "slurm" and env.node_rank == 0  # told loopback where rank 0 may listen elsewhere
+        return stores.client(master_address.reached_at(env) if on_its_node else env.master_addr, env.master_port, timeout)
+    addr = master_address.reached_at(env)
     try:
-        return stores.bound_server(_bind_address(env), env.master_port, timeout)
+        return stores.bound_server(addr, env.master_port, timeout)
+    except OSError as exc:
+        if exc.errno != errno.EADDRNOTAVAIL or env.launcher != "slurm":
+            raise
+        raise LaunchError(
+            f"rank 0 runs on {env.hostname}, and {addr}, where srun was started, is none of its addresses: srun ran on "
+            "another node than task 0 (fix: submit without `#SBATCH --batch` or a front-end node in the cluster profile)"
+        ) from None
     except stores.StoreAddressInUse:
         fix = (
             "submit the same command again: the port comes from the job id, and a new job gets another"
@@ -111,6 +108,10 @@ def join(env: DistEnv, run_dir: Path, timeout_s: float) -> DistEnv:
     """Meet the other ranks in the store, prove the run's secret, and take this rank's place in the
     nodes' layout. Returns the environment with the final rank and the ranks per node."""
     global _RDZV
+    if env.launcher == "slurm" and (gloo := master_address.gloo_interface(env)):  # `local` set it from the route already
+        os.environ["GLOO_SOCKET_IFNAME"] = gloo[0]
+        if env.local_rank == 0:  # one line a node
+            print(f"[rank{env.rank}] GLOO_SOCKET_IFNAME={gloo[0]}: {gloo[1]}", flush=True)
     if env.world_size == 1:  # a group of one: nothing to meet, nothing on the network
         _RDZV = _Rendezvous(dist.HashStore(), f"aura/attempt{env.restart_count}", env)
         return env
