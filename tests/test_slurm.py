@@ -509,6 +509,12 @@ def test_the_rendezvous_host_is_where_srun_started_and_gloo_is_kept_off_a_loopba
     elsewhere = DistEnv(world_size=2, master_addr="192.0.2.7", launcher="slurm", hostname="n3", master_port=free_port())
     with pytest.raises(LaunchError, match=r"rank 0 runs on n3, and 192.0.2.7, where srun was started, is none of its addresses"):
         distributed._store(elsewhere, timedelta(seconds=5))
+    with socket.socket() as taken:  # and a port in use is still that
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        here = DistEnv(world_size=2, launcher="slurm", hostname="n3", master_port=taken.getsockname()[1])
+        with pytest.raises(LaunchError, match=r"port \d+ on 127.0.0.1 is already in use \(fix: submit the same command again"):
+            distributed._store(here, timedelta(seconds=5))
 
 
 _TASK_START_UP = """

@@ -60,13 +60,6 @@ def _store(env: DistEnv, timeout: timedelta) -> Any:
     addr = master_address.reached_at(env)
     try:
         return stores.bound_server(addr, env.master_port, timeout)
-    except OSError as exc:
-        if exc.errno != errno.EADDRNOTAVAIL or env.launcher != "slurm":
-            raise
-        raise LaunchError(
-            f"rank 0 runs on {env.hostname}, and {addr}, where srun was started, is none of its addresses: srun ran on "
-            "another node than task 0 (fix: submit without `#SBATCH --batch` or a front-end node in the cluster profile)"
-        ) from None
     except stores.StoreAddressInUse:
         fix = (
             "submit the same command again: the port comes from the job id, and a new job gets another"
@@ -74,6 +67,13 @@ def _store(env: DistEnv, timeout: timedelta) -> Any:
             else "another MASTER_PORT, or stop the program using it"
         )
         raise LaunchError(f"port {env.master_port} on {env.master_addr} is already in use (fix: {fix})") from None
+    except OSError as exc:  # after StoreAddressInUse, one of them
+        if exc.errno != errno.EADDRNOTAVAIL or env.launcher != "slurm":
+            raise
+        raise LaunchError(
+            f"rank 0 runs on {env.hostname}, and {addr}, where srun was started, is none of its addresses: srun ran on "
+            "another node than task 0 (fix: submit without `#SBATCH --batch` or a front-end node in the cluster profile)"
+        ) from None
 
 
 def run_secret(run_dir: Path) -> str | None:
