@@ -486,6 +486,9 @@ def test_the_rendezvous_host_is_where_srun_started_and_gloo_is_kept_off_a_loopba
     monkeypatch.setattr(master_address, "resolve", lambda name: {"127.0.0.1": "127.0.0.1", "n4": "10.1.0.8"}.get(name))
     monkeypatch.setattr(master_address, "route_to", lambda addr: ("10.1.0.7", "eth1") if addr.startswith("10.") else (None, None))
     assert master_address.reached_at(node0) == "10.1.0.7"  # where rank 0 listens, and its node's other ranks dial
+    assert master_address.dialled(node0) == "10.1.0.7"
+    node1 = DistEnv(world_size=4, node_rank=1, master_addr="10.1.0.7", launcher="slurm", peer_host="n4", hostname="n4")
+    assert master_address.dialled(node1) == "10.1.0.7"
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setattr("socket.gethostname", lambda: "n3")  # resolves nowhere: gloo would fall back to loopback
@@ -507,7 +510,7 @@ def test_the_rendezvous_host_is_where_srun_started_and_gloo_is_kept_off_a_loopba
     from aura_hpc.train.process import distributed
 
     elsewhere = DistEnv(world_size=2, master_addr="192.0.2.7", launcher="slurm", hostname="n3", master_port=free_port())
-    with pytest.raises(LaunchError, match=r"rank 0 runs on n3, and 192.0.2.7, where srun was started, is none of its addresses"):
+    with pytest.raises(LaunchError, match=r"rank 0 runs on n3, and the master address 192.0.2.7 is none of its addresses"):
         distributed._store(elsewhere, timedelta(seconds=5))
     with socket.socket() as taken:  # and a port in use is still that
         taken.bind(("127.0.0.1", 0))

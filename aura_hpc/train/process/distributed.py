@@ -55,8 +55,7 @@ _RDZV: _Rendezvous | None = None
 def _store(env: DistEnv, timeout: timedelta) -> Any:
     """The agent's store under torchrun (its rendezvous binds it), else one that rank 0 hosts."""
     if env.uses_agent_store or env.launcher_rank != 0:
-        on_its_node = env.launcher == "slurm" and env.node_rank == 0  # told loopback where rank 0 may listen elsewhere
-        return stores.client(master_address.reached_at(env) if on_its_node else env.master_addr, env.master_port, timeout)
+        return stores.client(master_address.dialled(env), env.master_port, timeout)
     addr = master_address.reached_at(env)
     try:
         return stores.bound_server(addr, env.master_port, timeout)
@@ -66,13 +65,13 @@ def _store(env: DistEnv, timeout: timedelta) -> Any:
             if env.launcher == "slurm"
             else "another MASTER_PORT, or stop the program using it"
         )
-        raise LaunchError(f"port {env.master_port} on {env.master_addr} is already in use (fix: {fix})") from None
+        raise LaunchError(f"port {env.master_port} on {addr} is already in use (fix: {fix})") from None
     except OSError as exc:  # after StoreAddressInUse, one of them
         if exc.errno != errno.EADDRNOTAVAIL or env.launcher != "slurm":
             raise
         raise LaunchError(
-            f"rank 0 runs on {env.hostname}, and {addr}, where srun was started, is none of its addresses: srun ran on "
-            "another node than task 0 (fix: submit without `#SBATCH --batch` or a front-end node in the cluster profile)"
+            f"rank 0 runs on {env.hostname}, and the master address {addr} is none of its addresses: srun ran on another "
+            "node than task 0 (fix: submit without `#SBATCH --batch`, a front-end node or an arbitrary task layout)"
         ) from None
 
 
@@ -120,11 +119,12 @@ def join(env: DistEnv, run_dir: Path, timeout_s: float) -> DistEnv:
     except (RuntimeError, TimeoutError, OSError) as exc:
         if isinstance(exc, LaunchError):
             raise
+        where = master_address.dialled(env)
         raise LaunchError(
             # torch's elastic rendezvous puts this store on whichever node it ranks first (the address that sorts first
             # as text), not always node 0: on a LAN the machine named here is the one whose firewall to look at.
-            f"cannot reach the workers' store on the machine at {env.master_addr}:{env.master_port} ({_first_line(exc)}) (fix: "
-            f"check that {env.master_addr} still runs its launcher, and allow TCP between the nodes in both directions, "
+            f"cannot reach the workers' store on the machine at {where}:{env.master_port} ({_first_line(exc)}) (fix: "
+            f"check that {where} still runs its launcher, and allow TCP between the nodes in both directions, "
             "in each machine's firewall; `python -m aura_hpc check`)"
         ) from None
     prefix = f"aura/attempt{env.restart_count}"
@@ -279,7 +279,7 @@ def _connect(backend: str, store: Any, env: DistEnv, device: torch.device, init_
     agreed: Any = _AGREE[0]
     if env.world_size > 1:
         try:
-            agreed = stores.client(env.master_addr, env.master_port, timedelta(seconds=10))
+            agreed = stores.client(master_address.dialled(env), env.master_port, timedelta(seconds=10))
         except (RuntimeError, TimeoutError, OSError):
             agreed = None  # then only the timeout ends a stuck set-up
     keys = [f"{prefix}/backend-connected/{r}" for r in range(env.world_size)]

@@ -27,11 +27,18 @@ def reached_at(env: DistEnv) -> str:
     return route_to(peer)[0] or addr
 
 
+def dialled(env: DistEnv) -> str:
+    """Where this rank dials rank 0's store: MASTER_ADDR, but on the master's own node under Slurm, where that may be
+    loopback while rank 0 listens at the address the other nodes reach, that address."""
+    return reached_at(env) if env.launcher == "slurm" and env.node_rank == 0 else env.master_addr
+
+
 def gloo_interface(env: DistEnv) -> tuple[str, str] | None:
     """(interface, why) for GLOO_SOCKET_IFNAME where gloo would listen where no other node reaches it, else None.
     Unset, gloo listens at this machine's name's address, and falls back to loopback where the name does not
     resolve. `local` sets it from the route to the master address; a Slurm job the same way, only where gloo's
-    own choice is loopback, and never over a value of the site's or the profile's."""
+    own choice is loopback, and never over a value of the site's or the profile's. The route is to where the other
+    nodes reach the master: on the master's own node, the address it reaches them from."""
     import socket
 
     if not env.peer_host or os.environ.get("GLOO_SOCKET_IFNAME"):  # one node, or a choice of the site's

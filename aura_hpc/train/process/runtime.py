@@ -16,7 +16,7 @@ import torch
 from aura_hpc.comm import collectives
 from aura_hpc.config import RunConfig
 from aura_hpc.errors import ConfigError
-from aura_hpc.train.process import distributed
+from aura_hpc.train.process import distributed, master_address
 from aura_hpc.train.process.dist_env import DistEnv
 from aura_hpc.train.process.malloc_tuning import pin_thresholds
 
@@ -79,7 +79,7 @@ def start(cfg: RunConfig, env: DistEnv) -> Runtime:
         device_name(device),
         env.restart_count,
         malloc,
-        env.master_addr,  # where rank 0's store was looked for: the first thing to check when a rendezvous times out
+        master_address.dialled(env),  # where rank 0's store was looked for: the first thing to check when a rendezvous times out
         env.master_port,
     )
     dtypes = precision_dtypes(cfg.train.precision, device)
