@@ -520,6 +520,29 @@ def test_the_rendezvous_host_is_where_srun_started_and_gloo_is_kept_off_a_loopba
             distributed._store(here, timedelta(seconds=5))
 
 
+def test_submit_check_meets_where_training_does_on_a_master_srun_reached_over_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`submit --check` on a site whose first node reaches its own slurmd over loopback (its name maps to 127.0.1.1):
+    node 0's store listens where the other nodes reach it, as training's does, not at the loopback address srun gave
+    that node's task (the other nodes, given its real address, were refused and check blamed the firewall)."""
+    from aura_hpc.ops import check
+    from aura_hpc.slurm.job import CheckJob
+    from aura_hpc.train.process import master_address
+
+    asked: list[str] = []
+    monkeypatch.setattr(check, "run_and_show", lambda shared, cluster: asked.append(cluster.master_addr) or 0)
+    monkeypatch.setattr(master_address, "resolve", lambda name: {"127.0.0.1": "127.0.0.1", "n4": "10.1.0.8"}.get(name))
+    monkeypatch.setattr(master_address, "route_to", lambda addr: ("10.1.0.7", "eth1") if addr.startswith("10.") else (None, None))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "unset by the test")
+    job = {"SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n[3-4]", "SLURM_NNODES": "2", "SLURM_NTASKS": "2"}
+    for node, launched_from in ((0, "127.0.0.1"), (1, "10.1.0.7")):
+        for name, value in {**job, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node), "SLURM_LAUNCH_NODE_IPADDR": launched_from}.items():
+            monkeypatch.setenv(name, value)
+        assert CheckJob("gloo", "/nowhere")() == 0
+    assert asked == ["10.1.0.7", "10.1.0.7"]
+
+
 _TASK_START_UP = """
 import json, os, signal, sys, types
 signal.signal(signal.SIGUSR2, lambda *a: sys.exit(99))  # submitit's handler, which ruled a task's start-up

@@ -268,11 +268,16 @@ class CheckJob:
         e = os.environ
         job_id, restarts = int(e["SLURM_JOB_ID"]), int(e.get("SLURM_RESTART_COUNT", "0"))
         from aura_hpc.ops import check
+        from aura_hpc.train.process import master_address
+        from aura_hpc.train.process.dist_env import DistEnv
 
+        # Where training's ranks meet, node 0 included: its store listens where the other nodes reach it, not at a
+        # loopback address srun reached its own slurmd at (check must not fail where training works, nor pass where it fails).
+        e["MASTER_ADDR"] = rendezvous_host(e["SLURM_JOB_NODELIST"])
         cluster = check.cluster_args(
             int(e.get("SLURM_NNODES", "1")),
             int(e.get("SLURM_NODEID", "0")),
-            rendezvous_host(e["SLURM_JOB_NODELIST"]),
+            master_address.dialled(DistEnv.from_environ()),
             rendezvous_port(job_id, restarts),
             backend=self.backend,
             shared_dir=self.shared_dir,
