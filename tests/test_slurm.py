@@ -483,7 +483,7 @@ def test_the_rendezvous_host_is_where_srun_started_and_gloo_is_kept_off_a_loopba
 
     node0 = DistEnv(world_size=4, local_rank=1, master_addr="127.0.0.1", launcher="slurm", peer_host="n4", hostname="n3")
     assert master_address.reached_at(node0) == "127.0.0.1"  # n4 is this machine too (the test cluster)
-    monkeypatch.setattr(master_address, "resolve", lambda name: {"127.0.0.1": "127.0.0.1", "n4": "10.1.0.8"}.get(name))
+    monkeypatch.setattr(master_address, "resolve", lambda name, patient=False: {"127.0.0.1": "127.0.0.1", "n4": "10.1.0.8"}.get(name))
     monkeypatch.setattr(master_address, "route_to", lambda addr: ("10.1.0.7", "eth1") if addr.startswith("10.") else (None, None))
     assert master_address.reached_at(node0) == "10.1.0.7"  # where rank 0 listens, and its node's other ranks dial
     assert master_address.dialled(node0) == "10.1.0.7"
@@ -497,10 +497,10 @@ def test_the_rendezvous_host_is_where_srun_started_and_gloo_is_kept_off_a_loopba
         "this node's name n3 resolves to nothing, where gloo would listen instead of on the route to 10.1.0.7",
     )
     assert master_address.gloo_interface(DistEnv(launcher="slurm", hostname="n3")) is None  # one node: every rank's choice
-    monkeypatch.setattr(master_address, "resolve", lambda name: "10.1.0.7")  # a name on the network: gloo's own choice
+    monkeypatch.setattr(master_address, "resolve", lambda name, patient=False: "10.1.0.7")  # a name on the network: gloo's own choice
     assert master_address.gloo_interface(node0) is None
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")  # the site's, or the profile's, always wins
-    monkeypatch.setattr(master_address, "resolve", lambda name: None)
+    monkeypatch.setattr(master_address, "resolve", lambda name, patient=False: None)
     assert master_address.gloo_interface(node0) is None
 
     # Task 0 on another node than srun's (a `#SBATCH --batch` feature): one line, not a traceback from the bind.
@@ -530,7 +530,7 @@ def test_submit_check_meets_where_training_does_on_a_master_srun_reached_over_lo
 
     asked: list[str] = []
     monkeypatch.setattr(check, "run_and_show", lambda shared, cluster: asked.append(cluster.master_addr) or 0)
-    monkeypatch.setattr(master_address, "resolve", lambda name: {"127.0.0.1": "127.0.0.1", "n4": "10.1.0.8"}.get(name))
+    monkeypatch.setattr(master_address, "resolve", lambda name, patient=False: {"127.0.0.1": "127.0.0.1", "n4": "10.1.0.8"}.get(name))
     monkeypatch.setattr(master_address, "route_to", lambda addr: ("10.1.0.7", "eth1") if addr.startswith("10.") else (None, None))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
@@ -541,6 +541,35 @@ def test_submit_check_meets_where_training_does_on_a_master_srun_reached_over_lo
             monkeypatch.setenv(name, value)
         assert CheckJob("gloo", "/nowhere")() == 0
     assert asked == ["10.1.0.7", "10.1.0.7"]
+
+
+def test_a_lookup_the_resolver_calls_temporary_is_tried_again_on_the_masters_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank of the master's node looks the peer node up itself: a DNS server that did not answer one of them
+    in time (EAI_AGAIN) would have sent that rank to loopback while rank 0 listened at the node's address. A name
+    that is in no DNS (EAI_NONAME) is not waited for."""
+    from aura_hpc.train.process import master_address
+    from aura_hpc.train.process.dist_env import DistEnv
+
+    asked: list[str] = []
+
+    def lookup(name: str) -> str:
+        asked.append(name)
+        if name == "n4" and asked.count("n4") < 3:
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        if name == "n9":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return "10.1.0.8" if name == "n4" else name
+
+    monkeypatch.setattr(socket, "gethostbyname", lookup)
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    monkeypatch.setattr(master_address, "route_to", lambda addr: ("10.1.0.7", "eth1") if addr.startswith("10.") else (None, None))
+    node0 = DistEnv(world_size=4, local_rank=1, master_addr="127.0.0.1", launcher="slurm", peer_host="n4", hostname="n3")
+    assert master_address.dialled(node0) == "10.1.0.7"
+    assert asked.count("n4") == 3
+    asked.clear()
+    far = DistEnv(world_size=4, local_rank=1, master_addr="127.0.0.1", launcher="slurm", peer_host="n9", hostname="n3")
+    assert master_address.dialled(far) == "127.0.0.1"  # n9 resolves nowhere: every rank of the node alike, at once
+    assert asked.count("n9") == 1
 
 
 _TASK_START_UP = """

@@ -42,12 +42,22 @@ def loopback_interface() -> str | None:
     return None
 
 
-def resolve(addr: str) -> str | None:
-    """`addr`'s IPv4 address (a name is looked up), or None when it does not resolve."""
-    try:
-        return socket.gethostbyname(addr)
-    except OSError:
-        return None
+def resolve(addr: str, patient: bool = False) -> str | None:
+    """`addr`'s IPv4 address (a name is looked up), or None when it does not resolve. `patient`: a lookup the
+    resolver calls temporary (EAI_AGAIN: a DNS server that did not answer in time) is tried again, for some 5 s,
+    where one rank's answer must agree with its neighbours' (the master's node under Slurm)."""
+    import time
+
+    for pause in (0.5, 1.0, 1.5, 2.0, None) if patient else (None,):
+        try:
+            return socket.gethostbyname(addr)
+        except socket.gaierror as exc:
+            if exc.errno != socket.EAI_AGAIN or pause is None:
+                return None
+            time.sleep(pause)
+        except OSError:
+            return None
+    return None
 
 
 def loopback_name(addr: str) -> str | None:

@@ -18,10 +18,11 @@ def reached_at(env: DistEnv) -> str:
     """The master's address as the other nodes reach it: MASTER_ADDR's address, unless that is loopback while
     peers on other machines must reach it; then the address this machine reaches them from. Rank 0's store
     listens there alone, and the other ranks of its node dial it there too (they were given loopback)."""
-    addr = resolve(env.master_addr) or env.master_addr
+    addr = resolve(env.master_addr, patient=True) or env.master_addr
     if not addr.startswith("127.") or not env.peer_host:
         return addr
-    peer = resolve(env.peer_host)
+    # Each rank of the node looks the peer up itself: a lookup that failed on one alone would send it to loopback.
+    peer = resolve(env.peer_host, patient=True)
     if peer is None or peer.startswith("127."):
         return addr  # every node on this machine (a test cluster)
     return route_to(peer)[0] or addr
