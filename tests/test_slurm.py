@@ -1000,6 +1000,54 @@ def test_cancel_stops_a_running_job(slurm_cluster: Path, prepared: Path, tmp_pat
     assert "requeuing job" not in log, "a cancel must not requeue"
 
 
+def test_a_job_that_fits_once_a_drained_node_returns_is_queued_to_wait_and_an_impossible_one_is_refused(
+    slurm_cluster: Path, prepared: Path, tmp_path: Path, home: Path
+) -> None:
+    """`sbatch --test-only` leaves down and drained nodes out, and says "Requested node configuration is not
+    available" for a job of all 4 nodes with n4 drained, as for one of 5: the first was refused, and plain sbatch
+    queues it to start when n4 returns. What even every node of the partition could not hold is still refused."""
+    out = tmp_path / "runs"
+    base = ["submit", *TINY[2:], "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=1"]
+    subprocess.run(["scontrol", "update", "nodename=n4", "state=drain", "reason=aura-test"], check=True)
+    job = ""
+    try:
+        for name, extra in (("five", ["--nodes", "5"]), ("wide", ["--nodes", "4", "--set", "slurm.cpus_per_task=3"])):
+            refused = run_cli([*base, *extra, "--run-name", name])
+            assert refused.returncode == 2 and "Requested node configuration is not available" in refused.stderr, (
+                refused.stdout + refused.stderr
+            )
+            assert "fix:" in refused.stderr and not (out / name).exists(), refused.stderr
+        queued = run_cli([*base, "--nodes", "4", "--run-name", "four"])
+        said = queued.stdout + queued.stderr
+        assert queued.returncode == 0, said
+        job = re.search(r"submitted job (\d+)", queued.stdout).group(1)  # type: ignore[union-attr]
+        assert "no 4 node(s) of the partition can take this job now: n4 (drain) would, once up again" in said, said
+        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+        assert state == "PENDING", state
+    finally:
+        if job:
+            subprocess.run(["scancel", job], check=False)
+        subprocess.run(["scontrol", "update", "nodename=n4", "state=resume"], check=False, capture_output=True)
+
+
+def test_a_node_holds_a_job_by_its_gpus_of_the_type_asked_its_memory_cpus_and_features() -> None:
+    """What is judged of the partition's nodes, their state aside (sinfo's %G, %m, %c, %f), for a job Slurm finds no
+    room for now; an expression of features Slurm alone reads is not judged here."""
+    from aura_hpc.config.tree import SlurmConfig
+    from aura_hpc.slurm.node_room import Node, _gpus, holds
+
+    assert _gpus("gpu:h100:8(S:0-1),gpu:a100:2") == {"h100": 8, "a100": 2} and _gpus("gpu:4") == {"": 4} and _gpus("(null)") == {}
+    node = Node("g1", "drain", 64, 512000, _gpus("gpu:h100:8(S:0-1)"), {"ib", "h100"})
+    assert holds(node, SlurmConfig(gpus_per_node=8, gpu_type="h100", mem="500G", constraint="ib&h100", cpus_per_task=8), 8)
+    assert not holds(node, SlurmConfig(gpus_per_node=8, gpu_type="a100"), 8)
+    assert not holds(node, SlurmConfig(gpus_per_node=16), 16)
+    assert not holds(node, SlurmConfig(gpus_per_node=8, mem="1T"), 8)
+    assert not holds(node, SlurmConfig(gpus_per_node=8, cpus_per_task=9), 8)
+    assert not holds(node, SlurmConfig(gpus_per_node=8, constraint="ib&a100"), 8)
+    assert holds(node, SlurmConfig(gpus_per_node=8, constraint="a100|h100", mem="0"), 8)
+    assert not node.usable and Node("g2", "idle*", 64, 0, {}, set()).usable is False and Node("g3", "mix", 64, 0, {}, set()).usable
+
+
 def test_submit_check_runs_check_on_every_node(slurm_cluster: Path, tmp_path: Path, home: Path) -> None:
     res = run_cli(["submit", "--check", "--nodes", "2", "--gpus", "0", "--time", "5", "--output-dir", str(tmp_path / "runs")], timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -67,7 +67,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
         return EXIT_USER_ERROR if plan.data_problem else 0  # the run's status: a script gating on the dry run stops here
     from aura_hpc.slurm import submit as submitting
 
-    ids = submitting.submit(plan)
+    ids = submitting.submit(plan, warn=console.warn)
     if plan.check:
         console.info(f"submitted check job {ids[0]} on {plan.slurm.nodes} node(s); logs in {plan.folder}")
         status = submitting.wait(ids, submitting.rank_log(plan.folder, ids[0]), printer=console.plain)

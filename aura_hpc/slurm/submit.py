@@ -20,13 +20,18 @@ JOB_FILE = "job.json"
 T = TypeVar("T")
 
 
-def submit(plan: SubmitPlan) -> list[str]:
+def submit(plan: SubmitPlan, warn: Callable[[str], None] = print) -> list[str]:
     """Prepare the run directories, submit through submitit, record each job; returns the job ids."""
     slurm_query.require("sbatch")
     if not plan.check:
         _refuse_a_queued_job(plan)
     with sbatch_env.left_out(plan.script):
-        slurm_query.test_only(plan.script)  # refused here, nothing is written or queued
+        try:
+            slurm_query.test_only(plan.script)  # refused here, nothing is written or queued
+        except LaunchError as refused:
+            if (returning := _nodes_it_waits_for(plan, str(refused))) is None:
+                raise
+            warn(returning)
     from aura_hpc.launch.run_setup import check_writable, prepare_run_dir
     from aura_hpc.slurm.job import CheckJob, TrainJob
 
@@ -71,6 +76,24 @@ def submit(plan: SubmitPlan) -> list[str]:
             f"{exc.filename or ''}) (fix: free that place; `status`, `logs` and `cancel` take these ids meanwhile)"
         ) from None
     return ids
+
+
+def _nodes_it_waits_for(plan: SubmitPlan, refused: str) -> str | None:
+    """The warning for a job Slurm finds no nodes for only because some of its partition's are down or drained
+    (submitted: it waits for them, as plain sbatch has it), or None for a refusal that stands."""
+    from aura_hpc.slurm import node_room
+
+    if node_room.NOT_AVAILABLE not in refused.lower():
+        return None
+    waiting = node_room.waiting_for(plan.slurm, plan.tasks_per_node)
+    if not waiting:
+        return None
+    names = ", ".join(f"{n.name} ({n.state})" for n in waiting[:8]) + (f" and {len(waiting) - 8} more" if len(waiting) > 8 else "")
+    return (
+        f"no {plan.slurm.min_nodes or plan.slurm.nodes} node(s) of the partition can take this job now: {names} would, once up "
+        f"again; it is submitted and waits for them (`python -m aura_hpc status JOB` says why it waits; cancel it, or ask "
+        f"for fewer --nodes, if they do not come back)"
+    )
 
 
 def _refuse_a_queued_job(plan: SubmitPlan) -> None:
