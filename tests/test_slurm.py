@@ -421,6 +421,51 @@ def test_a_watch_outlasts_a_controller_that_misses_an_answer_and_prints_the_jobs
     answers[:] = [LaunchError("squeue: error: Socket timed out")] * 3
     with pytest.raises(LaunchError, match=r"Socket timed out \(squeue failed for 1 s; the job itself may still run\)"):
         submit.squeue_patiently("42", patience_s=1)
+    # What no time cures is said at once: `logs -f` on a machine without squeue was silent for 5 minutes.
+    monkeypatch.undo()
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"Slurm's squeue is not on PATH: this machine is not a Slurm login node \(fix: ") as said:
+        commands.follow("42", log, printed.append, poll_s=0.1)
+    assert time.monotonic() - t0 < 5 and "squeue failed for" not in str(said.value)
+
+
+def test_a_limit_of_the_account_or_qos_and_a_bad_since_get_their_own_fix(slurm_cluster: Path, home: Path) -> None:
+    """Slurm's text for an association's or QOS's limit (ESLURM_ACCOUNTING_POLICY, the reason on a line before it)
+    names "time limits": every MaxSubmitJobs or GrpTRES refusal was told to ask for less --time. A --since sacct
+    cannot read was told to look at the partitions."""
+    from aura_hpc.slurm.query import explain
+
+    said = explain(
+        "sbatch",
+        "sbatch: error: AssocMaxSubmitJobLimit\nsbatch: error: Batch job submission failed: Job violates accounting/QOS "
+        "policy (job submit limit, user's size and/or time limits)",
+    )
+    assert "AssocMaxSubmitJobLimit" in said and "sacctmgr show assoc user=$USER" in said and "--time" not in said, said
+    res = run_cli(["history", "--since", "yesterday"])
+    assert res.returncode == 2 and "Invalid time specification" in res.stderr, res.stderr
+    assert "fix: give --since as sacct reads it: 2026-11-30" in res.stderr and "sinfo" not in res.stderr, res.stderr
+
+
+def test_a_controller_that_does_not_answer_the_exclusion_leaves_a_line_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a requeue that worked, the update that leaves the named node out timed out on a busy controller: a
+    traceback in rank 0's or the watchdog's log, where every other scontrol call of the requeue says a line."""
+    from aura_hpc.slurm import exclude
+
+    def busy(*args: str) -> subprocess.CompletedProcess[str]:
+        raise subprocess.TimeoutExpired(["scontrol", *args], 30)
+
+    monkeypatch.setattr(exclude, "_scontrol", busy)
+    room = exclude._Room(leave_out=["n3"], left=["n1", "n2"], least=2, partition="debug", refused="")
+    said: list[str] = []
+    judged = exclude.Judged(room=room, nodes=["n3"], names="n3 (rank 1 hung there)")
+    assert exclude.apply_after_requeue(42, tmp_path, said.append, judged) == []
+    assert said == [
+        "the requeued job keeps its nodes: scontrol could not leave out n3 (rank 1 hung there): scontrol did not answer "
+        "(Command '['scontrol', 'update', 'JobId=42', 'ExcNodeList=n3']' timed out after 30 seconds)"
+    ], said
 
 
 def test_a_completing_jobs_run_time_is_read_in_utc_across_a_clock_change(slurm_cluster: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -404,7 +404,10 @@ def apply_after_requeue(job_id: int, run_dir: Path, say: Callable[[str], None], 
     if not isinstance(judged, Judged):
         return []
     room, names = judged.room, judged.names
-    done = _scontrol("update", f"JobId={job_ref(job_id)}", f"ExcNodeList={','.join(room.leave_out)}")
+    try:
+        done = _scontrol("update", f"JobId={job_ref(job_id)}", f"ExcNodeList={','.join(room.leave_out)}")
+    except (OSError, subprocess.TimeoutExpired) as exc:  # a busy controller: the requeue itself stands
+        done = subprocess.CompletedProcess([], 1, "", f"scontrol did not answer ({exc})")
     if done.returncode != 0:
         reason = (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
         say(f"the requeued job keeps its nodes: scontrol could not leave out {names}: {reason}")

@@ -137,7 +137,17 @@ _FIXES: list[tuple[tuple[str, ...], str]] = [
         ("invalid account", "association"),
         "choose an account you belong to: `sacctmgr show assoc user=$USER format=account` (--account NAME)",
     ),
+    (  # before "time limit": Slurm's text for every association or QOS limit names "time limits" too
+        ("accounting/qos policy",),
+        "the job is over a limit of your account or QOS (jobs queued or running, GPUs, nodes, wall time: the reason is in "
+        "Slurm's message): see `sacctmgr show assoc user=$USER` and `sacctmgr show qos`, then wait for your other jobs "
+        "to end or ask for less",
+    ),
     (("time limit",), "ask for less time (--time) than the partition's limit shown by `sinfo -s`"),
+    (
+        ("invalid time specification",),
+        "give --since as sacct reads it: 2026-11-30, 2026-11-30T14:00, now-2days or now-6hours",
+    ),
     (("qos",), "choose a QOS you may use (--qos NAME), see `sacctmgr show assoc user=$USER format=qos`"),
     (("invalid job id",), "check the job id with `python -m aura_hpc status --all` (finished jobs: history)"),
     (

@@ -391,6 +391,10 @@ def _patiently(ask: Callable[[], T], patience_s: float) -> T:
         try:
             return ask()
         except LaunchError as exc:
+            # Only a controller that did not answer may answer later: no squeue on PATH, no configuration, a
+            # refused request are said at once (they were asked again for 5 minutes of silence).
+            if not any(word in str(exc).lower() for word in (*slurm_query.NO_ANSWER, "did not answer within")):
+                raise
             failing_since = failing_since or time.monotonic()
             if time.monotonic() - failing_since > patience_s:
                 said = str(exc).splitlines()[0]
