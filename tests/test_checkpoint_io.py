@@ -67,6 +67,33 @@ def test_a_snapshot_does_not_follow_later_training(tmp_path: Path) -> None:
     with pytest.raises(CheckpointWriteError, match=r"other ranks' files are not in .*sharded/__1_0\.distcp"):
         checkpoint.save(tmp_path, 8, snap, state, {"step": 8}, None, "", keep_last=2, known_hashes={"sharded/__1_0.distcp": "0" * 64})
     assert [c.step for c in checkpoint.list_complete(tmp_path)] == [7]
+    # A folder that fails a write (EIO on a soft NFS mount, ESTALE) often fails its listing too: the error line was
+    # itself an OSError traceback, raised before the collective that tells the other ranks.
+    import errno
+
+    def failing(*_: object) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    real_iterdir = Path.iterdir
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checkpoint, "fsync", failing)
+        mp.setattr(Path, "iterdir", lambda self: failing() if self == tmp_path else real_iterdir(self))
+        with pytest.raises(
+            CheckpointWriteError,
+            match=r"could not write checkpoint step 9 .*\(OSError: Input/output error; the "
+            r"earlier checkpoints could not be listed either: Input/output error\) \(fix: ",
+        ):
+            checkpoint.save(tmp_path, 9, snap, state, {"step": 9}, None, "", keep_last=2)
+        # and a resume that cannot list them is one line on every rank (rank 0's listing, broadcast)
+        from types import SimpleNamespace
+
+        from aura_hpc.errors import CheckpointError
+        from aura_hpc.train.checkpoint.checkpointer import Checkpointer
+        from aura_hpc.train.process.dist_env import DistEnv
+
+        with pytest.raises(CheckpointError, match=r"cannot read the checkpoints in .* \(Input/output error\) \(fix: check that its"):
+            Checkpointer.newest_name(SimpleNamespace(env=DistEnv(), root=tmp_path))  # type: ignore[arg-type]
+    assert [c.step for c in checkpoint.list_complete(tmp_path)] == [7]
 
 
 class _Runs:

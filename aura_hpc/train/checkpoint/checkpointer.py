@@ -65,10 +65,20 @@ class Checkpointer:
         file once (rank 0 alone would hash all of it while the others wait: ~50 GB for gpt2-3b);
         the writer's own checksums in COMPLETE.json are what they are compared with."""
         env = self.env
+        listing: list[str] | str | None = None
         if env.is_main:
-            checkpoint.restore_set_aside(self.root)
-            checkpoint.note_interrupted(self.root)
-        names = collectives.broadcast_json([c.path.name for c in checkpoint.list_complete(self.root)] if env.is_main else None)
+            try:
+                checkpoint.restore_set_aside(self.root)
+                checkpoint.note_interrupted(self.root)
+                listing = [c.path.name for c in checkpoint.list_complete(self.root)]
+            except OSError as exc:  # said on every rank, not a traceback on rank 0 while the others wait for its list
+                listing = (
+                    f"cannot read the checkpoints in {self.root} ({exc.strerror or exc}) (fix: check that its filesystem is "
+                    f"mounted and readable here (`ls {self.root}`), then re-run the same command to resume)"
+                )
+        names = collectives.broadcast_json(listing)
+        if isinstance(names, str):
+            raise CheckpointError(names)
         for name in names:
             if not checkpoint.is_step_dir_name(name):  # names come from rank 0: only a step folder's name is looked up
                 raise CheckpointError(

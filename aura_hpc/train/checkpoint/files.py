@@ -290,12 +290,21 @@ def save(
 
 
 def write_failure(exc: BaseException, root: Path, step: int) -> CheckpointWriteError:
-    """The one line for a checkpoint that could not be written, after its partial files are gone."""
-    previous = next((c.step for c in list_complete(root) if c.step != step), None)
-    kept = f"previous checkpoint step {previous} is intact" if previous is not None else "no earlier checkpoint exists"
+    """The one line for a checkpoint that could not be written, after its partial files are gone. It never raises:
+    it runs in every rank's error path, before the collective that tells the others (a folder that fails a write
+    often fails its listing too: EIO, ESTALE, EACCES on NFS)."""
+    try:
+        previous = next((c.step for c in list_complete(root) if c.step != step), None)
+        kept = f"previous checkpoint step {previous} is intact" if previous is not None else "no earlier checkpoint exists"
+    except OSError as listing:
+        kept = f"the earlier checkpoints could not be listed either: {listing.strerror or listing}"
     if disk_full(exc, root):
+        try:
+            where = disk_of(root)
+        except (OSError, RuntimeError):
+            where = str(root)
         return CheckpointWriteError(
-            f"no space left on {disk_of(root)} while writing checkpoint step {step} ({kept}; the partial write was removed) "
+            f"no space left on {where} while writing checkpoint step {step} ({kept}; the partial write was removed) "
             "(fix: free space there, lower train.keep_last, or use an output_dir on a larger disk; then re-run the same command)"
         )
     first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
