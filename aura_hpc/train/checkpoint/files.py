@@ -318,8 +318,8 @@ def write_failure(exc: BaseException, root: Path, step: int) -> CheckpointWriteE
 def _clean_stale_temps(root: Path) -> None:
     """Partial checkpoints from a crash mid-save; only the writer (rank 0) is ever here."""
     restore_set_aside(root)
-    for p in [*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]:
-        if p.is_dir() and not p.name.endswith(f"-{os.getpid()}"):
+    for p in [*root.glob(".tmp-step_*"), *root.glob(".old-step_*"), *root.glob(".del-step_*")]:
+        if p.is_dir() and (p.name.startswith(".del-") or not p.name.endswith(f"-{os.getpid()}")):
             log.info("removing partial checkpoint %s left by an interrupted save", p.name)
             shutil.rmtree(p, ignore_errors=True)
 
@@ -369,9 +369,16 @@ def prune(root: Path, keep_last: int) -> None:
     keep_best = best(root)
     for ckpt in list_complete(root)[keep_last:]:
         if not ckpt.path.is_symlink() and (keep_best is None or ckpt.path != keep_best.path):  # a link: not ours
-            # Uncommitted first: a process killed mid-delete left a half-deleted checkpoint that still said complete.
-            (ckpt.path / MARKER).unlink(missing_ok=True)
-            shutil.rmtree(ckpt.path, ignore_errors=True)
+            # Out of the step folders' names first, in one rename: a process killed mid-delete left a half-deleted
+            # checkpoint that still said complete, and, its marker removed first, one nothing ever removed or named
+            # (gigabytes under a step folder's name). A `.del-` folder is removed by the next save's clean-up.
+            gone = root / f".del-{ckpt.path.name}-{os.getpid()}-{time.monotonic_ns()}"
+            try:
+                ckpt.path.rename(gone)
+            except OSError:
+                (ckpt.path / MARKER).unlink(missing_ok=True)
+                gone = ckpt.path
+            shutil.rmtree(gone, ignore_errors=True)  # a file still open elsewhere on NFS (.nfsXXXX) can keep it
 
 
 def verify(ckpt: Path, share: tuple[int, int] = (0, 1)) -> str | None:
