@@ -421,6 +421,31 @@ def test_bad_input(row: Row, tmp_path: Path, prepared: Path) -> None:
     assert all(p.read_bytes() == data for p, data in before.items() if p.exists() and p.name != "port")
 
 
+def test_a_checkpoint_whose_tokenizer_copy_is_damaged_is_not_read_as_another_tokenizer(tmp_path: Path, prepared: Path) -> None:
+    """The launcher compared the newest checkpoint's tokenizer.json with the data's: a damaged copy (an NFS server
+    crash) refused the run as "prepared with another tokenizer", where the workers would set that checkpoint aside
+    and resume from the one before. What its commit marker recorded is what it was trained with."""
+    import hashlib
+    import json
+
+    from aura_hpc.config import load_config
+    from aura_hpc.errors import DataError
+    from aura_hpc.launch.run_setup import _check_same_tokenizer
+
+    ckpt = tmp_path / "runs" / "tiny" / "checkpoints" / "step_00000005"
+    shutil.copytree(prepared / "tokenizer", ckpt / "tokenizer")
+    tok = ckpt / "tokenizer" / "tokenizer.json"
+    recorded = {"size": tok.stat().st_size, "sha256": hashlib.sha256(tok.read_bytes()).hexdigest()}
+    (ckpt / "COMPLETE.json").write_text(json.dumps({"step": 5, "files": {"tokenizer/tokenizer.json": recorded}}))
+    tok.write_bytes(tok.read_bytes()[:-10])  # damaged: cut short
+    cfg = load_config(None, [f"data.path={prepared}"], output_dir=str(tmp_path / "runs"), run_name="tiny")
+    _check_same_tokenizer(cfg)
+    recorded["sha256"] = "0" * 64  # another tokenizer's, as the marker says: refused, whatever the copy holds
+    (ckpt / "COMPLETE.json").write_text(json.dumps({"step": 5, "files": {"tokenizer/tokenizer.json": recorded}}))
+    with pytest.raises(DataError, match="was prepared with another tokenizer than the one run"):
+        _check_same_tokenizer(cfg)
+
+
 @pytest.mark.parametrize(
     ("args", "hint"),
     [

@@ -35,12 +35,27 @@ def _file_digest(path: Path) -> str | None:
         return None
 
 
+def _trained_with(ckpt: Path) -> str | None:
+    """The checksum of the tokenizer a checkpoint was written with: as its commit marker recorded it (a damaged
+    copy of the file, which the workers set aside for the previous checkpoint, read as "another tokenizer" and
+    refused the run), else the file's own."""
+    import json
+
+    try:
+        recorded = json.loads((ckpt / "COMPLETE.json").read_text(encoding="utf-8"))["files"]["tokenizer/tokenizer.json"]["sha256"]
+        if isinstance(recorded, str) and len(recorded) == 64:
+            return recorded
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return _file_digest(ckpt / "tokenizer" / "tokenizer.json")
+
+
 def _check_same_tokenizer(cfg: RunConfig) -> None:
     """Resuming on data prepared with another tokenizer would load embeddings of another vocabulary."""
     ckpt = _newest_complete_checkpoint(cfg.run_dir)
     if ckpt is None or not cfg.data.path or cfg.data.stream:
         return
-    theirs = _file_digest(ckpt / "tokenizer" / "tokenizer.json")
+    theirs = _trained_with(ckpt)
     if cfg.data.path.startswith("s3://"):  # the manifest holds the hash of its tokenizer.json
         from aura_hpc.data.cache import for_data
         from aura_hpc.data.packed import PackedTokens
