@@ -29,7 +29,10 @@ def test_unchanged_files_are_hashed_once_and_new_ones_once(tmp_path: Path, monke
         hashed.append(path.name)
         return real(path)
 
+    from aura_hpc.train.checkpoint import durable_io
+
     monkeypatch.setattr(checkpoint, "_sha256", counting)
+    monkeypatch.setattr(durable_io, "_sha256", counting)  # the once-per-process hash of an unchanged file
     model = _model()
     for step in (1, 2):
         checkpoint.save(tmp_path / "ckpts", step, model, {"s": torch.ones(3)}, {"step": step}, tok, "a: 1\n", keep_last=5)
@@ -211,7 +214,10 @@ def test_a_worker_refuses_a_checkpoint_of_another_strategy_or_optimizer_by_its_m
 
 def test_a_prune_killed_mid_delete_leaves_no_checkpoint_that_says_it_is_complete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """rmtree removes files in directory order: a process killed in it left an old checkpoint without some of its
-    files but with its commit marker, which resume and `best` then read as complete."""
+    files but with its commit marker, which resume and `best` then read as complete; and, its marker removed first,
+    a step folder nothing ever removed or named (gigabytes of it). It leaves the step folders' names in one rename,
+    and what is left of it goes at the next save, or at the re-run's start."""
+    from aura_hpc.launch.run_setup import _remove_partial_checkpoints
     from aura_hpc.train.checkpoint import files
 
     for step in (10, 20, 30):
@@ -226,8 +232,18 @@ def test_a_prune_killed_mid_delete_leaves_no_checkpoint_that_says_it_is_complete
     monkeypatch.setattr(files.shutil, "rmtree", killed)
     with pytest.raises(KeyboardInterrupt):
         files.prune(tmp_path, keep_last=1)
-    assert [c.step for c in files.list_complete(tmp_path)] in ([30, 10], [30]), files.list_complete(tmp_path)
-    assert not (tmp_path / "step_00000020" / files.MARKER).exists()
+    assert [c.step for c in files.list_complete(tmp_path)] == [30, 10], files.list_complete(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step_00000010", "step_00000030"]
+    assert [p.name.split("-")[1] for p in tmp_path.glob(".del-*")] == ["step_00000020"]
+    monkeypatch.undo()
+    _remove_partial_checkpoints(tmp_path)  # the re-run's launcher, first thing
+    assert not list(tmp_path.glob(".*")) and [c.step for c in files.list_complete(tmp_path)] == [30, 10]
+    monkeypatch.setattr(files.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        files.prune(tmp_path, keep_last=1)
+    monkeypatch.undo()
+    files._clean_stale_temps(tmp_path)  # a writer that goes on: its next save's clean-up
+    assert not list(tmp_path.glob(".*")) and [p.name for p in tmp_path.iterdir()] == ["step_00000030"]
 
 
 def test_a_consolidation_that_safetensors_cannot_write_is_one_line_and_leaves_the_checkpoint_as_it_was(

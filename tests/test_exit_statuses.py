@@ -373,6 +373,31 @@ def test_a_lan_node_without_the_checkpoints_tells_a_checkpointed_stop_from_one_t
     assert "node 0's newest checkpoint (node 0 keeps them)" in _resume_hint(plan) and "step 0" not in _resume_hint(plan)  # type: ignore[arg-type]
 
 
+def test_a_checkpoint_stamped_by_a_file_server_whose_clock_runs_behind_is_still_one_written_after_the_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher compared the checkpoint marker's mtime, stamped by the NFS server's clock, with its own: a server
+    2 s behind made a checkpoint written after Ctrl-C read as one before it (exit 130, "before a checkpoint could be
+    written"); one ahead, an older checkpoint as the stop's. The files' own clock is asked, as the run lock does."""
+    from types import SimpleNamespace
+
+    from aura_hpc.launch import agent, run_lock
+    from aura_hpc.train.checkpoint import files as checkpoint
+    from aura_hpc.train.model.gpt import GPT, GPTConfig
+
+    behind = 120.0
+    asked = (signal.SIGINT, time.time())
+    model = GPT(GPTConfig(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2))
+    ckpt = checkpoint.save(tmp_path / "checkpoints", 3, model, {}, {"step": 3}, None, "", keep_last=2)
+    written = asked[1] + 0.5 - behind  # half a second after the stop, by the server's clock
+    os.utime(ckpt / checkpoint.MARKER, (written, written))
+    monkeypatch.setattr(run_lock, "fs_now", lambda folder, fresh=None: time.time() - behind)
+    plan = SimpleNamespace(cfg=SimpleNamespace(run_dir=tmp_path), node_rank=0, nproc=1, nnodes=1)
+    assert agent._resumable(plan, "SIGINT", asked) == errors.EXIT_RESUMABLE  # type: ignore[arg-type]
+    os.utime(ckpt / checkpoint.MARKER, (written - 30, written - 30))  # 30 s before the stop: not the stop's
+    assert agent._resumable(plan, "SIGINT", asked) == 128 + signal.SIGINT  # type: ignore[arg-type]
+
+
 def test_a_status_no_restart_changes_ends_the_launch_on_every_node_and_a_strangers_word_does_not(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -615,42 +615,6 @@ def test_a_crash_between_the_renames_of_a_re_saved_step_keeps_that_step(tmp_path
     assert [c.step for c in checkpoint.list_complete(tmp_path)] == [3, 2, 1] and not list(tmp_path.glob(".*"))
 
 
-def test_a_process_killed_while_it_prunes_leaves_no_half_checkpoint_under_a_step_name(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A prune killed mid-delete (KillWait's SIGKILL after a requeue's final save, an OOM kill) left a step folder
-    without its marker: never listed, never removed, never named, gigabytes of it. It leaves the step folders' names
-    in one rename now, and what is left of it goes at the next save, or the re-run's start."""
-    from aura_hpc.launch.run_setup import _remove_partial_checkpoints
-    from aura_hpc.train.model.gpt import GPT, GPTConfig
-
-    model = GPT(GPTConfig(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2))
-    checkpoint.save(tmp_path, 1, model, {}, {"step": 1}, None, "", keep_last=1)
-    real_rmtree = shutil.rmtree
-
-    def killed_midway(path: Any, *args: Any, **kwargs: Any) -> None:
-        if Path(path).parent != tmp_path or Path(path).name.startswith(".tmp-"):  # not a prune's
-            return real_rmtree(path, *args, **kwargs)
-        (Path(path) / "model" / "model.safetensors").unlink()
-        raise KeyboardInterrupt  # the process ends here: nothing after it runs
-
-    monkeypatch.setattr(shutil, "rmtree", killed_midway)
-    with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(tmp_path, 2, model, {}, {"step": 2}, None, "", keep_last=1)
-    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step_00000002"]
-    assert [p.name.split("-")[1] for p in tmp_path.glob(".del-*")] == ["step_00000001"]
-    _remove_partial_checkpoints(tmp_path)  # the re-run's launcher, first thing
-    assert not list(tmp_path.glob(".*")) and [c.step for c in checkpoint.list_complete(tmp_path)] == [2]
-    # and a writer that goes on clears it at its next save
-    monkeypatch.setattr(shutil, "rmtree", killed_midway)
-    with pytest.raises(KeyboardInterrupt):
-        checkpoint.save(tmp_path, 3, model, {}, {"step": 3}, None, "", keep_last=1)
-    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
-    checkpoint.save(tmp_path, 4, model, {}, {"step": 4}, None, "", keep_last=1)
-    assert not list(tmp_path.glob(".*")) and [p.name for p in tmp_path.iterdir()] == ["step_00000004"]
-
-
 def test_keep_last_plus_best_by_validation_loss(tmp_path: Path) -> None:
     from aura_hpc.train.model.gpt import GPT, GPTConfig
 

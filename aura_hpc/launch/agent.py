@@ -13,7 +13,6 @@ import os
 import shutil
 import signal
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aura_hpc.comm import rendezvous_state, stores
@@ -412,6 +411,7 @@ def _resumable(plan: LocalPlan, why: str, asked: tuple[signal.Signals, float] | 
     otherwise (the ranks were hung, or died first) 128 + the signal, saying which checkpoint a re-run
     resumes from."""
     from aura_hpc import console
+    from aura_hpc.launch.run_lock import stamped_here
     from aura_hpc.train.checkpoint import files as checkpoint
 
     ckpts = checkpoint.list_complete(plan.cfg.run_dir / "checkpoints")
@@ -425,19 +425,10 @@ def _resumable(plan: LocalPlan, why: str, asked: tuple[signal.Signals, float] | 
         saved = f"checkpoint {ckpts[0].path.name} saved" if ckpts else "no checkpoint was saved"
         console.info(f"stopped by {why}: {saved}; re-run the same command to resume")
         return EXIT_RESUMABLE
-    if ckpts and _written_at(ckpts[0].path) >= asked[1] - 1.0:
+    if ckpts and stamped_here(ckpts[0].path / checkpoint.MARKER, ckpts[0].path.parent) >= asked[1] - 1.0:
         console.info(f"stopped by {why}: checkpoint {ckpts[0].path.name} saved; re-run the same command to resume")
         return EXIT_RESUMABLE
     sig = asked[0]
     where = f"from {ckpts[0].path.name}, the newest" if ckpts else "from step 0: there is no checkpoint yet"
     console.error(f"stopped by {why} before a checkpoint could be written; re-run the same command to resume {where}")
     return 128 + int(sig)
-
-
-def _written_at(path: Path) -> float:
-    from aura_hpc.train.checkpoint import files as checkpoint
-
-    try:
-        return (path / checkpoint.MARKER).stat().st_mtime
-    except OSError:
-        return 0.0

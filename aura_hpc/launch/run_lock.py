@@ -191,6 +191,17 @@ def fs_now(folder: Path, fresh: Path | None = None) -> float:
                 probe.unlink()
 
 
+def stamped_here(path: Path, folder: Path) -> float:
+    """`path`'s mtime by this machine's clock, from how far the clock that stamps `folder`'s files (an NFS server's)
+    runs from it; 0.0 where it cannot be read. A checkpoint written after a stop, stamped by a server 2 s behind,
+    read as one written before it (exit 130, not 75)."""
+    try:
+        stamped = path.stat().st_mtime
+    except OSError:
+        return 0.0
+    return stamped - (fs_now(folder) - time.time())
+
+
 def check_free(run_dir: Path) -> None:
     """Refuse when a live trainer holds the run directory (used before writing anything into it)."""
     path = Path(run_dir) / LOCK_NAME

@@ -65,18 +65,7 @@ class Checkpointer:
         file once (rank 0 alone would hash all of it while the others wait: ~50 GB for gpt2-3b);
         the writer's own checksums in COMPLETE.json are what they are compared with."""
         env = self.env
-        listing: list[str] | str | None = None
-        if env.is_main:
-            try:
-                checkpoint.restore_set_aside(self.root)
-                checkpoint.note_interrupted(self.root)
-                listing = [c.path.name for c in checkpoint.list_complete(self.root)]
-            except OSError as exc:  # said on every rank, not a traceback on rank 0 while the others wait for its list
-                listing = (
-                    f"cannot read the checkpoints in {self.root} ({exc.strerror or exc}) (fix: check that its filesystem is "
-                    f"mounted and readable here (`ls {self.root}`), then re-run the same command to resume)"
-                )
-        names = collectives.broadcast_json(listing)
+        names = collectives.broadcast_json(_listing(self.root) if env.is_main else None)
         if isinstance(names, str):
             raise CheckpointError(names)
         for name in names:
@@ -445,3 +434,17 @@ def _only_said(kind: type[Exception], said: bool) -> Iterator[None]:
         if not said:
             raise
         log.error("%s", exc)
+
+
+def _listing(root: Path) -> list[str] | str:
+    """Rank 0's list of the complete checkpoints, or the line that says why it cannot list them: said on every rank,
+    not a traceback on rank 0 while the others wait for its list."""
+    try:
+        checkpoint.restore_set_aside(root)
+        checkpoint.note_interrupted(root)
+        return [c.path.name for c in checkpoint.list_complete(root)]
+    except OSError as exc:
+        return (
+            f"cannot read the checkpoints in {root} ({exc.strerror or exc}) (fix: check that its filesystem is "
+            f"mounted and readable here (`ls {root}`), then re-run the same command to resume)"
+        )

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import logging
 import math
@@ -31,6 +30,10 @@ from typing import TYPE_CHECKING, Any
 from aura_hpc.data.prepare import sha256_file as _sha256
 from aura_hpc.errors import CheckpointError, CheckpointWriteError
 from aura_hpc.ops.disk import disk_full, disk_of
+from aura_hpc.train.checkpoint.durable_io import HashingFile as HashingFile
+from aura_hpc.train.checkpoint.durable_io import fsync as fsync
+from aura_hpc.train.checkpoint.durable_io import sha256_cached as _sha256_cached
+from aura_hpc.train.checkpoint.durable_io import write_synced as _write
 from aura_hpc.train.checkpoint.reading import load_weights as load_weights
 from aura_hpc.train.checkpoint.reading import load_weights_from as load_weights_from
 from aura_hpc.train.checkpoint.reading import read_meta as read_meta
@@ -73,49 +76,6 @@ def step_dir_name(step: int) -> str:
 
 def is_step_dir_name(name: object) -> bool:
     return isinstance(name, str) and _NAME.match(name) is not None
-
-
-def fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write(path: Path, data: bytes) -> str:
-    """Write, fsync, and return the sha256 of what was written (no second read)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return hashlib.sha256(data).hexdigest()
-
-
-class HashingFile:
-    """A write-only file that hashes what passes through it (torch.save streams into it)."""
-
-    def __init__(self, f: Any) -> None:
-        self.f, self.h = f, hashlib.sha256()
-
-    def write(self, data: Any) -> int:
-        self.h.update(data)
-        return int(self.f.write(data))
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-# Unchanged files (the tokenizer) are hashed once per process, not at every save.
-_HASHES: dict[tuple[str, int, int], str] = {}
-
-
-def _sha256_cached(path: Path) -> str:
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _HASHES:
-        _HASHES[key] = _sha256(path)
-    return _HASHES[key]
 
 
 @dataclass
