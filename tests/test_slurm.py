@@ -774,6 +774,19 @@ def test_status_and_history_read_sweep_elements_and_names_with_a_pipe_as_slurm_h
     _a_node_failure_requeues_one_job_in_history(tmp_path, since)
 
 
+def test_history_shows_a_job_cancelled_before_it_was_ever_eligible(slurm_cluster: Path, tmp_path: Path, home: Path) -> None:
+    """Slurm's accounting, asked for a time window, keeps only the jobs eligible to start before its end: a job held,
+    or waiting on a dependency (a prepare chain's later jobs, after its tokenizer job failed), then cancelled, was
+    in no `history`, though `sacct -j` shows it."""
+    name = f"held {tmp_path.name}"
+    sub = ["sbatch", "--parsable", "--hold", "--job-name", name, "--comment", "aura_hpc", "--wrap", "true"]
+    job = subprocess.run(sub, capture_output=True, text=True, check=True, cwd=tmp_path).stdout.strip()
+    subprocess.run(["scancel", job], check=True)
+    # The accounting records such a job twice: at first without its name ("allocation", 0 nodes), then whole.
+    rows = _history_of(job, lambda rows: bool(rows) and rows[0]["name"] == name)
+    assert len(rows) == 1 and rows[0]["state"] == "CANCELLED" and rows[0]["name"] == name, rows
+
+
 def _history_of(job: str, ended: Callable[[list[dict[str, Any]]], bool], timeout: float = 60) -> list[dict[str, Any]]:
     """`history`'s rows of `job` once `ended` holds for them, or as they are at `timeout`: the accounting records a
     job's end after it left squeue, later on a busy controller."""

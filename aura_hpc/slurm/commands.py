@@ -189,7 +189,15 @@ def history(since: str, all_jobs: bool = False) -> list[dict[str, Any]]:
     # submitted with --requeue, or PreemptMode=REQUEUE). A job id seen before with another end is an
     # older job (ids restart when a cluster's state is reset).
     jobs: dict[str, slurm_query.JobRow] = {}
-    for r in slurm_query.sacct(since=since, attempts=True):
+    rows = slurm_query.sacct(since=since, attempts=True)
+    # A time window leaves out the jobs that were never eligible to start (held, or waiting on a dependency, then
+    # cancelled: a prepare chain's later jobs): Slurm's accounting keeps only those eligible before its end.
+    # Asked by how they ended, they come back; not the record slurmdbd keeps until slurmctld sends the job's details
+    # (named "allocation", on 0 nodes: a requeued attempt has one for a moment too).
+    seen = {(r.job_id, r.submit) for r in rows}  # an id alone may be an older job's (a cluster's state reset)
+    ended = slurm_query.sacct(since=since, attempts=True, ended_as="CANCELLED,DEADLINE")
+    rows += [r for r in ended if (r.job_id, r.submit) not in seen and r.nodes not in ("", "0")]
+    for r in rows:
         earlier = jobs.get(r.job_id)
         if earlier is not None and _requeued_into(earlier, r):
             r.submit, r.requeues = earlier.submit, earlier.requeues + 1
@@ -203,7 +211,7 @@ def history(since: str, all_jobs: bool = False) -> list[dict[str, Any]]:
         d = r.to_dict()
         d["run_dir"] = str(run_dir) if run_dir else None
         out.append(d)
-    return out
+    return sorted(out, key=lambda d: str(d.get("submit") or ""))
 
 
 def _requeued_into(earlier: slurm_query.JobRow, later: slurm_query.JobRow) -> bool:

@@ -290,13 +290,18 @@ def accounting_enabled() -> bool:
     return "accounting storage is disabled" not in (done.stderr + done.stdout).lower()
 
 
-def sacct(job_ids: list[str] | None = None, since: str | None = None, all_users: bool = False, attempts: bool = False) -> list[JobRow]:
-    """Accounting rows; with `attempts`, one row per attempt of a requeued job (sacct -D), oldest first."""
+def sacct(
+    job_ids: list[str] | None = None, since: str | None = None, all_users: bool = False, attempts: bool = False, ended_as: str = ""
+) -> list[JobRow]:
+    """Accounting rows; with `attempts`, one row per attempt of a requeued job (sacct -D), oldest first. `ended_as`:
+    only jobs that ended in these states since `since` (sacct -s ... -E now)."""
     cmd = ["sacct", "-n", "-P", f"--delimiter={SEP}", "-X", "-o", ",".join(SACCT_FIELDS)] + (["-D"] if attempts else [])
     if job_ids:
         cmd += ["-j", ",".join(job_ids)]
     if since:
         cmd += ["-S", since]
+    if ended_as:
+        cmd += ["-s", ended_as, "-E", "now"]
     if all_users:
         cmd += ["-a"]
     rows = []
