@@ -428,6 +428,10 @@ def test_a_watch_outlasts_a_controller_that_misses_an_answer_and_prints_the_jobs
     with pytest.raises(LaunchError, match=r"Slurm's squeue is not on PATH: this machine is not a Slurm login node \(fix: ") as said:
         commands.follow("42", log, printed.append, poll_s=0.1)
     assert time.monotonic() - t0 < 5 and "squeue failed for" not in str(said.value)
+    # and what may pass (munge restarting, a controller in standby) is asked again, as a timeout is
+    answers[:] = [LaunchError("squeue: error: Munge decode failed: Socket communication error"), None]
+    monkeypatch.setattr(submit.slurm_query, "squeue_jobs", squeue_jobs)
+    assert submit.squeue_patiently("42", patience_s=30) is None and not answers
 
 
 def test_a_limit_of_the_account_or_qos_and_a_bad_since_get_their_own_fix(slurm_cluster: Path, home: Path) -> None:
@@ -444,7 +448,7 @@ def test_a_limit_of_the_account_or_qos_and_a_bad_since_get_their_own_fix(slurm_c
     assert "AssocMaxSubmitJobLimit" in said and "sacctmgr show assoc user=$USER" in said and "--time" not in said, said
     res = run_cli(["history", "--since", "yesterday"])
     assert res.returncode == 2 and "Invalid time specification" in res.stderr, res.stderr
-    assert "fix: give --since as sacct reads it: 2026-11-30" in res.stderr and "sinfo" not in res.stderr, res.stderr
+    assert "fix: give the time as Slurm reads it (history --since" in res.stderr and "sinfo" not in res.stderr, res.stderr
 
 
 def test_a_controller_that_does_not_answer_the_exclusion_leaves_a_line_not_a_traceback(
@@ -1066,6 +1070,10 @@ def test_a_job_that_fits_once_a_drained_node_returns_is_queued_to_wait_and_an_im
     queues it to start when n4 returns. What even every node of the partition could not hold is still refused."""
     out = tmp_path / "runs"
     base = ["submit", *TINY[2:], "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=1"]
+    deadline = time.monotonic() + 60  # n4 idle first: drained under an earlier test's job it is `drng`
+    while subprocess.run(["squeue", "-h", "-w", "n4", "-o", "%i"], capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline, "n4 never became idle"
+        time.sleep(0.5)
     subprocess.run(["scontrol", "update", "nodename=n4", "state=drain", "reason=aura-test"], check=True)
     job = ""
     try:
@@ -1079,7 +1087,7 @@ def test_a_job_that_fits_once_a_drained_node_returns_is_queued_to_wait_and_an_im
         said = queued.stdout + queued.stderr
         assert queued.returncode == 0, said
         job = re.search(r"submitted job (\d+)", queued.stdout).group(1)  # type: ignore[union-attr]
-        assert "no 4 node(s) of the partition can take this job now: n4 (drain) would, once up again" in said, said
+        assert re.search(r"no 4 node\(s\) of the partition can take this job now: n4 \(dr(ain|ng)\) would, once up again", said), said
         state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
         assert state == "PENDING", state
     finally:

@@ -197,7 +197,8 @@ def history(since: str, all_jobs: bool = False) -> list[dict[str, Any]]:
     seen = {(r.job_id, r.submit) for r in rows}  # an id alone may be an older job's (a cluster's state reset)
     ended = slurm_query.sacct(since=since, attempts=True, ended_as="CANCELLED,DEADLINE")
     rows += [r for r in ended if (r.job_id, r.submit) not in seen and r.nodes not in ("", "0")]
-    for r in rows:
+    # Oldest first, attempts included: a job id restarted by a reset cluster folds onto the newer job, not the older.
+    for r in sorted(rows, key=lambda r: r.submit):
         earlier = jobs.get(r.job_id)
         if earlier is not None and _requeued_into(earlier, r):
             r.submit, r.requeues = earlier.submit, earlier.requeues + 1

@@ -34,11 +34,11 @@ class Node:
         return not (self.state.endswith(("*", "$")) or self.state.rstrip("~#!%@^-").startswith(UNUSABLE))
 
 
-def waiting_for(slurm: SlurmConfig, tasks_per_node: int) -> list[Node]:
-    """The partition's unusable nodes whose return would let the job start, or [] where even every node of the
-    partition would not hold it (an impossible size), or where the partition cannot be read."""
+def waiting_for(slurm: SlurmConfig, tasks_per_node: int, least: int) -> list[Node]:
+    """The partition's unusable nodes whose return would let the job start on `least` nodes, or [] where even every
+    node of the partition would not hold it (an impossible size), or where the partition cannot be read."""
     nodes = [n for n in partition_nodes(slurm.partition) if n.name not in _excluded(slurm.exclude) and holds(n, slurm, tasks_per_node)]
-    if len(nodes) < (slurm.min_nodes or slurm.nodes):
+    if len(nodes) < least:
         return []
     return [n for n in nodes if not n.usable]
 

@@ -146,7 +146,8 @@ _FIXES: list[tuple[tuple[str, ...], str]] = [
     (("time limit",), "ask for less time (--time) than the partition's limit shown by `sinfo -s`"),
     (
         ("invalid time specification",),
-        "give --since as sacct reads it: 2026-11-30, 2026-11-30T14:00, now-2days or now-6hours",
+        "give the time as Slurm reads it (history --since, or a --begin of your profile): 2026-11-30, 2026-11-30T14:00, "
+        "now-2days or now-6hours",
     ),
     (("qos",), "choose a QOS you may use (--qos NAME), see `sacctmgr show assoc user=$USER format=qos`"),
     (("invalid job id",), "check the job id with `python -m aura_hpc status --all` (finished jobs: history)"),

@@ -25,13 +25,13 @@ def submit(plan: SubmitPlan, warn: Callable[[str], None] = print) -> list[str]:
     slurm_query.require("sbatch")
     if not plan.check:
         _refuse_a_queued_job(plan)
+    waits = None  # said once sbatch took the job: its own verdict counts every node of the partition
     with sbatch_env.left_out(plan.script):
         try:
             slurm_query.test_only(plan.script)  # refused here, nothing is written or queued
         except LaunchError as refused:
-            if (returning := _nodes_it_waits_for(plan, str(refused))) is None:
+            if (waits := _nodes_it_waits_for(plan, str(refused))) is None:
                 raise
-            warn(returning)
     from aura_hpc.launch.run_setup import check_writable, prepare_run_dir
     from aura_hpc.slurm.job import CheckJob, TrainJob
 
@@ -64,6 +64,8 @@ def submit(plan: SubmitPlan, warn: Callable[[str], None] = print) -> list[str]:
         raise LaunchError(_queued_anyway(plan, str(exc), started) or _rejection(str(exc))) from None
     submitted = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     ids = [str(j.job_id) for j in jobs]
+    if waits:
+        warn(waits)
     script_file = plan.folder / f"{ids[0].split('_')[0]}_submission.sh"
     script = script_file.read_text(encoding="utf-8") if script_file.exists() else plan.script
     if plan.check:
@@ -85,14 +87,15 @@ def _nodes_it_waits_for(plan: SubmitPlan, refused: str) -> str | None:
 
     if node_room.NOT_AVAILABLE not in refused.lower():
         return None
-    waiting = node_room.waiting_for(plan.slurm, plan.tasks_per_node)
+    least = plan.slurm.nodes if plan.check else plan.slurm.min_nodes or plan.slurm.nodes  # a check job asks for all of them
+    waiting = node_room.waiting_for(plan.slurm, plan.tasks_per_node, least)
     if not waiting:
         return None
     names = ", ".join(f"{n.name} ({n.state})" for n in waiting[:8]) + (f" and {len(waiting) - 8} more" if len(waiting) > 8 else "")
     return (
-        f"no {plan.slurm.min_nodes or plan.slurm.nodes} node(s) of the partition can take this job now: {names} would, once up "
-        f"again; it is submitted and waits for them (`python -m aura_hpc status JOB` says why it waits; cancel it, or ask "
-        f"for fewer --nodes, if they do not come back)"
+        f"no {least} node(s) of the partition can take this job now: {names} would, once up again; it is queued and waits "
+        f"for them (`python -m aura_hpc status JOB` says why it waits; cancel it, or ask for fewer --nodes, if they do not "
+        f"come back)"
     )
 
 
@@ -385,15 +388,19 @@ def squeue_all_patiently(job_ids: list[str], patience_s: float = SQUEUE_PATIENCE
     return _patiently(lambda: slurm_query.squeue_jobs(job_ids), patience_s)
 
 
+_NEVER_CURED = ("is not on path", "no slurm configuration is reachable", "invalid user")
+
+
 def _patiently(ask: Callable[[], T], patience_s: float) -> T:
     failing_since, wait_s = 0.0, 2.0
     while True:
         try:
             return ask()
         except LaunchError as exc:
-            # Only a controller that did not answer may answer later: no squeue on PATH, no configuration, a
-            # refused request are said at once (they were asked again for 5 minutes of silence).
-            if not any(word in str(exc).lower() for word in (*slurm_query.NO_ANSWER, "did not answer within")):
+            # What no time cures is said at once (no squeue on PATH, no configuration: asked again for 5 minutes of
+            # silence); anything else may be a controller in failover, munge restarting, a reply cut short.
+            said = str(exc).lower()
+            if not any(word in said for word in slurm_query.NO_ANSWER) and any(word in said for word in _NEVER_CURED):
                 raise
             failing_since = failing_since or time.monotonic()
             if time.monotonic() - failing_since > patience_s:
