@@ -421,7 +421,9 @@ def test_bad_input(row: Row, tmp_path: Path, prepared: Path) -> None:
     assert all(p.read_bytes() == data for p, data in before.items() if p.exists() and p.name != "port")
 
 
-def test_a_checkpoint_whose_tokenizer_copy_is_damaged_is_not_read_as_another_tokenizer(tmp_path: Path, prepared: Path) -> None:
+def test_a_damaged_copy_of_a_checkpoints_tokenizer_is_not_another_tokenizer_and_a_streams_is_compared(
+    tmp_path: Path, prepared: Path
+) -> None:
     """The launcher compared the newest checkpoint's tokenizer.json with the data's: a damaged copy (an NFS server
     crash) refused the run as "prepared with another tokenizer", where the workers would set that checkpoint aside
     and resume from the one before. What its commit marker recorded is what it was trained with."""
@@ -444,6 +446,22 @@ def test_a_checkpoint_whose_tokenizer_copy_is_damaged_is_not_read_as_another_tok
     (ckpt / "COMPLETE.json").write_text(json.dumps({"step": 5, "files": {"tokenizer/tokenizer.json": recorded}}))
     with pytest.raises(DataError, match="was prepared with another tokenizer than the one run"):
         _check_same_tokenizer(cfg)
+    # A stream encodes with data.tokenizer: another one of the same size loaded the old embeddings for new ids, said
+    # only as "other data" by the workers.
+    recorded["sha256"] = hashlib.sha256((prepared / "tokenizer" / "tokenizer.json").read_bytes()).hexdigest()
+    (ckpt / "COMPLETE.json").write_text(json.dumps({"step": 5, "files": {"tokenizer/tokenizer.json": recorded}}))
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(prepared / "tokenizer", other)
+    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text().replace('"vocab"', '"vocab" ', 1))
+    (tmp_path / "raw.txt").write_text("hola\n")
+    for tokenizer, refused in ((prepared, False), (other, True)):
+        stream = [f"data.path={tmp_path / 'raw.txt'}", "data.stream=true", f"data.tokenizer={tokenizer}"]
+        cfg = load_config(None, stream, output_dir=str(tmp_path / "runs"), run_name="tiny")
+        if not refused:
+            _check_same_tokenizer(cfg)
+            continue
+        with pytest.raises(DataError, match=r"data.tokenizer .* is another tokenizer than the one run .* \(fix: --set data.tokenizer="):
+            _check_same_tokenizer(cfg)
 
 
 @pytest.mark.parametrize(

@@ -164,7 +164,7 @@ def head_of(p: Piece, nbytes: int, policy: storage.Policy | None = None) -> Piec
 
 def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
     """(text, ends a document) of a piece, in order."""
-    from aura_hpc.data.sources import bounded, check_column, check_text, records, split_paragraphs
+    from aura_hpc.data.sources import bounded, check_column, check_text, records, row_text, split_paragraphs
 
     def document(text: str) -> Iterator[tuple[str, bool]]:  # one row's text; a huge one in pieces cut before a space
         pieces = bounded(text)
@@ -223,8 +223,7 @@ def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
                 if first:
                     check_column(p.source, job.text_column, value)
                 first = False
-                if isinstance(value, str) and value.strip():
-                    check_text(p.source, value)
+                if isinstance(value, str) and (value := row_text(value)).strip():
                     yield from document(value)
         return
     local = p.source

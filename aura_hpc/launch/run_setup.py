@@ -53,9 +53,19 @@ def _trained_with(ckpt: Path) -> str | None:
 def _check_same_tokenizer(cfg: RunConfig) -> None:
     """Resuming on data prepared with another tokenizer would load embeddings of another vocabulary."""
     ckpt = _newest_complete_checkpoint(cfg.run_dir)
-    if ckpt is None or not cfg.data.path or cfg.data.stream:
+    if ckpt is None or not (cfg.data.tokenizer if cfg.data.stream else cfg.data.path):
         return
     theirs = _trained_with(ckpt)
+    if cfg.data.stream:  # encoded with data.tokenizer: another one of the same size loaded the embeddings as they were
+        from aura_hpc.data.stream import tokenizer_folder
+
+        ours = _file_digest(tokenizer_folder(cfg.data.tokenizer) / "tokenizer.json")
+        if theirs is not None and ours is not None and theirs != ours:
+            raise DataError(
+                f"data.tokenizer {cfg.data.tokenizer} is another tokenizer than the one run {cfg.run_dir} was trained with "
+                f"(checkpoint {ckpt.name}) (fix: --set data.tokenizer={ckpt / 'tokenizer'}, the run's own, or start a new --run-name)"
+            )
+        return
     if cfg.data.path.startswith("s3://"):  # the manifest holds the hash of its tokenizer.json
         from aura_hpc.data.cache import for_data
         from aura_hpc.data.packed import PackedTokens
