@@ -169,6 +169,48 @@ def test_a_local_dataset_folder_edited_is_another_stream(tmp_path: Path, tok: Pa
     assert key(folder) != first
 
 
+def test_a_step_across_a_windows_boundary_keeps_the_window_it_still_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shards in object storage, a step whose positions span windows 0 and 1: making window 1 ready pinned windows 1
+    and 2 and prefetched 2, which evicted window 0's shards (the cache holds two windows) while the step still read
+    them; they were fetched again on one rank, outside the ranks' agreement, or did not fit. The next window is
+    fetched once a step reads one window alone."""
+    from aura_hpc.data.packed import GlobalOrder
+    from aura_hpc.train.loop import data_feed
+
+    order = GlobalOrder([4] * 6, seed=0, window=2)  # windows of 2 shards, 8 sequences each
+
+    class Bucket:
+        remote = True
+
+        def __init__(self) -> None:
+            self.pinned: set[int] = set()
+            self.fetched: list[list[int]] = []
+
+        def fetch(self, split: str, ids: list[int]) -> None:
+            self.fetched.append(sorted(ids))
+
+        def pin(self, split: str, ids: set[int]) -> None:
+            self.pinned = set(ids)
+
+        def close(self) -> None: ...
+
+    monkeypatch.setattr(data_feed.distributed, "agree", lambda *a, **k: [])
+    bucket = Bucket()
+    feed = data_feed.DataFeed(bucket, order, patience_s=5)  # type: ignore[arg-type]
+    window = [sorted(order.window_shards(0, w)) for w in range(3)]
+    try:
+        feed.ensure(0, 3)  # inside window 0: it and window 1 (fetched behind it)
+        feed._fetch((0, 1)).result()
+        assert bucket.pinned == {*window[0], *window[1]} and window[1] in bucket.fetched
+        feed.ensure(6, 3)  # positions 6, 7 in window 0, 8 in window 1
+        assert bucket.pinned == {*window[0], *window[1]} and window[2] not in bucket.fetched
+        feed.ensure(9, 3)  # window 1 alone: window 2 behind it
+        feed._fetch((0, 2)).result()
+        assert bucket.pinned == {*window[1], *window[2]} and window[2] in bucket.fetched
+    finally:
+        feed.close()
+
+
 def test_nodes_whose_caches_know_different_windows_agree_on_them_in_the_same_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step over several small windows (a folder of small files, a piece each): a node whose stream cache knew
     every window's sizes (it encoded them in an earlier attempt) asked the ranks about window 0 first, one whose

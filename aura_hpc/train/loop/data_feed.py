@@ -32,6 +32,7 @@ class DataFeed:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="aura-fetch") if self.active else None
         self._fetching: dict[tuple[int, int], Future[None]] = {}
         self._agreed: set[tuple[int, int]] = set()
+        self._kept: list[tuple[int, int]] = []  # the windows pinned last
 
     def _fetch(self, window: tuple[int, int]) -> Future[None]:
         f = self._fetching.get(window)
@@ -64,8 +65,26 @@ class DataFeed:
             known, unknown = self.order.windows_ahead(start, count)
             todo = next((w for w in known if w not in self._agreed), unknown)
             if todo is None:
+                self._keep(known)
                 return
             self._make_ready(todo)
+
+    def _keep(self, read_now: list[tuple[int, int]]) -> None:
+        """Keep on disk the windows the step reads, and within one window the next one, fetched while it trains. At
+        a window's boundary the next one waits a step: the cache holds two windows (launch/run_setup.py sizes it),
+        and the one before, unpinned, was evicted by that prefetch while the step still read it, then fetched again
+        on one rank, outside the ranks' agreement."""
+        if not read_now:
+            return
+        kept = list(read_now) if len(read_now) > 1 else [read_now[0], self.order.next_window(*read_now[0])]
+        if kept == self._kept:
+            return
+        self._kept = kept
+        self.data.pin("train", {s for w in kept for s in self.order.window_shards(*w)})
+        for old in [w for w in self._fetching if w not in kept]:
+            del self._fetching[old]
+        if len(read_now) == 1:
+            self._fetch(kept[1])  # downloads (or encodes) while this window trains
 
     def _make_ready(self, window: tuple[int, int]) -> None:
         with progress.current().section("data"):  # the hang watchdog allows the ranks' patience here
@@ -80,11 +99,6 @@ class DataFeed:
         self._decide(f"window {window[0]}.{window[1]}", problem)
         self._agreed.add(window)
         self.order.refresh()  # the sizes the encoding learned (here, not in the background thread: the order is not shared)
-        upcoming = self.order.next_window(*window)
-        self.data.pin("train", {*self.order.window_shards(*window), *self.order.window_shards(*upcoming)})
-        for old in [w for w in self._fetching if w not in (window, upcoming)]:
-            del self._fetching[old]
-        self._fetch(upcoming)  # downloads (or encodes) while this window trains
 
     def _decide(self, topic: str, problem: str) -> None:
         problems = distributed.agree(
