@@ -459,9 +459,17 @@ def test_a_damaged_copy_of_a_checkpoints_tokenizer_is_not_another_tokenizer_and_
         cfg = load_config(None, stream, output_dir=str(tmp_path / "runs"), run_name="tiny")
         if not refused:
             _check_same_tokenizer(cfg)
+            (ckpt / "config.yaml").write_text(cfg.to_yaml())  # what the checkpoint's run encoded with
             continue
-        with pytest.raises(DataError, match=r"data.tokenizer .* is another tokenizer than the one run .* \(fix: --set data.tokenizer="):
+        with pytest.raises(
+            DataError, match=r"data.tokenizer .* is another tokenizer than the one run .* \(fix: --set data.tokenizer="
+        ) as said:
             _check_same_tokenizer(cfg)
+        assert f"data.tokenizer={prepared}, the one it was trained with" in str(said.value), said.value
+        (ckpt / "config.yaml").unlink()  # unknown: a copy of the checkpoint's own, which pruning would remove
+        with pytest.raises(DataError) as said:
+            _check_same_tokenizer(cfg)
+        assert f"a copy of {ckpt / 'tokenizer'} made outside checkpoints/" in str(said.value), said.value
 
 
 @pytest.mark.parametrize(

@@ -171,22 +171,25 @@ def test_a_local_dataset_folder_edited_is_another_stream(tmp_path: Path, tok: Pa
 
 def test_a_step_across_a_windows_boundary_keeps_the_window_it_still_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Shards in object storage, a step whose positions span windows 0 and 1: making window 1 ready pinned windows 1
-    and 2 and prefetched 2, which evicted window 0's shards (the cache holds two windows) while the step still read
-    them; they were fetched again on one rank, outside the ranks' agreement, or did not fit. The next window is
-    fetched once a step reads one window alone."""
+    and 2 and prefetched 2, which evicted window 0's shards while the step still read them; they were fetched again
+    on one rank, outside the ranks' agreement. Window 0 stays pinned through that step. Where the cache holds two
+    windows, window 2's prefetch, refused for room then, is made again once window 0 is let go; and steps longer
+    than a window still have the next one fetched behind them."""
+    from aura_hpc.data.cache import CacheFull
     from aura_hpc.data.packed import GlobalOrder
     from aura_hpc.train.loop import data_feed
-
-    order = GlobalOrder([4] * 6, seed=0, window=2)  # windows of 2 shards, 8 sequences each
 
     class Bucket:
         remote = True
 
-        def __init__(self) -> None:
+        def __init__(self, room: int) -> None:
+            self.room = room  # shards the cache holds
             self.pinned: set[int] = set()
             self.fetched: list[list[int]] = []
 
         def fetch(self, split: str, ids: list[int]) -> None:
+            if len(self.pinned | set(ids)) > self.room:
+                raise CacheFull("the shards needed now do not fit in data.cache_gb")
             self.fetched.append(sorted(ids))
 
         def pin(self, split: str, ids: set[int]) -> None:
@@ -195,18 +198,32 @@ def test_a_step_across_a_windows_boundary_keeps_the_window_it_still_reads(monkey
         def close(self) -> None: ...
 
     monkeypatch.setattr(data_feed.distributed, "agree", lambda *a, **k: [])
-    bucket = Bucket()
-    feed = data_feed.DataFeed(bucket, order, patience_s=5)  # type: ignore[arg-type]
+    order = GlobalOrder([4] * 6, seed=0, window=2)  # windows of 2 shards, 8 sequences each
     window = [sorted(order.window_shards(0, w)) for w in range(3)]
+    bucket = Bucket(room=4)  # two windows
+    feed = data_feed.DataFeed(bucket, order, patience_s=5)  # type: ignore[arg-type]
     try:
         feed.ensure(0, 3)  # inside window 0: it and window 1 (fetched behind it)
         feed._fetch((0, 1)).result()
         assert bucket.pinned == {*window[0], *window[1]} and window[1] in bucket.fetched
-        feed.ensure(6, 3)  # positions 6, 7 in window 0, 8 in window 1
-        assert bucket.pinned == {*window[0], *window[1]} and window[2] not in bucket.fetched
-        feed.ensure(9, 3)  # window 1 alone: window 2 behind it
+        feed.ensure(6, 3)  # positions 6, 7 in window 0, 8 in window 1: window 0 kept
+        assert {*window[0], *window[1]} <= bucket.pinned
+        with pytest.raises(CacheFull):
+            feed._fetch((0, 2)).result()  # no room for window 2 beside them yet
+        feed.ensure(9, 3)  # window 1 alone: window 2 fetched behind it now
         feed._fetch((0, 2)).result()
         assert bucket.pinned == {*window[1], *window[2]} and window[2] in bucket.fetched
+    finally:
+        feed.close()
+    small = GlobalOrder([4] * 6, seed=0, window=1)  # every step of 6 reads two windows of 4
+    bucket = Bucket(room=6)
+    feed = data_feed.DataFeed(bucket, small, patience_s=5)  # type: ignore[arg-type]
+    try:
+        for step in range(3):
+            feed.ensure(step * 6, 6)
+            ahead = feed._kept[-1]
+            feed._fetch(ahead).result()
+            assert small.window_shards(*ahead) in bucket.fetched, (step, ahead, bucket.fetched)
     finally:
         feed.close()
 

@@ -67,6 +67,11 @@ def file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+class CacheFull(DataError):
+    """What a fetch needs does not fit beside what is pinned: said when the data is needed; a prefetch made before
+    the windows it would replace were let go tries again once they are."""
+
+
 class ShardCache:
     def __init__(self, root: str | Path, max_bytes: int, policy: storage.Policy) -> None:
         self.root = Path(root).expanduser() if root else default_dir()
@@ -144,7 +149,7 @@ class ShardCache:
             p.unlink(missing_ok=True)  # a rank that has it mapped keeps reading it (unlinked, not gone)
             total -= s
         if total > self.max_bytes:
-            raise DataError(
+            raise CacheFull(
                 f"the shards needed now do not fit in data.cache_gb={self.max_bytes / 2**30:g} at {self.root} "
                 f"({total / 2**30:.2f} GB) (fix: a larger data.cache_gb, or a smaller data.shuffle_window)"
             )

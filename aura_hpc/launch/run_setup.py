@@ -50,6 +50,21 @@ def _trained_with(ckpt: Path) -> str | None:
     return _file_digest(ckpt / "tokenizer" / "tokenizer.json")
 
 
+def _stream_tokenizer_of(ckpt: Path) -> str:
+    """The data.tokenizer the checkpoint's run encoded with, where it is still there; else a copy of the checkpoint's
+    own to make (a checkpoint's folder is pruned as the run goes on)."""
+    import yaml
+
+    try:
+        then = str(yaml.safe_load((ckpt / "config.yaml").read_text(encoding="utf-8"))["data"]["tokenizer"])
+        folder = Path(then).expanduser()
+        if then and any((f / "tokenizer.json").is_file() for f in (folder, folder / "tokenizer")):
+            return f"{then}, the one it was trained with"
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
+        pass
+    return f"a copy of {ckpt / 'tokenizer'} made outside checkpoints/ (cp -r {ckpt / 'tokenizer'} DIR)"
+
+
 def _check_same_tokenizer(cfg: RunConfig) -> None:
     """Resuming on data prepared with another tokenizer would load embeddings of another vocabulary."""
     ckpt = _newest_complete_checkpoint(cfg.run_dir)
@@ -63,7 +78,7 @@ def _check_same_tokenizer(cfg: RunConfig) -> None:
         if theirs is not None and ours is not None and theirs != ours:
             raise DataError(
                 f"data.tokenizer {cfg.data.tokenizer} is another tokenizer than the one run {cfg.run_dir} was trained with "
-                f"(checkpoint {ckpt.name}) (fix: --set data.tokenizer={ckpt / 'tokenizer'}, the run's own, or start a new --run-name)"
+                f"(checkpoint {ckpt.name}) (fix: --set data.tokenizer={_stream_tokenizer_of(ckpt)}, or start a new --run-name)"
             )
         return
     if cfg.data.path.startswith("s3://"):  # the manifest holds the hash of its tokenizer.json

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from aura_hpc.data.cache import CacheFull
 from aura_hpc.data.packed import GlobalOrder, TokenReader
 from aura_hpc.errors import DataError
 from aura_hpc.train.process import distributed, progress
@@ -36,6 +37,8 @@ class DataFeed:
 
     def _fetch(self, window: tuple[int, int]) -> Future[None]:
         f = self._fetching.get(window)
+        if f is not None and f.done() and isinstance(f.exception(), CacheFull):  # fetched ahead of room: room made since
+            f = None
         if f is None:
             assert self._pool is not None
             shards = self.order.window_shards(*window)
@@ -65,26 +68,24 @@ class DataFeed:
             known, unknown = self.order.windows_ahead(start, count)
             todo = next((w for w in known if w not in self._agreed), unknown)
             if todo is None:
-                self._keep(known)
+                self._keep([*known, self.order.next_window(*known[-1])] if known else [])
+                if known:
+                    self._fetch(self._kept[-1])  # downloads (or encodes) while this step trains
                 return
+            self._keep([*known, *([todo] if todo not in known else [])])  # room for it: what this step reads alone
             self._make_ready(todo)
 
-    def _keep(self, read_now: list[tuple[int, int]]) -> None:
-        """Keep on disk the windows the step reads, and within one window the next one, fetched while it trains. At
-        a window's boundary the next one waits a step: the cache holds two windows (launch/run_setup.py sizes it),
-        and the one before, unpinned, was evicted by that prefetch while the step still read it, then fetched again
-        on one rank, outside the ranks' agreement."""
-        if not read_now:
+    def _keep(self, windows: list[tuple[int, int]]) -> None:
+        """Keep on disk the windows the step reads (and the next one, fetched behind it). A step across a window's
+        boundary reads the one before too: unpinned, its shards were evicted by the next window's prefetch while
+        the step read them, then fetched again on one rank, outside the ranks' agreement."""
+        if not windows or windows == self._kept:
             return
-        kept = list(read_now) if len(read_now) > 1 else [read_now[0], self.order.next_window(*read_now[0])]
-        if kept == self._kept:
-            return
-        self._kept = kept
-        self.data.pin("train", {s for w in kept for s in self.order.window_shards(*w)})
-        for old in [w for w in self._fetching if w not in kept]:
+        self._kept = windows
+        with progress.current().section("data"):  # a stream's eviction waits for the pieces its encoders hold
+            self.data.pin("train", {s for w in windows for s in self.order.window_shards(*w)})
+        for old in [w for w in self._fetching if w not in windows]:
             del self._fetching[old]
-        if len(read_now) == 1:
-            self._fetch(kept[1])  # downloads (or encodes) while this window trains
 
     def _make_ready(self, window: tuple[int, int]) -> None:
         with progress.current().section("data"):  # the hang watchdog allows the ranks' patience here
