@@ -428,13 +428,7 @@ def _remove_partial_checkpoints(root: Path) -> None:
     when complete) or half-deleted (`.del-step_*`, a pruned one): removed first, so a disk they filled has
     room again. Only the lock holder is here.
     A committed one an interrupted re-save set aside is put back first: it was removed with them."""
-    import shutil
-
-    from aura_hpc.train.checkpoint.files import restore_set_aside
+    from aura_hpc.train.checkpoint.files import remove_partial
 
     if root.is_dir():
-        restore_set_aside(root)
-    for p in [*root.glob(".tmp-step_*"), *root.glob(".old-step_*"), *root.glob(".del-step_*")]:
-        if p.is_dir():
-            logging.getLogger("aura_hpc").info("removing partial checkpoint %s left by an interrupted save", p.name)
-            shutil.rmtree(p, ignore_errors=True)
+        remove_partial(root)

@@ -37,6 +37,12 @@ STOPPED_BY_SOMEONE = ("CANCELLED", "PREEMPTED")
 UNUSABLE = ("down", "drain", "drng", "fail", "maint", "unk", "inval", "futr", "npc", "resv", "boot", "powered", "pow_dn")
 
 
+def unusable_state(state: str) -> bool:
+    """A node in sinfo's compact state `state` gets no new work. Its suffixes: `*` not responding, `$` in a
+    maintenance reservation; the others (~ powered off, # powering up, % powering down, ...) are left to the name."""
+    return state.endswith(("*", "$")) or state.rstrip("~#!%@^-").startswith(UNUSABLE)
+
+
 def outlive_the_requeue() -> None:
     """A requeue sends SIGTERM to every process of the job (SIGKILL only KillWait later, 30 s by default): the
     one asking must outlive it to set the excluded nodes, and so must the scontrol it starts (an ignored signal
@@ -234,11 +240,8 @@ def _nodes_by_use(partition: str) -> tuple[list[str], list[str]]:
     for line in out.splitlines():
         name, _, state = line.partition(" ")
         state = state.strip()
-        # sinfo's suffixes: `*` not responding, `$` in a maintenance reservation (neither gets new work);
-        # the others (~ powered off, # powering up, % powering down, ...) are left to the state's name.
         if name:
-            bad = state.endswith(("*", "$")) or state.rstrip("~#!%@^-").startswith(UNUSABLE)
-            (unusable if bad else usable).add(name)
+            (unusable if unusable_state(state) else usable).add(name)
     return sorted(usable), sorted(unusable - usable)
 
 

@@ -14,7 +14,7 @@ import subprocess
 from dataclasses import dataclass
 
 from aura_hpc.config.tree import SlurmConfig
-from aura_hpc.slurm.exclude import UNUSABLE
+from aura_hpc.slurm.exclude import unusable_state
 
 NOT_AVAILABLE = "node configuration is not available"  # ESLURM_REQUESTED_NODE_CONFIG_UNAVAILABLE's text
 
@@ -30,8 +30,7 @@ class Node:
 
     @property
     def usable(self) -> bool:
-        # `*` not responding, `$` in a maintenance reservation; as exclude.py counts a spare node
-        return not (self.state.endswith(("*", "$")) or self.state.rstrip("~#!%@^-").startswith(UNUSABLE))
+        return not unusable_state(self.state)  # as a requeue counts a spare node
 
 
 def waiting_for(slurm: SlurmConfig, tasks_per_node: int, least: int) -> list[Node]:

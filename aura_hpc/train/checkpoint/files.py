@@ -277,9 +277,16 @@ def write_failure(exc: BaseException, root: Path, step: int) -> CheckpointWriteE
 
 def _clean_stale_temps(root: Path) -> None:
     """Partial checkpoints from a crash mid-save; only the writer (rank 0) is ever here."""
+    remove_partial(root, spare_own=True)
+
+
+def remove_partial(root: Path, spare_own: bool = False) -> None:
+    """Checkpoint folders a crash left half-written (`.tmp-step_*`, renamed when complete), set aside by a re-save
+    (`.old-step_*`: a committed one is put back first) or half-deleted (`.del-step_*`, a pruned one). Only the run's
+    writer, or the launcher holding the run lock, is here. `spare_own`: not this process's own save in progress."""
     restore_set_aside(root)
     for p in [*root.glob(".tmp-step_*"), *root.glob(".old-step_*"), *root.glob(".del-step_*")]:
-        if p.is_dir() and (p.name.startswith(".del-") or not p.name.endswith(f"-{os.getpid()}")):
+        if p.is_dir() and (not spare_own or p.name.startswith(".del-") or not p.name.endswith(f"-{os.getpid()}")):
             log.info("removing partial checkpoint %s left by an interrupted save", p.name)
             shutil.rmtree(p, ignore_errors=True)
 
