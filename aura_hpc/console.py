@@ -6,19 +6,64 @@ attached to a terminal gets a live progress bar, and its log lines are printed a
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import os
 import sys
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, ParamSpec
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+_P = ParamSpec("_P")
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        # rich exits 1 here: `local ... | tee run.log` stopped by Ctrl+C (tee dies with it) turned the run's 75 into 1.
+        _gone(self)
+
+
+def _gone(con: Console) -> None:
+    """The reader went away (a closed ssh session's terminal: EIO; a pipe's reader: EPIPE): what is left to say goes
+    nowhere, not into an error that ends the process, and the stream points at /dev/null so that Python's own flush
+    at exit does not fail (status 120) on what was written."""
+    con.quiet = True
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, con.file.fileno())
+        os.close(null)
+
+
+@contextlib.contextmanager
+def _written(con: Console) -> Iterator[None]:
+    try:
+        yield
+    except OSError:
+        _gone(con)
+
+
+def _to(con: Console) -> Callable[[Callable[_P, None]], Callable[_P, None]]:
+    def wrap(fn: Callable[_P, None]) -> Callable[_P, None]:
+        @functools.wraps(fn)
+        def written(*args: _P.args, **kwargs: _P.kwargs) -> None:
+            with _written(con):
+                fn(*args, **kwargs)
+
+        return written
+
+    return wrap
+
+
+console = _Console(highlight=False)
+err_console = _Console(stderr=True, highlight=False)
 # Files and pipes (Slurm logs, `| tee`) get whole lines: no 80-column wrapping, no box tables.
 _PLAIN = not console.is_terminal
 
 
+@_to(err_console)
 def error(message: str) -> None:
     from rich.markup import escape
 
@@ -26,20 +71,24 @@ def error(message: str) -> None:
     err_console.print(f"[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
 
 
+@_to(console)
 def info(message: str) -> None:
     console.print(message, markup=False, soft_wrap=True)
 
 
+@_to(console)
 def heading(message: str) -> None:
     from rich.markup import escape
 
     console.print(f"[bold]{escape(message)}[/]", soft_wrap=True)
 
 
+@_to(console)
 def _plain_lines(title: str, lines: list[str]) -> None:
     console.out("\n".join([title, *(f"  {line}" for line in lines)]), highlight=False)
 
 
+@_to(console)
 def table(title: str, rows: list[tuple[str, str]]) -> None:
     if _PLAIN:
         _plain_lines(title, [f"{k}: {' '.join(str(v).split())}" for k, v in rows])
@@ -78,14 +127,18 @@ class TrainProgress:
 
     def update(self, step: int, status: str = "") -> None:
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, status=status)
+            with _written(console):
+                self._progress.update(self._task, completed=step, status=status)
 
     def print(self, line: str) -> None:
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
+        # A closed ssh session's terminal (EIO) crashed rank 0 here, on its way to the checkpoint of the SIGHUP.
+        with _written(console):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def stop(self) -> None:
         if self._progress is not None:
-            self._progress.stop()
+            with _written(console):
+                self._progress.stop()
             self._progress = None
 
 
@@ -95,12 +148,16 @@ class ProgressAwareHandler(logging.StreamHandler):  # type: ignore[type-arg]
     progress: TrainProgress | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self.progress is not None and self.progress.enabled:
-            self.progress.print(self.format(record))
+        if self.progress is not None and self.progress.enabled and not console.quiet:
+            try:
+                self.progress.print(self.format(record))
+            except Exception:  # as StreamHandler does: a log line never ends the run
+                self.handleError(record)
         else:
             super().emit(record)
 
 
+@_to(console)
 def grid(title: str, columns: list[str], rows: list[list[str]]) -> None:
     """A table with a header row (job listings)."""
     if _PLAIN:
@@ -122,11 +179,13 @@ def grid(title: str, columns: list[str], rows: list[list[str]]) -> None:
     console.print(t)
 
 
+@_to(console)
 def plain(text: str) -> None:
     """Exact text (scripts, logs): no markup, no wrapping, no highlighting."""
     console.out(text, highlight=False)
 
 
+@_to(err_console)
 def warn(message: str) -> None:
     from rich.markup import escape
 

@@ -97,6 +97,13 @@ def test_cli_output_dir_and_run_name_win() -> None:
         (["tracking.mlflow_uri=https://mlflow.example.com/?token=SECRET"], "tracking.mlflow_uri holds a user name, password or query"),
         # Accepted, then refused by MLflow inside the run (its file store is in maintenance mode): no tracker, a warning.
         (["tracking.mlflow_uri=file:/tmp/mlruns"], "which MLflow refuses unless MLFLOW_ALLOW_FILE_STORE=true"),
+        # Each accepted, then refused by the tracker's own start: that tracker off for the whole run, one warning.
+        (
+            ["tracking.backends=wandb", "tracking.project=exp:v2#3"],
+            "which W&B refuses in a project name (fix: --set tracking.project=expv23)",
+        ),
+        (["tracking.backends=trackio", "tracking.project=registry-es"], "begins with 'registry-', which trackio keeps"),
+        (["tracking.backends=trackio", "tracking.project=model_artifacts"], "ends with '_artifacts', which trackio keeps"),
     ],
 )
 def test_bad_overrides_give_one_line_errors(overrides: list[str], expected: str) -> None:

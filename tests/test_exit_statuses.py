@@ -66,6 +66,29 @@ def _args(tmp_path: Path, prepared: Path, *extra: str) -> list[str]:
     ]
 
 
+def test_a_reader_gone_from_the_pipe_or_terminal_keeps_the_commands_own_status() -> None:
+    """`local ... | tee run.log` stopped by Ctrl+C: tee dies with it, and rich's answer to the broken pipe of the last
+    lines was exit 1, not the run's 75 (a script that requeues on 75 did not). A terminal gone (EIO) raised instead."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys\nfrom aura_hpc import console\n"
+        "console.info('stopped by SIGINT: a checkpoint was written')\nconsole.table('run', [('status', 'stopped')])\n"
+        "console.error('re-run the same command to resume')\nprint('and a last line', flush=True)\nsys.exit(75)\n"
+    )
+    for gone in ("stdout", "both"):
+        read, write = os.pipe()
+        os.close(read)  # the reader is gone before the first line
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=cli_env(), stdout=write, stderr=write if gone == "both" else subprocess.PIPE, timeout=60
+        )
+        os.close(write)
+        assert proc.returncode == errors.EXIT_RESUMABLE, (gone, proc.stderr)
+        if gone == "stdout":
+            assert b"re-run the same command to resume" in proc.stderr and b"Traceback" not in proc.stderr, proc.stderr
+
+
 def test_bad_input_exits_2(tmp_path: Path) -> None:
     r = run_cli(["local", "--set", "model.n_layer=0", "--output-dir", str(tmp_path)], timeout=60)
     assert r.returncode == errors.EXIT_USER_ERROR == 2, r.stderr

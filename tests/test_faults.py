@@ -374,6 +374,52 @@ def test_stop_signal_checkpoints_once_and_exits_resumable(tmp_path: Path, prepar
     assert (tmp_path / "run" / "logs" / "rank_0.log").read_text().count("start rank=0") == 2
 
 
+def test_a_closed_terminal_stops_the_run_with_a_checkpoint(tmp_path: Path, prepared: Path) -> None:
+    """`local` started in an ssh session that closes: the kernel hangs up its terminal (SIGHUP to the launcher, which
+    forwards it) and every write to it fails (EIO). Rank 0's progress bar and log lines went there: it died on its way
+    to the stop's checkpoint, and the launcher's last lines turned its 75 into a 1."""
+    import pty
+    import select
+
+    run = tmp_path / "run"
+    pid, terminal = pty.fork()  # the launcher leads a session whose terminal this is, as a login shell's child does
+    if pid == 0:
+        try:
+            os.execve(sys.executable, [sys.executable, "-m", "aura_hpc", *_args(tmp_path, "run", prepared, LONG)], cli_env(**SLOWER))
+        finally:
+            os._exit(127)
+    shown, done = b"", (0, 0)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not _reached(run, 10):
+            if select.select([terminal], [], [], 0.05)[0]:  # read, as ssh does: a full terminal would stall the writers
+                with contextlib.suppress(OSError):
+                    shown += os.read(terminal, 65536)
+        assert _reached(run, 10), shown.decode(errors="replace")[-3000:]
+        assert b"training" in shown  # rank 0's progress bar was on this terminal
+        os.close(terminal)  # the session closed
+        deadline = time.monotonic() + 120
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(terminal)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    log0 = (run / "logs" / "rank_0.log").read_text()
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == EXIT_RESUMABLE, log0[-3000:]
+    [stop] = [line for line in log0.splitlines() if "stop requested (SIGHUP)" in line]
+    step = int(stop.split(" at step ")[1].split(":")[0])
+    assert checkpoint.list_complete(run / "checkpoints")[0].step == step and 10 <= step < LONG, stop
+    assert "Traceback" not in log0, log0[-3000:]
+
+
+def _reached(run: Path, step: int) -> bool:
+    rows = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
+    return bool(rows) and json.loads(rows[-1])["step"] >= step
+
+
 # Killed just before the commit marker: the most written and still not a checkpoint. Random instants of
 # the writer alone: test_sigkill_at_random_moments_of_a_save_never_breaks_the_previous.
 def test_writer_killed_mid_checkpoint_resumes_from_the_previous(tmp_path: Path, prepared: Path, reference: dict) -> None:

@@ -795,6 +795,31 @@ def test_a_stop_signal_is_timed_when_it_comes_not_when_the_agent_next_asks() -> 
         signals.signal(signals.SIGUSR2, previous)
 
 
+def test_every_signal_the_launcher_forwards_stops_the_workers_with_a_checkpoint() -> None:
+    """The agent forwards SIGQUIT (Ctrl+\\) as a stop, and torch < 2.8 forwards it whatever it is told: the workers
+    had no handler for it, so every rank dumped core at once, with no checkpoint."""
+    import signal as signals
+
+    from aura_hpc.launch.agent import FORWARDED_SIGNALS
+    from aura_hpc.train.process import stop as stops
+
+    forwarded = [getattr(signals, name) for name in FORWARDED_SIGNALS.split(",")]
+    before = {sig: signals.getsignal(sig) for sig in forwarded}
+    last = stops.last_signal
+    try:
+        for sig in forwarded:
+            stop = stops.StopRequest()
+            stop.install()
+            handler = signals.getsignal(sig)
+            assert callable(handler), signals.Signals(sig).name
+            handler(sig, None)  # what the signal's delivery calls: a flag for the next step boundary
+            assert stop.signal_name == signals.Signals(sig).name
+    finally:
+        stops.last_signal = last
+        for sig, handler in before.items():
+            signals.signal(sig, handler)
+
+
 def test_under_nohup_a_hangup_stops_neither_the_launcher_nor_the_workers() -> None:
     """nohup leaves SIGHUP ignored; the agent (torch >= 2.8 handles what it is told to) and the workers' stop
     handler would have replaced that, so a logout stopped a run started with `nohup python -m aura_hpc local`."""

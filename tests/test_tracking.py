@@ -79,6 +79,32 @@ def _wandb_records(path: Path) -> list[object]:
     return out
 
 
+def _network_spy(folder: Path) -> dict[str, str]:
+    """The environment that has every Python process of a run note (and refuse) each lookup of another machine's
+    name and each connection to another machine's address: a run with trackers must make none."""
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(
+        "import ipaddress, os, socket\n"
+        "_log, _lookup, _connect = os.environ['AURA_TEST_NETWORK_LOG'], socket.getaddrinfo, socket.socket.connect\n"
+        "def _here(host):\n"
+        "    if host in (None, '', 'localhost', socket.gethostname()):\n        return True\n"
+        "    try:\n        return ipaddress.ip_address(str(host).split('%')[0]).is_loopback\n"
+        "    except ValueError:\n        return False\n"
+        "def _refuse(what):\n"
+        "    with open(_log, 'a') as f:\n        f.write(f'{os.getpid()} {what}\\n')\n"
+        "    raise socket.gaierror(socket.EAI_NONAME, 'no network in this test')\n"
+        "def getaddrinfo(host, *args, **kwargs):\n"
+        "    if not _here(host.decode() if isinstance(host, bytes) else host):\n        _refuse(f'lookup {host}')\n"
+        "    return _lookup(host, *args, **kwargs)\n"
+        "def connect(self, address):\n"
+        "    if self.family in (socket.AF_INET, socket.AF_INET6) and not _here(address[0]):\n        _refuse(f'connect {address}')\n"
+        "    return _connect(self, address)\n"
+        "socket.getaddrinfo, socket.socket.connect = getaddrinfo, connect\n"
+    )
+    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "AURA_TEST_NETWORK_LOG": str(folder / "tried.txt")}
+
+
 def _interrupt_after(proc: subprocess.Popen[str], run: Path, step: int) -> None:
     """SIGINT to a `local` launcher once its run has logged `step` (Ctrl+C; Slurm's stop takes the same path)."""
     metrics = run / "metrics.jsonl"
@@ -114,8 +140,10 @@ def test_every_tracker_reads_back_one_run_across_a_restart_and_a_silent_one_cost
             "1",
         ],
     ]
+    # Offline first, whatever the shell exports: a trackio Space named in the environment, W&B's and MLflow's telemetry.
+    spy = _network_spy(tmp_path / "spy")
     try:
-        [tracked] = run_cli_together(runs, timeout=600, AURA_FAULT_KILL="0:12")
+        [tracked] = run_cli_together(runs, timeout=600, AURA_FAULT_KILL="0:12", TRACKIO_SPACE_ID="someone/dashboard", **spy)
         said = blocked.communicate(timeout=300)[0]
     finally:
         blocked.kill()
@@ -186,6 +214,10 @@ def test_every_tracker_reads_back_one_run_across_a_restart_and_a_silent_one_cost
     assert "trackio show --project aura_hpc" in log0 and "wandb sync" in log0 and "mlflow server --backend-store-uri" in log0
     # trackio's own printed lines (the node-local folder, an "upload") are in rank 0's log, not bare on the terminal.
     assert "tracking: trackio said: * Trackio metrics logged to:" in log0, log0[-3000:]
+    assert "TRACKIO_SPACE_ID in the environment ignored" in log0, log0[-3000:]
+    assert "held another run's stores" not in log0  # the node-local folder of a new run is its own, not replaced
+    tried = Path(spy["AURA_TEST_NETWORK_LOG"])
+    assert not tried.exists(), tried.read_text()[-3000:]
     assert not [x for x in tracked.stdout.splitlines() if x.startswith("* ")], tracked.stdout[-3000:]
 
     # A kept MLflow id that names nothing (its store was lost, or another one is used): the run is found

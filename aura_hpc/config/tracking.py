@@ -29,6 +29,7 @@ def validate_tracking(cfg: RunConfig) -> None:
         raise ConfigError(
             "tracking.project must be a plain name without slashes, 1 to 128 characters (fix: --set tracking.project=aura_hpc)"
         )
+    _check_project_for(names, t.project)
     if t.mlflow_uri:
         parts = urlsplit(t.mlflow_uri)
         if parts.scheme not in ("http", "https", "sqlite", "file"):
@@ -67,3 +68,35 @@ def require_installed(cfg: RunConfig) -> None:
             f"tracking.backends asks for {', '.join(missing)}, not installed here (fix: pip install 'aura_hpc[tracking]', "
             f"or drop {', '.join(missing)} from tracking.backends)"
         )
+
+
+def _check_project_for(names: list[str], project: str) -> None:
+    """The project names each tracker refuses in its own start, where the refusal switched the tracker off for the
+    whole run with one warning (W&B 0.31's and trackio 0.43's rules)."""
+    refused = "".join(sorted({c for c in "#?%:" if c in project}))
+    if "wandb" in names and refused:
+        raise ConfigError(
+            f"tracking.project {project!r} holds {refused!r}, which W&B refuses in a project name "
+            f"(fix: --set tracking.project={''.join(c for c in project if c not in '#?%:') or 'aura_hpc'})"
+        )
+    # trackio's file name for the project: letters, digits, - and _ (its reserved names are judged on it).
+    on_disk = "".join(c for c in project if c.isalnum() or c in "-_").rstrip()
+    suffix = next((s for s in TRACKIO_RESERVED_SUFFIXES if len(on_disk) > len(s) and on_disk.endswith(s)), None)
+    if "trackio" in names and (on_disk.startswith("registry-") or suffix):
+        why = f"ends with {suffix!r}" if suffix else "begins with 'registry-'"
+        raise ConfigError(
+            f"tracking.project {project!r} {why}, which trackio keeps for its own files (fix: another --set tracking.project)"
+        )
+
+
+# trackio's per-project side files (SQLiteStorage.validate_project_name): a project ending so is refused by its start.
+TRACKIO_RESERVED_SUFFIXES = (
+    "_system",
+    "_configs",
+    "_traces",
+    "_artifacts",
+    "_artifact_versions",
+    "_artifact_aliases",
+    "_run_artifact_links",
+    "_external_run_artifact_links",
+)

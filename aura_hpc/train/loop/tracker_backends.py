@@ -4,6 +4,7 @@ the trackers' thread (trackers.py). Imported only when a run asks for one: none 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import string
@@ -13,6 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.config import RunConfig
+
+log = logging.getLogger("aura_hpc")
+
+# What points trackio.init at a Space or a server instead of its local store (the last two on a Space only).
+ONLINE_TRACKIO = ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL", "TRACKIO_BUCKET_ID", "TRACKIO_DATASET_ID")
 
 
 def make(name: str, cfg: RunConfig, local: Path, folder: Path, run_key: str = "") -> Any:
@@ -57,6 +63,16 @@ class Trackio:
 
     def start(self, config: dict[str, Any], run_id: str | None, resume_step: int) -> str:
         os.environ["TRACKIO_DIR"] = str(self.dir)  # read by trackio once, at import
+        # trackio.init sends every row to a Space or a server named in these (a shell profile exports them for
+        # trackio used elsewhere), writing nothing here: an offline node lost its tracker, an online one its store.
+        ignored = [v for v in ONLINE_TRACKIO if os.environ.pop(v, None)]
+        if ignored:
+            log.warning(
+                "tracking: trackio writes to %s on this node; %s in the environment ignored (fix: `trackio sync` uploads the "
+                "store to a Space after the run)",
+                self.kept,
+                ", ".join(ignored),
+            )
         os.environ.setdefault("TRACKIO_SQLITE_MMAP_SIZE", "0")
         # One SQLite file, always: trackio's own "auto" writes JSONL fragments on a network filesystem,
         # which its resume does not read (each attempt would be a new run). Node-local is our way there.
@@ -129,9 +145,14 @@ class Wandb:
         self.cfg, self.dir = cfg, cfg.run_dir
 
     def start(self, config: dict[str, Any], run_id: str | None, resume_step: int) -> str:
+        mode = self.cfg.tracking.wandb_mode
+        # Its telemetry (a POST to W&B's metrics endpoint at exit) and error reports read the global settings, not
+        # init's mode: an offline run still went to the network, and an exit behind a firewall waited for it.
+        os.environ["WANDB_MODE"] = mode
+        if mode == "offline":
+            os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
         import wandb
 
-        mode = self.cfg.tracking.wandb_mode
         run_id = run_id or chosen_id("wandb", self.cfg)
         # Its offline file is written every 15 s by default: an attempt killed sooner left no run record, config included,
         # and W&B is the one tracker a resume does not fill in from metrics.jsonl. The file is local: every second.
@@ -176,6 +197,8 @@ class Mlflow:
         # holding rows back): the queue and its warning take it from there.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        # MLflow 3 reports its use to its makers from every client (a lookup and posts from a compute node).
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 

@@ -292,7 +292,8 @@ class Trackers:
         with contextlib.suppress(OSError):
             if self.local.is_dir() and key.read_text(encoding="utf-8").strip() == self.run_key:
                 return
-        if self.local.is_dir() and self.adopt_local and not key.exists():
+        # Empty: made just now (shared_folder checks its owner by making it), not another run's.
+        if self.local.is_dir() and ((self.adopt_local and not key.exists()) or not any(self.local.iterdir())):
             key.write_text(self.run_key + "\n", encoding="utf-8")
             return
         if self.local.is_dir():

@@ -1,4 +1,4 @@
-"""Graceful stop on SIGTERM, SIGINT, SIGHUP, SIGUSR1 and SIGUSR2 (Slurm's pre-timeout signal).
+"""Graceful stop on SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 (Slurm's pre-timeout signal).
 
 The handler only records the signal; the trainer acts at the next step boundary, where all
 ranks agree in one collective, write one checkpoint and exit with EXIT_RESUMABLE.
@@ -10,7 +10,8 @@ import signal
 from collections.abc import Callable
 from types import FrameType
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+# SIGQUIT (Ctrl+\) too: the launcher forwards it as a stop (torch < 2.8 whatever it is told), and its default dumps core.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
 
 # The signal that stopped the last trainer in this process: the Slurm job wrapper requeues
 # only for the pre-timeout signal, never for a cancel (SIGTERM).
