@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from aura_hpc.data.corpus import generate
-from aura_hpc.data.packed import GlobalOrder, PackedTokens
+from aura_hpc.data.order import GlobalOrder
+from aura_hpc.data.packed import PackedTokens
 from aura_hpc.data.prepare import PrepareSpec, prepare
 from tests.conftest import SMALL_MODEL, run_cli
 
@@ -47,7 +48,7 @@ def test_windows_shuffle_within_their_shards_and_cover_each_epoch_once() -> None
 
 def test_a_window_of_unknown_sizes_is_named_before_any_of_its_positions_is_read() -> None:
     """A stream's order knows its shards' sizes only once they are encoded (-1 until then)."""
-    from aura_hpc.data.packed import NeedWindow
+    from aura_hpc.data.order import NeedWindow
 
     order = GlobalOrder([-1, -1, 30, 20], seed=3, window=2)
     assert order.window_shards(0, 0) == [3, 2] and order.window_shards(0, 1) == [1, 0]  # seed 3's shard order

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from aura_hpc.data.corpus import generate
-from aura_hpc.data.packed import GlobalOrder
+from aura_hpc.data.order import GlobalOrder
 from aura_hpc.data.prepare import PrepareSpec, prepare
 from tests.conftest import SMALL_MODEL, final_weights, run_cli
 

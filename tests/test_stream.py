@@ -176,7 +176,7 @@ def test_a_step_across_a_windows_boundary_keeps_the_window_it_still_reads(monkey
     windows, window 2's prefetch, refused for room then, is made again once window 0 is let go; and steps longer
     than a window still have the next one fetched behind them."""
     from aura_hpc.data.cache import CacheFull
-    from aura_hpc.data.packed import GlobalOrder
+    from aura_hpc.data.order import GlobalOrder
     from aura_hpc.train.loop import data_feed
 
     class Bucket:

@@ -242,6 +242,7 @@ def _build(spec: PrepareSpec, files: list[Path | str], build: Path, key: str) ->
         raise DataError("the inputs contain no text (fix: check the files or --text-column)")
     if not any(s["split"] == "val" for s in listed):
         listed = _move_tail_to_val(build, listed, np.dtype(dtype), spec.val_fraction)
+    listed = _join_small(build, listed, np.dtype(dtype), int(spec.shard_mb * 2**20), len(pieces))
     _keep_only(build, listed)
     counts = {split: sum(s["tokens"] for s in listed if s["split"] == split) for split in ("train", "val")}
     sources = [spec.dataset] if spec.dataset else (["builtin:aura-es-v1"] if spec.builtin else [str(f) for f in files])
@@ -320,6 +321,36 @@ def _move_tail_to_val(build: Path, listed: list[dict[str, Any]], dtype: np.dtype
     val.tofile(build / val_file)
     last.update(tokens=len(keep), sha256=hashlib.sha256(keep.tobytes()).hexdigest())
     return [*listed, {"split": "val", "file": val_file, "tokens": len(val), "sha256": hashlib.sha256(val.tobytes()).hexdigest()}]
+
+
+def _join_small(build: Path, listed: list[dict[str, Any]], dtype: np.dtype, target: int, first_free: int) -> list[dict[str, Any]]:
+    """Consecutive shards of a split joined, in order, into shards of up to `target` bytes. Each shard is cut into
+    sequences on its own, the tokens short of one at its end left out: a corpus of one file per article (a piece, so a
+    shard, each) kept half its tokens at data.seq_len 256, and none at 1024. A joined shard takes a number past every
+    piece's, so a build stopped here resumes from its pieces' own shards, which stay until the manifest is written."""
+    out = []
+    for split in ("train", "val"):
+        groups: list[list[dict[str, Any]]] = []
+        index = first_free
+        for s in (s for s in listed if s["split"] == split):
+            if groups and sum(g["tokens"] for g in groups[-1]) + s["tokens"] <= target // dtype.itemsize:
+                groups[-1].append(s)
+            else:
+                groups.append([s])
+        for group in groups:
+            if len(group) == 1:
+                out.append(group[0])
+                continue
+            name, digest = f"{shards.SHARDS}/{split}-{index:05d}.bin", hashlib.sha256()
+            index += 1
+            with open(build / f"{name}.tmp", "wb") as f:
+                for s in group:
+                    data = (build / s["file"]).read_bytes()
+                    f.write(data)
+                    digest.update(data)
+            (build / f"{name}.tmp").replace(build / name)
+            out.append({"split": split, "file": name, "tokens": sum(s["tokens"] for s in group), "sha256": digest.hexdigest()})
+    return out
 
 
 def _keep_only(build: Path, listed: list[dict[str, Any]]) -> None:

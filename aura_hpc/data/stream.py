@@ -31,7 +31,8 @@ import numpy as np
 
 from aura_hpc.data import shards, storage
 from aura_hpc.data.cache import default_dir, file_lock
-from aura_hpc.data.packed import GlobalOrder, TokenReader
+from aura_hpc.data.order import GlobalOrder
+from aura_hpc.data.packed import TokenReader
 from aura_hpc.errors import DataError
 
 log = logging.getLogger("aura_hpc")

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from aura_hpc.config import RunConfig
-from aura_hpc.data.packed import GlobalOrder, PackedTokens
+from aura_hpc.data.order import GlobalOrder
+from aura_hpc.data.packed import PackedTokens
 from aura_hpc.errors import ConfigError, DataError
 from aura_hpc.train.parts.build import model_and_loss, open_data
 from aura_hpc.train.parts.state import Parts

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from aura_hpc.data.packed import batch_start
+from aura_hpc.data.order import batch_start
 from aura_hpc.train.loop.data_feed import DataFeed
 from aura_hpc.train.parts.state import Layout, Parts, Position
 

@@ -14,7 +14,8 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from aura_hpc.data.cache import CacheFull
-from aura_hpc.data.packed import GlobalOrder, TokenReader
+from aura_hpc.data.order import GlobalOrder
+from aura_hpc.data.packed import TokenReader
 from aura_hpc.errors import DataError
 from aura_hpc.train.process import distributed, progress
 

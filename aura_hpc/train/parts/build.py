@@ -12,7 +12,8 @@ import torch
 
 from aura_hpc.comm import collectives
 from aura_hpc.config import RunConfig, embedding_rows, max_steps_for, per_machine, recorded_horizon
-from aura_hpc.data.packed import GlobalOrder, PackedTokens
+from aura_hpc.data.order import GlobalOrder
+from aura_hpc.data.packed import PackedTokens
 from aura_hpc.errors import ConfigError, DataError
 from aura_hpc.train.model.language_model import (
     LanguageModelLoss,

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from aura_hpc.data.packed import GlobalOrder, PackedTokens
+from aura_hpc.data.order import GlobalOrder
+from aura_hpc.data.packed import PackedTokens
 
 
 @dataclass(frozen=True)
