@@ -266,7 +266,12 @@ ROWS = [
         ["prepare", "--out", "{tmp}/p", "--submit", "--partition", "gpu\n#SBATCH --exclusive"],
         "--partition contains the character '\\n' (U+000A line feed), which would break the sbatch script",
     ),
-    Row("prepare: not UTF-8", ["prepare", "{tmp}/latin1.txt", "--out", "{tmp}/p"], "is not UTF-8 text", _files),
+    Row(
+        "prepare: not UTF-8",
+        ["prepare", "{tmp}/latin1.txt", "--out", "{tmp}/p"],
+        "(fix: convert a copy, e.g. iconv -f WINDOWS-1252 -t UTF-8 ",
+        _files,
+    ),
     Row("prepare: missing text column", ["prepare", "{tmp}/rows.jsonl", "--out", "{tmp}/p"], "column 'text' not in", _files),
     # pyarrow's and the codec's tracebacks, without a file name, before
     Row("prepare: .json not UTF-8", ["prepare", "{tmp}/latin1.json", "--out", "{tmp}/p"], "latin1.json' could not be read as json", _files),

@@ -163,6 +163,15 @@ def test_hub_dataset_path_with_a_local_dataset_folder(tmp_path: Path) -> None:
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
     assert dataset_shards(str(tmp_path / "saved"), None, "train") == 1
     assert list(records("", None, str(tmp_path / "saved"), None, "train", "content", "saved")) == DOCS
+    # The same folders given as text: their Arrow files skipped with advice to rename them to .txt, their metadata JSON
+    # refused for a --text-column.
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved_dict"))
+    for folder, fix in (
+        ("saved", f"--dataset {tmp_path / 'saved'})"),
+        ("saved_dict", f"--dataset {tmp_path / 'saved_dict' / 'train'}, one"),
+    ):
+        with pytest.raises(DataError, match=r"save_to_disk.*not text files \(fix: " + re.escape(fix)):
+            prepare(PrepareSpec(out_dir=tmp_path / "r", inputs=[str(tmp_path / folder)], vocab_size=300))
 
 
 def test_text_added_to_a_local_dataset_folder_is_new_input(tmp_path: Path) -> None:

@@ -189,7 +189,8 @@ def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise DataError(
-                f"{p.source} is not UTF-8 text ({exc.reason} at byte {p.start + exc.start}) (fix: convert it with iconv -t utf-8)"
+                f"{p.source} is not UTF-8 text ({exc.reason} at byte {p.start + exc.start}) (fix: convert a copy, e.g. "
+                f"iconv -f WINDOWS-1252 -t UTF-8 {p.source} > utf8/{os.path.basename(p.source)}, and prepare that)"
             ) from None
         if p.start == 0:  # a byte-order mark (PowerShell, Excel, Notepad): not text to train on, nor JSON
             text = text.removeprefix("\ufeff")

@@ -4,6 +4,7 @@ records and Hub datasets through `datasets`, and the refusal of what is not text
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import re
@@ -58,6 +59,7 @@ def resolve_inputs(inputs: list[str]) -> list[Path | str]:
                     f"(fix: write it to a file first, e.g. cat {m} > corpus.txt, then prepare corpus.txt)"
                 )
             if m.is_dir():
+                _not_a_saved_dataset(m)
                 found = [p for p in m.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(m).parts)]
                 files += sorted(p for p in found if p.suffix.lower() in TEXT_SUFFIXES)
                 other = sorted(p.relative_to(m) for p in found if p.suffix.lower() not in TEXT_SUFFIXES)
@@ -83,6 +85,22 @@ def resolve_inputs(inputs: list[str]) -> list[Path | str]:
     local = sorted({f.resolve() for f in files if isinstance(f, Path)})
     remote = sorted({f for f in files if isinstance(f, str)})
     return [*local, *remote]
+
+
+def _not_a_saved_dataset(folder: Path) -> None:
+    """A folder `datasets` wrote with save_to_disk, given as text: its Arrow files were skipped with advice to rename them
+    to .txt, and its metadata JSON refused for a --text-column."""
+    if (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file():
+        raise DataError(f"input {str(folder)!r} is a dataset saved by datasets' save_to_disk, not text files (fix: --dataset {folder})")
+    if (folder / "dataset_dict.json").is_file():
+        try:
+            splits = [str(s) for s in json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            splits = ["train"]
+        raise DataError(
+            f"input {str(folder)!r} is a DatasetDict saved by datasets' save_to_disk (splits {', '.join(splits)}), not text files "
+            f"(fix: --dataset {folder / (splits or ['train'])[0]}, one split)"
+        )
 
 
 LONGEST_PARAGRAPH = 1 << 20  # characters: past it, a "paragraph" is a file of one document per line
