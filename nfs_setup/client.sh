@@ -129,11 +129,16 @@ if [[ $NO_SYSTEM != 1 ]]; then
         echo "error: $user cannot write in $MOUNT (fix: on the server, chown the export to $user's UID:GID $(id -u "$user"):$(id -g "$user"), or pass --owner $(id -u "$user"):$(id -g "$user") to server.sh)" >&2
         exit 1
       fi
-      [[ $(cat "$probe") == ok ]] || { echo "error: read back a different content from $probe" >&2; exit 1; }
+      # Read back as the user too: root is `nobody` on the server, and a umask 077 file is not nobody's to read.
+      if [[ $(runuser -u "$user" -- cat "$probe" 2>/dev/null) != ok ]]; then
+        runuser -u "$user" -- rm -f "$probe"
+        echo "error: $user read back a different content from $probe (fix: check that $MOUNT is the server's $EXPORT_DIR, and no cache option such as nocto)" >&2
+        exit 1
+      fi
       echo "ok: $user wrote and read back $probe (uid $(stat -c %u "$probe") gid $(stat -c %g "$probe"))"
       runuser -u "$user" -- rm -f "$probe"
     fi
-    echo "next: on every node, python -m aura_hpc check --nnodes N ... --shared-dir $MOUNT"
+    echo "next: on every node, python -m aura_hpc check --nnodes N ... --shared-dir $MOUNT; then train with --output-dir $MOUNT/runs on every node"
   fi
 fi
 

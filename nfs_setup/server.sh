@@ -96,7 +96,13 @@ fi
 
 # 3. /etc/exports: one line per directory, under this script's marker
 clients_field=""
-for c in "${CLIENTS[@]}"; do clients_field+=" $c($OPTIONS)"; done
+for c in "${CLIENTS[@]}"; do
+  clients_field+=" $c($OPTIONS)"
+  # NFS takes a client's word for its user numbers: any machine of the subnet with a root login can be the training user.
+  if [[ $c == */* ]]; then
+    echo "note: every machine in $c can mount $EXPORT_DIR as any user it claims to be: on a network with guests, name the training machines instead (--clients ADDRESS once per machine)"
+  fi
+done
 line="$EXPORT_DIR${clients_field}"
 # Each line for the directory, "ours" (under the marker) or "theirs" (the admin's, or an older version's).
 # An admin's `/srv/aura/` names the same directory.

@@ -70,7 +70,7 @@ _HUNG_LOCAL_CHECK = """
 import sys, time
 from aura_hpc.ops import check
 check.LOCAL_CHECKS_S = 0.5
-check.local_checks = lambda report, output_dir: time.sleep(60)  # a GPU or driver that stops answering
+check.local_checks = lambda report, output_dir, stage: time.sleep(60)  # a GPU or driver that stops answering
 check.run(None, None, lambda report, stage: print("timed out in", stage, flush=True))
 print("returned", flush=True)
 """
@@ -85,7 +85,7 @@ def test_a_peer_gone_mid_check_is_a_finding_and_the_report_still_comes(monkeypat
         stage[0] = "bandwidth"
         raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:4242: Connection reset by peer")
 
-    monkeypatch.setattr(check, "local_checks", lambda report, output_dir: None)
+    monkeypatch.setattr(check, "local_checks", lambda report, output_dir, stage: None)
     monkeypatch.setattr(check, "cluster_checks", measuring)
     a = check.cluster_args(2, 0, "127.0.0.1", 29999)
     report = check.run(None, a, lambda report, stage: None)
@@ -105,7 +105,11 @@ _SLOW_LOCAL_CHECK = """
 import runpy, sys, time
 from aura_hpc.ops import check
 check.LOCAL_CHECKS_S = 0.5
-check.local_checks = lambda report, output_dir: time.sleep({sleep})  # {what}
+def local_checks(report, output_dir, stage):  # {what}
+    if {sleep} > 30:
+        stage[0] = {stage!r}
+    time.sleep({sleep})
+check.local_checks = local_checks
 sys.argv = ["aura_hpc", "check", "--json", "--timeout", "{timeout}", *{args}]
 runpy.run_module("aura_hpc", run_name="__main__")
 """
@@ -116,15 +120,17 @@ runpy.run_module("aura_hpc", run_name="__main__")
     [
         ("a slow CUDA start: --timeout gives the local checks more", 2, 6, [], None),
         ("a hung GPU under check --server", 60, 0.5, ["--server", "127.0.0.1:9"], "local checks"),
+        # Blamed on the GPU ("see nvidia-smi"): an NFS server gone under --output-dir.
+        ("an output_dir on a mount whose server is gone", 60, 0.5, ["--output-dir", "/shared/runs"], "the disk at /shared/runs"),
     ],
-    ids=["slow-local-within-timeout", "server-check-hung-locally"],
+    ids=["slow-local-within-timeout", "server-check-hung-locally", "output-dir-mount-hung"],
 )
 def test_the_local_checks_get_timeout_and_check_server_has_the_watchdog_too(
     what: str, sleep: float, timeout: float, args: list[str], stuck: str | None
 ) -> None:
     """--timeout did not reach the local checks (a fixed 60 s, whatever it said), and `check --server` had no
     watchdog at all: a GPU that stopped answering hung it for ever."""
-    script = _SLOW_LOCAL_CHECK.format(sleep=sleep, what=what, timeout=timeout, args=args)
+    script = _SLOW_LOCAL_CHECK.format(sleep=sleep, what=what, timeout=timeout, args=args, stage=stuck or "local checks")
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), timeout=50)
     assert time.monotonic() - t0 < 45, "no hang"
@@ -135,6 +141,7 @@ def test_the_local_checks_get_timeout_and_check_server_has_the_watchdog_too(
     else:
         assert res.returncode == 1 and timed_out and f"stuck at: {stuck}" in timed_out[0]["detail"], res.stdout + res.stderr
         assert "within 0.5s" in timed_out[0]["detail"]
+        assert ("check the mount" in timed_out[0]["fix"]) == ("disk" in stuck) != ("nvidia-smi" in timed_out[0]["fix"]), timed_out
 
 
 def test_healthy_pair_on_this_host_with_a_shared_dir(tmp_path: Path) -> None:
@@ -320,8 +327,54 @@ def test_a_gpu_machine_whose_torch_sees_no_gpu_fails_the_check(tmp_path: Path, m
     from aura_hpc.ops import check_local
     from aura_hpc.ops.check_report import Report
 
-    monkeypatch.setattr(check_local, "gpu_device_nodes", lambda: True)
+    monkeypatch.setattr(check_local, "gpu_device_nodes", lambda: "here")
     report = Report()
     check_local.local_checks(report, str(tmp_path))
     [f] = [f for f in report.findings if f.name == "gpus"]
     assert not f.ok and "this machine has NVIDIA GPUs, and torch sees none" in f.detail and "install a torch build" in f.fix, f
+    # Devices this process may not open (a Slurm shell without --gpus): CPU training, said, and no torch to reinstall.
+    monkeypatch.setattr(check_local, "gpu_device_nodes", lambda: "denied")
+    report = Report()
+    check_local.local_checks(report, str(tmp_path))
+    [f] = [f for f in report.findings if f.name == "gpus"]
+    assert f.ok and f.warning and "none of them open to this process" in f.detail and "--gpus" in f.fix, f
+
+
+def test_gpu_device_nodes_a_cgroup_denies_are_told_from_none_and_from_usable_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    import glob as globs
+    import os
+
+    from aura_hpc.ops import check_local
+
+    monkeypatch.setattr(globs, "glob", lambda pattern: [])
+    assert check_local.gpu_device_nodes() == ""
+    monkeypatch.setattr(globs, "glob", lambda pattern: ["/dev/nvidia0", "/dev/nvidia1"])
+
+    def denied(path: str, flags: int) -> int:
+        raise PermissionError(1, "Operation not permitted", path)
+
+    monkeypatch.setattr(os, "open", denied)
+    assert check_local.gpu_device_nodes() == "denied"
+    monkeypatch.setattr(os, "open", lambda path, flags: os.dup(0) if path.endswith("1") else denied(path, flags))
+    assert check_local.gpu_device_nodes() == "here"
+
+
+def test_the_local_checks_name_the_disk_they_wait_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the watchdog's line names when the stat of --output-dir never returns (an NFS server gone)."""
+    import shutil
+
+    from aura_hpc.ops import check_local
+    from aura_hpc.ops.check_report import Report
+
+    class Waited(Exception):
+        pass
+
+    def never_returns(path: object) -> None:
+        raise Waited
+
+    monkeypatch.setattr(check_local, "_try_backend", lambda backend: (True, ""))
+    monkeypatch.setattr(shutil, "disk_usage", never_returns)
+    stage = ["local checks"]
+    with pytest.raises(Waited):
+        check_local.local_checks(Report(), "/shared/runs", stage)
+    assert stage == ["the disk at /shared/runs"]

@@ -348,6 +348,14 @@ def test_a_literal_webhook_url_is_stored_redacted_and_reaches_the_workers_by_env
     assert "SECRET-42" not in str(exc.value)
     with pytest.raises(ConfigError, match="not an environment variable name"):
         load_config("tiny", ["health.webhook_url_env=my hook"])
+    # Named, and not set where the run starts: every alert was dropped without a word.
+    from aura_hpc.launch.run_setup import export_webhook_secret
+
+    for setting in ("health.webhook_url_env=AURA_TEST_NEVER_SET", "health.webhook_url=env:AURA_TEST_NEVER_SET"):
+        with pytest.raises(ConfigError, match=r"variable AURA_TEST_NEVER_SET, which is not set here.*\(fix: export AURA_TEST_NEVER_SET="):
+            export_webhook_secret(load_config("tiny", [setting]))
+    export_webhook_secret(load_config("tiny", [f"health.webhook_url={secret}"]))  # a URL given: exported for the workers
+    assert os.environ.pop("AURA_WEBHOOK_URL") == secret
 
 
 def test_line_breaks_in_values_are_refused_before_yaml_can_fold_them() -> None:

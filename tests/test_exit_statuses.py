@@ -509,3 +509,20 @@ def test_a_status_no_restart_changes_ends_the_launch_on_every_node_and_a_strange
         with pytest.raises(RendezvousClosedError):
             handler.next_rendezvous()
         store.set(stores.ROUND_KEY, "1764500000.0-42")
+
+
+def test_the_launchers_wait_for_a_stops_checkpoint_is_what_the_hang_watch_gives_two(tmp_path: Path) -> None:
+    """The agent waited a fixed 120 s for the workers after a stop signal, then killed them: a large model's checkpoint
+    written to NFS over 1 GbE (16 GB, two minutes) was cut mid-write, after an asynchronous one still being written."""
+    from aura_hpc.launch.agent import agent_options
+    from aura_hpc.launch.hang_watch import CALIBRATION
+    from aura_hpc.launch.local import plan_local
+
+    fresh = plan_local(None, [], str(tmp_path), "fresh")
+    assert fresh.shutdown_timeout >= 2 * fresh.cfg.health.hang_section_floor_s  # a checkpoint's floor, twice
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / CALIBRATION).write_text(json.dumps({"checkpoint": 140.0, "step": 4.0}))  # measured by an earlier attempt
+    big = plan_local(None, [], str(tmp_path), "big")
+    assert big.shutdown_timeout >= 2 * 5 * 140 + 2 * 4
+    options, _ = agent_options(big.shutdown_timeout)
+    assert options.get("shutdown_timeout", big.shutdown_timeout) == big.shutdown_timeout

@@ -178,6 +178,47 @@ def test_a_replay_on_a_cuda_machine_starts_at_its_first_reading(tmp_path: Path, 
     assert watch.fault is not None and "2 new uncorrectable ECC error(s)" in watch.fault.reason
 
 
+def test_the_breaker_watches_the_gpus_the_nodes_ranks_train_on_not_every_one_it_sees(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every GPU a process saw was watched: on an 8-GPU workstation without CUDA_VISIBLE_DEVICES, a 2-process run (on GPUs
+    0 and 1) stopped with 76, "drain this node", for a fault on GPU 3, another user's."""
+    import time
+    import types
+
+    from aura_hpc.config import load_config
+    from aura_hpc.train.loop import health
+
+    monkeypatch.setattr(health, "_cuda", lambda: True)
+    monkeypatch.setattr(health, "_visible_uuids", lambda: [f"GPU-{c}" for c in "abcd"])
+    monkeypatch.setattr(health, "_bound_per_task", lambda local_world: False)
+    for faulty, stops in ((3, False), (1, True)):
+        gpus = [dict(HEALTHY, index=i, uuid=f"GPU-{c}") for i, c in enumerate("abcd")]
+        replay = tmp_path / f"gpu{faulty}.jsonl"
+        replay.write_text(
+            "".join(
+                json.dumps(rows) + "\n"
+                for rows in [
+                    gpus,
+                    [*gpus[:faulty], dict(FAULTS["ecc"], **{k: gpus[faulty][k] for k in ("index", "uuid")}), *gpus[faulty + 1 :]],
+                ]
+                * 5
+            )
+        )
+        sets = [f"health.nvml_replay={replay}", "health.breaker_interval_s=0.02", "health.monitor_interval_s=0"]
+        cfg = load_config(None, sets, output_dir=str(tmp_path), run_name=f"r{faulty}")
+        watch = health.HealthWatch(cfg, types.SimpleNamespace(local_rank=0, local_world_size=2, node_rank=0))  # type: ignore[arg-type]
+        watch.start(None)
+        try:
+            deadline = time.monotonic() + (20 if stops else 1.5)  # 1.5 s: the ten readings many times over
+            while watch.fault is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            watch.stop()
+        assert (watch.fault is not None) == stops, (faulty, watch.fault)
+        assert not stops or watch.fault.gpu_index == 1  # type: ignore[union-attr]
+
+
 def test_webhook_bodies_per_kind() -> None:
     event = {"event": "gpu.fault", "host": "n1", "gpu_index": 3, "reason": "hot", "job_id": "42", "run_dir": "/r", "step": 7}
     assert body("generic", event) == event

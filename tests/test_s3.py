@@ -492,6 +492,24 @@ def test_a_parquet_object_is_downloaded_once_and_its_copy_goes_once_encoded(
     assert m["train_tokens"] > 0 and fetched == ["s3://raw/pq/t.parquet"], fetched
     assert left == [[]], left
 
+    # Objects whose copies do not fit in a quarter of the room: those past it are let go once sampled (the whole corpus was on
+    # local disk before the first was encoded), and downloaded again to be encoded.
+    import shutil
+
+    for name in ("a", "b", "c"):
+        s3.fs().put(str(table), f"raw/many/{name}.parquet")
+    real_usage, on_disk = shutil.disk_usage, []
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real_usage(path)._replace(free=6 * table.stat().st_size))
+    fetched.clear()
+
+    def counting(url: str, dest: Any, *args: Any) -> None:
+        on_disk.append(len(list(Path(dest).parent.glob("*.parquet"))))
+        download(url, dest, *args)
+
+    monkeypatch.setattr(storage, "download", counting)
+    prepare(PrepareSpec(out_dir=tmp_path / "q", inputs=["s3://raw/many/"], vocab_size=300))
+    assert sorted(fetched) == sorted(f"s3://raw/many/{n}.parquet" for n in "abbcc") and max(on_disk) <= 1, (fetched, on_disk)
+
 
 def test_data_replaced_in_a_bucket_leaves_no_file_of_the_old_tokenizer(tmp_path: Path, s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The old shards went, the old tokenizer's vocab.json and merges.txt (an earlier --tokenizer) stayed beside the new

@@ -496,6 +496,8 @@ def test_a_metrics_row_carries_mfu_where_the_gpus_peak_is_known(tmp_path: Path) 
     assert peak_for("NVIDIA H100 80GB HBM3") == 989.4 and peak_for("cpu") is None
     names = ["NVIDIA L4", "NVIDIA L40", "NVIDIA L40S", "NVIDIA H100 NVL", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB", "NVIDIA H200"]
     assert [peak_for(n) for n in names] == [121.0, 181.05, 362.05, 835.5, 756.0, 312.0, 989.4]
+    # A MIG slice has a fraction of the part's peak: no MFU rather than one 7 times too low.
+    assert peak_for("NVIDIA A100-SXM4-40GB MIG 1g.5gb") is None and peak_for("NVIDIA H100 80GB HBM3 MIG 3g.40gb") is None
     scale = flops_per_token(124_000_000, 12, 768, 1024) / (989.4e12 * 8)  # gpt2-small on 8 H100s
     w = MetricsWriter(tmp_path, 0, None, scale)
     w.write({"step": 10, "loss": 3.0, "lr": 1e-4, "tokens_per_s": 1_000_000.0})
@@ -589,6 +591,15 @@ def test_the_line_for_the_other_nodes_carries_the_flags_this_node_took_from_its_
     assert words[:5] == ["AURA_RUN_SECRET=s3cret", "python", "-m", "aura_hpc", "local"], words
     for flag, value in (("--nnodes", "2"), ("--master-addr", "192.168.1.10"), ("--master-port", "29500"), ("--node-rank", "1")):
         assert words[words.index(flag) + 1] == value, words
+    # Windows PowerShell has no `VAR=value command`: the line there sets the variable first.
+    monkeypatch.setattr("sys.argv", ["aura_hpc", "local", "--set", "data.path=C:\\Mis datos\\es", "--set", "train.lr=1e-4,x"])
+    line = other_nodes_command(
+        types.SimpleNamespace(nnodes=2, master_addr="192.168.1.10", master_port=29500), "s3cr'et", 1, powershell=True
+    )
+    assert line == (
+        "$env:AURA_RUN_SECRET='s3cr''et'; python -m aura_hpc local --set 'data.path=C:\\Mis datos\\es' --set 'train.lr=1e-4,x' "
+        "--nnodes 2 --master-addr 192.168.1.10 --master-port 29500 --node-rank 1"
+    ), line
 
 
 def test_a_resume_applies_the_configs_learning_rate_and_keeps_the_rollbacks_scaling() -> None:
@@ -685,5 +696,11 @@ def test_a_node_started_with_another_node_count_or_a_master_address_no_node_has_
     r = run_cli([*alone, "--rdzv-timeout", "600", "--output-dir", str(tmp_path / "m2"), "--set", f"data.path={prepared}"], timeout=300,
                 AURA_RUN_SECRET="short")  # fmt: skip
     assert r.returncode == 2 and "AURA_RUN_SECRET" in r.stderr and "cannot reach" not in r.stderr, r.stderr
+    assert "(fix: paste the whole AURA_RUN_SECRET=... line node 0 printed (also in its run folder" in r.stderr, (
+        r.stderr
+    )  # one made here never matches
+    from aura_hpc.ops.network import interface_problem
+
+    assert interface_problem("lo,") == "--ifname 'lo,' holds an empty name (fix: --ifname lo)"  # gloo was given an empty name
     r = run_cli(["local", "--dry-run", "--ifname", "aura-no-such-if0"], timeout=60)
     assert r.returncode == 2 and "--ifname aura-no-such-if0 is no interface with an IPv4 address on this machine (fix: one of" in r.stderr

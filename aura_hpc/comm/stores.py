@@ -383,16 +383,18 @@ def new_secret() -> str:
     return secrets.token_urlsafe(24)
 
 
-def strong_enough(secret: str) -> str:
+def strong_enough(secret: str, node_rank: int = 0) -> str:
     """A secret someone chose, refused when short: anyone reading the store sees the nonces and every
-    rank's HMAC over them, enough to try a short secret's every value offline (`k9`: 0.01 s)."""
+    rank's HMAC over them, enough to try a short secret's every value offline (`k9`: 0.01 s). On a node other
+    than node 0 it is node 0's, pasted: one made anew there could never match."""
     if len(secret) < MIN_SECRET:
         from aura_hpc.errors import LaunchError
 
+        made = "unset it on node 0 to have one made, or use e.g. `python -c 'import secrets; print(secrets.token_urlsafe(24))'`"
+        fix = f"paste the whole {SECRET_ENV}=... line node 0 printed (also in its run folder, {SECRET_FILE})" if node_rank else made
         raise LaunchError(
             f"{SECRET_ENV} is {len(secret)} characters, under the {MIN_SECRET} a run's secret needs: a stranger who reads the "
-            f"rendezvous store could guess it (fix: unset it on node 0 to have one made, or use e.g. "
-            f"`python -c 'import secrets; print(secrets.token_urlsafe(24))'`)"
+            f"rendezvous store could guess it (fix: {fix})"
         )
     return secret
 

@@ -12,6 +12,7 @@ next run of the same inputs (shards.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -285,10 +286,15 @@ def make_tokenizer(spec: PrepareSpec, pieces: list[shards.Piece], tok_dir: Path)
         tok, source = load_tokenizer(spec.tokenizer, tok_dir), spec.tokenizer
     else:
         share = spec.tokenizer_sample_mb * 2**20 / len(pieces)
+        # A Parquet or JSON object is sampled from a local copy of all of it, kept for its encoding (one download, not
+        # two) while the copies fit in a quarter of the room: kept all, a corpus of objects larger than the disk filled it.
+        room, kept = shutil.disk_usage(tok_dir.parent).free // 4, 0
 
         def sample() -> Iterator[str]:
+            nonlocal kept
             for whole in pieces:
                 taken, start = 0, whole.start
+                copy = shards.input_copy(shards.Job(whole, str(tok_dir.parent), "", 0, "uint16", 0.0, ""))
                 while taken < share:
                     # A window at a time: characters of the text are fewer than the bytes that hold them (JSON rows'
                     # other fields, \uXXXX escapes: a Chinese corpus gave a fifth of its share in one window).
@@ -303,6 +309,11 @@ def make_tokenizer(spec: PrepareSpec, pieces: list[shards.Piece], tok_dir: Path)
                     if p.end == whole.end:
                         break
                     start = p.end
+                with contextlib.suppress(OSError):
+                    if copy.is_file() and kept + copy.stat().st_size > room:
+                        copy.unlink()  # downloaded again to be encoded
+                    elif copy.is_file():
+                        kept += copy.stat().st_size
 
         tok = train_tokenizer(sample(), spec.vocab_size, tok_dir)
         source = f"byte-level BPE trained here (--vocab-size {spec.vocab_size}, on up to {spec.tokenizer_sample_mb:g} MB of the text)"

@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import socket
 import sys
 import time
@@ -223,6 +224,9 @@ def plan_local(
         check_equal_nodes(cfg.dist.diloco_replicas, range(1, 2), nproc)
     warnings += fit_to_horizon(cfg, nproc * nnodes)
     plan = LocalPlan(cfg, nnodes, node_rank, nproc, master_addr, master_port, max_restarts, rdzv_timeout, local_addr, env)
+    from aura_hpc.launch.hang_watch import stop_grace_s
+
+    plan.shutdown_timeout = stop_grace_s(cfg)
     from aura_hpc.launch.data_plan import coverage
 
     plan.data_lines, data_warnings = coverage(cfg, nproc * nnodes)
@@ -341,6 +345,8 @@ def launch(plan: LocalPlan, ready: Callable[[], None] | None = None) -> int:
             for rank in range(1, plan.nnodes):
                 console.info(f"on node {rank} (another machine), run:")
                 console.plain(other_nodes_command(plan, secret, rank))
+                console.info("or, in Windows PowerShell (where `VAR=value command` is no command):")
+                console.plain(other_nodes_command(plan, secret, rank, powershell=True))
     assert secret is not None
     os.environ[SECRET_ENV] = secret
     os.environ.update(plan.env)
@@ -371,7 +377,7 @@ def _secret_of_other_node(plan: LocalPlan) -> str:
     folder it shares with node 0)."""
     given = os.environ.get(SECRET_ENV, "").strip()
     if given:
-        return strong_enough(given)
+        return strong_enough(given, plan.node_rank)
     try:
         shared = (plan.cfg.run_dir / SECRET_FILE).read_text(encoding="utf-8").strip()
     except OSError:
@@ -384,7 +390,15 @@ def _secret_of_other_node(plan: LocalPlan) -> str:
     )
 
 
-def other_nodes_command(plan: LocalPlan, secret: str, rank: int) -> str:
+def _powershell_quote(word: str, always: bool = False) -> str:
+    """A word as PowerShell reads it back: single quotes are literal there, a quote inside one doubled (`,` makes an
+    array of a bare word, `@` and `$` expand)."""
+    if not always and re.fullmatch(r"[\w./:=+-]+", word):
+        return word
+    return "'" + word.replace("'", "''") + "'"
+
+
+def other_nodes_command(plan: LocalPlan, secret: str, rank: int, powershell: bool = False) -> str:
     """This command line as node `rank` runs it: its --node-rank, and the run's secret (POSIX shells)."""
     import shlex
     import sys
@@ -409,6 +423,8 @@ def other_nodes_command(plan: LocalPlan, secret: str, rank: int) -> str:
         if flag not in out and not any(a.startswith(f"{flag}=") for a in out):
             out += [flag, str(value)]
     words = ["python", "-m", "aura_hpc", *out, "--node-rank", str(rank)]
+    if powershell:
+        return f"$env:{SECRET_ENV}={_powershell_quote(secret, always=True)}; {' '.join(map(_powershell_quote, words))}"
     return f"{SECRET_ENV}={shlex.quote(secret)} {shlex.join(words)}"
 
 

@@ -25,7 +25,7 @@ class LocalPlan:
     rdzv_timeout: int
     local_addr: str | None
     env: dict[str, str] = field(default_factory=dict)
-    shutdown_timeout: int = 120
+    shutdown_timeout: int = 120  # the agent's wait for the workers after a stop signal (hang_watch.stop_grace_s)
     memory: MemoryPlan | None = None  # per GPU (per process on CPU)
     gpu_mem_gib: float = 0.0  # this machine's GPU memory (0: no GPU)
     warnings: list[str] = field(default_factory=list)

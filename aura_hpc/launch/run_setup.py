@@ -334,6 +334,13 @@ def export_webhook_secret(cfg: RunConfig) -> None:
 
     if is_literal_url(cfg.health.webhook_url) and not cfg.health.webhook_url_env:
         os.environ[WEBHOOK_SECRET_ENV] = cfg.health.webhook_url
+    h = cfg.health
+    named = h.webhook_url_env or (h.webhook_url[4:] if h.webhook_url.startswith("env:") and not h.webhook_url_file else "")
+    if named and not os.environ.get(named, "").strip():  # every alert of the run was dropped in silence
+        raise ConfigError(
+            f"the webhook's URL is to come from the environment variable {named}, which is not set here: no GPU fault or hang "
+            f"would be reported (fix: export {named}=https://... in this shell before starting, or leave the webhook out)"
+        )
     if cfg.health.webhook_url_file and not os.access(cfg.health.webhook_url_file, os.R_OK):
         raise ConfigError(
             f"health.webhook_url_file {cfg.health.webhook_url_file} cannot be read (fix: a readable file holding the URL, "

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from aura_hpc.errors import LaunchError
 from aura_hpc.ops.check_cluster import ClusterArgs, cluster_checks
-from aura_hpc.ops.check_local import local_checks
+from aura_hpc.ops.check_local import DISK_STAGE, local_checks
 from aura_hpc.ops.check_report import Failed, Report
 from aura_hpc.ops.network import interface_problem, lan_master_problem
 
@@ -69,7 +69,7 @@ def run(
     # This machine alone too: a GPU or driver that stops answering hung a plain `check` for ever.
     timer = watch(local_deadline(cluster.timeout if cluster is not None else timeout))
     try:
-        local_checks(report, output_dir)
+        local_checks(report, output_dir, stage)
         if server is not None:
             timer.cancel()
             stage[0] = SERVER_STAGE
@@ -137,16 +137,17 @@ def show(report: Report, as_json: bool, timeout: float, timed_out_at: str | None
     from aura_hpc import console
 
     if timed_out_at:
-        local = timed_out_at == "local checks"
+        disk = timed_out_at.startswith(DISK_STAGE)
+        local = disk or timed_out_at == "local checks"
         seconds = local_deadline(timeout) if local else probe_deadline(timeout) if timed_out_at == SERVER_STAGE else timeout
-        report.add(
-            "timeout",
-            False,
-            f"the check did not finish within {seconds:g}s (stuck at: {timed_out_at})",
-            "a GPU or driver that does not answer: see `nvidia-smi` on this machine"
+        fix = (
+            "its filesystem does not answer (an NFS or Lustre server gone?): check the mount (`df`, `mount`), or another --output-dir"
+            if disk
+            else "a GPU or driver that does not answer: see `nvidia-smi` on this machine"
             if local
-            else "see the failed line above; a firewall that drops gloo/NCCL's data ports hangs here: open them between the nodes",
+            else "see the failed line above; a firewall that drops gloo/NCCL's data ports hangs here: open them between the nodes"
         )
+        report.add("timeout", False, f"the check did not finish within {seconds:g}s (stuck at: {timed_out_at})", fix)
     if as_json:
         print(json.dumps(report.to_json(), indent=2), flush=True)
         return

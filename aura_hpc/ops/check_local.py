@@ -11,7 +11,8 @@ from pathlib import Path
 from aura_hpc.ops.check_report import Report
 
 
-def local_checks(report: Report, output_dir: str | None) -> None:
+def local_checks(report: Report, output_dir: str | None, stage: list[str] | None = None) -> None:
+    """`stage`: what is being checked, for the watchdog's line if it never returns."""
     report.add(
         "python",
         sys.version_info >= (3, 11),
@@ -34,7 +35,14 @@ def local_checks(report: Report, output_dir: str | None) -> None:
             report.add("nvidia driver", True, driver)
         nccl = ".".join(str(x) for x in torch.cuda.nccl.version()) if dist.is_nccl_available() else "not built in"
         report.add("nccl", dist.is_nccl_available(), nccl, "" if dist.is_nccl_available() else "install a CUDA build of torch")
-    elif gpu_device_nodes() and os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() not in ("", "-1"):  # hidden on purpose: CPU
+    elif (nodes := gpu_device_nodes()) == "denied":
+        # A Slurm shell without --gpus (ConstrainDevices), a container or a user the devices are closed to: the torch
+        # install is fine, and the fix was to reinstall it.
+        report.add(
+            "gpus", True, "this machine has NVIDIA GPUs, none of them open to this process: CPU training with gloo", warning=True,
+            fix="to train on them, ask for them (Slurm: --gpus), or join the group that owns /dev/nvidia*",
+        )  # fmt: skip
+    elif nodes and os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() not in ("", "-1"):  # hidden on purpose: CPU
         # NVIDIA's device nodes are here, and torch sees no GPU: a CPU-only wheel, or a driver older than its CUDA.
         # It passed as "CPU training", and `local` trained on the CPUs of a GPU machine.
         driver = _nvml_driver()
@@ -64,6 +72,8 @@ def local_checks(report: Report, output_dir: str | None) -> None:
             "Windows builds of torch have no libuv TCPStore",
             "set TORCH_DISTRIBUTED_USE_LIBUV=0 (aura_hpc local sets it for you)",
         )
+    if stage is not None:  # a stat on an NFS or Lustre mount whose server is gone never returns
+        stage[0] = f"{DISK_STAGE} {output_dir or 'runs'}"
     out = Path(output_dir or "runs").expanduser().resolve()
     probe = out
     while not probe.exists() and probe != probe.parent:
@@ -75,6 +85,9 @@ def local_checks(report: Report, output_dir: str | None) -> None:
         f"{free:.1f} GiB free at {out}",
         "" if free >= 5 else "free space or choose another --output-dir (a GPT-2 124M checkpoint is ~1.5 GB)",
     )
+
+
+DISK_STAGE = "the disk at"
 
 
 def _nvml_driver() -> str | None:
@@ -109,8 +122,19 @@ def _try_backend(backend: str) -> tuple[bool, str]:
         return False, str(exc).splitlines()[0][:200]
 
 
-def gpu_device_nodes() -> bool:
-    """NVIDIA's GPU device nodes (/dev/nvidia0, ...), which its driver makes for each GPU; a container given none has none."""
+def gpu_device_nodes() -> str:
+    """NVIDIA's GPU device nodes (/dev/nvidia0, ...), which its driver makes for each GPU: "" where there are none (a
+    container given none), "denied" where this process may open none of them (a cgroup that denies them: Slurm's
+    ConstrainDevices outside an allocation of GPUs; a user outside their group), else "here"."""
     import glob
 
-    return bool(glob.glob("/dev/nvidia[0-9]*"))
+    nodes = glob.glob("/dev/nvidia[0-9]*")
+    for node in nodes:
+        try:
+            os.close(os.open(node, os.O_RDWR | os.O_NONBLOCK))  # as CUDA opens it
+        except PermissionError:
+            continue
+        except OSError:
+            return "here"  # not a refusal (busy, gone meanwhile)
+        return "here"
+    return "denied" if nodes else ""

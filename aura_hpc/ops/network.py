@@ -105,7 +105,10 @@ def interface_problem(names: str) -> str | None:
     import psutil
 
     have = {n for n, addrs in psutil.net_if_addrs().items() if any(a.family == socket.AF_INET for a in addrs)}
-    missing = [n for n in names.split(",") if n.strip() not in have]
+    listed = [n.strip() for n in names.split(",")]
+    if "" in listed:  # gloo would be given an empty name
+        return f"--ifname {names!r} holds an empty name (fix: --ifname {','.join(n for n in listed if n) or 'NAME'})"
+    missing = [n for n in listed if n not in have]
     if not missing:
         return None
     return f"--ifname {missing[0]} is no interface with an IPv4 address on this machine (fix: one of {', '.join(sorted(have))}, or omit it)"

@@ -35,7 +35,10 @@ PEAK_BF16_TFLOPS = {
 
 def peak_for(device_name: str) -> float | None:
     """The peak of the first model name (the more specific come first) found whole in the device's name:
-    "L4" is not the L40's (a substring match gave the L40 an L4's peak, and its MFU 1.5 times too high)."""
+    "L4" is not the L40's (a substring match gave the L40 an L4's peak, and its MFU 1.5 times too high). None for a MIG
+    slice ("NVIDIA A100-SXM4-40GB MIG 1g.5gb"): a fraction of the part's peak, its MFU was shown 7 times too low."""
+    if re.search(r"(?<![\w])MIG(?![\w])", device_name):
+        return None
     for key, tflops in PEAK_BF16_TFLOPS.items():
         if re.search(rf"(?<![\w]){re.escape(key)}(?![\w])", device_name):
             return tflops

@@ -72,8 +72,11 @@ class HealthWatch:
         bound = self.env.local_rank != 0 and _bound_per_task(self.env.local_world_size)
         if self.env.local_rank != 0 and not bound:
             return
-        # Only this job's GPUs: another job's faulty GPU on a shared node is not ours to stop for.
-        reader = open_reader(h.nvml_replay, selection_from_env(os.environ, self.uuids))
+        # Only this job's GPUs: another job's faulty GPU on a shared node is not ours to stop for. Of those a process
+        # sees, only the ones the node's ranks train on (rank r on cuda:r % count): on an 8-GPU workstation with no
+        # CUDA_VISIBLE_DEVICES, a 2-process run stopped (exit 76, "drain this node") for another user's GPU 5.
+        watched = self.uuids[: self.env.local_world_size] if self.uuids and not bound else self.uuids
+        reader = open_reader(h.nvml_replay, selection_from_env(os.environ, watched))
         breaker = h.breaker and not isinstance(reader, NoGpus)
         if h.breaker and _cuda() and (not breaker or not reader.read()):
             log.warning(
@@ -83,7 +86,7 @@ class HealthWatch:
             )
             breaker = False
         elif h.breaker and _cuda() and h.nvml_replay:  # the probe took the replay's first reading: from its start again
-            reader = open_reader(h.nvml_replay, selection_from_env(os.environ, self.uuids))
+            reader = open_reader(h.nvml_replay, selection_from_env(os.environ, watched))
         if h.monitor_interval_s <= 0 and not breaker:
             return
         interval = h.monitor_interval_s if h.monitor_interval_s > 0 else h.breaker_interval_s

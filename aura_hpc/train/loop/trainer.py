@@ -36,6 +36,8 @@ from aura_hpc.train.process.stop import StopRequest
 from aura_hpc.train.strategies.base import OuterLoop, capability, sharding
 
 log = logging.getLogger("aura_hpc")
+# The same command run again, or another started under a finished run's name (the quick start's `tiny`).
+NOTHING_TO_DO = "nothing to do: the run is already at step %d of %d (fix: --set train.max_steps=N to train on, or a new --run-name)"
 
 ROLLED_BACK = -1  # _settle's answer after a rollback: the loop goes on from the restored step
 
@@ -117,7 +119,7 @@ class Trainer:
                 if isinstance(h, ProgressAwareHandler):
                     h.progress = self.progress
             if self.pos.step >= end:
-                log.info("nothing to do: the run is already at step %d of %d", self.pos.step, end)
+                log.info(NOTHING_TO_DO, self.pos.step, end)
 
     def _train(self, stepper: Stepper, batches: Batches, stop: StopRequest) -> int | None:
         """Steps until the end step; an exit status when the run stops early (signal, GPU fault).
