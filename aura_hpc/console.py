@@ -7,6 +7,7 @@ attached to a terminal gets a live progress bar, and its log lines are printed a
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -37,11 +38,17 @@ def _gone(con: Console) -> None:
         os.close(null)
 
 
+# The reader went away: a pipe's (EPIPE), a hung-up terminal's (EIO, ENXIO). A full disk under `> file` is an error still.
+_GONE = (errno.EPIPE, errno.EIO, errno.ENXIO)
+
+
 @contextlib.contextmanager
 def _written(con: Console) -> Iterator[None]:
     try:
         yield
-    except OSError:
+    except OSError as exc:
+        if exc.errno not in _GONE:
+            raise
         _gone(con)
 
 

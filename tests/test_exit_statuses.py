@@ -77,6 +77,10 @@ def test_a_reader_gone_from_the_pipe_or_terminal_keeps_the_commands_own_status()
         "console.info('stopped by SIGINT: a checkpoint was written')\nconsole.table('run', [('status', 'stopped')])\n"
         "console.error('re-run the same command to resume')\nprint('and a last line', flush=True)\nsys.exit(75)\n"
     )
+    # A full disk under `> file` is an error still: the file is not whole.
+    with open("/dev/full", "wb") as no_room:
+        full = subprocess.run([sys.executable, "-c", code], env=cli_env(), stdout=no_room, stderr=subprocess.PIPE, timeout=60)
+    assert full.returncode not in (0, 75) and b"No space left on device" in full.stderr, full.stderr[-2000:]
     for gone in ("stdout", "both"):
         read, write = os.pipe()
         os.close(read)  # the reader is gone before the first line
@@ -526,3 +530,5 @@ def test_the_launchers_wait_for_a_stops_checkpoint_is_what_the_hang_watch_gives_
     assert big.shutdown_timeout >= 2 * 5 * 140 + 2 * 4
     options, _ = agent_options(big.shutdown_timeout)
     assert options.get("shutdown_timeout", big.shutdown_timeout) == big.shutdown_timeout
+    # No hang watch: nothing but this wait would end a hang during the stop.
+    assert plan_local(None, ["health.hang_watch=false"], str(tmp_path), "big").shutdown_timeout == 120

@@ -814,6 +814,10 @@ def test_every_signal_the_launcher_forwards_stops_the_workers_with_a_checkpoint(
             assert callable(handler), signals.Signals(sig).name
             handler(sig, None)  # what the signal's delivery calls: a flag for the next step boundary
             assert stop.signal_name == signals.Signals(sig).name
+        # A Slurm step's watch keeps watching the ranks stop on each of them (SIGTERM ends the attempt).
+        from aura_hpc.slurm.watch import STOP_ASKED
+
+        assert set(stops.STOP_SIGNALS) - {signals.SIGTERM} == set(STOP_ASKED)
     finally:
         stops.last_signal = last
         for sig, handler in before.items():

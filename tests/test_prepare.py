@@ -727,7 +727,8 @@ def test_the_tokenizer_sample_reads_its_share_of_each_piece_not_the_whole_corpus
     spec = PrepareSpec(out_dir=tmp_path / "p", inputs=[str(corpus)], vocab_size=300, shard_mb=0.5, tokenizer_sample_mb=0.1)
     m = prepare(spec)
     size = corpus.stat().st_size
-    assert size > 1.5 * 2**20 and m["pieces"] >= 4, (size, m["pieces"])
+    trained = [s for s in m["shards"] if s["split"] == "train"]
+    assert size > 1.5 * 2**20 and len(trained) >= 4, (size, m["shards"])  # a piece's train shards are not joined, only small ones
     assert during and 0.1 * 2**20 <= during[0] < 0.25 * size, (during, size)  # the sample's share, and line ends found
     assert m["train_tokens"] + m["val_tokens"] > 0 and sum(reads) - during[0] >= size, "the encoding still reads it all"
 
@@ -865,15 +866,17 @@ def _many_shards(prepared: Path, out: Path, n: int) -> list[np.ndarray]:
     return parts
 
 
-def test_more_shards_than_open_files_are_read_and_a_shard_replaced_under_a_run_is_named(tmp_path: Path, prepared: Path) -> None:
+def test_more_shards_than_open_files_are_read_and_a_shard_replaced_under_a_run_is_named(
+    tmp_path: Path, prepared: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every shard was mapped as the data was opened, each map holding a file descriptor: a directory of 1,100 shards
     stopped every rank at its start with 'Too many open files' under the common limit of 1,024."""
     many = tmp_path / "many"
     parts = _many_shards(prepared, many, 600)
     code = (
         "import hashlib, resource, sys\nfrom aura_hpc.data.packed import PackedTokens\n"
-        "resource.setrlimit(resource.RLIMIT_NOFILE, (400, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
-        "r = PackedTokens(sys.argv[1], 64)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (400, 400))\n"  # hard too: no more to raise it to (a container's)
+        "r = PackedTokens(sys.argv[1], 64)\nassert r.max_mapped == 256 and len(r._maps) == 0, r.max_mapped\n"
         "rows = r.sequences('train', list(range(r.num_sequences('train'))))\n"
         "print(r.num_sequences('train'), hashlib.sha256(rows.tobytes()).hexdigest())\n"
     )
@@ -884,8 +887,24 @@ def test_more_shards_than_open_files_are_read_and_a_shard_replaced_under_a_run_i
 
     assert read.stdout.split() == ["1200", hashlib.sha256(expected.tobytes()).hexdigest()]
 
+    # Under a soft limit below the hard one (the common 1,024 of 1,048,576), it is raised: every shard mapped at the start.
+    import resource
+
+    from aura_hpc.data import packed
+
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if before[1] == resource.RLIM_INFINITY or before[1] >= 2048:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, before[1]))
+        try:
+            assert packed.open_files_allowed() > 1024 and resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 1024
+            opened = PackedTokens(many, 64)
+            assert len(opened._maps) == sum(map(len, opened.shards.values())) > 600
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
     # Read (mapped when read), the others past it, then its file replaced: by the same tokens (a prepare --force of the
     # same inputs) it is read on; by others, the run is told rather than trained on tokens its manifest does not list.
+    monkeypatch.setattr(packed, "open_files_allowed", lambda: 256)  # as under that limit
     reader = PackedTokens(many, 64)
     reader.sequences("train", list(range(1200)))  # shard 0 is no longer mapped
     shard = many / "shards/train-00000.bin"

@@ -592,13 +592,14 @@ def test_the_line_for_the_other_nodes_carries_the_flags_this_node_took_from_its_
     for flag, value in (("--nnodes", "2"), ("--master-addr", "192.168.1.10"), ("--master-port", "29500"), ("--node-rank", "1")):
         assert words[words.index(flag) + 1] == value, words
     # Windows PowerShell has no `VAR=value command`: the line there sets the variable first.
-    monkeypatch.setattr("sys.argv", ["aura_hpc", "local", "--set", "data.path=C:\\Mis datos\\es", "--set", "train.lr=1e-4,x"])
+    argv = ["aura_hpc", "local", "--set", "data.path=C:\\Mis datos\\es", "--set", "train.lr=1e-4,x", "--output-dir=./runs"]
+    monkeypatch.setattr("sys.argv", argv)
     line = other_nodes_command(
         types.SimpleNamespace(nnodes=2, master_addr="192.168.1.10", master_port=29500), "s3cr'et", 1, powershell=True
     )
     assert line == (
         "$env:AURA_RUN_SECRET='s3cr''et'; python -m aura_hpc local --set 'data.path=C:\\Mis datos\\es' --set 'train.lr=1e-4,x' "
-        "--nnodes 2 --master-addr 192.168.1.10 --master-port 29500 --node-rank 1"
+        "'--output-dir=./runs' --nnodes 2 --master-addr 192.168.1.10 --master-port 29500 --node-rank 1"
     ), line
 
 

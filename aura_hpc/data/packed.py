@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,8 @@ from aura_hpc.data.manifest import check_manifest
 from aura_hpc.data.prepare import prepare_hint, read_manifest
 from aura_hpc.errors import DataError
 
-MAX_MAPPED = 256  # shards a reader keeps mapped at once
+OPEN_FILES_SPARE = 512  # descriptors left to everything else a rank opens (sockets, logs, checkpoints)
+MAP_COUNT_CAP = 32768  # under the kernel's vm.max_map_count (65,530 by default), which every map also counts against
 _TOKENIZER_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
@@ -62,12 +64,16 @@ class TokenReader:
         f = self.path / s.file
         try:
             with open(f, "rb") as handle:
-                st = os.fstat(handle.fileno())
-                if _identity(st) != self._files[split, i] and (s.sha256 == "" or _sha256(handle) != s.sha256):
+                now, then = _identity(os.fstat(handle.fileno())), self._files[split, i]
+                # A chmod or chown changes the file's ctime alone; the same tokens written again (prepare --force of the same
+                # inputs) are known by their hash, and hashed once. The older format has no hash: its file as it was.
+                changed = now[:4] != then[:4] if not s.sha256 else now != then and _sha256(handle) != s.sha256
+                if changed:
                     raise DataError(
                         f"{f} was replaced by other tokens while this run read {self.location} (a prepare --force?) "
                         "(fix: train on the new data as a new run, or prepare into another --out while a run reads it)"
                     )
+                self._files[split, i] = now
                 return np.memmap(handle, dtype=self.dtype, mode="r", shape=(s.tokens,))
         except OSError as exc:
             raise DataError(f"cannot read {f} ({exc.strerror or exc}) (fix: check that data.path is still there)") from None
@@ -168,10 +174,13 @@ class PackedTokens(TokenReader):
             shard = Shard(entry["split"], entry["file"], entry["tokens"], entry["sha256"])
             if shard.tokens:
                 self.shards[shard.split].append(shard)
-        # Mapped when read, MAX_MAPPED at most (each map holds a file descriptor: a directory of 1,100 shards
-        # stopped every rank at start-up with 'Too many open files', under the common limit of 1,024).
+        # Each map holds a file descriptor: a directory of 1,100 shards stopped every rank at start-up with 'Too many
+        # open files' under the common limit of 1,024. The limit is raised to what the system allows; local shards are
+        # mapped at the start where they fit in it, else when read, the least recently read let go past it.
         self._maps: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
         self._files: dict[tuple[str, int], tuple[int, ...]] = {}  # each local shard's file as checked at the start
+        self._lock = threading.Lock()  # the data feed's fetch thread maps (object storage) beside the training thread
+        self.max_mapped = open_files_allowed()
         if not self.remote:
             _check_tokenizer(self.path / "tokenizer" / "tokenizer.json", self.manifest["tokenizer"]["sha256"])
             for split, entries in self.shards.items():
@@ -184,6 +193,10 @@ class PackedTokens(TokenReader):
                             "(fix: re-run prepare with --force)"
                         )
                     self._files[split, i] = _identity(f.stat())
+            if sum(map(len, self.shards.values())) <= self.max_mapped:  # as before: every shard mapped where it lies
+                for split, entries in self.shards.items():
+                    for i in range(len(entries)):
+                        self._map(split, i)
         self._starts = {split: np.concatenate([[0], np.cumsum(self.counts(split))]).astype(np.int64) for split in self.shards}
         self._tokenizer_dir: Path | None = None
         self._pinned: set[str] = set()
@@ -196,19 +209,21 @@ class PackedTokens(TokenReader):
         return storage.join(self.location, shard.file)
 
     def _map(self, split: str, i: int) -> np.ndarray:
-        m = self._maps.get((split, i))
-        if m is None:
-            s = self.shards[split][i]
-            if self.remote:
-                local = self.cache.fetch(self.url(s), s.sha256, s.tokens * self.dtype.itemsize, keep=self._pinned)
-                m = np.memmap(local, dtype=self.dtype, mode="r")
-            else:
-                m = self._map_local(split, i, s)
-            self._maps[split, i] = m
-            if len(self._maps) > MAX_MAPPED:
-                self._maps.popitem(last=False)  # the least recently read: mapped again (a page-cache hit) when next read
+        with self._lock:
+            m = self._maps.get((split, i))
+            if m is not None:
+                self._maps.move_to_end((split, i))
+                return m
+        s = self.shards[split][i]
+        if self.remote:  # held until `pin` lets it go: mapped again, its file could have left the cache (a download)
+            local = self.cache.fetch(self.url(s), s.sha256, s.tokens * self.dtype.itemsize, keep=self._pinned)
+            m = np.memmap(local, dtype=self.dtype, mode="r")
         else:
-            self._maps.move_to_end((split, i))
+            m = self._map_local(split, i, s)
+        with self._lock:
+            self._maps[split, i] = m
+            if not self.remote and len(self._maps) > self.max_mapped:
+                self._maps.popitem(last=False)  # the least recently read: mapped again (a page-cache hit) when next read
         return m
 
     def _map_local(self, split: str, i: int, s: Shard) -> np.ndarray:
@@ -217,12 +232,16 @@ class PackedTokens(TokenReader):
         f = self.path / s.file
         try:
             with open(f, "rb") as handle:
-                st = os.fstat(handle.fileno())
-                if _identity(st) != self._files[split, i] and (s.sha256 == "" or _sha256(handle) != s.sha256):
+                now, then = _identity(os.fstat(handle.fileno())), self._files[split, i]
+                # A chmod or chown changes the file's ctime alone; the same tokens written again (prepare --force of the same
+                # inputs) are known by their hash, and hashed once. The older format has no hash: its file as it was.
+                changed = now[:4] != then[:4] if not s.sha256 else now != then and _sha256(handle) != s.sha256
+                if changed:
                     raise DataError(
                         f"{f} was replaced by other tokens while this run read {self.location} (a prepare --force?) "
                         "(fix: train on the new data as a new run, or prepare into another --out while a run reads it)"
                     )
+                self._files[split, i] = now
                 return np.memmap(handle, dtype=self.dtype, mode="r", shape=(s.tokens,))
         except OSError as exc:
             raise DataError(f"cannot read {f} ({exc.strerror or exc}) (fix: check that data.path is still there)") from None
@@ -238,8 +257,9 @@ class PackedTokens(TokenReader):
         evict their files (never these) to make room."""
         if self.remote:
             self._pinned = {self.shards[split][i].sha256 for i in keep}
-            for key in [k for k in self._maps if k[0] == split and k[1] not in keep]:
-                del self._maps[key]
+            with self._lock:
+                for key in [k for k in self._maps if k[0] == split and k[1] not in keep]:
+                    del self._maps[key]
 
     @property
     def splits(self) -> dict[str, np.ndarray]:
@@ -329,3 +349,19 @@ def _sha256(handle: Any) -> str:
 def _identity(st: os.stat_result) -> tuple[int, ...]:
     # An inode number alone is reused at once for the next file written (the replaced shard's own, often).
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def open_files_allowed() -> int:
+    """How many shards a reader may keep mapped: the soft limit on open files raised to the hard one (as the system
+    allows any process to), less what a rank needs besides, at least 256."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+    except (ImportError, ValueError, OSError):  # Windows; a limit this process may not change
+        return 256
+    return max(256, min(MAP_COUNT_CAP, (1 << 20 if soft == resource.RLIM_INFINITY else soft) - OPEN_FILES_SPARE))

@@ -335,7 +335,8 @@ def _move_tail_to_val(build: Path, listed: list[dict[str, Any]], dtype: np.dtype
 
 
 def _join_small(build: Path, listed: list[dict[str, Any]], dtype: np.dtype, target: int, first_free: int) -> list[dict[str, Any]]:
-    """Consecutive shards of a split joined, in order, into shards of up to `target` bytes. Each shard is cut into
+    """Consecutive small shards of a split (a quarter of `target` bytes at most) joined, in order, into shards of up to
+    `target` bytes. Each shard is cut into
     sequences on its own, the tokens short of one at its end left out: a corpus of one file per article (a piece, so a
     shard, each) kept half its tokens at data.seq_len 256, and none at 1024. A joined shard takes a number past every
     piece's, so a build stopped here resumes from its pieces' own shards, which stay until the manifest is written."""
@@ -343,8 +344,12 @@ def _join_small(build: Path, listed: list[dict[str, Any]], dtype: np.dtype, targ
     for split in ("train", "val"):
         groups: list[list[dict[str, Any]]] = []
         index = first_free
+        room = target // dtype.itemsize
         for s in (s for s in listed if s["split"] == split):
-            if groups and sum(g["tokens"] for g in groups[-1]) + s["tokens"] <= target // dtype.itemsize:
+            # Small shards alone: a piece of --shard-mb of text encodes to about half of it, and joining those copied
+            # the whole corpus at the end, on one thread, into twice its room.
+            small = s["tokens"] <= room // 4
+            if small and groups and groups[-1][-1]["tokens"] <= room // 4 and sum(g["tokens"] for g in groups[-1]) + s["tokens"] <= room:
                 groups[-1].append(s)
             else:
                 groups.append([s])

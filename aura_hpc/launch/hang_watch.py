@@ -422,6 +422,8 @@ def stop_grace_s(cfg: RunConfig) -> int:
     still being written before it (an asynchronous save), each given what this watch gives a checkpoint, and two steps
     to reach it. A hang meanwhile is the watch's to name (in seconds where the ranks train: `hung(stopping=True)`). A
     fixed 120 s killed the stop's checkpoint of a large model written to NFS over 1 GbE (16 GB: two minutes) mid-write."""
+    if not cfg.health.hang_watch:  # nothing would end a hang meanwhile but this wait
+        return 120
     calibration = read_calibration(cfg.run_dir / CALIBRATION)
     one = max(cfg.health.hang_section_floor_s, FACTOR * calibration.get("checkpoint", 0.0))
     return int(max(120.0, 2 * one + 2 * calibration.get("step", 0.0) + 30.0))

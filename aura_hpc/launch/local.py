@@ -393,7 +393,8 @@ def _secret_of_other_node(plan: LocalPlan) -> str:
 def _powershell_quote(word: str, always: bool = False) -> str:
     """A word as PowerShell reads it back: single quotes are literal there, a quote inside one doubled (`,` makes an
     array of a bare word, `@` and `$` expand)."""
-    if not always and re.fullmatch(r"[\w./:=+-]+", word):
+    # A bare `--name=a.b` is split at the dot by PowerShell 5.1 and 7 alike (PowerShell issue 6291): quoted.
+    if not always and re.fullmatch(r"[\w./:=+-]+", word) and not (word.startswith("-") and any(c in word for c in ".:")):
         return word
     return "'" + word.replace("'", "''") + "'"
 

@@ -153,6 +153,11 @@ class SlurmHangWatch(HangWatch):
         return True, f"hang restart {in_a_row} of at most {budget} in a row without progress"
 
 
+# What asks the ranks to stop (train/process/stop.py's signals but SIGTERM, which ends the attempt): watched on. SIGQUIT's
+# default ended this watch without its `finally`.
+STOP_ASKED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)
+
+
 def main(argv: list[str]) -> int:
     from aura_hpc.config import load_config
     from aura_hpc.train.process import progress
@@ -170,7 +175,7 @@ def main(argv: list[str]) -> int:
         if asked["watch"] is not None:
             asked["watch"].stop_asked = True
 
-    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGINT):
+    for sig in STOP_ASKED:
         signal.signal(sig, stop_asked)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     config, folder, job_id, restarts, task_pid = argv
