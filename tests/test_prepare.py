@@ -933,3 +933,15 @@ def test_a_corpus_of_many_small_files_keeps_its_tokens_in_whole_sequences(tmp_pa
         # Alone, each article lost the tokens past its last whole sequence: a third of them here.
         assert data.num_sequences(split) == (m[f"{split}_tokens"] - 1) // 64 > 0, m["shards"]
     assert len(m["shards"]) == 2 and sorted(p.name for p in (tmp_path / "p" / "shards").iterdir()) == ["train-00040.bin", "val-00040.bin"]
+
+
+def test_a_glob_run_again_does_not_take_the_output_it_wrote_for_input(tmp_path: Path) -> None:
+    """`prepare 'corpus/**/*.json*' --out corpus/prepared`, then the same command: the glob matched the output's own manifest
+    and tokenizer files, and the run was refused with --out corpus/prepared-prepared, which the glob matches too."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS), encoding="utf-8")
+    spec = PrepareSpec(out_dir=corpus / "prepared", inputs=[f"{corpus}/**/*.json*"], vocab_size=300)
+    first = prepare(spec)
+    assert first["sources"] == [str(corpus / "a.jsonl")]
+    assert prepare(spec)["up_to_date"] is True

@@ -127,6 +127,7 @@ def test_default_local_runs_to_completion(tmp_path: Path) -> None:
     again = run_cli(["local"], cwd=tmp_path, timeout=300)
     assert again.returncode == 0
     assert "nothing to do: the run is already at step 150" in again.stdout
+    assert "(fix: --set train.max_steps=N to train on, or a new --run-name)" in again.stdout  # the quick start's tiny, again
 
     # status/logs/cancel read a local run's directory (no Slurm job behind it).
     st = run_cli(["status", str(run), "--json"])

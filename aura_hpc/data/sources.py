@@ -3,6 +3,7 @@ records and Hub datasets through `datasets`, and the refusal of what is not text
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -52,6 +53,11 @@ def resolve_inputs(inputs: list[str]) -> list[Path | str]:
         matches = [Path(m) for m in sorted(glob.glob(item, recursive=True))] if glob.has_magic(item) else [Path(item)]
         if not matches or not all(m.exists() for m in matches):
             raise DataError(f"input {item!r} does not exist (fix: pass .txt/.jsonl/.parquet files, a folder or a glob)")
+        if glob.has_magic(item) and (ours := [m for m in matches if _in_prepared(m)]):
+            # `prepare 'corpus/**/*.json' --out corpus/prepared` run again: the glob took the output's own manifest and
+            # tokenizer files for input, and was refused with --out corpus/prepared-prepared, which the glob takes too.
+            log.warning("prepare skips %d file(s) matched by %s inside a prepared directory: %s", len(ours), item, ours[0])
+            matches = [m for m in matches if m not in ours]
         for m in matches:
             if m.is_fifo() or m.is_char_device() or m.is_socket():  # read more than once (sizes, pieces, the tokenizer's sample)
                 raise DataError(
@@ -85,6 +91,17 @@ def resolve_inputs(inputs: list[str]) -> list[Path | str]:
     local = sorted({f.resolve() for f in files if isinstance(f, Path)})
     remote = sorted({f for f in files if isinstance(f, str)})
     return [*local, *remote]
+
+
+def _in_prepared(path: Path) -> bool:
+    """Whether `path` lies in a directory prepare wrote (one whose manifest.json is prepare's)."""
+    from aura_hpc.data.out_dir import our_manifest
+
+    for folder in path.parents:
+        with contextlib.suppress(OSError, ValueError):
+            if (folder / "manifest.json").is_file() and our_manifest(json.loads((folder / "manifest.json").read_text(encoding="utf-8"))):
+                return True
+    return False
 
 
 def _not_a_saved_dataset(folder: Path) -> None:
