@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -153,7 +154,7 @@ def test_healthy_pair_on_this_host_with_a_shared_dir(tmp_path: Path) -> None:
         report = json.loads(out)
         f = _findings(out)
         assert report["ok"] and f["all_reduce"]["ok"] and "verified on every rank" in f["all_reduce"]["detail"]
-        assert f["shared dir"]["ok"] and f["clock skew"]["ok"]
+        assert f["shared dir"]["ok"] and f["clock skew"]["ok"] and f["inbound"]["ok"], f["inbound"]
         assert [b["size_mb"] for b in report["bandwidth"]] == [1.0, 4.0] and all(b["busbw_gbps"] > 0 for b in report["bandwidth"])
         assert 0 < report["elapsed_s"] < HEALTHY_TIMEOUT
     assert not (tmp_path / ".aura-check").exists(), "the shared-dir probe files and folders are cleaned up"
@@ -276,6 +277,23 @@ def test_healthy_pair_across_two_network_namespaces(two_hosts: tuple[str, str]) 
         assert report["ok"]
         assert {n["ip"] for n in report["nodes"]} == {"10.77.1.1", "10.77.1.2"}
         assert {n["interface"] for n in report["nodes"]} == {f"va{two_hosts[0][-6:]}", f"vb{two_hosts[0][-6:]}"}
+        assert _findings(out)["inbound"]["ok"]
+
+
+def test_a_node_whose_firewall_lets_no_connection_in_is_named_before_training(two_hosts: tuple[str, str]) -> None:
+    """Node 1's firewall refuses every connection coming in (its own to node 0 go out): the check met at node 0's port and
+    passed, and training waited at the workers' store, which torch's rendezvous may put on node 1, and at gloo's links."""
+    if shutil.which("iptables") is None:
+        pytest.skip("iptables is not installed (CI installs it with docker.io)")
+    rule = ["nsenter", f"--net=/run/netns/{two_hosts[1]}", "iptables", "-A", "INPUT", "-p", "tcp", "--syn", "-j", "REJECT"]
+    r = subprocess.run(rule, capture_output=True, text=True, timeout=20)
+    assert r.returncode == 0, r.stderr
+    results = _pair(["--json"], ["--json"], addr="10.77.1.1", ns=two_hosts)
+    for code, out, err in results:
+        f = _findings(out)
+        assert code == 1 and not f["inbound"]["ok"] and "process group" not in f, out + err
+        assert "cannot open a connection to" in f["inbound"]["detail"] and "sudo ufw allow from 10.77.1.1" in f["inbound"]["fix"], f
+    assert "node 1 at 10.77.1.2: connection refused" in _findings(results[0][1])["inbound"]["detail"]
 
 
 def test_a_wrong_master_address_and_a_master_not_started_across_namespaces(two_hosts: tuple[str, str]) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aura_hpc.comm import collectives, stores
+from aura_hpc.ops.check_inbound import inbound
 from aura_hpc.ops.check_report import Failed, Report
 from aura_hpc.ops.check_shared_dir import shared_dir
 from aura_hpc.ops.check_store import node_from_store
@@ -183,6 +184,8 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
     report.nodes = nodes
     report.add("rendezvous", True, f"{a.nnodes} nodes joined: " + ", ".join(f"{n['node_rank']}={n['hostname']}/{n['ip']}" for n in nodes))
     _address_findings(report, a, nodes)
+    stage[0] = "inbound connections"
+    inbound(report, a.node_rank, a.nnodes, store, nodes, deadline)
 
     stage[0] = f"process group ({a.backend})"
     backend = a.backend
