@@ -385,6 +385,7 @@ def test_a_closed_terminal_stops_the_run_with_a_checkpoint(tmp_path: Path, prepa
     pid, terminal = pty.fork()  # the launcher leads a session whose terminal this is, as a login shell's child does
     if pid == 0:
         try:
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a login shell's child has it (this suite may run under nohup)
             os.execve(sys.executable, [sys.executable, "-m", "aura_hpc", *_args(tmp_path, "run", prepared, LONG)], cli_env(**SLOWER))
         finally:
             os._exit(127)

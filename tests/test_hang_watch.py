@@ -807,6 +807,7 @@ def test_every_signal_the_launcher_forwards_stops_the_workers_with_a_checkpoint(
     before = {sig: signals.getsignal(sig) for sig in forwarded}
     last = stops.last_signal
     try:
+        signals.signal(signals.SIGHUP, signals.SIG_DFL)  # as a terminal's shell leaves it (under nohup it stays ignored)
         for sig in forwarded:
             stop = stops.StopRequest()
             stop.install()

@@ -322,11 +322,12 @@ def test_bad_container_combinations_are_refused_with_the_fix(flags: list[str], p
     assert problem in res.stderr and fix in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
-def test_many_small_files_are_said_to_lose_their_tails_and_the_fix_is_to_join_them(tmp_path: Path) -> None:
+def test_many_small_files_are_said_to_lose_their_tails_and_the_fix_is_to_join_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each input file is a piece, and a piece's tokens short of a sequence are dropped: 40 small files lost 14% of
     their training text, and their validation tokens (1,867) made no sequence of 256, while the warning's fix, a
-    larger --val-fraction, could not help."""
+    larger --val-fraction, could not help. Prepare now joins their shards; data prepared before is told to."""
     from aura_hpc.config import load_config
+    from aura_hpc.data import prepare as prepare_module
     from aura_hpc.data.prepare import PrepareSpec, prepare
     from aura_hpc.launch.data_plan import coverage
 
@@ -337,12 +338,17 @@ def test_many_small_files_are_said_to_lose_their_tails_and_the_fix_is_to_join_th
             "".join(f"Documento {i}, párrafo {j}: el molinero miró el camino largo y la maestra leyó una carta.\n\n" for j in range(25))
         )
         files.append(str(f))
+    prepare(PrepareSpec(out_dir=tmp_path / "joined", inputs=files, vocab_size=300, val_fraction=0.05))
+    cfg = load_config(None, [f"data.path={tmp_path / 'joined'}", "data.seq_len=256", "train.max_steps=10"])
+    said = "\n".join(coverage(cfg, 1)[1])
+    assert "prepared on its own" not in said and "no complete sequence" not in said, said  # a few validation sequences
+    monkeypatch.setattr(prepare_module, "_join_small", lambda build, listed, *args: listed)  # as an earlier release prepared
     prepare(PrepareSpec(out_dir=tmp_path / "out", inputs=files, vocab_size=300, val_fraction=0.05))
     cfg = load_config(None, [f"data.path={tmp_path / 'out'}", "data.seq_len=256", "train.max_steps=10"])
     _, warnings = coverage(cfg, 1)
     said = "\n".join(warnings)
     assert "no complete sequence of 256 tokens" in said and "--val-fraction" not in said, said
-    assert "fix: join the small files into larger ones before prepare, or a smaller data.seq_len than 256" in said, said
+    assert "fix: prepare it again with this release, which joins the small files' shards, or a smaller data.seq_len than 256" in said, said
     assert re.search(r"\d+% of the [\d,]+ training tokens are in no sequence of 256: each input file is prepared on its own", said)
     cfg = load_config(None, [f"data.path={tmp_path / 'out'}", "data.seq_len=16", "train.max_steps=10"])
     assert coverage(cfg, 1)[1] == []  # short sequences: little lost, validation enough

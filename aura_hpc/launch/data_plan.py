@@ -80,7 +80,8 @@ def coverage(cfg: Any, world: int) -> tuple[list[str], list[str]]:
     # Each input file is a piece of its own, and a piece's tokens short of one more sequence are dropped: small
     # files lose much of their text, and their validation tokens (a few per file) may add up to no sequence at all.
     small_files = "each input file is prepared on its own, and its tokens short of a whole sequence are dropped"
-    join = f"join the small files into larger ones before prepare, or a smaller data.seq_len than {d.seq_len}"
+    # Data prepared before prepare joined small shards (data/prepare.py:_join_small).
+    join = f"prepare it again with this release, which joins the small files' shards, or a smaller data.seq_len than {d.seq_len}"
     fix = "prepare again with a larger --val-fraction, e.g. 0.05, or more text"
     if val_tokens // d.seq_len >= 2 * max(n_val, 1) and n_val < TINY_VALIDATION:
         fix = join
