@@ -58,26 +58,6 @@ class TokenReader:
     def num_sequences(self, split: str = "train") -> int:
         raise NotImplementedError
 
-    def _map_local(self, split: str, i: int, s: Shard) -> np.ndarray:
-        """A shard of this directory, the file checked at the start or one of the same tokens: mapped when read, a
-        prepare --force since then would have put other tokens under the manifest this run read."""
-        f = self.path / s.file
-        try:
-            with open(f, "rb") as handle:
-                now, then = _identity(os.fstat(handle.fileno())), self._files[split, i]
-                # A chmod or chown changes the file's ctime alone; the same tokens written again (prepare --force of the same
-                # inputs) are known by their hash, and hashed once. The older format has no hash: its file as it was.
-                changed = now[:4] != then[:4] if not s.sha256 else now != then and _sha256(handle) != s.sha256
-                if changed:
-                    raise DataError(
-                        f"{f} was replaced by other tokens while this run read {self.location} (a prepare --force?) "
-                        "(fix: train on the new data as a new run, or prepare into another --out while a run reads it)"
-                    )
-                self._files[split, i] = now
-                return np.memmap(handle, dtype=self.dtype, mode="r", shape=(s.tokens,))
-        except OSError as exc:
-            raise DataError(f"cannot read {f} ({exc.strerror or exc}) (fix: check that data.path is still there)") from None
-
     def fetch(self, split: str, shard_ids: list[int]) -> None:
         """Make these shards local (a no-op for local data)."""
 
