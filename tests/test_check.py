@@ -285,10 +285,14 @@ def test_a_node_whose_firewall_lets_no_connection_in_is_named_before_training(tw
     passed, and training waited at the workers' store, which torch's rendezvous may put on node 1, and at gloo's links."""
     if shutil.which("iptables") is None:
         pytest.skip("iptables is not installed (CI installs it with docker.io)")
-    rule = ["nsenter", f"--net=/run/netns/{two_hosts[1]}", "iptables", "-A", "INPUT", "-p", "tcp", "--syn", "-j", "REJECT"]
-    r = subprocess.run(rule, capture_output=True, text=True, timeout=20)
+    rule = ["INPUT", "-p", "tcp", "--syn", "-j", "REJECT"]
+    iptables = ["nsenter", f"--net=/run/netns/{two_hosts[1]}", "iptables"]
+    r = subprocess.run([*iptables, "-A", *rule], capture_output=True, text=True, timeout=20)
     assert r.returncode == 0, r.stderr
-    results = _pair(["--json"], ["--json"], addr="10.77.1.1", ns=two_hosts)
+    try:
+        results = _pair(["--json"], ["--json"], addr="10.77.1.1", ns=two_hosts)
+    finally:  # the pair of namespaces serves the module's other tests
+        subprocess.run([*iptables, "-D", *rule], capture_output=True, timeout=20, check=True)
     for code, out, err in results:
         f = _findings(out)
         assert code == 1 and not f["inbound"]["ok"] and "process group" not in f, out + err
