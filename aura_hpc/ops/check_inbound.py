@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import time
+from datetime import timedelta
 from typing import Any
 
 from aura_hpc.ops.check_report import Failed, Report
@@ -37,13 +38,11 @@ def inbound(report: Report, node_rank: int, nnodes: int, store: Any, nodes: list
 
 
 def _listen(report: Report, node_rank: int, store: Any, nodes: list[dict[str, Any]], deadline: float) -> None:
-    from datetime import timedelta
-
     # On the address this node reaches the master from: the one the others are given for it.
     with socket.create_server((nodes[node_rank]["ip"], 0)) as listener:
         store.set(f"inbound-port{node_rank}", str(listener.getsockname()[1]))
         try:
-            store.wait([f"inbound{node_rank}"], timedelta(seconds=max(0.5, deadline - time.monotonic() - 1.0)))
+            store.wait([f"inbound{node_rank}"], _left(deadline))
             said = store.get(f"inbound{node_rank}").decode("utf-8", "replace")[:_MAX_SAID]
         except Exception:
             said = "node 0 never said whether it got in"
@@ -56,10 +55,8 @@ def _listen(report: Report, node_rank: int, store: Any, nodes: list[dict[str, An
 
 def _connect(store: Any, r: int, ip: str, deadline: float) -> str:
     """Why node 0 could not open a connection to node r ("" when it could)."""
-    from datetime import timedelta
-
     try:
-        store.wait([f"inbound-port{r}"], timedelta(seconds=max(0.5, deadline - time.monotonic() - 1.0)))
+        store.wait([f"inbound-port{r}"], _left(deadline))
         port = int(store.get(f"inbound-port{r}")[:8])
         address = ipaddress.ip_address(ip)  # a node's facts come from the network: an address, never a name to look up
     except Exception:
@@ -81,3 +78,8 @@ def _fix(nodes: list[dict[str, Any]]) -> str:
         f"on every other node, let node 0 in: the workers' store may be there and gloo connects both ways "
         f"(e.g. sudo ufw allow from {node0}; an inbound rule for python.exe on Windows); docs/lan.md, Firewall"
     )
+
+
+def _left(deadline: float) -> timedelta:
+    """What is left of the check's time for one wait on the store, a second kept for the report."""
+    return timedelta(seconds=max(0.5, deadline - time.monotonic() - 1.0))
