@@ -174,6 +174,12 @@ ROWS = [
     ),
     Row("negative webhook timeout", ["local", "--set", "health.webhook_timeout_s=-1"], "health.webhook_timeout_s must be in (0, 120]"),
     Row("fp16 on CPU", ["local", "--set", "train.precision=fp16"], "fp16 needs a CUDA GPU", skip_if=not NO_CUDA),
+    # fp16's routine overflow steps put inf into PowerSGD's error feedback: every later step NaN, skipped in silence.
+    Row(
+        "fp16 with PowerSGD",
+        ["local", "--set", "train.precision=fp16", "--set", "dist.compress=powersgd"],
+        "fp16's overflow steps put inf into PowerSGD's error feedback",
+    ),
     # data
     Row("missing data dir", ["local", "--set", "data.path=/nonexistent/data"], "data.path /nonexistent/data does not exist (fix:"),
     Row("unprepared data dir", ["local", "--set", "data.path={tmp}/empty"], "python -m aura_hpc prepare", _files),

@@ -199,15 +199,15 @@ def test_a_worker_refuses_a_checkpoint_of_another_strategy_or_optimizer_by_its_m
     """The workers' own check (the launcher's run_setup refuses first, from config.yaml): meta.json
     names what wrote the state; an older checkpoint without the field is taken as it is."""
     from aura_hpc.errors import CheckpointError
-    from aura_hpc.train.checkpoint.checkpointer import _same_kind
+    from aura_hpc.train.checkpoint.resume_checks import same_kind
 
     meta = {"strategy": "zero2", "optimizer": "adamw"}
-    _same_kind("step_00000010", meta, "strategy", "zero2")
-    _same_kind("step_00000010", meta, "strategy", None)  # a full checkpoint: no shards to fit
-    _same_kind("step_00000010", {}, "optimizer", "sgd")
+    same_kind("step_00000010", meta, "strategy", "zero2")
+    same_kind("step_00000010", meta, "strategy", None)  # a full checkpoint: no shards to fit
+    same_kind("step_00000010", {}, "optimizer", "sgd")
     for field, ours, fix in (("strategy", "zero3", "--set dist.strategy=zero2"), ("optimizer", "sgd", "--set train.optimizer=adamw")):
         with pytest.raises(CheckpointError) as refused:
-            _same_kind("step_00000010", meta, field, ours)
+            same_kind("step_00000010", meta, field, ours)
         line = str(refused.value)
         assert "step_00000010" in line and ours in line and fix in line and "\n" not in line
 
@@ -348,3 +348,71 @@ def test_a_training_sample_ends_with_its_document(prepared: Path) -> None:
     parts = SimpleNamespace(data=data, model=None)
     text = sample(parts, TrainConfig(sample_prompt="En un lugar"), 1, SimpleNamespace(), model=Drawn())  # type: ignore[arg-type]
     assert text.startswith("En un lugar") and text.rstrip().endswith("caballero") and "nave" not in text, text
+
+
+def test_a_resumed_optimizer_holds_no_page_of_the_checkpoint_file(tmp_path: Path) -> None:
+    """trainer_state.pt is read memory-mapped, and torch's load_state_dict keeps a CPU value as it is (every moment on
+    a CPU device, a non-fused optimizer's `step` on a GPU): the whole file stayed mapped for the run, so a pruned
+    checkpoint's blocks were never freed (and on NFS its silly-renamed .nfs* file failed the prune's removal)."""
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    folder = tmp_path / "step_00000001"
+    folder.mkdir()
+    torch.save({"optimizer": opt.state_dict()}, folder / "trainer_state.pt")
+    maps = Path("/proc/self/maps")
+    for mapped in (True, False):  # as a GPU run reads it (copied to the device), and as a CPU run does
+        fresh = torch.optim.AdamW(model.parameters(), foreach=True)
+        state = checkpoint.read_trainer_state(folder, mapped=mapped)
+        fresh.load_state_dict(state["optimizer"])
+        if mapped:
+            assert str(folder / "trainer_state.pt") in maps.read_text()  # what the loaded state held
+        checkpoint.own_cpu_tensors(fresh)
+        del state
+        assert str(folder / "trainer_state.pt") not in maps.read_text(), mapped
+        held = fresh.state[model.weight]
+        assert torch.equal(held["exp_avg"], opt.state[model.weight]["exp_avg"]) and int(held["step"]) == 1
+
+
+def test_a_stop_on_the_last_step_writes_the_last_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop signal that landed on the final step saved an ordinary checkpoint: under fsdp and ZeRO no full weights in
+    model/, and the re-run found nothing to do, so they were never written."""
+    from types import SimpleNamespace
+
+    from aura_hpc.train.loop import endings
+
+    asked: list[bool] = []
+
+    class Saves:
+        def save(self, last: bool = False) -> None:
+            asked.append(last)
+
+        def wait(self) -> None:
+            pass
+
+    for step in (19, 20):
+        trainer = SimpleNamespace(
+            ckpt=Saves(), pos=SimpleNamespace(step=step), env=SimpleNamespace(is_main=False, rank=1),
+            layout=SimpleNamespace(end_step=20), health=SimpleNamespace(stop=lambda: None), metrics=None,
+        )  # fmt: skip
+        monkeypatch.setattr(endings.collectives, "barrier", lambda: None)  # no process group: nothing to wait for
+        endings.stop_on_signal(trainer, SimpleNamespace(signal_name="SIGTERM"))
+    assert asked == [False, True]
+
+
+def test_a_zero_checkpoint_resumes_only_in_the_precision_that_wrote_it() -> None:
+    """DeepSpeed names a ZeRO checkpoint's optimizer files by precision (bf16_zero_pp_rank_* under bf16) and never tries
+    the other name: a bf16 run resumed in fp32 (train.precision=auto on GPUs without bf16, or fp32 chosen to chase NaNs)
+    met a missing file, a traceback on every rank. Now one line; fsdp and ddp (fp32 masters in their files) resume."""
+    from aura_hpc.errors import CheckpointError
+    from aura_hpc.train.checkpoint.resume_checks import same_precision
+
+    with pytest.raises(CheckpointError, match=r"written by DeepSpeed ZeRO training in bf16 and this run trains in fp32: .*"
+                       r"\(fix: resume with --set train.precision=bf16"):  # fmt: skip
+        same_precision("step_00000010", {"bf16": True}, "zero2", bf16=False)
+    with pytest.raises(CheckpointError, match="in fp32 and this run trains in bf16"):
+        same_precision("step_00000010", {"bf16": False}, "zero3", bf16=True)
+    same_precision("step_00000010", {"bf16": True}, "zero1", bf16=True)
+    same_precision("step_00000010", {"bf16": True}, "fsdp", bf16=False)
+    same_precision("step_00000010", {}, "zero2", bf16=False)  # written before the precision was recorded: as before

@@ -107,6 +107,29 @@ def test_the_probes_see_what_they_are_for() -> None:
     assert norm.isinf()
 
 
+def test_every_optimizer_skips_a_bad_step_on_the_device_when_fused() -> None:
+    """train.optimizer=sgd was built unfused whatever train.fused_optimizer said: each step's skip flag was read on
+    the host (strategies/base.py: bool(bad)), the host waiting for the GPU before every update."""
+    from aura_hpc.config.tree import TrainConfig
+    from aura_hpc.train.instruments.probes import StepProbe
+    from aura_hpc.train.parts.schedule import make_optimizer
+    from aura_hpc.train.strategies.base import step_unless
+
+    for name in ("adamw", "sgd"):
+        model = torch.nn.Linear(4, 4)
+        opt = make_optimizer(model, TrainConfig(optimizer=name), fused=True)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        before = [p.detach().clone() for p in model.parameters()]
+        probe = StepProbe("all")
+        with probe.watch(1, compiled=False):
+            step_unless(opt, torch.ones((), dtype=torch.bool), opt.step)
+        assert not probe.report()["syncs"], (name, probe.report())
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)), name  # skipped
+        step_unless(opt, torch.zeros((), dtype=torch.bool), opt.step)
+        assert not torch.equal(before[0], model.weight), name
+
+
 def test_no_host_read_and_no_misplaced_tensor_in_a_quiet_step_under_every_strategy(tmp_path: Path, prepared: Path) -> None:
     """Steps 3-18 except the ones that log/evaluate/sample/checkpoint (10), with a NaN injected at step 7
     on the last rank (the skipped step is where ZeRO's norm used to become a host tensor). Fused AdamW,

@@ -282,6 +282,29 @@ def test_two_lan_machines_on_one_host(tmp_path: Path, prepared: Path) -> None:
     outs = _collect(procs)
     assert "sent checkpoint step_00000010 to ranks without shared storage" in outs[0]
     assert "resumed from checkpoint step_00000010 at step 10" in outs[1]
+    # The machines swap roles (node 0 now started on the other one): rank 0 resumed from its own folder's older
+    # checkpoint (or from step 0) and passed over step 15 on the other machine, unsaid. Refused on both, one line.
+    assert next(c.step for c in checkpoint.list_complete(tmp_path / "m0" / "lan" / "checkpoints")) == 15
+    shutil.rmtree(leftover)
+    shutil.copytree(tmp_path / "m0" / "lan" / "checkpoints" / "step_00000010", leftover)
+    args[args.index("--master-port") + 1] = str(free_port())
+    procs = []
+    for node, folder in ((0, "m1"), (1, "m0")):
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "aura_hpc", *args, "--node-rank", str(node), "--output-dir", str(tmp_path / folder)],
+                env=cli_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+        time.sleep(0.5)
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], "\n=====\n".join(outs)
+    said = f"rank 1 on {socket.gethostname()} holds checkpoint step 15 in {tmp_path / 'm0' / 'lan' / 'checkpoints'}, newer than rank 0's"
+    assert said in outs[0] and "(fix: start node 0 (--node-rank 0) on" in outs[0], outs[0][-3000:]
+    assert [c.step for c in checkpoint.list_complete(tmp_path / "m1" / "lan" / "checkpoints")] == [10]  # nothing trained
 
 
 def test_a_node_started_when_the_run_has_all_its_nodes_says_it_waits_as_a_spare(tmp_path: Path, prepared: Path) -> None:

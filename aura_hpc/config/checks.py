@@ -352,6 +352,15 @@ def validate_strategy(cfg: RunConfig) -> None:
             f"train.precision fp16 is not supported with dist.strategy={d.strategy} (its loss scaling is DDP's GradScaler) "
             "(fix: --set train.precision=bf16)"
         )
+    if t.precision == "fp16" and d.compress == "powersgd":
+        # GradScaler's routine overflow steps (at the start, and after each doubling of the scale) compress inf
+        # gradients: PowerSGD keeps them in its error feedback and warm-start factors, every later step is NaN and
+        # skipped, the scale halves to nothing, and the loss stays flat with no word (the overflow is the scaler's).
+        raise ConfigError(
+            "dist.compress=powersgd with train.precision fp16: fp16's overflow steps put inf into PowerSGD's error feedback, "
+            "which turns every later step into NaN (fix: --set train.precision=bf16 on a GPU that has it, or "
+            "--set dist.compress=bf16)"
+        )
     if t.precision == "fp16" and t.loss == "chunked":
         raise ConfigError(
             "train.loss=chunked with fp16: the chunked loss computes its gradients in the forward pass, before fp16's loss "

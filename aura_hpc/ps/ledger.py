@@ -146,6 +146,7 @@ def resume(cfg: RunConfig, model_copy: ModelCopy, optimizer: torch.optim.Optimiz
     checkpoint.load_weights_from(ckpt.path, model_copy.model)
     state = checkpoint.read_trainer_state(ckpt.path)
     optimizer.load_state_dict(state["optimizer"])
+    checkpoint.own_cpu_tensors(optimizer)  # out of the mapped file: a pruned checkpoint's space is freed
     scheduler.load_state_dict(state["scheduler"])
     # The config's learning rate, weight decay and betas over the checkpoint's, as `local` takes them: a re-run with a
     # lower train.lr (a divergence's fix) trained on at the old one.

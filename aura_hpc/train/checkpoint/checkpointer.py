@@ -16,7 +16,7 @@ import torch
 from aura_hpc.comm import collectives, tensor_tree
 from aura_hpc.config import RunConfig
 from aura_hpc.errors import CheckpointError, CheckpointWriteError, TrainingError
-from aura_hpc.train.checkpoint import background
+from aura_hpc.train.checkpoint import background, resume_checks
 from aura_hpc.train.checkpoint import diloco_files as replica_files
 from aura_hpc.train.checkpoint import files as checkpoint
 from aura_hpc.train.checkpoint.host_mirror import HostMirror
@@ -68,6 +68,7 @@ class Checkpointer:
         names = collectives.broadcast_json(_listing(self.root) if env.is_main else None)
         if isinstance(names, str):
             raise CheckpointError(names)
+        resume_checks.newest_elsewhere(self.root, max((int(n[5:]) for n in names if checkpoint.is_step_dir_name(n)), default=None))
         for name in names:
             if not checkpoint.is_step_dir_name(name):  # names come from rank 0: only a step folder's name is looked up
                 raise CheckpointError(
@@ -106,7 +107,7 @@ class Checkpointer:
                 self._check_fingerprint(chosen, meta)
                 self._check_layout(chosen, local, meta)
                 checkpoint.load_weights_from(local, p.model)
-                state = checkpoint.read_trainer_state(local)
+                state = checkpoint.read_trainer_state(local, mapped=self.rt.device.type != "cpu")
             else:
                 weights, state, meta = self._receive(local, chosen)
                 self._check_fingerprint(chosen, meta)
@@ -115,6 +116,7 @@ class Checkpointer:
             raise CheckpointError(str(exc) if str(exc).startswith(f"checkpoint {chosen} ") else f"{chosen}: {exc}") from None
         if "optimizer" in state:  # sharded checkpoints keep it with the model shards
             p.optimizer.load_state_dict(state["optimizer"])
+            checkpoint.own_cpu_tensors(p.optimizer)
         replica_files.load_all(self.wrapped, self.parts.optimizer, self.root, chosen, meta, state, self.env.rank, self.layout.world)
         p.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
@@ -125,7 +127,8 @@ class Checkpointer:
         elif self.env.is_main:
             log.warning("world size changed (%d -> %d): RNG streams re-seeded", len(rngs), self.layout.world)
         learned = (meta.get("data_order") or {}).get("piece_sequences")
-        if _same_data(chosen, meta, p.data.manifest.get("data_sha256"), self.env.is_main) and learned:  # said before it is used
+        same_data = resume_checks.same_data(chosen, meta, p.data.manifest.get("data_sha256"), self.env.is_main)  # said before use
+        if same_data and learned:
             p.data.learn_counts(learned)
             p.order.refresh()
         _restore_position(self.pos, meta)
@@ -147,6 +150,7 @@ class Checkpointer:
         meta = checkpoint.read_meta(local)
         self._check_fingerprint(chosen, meta)
         self._check_layout(chosen, local, meta)
+        resume_checks.same_precision(chosen, meta, self.wrapped.name, self.rt.autocast_dtype == torch.bfloat16)
         written_on = int(meta.get("world_size", self.layout.world))
         if not sharded.reshards and written_on != self.layout.world:
             raise CheckpointError(
@@ -155,12 +159,12 @@ class Checkpointer:
                 "it with DeepSpeed's ds_to_universal; fsdp checkpoints reshard to any world size)"
             )
         sharded.load_sharded(local / SHARDS, self.parts.optimizer)
-        return meta, checkpoint.read_trainer_state(local)
+        return meta, checkpoint.read_trainer_state(local, mapped=self.rt.device.type != "cpu")
 
     def _check_layout(self, chosen: str, local: Path, meta: dict[str, Any]) -> None:
         """A sharded checkpoint resumes only under the strategy that wrote it, and a full one only under ddp."""
         sharded = (local / SHARDS).is_dir()
-        _same_kind(chosen, meta, "strategy", self.wrapped.name if sharded else None)
+        resume_checks.same_kind(chosen, meta, "strategy", self.wrapped.name if sharded else None)
         if sharded != (sharding(self.wrapped) is not None):
             was = "a sharded strategy" if sharded else "ddp"
             raise CheckpointError(
@@ -174,20 +178,9 @@ class Checkpointer:
                 f"checkpoint {chosen} was written with a different model shape or data.seq_len than this config "
                 "(fix: resume with the original config, or start fresh with a new --run-name)"
             )
-        _same_settings(chosen, meta, self.cfg)
+        resume_checks.same_settings(chosen, meta, self.cfg)
 
     # ---- save ---------------------------------------------------------------------------
-    def _weights_finite(self) -> bool:
-        """Whether every rank's weights are finite: each checks what it holds (a shard under sharded
-        strategies), on the device; one all-reduce, one host read."""
-        held = [t for t in self.wrapped.local_weights() if t.numel()]
-        bad = torch.zeros(1, dtype=torch.float32, device=collectives.world().device)
-        if held:
-            finite = torch.stack([torch.isfinite(t).all().to(bad.device) for t in held]).all()
-            bad.copy_((~finite).to(torch.float32).view(1))
-        collectives.all_reduce(bad, op="max")
-        return bool(bad.item() == 0)
-
     def _receive(self, local: Path, chosen: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
         """Checkpoint `chosen` from rank 0, for ranks that cannot read it themselves (LAN machines without
         shared storage): the weights as safetensors, the trainer state as JSON and tensors (nothing
@@ -208,7 +201,7 @@ class Checkpointer:
         """
         rngs = [tensor_tree.from_json(r) for r in collectives.gather_json(tensor_tree.to_json(rng_state(self.rt.device)))]
         pos, p = self.pos, self.parts
-        if not self._weights_finite():
+        if not _weights_finite(self.wrapped):
             if self.env.is_main:
                 log.error("weights are not finite at step %d: checkpoint NOT written (the previous ones are kept)", pos.step)
             return None
@@ -270,7 +263,8 @@ class Checkpointer:
             "n_params": self.parts.n_params,
             "strategy": self.wrapped.name,
             "optimizer": self.cfg.train.optimizer,
-            **_order_settings(self.cfg),
+            **resume_checks.order_settings(self.cfg),
+            "bf16": self.rt.autocast_dtype == torch.bfloat16,  # DeepSpeed's file names depend on it (resume_checks.same_precision)
             "data_sha256": self.parts.data.manifest.get("data_sha256"),  # the data samples_seen counts along
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             # A stream's piece sizes learned so far: a resumed run finds its position without encoding the past again.
@@ -332,6 +326,18 @@ class Checkpointer:
             )
 
 
+def _weights_finite(wrapped: Wrapped) -> bool:
+    """Whether every rank's weights are finite: each checks what it holds (a shard under sharded
+    strategies), on the device; one all-reduce, one host read."""
+    held = [t for t in wrapped.local_weights() if t.numel()]
+    bad = torch.zeros(1, dtype=torch.float32, device=collectives.world().device)
+    if held:
+        finite = torch.stack([torch.isfinite(t).all().to(bad.device) for t in held]).all()
+        bad.copy_((~finite).to(torch.float32).view(1))
+    collectives.all_reduce(bad, op="max")
+    return bool(bad.item() == 0)
+
+
 def _payload_parts(ckpt: Path) -> list[bytes]:
     """What a resuming rank without shared storage needs, as bytes rank 0 sends: the weights
     (safetensors), the trainer state as JSON plus its tensors (safetensors), meta.json."""
@@ -354,17 +360,6 @@ def _decode_payload(parts: list[bytes]) -> tuple[dict[str, torch.Tensor], dict[s
     return weights, state, meta
 
 
-def _same_kind(chosen: str, meta: dict[str, Any], field: str, ours: str | None) -> None:
-    """The checkpoint's optimizer (its state) and, when sharded, its strategy (its shards) are this run's."""
-    was = meta.get(field)
-    if ours is not None and was and was != ours:
-        setting = {"strategy": "dist.strategy", "optimizer": "train.optimizer"}[field]
-        raise CheckpointError(
-            f"checkpoint {chosen} was written with {setting}={was} and this run uses {ours}: its saved state does not fit "
-            f"(fix: resume with --set {setting}={was}, or a new --run-name)"
-        )
-
-
 def _seen_alike(local: Path, is_main: bool) -> list[bool]:
     """Which ranks see rank 0's checkpoint `local`: its commit marker, byte for byte. A folder of the same name
     on a node that shares no storage with rank 0 (a run of that name before) was taken for shared storage:
@@ -379,49 +374,10 @@ def _seen_alike(local: Path, is_main: bool) -> list[bool]:
     return collectives.flags(mine is not None and mine == theirs)
 
 
-def _order_settings(cfg: RunConfig) -> dict[str, Any]:
-    """The settings of the sample order samples_seen counts along (checked by _same_settings at a resume), and
-    the learning rate the optimizer's state was scaled from (a resume with another scales it: apply_settings)."""
-    return {"seed": cfg.train.seed, "shuffle_window": cfg.data.shuffle_window, "train_lr": cfg.train.lr}
-
-
-def _same_data(chosen: str, meta: dict[str, Any], ours: Any, said: bool) -> bool:
-    """Whether the checkpoint was trained on this data. Other data (a corpus prepared again, a stream's files edited)
-    is not refused: going on over new text is a use. But the position is only a count of samples, now in another
-    order, and a stream's piece sizes learned then are not these pieces'; it is said at the resume, with what it costs."""
-    theirs, ours = str(meta.get("data_sha256") or ""), str(ours or "")  # a manifest's value is not trusted to be text
-    if not theirs or not ours or theirs == ours:
-        return True
-    if said:
-        log.warning(
-            "checkpoint %s was trained on other data (data_sha256 %s, this data's %s): the run goes on at sample %s of this "
-            "data's order, so some of its sequences may train twice and others never (fix: for an exact resume, the data the "
-            "checkpoint was trained on: the same prepared folder, or a stream's files as they were)",
-            chosen, theirs[:12], ours[:12], meta["samples_seen"],
-        )  # fmt: skip
-    return False
-
-
 def _restore_position(pos: Position, meta: dict[str, Any]) -> None:
     pos.step = pos.saved_step = int(meta["step"])
     pos.tokens_seen = int(meta.get("tokens_seen", 0))
     pos.rollbacks = int(meta.get("rollbacks", 0))
-
-
-def _same_settings(chosen: str, meta: dict[str, Any], cfg: RunConfig) -> None:
-    """The optimizer whose state the checkpoint holds, and the sample order samples_seen counts along: another
-    seed or shuffle window trains some sequences twice."""
-    _same_kind(chosen, meta, "optimizer", cfg.train.optimizer)
-    for field, setting, ours in (
-        ("seed", "train.seed", cfg.train.seed),
-        ("shuffle_window", "data.shuffle_window", cfg.data.shuffle_window),
-    ):
-        if meta.get(field) is not None and meta[field] != ours:
-            raise CheckpointError(
-                f"checkpoint {chosen} was written with {setting}={meta[field]} and this run uses {ours}: the sample order "
-                f"differs, so the rest of the epoch would train some sequences twice and others never (fix: resume with "
-                f"--set {setting}={meta[field]}, or a new --run-name)"
-            )
 
 
 @contextlib.contextmanager

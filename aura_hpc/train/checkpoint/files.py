@@ -36,6 +36,7 @@ from aura_hpc.train.checkpoint.durable_io import sha256_cached as _sha256_cached
 from aura_hpc.train.checkpoint.durable_io import write_synced as _write
 from aura_hpc.train.checkpoint.reading import load_weights as load_weights
 from aura_hpc.train.checkpoint.reading import load_weights_from as load_weights_from
+from aura_hpc.train.checkpoint.reading import own_cpu_tensors as own_cpu_tensors
 from aura_hpc.train.checkpoint.reading import read_meta as read_meta
 from aura_hpc.train.checkpoint.reading import read_trainer_state as read_trainer_state
 from aura_hpc.train.checkpoint.reading import unreadable as unreadable

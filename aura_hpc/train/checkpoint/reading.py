@@ -53,17 +53,31 @@ def load_weights_from(ckpt: Path, model: torch.nn.Module) -> None:
         raise unreadable(exc) from None
 
 
-def read_trainer_state(ckpt: Path) -> dict[str, Any]:
-    """Optimizer, scheduler and RNG states, memory-mapped: the ranks of a node share the pages
-    (the file is read from shared storage once per node, not once per rank)."""
+def read_trainer_state(ckpt: Path, mapped: bool = True) -> dict[str, Any]:
+    """Optimizer, scheduler and RNG states, memory-mapped where `mapped`: the ranks of a node share the pages
+    (the file is read from shared storage once per node, not once per rank) when each copies them to its GPU.
+    Not where they stay on the CPU (`mapped=False`): the optimizer would train in the file's pages, and keep
+    the file mapped for the whole run (own_cpu_tensors)."""
     import torch
 
     try:
         # weights_only: a checkpoint is data, never code.
-        state: dict[str, Any] = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True, mmap=True)
+        state: dict[str, Any] = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True, mmap=mapped)
     except Exception as exc:
         raise unreadable(exc) from None
     return state
+
+
+def own_cpu_tensors(optimizer: torch.optim.Optimizer) -> None:
+    """The loaded optimizer's CPU tensors copied out of the memory-mapped file. torch's `load_state_dict` keeps a
+    CPU value as it is (a non-fused optimizer's `step`; every moment where the parameters are on the CPU), and
+    each one holds the mapping of the whole file: a pruned checkpoint's blocks stayed allocated until the run
+    ended (`du` did not see them, the disk-full line said to free space), and on NFS its silly-renamed
+    `.nfs*` file made the prune's removal fail."""
+    for per_param in optimizer.state.values():
+        for key, value in list(per_param.items()):
+            if getattr(value, "device", None) is not None and value.device.type == "cpu":
+                per_param[key] = value.clone()
 
 
 def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:

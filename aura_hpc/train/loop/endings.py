@@ -34,7 +34,9 @@ def close_outputs(trainer: Any, failed: bool) -> None:
 
 def stop_on_signal(trainer: Any, stop: StopRequest) -> int:
     ckpt, pos, env = trainer.ckpt, trainer.pos, trainer.env
-    path = ckpt.save()
+    # A stop that lands on the last step is the run's end: its checkpoint is the last, with the full weights in
+    # model/ under sharded strategies (the re-run finds nothing to do and would never write them).
+    path = ckpt.save(last=pos.step >= trainer.layout.end_step)
     ckpt.wait()
     if env.is_main:
         what = f"checkpoint {path.name} written" if path else "no checkpoint written (weights not finite)"

@@ -35,7 +35,7 @@ def make_optimizer(model: torch.nn.Module, t: TrainConfig, fused: bool = False) 
     no_decay = [p for p in model.parameters() if len(getattr(p, "ds_shape", p.shape)) < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if t.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=t.lr)
+        return torch.optim.SGD(groups, lr=t.lr, fused=fused)  # unfused, a skipped step would read a flag from the GPU
     if fused:
         return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
