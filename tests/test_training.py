@@ -210,7 +210,9 @@ def _collect(procs: list[subprocess.Popen[str]], timeout: float = 180) -> list[s
 
 
 def test_two_lan_machines_on_one_host(tmp_path: Path, prepared: Path) -> None:
-    """Two `local --nnodes 2` invocations, separate output dirs (no shared storage), one job."""
+    """Two `local --nnodes 2` invocations, separate output dirs (no shared storage), one job. Rank 0 takes 14 s over
+    its sample at step 4 (a big model's, from a CPU copy): node 1's rank waited in the next step, and node 1's
+    watchdog (a step floor of 6 s here) declared a hang and killed the run."""
     port = free_port()
     args = [
         "local",
@@ -231,6 +233,10 @@ def test_two_lan_machines_on_one_host(tmp_path: Path, prepared: Path) -> None:
         "train.warmup_steps=1",
         "--set",
         "train.checkpoint_every=5",
+        "--set",
+        "train.sample_every=4",
+        "--set",
+        "health.hang_step_floor_s=6",
         "--run-name",
         "lan",
     ]
@@ -239,7 +245,7 @@ def test_two_lan_machines_on_one_host(tmp_path: Path, prepared: Path) -> None:
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "aura_hpc", *args, "--node-rank", str(node), "--output-dir", str(tmp_path / f"m{node}")],
-                env=cli_env(),
+                env=cli_env(AURA_FAULT_SLOW_SECTION="0:4:evaluation:14"),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -250,6 +256,8 @@ def test_two_lan_machines_on_one_host(tmp_path: Path, prepared: Path) -> None:
     node0, node1 = outs
     assert "all 2 ranks finished at step 10" in node0 and "training finished" in node0
     assert "Rank 0 ran on another node" in node1
+    assert "rank 0 idles 14 s in evaluation after step 4" in node0 and "sample at step 4" in node0
+    assert not (tmp_path / "m0" / "lan" / "hangs").exists() and not (tmp_path / "m1" / "lan" / "hangs").exists()
     # The line for the other machine, whole, as it is pasted there.
     said = node0.splitlines()
     pasted = said[said.index(next(ln for ln in said if ln.endswith("on node 1 (another machine), run:"))) + 1]

@@ -6,6 +6,8 @@ Inert unless one of these is set (never set them in production):
                                       process, for the hang watchdog
     AURA_FAULT_STOP=RANK:STEP:SECTION the same as that rank enters SECTION (checkpoint, meeting, evaluation)
                                       after STEP: a rank hung inside a checkpoint or a DiLoCo meeting
+    AURA_FAULT_SLOW_SECTION=RANK:STEP:SECTION:S  that rank idles S seconds as it enters SECTION after STEP: rank 0's
+                                      sample (evaluation) from a big model's CPU copy while the others wait
     AURA_FAULT_NAN=RANK:STEP[:COUNT]  poison the loss on that rank for COUNT steps from STEP (each step once)
     AURA_FAULT_GRADINF=RANK:STEP      an inf in one element of the gradient of the last bias in the model
                                       on that rank (the no-decay group) at STEP (once); the loss stays finite
@@ -109,7 +111,11 @@ def after_step(rank: int, step: int, run_dir: Path) -> None:
 
 
 def entering(rank: int, section: str, step: int, run_dir: Path) -> None:
-    """AURA_FAULT_STOP=RANK:STEP:SECTION: stopped as it enters that section after STEP."""
+    """AURA_FAULT_STOP=RANK:STEP:SECTION: stopped as it enters that section after STEP. AURA_FAULT_SLOW_SECTION: slow in it."""
+    slow = os.environ.get("AURA_FAULT_SLOW_SECTION", "").split(":")
+    if len(slow) == 4 and int(slow[0]) == rank and int(slow[1]) == step and slow[2] == section:
+        print(f"fault injection: rank {rank} idles {slow[3]} s in {section} after step {step}", flush=True)
+        time.sleep(float(slow[3]))
     spec = os.environ.get("AURA_FAULT_STOP", "").split(":")
     if len(spec) == 3 and int(spec[0]) == rank and spec[2] == section and step >= int(spec[1]) and _once(run_dir, "stop"):
         print(f"fault injection: SIGSTOP rank {rank} entering {section} after step {step} at {time.time():.3f}", flush=True)

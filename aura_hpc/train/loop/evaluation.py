@@ -111,10 +111,15 @@ class Sampler:
         self._host: Any = None
 
     def __call__(self, step: int) -> str | None:
+        text = None
         if self.sharded is not None:
             weights = self.sharded.full_weights()  # collective
-            if not self.is_main:
-                return None
-            self._host = host_model(self.parts.model, weights, self._host)
-            return sample(self.parts, self.t, step, self.rt, self._host)
-        return sample(self.parts, self.t, step, self.rt) if self.is_main else None
+            if self.is_main:
+                self._host = host_model(self.parts.model, weights, self._host)
+                text = sample(self.parts, self.t, step, self.rt, self._host)
+        elif self.is_main:
+            text = sample(self.parts, self.t, step, self.rt)
+        # Rank 0 samples alone (a sharded model's from a CPU copy: minutes for a big one); the others wait here, in
+        # the sample's section and time, not in the next step's: another node's watchdog took that wait for a hang.
+        collectives.barrier()
+        return text
