@@ -6,6 +6,7 @@ test_faults.py::test_a_stopped_rank_is_named_within_a_minute_and_the_run_restart
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -850,3 +851,81 @@ def test_under_nohup_a_hangup_stops_neither_the_launcher_nor_the_workers() -> No
     finally:
         for sig, handler in before.items():
             signals.signal(sig, handler)
+
+
+def test_a_run_directory_that_stops_answering_holds_up_neither_the_watch_nor_its_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RUN_DIR lives on shared storage, and a mount that stops answering is a common hang: ranks stuck in state D on
+    it. The watch wrote its calibration there from its polling loop, and its evidence before any kill, and waited
+    with them forever: no hang named, nothing killed. Here every write there blocks until the test lets it go."""
+    import threading
+
+    from aura_hpc.launch import hang_calibration, hang_watch
+
+    mount = threading.Event()
+    real_replace = os.replace
+
+    def hung_replace(src: Any, dst: Any) -> None:
+        mount.wait()
+        real_replace(src, dst)
+
+    monkeypatch.setattr(hang_calibration.os, "replace", hung_replace)
+    w = _watch(tmp_path)
+    try:
+        t0 = time.time()
+        started = time.monotonic()
+        w._learn(0, _page("step", 10, 5, t0))
+        w._learn(0, _page("step", 12, 7, t0 + 20))  # a new longest step: the calibration is written
+        w._learn(0, _page("step", 13, 8, t0 + 50))  # and again, while the first write still hangs
+        assert time.monotonic() - started < 2 and w.calibration["step"] == 30.0
+        monkeypatch.setattr(hang_watch, "INVESTIGATE_S", 1.0)
+        monkeypatch.setattr(w, "investigate", lambda ranks: mount.wait() and None)  # its first write into RUN_DIR hangs
+        hang = hang_watch.investigate_in_time(w, {0: _page("step", 13, 8, t0 + 50)})
+        assert time.monotonic() - started < 5
+        assert "its evidence could not be kept: " in hang.line and f"{w.cfg.run_dir} did not answer within 1 s" in hang.line
+        assert hang.folder == w.folder and not hang.culprits
+        # A write that fails (a full disk) is said as it was.
+        monkeypatch.setattr(w, "investigate", lambda ranks: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        assert (
+            "could not be kept: [Errno 28] No space left on device" in hang_watch.investigate_in_time(w, {0: _page("step", 13, 8, t0)}).line
+        )
+    finally:
+        mount.set()
+        w.close()
+    # Once the mount answers, the newest values are what the file holds.
+    assert json.loads((w.cfg.run_dir / hang_calibration.CALIBRATION).read_text()) == {"step": 30.0}
+
+
+def test_a_watch_thread_busy_past_its_stop_does_not_watch_on_beside_the_next_one(tmp_path: Path) -> None:
+    """stop() waits 30 s for the thread; one still busy with a hang (a slow webhook) outlived it, and start() cleared the
+    one stop flag both threads shared: two watches of the next attempt, two verdicts and two kills of one hang."""
+    import threading
+
+    w = _watch(tmp_path)
+    w.poll_s = 0.05
+    gate, calls = threading.Event(), []
+
+    def read() -> dict:
+        calls.append(1)
+        if len(calls) == 1:
+            gate.wait(10)  # the first attempt's thread, busy
+        return {}
+
+    w.read = read  # type: ignore[method-assign]
+    try:
+        w.start()
+        first = w._thread
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        w._stop.set()  # stop(), whose wait for the busy thread ran out
+        w.start()
+        gate.set()
+        assert first is not None and first is not w._thread
+        first.join(5)
+        assert not first.is_alive()  # it stopped at its next poll
+        assert w._thread is not None and w._thread.is_alive()
+    finally:
+        gate.set()
+        w.close()

@@ -28,6 +28,7 @@ from typing import Any
 from aura_hpc.config import RunConfig
 from aura_hpc.launch import agent_folder, flight_records
 from aura_hpc.launch.hang_board import HangBoard, Verdict
+from aura_hpc.launch.hang_calibration import CALIBRATION, FACTOR, CalibrationFile, read_calibration
 from aura_hpc.launch.hang_evidence import (
     PY_SPY_S,
     ask_flight_recorders,
@@ -46,10 +47,8 @@ from aura_hpc.launch.stop_signals import StopSignals
 from aura_hpc.train.process import progress
 from aura_hpc.train.process.dist_env import node_name
 
-CALIBRATION = "hang_calibration.json"
 ANSWER_WAIT_S = 5.0
 FLIGHT_RECORD_WAIT_S = 15.0
-FACTOR = 5.0  # a section may take this many times the longest seen before it counts as hung
 PEER_WAIT_S = 20.0  # a node whose ranks all wait, for the node that names the culprit
 STOPPING_STALL_S = 15.0  # after a stop signal, a training rank this long without moving is hung (it would not stop)
 PEER_POLL_IDLE_S = 10.0  # the board is read while this node's ranks have not moved for this long
@@ -60,6 +59,7 @@ EVIDENCE_WAIT_S = 30.0
 # What a declared hang takes before its kill at most: the stacks and torch's flight records (the stacks' wait is
 # inside the records' 15 s), the other nodes' verdicts, py-spy's native frames.
 EVIDENCE_S = FLIGHT_RECORD_WAIT_S + EVIDENCE_WAIT_S + PY_SPY_S
+INVESTIGATE_S = ANSWER_WAIT_S + FLIGHT_RECORD_WAIT_S + 10.0  # the stacks, the flight records, writing them to RUN_DIR
 
 
 @dataclass
@@ -99,6 +99,10 @@ class HangWatch:
     _pids: frozenset[int] = frozenset()  # the ranks' processes this attempt
     _seen: dict[int, _Seen] = field(default_factory=dict)
     _thread: threading.Thread | None = None
+    _calibration_file: CalibrationFile = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._calibration_file = CalibrationFile(self.cfg.run_dir / CALIBRATION)
 
     @classmethod
     def for_run(cls, cfg: RunConfig, board: HangBoard | None = None) -> HangWatch:
@@ -152,7 +156,7 @@ class HangWatch:
             took, key = span, before.section
         if key and took > self.calibration.get(key, 0.0):
             self.calibration[key] = round(took, 3)
-            _write_calibration(self.cfg.run_dir / CALIBRATION, self.calibration)
+            self._calibration_file.write_behind(self.calibration)
 
     # ---- watching ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -162,8 +166,10 @@ class HangWatch:
         self.peer_hangs, self.started = [], time.time()
         if self.board is not None:
             self.board.new_attempt()  # every node, node 0 included: the verdicts of this attempt name its store's round
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="aura-hang-watch", daemon=True)
+        # A stop of its own: the last attempt's thread, still in a slow webhook past stop()'s wait, stops at its next
+        # poll instead of watching on beside this one (two verdicts, two kills of one hang).
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(self._stop,), name="aura-hang-watch", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -175,10 +181,11 @@ class HangWatch:
 
     def close(self) -> None:
         self.stop()
+        self._calibration_file.flush()
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.wait(self.poll_s):
             ranks = self.read()
             if not ranks:
                 continue
@@ -209,10 +216,7 @@ class HangWatch:
 
                 self._busy.set()
                 try:
-                    try:
-                        hang = self.investigate(ranks)
-                    except Exception as exc:  # the evidence failed (a full disk?): the run is still hung
-                        hang = Hang(f"hang: no rank of this node made progress; its evidence could not be kept ({exc})", self.folder, [], 0)
+                    hang = investigate_in_time(self, ranks)
                     hang = self._agree(hang)
                     self.add_native_stacks(hang, ranks)
                     console.error(hang.line)
@@ -249,7 +253,7 @@ class HangWatch:
         v = named[0]
         line = f"{v.line} (named by node {v.node}; every rank on {here.host} waited for it: their stacks in {hang.folder})"
         with contextlib.suppress(OSError, ValueError):
-            for path in (hang.folder / "hang.json", self.cfg.run_dir / "hangs" / "last.json"):
+            for path in (hang.folder / "hang.json", self.cfg.run_dir / "hangs" / "last.json") if hang.folder != self.folder else ():
                 record = json.loads(path.read_text(encoding="utf-8"))
                 record.update(line=line, culprits=v.culprits, named_by=v.as_dict())
                 path.write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
@@ -417,32 +421,23 @@ def _signal(pid: int, sig: signal.Signals) -> None:
         os.kill(pid, sig)
 
 
-def stop_grace_s(cfg: RunConfig) -> int:
-    """How long the agent waits for the workers after a stop signal before it kills them: the stop's checkpoint and one
-    still being written before it (an asynchronous save), each given what this watch gives a checkpoint, and two steps
-    to reach it. A hang meanwhile is the watch's to name (in seconds where the ranks train: `hung(stopping=True)`). A
-    fixed 120 s killed the stop's checkpoint of a large model written to NFS over 1 GbE (16 GB: two minutes) mid-write."""
-    if not cfg.health.hang_watch:  # nothing would end a hang meanwhile but this wait
-        return 120
-    calibration = read_calibration(cfg.run_dir / CALIBRATION)
-    one = max(cfg.health.hang_section_floor_s, FACTOR * calibration.get("checkpoint", 0.0))
-    return int(max(120.0, 2 * one + 2 * calibration.get("step", 0.0) + 30.0))
+def investigate_in_time(watch: HangWatch, ranks: dict[int, dict[str, Any]]) -> Hang:
+    """`investigate`, given INVESTIGATE_S: it writes RUN_DIR (shared storage), and on a mount that stopped
+    answering (ranks stuck in state D on it: the hang itself) the watch waited with it forever, and named nothing,
+    killed nothing. Past its time the hang is declared without the evidence, and the mount named."""
+    done: list[Hang | BaseException] = []
+    thread = threading.Thread(target=lambda: done.append(_attempt(watch.investigate, ranks)), name="aura-hang-evidence", daemon=True)
+    thread.start()
+    thread.join(INVESTIGATE_S)
+    if done and isinstance(done[0], Hang):
+        return done[0]
+    why = f"{done[0]}" if done else f"{watch.cfg.run_dir} did not answer within {INVESTIGATE_S:.0f} s (a hung mount there?)"
+    return Hang(f"hang: no rank of {node_name()} made progress; its evidence could not be kept: {why}", watch.folder, [], 0)
 
 
-def read_calibration(path: Path) -> dict[str, float]:
+def _attempt(work: Any, *args: Any) -> Any:
+    """`work(*args)`, or the exception it raised (the evidence failed: a full disk; the run is still hung)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    return {k: float(v) for k, v in data.items() if k in progress.SECTIONS and isinstance(v, (int, float)) and 0 <= v < 1e6}
-
-
-def _write_calibration(path: Path, data: dict[str, float]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(data, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+        return work(*args)
+    except Exception as exc:
+        return exc

@@ -224,7 +224,7 @@ def plan_local(
         check_equal_nodes(cfg.dist.diloco_replicas, range(1, 2), nproc)
     warnings += fit_to_horizon(cfg, nproc * nnodes)
     plan = LocalPlan(cfg, nnodes, node_rank, nproc, master_addr, master_port, max_restarts, rdzv_timeout, local_addr, env)
-    from aura_hpc.launch.hang_watch import stop_grace_s
+    from aura_hpc.launch.hang_calibration import stop_grace_s
 
     plan.shutdown_timeout = stop_grace_s(cfg)
     from aura_hpc.launch.data_plan import coverage

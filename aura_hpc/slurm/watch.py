@@ -31,7 +31,15 @@ from typing import Any
 from aura_hpc.launch.goodput import record_hang
 from aura_hpc.launch.hang_board import Verdict
 from aura_hpc.launch.hang_evidence import remove_pipes
-from aura_hpc.launch.hang_watch import EVIDENCE_WAIT_S, PEER_POLL_IDLE_S, Hang, HangWatch, process_alive, read_calibration
+from aura_hpc.launch.hang_watch import (
+    EVIDENCE_WAIT_S,
+    PEER_POLL_IDLE_S,
+    Hang,
+    HangWatch,
+    investigate_in_time,
+    process_alive,
+    read_calibration,
+)
 from aura_hpc.ops import excluded_nodes
 from aura_hpc.slurm import exclude
 from aura_hpc.train.process.dist_env import node_name
@@ -215,7 +223,7 @@ def _watch(watch: SlurmHangWatch, task_pid: int) -> int:
             if now - newest > PEER_POLL_IDLE_S:
                 watch.peer_hangs = watch.peer_verdicts()
             if watch.hung(ranks, now, stopping=watch.stop_asked) or watch.named_elsewhere(ranks, now):
-                hang = watch.investigate(ranks)
+                hang = investigate_in_time(watch, ranks)  # its evidence, within a time: RUN_DIR may be a mount that hangs
                 print(f"[watchdog] {hang.line}", flush=True)
                 sys.stderr.write(f"error: {hang.line}\n")
                 watch.add_native_stacks(hang, ranks)  # after the record: the other nodes wait for it, py-spy may take 20 s
