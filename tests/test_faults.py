@@ -458,6 +458,8 @@ def test_nan_burst_rolls_back_to_the_last_good_checkpoint(tmp_path: Path, prepar
     assert len(rollbacks) == 2, r.stdout[-3000:]
     # The second rollback to the same checkpoint compounds the learning-rate cut.
     assert "learning rate x0.5 of" in rollbacks[0] and "learning rate x0.25 of" in rollbacks[1]
+    # Each rollback is kept at once, its step written again (a crash before the next save replayed the bad data).
+    assert r.stdout.count("step_00000010 written") == 3, r.stdout[-3000:]
     run = tmp_path / "run"
     meta = json.loads((checkpoint.list_complete(run / "checkpoints")[0].path / "meta.json").read_text())
     assert meta["step"] == STEPS and meta["rollbacks"] == 2

@@ -324,6 +324,9 @@ class Checkpointer:
                 pos.rollbacks,
                 t.nan_max_rollbacks,
             )
+        # The rollback kept at once (its step written again): the data skipped, the lowered LR and the rollback count
+        # lived only in memory, and a crash before the next save resumed into the data that diverged, at the old LR.
+        self.save()
 
 
 def _weights_finite(wrapped: Wrapped) -> bool:
