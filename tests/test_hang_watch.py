@@ -870,7 +870,9 @@ def test_a_run_directory_that_stops_answering_holds_up_neither_the_watch_nor_its
         mount.wait()
         real_replace(src, dst)
 
-    monkeypatch.setattr(hang_calibration.os, "replace", hung_replace)
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(hang_calibration, "os", SimpleNamespace(replace=hung_replace, getpid=os.getpid))  # its writes alone
     w = _watch(tmp_path)
     try:
         t0 = time.time()
@@ -880,13 +882,22 @@ def test_a_run_directory_that_stops_answering_holds_up_neither_the_watch_nor_its
         w._learn(0, _page("step", 13, 8, t0 + 50))  # and again, while the first write still hangs
         assert time.monotonic() - started < 2 and w.calibration["step"] == 30.0
         monkeypatch.setattr(hang_watch, "INVESTIGATE_S", 1.0)
-        monkeypatch.setattr(w, "investigate", lambda ranks: mount.wait() and None)  # its first write into RUN_DIR hangs
-        hang = hang_watch.investigate_in_time(w, {0: _page("step", 13, 8, t0 + 50)})
+        monkeypatch.setattr(w, "investigate", lambda *args: mount.wait() and None)  # its first write into RUN_DIR hangs
+        hang = hang_watch.investigate_in_time(w, {0: _page("step", 13, 8, t0 + 50), 1: _page("step", 12, 8, t0 + 40)})
         assert time.monotonic() - started < 5
         assert "its evidence could not be kept: " in hang.line and f"{w.cfg.run_dir} did not answer within 1 s" in hang.line
-        assert hang.folder == w.folder and not hang.culprits
+        # Where it was and when: the restart budget counts a hang without progress, the goodput ledger its time.
+        assert hang.folder == w.folder and not hang.culprits and (hang.progress_step, hang.last_progress) == (12, t0 + 50)
+
+        def slow_writes(ranks: dict, late: Any, named: list) -> None:  # the stacks read, the culprit named; then the files hang
+            named.append(hang_watch.Hang("hang: rank 1 is the culprit", w.folder, [1], 12, t0 + 50))
+            mount.wait()
+
+        monkeypatch.setattr(w, "investigate", slow_writes)
+        hang = hang_watch.investigate_in_time(w, {0: _page("step", 13, 8, t0 + 50), 1: _page("step", 12, 8, t0 + 40)})
+        assert hang.culprits == [1] and hang.line.startswith("hang: rank 1 is the culprit; its evidence could not all be kept")
         # A write that fails (a full disk) is said as it was.
-        monkeypatch.setattr(w, "investigate", lambda ranks: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        monkeypatch.setattr(w, "investigate", lambda *args: (_ for _ in ()).throw(OSError(28, "No space left on device")))
         assert (
             "could not be kept: [Errno 28] No space left on device" in hang_watch.investigate_in_time(w, {0: _page("step", 13, 8, t0)}).line
         )

@@ -51,7 +51,7 @@ class CalibrationFile:
     def write_behind(self, data: dict[str, float]) -> None:
         with self._lock:
             self._latest = dict(data)
-            if self._writer is None or not self._writer.is_alive():
+            if self._writer is None:  # the writer clears it under this lock as it ends: no update waits for a next one
                 self._writer = threading.Thread(target=self._write, name="aura-hang-calibration", daemon=True)
                 self._writer.start()
 
@@ -65,8 +65,9 @@ class CalibrationFile:
         while True:
             with self._lock:
                 data, self._latest = self._latest, None
-            if data is None:
-                return
+                if data is None:
+                    self._writer = None
+                    return
             # The host in the name: two nodes' watches on one shared run directory.
             tmp = self.path.with_name(f".{self.path.name}.{socket.gethostname()}.{os.getpid()}")
             try:

@@ -43,6 +43,8 @@ from aura_hpc.launch.hang_evidence import (
     stopped,
     wait_for_stacks,
 )
+from aura_hpc.launch.hang_notice import notify
+from aura_hpc.launch.in_time import in_time
 from aura_hpc.launch.stop_signals import StopSignals
 from aura_hpc.train.process import progress
 from aura_hpc.train.process.dist_env import node_name
@@ -59,7 +61,7 @@ EVIDENCE_WAIT_S = 30.0
 # What a declared hang takes before its kill at most: the stacks and torch's flight records (the stacks' wait is
 # inside the records' 15 s), the other nodes' verdicts, py-spy's native frames.
 EVIDENCE_S = FLIGHT_RECORD_WAIT_S + EVIDENCE_WAIT_S + PY_SPY_S
-INVESTIGATE_S = ANSWER_WAIT_S + FLIGHT_RECORD_WAIT_S + 10.0  # the stacks, the flight records, writing them to RUN_DIR
+INVESTIGATE_S = ANSWER_WAIT_S + FLIGHT_RECORD_WAIT_S + 40.0  # the stacks, the flight records, writing them to RUN_DIR
 
 
 @dataclass
@@ -226,7 +228,7 @@ class HangWatch:
                     self._seen = {}
                 finally:
                     self._busy.clear()
-                self.notify(hang)
+                notify(self, hang)
 
     def settle(self, wait_s: float) -> None:
         """Until a hang being handled is handled (its verdict known, its kill done): the launcher asks before
@@ -302,14 +304,17 @@ class HangWatch:
         return idle > max(self.timeout(p["section"]) for p in ranks.values())
 
     # ---- a hang --------------------------------------------------------------------------------
-    def investigate(self, ranks: dict[int, dict[str, Any]]) -> Hang:
-        """Every rank's stack, before anything is killed; the culprit named."""
+    def investigate(self, ranks: dict[int, dict[str, Any]], late: threading.Event | None = None, named: list[Hang] | None = None) -> Hang:
+        """Every rank's stack, before anything is killed; the culprit named (into `named` before the files are written:
+        a slow filesystem past the time given keeps the verdict). Once `late` is set, it asks and writes nothing more."""
         now = time.time()
         # The host in the name: on a shared run directory two nodes' watchdogs may speak in the same second.
         where = self.cfg.run_dir / "hangs" / f"{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}-{node_name()}"
         where.mkdir(parents=True, exist_ok=True)
         logs = {r: self.cfg.run_dir / "logs" / f"rank_{r}.log" for r in ranks}
         offsets = {r: log_size(logs[r]) for r in ranks}
+        if late is not None and late.is_set():  # the run directory answered too late: the ranks may be new ones now
+            raise TimeoutError("the run directory answered too late")
         asked_at = time.time()
         # A stopped process's threads are stopped too: its record is not asked for (nor waited for).
         flight = ask_flight_recorders(sorted(r for r, p in ranks.items() if not stopped(p["pid"])))
@@ -321,16 +326,19 @@ class HangWatch:
         flight = {r: before for r, before in flight.items() if r in stacks}
         records = keep_flight_records(flight, where, asked_at + FLIGHT_RECORD_WAIT_S) if flight else {}
         stuck = flight_records.judge(flight_records.read_kept(where, records), sorted(ranks)) if records else None
-        for r, p in ranks.items():
-            state, wchan = process_state(p["pid"])
-            text = stacks.get(r) or f"(no answer to the stack request; kernel state {state or '?'}{f' in {wchan}' if wchan else ''})\n"
-            (where / f"rank{r}.txt").write_text(text, encoding="utf-8")
         culprits, reason = name_culprits(ranks, stacks)
         if not culprits and stuck is not None and stuck.culprits:
             culprits, reason = stuck.culprits, "flight"  # every stack waits; the records tell which rank's device is stuck
         host = node_name()
         idle = now - max(p["beat"] for p in ranks.values())
         line = hang_line(ranks, stacks, culprits, reason, host, idle, where, stuck.line if stuck else "")
+        hang = Hang(line, where, culprits, min(p["step"] for p in ranks.values()), max(p["beat"] for p in ranks.values()))
+        if named is not None:
+            named.append(hang)
+        for r, p in ranks.items():
+            state, wchan = process_state(p["pid"])
+            text = stacks.get(r) or f"(no answer to the stack request; kernel state {state or '?'}{f' in {wchan}' if wchan else ''})\n"
+            (where / f"rank{r}.txt").write_text(text, encoding="utf-8")
         record = {
             "declared_at": now,
             "host": host,
@@ -344,37 +352,20 @@ class HangWatch:
             "flight_recorder": stuck.as_dict() if stuck else None,
         }
         (where / "hang.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
-        (self.cfg.run_dir / "hangs" / "last.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
-        return Hang(line, where, culprits, min(p["step"] for p in ranks.values()), max(p["beat"] for p in ranks.values()))
+        if late is None or not late.is_set():  # a newer hang's record is not overwritten by this one's
+            (self.cfg.run_dir / "hangs" / "last.json").write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
+        return hang
 
     def add_native_stacks(self, hang: Hang, ranks: dict[int, dict[str, Any]]) -> None:
         """py-spy's native frames (where installed), after each rank's file: after the verdict is out, since
         py-spy may take 20 s and the other nodes wait for that verdict before they kill."""
+        if hang.folder == self.folder:
+            return
         with contextlib.suppress(OSError):
             for r, native in py_spies({r: p["pid"] for r, p in ranks.items()}).items():
                 if native and (hang.folder / f"rank{r}.txt").is_file():
                     with open(hang.folder / f"rank{r}.txt", "a", encoding="utf-8") as f:
                         f.write(f"\n--- py-spy dump --native ---\n{native}")
-
-    def notify(self, hang: Hang) -> None:
-        """The `training.hang` event to health.webhook_url, when one is set (after the kill: a slow
-        webhook never delays the restart)."""
-        from aura_hpc.ops import webhook
-
-        h = self.cfg.health
-        url = webhook.resolve_url(h.webhook_url, h.webhook_url_env, h.webhook_url_file)
-        if url:
-            event = {
-                "event": "training.hang",
-                "host": node_name(),
-                "line": hang.line,
-                "culprits": hang.culprits,
-                "step": hang.progress_step,
-                "run_dir": str(self.cfg.run_dir),
-                "evidence": str(hang.folder),
-                "job_id": os.environ.get("SLURM_JOB_ID", ""),
-            }
-            webhook.deliver(url, h.webhook_type, event, h.webhook_timeout_s, h.webhook_retries)
 
     def kill(self, ranks: dict[int, dict[str, Any]]) -> None:
         """Every worker of this node: a rank stuck in a collective would not leave by itself."""
@@ -424,20 +415,15 @@ def _signal(pid: int, sig: signal.Signals) -> None:
 def investigate_in_time(watch: HangWatch, ranks: dict[int, dict[str, Any]]) -> Hang:
     """`investigate`, given INVESTIGATE_S: it writes RUN_DIR (shared storage), and on a mount that stopped
     answering (ranks stuck in state D on it: the hang itself) the watch waited with it forever, and named nothing,
-    killed nothing. Past its time the hang is declared without the evidence, and the mount named."""
-    done: list[Hang | BaseException] = []
-    thread = threading.Thread(target=lambda: done.append(_attempt(watch.investigate, ranks)), name="aura-hang-evidence", daemon=True)
-    thread.start()
-    thread.join(INVESTIGATE_S)
-    if done and isinstance(done[0], Hang):
-        return done[0]
-    why = f"{done[0]}" if done else f"{watch.cfg.run_dir} did not answer within {INVESTIGATE_S:.0f} s (a hung mount there?)"
-    return Hang(f"hang: no rank of {node_name()} made progress; its evidence could not be kept: {why}", watch.folder, [], 0)
-
-
-def _attempt(work: Any, *args: Any) -> Any:
-    """`work(*args)`, or the exception it raised (the evidence failed: a full disk; the run is still hung)."""
-    try:
-        return work(*args)
-    except Exception as exc:
-        return exc
+    killed nothing. Past its time the hang is declared without the evidence (with its culprit where the stacks
+    were read), and the mount named."""
+    late, named = threading.Event(), []
+    finished, result = in_time(watch.investigate, ranks, late, named, limit=INVESTIGATE_S)
+    if finished and isinstance(result, Hang):
+        return result
+    late.set()
+    why = f"{result}" if finished else f"{watch.cfg.run_dir} did not answer within {INVESTIGATE_S:.0f} s (a hung mount there?)"
+    step, beat = min(p["step"] for p in ranks.values()), max(p["beat"] for p in ranks.values())
+    if named:  # the stacks were read and the culprit named; the files were not all written
+        return Hang(f"{named[0].line}; its evidence could not all be kept: {why}", watch.folder, named[0].culprits, step, beat)
+    return Hang(f"hang: no rank of {node_name()} made progress; its evidence could not be kept: {why}", watch.folder, [], step, beat)

@@ -31,6 +31,7 @@ from typing import Any
 from aura_hpc.launch.goodput import record_hang
 from aura_hpc.launch.hang_board import Verdict
 from aura_hpc.launch.hang_evidence import remove_pipes
+from aura_hpc.launch.hang_notice import notify
 from aura_hpc.launch.hang_watch import (
     EVIDENCE_WAIT_S,
     PEER_POLL_IDLE_S,
@@ -40,6 +41,7 @@ from aura_hpc.launch.hang_watch import (
     process_alive,
     read_calibration,
 )
+from aura_hpc.launch.in_time import in_time
 from aura_hpc.ops import excluded_nodes
 from aura_hpc.slurm import exclude
 from aura_hpc.train.process.dist_env import node_name
@@ -200,6 +202,8 @@ def main(argv: list[str]) -> int:
         watch.stop_asked = watch.stop_asked or asked["stop"]
         return _watch(watch, int(task_pid))
     finally:  # the attempt's pages (ours alone: a folder holding anything else stays)
+        if asked["watch"] is not None:
+            asked["watch"]._calibration_file.flush()
         progress.remove_pages(Path(folder))
         remove_pipes(Path(folder))
         with contextlib.suppress(OSError):
@@ -220,8 +224,9 @@ def _watch(watch: SlurmHangWatch, task_pid: int) -> int:
             if still and left_at is not None and now - left_at[0] < ELSEWHERE_WAIT_S:
                 time.sleep(watch.poll_s)  # the node that named the culprit requeues the job (which ends this task)
                 continue
-            if now - newest > PEER_POLL_IDLE_S:
-                watch.peer_hangs = watch.peer_verdicts()
+            if now - newest > PEER_POLL_IDLE_S:  # read in RUN_DIR, which may be the mount that hangs
+                finished, verdicts = in_time(watch.peer_verdicts, limit=PEER_POLL_IDLE_S)
+                watch.peer_hangs = verdicts if finished and isinstance(verdicts, list) else watch.peer_hangs
             if watch.hung(ranks, now, stopping=watch.stop_asked) or watch.named_elsewhere(ranks, now):
                 hang = investigate_in_time(watch, ranks)  # its evidence, within a time: RUN_DIR may be a mount that hangs
                 print(f"[watchdog] {hang.line}", flush=True)
@@ -229,7 +234,7 @@ def _watch(watch: SlurmHangWatch, task_pid: int) -> int:
                 watch.add_native_stacks(hang, ranks)  # after the record: the other nodes wait for it, py-spy may take 20 s
                 if watch.act(hang, ranks, alone=still):
                     record_hang(watch.cfg.run_dir, f"slurm-{watch.job_id}", hang.last_progress, time.time())
-                    watch.notify(hang)
+                    notify(watch, hang)
                     return 0
                 watch._seen, left_at = {}, (time.time(), newest)
         time.sleep(watch.poll_s)

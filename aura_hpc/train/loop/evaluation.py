@@ -110,7 +110,9 @@ class Sampler:
         self.parts, self.t, self.rt, self.is_main, self.sharded = parts, t, rt, is_main, sharded
         self._host: Any = None
 
-    def __call__(self, step: int) -> str | None:
+    def __call__(self, step: int, hold_others: bool = True) -> str | None:
+        """Rank 0's sample; `hold_others`: the other ranks wait for it here (the run's last sample: in the final
+        barrier, which a peer that already left does not fail)."""
         text = None
         if self.sharded is not None:
             weights = self.sharded.full_weights()  # collective
@@ -121,5 +123,6 @@ class Sampler:
             text = sample(self.parts, self.t, step, self.rt)
         # Rank 0 samples alone (a sharded model's from a CPU copy: minutes for a big one); the others wait here, in
         # the sample's section and time, not in the next step's: another node's watchdog took that wait for a hang.
-        collectives.barrier()
+        if hold_others:
+            collectives.barrier()
         return text

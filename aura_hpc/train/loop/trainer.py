@@ -305,7 +305,7 @@ class Trainer:
             self.ckpt.save(last=True)  # the last save was refused (weights not finite): try once more
         self.ckpt.wait()
         final_ckpt = checkpoint.list_complete(self.ckpt.root)
-        last_sample = self.sample(pos.step)
+        last_sample = self.sample(pos.step, hold_others=False)
         if last_sample is not None:
             log.info("sample: %s", last_sample.replace("\n", " "))
             if self.metrics is not None:
