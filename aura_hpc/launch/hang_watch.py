@@ -75,6 +75,11 @@ class Hang:
     last_progress: float = 0.0  # the newest beat of any rank of this node before the hang (unix s)
     killed_at: float = 0.0
 
+    @classmethod
+    def of(cls, line: str, folder: Path, culprits: list[int], ranks: dict[int, dict[str, Any]]) -> Hang:
+        """Where and when the node's ranks stopped: the slowest rank's step, the newest beat."""
+        return cls(line, folder, culprits, min(p["step"] for p in ranks.values()), max(p["beat"] for p in ranks.values()))
+
 
 @dataclass
 class _Seen:
@@ -332,7 +337,7 @@ class HangWatch:
         host = node_name()
         idle = now - max(p["beat"] for p in ranks.values())
         line = hang_line(ranks, stacks, culprits, reason, host, idle, where, stuck.line if stuck else "")
-        hang = Hang(line, where, culprits, min(p["step"] for p in ranks.values()), max(p["beat"] for p in ranks.values()))
+        hang = Hang.of(line, where, culprits, ranks)
         if named is not None:
             named.append(hang)
         for r, p in ranks.items():
@@ -423,7 +428,6 @@ def investigate_in_time(watch: HangWatch, ranks: dict[int, dict[str, Any]]) -> H
         return result
     late.set()
     why = f"{result}" if finished else f"{watch.cfg.run_dir} did not answer within {INVESTIGATE_S:.0f} s (a hung mount there?)"
-    step, beat = min(p["step"] for p in ranks.values()), max(p["beat"] for p in ranks.values())
     if named:  # the stacks were read and the culprit named; the files were not all written
-        return Hang(f"{named[0].line}; its evidence could not all be kept: {why}", watch.folder, named[0].culprits, step, beat)
-    return Hang(f"hang: no rank of {node_name()} made progress; its evidence could not be kept: {why}", watch.folder, [], step, beat)
+        return Hang.of(f"{named[0].line}; its evidence could not all be kept: {why}", watch.folder, named[0].culprits, ranks)
+    return Hang.of(f"hang: no rank of {node_name()} made progress; its evidence could not be kept: {why}", watch.folder, [], ranks)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 
@@ -11,10 +10,9 @@ def in_time(work: Any, *args: Any, limit: float) -> tuple[bool, Any]:
     """`work(*args)` on a thread of its own, waited for `limit` seconds: (True, its result or the exception it raised),
     or (False, None) while it still runs (a call into a mount that stopped answering never returns)."""
     done: list[Any] = []
-    threading.Thread(target=lambda: done.append(_attempt(work, *args)), name="aura-in-time", daemon=True).start()
-    deadline = time.monotonic() + limit
-    while not done and time.monotonic() < deadline:
-        time.sleep(0.05)
+    thread = threading.Thread(target=lambda: done.append(_attempt(work, *args)), name="aura-in-time", daemon=True)
+    thread.start()
+    thread.join(limit)
     return (True, done[0]) if done else (False, None)
 
 

@@ -68,7 +68,8 @@ class Checkpointer:
         names = collectives.broadcast_json(_listing(self.root) if env.is_main else None)
         if isinstance(names, str):
             raise CheckpointError(names)
-        resume_checks.newest_elsewhere(self.root, max((int(n[5:]) for n in names if checkpoint.is_step_dir_name(n)), default=None))
+        newest = max((int(n[5:]) for n in names if checkpoint.is_step_dir_name(n)), default=None)
+        resume_checks.newest_elsewhere(self.root, newest, env.is_main)
         for name in names:
             if not checkpoint.is_step_dir_name(name):  # names come from rank 0: only a step folder's name is looked up
                 raise CheckpointError(

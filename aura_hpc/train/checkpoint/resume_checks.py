@@ -82,17 +82,17 @@ def same_precision(chosen: str, meta: dict[str, Any], strategy: str, bf16: bool)
     )
 
 
-def newest_elsewhere(root: Path, main_newest: int | None) -> None:
+def newest_elsewhere(root: Path, main_newest: int | None, is_main: bool) -> None:
     """Every rank's newest complete checkpoint against rank 0's, on every rank (one gather): where the nodes keep
     their own output_dir (LAN machines), rank 0 resumes from its own folder, and a newer checkpoint on another
     machine (the run's node 0 before, started now with another --node-rank) was passed over: the run began
     again from an older step, or from step 0, unsaid."""
-    try:
-        mine = max((c.step for c in checkpoint.list_complete(root)), default=-1)
+    ours = -1 if main_newest is None else main_newest
+    try:  # rank 0 listed its folder already
+        mine = ours if is_main else max((c.step for c in checkpoint.list_complete(root)), default=-1)
     except OSError:
         mine = -1  # this rank's own folder unreadable: rank 0's listing decides, as before
     theirs = collectives.gather_json([mine, socket.gethostname(), str(root)])
-    ours = -1 if main_newest is None else main_newest
     ahead = [(rank, int(step), str(host)[:64], str(where)[:300]) for rank, (step, host, where) in enumerate(theirs) if int(step) > ours]
     if not ahead:
         return
