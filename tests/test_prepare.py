@@ -158,7 +158,7 @@ def test_hub_dataset_path_with_a_local_dataset_folder(tmp_path: Path) -> None:
     # A folder Dataset.save_to_disk wrote (load_dataset refused it: "use load_from_disk", with the wrong fix).
     import datasets
 
-    from aura_hpc.data.sources import dataset_shards, records
+    from aura_hpc.data.sources import dataset_shards, records, resolve_inputs
 
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
     assert dataset_shards(str(tmp_path / "saved"), None, "train") == 1
@@ -172,6 +172,23 @@ def test_hub_dataset_path_with_a_local_dataset_folder(tmp_path: Path) -> None:
     ):
         with pytest.raises(DataError, match=r"save_to_disk.*not text files \(fix: " + re.escape(fix)):
             prepare(PrepareSpec(out_dir=tmp_path / "r", inputs=[str(tmp_path / folder)], vocab_size=300))
+    # A Hub snapshot (`hf download --repo-type dataset`) given as text: its card and its test split were trained with the
+    # train one. Refused, card and splits each; as a --dataset its train split alone is read.
+    repo = tmp_path / "snapshot"
+    (repo / "data").mkdir(parents=True)
+    (repo / "data" / "train-00000-of-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    (repo / "data" / "test-00000-of-00001.jsonl").write_text(json.dumps({"content": "la prueba"}) + "\n", encoding="utf-8")
+    at = re.escape(str(repo))
+    refused = rf"input '{at}' is a dataset repository \(%s\).* \(fix: prepare --dataset {at}, or data.dataset="
+    with pytest.raises(DataError, match=refused % "its files are the splits train, test"):
+        prepare(PrepareSpec(out_dir=tmp_path / "r", inputs=[str(repo)], vocab_size=300))
+    assert list(records("", None, str(repo), None, "train", "content", "snapshot")) == DOCS
+    (repo / "data" / "test-00000-of-00001.jsonl").unlink()
+    (repo / "README.md").write_text("---\nlanguage:\n- es\nconfigs:\n- config_name: default\n  data_files: data/*.jsonl\n---\n# Corpus\n")
+    with pytest.raises(DataError, match=refused % "its README.md is a dataset card"):
+        prepare(PrepareSpec(out_dir=tmp_path / "r", inputs=[str(repo)], vocab_size=300))
+    (repo / "README.md").write_text("---\ntitle: notes of mine, front matter and all\n---\n# Corpus\n")  # a README that is text
+    assert resolve_inputs([str(repo)]) == [repo / "README.md", repo / "data" / "train-00000-of-00001.jsonl"]
 
 
 def test_text_added_to_a_local_dataset_folder_is_new_input(tmp_path: Path) -> None:

@@ -67,6 +67,7 @@ def resolve_inputs(inputs: list[str]) -> list[Path | str]:
             if m.is_dir():
                 _not_a_saved_dataset(m)
                 found = [p for p in m.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(m).parts)]
+                _not_a_dataset_repository(m, found)
                 files += sorted(p for p in found if p.suffix.lower() in TEXT_SUFFIXES)
                 other = sorted(p.relative_to(m) for p in found if p.suffix.lower() not in TEXT_SUFFIXES)
                 if other:  # said, not skipped in silence: a corpus of extension-less files would otherwise be half read
@@ -117,6 +118,37 @@ def _not_a_saved_dataset(folder: Path) -> None:
         raise DataError(
             f"input {str(folder)!r} is a DatasetDict saved by datasets' save_to_disk (splits {', '.join(splits)}), not text files "
             f"(fix: --dataset {folder / (splits or ['train'])[0]}, one split)"
+        )
+
+
+# Keys only a Hub dataset card's YAML header has: a README.md written as text does not start with them.
+CARD_KEYS = ("configs", "dataset_info", "task_categories", "size_categories", "pretty_name")
+
+
+def _not_a_dataset_repository(folder: Path, files: list[Path]) -> None:
+    """A dataset repository (a Hub snapshot: `hf download --repo-type dataset ... --local-dir`), given as text: its card
+    (README.md) was trained as text, and its test and validation files beside the train ones."""
+    why = []
+    if (folder / "README.md").is_file():
+        with contextlib.suppress(Exception):  # a card whose YAML does not parse is no card
+            from huggingface_hub.repocard import metadata_load
+
+            if any(key in (metadata_load(folder / "README.md") or {}) for key in CARD_KEYS):
+                why.append("its README.md is a dataset card")
+    splits: list[str] = []
+    names = " ".join(str(p.relative_to(folder)).lower() for p in files)
+    if "train" in names and any(word in names for word in ("val", "dev", "test", "eval")):  # else datasets' 1 s import for nothing
+        with contextlib.suppress(Exception):  # no file datasets would read: nothing named as a split
+            from datasets.data_files import get_data_patterns
+
+            splits = [str(s) for s in get_data_patterns(str(folder))]  # how load_dataset names its splits, by file and folder names
+    if "train" in splits and len(splits) > 1:
+        why.append(f"its files are the splits {', '.join(splits)}")
+    if why:
+        raise DataError(
+            f"input {str(folder)!r} is a dataset repository ({'; '.join(why)}): read as text, all of it would be trained "
+            f"(fix: prepare --dataset {folder}, or data.dataset={folder} with data.stream=true: its train split is read; "
+            "or pass the training files themselves)"
         )
 
 
