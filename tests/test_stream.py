@@ -300,7 +300,9 @@ def test_nodes_whose_caches_know_different_windows_agree_on_them_in_the_same_ord
 def test_an_encoder_killed_mid_piece_is_a_data_error_at_once_not_a_wait_forever(tmp_path: Path, tok: Path) -> None:
     """The OOM killer ends a rank's encoder process mid-piece: the rank said nothing and waited forever (a pool of
     workers replaced the dead one and never answered for its piece), holding the piece's lock, the node's
-    other ranks behind it. Now: a one-line DataError naming the piece and the likely cause."""
+    other ranks behind it. Now: a one-line DataError naming the piece and the likely cause. Slurm's stop
+    signals, which reach the encoder too, leave it encoding (they killed it: exit 74 instead of a requeue)."""
+    import signal
     import threading
     import time
 
@@ -335,6 +337,11 @@ def test_an_encoder_killed_mid_piece_is_a_data_error_at_once_not_a_wait_forever(
                     if "spawn_main" in " ".join(child.cmdline()):
                         encoders.append(child)
             time.sleep(0.05)
+        # Slurm's stop signals reach every process of the step: they are the rank's to act on, and the encoder goes on.
+        for sig in (signal.SIGUSR2, signal.SIGINT, signal.SIGHUP):
+            encoders[0].send_signal(sig)
+        time.sleep(0.5)
+        assert encoders[0].is_running() and encoders[0].status() != psutil.STATUS_ZOMBIE and not said, said
         encoders[0].kill()
         worker.join(30)
         assert not worker.is_alive(), "the rank waited for a dead encoder"

@@ -19,6 +19,7 @@ import json
 import logging
 import multiprocessing as mp
 import shutil
+import signal
 import threading
 from concurrent.futures import CancelledError, ProcessPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -61,6 +62,24 @@ def plan_pieces(d: Any) -> list[shards.Piece]:
         raise DataError("data.stream needs a source (fix: --set data.path=s3://bucket/raw-text or local files, or data.dataset=NAME)")
     policy = storage.Policy(tries=d.read_tries, timeout_s=d.read_timeout_s)
     return shards.plan(resolve_inputs([d.path]), TEXT_SUFFIXES, int(d.shard_mb * 2**20), None, False, policy=policy)
+
+
+# Slurm signals every process of the step (slurmstepd signals the whole container): SIGUSR2 ahead of the time
+# limit killed each rank's encoder, and the rank, in the middle of a piece, ended with "the encoder died"
+# (exit 74, the job over) instead of its checkpoint and requeue. The rank decides; SIGTERM still ends it (close).
+ENCODER_IGNORES = ("SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+def encoder_pool(local_world: int) -> ProcessPoolExecutor:
+    """A rank's encoder process: its share of the node's cores (the Rust pool would take them all), deaf to stop signals."""
+    return ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=_encoder_started, initargs=(local_world,))
+
+
+def _encoder_started(local_world: int) -> None:
+    for name in ENCODER_IGNORES:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    shards.share_cores(local_world)
 
 
 class StreamTokens(TokenReader):
@@ -260,9 +279,7 @@ class StreamTokens(TokenReader):
             if self._closed:
                 raise DataError(f"stopped before encoding {self.location}")
             if self._pool is None:
-                # Each rank's encoder gets its share of the node's cores (the Rust pool would take them all).
-                spawn = mp.get_context("spawn")
-                self._pool = ProcessPoolExecutor(1, mp_context=spawn, initializer=shards.share_cores, initargs=(self.local_world,))
+                self._pool = encoder_pool(self.local_world)
             return self._pool
 
     def _close_encoder(self) -> None:
