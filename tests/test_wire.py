@@ -563,6 +563,14 @@ def test_a_backend_that_cannot_start_on_one_rank_makes_every_rank_fall_back_befo
     assert "could not start (rank 1: fault injection: the backend cannot start on this rank); fallback=gloo" in r.stdout
     assert "all 2 ranks finished at step 4" in r.stdout
     assert time.monotonic() - t0 < 100  # nobody waited for dist.init_timeout_s
+    # A rank whose set-up fails once the others are inside it (rank 0 waits there for rank 1): its failure, counted in the
+    # store beside its answer, ends rank 0's wait within seconds, not after dist.init_timeout_s.
+    t0 = time.monotonic()
+    out = ["--output-dir", str(tmp_path / "connect"), "--max-restarts", "0", "--set", "dist.init_timeout_s=120"]
+    r = run_cli([*args, *out], timeout=300, AURA_FAULT_BACKEND="1:connect")
+    said = r.stdout + r.stderr + "".join(p.read_text() for p in (tmp_path / "connect").rglob("rank0*.log"))
+    assert r.returncode != 0 and "could not connect the ranks: rank 1 failed in its set-up (fault injection" in said, said[-3000:]
+    assert time.monotonic() - t0 < 100
 
 
 def test_prepared_pieces_count_only_whole_and_a_copy_of_the_text_keys_the_same(tmp_path: Path) -> None:

@@ -90,9 +90,10 @@ def primary_backend() -> str | None:
     return "gloo" if os.environ.get("AURA_FAULT_BACKEND") else None
 
 
-def backend_fails(rank: int) -> str:
-    spec = os.environ.get("AURA_FAULT_BACKEND")
-    return "fault injection: the backend cannot start on this rank" if spec and int(spec) == rank else ""
+def backend_fails(rank: int, stage: str = "") -> str:
+    """AURA_FAULT_BACKEND=R: rank R says it cannot start the backend; R:connect: it fails inside the set-up, the others in it."""
+    r, _, when = os.environ.get("AURA_FAULT_BACKEND", "").partition(":")
+    return "fault injection: the backend cannot start on this rank" if r and int(r) == rank and when == stage else ""
 
 
 def after_step(rank: int, step: int, run_dir: Path) -> None:

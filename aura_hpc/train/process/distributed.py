@@ -271,6 +271,8 @@ def _connect(backend: str, store: Any, env: DistEnv, device: torch.device, init_
     Every rank said it can start, so what is left is the network between them. NCCL's own set-up has
     no timeout (blocking mode waits for every rank forever): a watchdog ends this process when a
     peer reports its set-up failed, or after dist.init_timeout_s, with the reason."""
+    from aura_hpc.train.instruments import faults
+
     done = threading.Event()
     assert _AGREE is not None
     prefix, secret_key = _AGREE[1], _AGREE[4]
@@ -283,6 +285,7 @@ def _connect(backend: str, store: Any, env: DistEnv, device: torch.device, init_
         except (RuntimeError, TimeoutError, OSError):
             agreed = None  # then only the timeout ends a stuck set-up
     keys = [f"{prefix}/backend-connected/{r}" for r in range(env.world_size)]
+    failures = f"{prefix}/backend-connected/{FAILED}"
     name = backend.upper() if backend == "nccl" else backend
 
     def give_up(why: str) -> None:
@@ -296,13 +299,18 @@ def _connect(backend: str, store: Any, env: DistEnv, device: torch.device, init_
 
     def watch() -> None:
         deadline = time.monotonic() + init_timeout_s + 5
+        read = 0  # failures counted when the answers were last read
         while not done.wait(1.0):
-            for r, name_r in enumerate(keys):
-                with contextlib.suppress(Exception):
-                    if agreed is not None and r != env.rank and agreed.check([name_r]):
-                        said = _opened(secret_key, name_r, agreed.get(name_r))[:300]
-                        if said != "ok" and not done.is_set():
-                            give_up(f"{name} could not connect the ranks: rank {r} failed in its set-up ({said})")
+            # One request a second: every rank asking for every rank's answer was W² a second at rank 0's store
+            # (65,000 at 32 nodes of 8 GPUs), beside NCCL's own set-up there. Its answers are read once one failed.
+            with contextlib.suppress(Exception):
+                if agreed is not None and (count := int(agreed.add(failures, 0))) > read:
+                    for r, name_r in enumerate(keys):
+                        if r != env.rank and agreed.check([name_r]):
+                            said = _opened(secret_key, name_r, agreed.get(name_r))[:300]
+                            if said != "ok" and not done.is_set():  # a stranger's count alone ends nothing
+                                give_up(f"{name} could not connect the ranks: rank {r} failed in its set-up ({said})")
+                    read = count
             if time.monotonic() > deadline and not done.is_set():
                 give_up(f"{name} did not connect the ranks within dist.init_timeout_s={init_timeout_s} s (waiting inside its set-up)")
 
@@ -311,6 +319,8 @@ def _connect(backend: str, store: Any, env: DistEnv, device: torch.device, init_
         # The same set-up on every torch (2.6 turned on NCCL's nonblocking set-up with device_id, later ones do not).
         os.environ.setdefault("TORCH_NCCL_USE_COMM_NONBLOCKING", "0")
         kw: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
+        if fault := faults.backend_fails(env.rank, "connect"):
+            raise RuntimeError(fault)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout, **kw)
         probe_device = device if backend == "nccl" else torch.device("cpu")
         collectives.set_world(probe_device, timeout)
@@ -329,6 +339,7 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
+FAILED = "failed"  # beside the ranks' answers on a topic, how many of them said a problem
 _AGREE: tuple[Any, str, int, int, bytes | None] | None = None  # the store, a per-attempt prefix, rank, world size, key
 
 
@@ -341,6 +352,8 @@ def agree(topic: str, problem: str, patience_s: float, waiting: str = "") -> lis
     store, prefix, rank, world, key = _AGREE
     said = "".join(c if c.isprintable() else " " for c in (problem or "ok"))[:1000]
     store.set(f"{prefix}/{topic}/{rank}", _signed(key, f"{prefix}/{topic}/{rank}", said))
+    if problem:
+        store.add(f"{prefix}/{topic}/{FAILED}", 1)  # after the answer: a watcher that sees the count finds it (_connect's)
     keys = [f"{prefix}/{topic}/{r}" for r in range(world)]
     start = last_note = time.monotonic()
     while not store.check(keys):
