@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,10 @@ def test_a_local_dataset_folder_edited_is_another_stream(tmp_path: Path, tok: Pa
     for f in (folder / "data").iterdir():
         os.utime(f, (1e9, 1e9))
     assert key(folder) == first
+    # Kept at another path (LAN nodes, each its own copy: /data/c4-es here, /scratch/c4 there): the same stream.
+    # The folder's path in the key refused every rank ("different prepared data"), the copies alike.
+    shutil.copytree(folder, tmp_path / "elsewhere" / "copy")
+    assert key(tmp_path / "elsewhere" / "copy") == first
     with open(folder / "data" / "train-01.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps({"texto": "Un párrafo nuevo."}) + "\n")
     assert key(folder) != first

@@ -183,6 +183,8 @@ def open_dataset(builder: str, data_files: list[str] | None, name: str | None, s
 
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach us as exceptions, said in one line
     datasets.disable_progress_bars()
+    if name and name.startswith("~"):  # a local folder under the home (load_dataset took `~/c4` for a Hub name)
+        name = str(Path(name).expanduser())
     try:
         if data_files is not None:
             return datasets.load_dataset(builder, data_files=data_files, split="train", streaming=True)

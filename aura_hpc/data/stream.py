@@ -327,10 +327,12 @@ class StreamOrder(GlobalOrder):
 
 
 def _portable(pieces: list[shards.Piece]) -> list[shards.Piece]:
-    """The pieces with each local source named relative to the folder all of them share."""
+    """The pieces with each local source named relative to the folder all of them share, and a local dataset
+    folder by nothing (its files are in the key: _folder_versions)."""
     import dataclasses
     import os
 
+    pieces = [dataclasses.replace(p, source="") if p.kind == "dataset" and Path(p.source).expanduser().is_dir() else p for p in pieces]
     local = [p.source for p in pieces if not storage.is_remote(p.source) and p.kind not in ("builtin", "dataset")]
     if not local:
         return pieces

@@ -198,6 +198,11 @@ def check_same_everywhere(cfg: RunConfig, env: DistEnv, data: PackedTokens) -> N
     mine = [data.manifest.get("data_sha256"), _shared_settings(cfg)]
     every = collectives.gather_json(mine)
     for r, theirs in enumerate(every):
+        if theirs[0] != mine[0] and cfg.data.stream:  # the stream's key: its files' contents, the tokenizer, the split
+            raise DataError(
+                f"rank {r} streams other data than rank {env.rank} (other text files or dataset files, another tokenizer) "
+                "(fix: the same data.path or data.dataset contents and the same data.tokenizer on every node, e.g. copy them)"
+            )
         if theirs[0] != mine[0]:
             raise DataError(
                 f"rank {r} has different prepared data than rank {env.rank} "
