@@ -401,6 +401,7 @@ def test_a_streams_encoded_pieces_keep_to_data_cache_gb_and_come_back_when_neede
     dataset filled the node's disk. Past the bound the oldest go, never the pieces a window or validation needs."""
     from aura_hpc.config.tree import DataConfig
     from aura_hpc.data.stream import StreamTokens
+    from aura_hpc.errors import DataError
 
     text = generate(400, seed=3)
     (tmp_path / "a.txt").write_text(text, encoding="utf-8")
@@ -424,3 +425,14 @@ def test_a_streams_encoded_pieces_keep_to_data_cache_gb_and_come_back_when_neede
         assert (data.sequences("train", [2 * STRIDE]) == first).all()
     finally:
         data.close()
+    # A piece whose count from a checkpoint (or an earlier encoding) the text no longer gives (a Hub dataset's new commit):
+    # taken in silence, positions mapped to other sequences on each node. Now one line with the fix.
+    for f in (data.build / "shards").glob("*-00002.*"):
+        f.unlink()
+    again = StreamTokens(d, seq_len=16)
+    try:
+        again.learn_counts([c + 1 if i == 2 else c for i, c in enumerate(data.counts())])
+        with pytest.raises(DataError, match=r"piece 2 of .* holds \d+ sequences, not the \d+ counted before in this run: its text changed"):
+            again.fetch("train", [2])
+    finally:
+        again.close()

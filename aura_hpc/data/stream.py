@@ -157,8 +157,16 @@ class StreamTokens(TokenReader):
                 self._sizes["train"][i] = int(n)
 
     def _learn(self, i: int, record: dict[str, Any]) -> None:
-        for split in ("train", "val"):
-            self._sizes[split][i] = max(0, (int(record[split]["tokens"]) - 1) // self.seq_len)
+        sizes = {split: max(0, (int(record[split]["tokens"]) - 1) // self.seq_len) for split in ("train", "val")}
+        if 0 <= self._sizes["train"][i] != sizes["train"]:
+            # Positions map to sequences through these sizes: taken in silence, samples were trained twice or never.
+            raise DataError(
+                f"piece {i} of {self.location} holds {sizes['train']} sequences, not the {self._sizes['train'][i]} counted before in "
+                "this run: its text changed under the run (a Hub dataset's new commit, a file edited) (fix: stream a copy that "
+                "does not change, e.g. `hf download --repo-type dataset NAME --local-dir DIR` and data.dataset=DIR, in a new run)"
+            )
+        for split, n in sizes.items():
+            self._sizes[split][i] = n
 
     def _locked(self, name: str) -> contextlib.AbstractContextManager[None]:
         return file_lock(self.build / "locks" / f"{name}.lock")
