@@ -3,6 +3,7 @@ the fix, before any training step (no checkpoint, no metrics, no worker output).
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 from collections.abc import Callable
@@ -487,6 +488,15 @@ def test_a_damaged_copy_of_a_checkpoints_tokenizer_is_not_another_tokenizer_and_
         with pytest.raises(DataError) as said:
             _check_same_tokenizer(cfg)
         assert f"a copy of {ckpt / 'tokenizer'} made outside checkpoints/" in str(said.value), said.value
+    # A stream's own tokenizer folder with its tokenizer.json cut short (a copy interrupted): tokenizers' traceback before.
+    from aura_hpc.data.tokenizer import STREAM_TOKENIZER_FIX
+    from aura_hpc.launch.run_setup import preflight_stream
+
+    (other / "tokenizer.json").write_bytes((prepared / "tokenizer" / "tokenizer.json").read_bytes()[:-10])
+    cfg = load_config(None, [f"data.path={tmp_path / 'raw.txt'}", "data.stream=true", f"data.tokenizer={other}"], run_name="tiny")
+    with pytest.raises(DataError, match=re.escape(f"{other / 'tokenizer.json'} could not be read as a tokenizer (")) as said:
+        preflight_stream(cfg)
+    assert str(said.value).endswith(f"(fix: {STREAM_TOKENIZER_FIX})"), said.value
 
 
 @pytest.mark.parametrize(

@@ -89,7 +89,7 @@ class StreamTokens(TokenReader):
 
     def __init__(self, d: Any, seq_len: int, local_rank: int = 0, local_world: int = 1) -> None:
         from aura_hpc.data.prepare import sha256_file
-        from aura_hpc.data.tokenizer import read_saved
+        from aura_hpc.data.tokenizer import STREAM_TOKENIZER_FIX, read_saved
 
         if not d.tokenizer:
             raise DataError(
@@ -97,7 +97,7 @@ class StreamTokens(TokenReader):
                 "e.g. a prepared directory of the same kind of text)"
             )
         tok_src = tokenizer_folder(d.tokenizer)
-        tok = read_saved(tok_src)
+        tok = read_saved(tok_src, STREAM_TOKENIZER_FIX)
         self.seq_len, self.local_rank, self.local_world = seq_len, local_rank, local_world
         self.location = d.dataset or d.path
         self.pieces = plan_pieces(d)

@@ -85,9 +85,7 @@ def load_tokenizer(name_or_path: str, out: Path) -> _Tok:
     if (folder / "tokenizer.json").is_file():
         # A local transformers tokenizer folder: load it with `tokenizers` alone (importing
         # transformers' AutoTokenizer costs ~2.7 s here) and copy the folder unchanged.
-        from tokenizers import Tokenizer
-
-        backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        backend = _backend(folder / "tokenizer.json", "pass a folder with a complete tokenizer.json, or omit --tokenizer to train one")
         eos = _special_token(folder, "eos_token")
         eos_id = backend.token_to_id(eos) if eos else None
         if eos_id is None:
@@ -115,13 +113,26 @@ def load_tokenizer(name_or_path: str, out: Path) -> _Tok:
     return _Tok(tok.backend_tokenizer, len(tok), int(tok.eos_token_id))
 
 
-def read_saved(folder: Path) -> _Tok:
-    """A tokenizer folder this package wrote (a resumed build's): `tokenizers` alone."""
-    from tokenizers import Tokenizer
+# The fix for a stream's tokenizer folder, which the user gave (not one this package wrote).
+STREAM_TOKENIZER_FIX = "a data.tokenizer folder saved by transformers' save_pretrained, or a prepared directory's tokenizer/"
 
-    backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+def read_saved(folder: Path, fix: str = "prepare again with --force") -> _Tok:
+    """A tokenizer folder this package wrote (a resumed build's), or a stream's: `tokenizers` alone."""
+    backend = _backend(folder / "tokenizer.json", fix)
     eos = _special_token(folder, "eos_token") or EOS_TOKEN
     eos_id = backend.token_to_id(eos)
     if eos_id is None:
-        raise DataError(f"tokenizer in {folder} has no eos token (fix: prepare again with --force)")
+        raise DataError(f"tokenizer in {folder} has no eos token (fix: {fix})")
     return _Tok(backend, backend.get_vocab_size(with_added_tokens=True), int(eos_id))
+
+
+def _backend(path: Path, fix: str) -> Any:
+    """tokenizers' Tokenizer from `path`; a damaged or cut-off file is one line, not the library's traceback."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises its own Exception (serde's message), OSError for a missing file
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise DataError(f"{path} could not be read as a tokenizer ({said}) (fix: {fix})") from None

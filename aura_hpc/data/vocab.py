@@ -15,10 +15,10 @@ def tokenizer_vocab(cfg: Any) -> int:
 
     if getattr(cfg.data, "stream", False) and cfg.data.tokenizer:
         from aura_hpc.data.stream import tokenizer_folder
-        from aura_hpc.data.tokenizer import read_saved
+        from aura_hpc.data.tokenizer import STREAM_TOKENIZER_FIX, read_saved
 
         try:
-            return read_saved(tokenizer_folder(cfg.data.tokenizer)).vocab_size
+            return read_saved(tokenizer_folder(cfg.data.tokenizer), STREAM_TOKENIZER_FIX).vocab_size
         except DataError:
             pass
     elif cfg.data.path:

@@ -160,10 +160,10 @@ def _check_resume_compatible(cfg: RunConfig, world_size: int, exact_world: bool 
 def preflight_stream(cfg: RunConfig) -> None:
     """A stream's source and tokenizer, checked before any worker starts (its size is not known)."""
     from aura_hpc.data.stream import plan_pieces, tokenizer_folder
-    from aura_hpc.data.tokenizer import read_saved
+    from aura_hpc.data.tokenizer import STREAM_TOKENIZER_FIX, read_saved
 
     folder = tokenizer_folder(cfg.data.tokenizer)
-    vocab = read_saved(folder).vocab_size
+    vocab = read_saved(folder, STREAM_TOKENIZER_FIX).vocab_size
     if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
         raise ConfigError(
             f"model.vocab_size {cfg.model.vocab_size} does not match data.tokenizer ({vocab}) (fix: --set model.vocab_size=0)"
