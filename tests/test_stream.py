@@ -374,6 +374,7 @@ def test_a_run_resumed_on_edited_files_says_its_position_is_in_another_order(tmp
     line = next((x for x in out.splitlines() if "trained on other data" in x), "")
     assert f"checkpoint step_00000017 was trained on other data (data_sha256 {before[:12]}" in line, out[-3000:]
     assert "goes on at sample 68 of this data's order" in line and "(fix: for an exact resume" in line, line
+    assert "its validation split may now hold text already trained on (eval_loss reads low)" in line, line
     after = read_meta(tmp_path / "edited" / "checkpoints" / "step_00000040")["data_sha256"]
     assert after != before and after[:12] in line
 

@@ -43,7 +43,8 @@ def same_data(chosen: str, meta: dict[str, Any], ours: Any, said: bool) -> bool:
     if said:
         log.warning(
             "checkpoint %s was trained on other data (data_sha256 %s, this data's %s): the run goes on at sample %s of this "
-            "data's order, so some of its sequences may train twice and others never (fix: for an exact resume, the data the "
+            "data's order, so some of its sequences may train twice and others never, and its validation split may now hold text "
+            "already trained on (eval_loss reads low) (fix: for an exact resume, the data the "
             "checkpoint was trained on: the same prepared folder, or a stream's files as they were)",
             chosen, theirs[:12], ours[:12], meta["samples_seen"],
         )  # fmt: skip
