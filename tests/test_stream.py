@@ -437,3 +437,41 @@ def test_a_streams_encoded_pieces_keep_to_data_cache_gb_and_come_back_when_neede
             again.fetch("train", [2])
     finally:
         again.close()
+
+
+def test_stream_builds_no_run_uses_go_oldest_first_past_data_cache_gb(tmp_path: Path, tok: Path) -> None:
+    """Each edit of the text (another key) made a new build in the node's cache, and none was ever removed: the disk
+    filled. Past data.cache_gb the builds no run holds go, the one used longest ago first; a held one stays, and
+    what the cache did not write stays."""
+    import os
+
+    from aura_hpc.config.tree import DataConfig
+    from aura_hpc.data.stream import StreamTokens
+    from aura_hpc.data.stream_builds import _bytes
+
+    def stream(seed: int, cache_gb: float = 1e-6) -> StreamTokens:
+        (tmp_path / f"{seed}.txt").write_text(generate(60, seed=seed), encoding="utf-8")
+        d = DataConfig(stream=True, path=str(tmp_path / f"{seed}.txt"), tokenizer=str(tok), cache_dir=str(tmp_path / "c"))
+        d.cache_gb = cache_gb
+        data = StreamTokens(d, seq_len=16)
+        data.fetch("train", [0])
+        return data
+
+    foreign = tmp_path / "c" / "stream" / "notes-of-mine"
+    foreign.mkdir(parents=True)
+    first, second = stream(1), stream(2)  # first is held: it stays, whatever the bound
+    builds = tmp_path / "c" / "stream"
+    assert first.build.is_dir() and second.build.is_dir()
+    first.close()
+    second.close()
+    os.utime(first.build / "in-use.lock", (1e9, 1e9))  # used longest ago
+    third = stream(3, cache_gb=2 * _bytes(second.build) / 2**30)  # room for two such builds, not two and the third's start
+    try:
+        assert not first.build.exists() and second.build.is_dir() and third.build.is_dir()
+    finally:
+        third.close()
+    for data in (second, third):
+        os.utime(data.build / "in-use.lock", (1e9, 1e9))
+    stream(3, cache_gb=1.0).close()  # within the bound: nothing goes
+    assert second.build.is_dir() and third.build.is_dir() and foreign.is_dir()
+    assert sorted(p.name for p in builds.iterdir()) == sorted([second.build.name, third.build.name, "notes-of-mine"])

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from aura_hpc.data import shards, storage
+from aura_hpc.data import shards, storage, stream_builds
 from aura_hpc.data.cache import default_dir, file_lock
 from aura_hpc.data.order import GlobalOrder
 from aura_hpc.data.packed import TokenReader
@@ -115,6 +115,7 @@ class StreamTokens(TokenReader):
         self.key = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
         root = Path(d.cache_dir).expanduser() if d.cache_dir else default_dir()
         self.build = root / "stream" / self.key[:16]
+        self._held = stream_builds.hold(self.build)  # no other run removes it while this one reads it
         (self.build / "locks").mkdir(parents=True, exist_ok=True)
         self._tokenizer_dir = self.build / "tokenizer"
         with self._locked("tokenizer"):
@@ -123,6 +124,8 @@ class StreamTokens(TokenReader):
                 shutil.rmtree(tmp, ignore_errors=True)
                 shutil.copytree(tok_src, tmp, ignore=shutil.ignore_patterns("*.bin", "*.safetensors", "*.pt"))
                 tmp.rename(self._tokenizer_dir)
+        if gone := stream_builds.forget_unused(self.build.parent, self.build, int(d.cache_gb * 2**30)):
+            log.info("data.cache_gb: removed %d stream build(s) no run uses (%s)", len(gone), ", ".join(gone))
         self.manifest: dict[str, Any] = {
             "tokenizer": {"vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "sha256": tok_sha, "source": str(tok_src)},
             "dtype": self.dtype.name,
@@ -308,6 +311,8 @@ class StreamTokens(TokenReader):
     def close(self) -> None:
         self._closed = True
         self._close_encoder()
+        stream_builds.release(self._held)
+        self._held = -1
 
 
 class StreamOrder(GlobalOrder):
