@@ -645,6 +645,51 @@ def test_a_slurm_node_takes_its_evidence_on_another_nodes_record_and_the_naming_
     assert not w._within_budget(12)[0] and "it hung 4 times in a row" in w._within_budget(12)[1]
 
 
+def test_a_slurm_watch_whose_run_directory_stops_answering_still_requeues_and_kills(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Slurm's act read the other nodes' records, the hang budget and the nodes to leave out in the shared RUN_DIR: on
+    a mount that stopped answering it waited there forever, the job neither requeued nor its ranks killed until its
+    time limit. Here every file it reads there is a FIFO nobody writes (a read that never returns)."""
+    import contextlib
+
+    from aura_hpc.launch.hang_watch import Hang
+    from aura_hpc.ops import excluded_nodes
+    from aura_hpc.slurm import exclude
+    from aura_hpc.slurm import watch as slurm_watch
+
+    cfg = load_config(None, [], output_dir=str(tmp_path), run_name="run")
+    (tmp_path / "progress").mkdir()
+    w = slurm_watch.SlurmHangWatch(cfg, tmp_path / "progress")
+    w.nodes, w.job_id, w.restarts = 2, 4242, 1
+    (cfg.run_dir / "hangs" / "n2").mkdir(parents=True)
+    fifos = [cfg.run_dir / "hangs" / "n2" / "hang.json", cfg.run_dir / "hangs" / slurm_watch.BUDGET_FILE, cfg.run_dir / excluded_nodes.FILE]
+    for fifo in fifos:
+        os.mkfifo(fifo)
+    monkeypatch.setattr(slurm_watch, "RUN_DIR_S", 1.0)
+    asked: list[str] = []
+    monkeypatch.setattr(exclude, "why_stopped", lambda job_id, restarts=None: exclude.Stopped())  # scontrol: no such job here
+    monkeypatch.setattr(exclude, "requeue", lambda job_id: asked.append(f"requeue {job_id}"))
+    monkeypatch.setattr(w, "kill", lambda ranks: asked.append(f"kill {sorted(ranks)}"))
+    was = signal.getsignal(signal.SIGTERM)  # the act ignores SIGTERM to outlive its requeue
+    try:
+        t0 = time.monotonic()
+        hang = Hang("hang: rank 1 is the culprit", tmp_path / "progress", [1], 12, time.time() - 100)
+        assert w.act(hang, {0: {"pid": 0}, 1: {"pid": 0}})
+        assert time.monotonic() - t0 < 10 and asked == ["requeue 4242", "kill [0, 1]"], asked
+        out = capsys.readouterr().out
+        assert f"{cfg.run_dir} did not answer within 1 s (a mount that hangs?): acting without it" in out, out
+        assert "(the job's requeue 2 of at most health.hang_restarts=2: the run directory's count of hangs in a row unread)" in out, out
+        w.restarts, w.run_dir_hung, asked[:] = 2, False, []  # its requeues past the budget: not requeued, still killed
+        assert w.act(hang, {0: {"pid": 0}}) and asked == ["kill [0]"], asked
+        assert "not requeued: it would be the job's requeue 3, past health.hang_restarts=2 (the run" in capsys.readouterr().out
+    finally:
+        signal.signal(signal.SIGTERM, was)
+        for fifo in fifos:  # the reads still waiting end (EOF)
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
 def test_a_laptop_resumed_from_sleep_or_a_clock_stepped_forward_is_no_hang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Idleness was measured on the wall clock, which counts a laptop's sleep (its ranks did not run either) and
     jumps with NTP: the first look after a resume saw minutes without progress, and the ranks were killed and

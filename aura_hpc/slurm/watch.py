@@ -48,6 +48,9 @@ from aura_hpc.train.process.dist_env import node_name
 
 ELSEWHERE_WAIT_S = 60.0
 BUDGET_FILE = "slurm_hang_restarts.json"
+# Each look the act takes into RUN_DIR (the budget, the other nodes' records, the nodes to leave out): a mount that
+# stops answering is a common hang, and the act waited in it forever, the job neither requeued nor its ranks killed.
+RUN_DIR_S = 20.0
 
 
 class SlurmHangWatch(HangWatch):
@@ -57,6 +60,21 @@ class SlurmHangWatch(HangWatch):
     nodes: int = 1
     earlier: frozenset[str] | set[str] = frozenset()  # RUN_DIR/hangs/ folders of earlier attempts (note_earlier_records)
     stop_asked: bool = False  # Slurm's pre-timeout signal (or scancel --signal) reached the step: the ranks stop
+    run_dir_hung: bool = False  # a look into RUN_DIR went unanswered: the act goes on without it
+
+    def in_run_dir(self, work: Any, *args: Any, default: Any) -> Any:
+        """`work(*args)`, which reads or writes RUN_DIR, waited for RUN_DIR_S; `default` past it (and from then on),
+        or where it failed (a full disk). What still runs finishes on its own once the mount answers."""
+        if self.run_dir_hung:
+            return default
+        finished, result = in_time(work, *args, limit=RUN_DIR_S)
+        if not finished:
+            self.run_dir_hung = True
+            hung = f"{self.cfg.run_dir} did not answer within {RUN_DIR_S:g} s (a mount that hangs?)"
+            print(f"[watchdog] {hung}: acting without it", flush=True)
+        elif isinstance(result, Exception):
+            print(f"[watchdog] {self.cfg.run_dir}: {type(result).__name__}: {result}", flush=True)
+        return result if finished and not isinstance(result, Exception) else default
 
     def act(self, hang: Hang, ranks: dict[int, dict[str, Any]], alone: bool = False) -> bool:
         """Requeue (within budget) and kill this node's ranks; False when another node acts (unless `alone`:
@@ -67,17 +85,27 @@ class SlurmHangWatch(HangWatch):
             self._wait_for_evidence_elsewhere()
         # Alone, after the node that named the culprit acted (and counted the hang) without ending this task:
         # the same hang, not one more against the budget.
-        requeue, why = self._within_budget(hang.progress_step, count=not alone)
+        budget = self.cfg.health.hang_restarts
+        requeue, why = self.in_run_dir(self._within_budget, hang.progress_step, not alone, default=(None, ""))
+        if requeue is None:  # the hangs in a row are not known: the job's requeues bound them
+            requeue, unread = self.restarts < budget, "the run directory's count of hangs in a row unread"
+            nth = f"the job's requeue {self.restarts + 1}"
+            why = (
+                f"{nth} of at most health.hang_restarts={budget}: {unread}"
+                if requeue
+                else f"it would be {nth}, past health.hang_restarts={budget} ({unread})"
+            )
         stopped = exclude.why_stopped(self.job_id, self.restarts) if requeue else exclude.Stopped()
         if stopped:  # a hang seen while a cancel or another hand's requeue stops the ranks: neither undone nor doubled
             requeue = False
         if hang.culprits and self.cfg.health.hang_exclude_node:
             ranks_named = ", ".join(map(str, hang.culprits))
-            excluded_nodes.record(self.cfg.run_dir, node_name(), f"rank {ranks_named} hung there")
+            self.in_run_dir(excluded_nodes.record, self.cfg.run_dir, node_name(), f"rank {ranks_named} hung there", default=None)
         if requeue:
             print(f"[watchdog] requeuing job {self.job_id} after the hang: it resumes from its newest checkpoint ({why})", flush=True)
             say = lambda m: print(f"[watchdog] {m}", flush=True)  # noqa: E731
-            judged, stopped = exclude.judge_unless_stopped(self.job_id, self.cfg.run_dir, say, self.restarts)
+            judge = exclude.judge_unless_stopped
+            judged, stopped = self.in_run_dir(judge, self.job_id, self.cfg.run_dir, say, self.restarts, default=(None, exclude.Stopped()))
             if stopped:
                 self._not_requeued(stopped)
             else:
@@ -85,7 +113,7 @@ class SlurmHangWatch(HangWatch):
                 if failed := exclude.requeue(self.job_id):
                     print(f"[watchdog] scontrol requeue {self.job_id} failed: {failed} (fix: resubmit the same command)", flush=True)
                 else:
-                    exclude.apply_after_requeue(self.job_id, self.cfg.run_dir, say, judged)
+                    self.in_run_dir(exclude.apply_after_requeue, self.job_id, self.cfg.run_dir, say, judged, default=None)
         elif stopped:
             self._not_requeued(stopped)
         else:
@@ -98,7 +126,8 @@ class SlurmHangWatch(HangWatch):
             print(f"[watchdog] not requeued: {stopped.why} (fix: see the hang's line and stacks, then resubmit)", flush=True)
             return
         print(f"[watchdog] {stopped.line}", flush=True)
-        exclude.after_another_hands_requeue(self.job_id, self.cfg.run_dir, lambda m: print(f"[watchdog] {m}", flush=True))
+        say = lambda m: print(f"[watchdog] {m}", flush=True)  # noqa: E731
+        self.in_run_dir(exclude.after_another_hands_requeue, self.job_id, self.cfg.run_dir, say, default=None)
 
     def note_earlier_records(self) -> None:
         """The hang records already in RUN_DIR/hangs/ when this attempt starts: an earlier attempt's. Told by
@@ -124,8 +153,8 @@ class SlurmHangWatch(HangWatch):
     def _another_node_named(self, hang: Hang) -> bool:
         """Another node's watchdog named the culprit (its record in the shared hangs/ folder)."""
         deadline = time.time() + ELSEWHERE_WAIT_S
-        while time.time() < deadline:
-            named = [v for v in self.peer_verdicts() if v.culprits]
+        while time.time() < deadline and not self.run_dir_hung:
+            named = [v for v in self.in_run_dir(self.peer_verdicts, default=[]) if v.culprits]
             if named:
                 print(f"[watchdog] {named[0].line[:2000]}", flush=True)
                 return True
@@ -135,7 +164,9 @@ class SlurmHangWatch(HangWatch):
     def _wait_for_evidence_elsewhere(self) -> None:
         """Until every other node of the job has kept its ranks' stacks (its record), or EVIDENCE_WAIT_S."""
         deadline = time.time() + EVIDENCE_WAIT_S
-        while len({v.host for v in self.peer_verdicts()}) < self.nodes - 1 and time.time() < deadline:
+        while time.time() < deadline and not self.run_dir_hung:
+            if len({v.host for v in self.in_run_dir(self.peer_verdicts, default=[])}) >= self.nodes - 1:
+                return
             time.sleep(0.5)
 
     def _within_budget(self, step: int, count: bool = True) -> tuple[bool, str]:
@@ -231,9 +262,10 @@ def _watch(watch: SlurmHangWatch, task_pid: int) -> int:
                 hang = investigate_in_time(watch, ranks)  # its evidence, within a time: RUN_DIR may be a mount that hangs
                 print(f"[watchdog] {hang.line}", flush=True)
                 sys.stderr.write(f"error: {hang.line}\n")
-                watch.add_native_stacks(hang, ranks)  # after the record: the other nodes wait for it, py-spy may take 20 s
+                # After the record: the other nodes wait for it; py-spy may take 20 s, and it writes into RUN_DIR.
+                in_time(watch.add_native_stacks, hang, ranks, limit=60.0)
                 if watch.act(hang, ranks, alone=still):
-                    record_hang(watch.cfg.run_dir, f"slurm-{watch.job_id}", hang.last_progress, time.time())
+                    watch.in_run_dir(record_hang, watch.cfg.run_dir, f"slurm-{watch.job_id}", hang.last_progress, time.time(), default=None)
                     notify(watch, hang)
                     return 0
                 watch._seen, left_at = {}, (time.time(), newest)
