@@ -120,7 +120,7 @@ def test_globs_and_max_tokens(tmp_path: Path) -> None:
     assert m["sources"] == [str((tmp_path / "in" / "b.jsonl").resolve())]
 
 
-def test_hub_dataset_path_with_a_local_dataset_folder(tmp_path: Path) -> None:
+def test_hub_dataset_path_with_a_local_dataset_folder(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """--dataset goes through datasets.load_dataset(name, subset, split, streaming=True): the hub code path."""
     ds = tmp_path / "my_dataset"
     (ds / "data").mkdir(parents=True)
@@ -180,7 +180,7 @@ def test_hub_dataset_path_with_a_local_dataset_folder(tmp_path: Path) -> None:
     (repo / "data" / "test-00000-of-00001.jsonl").write_text(json.dumps({"content": "la prueba"}) + "\n", encoding="utf-8")
     at = re.escape(str(repo))
     refused = rf"input '{at}' is a dataset repository \(%s\).* \(fix: prepare --dataset {at}, or data.dataset="
-    with pytest.raises(DataError, match=refused % "its files are the splits train, test"):
+    with pytest.raises(DataError, match=refused % "its files are the Hub's shards of the splits test, train"):
         prepare(PrepareSpec(out_dir=tmp_path / "r", inputs=[str(repo)], vocab_size=300))
     assert list(records("", None, str(repo), None, "train", "content", "snapshot")) == DOCS
     (repo / "data" / "test-00000-of-00001.jsonl").unlink()
@@ -189,6 +189,14 @@ def test_hub_dataset_path_with_a_local_dataset_folder(tmp_path: Path) -> None:
         prepare(PrepareSpec(out_dir=tmp_path / "r", inputs=[str(repo)], vocab_size=300))
     (repo / "README.md").write_text("---\ntitle: notes of mine, front matter and all\n---\n# Corpus\n")  # a README that is text
     assert resolve_inputs([str(repo)]) == [repo / "README.md", repo / "data" / "train-00000-of-00001.jsonl"]
+    # A corpus whose own names say a split (training notes beside an evaluation): read as given, and that is said.
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("training_notes.txt", "evaluation.txt", "novel.txt"):
+        (corpus / name).write_text("Un párrafo.\n", encoding="utf-8")
+    with caplog.at_level("WARNING", logger="aura_hpc"):
+        assert len(resolve_inputs([str(corpus)])) == 3
+    assert f"{corpus} holds files named for the splits train, test: they are all read alike" in caplog.text, caplog.text
 
 
 def test_text_added_to_a_local_dataset_folder_is_new_input(tmp_path: Path) -> None:

@@ -343,7 +343,7 @@ def test_an_encoder_killed_mid_piece_is_a_data_error_at_once_not_a_wait_forever(
                         encoders.append(child)
             time.sleep(0.05)
         # Slurm's stop signals reach every process of the step: they are the rank's to act on, and the encoder goes on.
-        for sig in (signal.SIGUSR2, signal.SIGINT, signal.SIGHUP):
+        for sig in (signal.SIGUSR2, signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
             encoders[0].send_signal(sig)
         time.sleep(0.5)
         assert encoders[0].is_running() and encoders[0].status() != psutil.STATUS_ZOMBIE and not said, said
@@ -433,8 +433,13 @@ def test_a_streams_encoded_pieces_keep_to_data_cache_gb_and_come_back_when_neede
     again = StreamTokens(d, seq_len=16)
     try:
         again.learn_counts([c + 1 if i == 2 else c for i, c in enumerate(data.counts())])
-        with pytest.raises(DataError, match=r"piece 2 of .* holds \d+ sequences, not the \d+ counted before in this run: its text changed"):
+        with pytest.raises(
+            DataError, match=r"piece 2 of .* holds \d+ sequences, not the \d+ counted before in this run: its text changed"
+        ) as said:
             again.fetch("train", [2])
+        assert str(said.value).endswith(
+            f"(fix: the text as it was, then re-run to resume; or, for the new text, a new --run-name after removing {again.build})"
+        )
     finally:
         again.close()
 

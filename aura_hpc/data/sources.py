@@ -125,9 +125,17 @@ def _not_a_saved_dataset(folder: Path) -> None:
 CARD_KEYS = ("configs", "dataset_info", "task_categories", "size_categories", "pretty_name")
 
 
+# The Hub's names for a split's files (datasets' push_to_hub: data/train-00000-of-00004.parquet): a repository's.
+HUB_SHARD = re.compile(r"(?:^|/)(train|validation|test)-\d{5}-of-\d{5}[^/]*$")
+# Words datasets takes for a split in a file or folder name (its SPLIT_KEYWORDS): a cheap look before its own.
+SPLIT_WORDS = {"train", "training", "validation", "valid", "dev", "val", "test", "testing", "eval", "evaluation"}
+
+
 def _not_a_dataset_repository(folder: Path, files: list[Path]) -> None:
     """A dataset repository (a Hub snapshot: `hf download --repo-type dataset ... --local-dir`), given as text: its card
-    (README.md) was trained as text, and its test and validation files beside the train ones."""
+    (README.md) was trained as text, and its test and validation files beside the train ones. A corpus whose own
+    file names only say a split (train.txt beside test.txt) is read as given, and that is said."""
+    texts = [p.relative_to(folder).as_posix() for p in files if p.suffix.lower() in TEXT_SUFFIXES]
     why = []
     if (folder / "README.md").is_file():
         with contextlib.suppress(Exception):  # a card whose YAML does not parse is no card
@@ -135,20 +143,28 @@ def _not_a_dataset_repository(folder: Path, files: list[Path]) -> None:
 
             if any(key in (metadata_load(folder / "README.md") or {}) for key in CARD_KEYS):
                 why.append("its README.md is a dataset card")
-    splits: list[str] = []
-    names = " ".join(str(p.relative_to(folder)).lower() for p in files)
-    if "train" in names and any(word in names for word in ("val", "dev", "test", "eval")):  # else datasets' 1 s import for nothing
-        with contextlib.suppress(Exception):  # no file datasets would read: nothing named as a split
-            from datasets.data_files import get_data_patterns
-
-            splits = [str(s) for s in get_data_patterns(str(folder))]  # how load_dataset names its splits, by file and folder names
-    if "train" in splits and len(splits) > 1:
-        why.append(f"its files are the splits {', '.join(splits)}")
+    shards = {m.group(1) for t in texts if (m := HUB_SHARD.search(t.lower()))}
+    if "train" in shards and len(shards) > 1:
+        why.append(f"its files are the Hub's shards of the splits {', '.join(sorted(shards))}")
     if why:
         raise DataError(
             f"input {str(folder)!r} is a dataset repository ({'; '.join(why)}): read as text, all of it would be trained "
             f"(fix: prepare --dataset {folder}, or data.dataset={folder} with data.stream=true: its train split is read; "
             "or pass the training files themselves)"
+        )
+    words = {w for t in texts for w in re.split(r"[-._ 0-9/]+", t.lower())}
+    if not words & {"train", "training"} or not words & (SPLIT_WORDS - {"train", "training"}):
+        return  # else datasets' 1 s import for nothing
+    splits: list[str] = []
+    with contextlib.suppress(Exception):  # no file datasets would read: nothing named as a split
+        from datasets.data_files import get_data_patterns
+
+        splits = [str(s) for s in get_data_patterns(str(folder))]  # how load_dataset names its splits, by file and folder names
+    if "train" in splits and len(splits) > 1:
+        log.warning(
+            "%s holds files named for the splits %s: they are all read alike (if some are held out, pass the training files themselves)",
+            folder,
+            ", ".join(splits),
         )
 
 

@@ -66,8 +66,9 @@ def plan_pieces(d: Any) -> list[shards.Piece]:
 
 # Slurm signals every process of the step (slurmstepd signals the whole container): SIGUSR2 ahead of the time
 # limit killed each rank's encoder, and the rank, in the middle of a piece, ended with "the encoder died"
-# (exit 74, the job over) instead of its checkpoint and requeue. The rank decides; SIGTERM still ends it (close).
-ENCODER_IGNORES = ("SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT")
+# (exit 74, the job over) instead of its checkpoint and requeue; SIGTERM (a cancel, a preemption) too, said as an
+# out-of-memory kill. The rank decides; close() ends it with SIGKILL.
+ENCODER_IGNORES = ("SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT", "SIGTERM")  # close() kills it
 
 
 def encoder_pool(local_world: int) -> ProcessPoolExecutor:
@@ -99,7 +100,7 @@ class StreamTokens(TokenReader):
         tok_src = tokenizer_folder(d.tokenizer)
         tok = read_saved(tok_src, STREAM_TOKENIZER_FIX)
         self.seq_len, self.local_rank, self.local_world = seq_len, local_rank, local_world
-        self.location = d.dataset or d.path
+        self.location, self.dataset = d.dataset or d.path, d.dataset
         self.pieces = plan_pieces(d)
         self.dtype = np.dtype(np.uint16 if tok.vocab_size <= 65536 else np.uint32)
         tok_sha = sha256_file(tok_src / "tokenizer.json")
@@ -163,10 +164,13 @@ class StreamTokens(TokenReader):
         sizes = {split: max(0, (int(record[split]["tokens"]) - 1) // self.seq_len) for split in ("train", "val")}
         if 0 <= self._sizes["train"][i] != sizes["train"]:
             # Positions map to sequences through these sizes: taken in silence, samples were trained twice or never.
+            if self.dataset:  # a Hub name: its key holds no revision, so a new run of it would meet the old counts again
+                fix = "stream a copy that does not change (`hf download --repo-type dataset NAME --local-dir DIR`, data.dataset=DIR)"
+            else:
+                fix = f"the text as it was, then re-run to resume; or, for the new text, a new --run-name after removing {self.build}"
             raise DataError(
                 f"piece {i} of {self.location} holds {sizes['train']} sequences, not the {self._sizes['train'][i]} counted before in "
-                "this run: its text changed under the run (a Hub dataset's new commit, a file edited) (fix: stream a copy that "
-                "does not change, e.g. `hf download --repo-type dataset NAME --local-dir DIR` and data.dataset=DIR, in a new run)"
+                f"this run: its text changed under the run (a Hub dataset's new commit, a file edited) (fix: {fix})"
             )
         for split, n in sizes.items():
             self._sizes[split][i] = n
@@ -298,14 +302,15 @@ class StreamTokens(TokenReader):
             pool, self._pool = self._pool, None
         if pool is None:
             return
-        # The piece in hand is not waited for: its process is ended (Python 3.14's call; before it, its processes).
-        terminate = getattr(pool, "terminate_workers", None)
-        if terminate is not None:
-            terminate()
+        # The piece in hand is not waited for: its process is killed (it ignores SIGTERM; Python 3.14's call, before it
+        # its processes). What it wrote is named by its pid and removed by the next encoding of the piece.
+        kill = getattr(pool, "kill_workers", None)
+        if kill is not None:
+            kill()
         else:
             for process in list((getattr(pool, "_processes", None) or {}).values()):
                 with contextlib.suppress(OSError, ValueError, AttributeError):
-                    process.terminate()
+                    process.kill()
         pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
