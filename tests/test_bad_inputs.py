@@ -379,11 +379,12 @@ ROWS = [
     ),
     Row("a run secret anyone could guess", ["local", D], "under the 16 a run's secret needs", env={"AURA_RUN_SECRET": "k9"}),
     Row("submit: a node range from 0", ["submit", "--dry-run", "--nodes", "0:4", "--output-dir", "{tmp}/runs"], "starts at 0 nodes"),
-    # A requeue on 2 of 3 nodes found ZeRO shards of 3 nodes' ranks: refused at resume (exit 2), the job over.
+    # A requeue on 2 of 3 nodes found ZeRO shards of 3 nodes' ranks: refused at resume (exit 2), the job over. A sweep's
+    # second point too.
     Row(
         "submit: a node range under ZeRO",
-        ["submit", "--dry-run", "--nodes", "2:3", "--set", "dist.strategy=zero2", "--output-dir", "{tmp}/runs"],
-        "(fix: --nodes 3, or dist.strategy=fsdp, whose checkpoints load at any world size)",
+        ["submit", "--dry-run", "--nodes", "2:3", "--sweep", "dist.strategy=ddp,zero2", "--output-dir", "{tmp}/runs"],
+        "(fix: exactly 3 nodes, --nodes 3 --set slurm.min_nodes=0; or dist.strategy=fsdp, whose checkpoints load at any world size)",
     ),
     # The fix offered the failing value itself (signal_lead_s=120 under a 1-minute limit).
     Row(

@@ -348,12 +348,14 @@ def plan_submit(
 
             node_counts = range(slurm.min_nodes or slurm.nodes, slurm.nodes + 1)  # --nodes=MIN-MAX: any of them
             check_equal_nodes(first.dist.diloco_replicas, node_counts, max(1, slurm.gpus_per_node))
-        if first.dist.strategy.startswith("zero") and slurm.min_nodes and slurm.min_nodes < slurm.nodes:
+        zero = next((p.cfg.dist.strategy for p in points if p.cfg.dist.strategy.startswith("zero")), "")  # a sweep's too
+        if zero and slurm.min_nodes and slurm.min_nodes < slurm.nodes:
             # A requeue on fewer nodes (a node left out, or fewer free) found shards it cannot load: exit 2, the job over.
             raise ConfigError(
-                f"--nodes {slurm.min_nodes}:{slurm.nodes} with dist.strategy={first.dist.strategy}: a requeue on another number "
-                "of nodes could not resume, as ZeRO's checkpoints load only at the world size that wrote them "
-                f"(fix: --nodes {slurm.nodes}, or dist.strategy=fsdp, whose checkpoints load at any world size)"
+                f"a range of {slurm.min_nodes} to {slurm.nodes} nodes with dist.strategy={zero}: a requeue on another number of "
+                "nodes could not resume, as ZeRO's checkpoints load only at the world size that wrote them (fix: exactly "
+                f"{slurm.nodes} nodes, --nodes {slurm.nodes} --set slurm.min_nodes=0; or dist.strategy=fsdp, whose "
+                "checkpoints load at any world size)"
             )
         vocab = tokenizer_vocab(first)
         memory = plan_memory(first, vocab, world, gpu=slurm.gpus_per_node > 0)
