@@ -529,3 +529,28 @@ def test_data_replaced_in_a_bucket_leaves_no_file_of_the_old_tokenizer(tmp_path:
     left = sorted(p.rsplit("/", 1)[1] for p in fs.ls("prep/replaced/tokenizer"))
     assert "merges.txt" not in left and "tokenizer.json" in left, left
     storage._FS.clear()
+
+
+def test_many_objects_are_listed_once_not_asked_for_one_by_one(tmp_path: Path, s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepare (and each rank of a stream) asked for every input object's size and ETag one by one, three requests an
+    object (a listing of its key, a HEAD, another HEAD for its size) after the listing that found them all: 100,000
+    objects were hours of requests before the first token. What the listing said is taken."""
+    from aura_hpc.data import shards, storage
+    from aura_hpc.data.prepare import PrepareSpec, input_key
+    from aura_hpc.data.sources import TEXT_SUFFIXES, resolve_inputs
+
+    fs = s3.fs()
+    for i in range(40):
+        fs.pipe(f"raw/listed-once/part-{i:03d}.txt", f"Párrafo {i}.\n\n".encode())
+    endpoint, log = s3.proxy(tmp_path)
+    for k, v in s3.env(endpoint=endpoint).items():
+        monkeypatch.setenv(k, v)
+    storage._FS.clear()
+    before = len(log.read_text().splitlines())  # the proxy's own check that it answers
+    files = resolve_inputs(["s3://raw/listed-once"])
+    key = input_key(PrepareSpec(out_dir=tmp_path / "p", inputs=["s3://raw/listed-once"]), files)
+    pieces = shards.plan(files, TEXT_SUFFIXES, 1 << 20, None, False)
+    asked = log.read_text().splitlines()[before:]
+    assert len(files) == len(pieces) == 40 and len(key) == 64
+    assert asked == ["GET /raw 200"], asked  # the listing: not one more request an object
+    storage._FS.clear()

@@ -220,7 +220,20 @@ def read_bytes(url: str, policy: Policy = Policy(), start: int | None = None, en
     return retrying(url, lambda: fs.cat_file(strip(url), start=start, end=end), policy)
 
 
+# What a listing said of each object, for a minute: prepare (and each rank of a stream) asked for every input object
+# again, one request each after the listing that found them all (100,000 objects: a request each before any token).
+LISTED_S = 60.0
+_LISTED: dict[str, tuple[float, tuple[int, str]]] = {}
+
+
+def _listed(url: str) -> tuple[int, str] | None:
+    seen = _LISTED.get(url)
+    return seen[1] if seen is not None and time.monotonic() - seen[0] < LISTED_S else None
+
+
 def size(url: str, policy: Policy = Policy()) -> int:
+    if (seen := _listed(url)) is not None:
+        return seen[0]
     fs = filesystem(policy)
     return int(retrying(url, lambda: fs.info(strip(url))["size"], policy))
 
@@ -234,6 +247,8 @@ def objects(pattern: str, policy: Policy = Policy()) -> dict[str, tuple[int, str
     """Objects under a prefix, or matching a glob, or the object itself: URL -> (size, ETag)."""
     fs = filesystem(policy)
     path = strip(pattern)
+    if (seen := _listed(pattern)) is not None:  # one object a listing just named
+        return {pattern: seen}
     if any(c in path for c in "*?["):
         found = retrying(pattern, lambda: fs.glob(path, detail=True), policy)
     else:
@@ -244,14 +259,18 @@ def objects(pattern: str, policy: Policy = Policy()) -> dict[str, tuple[int, str
                 found = {path: info} if info.get("type") == "file" else {}
             except DataError:
                 found = {}
-    return {
+    listed = {
         SCHEME + k: (int(v.get("size", 0)), str(v.get("ETag", v.get("LastModified", ""))))
         for k, v in found.items()
         if v.get("type") != "directory"
     }
+    now = time.monotonic()
+    _LISTED.update({url: (now, seen) for url, seen in listed.items()})
+    return listed
 
 
 def delete(url: str, policy: Policy = Policy()) -> None:
+    _LISTED.pop(url, None)  # what a listing said of it no longer holds
     fs = filesystem(policy)
     retrying(url, lambda: fs.rm_file(strip(url)), policy)
 
@@ -262,11 +281,13 @@ def download(url: str, dest: Any, policy: Policy = Policy()) -> None:
 
 
 def upload(local: Any, url: str, policy: Policy = Policy()) -> None:
+    _LISTED.pop(url, None)  # what a listing said of it no longer holds
     fs = filesystem(policy)
     retrying(url, lambda: fs.put_file(str(local), strip(url)), policy, local=str(local))
 
 
 def write_bytes(url: str, data: bytes, policy: Policy = Policy()) -> None:
+    _LISTED.pop(url, None)  # what a listing said of it no longer holds
     fs = filesystem(policy)
     retrying(url, lambda: fs.pipe_file(strip(url), data), policy)
 
