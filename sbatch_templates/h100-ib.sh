@@ -37,7 +37,8 @@ fi
 if [ -f "${AURA_VENV:-$HOME/venvs/aura}/bin/activate" ]; then source "${AURA_VENV:-$HOME/venvs/aura}/bin/activate"; fi
 
 # Threads per rank for CPU-side work (data loading, optimizer on CPU): the task's CPUs. --cpus-per-task=14:
-# 8 tasks x 14 = the 112 cores of a DGX H100/H200 (2 x 56), whether Slurm counts cores or threads as CPUs.
+# 8 tasks x 14 = the 112 cores of a DGX H100/H200 (2 x 56) where Slurm counts cores as CPUs. Where it counts
+# hardware threads (`scontrol show node` says CPUTot=224), 14 CPUs are 7 cores, half the node: use 28 there.
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 # Bootstrap interface only: NCCL's out-of-band setup uses this TCP interface (gloo's side groups
 # read GLOO_SOCKET_IFNAME, else the host name's address); the data goes over InfiniBand. Change it when your nodes have several Ethernet/IPoIB interfaces

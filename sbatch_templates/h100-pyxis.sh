@@ -33,7 +33,8 @@
 #AURA container_mounts=/shared:/shared
 
 # Exported here, inherited by the containers (Pyxis passes the job's environment in).
-# --cpus-per-task=14: 8 tasks x 14 = the 112 cores of a DGX H100 (2 x 56), whether Slurm counts cores or threads as CPUs.
+# --cpus-per-task=14: 8 tasks x 14 = the 112 cores of a DGX H100 (2 x 56) where Slurm counts cores as CPUs; where it
+# counts hardware threads (`scontrol show node`: CPUTot=224), 14 CPUs are 7 cores, half the node: use 28 there.
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 export NCCL_SOCKET_IFNAME=^lo,docker
 export NCCL_IB_HCA=mlx5
