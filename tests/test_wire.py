@@ -571,6 +571,14 @@ def test_a_backend_that_cannot_start_on_one_rank_makes_every_rank_fall_back_befo
     said = r.stdout + r.stderr + "".join(p.read_text() for p in (tmp_path / "connect").rglob("rank0*.log"))
     assert r.returncode != 0 and "could not connect the ranks: rank 1 failed in its set-up (fault injection" in said, said[-3000:]
     assert time.monotonic() - t0 < 100
+    # A GPU this torch has no kernels for (a Pascal laptop, a recent wheel) is no NCCL problem: every rank fell back to
+    # gloo, then that rank's first kernel failed anyway. Refused, naming the rank and the fix.
+    out = ["--output-dir", str(tmp_path / "device")]
+    r = run_cli([*args, *out], timeout=300, AURA_FAULT_BACKEND="1:device")
+    said = r.stdout + r.stderr
+    refused = "rank 1: its GPU cannot run this torch's kernels (fault injection) (fix: on that machine"
+    assert r.returncode == 2 and refused in said, said[-3000:]
+    assert "fallback=gloo" not in said and "finished at step" not in said
 
 
 def test_prepared_pieces_count_only_whole_and_a_copy_of_the_text_keys_the_same(tmp_path: Path) -> None:

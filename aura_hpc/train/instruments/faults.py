@@ -91,7 +91,8 @@ def primary_backend() -> str | None:
 
 
 def backend_fails(rank: int, stage: str = "") -> str:
-    """AURA_FAULT_BACKEND=R: rank R says it cannot start the backend; R:connect: it fails inside the set-up, the others in it."""
+    """AURA_FAULT_BACKEND=R: rank R says it cannot start the backend; R:connect: it fails inside the set-up, the others in it;
+    R:device: its GPU cannot run the kernels (`stage` asks for which)."""
     r, _, when = os.environ.get("AURA_FAULT_BACKEND", "").partition(":")
     return "fault injection: the backend cannot start on this rank" if r and int(r) == rank and when == stage else ""
 

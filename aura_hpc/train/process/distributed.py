@@ -194,9 +194,14 @@ def _nccl_problem(device: torch.device, env: DistEnv) -> str:
     try:
         torch.cuda.set_device(device)
         torch.zeros(1, device=device)
-    except Exception as exc:
-        return _first_line(exc)
+    except Exception as exc:  # no NCCL problem: a torch built without this GPU's kernels (a Pascal laptop, a cu128 wheel)
+        return f"{NO_KERNELS}({_first_line(exc)})"
     return ""
+
+
+# What a rank whose GPU cannot run this torch's kernels says: every rank fell back to gloo, and that rank's first kernel
+# then failed anyway (the others' GPUs idle behind gloo).
+NO_KERNELS = "its GPU cannot run this torch's kernels "
 
 
 def init_process_group(env: DistEnv, backend: str, device: torch.device, init_timeout_s: int, timeout_s: int) -> str:
@@ -225,8 +230,16 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, init_ti
         return _gloo(group_store, env, device, timeout)
     # Every rank says whether it can start NCCL here, from local facts (a CPU-only node among GPU
     # ones included): all decide alike before any enters anything collective.
-    problem = faults.backend_fails(env.rank) if simulated else _nccl_problem(device, env)
+    if simulated:
+        problem = faults.backend_fails(env.rank) or (f"{NO_KERNELS}(fault injection)" if faults.backend_fails(env.rank, "device") else "")
+    else:
+        problem = _nccl_problem(device, env)
     failed = agree("backend-ready", problem, init_timeout_s, waiting="waiting for every rank to say whether NCCL can start")
+    if broken := [f for f in failed if NO_KERNELS in f]:
+        raise LaunchError(
+            f"{broken[0]} (fix: on that machine, a torch build with kernels for its GPU: torch's warning in its log names one; "
+            "or --backend gloo on every node, which trains on the CPUs)"
+        )
     if not simulated and backend == "auto" and len(failed) == env.world_size and all(f.endswith(": no CUDA device") for f in failed):
         return _gloo(group_store, env, device, timeout)  # no GPU anywhere: gloo, nothing to say
     wanted = simulated or "nccl"
