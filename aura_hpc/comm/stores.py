@@ -57,7 +57,10 @@ def bound_server(addr: str, port: int, timeout: timedelta, multi_tenant: bool = 
     """A TCPStore server listening on `addr` alone (port 0: a free one; `.port` says which)."""
     import torch.distributed as dist
 
-    infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    try:  # IPv4, as the route, `check` and every node's checks take a name (a router's DNS may answer IPv6 first)
+        infos = socket.getaddrinfo(addr, port, family=socket.AF_INET, type=socket.SOCK_STREAM)
+    except socket.gaierror:  # an IPv6 literal, or a name with no IPv4 address
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     family, _, _, _, sockaddr = infos[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -74,7 +77,7 @@ def bound_server(addr: str, port: int, timeout: timedelta, multi_tenant: bool = 
     libuv = _libuv_takes_a_listen_fd() and os.environ.get("TORCH_DISTRIBUTED_USE_LIBUV", "1") != "0"
     try:
         return dist.TCPStore(
-            addr,
+            sockaddr[0],  # its own client: the address it listens on, not the name looked up again
             real_port,
             None,
             True,
