@@ -301,11 +301,15 @@ def _connect(backend: str, store: Any, env: DistEnv, device: torch.device, init_
     failures = f"{prefix}/backend-connected/{FAILED}"
     name = backend.upper() if backend == "nccl" else backend
 
+    # Two GPUs of one desktop (consumer cards, an IOMMU) often hang in NCCL's direct GPU-to-GPU path: its switch named.
+    p2p = "; GPUs of one machine that never connect: NCCL_P2P_DISABLE=1" if backend == "nccl" and env.local_world_size > 1 else ""
+
     def give_up(why: str) -> None:
         log.error(
-            "%s (fix: `python -m aura_hpc check` between the nodes; NCCL_SOCKET_IFNAME / InfiniBand settings; "
+            "%s (fix: `python -m aura_hpc check` between the nodes; NCCL_SOCKET_IFNAME / InfiniBand settings%s; "
             "or --backend gloo, which trains on the CPUs)",
             why,
+            p2p,
         )
         logging.shutdown()
         os._exit(EXIT_TRAIN_FAILED)
