@@ -679,10 +679,10 @@ def test_a_slurm_watch_whose_run_directory_stops_answering_still_requeues_and_ki
         assert time.monotonic() - t0 < 10 and asked == ["requeue 4242", "kill [0, 1]"], asked
         out = capsys.readouterr().out
         assert f"{cfg.run_dir} did not answer within 1 s (a mount that hangs?): acting without it" in out, out
-        assert "(the job's requeue 2 of at most health.hang_restarts=2: the run directory's count of hangs in a row unread)" in out, out
-        w.restarts, w.run_dir_hung, asked[:] = 2, False, []  # its requeues past the budget: not requeued, still killed
+        assert "(the job's requeue 2 of at most slurm.max_requeues=10: the run directory's count of hangs in a row unread)" in out, out
+        w.restarts, w.run_dir_hung, asked[:] = 10, False, []  # its requeues past slurm.max_requeues: not requeued, still killed
         assert w.act(hang, {0: {"pid": 0}}) and asked == ["kill [0]"], asked
-        assert "not requeued: it would be the job's requeue 3, past health.hang_restarts=2 (the run" in capsys.readouterr().out
+        assert "not requeued: it would be the job's requeue 11, past slurm.max_requeues=10 (the run" in capsys.readouterr().out
     finally:
         signal.signal(signal.SIGTERM, was)
         for fifo in fifos:  # the reads still waiting end (EOF)

@@ -467,16 +467,26 @@ def test_stream_builds_no_run_uses_go_oldest_first_past_data_cache_gb(tmp_path: 
     first, second = stream(1), stream(2)  # first is held: it stays, whatever the bound
     builds = tmp_path / "c" / "stream"
     assert first.build.is_dir() and second.build.is_dir()
-    first.close()
-    second.close()
-    os.utime(first.build / "in-use.lock", (1e9, 1e9))  # used longest ago
-    third = stream(3, cache_gb=2 * _bytes(second.build) / 2**30)  # room for two such builds, not two and the third's start
+    for data in (first, second):
+        data.close()  # its process goes on (the final checkpoint reads the build's tokenizer): still held
+    early = stream(5)  # a run starting meanwhile, with room for nothing: it removes neither
+    early.close()
+    early.let_go()
+    assert first.build.is_dir() and second.build.is_dir()
+    for data in (first, second):
+        data.let_go()  # as its process's exit does
+    os.utime(first.build / "in-use.lock", (1e9, 1e9))  # used longest ago, then the early one
+    os.utime(early.build / "in-use.lock", (1e9 + 1, 1e9 + 1))
+    third = stream(3, cache_gb=2 * _bytes(second.build) / 2**30)  # room for two such builds, not three and the third's start
     try:
-        assert not first.build.exists() and second.build.is_dir() and third.build.is_dir()
+        assert not first.build.exists() and not early.build.exists() and second.build.is_dir() and third.build.is_dir()
     finally:
         third.close()
+        third.let_go()
     for data in (second, third):
         os.utime(data.build / "in-use.lock", (1e9, 1e9))
-    stream(3, cache_gb=1.0).close()  # within the bound: nothing goes
+    again = stream(3, cache_gb=1.0)  # within the bound: nothing goes
+    again.close()
+    again.let_go()
     assert second.build.is_dir() and third.build.is_dir() and foreign.is_dir()
     assert sorted(p.name for p in builds.iterdir()) == sorted([second.build.name, third.build.name, "notes-of-mine"])

@@ -121,6 +121,9 @@ def test_a_name_with_an_ipv6_address_first_binds_the_ipv4_one_every_other_step_u
     try:
         listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == server.port}
         assert listening == {"127.0.0.1"}, listening
+        # And a client dials that address: torch's own lookup tried the IPv6 one first, until its timeout.
+        stores.client("desktop.lan", server.port, timedelta(seconds=5), give_up_s=20).set("k", "v")
+        assert server.get("k") == b"v"
     finally:
         del server
 

@@ -223,12 +223,19 @@ def read_bytes(url: str, policy: Policy = Policy(), start: int | None = None, en
 # What a listing said of each object, for a minute: prepare (and each rank of a stream) asked for every input object
 # again, one request each after the listing that found them all (100,000 objects: a request each before any token).
 LISTED_S = 60.0
-_LISTED: dict[str, tuple[float, tuple[int, str]]] = {}
+_LISTED: dict[tuple[str, str], tuple[float, tuple[int, str]]] = {}
+
+
+def _memo_key(url: str) -> tuple[str, str]:
+    return os.environ.get("AWS_ENDPOINT_URL", ""), url  # one endpoint's objects are not another's
 
 
 def _listed(url: str) -> tuple[int, str] | None:
-    seen = _LISTED.get(url)
-    return seen[1] if seen is not None and time.monotonic() - seen[0] < LISTED_S else None
+    seen = _LISTED.get(_memo_key(url))
+    if seen is not None and time.monotonic() - seen[0] >= LISTED_S:
+        _LISTED.pop(_memo_key(url), None)
+        return None
+    return seen[1] if seen is not None else None
 
 
 def size(url: str, policy: Policy = Policy()) -> int:
@@ -265,12 +272,12 @@ def objects(pattern: str, policy: Policy = Policy()) -> dict[str, tuple[int, str
         if v.get("type") != "directory"
     }
     now = time.monotonic()
-    _LISTED.update({url: (now, seen) for url, seen in listed.items()})
+    _LISTED.update({_memo_key(url): (now, seen) for url, seen in listed.items()})
     return listed
 
 
 def delete(url: str, policy: Policy = Policy()) -> None:
-    _LISTED.pop(url, None)  # what a listing said of it no longer holds
+    _LISTED.pop(_memo_key(url), None)  # what a listing said of it no longer holds
     fs = filesystem(policy)
     retrying(url, lambda: fs.rm_file(strip(url)), policy)
 
@@ -281,13 +288,13 @@ def download(url: str, dest: Any, policy: Policy = Policy()) -> None:
 
 
 def upload(local: Any, url: str, policy: Policy = Policy()) -> None:
-    _LISTED.pop(url, None)  # what a listing said of it no longer holds
+    _LISTED.pop(_memo_key(url), None)  # what a listing said of it no longer holds
     fs = filesystem(policy)
     retrying(url, lambda: fs.put_file(str(local), strip(url)), policy, local=str(local))
 
 
 def write_bytes(url: str, data: bytes, policy: Policy = Policy()) -> None:
-    _LISTED.pop(url, None)  # what a listing said of it no longer holds
+    _LISTED.pop(_memo_key(url), None)  # what a listing said of it no longer holds
     fs = filesystem(policy)
     retrying(url, lambda: fs.pipe_file(strip(url), data), policy)
 

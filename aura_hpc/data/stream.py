@@ -314,8 +314,14 @@ class StreamTokens(TokenReader):
         pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
+        """The encoder ended. The build stays held until this process exits: the final checkpoint and sample read
+        its tokenizer after the feed closes, and another run starting meanwhile took it for unused."""
         self._closed = True
         self._close_encoder()
+        stream_builds.touch(self._held)
+
+    def let_go(self) -> None:
+        """The build no longer held (a process that goes on after its run: a notebook, a test)."""
         stream_builds.release(self._held)
         self._held = -1
 

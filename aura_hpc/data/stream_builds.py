@@ -46,6 +46,12 @@ def release(fd: int) -> None:
         os.close(fd)
 
 
+def touch(fd: int) -> None:
+    """The build's last use is now (the oldest unused go first)."""
+    with contextlib.suppress(OSError):
+        os.utime(fd)
+
+
 def forget_unused(streams: Path, keep: Path, max_bytes: int) -> list[str]:
     """The builds in `streams` no run holds, used longest ago first, removed while all the builds (`keep`'s
     included) are past `max_bytes`; the names removed."""
@@ -79,6 +85,11 @@ def _remove_unless_held(streams: Path, build: Path) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False  # a run holds it
+        try:  # still the build's use file: another remover may have moved that build aside, and a run made it anew
+            if os.fstat(fd).st_ino != os.stat(build / IN_USE).st_ino:
+                return False
+        except FileNotFoundError:
+            return False
         aside = streams / f"{ASIDE}{build.name}-{os.getpid()}"
         try:
             build.rename(aside)

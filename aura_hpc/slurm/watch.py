@@ -62,12 +62,13 @@ class SlurmHangWatch(HangWatch):
     stop_asked: bool = False  # Slurm's pre-timeout signal (or scancel --signal) reached the step: the ranks stop
     run_dir_hung: bool = False  # a look into RUN_DIR went unanswered: the act goes on without it
 
-    def in_run_dir(self, work: Any, *args: Any, default: Any) -> Any:
-        """`work(*args)`, which reads or writes RUN_DIR, waited for RUN_DIR_S; `default` past it (and from then on),
-        or where it failed (a full disk). What still runs finishes on its own once the mount answers."""
+    def in_run_dir(self, work: Any, *args: Any, default: Any, slurm_s: float = 0.0) -> Any:
+        """`work(*args)`, which reads or writes RUN_DIR, waited for RUN_DIR_S (and `slurm_s` more for the scontrol
+        calls it makes); `default` past it (and from then on), or where it failed (a full disk). What still runs
+        finishes on its own once the mount answers: it asks Slurm nothing that changes the job."""
         if self.run_dir_hung:
             return default
-        finished, result = in_time(work, *args, limit=RUN_DIR_S)
+        finished, result = in_time(work, *args, limit=RUN_DIR_S + slurm_s)
         if not finished:
             self.run_dir_hung = True
             hung = f"{self.cfg.run_dir} did not answer within {RUN_DIR_S:g} s (a mount that hangs?)"
@@ -85,16 +86,12 @@ class SlurmHangWatch(HangWatch):
             self._wait_for_evidence_elsewhere()
         # Alone, after the node that named the culprit acted (and counted the hang) without ending this task:
         # the same hang, not one more against the budget.
-        budget = self.cfg.health.hang_restarts
         requeue, why = self.in_run_dir(self._within_budget, hang.progress_step, not alone, default=(None, ""))
-        if requeue is None:  # the hangs in a row are not known: the job's requeues bound them
-            requeue, unread = self.restarts < budget, "the run directory's count of hangs in a row unread"
-            nth = f"the job's requeue {self.restarts + 1}"
-            why = (
-                f"{nth} of at most health.hang_restarts={budget}: {unread}"
-                if requeue
-                else f"it would be {nth}, past health.hang_restarts={budget} ({unread})"
-            )
+        if requeue is None:  # the hangs in a row are not known (a preemption or a time limit requeues too): slurm.max_requeues
+            most = self.cfg.slurm.max_requeues
+            requeue, unread = self.restarts < most, "the run directory's count of hangs in a row unread"
+            nth, budget_said = f"the job's requeue {self.restarts + 1}", f"slurm.max_requeues={most}"
+            why = f"{nth} of at most {budget_said}: {unread}" if requeue else f"it would be {nth}, past {budget_said} ({unread})"
         stopped = exclude.why_stopped(self.job_id, self.restarts) if requeue else exclude.Stopped()
         if stopped:  # a hang seen while a cancel or another hand's requeue stops the ranks: neither undone nor doubled
             requeue = False
@@ -104,8 +101,13 @@ class SlurmHangWatch(HangWatch):
         if requeue:
             print(f"[watchdog] requeuing job {self.job_id} after the hang: it resumes from its newest checkpoint ({why})", flush=True)
             say = lambda m: print(f"[watchdog] {m}", flush=True)  # noqa: E731
-            judge = exclude.judge_unless_stopped
-            judged, stopped = self.in_run_dir(judge, self.job_id, self.cfg.run_dir, say, self.restarts, default=(None, exclude.Stopped()))
+            # The judgement asks scontrol too (JUDGE_BUDGET_S, then why_stopped's own wait): that time is Slurm's, not the mount's.
+            judge, slurm_s = exclude.judge_unless_stopped, exclude.JUDGE_BUDGET_S + 40.0
+            judged, stopped = self.in_run_dir(
+                judge, self.job_id, self.cfg.run_dir, say, self.restarts, default=(None, None), slurm_s=slurm_s
+            )
+            if stopped is None:  # not judged in time: a cancel meanwhile is still not undone by the requeue
+                stopped = exclude.why_stopped(self.job_id, self.restarts)
             if stopped:
                 self._not_requeued(stopped)
             else:
@@ -113,7 +115,7 @@ class SlurmHangWatch(HangWatch):
                 if failed := exclude.requeue(self.job_id):
                     print(f"[watchdog] scontrol requeue {self.job_id} failed: {failed} (fix: resubmit the same command)", flush=True)
                 else:
-                    self.in_run_dir(exclude.apply_after_requeue, self.job_id, self.cfg.run_dir, say, judged, default=None)
+                    self.in_run_dir(exclude.apply_after_requeue, self.job_id, self.cfg.run_dir, say, judged, default=None, slurm_s=40.0)
         elif stopped:
             self._not_requeued(stopped)
         else:

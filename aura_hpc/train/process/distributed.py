@@ -194,8 +194,10 @@ def _nccl_problem(device: torch.device, env: DistEnv) -> str:
     try:
         torch.cuda.set_device(device)
         torch.zeros(1, device=device)
-    except Exception as exc:  # no NCCL problem: a torch built without this GPU's kernels (a Pascal laptop, a cu128 wheel)
-        return f"{NO_KERNELS}({_first_line(exc)})"
+    except Exception as exc:
+        if "no kernel image" in str(exc).lower():  # no NCCL problem: a torch built without this GPU's kernels (a cu128 wheel, Pascal)
+            return f"{NO_KERNELS}({_first_line(exc)})"
+        return _first_line(exc)  # out of memory, a busy GPU, a fault: the training loop's GPU checks name them
     return ""
 
 
@@ -302,7 +304,8 @@ def _connect(backend: str, store: Any, env: DistEnv, device: torch.device, init_
     name = backend.upper() if backend == "nccl" else backend
 
     # Two GPUs of one desktop (consumer cards, an IOMMU) often hang in NCCL's direct GPU-to-GPU path: its switch named.
-    p2p = "; GPUs of one machine that never connect: NCCL_P2P_DISABLE=1" if backend == "nccl" and env.local_world_size > 1 else ""
+    one_machine = backend == "nccl" and 1 < env.local_world_size == env.world_size  # on a multi-node job the network is likelier
+    p2p = "; GPUs of one machine that never connect: NCCL_P2P_DISABLE=1" if one_machine else ""
 
     def give_up(why: str) -> None:
         log.error(
