@@ -47,6 +47,11 @@ def one_line(text: str) -> str:
     return "".join(repr(c)[1:-1] if unicodedata.category(c) in BREAKING_CATEGORIES else c for c in text)
 
 
+def first_line(exc: BaseException) -> str:
+    """What an exception says, in one line a message can quote (its type where it says nothing)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
 def shown(value: object, limit: int = 40) -> str:
     """A value as quoted in a message: repr, on one line, cut to about `limit` characters (a value
     from a file can be megabytes; the message must stay one readable line)."""

@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import shlex
 
+from aura_hpc.errors import first_line
+
 
 def _os_error_line(exc: OSError, out: str) -> str:
     import errno
 
     where = exc.filename or out
     if exc.errno is None or isinstance(exc, (TimeoutError, ConnectionError)):  # a network's, not a path's
-        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        return f"reading the inputs failed: {said} (fix: check the network or the storage, then run again; pieces done stay)"
+        return f"reading the inputs failed: {first_line(exc)} (fix: check the network or the storage, then run again; pieces done stay)"
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return (
             f"no space left on the disk of {where} while preparing (fix: free space there or choose another --out; "

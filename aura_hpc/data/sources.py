@@ -15,6 +15,7 @@ from typing import Any
 
 from aura_hpc.data import storage
 from aura_hpc.errors import DataError
+from aura_hpc.errors import first_line as _first_line
 
 log = logging.getLogger("aura_hpc")
 TEXT_SUFFIXES = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -294,10 +295,6 @@ def _unreadable(source: str, builder: str, exc: BaseException) -> DataError:
     return DataError(
         f"{source!r} could not be read as {builder}: {_first_line(cause or exc)} (fix: make it {_FORMS.get(builder, f'valid {builder}')})"
     )
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def check_column(source: Path | str, column: str, value: object) -> None:

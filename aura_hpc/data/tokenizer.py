@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aura_hpc.errors import DataError
+from aura_hpc.errors import DataError, first_line
 
 EOS_TOKEN = "<|endoftext|>"
 # What a prepared directory's tokenizer/ may hold (transformers' tokenizer files): a copied tokenizer
@@ -134,5 +134,4 @@ def _backend(path: Path, fix: str) -> Any:
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises its own Exception (serde's message), OSError for a missing file
-        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise DataError(f"{path} could not be read as a tokenizer ({said}) (fix: {fix})") from None
+        raise DataError(f"{path} could not be read as a tokenizer ({first_line(exc)}) (fix: {fix})") from None

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from aura_hpc.comm import collectives, stores
 from aura_hpc.errors import EXIT_TRAIN_FAILED, LaunchError
+from aura_hpc.errors import first_line as _first_line
 from aura_hpc.ops.network import resolve
 from aura_hpc.train.process import flight_dump, master_address
 from aura_hpc.train.process.dist_env import DistEnv
@@ -353,10 +354,6 @@ def _connect(backend: str, store: Any, env: DistEnv, device: torch.device, init_
         return _first_line(exc)
     finally:
         done.set()
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 FAILED = "failed"  # beside the ranks' answers on a topic, how many of them said a problem
