@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -27,8 +28,19 @@ HEALTHY_TIMEOUT = 90
 HUNG_S = HEALTHY_TIMEOUT + 150
 
 
-def _check(args: list[str], netns: str | None = None, timeout: int = TIMEOUT) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "aura_hpc", "check", "--timeout", str(timeout), "--sizes-mb", "1,4", *args]
+# `check` on a node whose torch says another version (a LAN machine that installed its own).
+_OTHER_TORCH = """
+import runpy, sys
+from aura_hpc.comm import node_versions
+said, torch_says = node_versions.of_this_process, sys.argv.pop(1)
+node_versions.of_this_process = lambda *a, **k: said(*a, **k) | {"torch": torch_says}
+runpy.run_module("aura_hpc", run_name="__main__")
+"""
+
+
+def _check(args: list[str], netns: str | None = None, timeout: int = TIMEOUT, torch_says: str | bool = "") -> subprocess.Popen[str]:
+    start = [sys.executable, "-c", _OTHER_TORCH, torch_says] if torch_says else [sys.executable, "-m", "aura_hpc"]
+    cmd = [*start, "check", "--timeout", str(timeout), "--sizes-mb", "1,4", *args]
     if netns:
         cmd = ["nsenter", f"--net=/run/netns/{netns}", *cmd]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
@@ -171,6 +183,9 @@ def test_nothing_listening_a_node_that_never_joins_and_a_duplicate_node_rank_are
     never = _check(["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port())])
     base = ["--nnodes", "3", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     three = [_check([*base, "--node-rank", r]) for r in ("0", "1", "1")]
+    # A LAN machine with another torch (training refuses it too): named before any process group.
+    base = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    versions = [_check([*base, "--node-rank", r], timeout=HEALTHY_TIMEOUT, torch_says=r == "1" and "2.0.0") for r in ("0", "1")]
 
     code, _, err = _finish(alone)
     assert code == 1
@@ -187,6 +202,11 @@ def test_nothing_listening_a_node_that_never_joins_and_a_duplicate_node_rank_are
     dup = [r for r in results if "another machine already joined as --node-rank 1" in r[2]]
     assert len(dup) == 1 and dup[0][0] == 1 and "fix:" in dup[0][2], shown
     assert results[0][0] == 1 and "node rank(s) 2 never joined" in results[0][2], shown
+
+    for code, _, err in [_finish(p) for p in versions]:
+        said = "versions: the nodes run different torch versions: node 1 (" + f"{socket.gethostname()[:64]}) runs torch 2.0.0 and node 0"
+        assert code == 1 and said in err and "fix: the same torch release on every node, e.g. pip install torch==" in err, err[-1500:]
+        assert "all_reduce" not in err
 
 
 def test_a_master_name_that_resolves_to_loopback_here_is_refused_by_check_and_local(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -608,6 +608,15 @@ def test_a_backend_that_cannot_start_on_one_rank_makes_every_rank_fall_back_befo
     refused = "rank 1: its GPU cannot run this torch's kernels (fault injection) (fix: on that machine"
     assert r.returncode == 2 and refused in said, said[-3000:]
     assert "fallback=gloo" not in said and "finished at step" not in said
+    # A LAN node with another torch (NCCL's bootstrap fails on its version check, gloo across releases is untested):
+    # every rank refuses before the group starts, naming the node and the fix.
+    out = ["--output-dir", str(tmp_path / "versions"), "--backend", "gloo"]
+    r = run_cli([*args, *out], timeout=300, AURA_FAULT_TORCH_VERSION="1:2.0.0")
+    said = r.stdout + r.stderr
+    refused = f"the nodes run different torch versions: rank 1 (node 0, {socket.gethostname()[:64]}) runs torch 2.0.0 and rank 0"
+    fix = "(fix: the same torch release on every node, e.g. pip install torch=="
+    assert r.returncode == 2 and refused in said and fix in said, said[-3000:]
+    assert "finished at step" not in said
 
 
 def test_prepared_pieces_count_only_whole_and_a_copy_of_the_text_keys_the_same(tmp_path: Path) -> None:

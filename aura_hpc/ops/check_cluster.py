@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from aura_hpc.comm import collectives, stores
+from aura_hpc.comm import collectives, node_versions, stores
 from aura_hpc.ops.check_inbound import inbound
 from aura_hpc.ops.check_report import Failed, Report
 from aura_hpc.ops.check_shared_dir import shared_dir
@@ -108,6 +108,7 @@ def _node_info(a: ClusterArgs) -> dict[str, Any]:
         "user": os.environ.get("USER") or os.environ.get("USERNAME") or "",
         "pid": os.getpid(),
         "cuda": _has_cuda(),  # `auto` is decided from every node's (training agrees on one backend too)
+        "versions": node_versions.of_this_process(a.node_rank, host, a.backend != "gloo" and _has_cuda()),
     }
 
 
@@ -182,8 +183,19 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
         raise Failed
     nodes = [node_from_store(report, store, r) for r in range(a.nnodes)]
     report.nodes = nodes
+    # Node 0's store goes with its process: a finding every node makes from these facts (other versions, no GPU)
+    # ended node 0 first and the others, still reading, said node 0 never joined.
+    store.add("facts-read", 1)
+    while a.node_rank == 0 and store.add("facts-read", 0) < a.nnodes and time.monotonic() < deadline:
+        time.sleep(0.05)
     report.add("rendezvous", True, f"{a.nnodes} nodes joined: " + ", ".join(f"{n['node_rank']}={n['hostname']}/{n['ip']}" for n in nodes))
     _address_findings(report, a, nodes)
+    if any("versions" in n for n in nodes):  # (a node of an older release says nothing)
+        problem = node_versions.mismatch([n.get("versions") for n in nodes], who="node")
+        if problem:
+            message, _, fix = problem.partition(" (fix: ")
+            report.add("versions", False, message, fix.removesuffix(")"))
+            raise Failed
     stage[0] = "inbound connections"
     inbound(report, a.node_rank, a.nnodes, store, nodes, deadline)
 

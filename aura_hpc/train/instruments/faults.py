@@ -28,6 +28,7 @@ Inert unless one of these is set (never set them in production):
                                       the run's first attempt only: a node found slow before training
     AURA_FAULT_BACKEND=RANK           the process group's first choice cannot start on that rank: on CPU the
                                       NCCL-or-gloo decision is made as on GPUs, with gloo standing in for NCCL
+    AURA_FAULT_TORCH_VERSION=RANK:V   that rank says it runs torch V: a LAN node with another torch
 """
 
 from __future__ import annotations
@@ -95,6 +96,12 @@ def backend_fails(rank: int, stage: str = "") -> str:
     R:device: its GPU cannot run the kernels (`stage` asks for which)."""
     r, _, when = os.environ.get("AURA_FAULT_BACKEND", "").partition(":")
     return "fault injection: the backend cannot start on this rank" if r and int(r) == rank and when == stage else ""
+
+
+def torch_version(rank: int) -> str:
+    """AURA_FAULT_TORCH_VERSION=R:V: the torch version rank R says it runs ("" elsewhere)."""
+    r, _, version = os.environ.get("AURA_FAULT_TORCH_VERSION", "").partition(":")
+    return version if r and int(r) == rank else ""
 
 
 def after_step(rank: int, step: int, run_dir: Path) -> None:

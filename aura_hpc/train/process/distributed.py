@@ -14,9 +14,11 @@ import dataclasses
 import errno
 import hashlib
 import hmac
+import json
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from aura_hpc.comm import collectives, stores
+from aura_hpc.comm import collectives, node_versions, stores
 from aura_hpc.errors import EXIT_TRAIN_FAILED, LaunchError
 from aura_hpc.errors import first_line as _first_line
 from aura_hpc.ops.network import resolve
@@ -228,6 +230,14 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, init_ti
     _AGREE = (rdzv.store, f"{rdzv.prefix}/agree", env.rank, env.world_size, rdzv.key)
     simulated = faults.primary_backend()  # gloo plays NCCL's part (tests on CPU)
     timeout = timedelta(seconds=timeout_s)
+    if env.world_size > 1:
+        nccl = backend != "gloo" and device.type == "cuda"
+        said = node_versions.of_this_process(env.node_rank, socket.gethostname(), nccl, faults.torch_version(env.rank))
+        answers = _answers("versions", json.dumps(said), init_timeout_s, "waiting for every rank to say what it runs")
+        if isinstance(answers, str):  # a rank that never said: one gone, or one that runs another aura_hpc
+            raise LaunchError(f"{answers} (fix: the same aura_hpc on every node; a node's log says why a rank stopped)")
+        if problem := node_versions.mismatch(answers):
+            raise LaunchError(problem)
     group_store = dist.PrefixStore(f"{rdzv.prefix}/pg", rdzv.store)
     if backend == "gloo" and not simulated:
         return _gloo(group_store, env, device, timeout)
@@ -366,26 +376,34 @@ def agree(topic: str, problem: str, patience_s: float, waiting: str = "") -> lis
     into the collective timeout. Waits at most `patience_s` for the others (logging `waiting`)."""
     if _AGREE is None:
         return [problem] if problem else []
+    answers = _answers(topic, problem or "ok", patience_s, waiting, failed=bool(problem))
+    if isinstance(answers, str):
+        return [answers]
+    return [f"rank {r}: {a}" for r, a in enumerate(answers) if a != "ok"]
+
+
+def _answers(topic: str, text: str, patience_s: float, waiting: str, failed: bool = False) -> list[str] | str:
+    """What every rank said on `topic`, in rank order, or why they could not be read."""
+    assert _AGREE is not None
     store, prefix, rank, world, key = _AGREE
-    said = "".join(c if c.isprintable() else " " for c in (problem or "ok"))[:1000]
+    said = "".join(c if c.isprintable() else " " for c in text)[:1000]
     store.set(f"{prefix}/{topic}/{rank}", _signed(key, f"{prefix}/{topic}/{rank}", said))
-    if problem:
+    if failed:
         store.add(f"{prefix}/{topic}/{FAILED}", 1)  # after the answer: a watcher that sees the count finds it (_connect's)
     keys = [f"{prefix}/{topic}/{r}" for r in range(world)]
     start = last_note = time.monotonic()
     while not store.check(keys):
         now = time.monotonic()
         if now - start > patience_s:
-            return [f"ranks did not all report on {topic} within {patience_s:.0f} s"]
+            return f"ranks did not all report on {topic} within {patience_s:.0f} s"
         if waiting and now - last_note > 30:
             log.info("%s (%.0f s so far)", waiting, now - start)
             last_note = now
         time.sleep(0.05)
     try:
-        answers = [_opened(key, k, store.get(k)) for k in keys]
+        return [_opened(key, k, store.get(k)) for k in keys]
     except RuntimeError:  # deleted between check and get: anyone who reaches the store can
-        return [f"the ranks' answers on {topic} were deleted from the store as they were read (fix: firewall its port)"]
-    return [f"rank {r}: {a}" for r, a in enumerate(answers) if a != "ok"]
+        return f"the ranks' answers on {topic} were deleted from the store as they were read (fix: firewall its port)"
 
 
 def _signed(key: bytes | None, name: str, text: str) -> str:
