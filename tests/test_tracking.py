@@ -468,7 +468,7 @@ def test_a_store_copied_back_in_is_not_rewound_by_a_write_ahead_log_a_killed_pro
     import shutil
     import sqlite3
 
-    from aura_hpc.train.loop.trackers import _backup
+    from aura_hpc.train.loop.trackers import copy_in
 
     killed = tmp_path / "killed"
     killed.mkdir()
@@ -488,10 +488,64 @@ def test_a_store_copied_back_in_is_not_rewound_by_a_write_ahead_log_a_killed_pro
     newer.commit()
     newer.close()
     assert (local / "store.db-wal").stat().st_size > 0
-    _backup(kept, local / "store.db")
+    copy_in(kept, local / "store.db")
     read = sqlite3.connect(local / "store.db")
     assert read.execute("SELECT v, COUNT(*) FROM rows GROUP BY v").fetchall() == [(2.0, 1000)]
     read.close()
+
+
+def test_a_store_that_could_not_be_copied_back_in_is_never_written_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume on another node copies the run directory's stores back in. SQLite read a path with '#' as a URI's
+    fragment (it opened an empty database elsewhere), and any copy that failed (an NFS error) left the tracker on an
+    empty store, which the next copy out renamed over the run's whole history."""
+    import errno
+    import shutil
+    import sqlite3
+
+    from aura_hpc.config import load_config
+    from aura_hpc.train.loop import trackers as tr
+
+    def rows(db: Path) -> int:
+        con = sqlite3.connect(db)
+        try:
+            return int(con.execute("SELECT COUNT(*) FROM rows").fetchone()[0])
+        finally:
+            con.close()
+
+    cfg = load_config(None, ["tracking.backends=tensorboard", "tracking.sqlite_local=true"], output_dir=str(tmp_path / "runs#1%41"))
+    t = tr.Trackers(cfg, 0)
+    kept = t.folder / "mlflow.db"
+    try:
+        t.local.mkdir(parents=True, mode=0o700)
+        con = sqlite3.connect(t.local / "mlflow.db")
+        con.execute("CREATE TABLE rows (v REAL)")
+        con.executemany("INSERT INTO rows VALUES (?)", [(1.0,)] * 500)
+        con.commit()
+        con.close()
+        t._copy_out()
+        assert rows(kept) == 500 and not t._copy_failed
+        shutil.rmtree(t.local)  # the next attempt, on another node
+        t.local.mkdir(mode=0o700)
+        t._copy_in()
+        assert rows(t.local / "mlflow.db") == 500
+        # The copy back in fails: the tracker starts empty, and the run directory's copy is never written over.
+        shutil.rmtree(t.local)
+        t.local.mkdir(mode=0o700)
+
+        def stale(src: Path, dst: Path) -> None:
+            raise OSError(errno.ESTALE, "Stale file handle")
+
+        monkeypatch.setattr(tr, "copy_in", stale)
+        t._copy_in()
+        con = sqlite3.connect(t.local / "mlflow.db")
+        con.execute("CREATE TABLE rows (v REAL)")
+        con.execute("INSERT INTO rows VALUES (2.0)")
+        con.commit()
+        con.close()
+        t._copy_out()
+        assert rows(kept) == 500 and t._copy_failed and rows(t.local / "mlflow.db") == 1
+    finally:
+        shutil.rmtree(t.local, ignore_errors=True)
 
 
 def test_a_wandb_attempt_killed_seconds_after_its_start_keeps_its_run_record_and_rows(tmp_path: Path) -> None:

@@ -89,6 +89,7 @@ class Trackers:
         self._dropped = 0
         self._copied = 0.0
         self._copy_failed = False  # the last copy into the run directory missed a store
+        self._not_copied_in: set[Path] = set()  # stores whose copy in the run directory could not be read: never written over
         self._finished = False  # the thread handed over "finish" and made its last copy
         self._broken = False  # the thread stopped on an error of its own: nothing more goes to it
         # A resumed run: the steps a tracker already holds past the checkpoint (the killed attempt logged
@@ -303,23 +304,34 @@ class Trackers:
         key.write_text(self.run_key + "\n", encoding="utf-8")
 
     def _copy_in(self) -> None:
-        """A resumed run on this node: start from the copy in the run directory when it is newer."""
+        """A resumed run on this node: start from the copy in the run directory when it is newer. A copy that
+        fails is never written back over: the tracker starts without it, and its history stays in the run directory."""
         for kept in self.folder.glob("**/*.db"):
             here = self.local / kept.relative_to(self.folder)
             try:
                 if not here.exists() or here.stat().st_mtime < kept.stat().st_mtime:
                     here.parent.mkdir(parents=True, exist_ok=True)
-                    _backup(kept, here)
-            except (OSError, sqlite3.Error) as exc:
-                log.warning("tracking: could not copy %s back from the run directory (%s); its tracker starts without it", kept, exc)
+                    copy_in(kept, here)
+            except OSError as exc:
+                self._not_copied_in.add(kept.relative_to(self.folder))
+                log.warning(
+                    "tracking: could not copy %s back from the run directory (%s); its tracker starts without it, and that copy is "
+                    "kept as it is (this attempt's rows stay in %s)",
+                    kept,
+                    exc,
+                    self.local,
+                )
 
     def _copy_out(self) -> None:
         self._copy_failed = False
         for db in self.local.glob("**/*.db"):
             kept = self.folder / db.relative_to(self.local)
+            if db.relative_to(self.local) in self._not_copied_in:
+                self._copy_failed = True  # the node-local stores stay: they hold this attempt's rows
+                continue
             try:
                 kept.parent.mkdir(parents=True, exist_ok=True)
-                _backup(db, kept)
+                copy_out(db, kept)
             except (OSError, sqlite3.Error) as exc:
                 log.warning("tracking: could not copy %s into the run directory (%s); it stays in %s", db.name, exc, db.parent)
                 self._copy_failed = True
@@ -331,18 +343,18 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
-def _backup(src: Path, dst: Path) -> None:
-    """A consistent copy of a SQLite database (another connection may be writing it), written beside `dst`
-    and renamed over it: a reader never sees half a copy."""
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    # SQLite replays a write-ahead log it finds beside a database onto it: one a killed process left beside `dst`
-    # turned the fresh copy back into that process's store. Nothing has `dst` open here.
-    for side in ("-wal", "-shm", "-journal"):
-        dst.with_name(dst.name + side).unlink(missing_ok=True)
-    source = sqlite3.connect(f"file:{src}?mode=ro", uri=True)
+# SQLite opens node-local files only: its locks on a shared file system fail where the mount has none (Lustre without
+# flock: "disk I/O error"; NFS without lockd: "database is locked"), so the run directory's copy is read and written
+# as plain bytes, renamed into place (a reader never sees half a copy).
+
+
+def copy_out(db: Path, kept: Path) -> None:
+    """A consistent copy of a node-local SQLite store (the trackers' connections may be writing it) into `kept`."""
+    snapshot = db.with_name(f".{db.name}.out")
+    snapshot.unlink(missing_ok=True)
+    source = sqlite3.connect(db.resolve().as_uri() + "?mode=ro", uri=True)  # a URI: '#', '?' and '%' in a path quoted
     try:
-        target = sqlite3.connect(tmp)
+        target = sqlite3.connect(snapshot)
         try:
             source.backup(target)
             target.execute("PRAGMA journal_mode = DELETE")  # one file, nothing beside it to copy
@@ -350,7 +362,21 @@ def _backup(src: Path, dst: Path) -> None:
             target.close()
     finally:
         source.close()
-    os.replace(tmp, dst)
+    tmp = kept.with_name(f".{kept.name}.tmp")
+    shutil.copyfile(snapshot, tmp)
+    os.replace(tmp, kept)
+    snapshot.unlink(missing_ok=True)
+
+
+def copy_in(kept: Path, here: Path) -> None:
+    """The run directory's copy (whole: only ever renamed into place) as the node-local store `here`."""
+    tmp = here.with_name(f".{here.name}.in")
+    shutil.copyfile(kept, tmp)
+    # SQLite replays a write-ahead log it finds beside a database onto it: one a killed process left beside `here`
+    # turned the fresh copy back into that process's store. Nothing has `here` open yet.
+    for side in ("-wal", "-shm", "-journal"):
+        here.with_name(here.name + side).unlink(missing_ok=True)
+    os.replace(tmp, here)
 
 
 def _read_ids(path: Path) -> dict[str, str]:
