@@ -577,6 +577,20 @@ def test_a_job_given_some_of_a_nodes_gpus_reads_those_and_is_told_when_it_reads_
     rows = by_uuid.read()
     assert rows[0] == {"index": 4, "uuid": "GPU-h4", "lost": True} and rows[1]["uuid"] == "GPU-h5" and "lost" not in rows[1], rows
     assert HealthRules(Thresholds()).evaluate(rows).gpu_index == 4  # type: ignore[union-attr]
+
+    # A driver before R535 has no "event reasons" call, where pynvml names it: the older call, not throttling unseen.
+    def event_reasons(h: str) -> int:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", event_reasons)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", lambda h: 0x48)
+    assert by_uuid.read()[1]["throttle_reasons"] == 0x48
+    # GPU 5 answers "Unknown Error" to every call: it kept its UUID and is lost, not dropped from the watch.
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: (_ for _ in ()).throw(pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda h: (_ for _ in ()).throw(pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", pynvml.nvmlDeviceGetName)
+    rows = by_uuid.read()
+    assert rows[1] == {"index": 5, "uuid": "GPU-h5", "lost": True}, rows
     allowed.clear()  # a driver that lets this job read none of them: said once, not silent
     monkeypatch.setattr(health, "_cuda", lambda: True)
     monkeypatch.setattr(health, "_visible_uuids", lambda: None)

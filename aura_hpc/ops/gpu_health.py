@@ -108,7 +108,9 @@ class NvmlReader:
         nv = self.nv
         out = []
         for i, h in self.handles:
-            g: dict[str, Any] = {"index": i}
+            # The UUID read at the start first: a row without one is dropped by a job's selection by UUID, so a GPU
+            # whose calls fail would vanish from the watch instead of being judged.
+            g: dict[str, Any] = {"index": i, "uuid": self.uuids.get(i, "")}
             calls = {
                 "name": lambda h=h: _text(nv.nvmlDeviceGetName(h)),
                 "uuid": lambda h=h: _text(nv.nvmlDeviceGetUUID(h)),
@@ -122,16 +124,14 @@ class NvmlReader:
                 "power_limit_w": lambda h=h: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000,
                 "sm_clock_mhz": lambda h=h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
                 "mem_clock_mhz": lambda h=h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM),
-                # The "event reasons" name first: pynvml marks the "throttle" one for removal in CUDA 14, and a call
-                # that fails drops the field silently (throttling never seen).
-                "throttle_reasons": lambda h=h: getattr(
-                    nv, "nvmlDeviceGetCurrentClocksEventReasons", getattr(nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
-                )(h),
+                "throttle_reasons": lambda h=h: _throttle_reasons(nv, h),
                 "ecc_uncorrected_volatile": lambda h=h: nv.nvmlDeviceGetTotalEccErrors(
                     h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC
                 ),
-                "recovery_action": lambda h=h: _field(nv, h, nv.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION),
+                # The field's number where pynvml is older than the driver (the floor's 12.535 names no such field).
+                "recovery_action": lambda h=h: _field(nv, h, getattr(nv, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", 230)),
             }
+            read, unknown = 0, False
             for key, call in calls.items():
                 try:
                     value = call()
@@ -139,9 +139,14 @@ class NvmlReader:
                     if getattr(exc, "value", None) in _LOST:  # fallen off the bus (Xid 79), or waiting for a reset
                         g = {"index": i, "uuid": self.uuids.get(i, ""), "lost": True}
                         break
+                    unknown = unknown or getattr(exc, "value", None) == _UNKNOWN
                     continue
+                read += 1
                 if value is not None:
                     g[key] = round(value, 1) if isinstance(value, float) else value
+            else:
+                if not read and unknown:  # every call answered "Unknown Error": a GPU in that state answers nothing else
+                    g["lost"] = True
             out.append(g)
         return out
 
@@ -149,6 +154,21 @@ class NvmlReader:
 # NVML_ERROR_GPU_IS_LOST, NVML_ERROR_RESET_REQUIRED: the GPU answers nothing until it is reset. Its row kept only
 # its index, without a UUID the job's selection dropped it, and no rule saw a fault: the GPU vanished from the watch.
 _LOST = (15, 16)
+_UNKNOWN = 999  # NVML_ERROR_UNKNOWN
+_FUNCTION_NOT_FOUND = 13  # a driver older than the pynvml that names the call
+
+
+def _throttle_reasons(nv: Any, handle: Any) -> int:
+    """The "event reasons" call first (pynvml marks the "throttle" one for removal in CUDA 14); a driver before R535
+    lacks it, where pynvml still names it: the older call then (else throttling was never seen)."""
+    newer = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
+    if newer is not None:
+        try:
+            return int(newer(handle))
+        except nv.NVMLError as exc:
+            if getattr(exc, "value", None) != _FUNCTION_NOT_FOUND:
+                raise
+    return int(nv.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
 
 
 def _text(v: Any) -> str:
