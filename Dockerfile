@@ -34,8 +34,11 @@ RUN (id -u aura >/dev/null 2>&1 || useradd --non-unique --create-home --uid ${AU
 # No cache folder fixed in /tmp here: Apptainer binds the host's /tmp and keeps an image's ENV, so
 # every user of a node would share one (the first user's, unwritable or planted for the next). The
 # defaults are per user (~/.cache/huggingface, /tmp/torchinductor_$USER); compose.yaml sets its own.
+# PYTHONNOUSERSITE: Apptainer binds $HOME, and a `pip install --user torch` there once came before the image's
+# torch (the venv sees system site-packages, and so the user's too): another CUDA, another NCCL.
 ENV PATH=/opt/aura_hpc/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
+    PYTHONNOUSERSITE=1 \
     AURA_LOCAL_FROM_ENV=1
 
 USER aura

@@ -40,10 +40,10 @@ if [ -f "${AURA_VENV:-$HOME/venvs/aura}/bin/activate" ]; then source "${AURA_VEN
 # 8 tasks x 14 = the 112 cores of a DGX H100/H200 (2 x 56) where Slurm counts cores as CPUs. Where it counts
 # hardware threads (`scontrol show node` says CPUTot=224), 14 CPUs are 7 cores, half the node: use 28 there.
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
-# Bootstrap interface only: NCCL's out-of-band setup uses this TCP interface (gloo's side groups
-# read GLOO_SOCKET_IFNAME, else the host name's address); the data goes over InfiniBand. Change it when your nodes have several Ethernet/IPoIB interfaces
-# (e.g. =ib0 or =bond0); the ^ form excludes loopback and container bridges.
-export NCCL_SOCKET_IFNAME=^lo,docker
+# NCCL_SOCKET_IFNAME (the bootstrap's TCP interface; the data goes over InfiniBand) is left unset: NCCL then takes
+# IPoIB (ib*) first, else any interface but docker and lo. A value replaces that choice: ^lo,docker dropped the IPoIB
+# preference and could take a management NIC or virbr0 (192.168.122.1 on every node). Set it (=ib0, =bond0) when
+# `python -m aura_hpc check` between two nodes names another interface than the one they share.
 # The HCAs NCCL may use for the data: "mlx5" matches every ConnectX port. List the compute-fabric
 # ports explicitly (e.g. =mlx5_0,mlx5_3,...) when some HCAs serve storage instead.
 export NCCL_IB_HCA=mlx5

@@ -36,8 +36,11 @@
 # --cpus-per-task=14: 8 tasks x 14 = the 112 cores of a DGX H100 (2 x 56) where Slurm counts cores as CPUs; where it
 # counts hardware threads (`scontrol show node`: CPUTot=224), 14 CPUs are 7 cores, half the node: use 28 there.
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
-export NCCL_SOCKET_IFNAME=^lo,docker
+# NCCL_SOCKET_IFNAME unset: NCCL takes IPoIB (ib*) first, else any interface but docker and lo (h100-ib.sh says why).
 export NCCL_IB_HCA=mlx5
+# Enroot's hook mounts the InfiniBand devices into the container only when this is set (sites with
+# ENROOT_RESTRICT_DEV=y): without them NCCL finds no HCA and carries the data over TCP sockets.
+export MELLANOX_VISIBLE_DEVICES=all
 export NCCL_DEBUG=WARN
 # 3, torch's default: a failed collective ends the process at once (1 and 2 abort the communicators first, which can hang).
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=3

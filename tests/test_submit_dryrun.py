@@ -55,6 +55,7 @@ def test_dry_run_script_matches_golden(profile: str, tmp_path: Path) -> None:
         ]
     )
     assert res.returncode == 0, res.stderr
+    assert "slurm.cpus_per_task is unset" not in res.stdout + res.stderr  # (the GPU profiles set --cpus-per-task)
     script = _normalised(_script(res.stdout), out)
     golden = GOLDEN / f"submit-{profile}.sh"
     if os.environ.get("AURA_UPDATE_GOLDEN"):
@@ -120,6 +121,11 @@ def test_nccl_debug_and_signal_settings(tmp_path: Path) -> None:
     script = _script(res.stdout)
     assert "#SBATCH --signal=USR1@300" in script
     assert "export NCCL_DEBUG=INFO" in script and "NCCL_DEBUG_SUBSYS=INIT,NET" in script and "%h-%p.log" in script
+    # GPUs on a profile that sets no CPUs per task: Slurm gives each rank one CPU, said with the fix.
+    res = run_cli(["submit", "--cluster", "generic", "--gpus", "4", "--output-dir", str(tmp_path), "--dry-run"])
+    said = res.stdout + res.stderr
+    assert res.returncode == 0 and "slurm.cpus_per_task is unset: Slurm gives each rank one CPU" in said, said
+    assert "(fix: --set slurm.cpus_per_task=N" in said
 
 
 def test_both_spellings_of_the_size_flags_and_close_flags_suggested(tmp_path: Path) -> None:

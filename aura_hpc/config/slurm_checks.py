@@ -7,6 +7,13 @@ import re
 from aura_hpc.config.tree import SlurmConfig
 from aura_hpc.errors import ConfigError, shown
 
+# A GPU job without slurm.cpus_per_task: Slurm's default is one CPU per task, so each rank's data loading, NCCL's helper
+# thread and its compile workers share one core (OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK is then 1).
+ONE_CPU_PER_RANK = (
+    "slurm.cpus_per_task is unset: Slurm gives each rank one CPU, shared by its data loading and NCCL's helper thread "
+    "(fix: --set slurm.cpus_per_task=N, the node's CPUs divided by its GPUs, or #SBATCH --cpus-per-task=N in the cluster profile)"
+)
+
 _SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from aura_hpc.config import RunConfig, SlurmConfig, coerce, fit_to_horizon, load_config, slurm_minutes, validate_slurm
 from aura_hpc.config.device import validate_for_device
+from aura_hpc.config.slurm_checks import ONE_CPU_PER_RANK
 from aura_hpc.data.vocab import tokenizer_vocab
 from aura_hpc.errors import ConfigError
 from aura_hpc.launch.memory import MemoryPlan, check_fits
@@ -322,6 +323,8 @@ def plan_submit(
         # srun no longer inherits sbatch's --cpus-per-task (Slurm 22.05+): each rank got one core, and its
         # OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK threads all ran on it.
         params["srun_args"].append(f"--cpus-per-task={slurm.cpus_per_task}")
+    elif slurm.gpus_per_node and not check:
+        warnings.append(ONE_CPU_PER_RANK)
     for key in ("mem", "partition", "account", "qos", "constraint", "exclude"):
         if getattr(slurm, key):
             params[key] = getattr(slurm, key)

@@ -29,7 +29,6 @@ else
 fi
 if [ -f "${AURA_VENV:-$HOME/venvs/aura}/bin/activate" ]; then source "${AURA_VENV:-$HOME/venvs/aura}/bin/activate"; fi
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
-export NCCL_SOCKET_IFNAME=^lo,docker
 export NCCL_IB_HCA=mlx5
 export NCCL_DEBUG=WARN
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=3

@@ -22,8 +22,8 @@ export AURA_RUN_DIR=/shared/aura/runs/gpt2
 export PYTHONUNBUFFERED=1
 # cluster profile: REPO/sbatch_templates/h100-pyxis.sh
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
-export NCCL_SOCKET_IFNAME=^lo,docker
 export NCCL_IB_HCA=mlx5
+export MELLANOX_VISIBLE_DEVICES=all
 export NCCL_DEBUG=WARN
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=3
 export TORCH_NCCL_DUMP_ON_TIMEOUT=1
