@@ -800,3 +800,24 @@ def test_a_flood_of_keys_is_swept_a_slice_at_a_time_so_the_serve_loop_sees_a_sto
             break
         sweeper.sweep(set())  # at once: the flood is not over, its rest waits for no EVERY_S
     assert sweeper.removed == len(junk) and not any(k.startswith(b"junk/") or k.startswith("junk/") for k in store.list_keys())
+
+
+def test_ranks_that_see_some_of_their_nodes_gpus_are_refused_not_put_two_on_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """srun --gpu-bind=closest with Slurm's cyclic task layout shows each rank the 4 GPUs of its socket: local_rank % 4
+    gave ranks 0 and 4 of a node GPU 0, and NCCL stopped at "Duplicate GPU detected". No GPU here: torch's device count
+    answers as such a rank's does."""
+    import torch
+
+    from aura_hpc.errors import LaunchError
+    from aura_hpc.train.process.dist_env import DistEnv
+    from aura_hpc.train.process.distributed import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    env = DistEnv(rank=4, local_rank=4, world_size=16, local_world_size=8)
+    for seen, device in ((8, 4), (1, 0)):  # every GPU of the node, or its own one
+        monkeypatch.setattr(torch.cuda, "device_count", lambda seen=seen: seen)
+        assert pick_device(env, "auto") == torch.device("cuda", device)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(LaunchError, match=r"rank 4 sees 4 GPUs for the 8 ranks of its node, so two would share one \(fix: "):
+        pick_device(env, "nccl")
+    assert pick_device(env, "gloo") == torch.device("cpu")

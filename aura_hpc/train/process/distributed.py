@@ -40,7 +40,16 @@ log = logging.getLogger("aura_hpc")
 
 def pick_device(env: DistEnv, backend: str) -> torch.device:
     if (backend == "nccl" or (backend == "auto" and torch.cuda.is_available())) and torch.cuda.is_available():
-        return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        seen = torch.cuda.device_count()
+        if 1 < seen < env.local_world_size:
+            # Each rank sees some of the node's GPUs (srun --gpu-bind=closest, a CUDA_VISIBLE_DEVICES per rank):
+            # local_rank % seen put two ranks on one GPU, and NCCL stopped at "Duplicate GPU detected".
+            raise LaunchError(
+                f"rank {env.rank} sees {seen} GPUs for the {env.local_world_size} ranks of its node, so two would share one "
+                "(fix: let every rank see all the node's GPUs, or exactly one: no --gpu-bind=closest or SLURM_GPU_BIND, "
+                "and no CUDA_VISIBLE_DEVICES set per rank)"
+            )
+        return torch.device("cuda", env.local_rank % seen)
     return torch.device("cpu")
 
 
