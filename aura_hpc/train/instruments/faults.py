@@ -18,8 +18,8 @@ Inert unless one of these is set (never set them in production):
                                       where the host first waits for the step: a GPU's asynchronous fault (an Xid)
     AURA_FAULT_CKPT=MODE:STAGE        while writing a checkpoint, after STAGE (model, trainer_state, meta,
                                       config, tokenizer, files, marker): MODE=kill (SIGKILL the writer)
-                                      or MODE=enospc (fail as a full disk would) or MODE=slow (hold the
-                                      writer 3 s: a slow disk). STAGE=shards: a rank's background shard
+                                      or MODE=enospc (fail as a full disk would) or MODE=slow[:S] (hold the
+                                      writer S seconds, 3 unless given: a slow disk). STAGE=shards: a rank's background shard
                                       writer, after its files; STAGE=capture: a rank's copy of its ZeRO
                                       shards to host memory, before it. Once per run dir.
     AURA_FAULT_SLOW=RANK:FRACTION     that rank (a `local` rank, or a `worker` rank) idles FRACTION of every
@@ -203,7 +203,7 @@ def checkpoint_stage(stage: str, run_dir: Path) -> None:
     spec = os.environ.get("AURA_FAULT_CKPT")
     if not spec:
         return
-    mode, where = spec.split(":")
+    mode, where, *held = spec.split(":")
     if where != stage or not _once(run_dir, f"ckpt-{mode}"):
         return
     if mode == "kill":
@@ -212,8 +212,9 @@ def checkpoint_stage(stage: str, run_dir: Path) -> None:
     if mode == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if mode == "slow":
-        print(f"fault injection: checkpoint writer held 3 s after {stage} at {time.time():.3f}", flush=True)
-        time.sleep(3.0)
+        seconds = float(held[0]) if held else 3.0
+        print(f"fault injection: checkpoint writer held {seconds:g} s after {stage} at {time.time():.3f}", flush=True)
+        time.sleep(seconds)
 
 
 def slow_evaluation(cancel: Any = None) -> bool:
