@@ -106,7 +106,10 @@ def load_all(
     writer = own_state.replica_writer(rank) if own_state is not None else None
     if own_state is None or writer is None or not files:
         return
-    mine = files.get(str(writer)) if int(meta.get("world_size", world)) == world else None
+    # Files another strategy wrote (PowerSGD's error feedback for DiLoCo's replica, or the reverse) are not this one's
+    # state: loading them failed on a missing key. (A checkpoint without the name: an older release's, as before.)
+    same_kind = meta.get("strategy") in (None, wrapped.name)
+    mine = files.get(str(writer)) if int(meta.get("world_size", world)) == world and same_kind else None
     own = read_replica(root, mine) if isinstance(mine, dict) else None
     have = collectives.flags(own is not None)
     if all(have) and own is not None:
