@@ -28,18 +28,18 @@ HEALTHY_TIMEOUT = 90
 HUNG_S = HEALTHY_TIMEOUT + 150
 
 
-# `check` on a node whose torch says another version (a LAN machine that installed its own).
-_OTHER_TORCH = """
-import runpy, sys
-from aura_hpc.comm import node_versions
-said, torch_says = node_versions.of_this_process, sys.argv.pop(1)
-node_versions.of_this_process = lambda *a, **k: said(*a, **k) | {"torch": torch_says}
-runpy.run_module("aura_hpc", run_name="__main__")
-"""
+# `check` on a node that differs: its torch says another version (a LAN machine that installed its own), or its
+# clock is off. The patch runs in the check's own process, before it starts.
+_PATCHED = "import runpy, sys\nexec(sys.argv.pop(1))\nrunpy.run_module('aura_hpc', run_name='__main__')"
+OTHER_TORCH = (
+    "from aura_hpc.comm import node_versions as v\nsaid = v.of_this_process\n"
+    "v.of_this_process = lambda *a, **k: said(*a, **k) | {'torch': '2.0.0'}"
+)
+CLOCK_AHEAD = "import time\nreal = time.time\ntime.time = lambda: real() + 30"
 
 
-def _check(args: list[str], netns: str | None = None, timeout: int = TIMEOUT, torch_says: str | bool = "") -> subprocess.Popen[str]:
-    start = [sys.executable, "-c", _OTHER_TORCH, torch_says] if torch_says else [sys.executable, "-m", "aura_hpc"]
+def _check(args: list[str], netns: str | None = None, timeout: int = TIMEOUT, patch: str = "") -> subprocess.Popen[str]:
+    start = [sys.executable, "-c", _PATCHED, patch] if patch else [sys.executable, "-m", "aura_hpc"]
     cmd = [*start, "check", "--timeout", str(timeout), "--sizes-mb", "1,4", *args]
     if netns:
         cmd = ["nsenter", f"--net=/run/netns/{netns}", *cmd]
@@ -57,14 +57,14 @@ def _finish(p: subprocess.Popen[str]) -> tuple[int, str, str]:
 
 
 def _pair(
-    extra0: list[str], extra1: list[str], addr: str = "127.0.0.1", ns: tuple[str | None, str | None] = (None, None)
+    extra0: list[str], extra1: list[str], addr: str = "127.0.0.1", ns: tuple[str | None, str | None] = (None, None), patch1: str = ""
 ) -> list[tuple[int, str, str]]:
     """Two nodes that meet and run every check (HEALTHY_TIMEOUT: nothing in them should wait for a limit)."""
     port = str(free_port())
     base = ["--nnodes", "2", "--master-addr", addr, "--master-port", port]
     p0 = _check([*base, "--node-rank", "0", *extra0], ns[0], HEALTHY_TIMEOUT)
     time.sleep(0.3)
-    p1 = _check([*base, "--node-rank", "1", *extra1], ns[1], HEALTHY_TIMEOUT)
+    p1 = _check([*base, "--node-rank", "1", *extra1], ns[1], HEALTHY_TIMEOUT, patch1)
     return [_finish(p0), _finish(p1)]
 
 
@@ -172,6 +172,16 @@ def test_healthy_pair_on_this_host_with_a_shared_dir(tmp_path: Path) -> None:
     assert not (tmp_path / ".aura-check").exists(), "the shared-dir probe files and folders are cleaned up"
 
 
+def test_clocks_30_s_apart_fail_the_check_as_torchs_rendezvous_would_drop_a_node() -> None:
+    """torch's rendezvous stamps each node's heartbeat with its own clock and drops a node whose last one looks older than
+    15 s: clocks that far apart churn or stop the run at its start. It was a warning, and `check` passed."""
+    for code, out, err in _pair(["--json"], ["--json"], patch1=CLOCK_AHEAD):
+        skew = _findings(out)["clock skew"]
+        assert code == 1 and not skew["ok"] and not skew.get("warning"), out + err
+        assert re.match(r"3\d\.\d s between the nodes' clocks", skew["detail"]) and "rendezvous" in skew["detail"], skew
+        assert "timedatectl set-ntp true" in skew["fix"], skew
+
+
 def test_nothing_listening_a_node_that_never_joins_and_a_duplicate_node_rank_are_each_named_with_the_fix() -> None:
     """The start-up mistakes on one host, started together (each waits out its timeout): node 1 with
     nothing listening at the master; node 0 whose node 1 never joins; and the usual mistake of three
@@ -185,7 +195,7 @@ def test_nothing_listening_a_node_that_never_joins_and_a_duplicate_node_rank_are
     three = [_check([*base, "--node-rank", r]) for r in ("0", "1", "1")]
     # A LAN machine with another torch (training refuses it too): named before any process group.
     base = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    versions = [_check([*base, "--node-rank", r], timeout=HEALTHY_TIMEOUT, torch_says=r == "1" and "2.0.0") for r in ("0", "1")]
+    versions = [_check([*base, "--node-rank", r], timeout=HEALTHY_TIMEOUT, patch=OTHER_TORCH if r == "1" else "") for r in ("0", "1")]
 
     code, _, err = _finish(alone)
     assert code == 1

@@ -312,15 +312,23 @@ def _clock_skew(report: Report, a: ClusterArgs) -> None:
     t = time.time()
     times = [float(x) for x in collectives.gather_json(t)]
     skew = max(times) - min(times)
+    fix = "enable time sync on every node (timedatectl set-ntp true / chrony)"
+    if skew >= RENDEZVOUS_SKEW_S:
+        # torch's rendezvous stamps each node's heartbeat with that node's clock, and drops a node whose last one looks
+        # older than 15 s (3 x 5 s: dynamic_rendezvous._sanitize): the run churns or stops at its start.
+        detail = f"{skew:.1f} s between the nodes' clocks: torch's rendezvous takes a node whose clock is that far off for dead"
+        report.add("clock skew", False, detail, fix)
+        return
     report.add(
         "clock skew",
         skew < 1.0,
         f"{skew * 1000:.0f} ms between the nodes' clocks (after a barrier)",
-        ""
-        if skew < 1.0
-        else "enable time sync on every node (timedatectl set-ntp true / chrony); logs and checkpoint times will disagree otherwise",
+        "" if skew < 1.0 else f"{fix}; logs and checkpoint times will disagree otherwise",
         warning=skew >= 1.0,
     )
+
+
+RENDEZVOUS_SKEW_S = 5.0  # a third of torch's 15 s: a heartbeat is up to 5 s old already when it is read
 
 
 PROBE_MB = 0.25  # the first, small all_reduce that predicts the others' time
