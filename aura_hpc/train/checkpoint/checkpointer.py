@@ -38,7 +38,7 @@ class Checkpointer:
         self.root = cfg.run_dir / "checkpoints"
         self.writer: Future[str | None] | None = None  # rank 0's commit of the newest save: its error or None
         self.shards: Future[Any] | None = None  # this rank's background shard write, until the next wait()
-        self._waits: Any = None  # the host group wait() tells every rank the save's outcome on (made at the first)
+        self._waits: Any = None  # the host group wait() tells every rank the save's outcome on (made at its first call)
         self.mirror = HostMirror()  # rank 0's host copies of what it saves, reused from save to save
         self.saved_at = time.perf_counter()  # the last save began (train.checkpoint_every_s counts from it)
 
@@ -280,13 +280,11 @@ class Checkpointer:
             with contextlib.suppress(Exception, *dcp_errors()):
                 self.shards.result()
             self.shards = None
-        if self._waits is None and collectives.active():  # collective: every rank's first wait() is at the same point
+        if self._waits is None and collectives.active():  # (every rank's first wait() is at the same point)
             self._waits = collectives.new_group("checkpoint-wait", host_only=True)
         if self.env.is_main and self.writer is not None:
             error, self.writer = self.writer.result(), None
-        # Every rank learns that the save failed, so all stop together instead of hanging. On a host group, which waits
-        # 30 min at least: on the world's (NCCL, dist.timeout_s) the others timed out while rank 0 still wrote a big
-        # model's files to a shared disk (~50 GB at 100 MB/s: past 600 s), and the last checkpoint was lost with the run.
+        # All learn that the save failed, so all stop together: on a host group (30 min), as NCCL's timed out during a big write.
         error = collectives.broadcast_json(error, group=self._waits)
         if error:
             raise CheckpointWriteError(error)
