@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import re
 import signal
@@ -282,19 +283,23 @@ def test_a_trackers_thread_that_stops_keeps_the_node_local_stores_and_costs_no_r
         shutil.rmtree(local, ignore_errors=True)
 
 
-@pytest.mark.parametrize("outage", [2, 1000], ids=["short-outage", "server-gone"])
-def test_a_tracker_outage_of_a_few_rows_is_ridden_out_and_one_switched_off_still_ends_its_run(tmp_path: Path, outage: int) -> None:
-    """One failed call (a server restarting, a 429: MLflow's client gives up in seconds) switched MLflow off for the
-    rest of the run, and its run stayed RUNNING for ever (only live trackers were finished). The outage is a
-    server's error in the middle of MLflow's real client, which writes a real SQLite store."""
+@pytest.mark.parametrize("outage_s", [0.5, 1000.0], ids=["short-outage", "server-gone"])
+def test_a_tracker_outage_is_ridden_out_and_one_switched_off_still_ends_its_run(
+    tmp_path: Path, outage_s: float, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One failed call switched MLflow off for the rest of the run, then five in a row did: a restarting server refuses
+    at once, and rows come every second or two. A failing tracker is now paused and tried again; off only after
+    failing for OFF_AFTER_S (shortened here), and its run still ended. The outage is a server's error in the middle of
+    MLflow's real client, which writes a real SQLite store."""
     from mlflow.tracking import MlflowClient
 
     from aura_hpc.config import load_config
-    from aura_hpc.train.loop.trackers import LOG_FAILURES_TOLERATED, Trackers
+    from aura_hpc.train.loop import trackers as tr
 
+    monkeypatch.setattr(tr, "OFF_AFTER_S", 2.5)
     cfg = load_config(None, ["tracking.backends=mlflow", "tracking.sqlite_local=false"], output_dir=str(tmp_path / "runs"), run_name="t")
     cfg.run_dir.mkdir(parents=True)
-    trackers = Trackers(cfg, 0)
+    trackers = tr.Trackers(cfg, 0)
     trackers.start()
     assert trackers._thread is not None
     for _ in range(200):  # started in the trackers' thread
@@ -302,26 +307,29 @@ def test_a_tracker_outage_of_a_few_rows_is_ridden_out_and_one_switched_off_still
             break
         time.sleep(0.1)
     backend = trackers._live["mlflow"]
-    real, failures = backend.log, [0]
+    real, down_from = backend.log, [0.0]
 
     def log(values: dict[str, float], step: int) -> None:
-        if failures[0] < outage:
-            failures[0] += 1
+        down_from[0] = down_from[0] or time.monotonic()
+        if time.monotonic() - down_from[0] < outage_s:
             raise ConnectionError("503 Service Unavailable: the tracking server is restarting")
         real(values, step)
 
     backend.log = log
-    for step in range(1, 11):
-        trackers.log({"loss": 1.0 / step}, step)
-    trackers.finish()
+    with caplog.at_level(logging.INFO, logger="aura_hpc"):
+        for step in range(1, 51):  # a row every 0.1 s for 5 s
+            trackers.log({"loss": 1.0 / step}, step)
+            time.sleep(0.1)
+        trackers.finish()
     client = MlflowClient(tracking_uri=f"sqlite:///{cfg.run_dir / 'tracking' / 'mlflow.db'}")
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.info.status == "FINISHED", "ended, switched off or not"
     logged = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
-    if outage < LOG_FAILURES_TOLERATED:
-        assert logged == list(range(outage + 1, 11)), logged
-    else:
-        assert logged == [] and failures[0] == LOG_FAILURES_TOLERATED, (logged, failures)
+    if outage_s < 1:  # paused 1 s after the first failure, then every row again
+        assert logged and logged[0] > 1 and logged == list(range(logged[0], 51)), logged
+        assert "mlflow logs again after 1 s; " in caplog.text and "switched off" not in caplog.text, caplog.text
+    else:  # tried at 0, 1 and 3 s: off at the third failure, past OFF_AFTER_S
+        assert logged == [] and "mlflow failed (503 Service Unavailable" in caplog.text and "switched off" in caplog.text
 
 
 def test_an_attempt_that_restarts_from_step_0_does_not_log_its_steps_twice(tmp_path: Path) -> None:

@@ -71,7 +71,12 @@ def node_local_store(run_dir: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"aura-tracking-{os.getuid()}-{key}"
 
 
-LOG_FAILURES_TOLERATED = 5  # in a row, before a tracker is switched off (each costs its client's timeout, 10 s for MLflow)
+# A tracker whose calls fail (a server restarting, a 429) is paused, not switched off: its rows skipped for 1, 2, 4 ...
+# up to 60 s after each failure in a row (each try may cost its client's timeout, 10 s for MLflow), then tried again.
+# Five quick refusals in a row (a server restarting refuses at once, and rows come every second or two) switched
+# MLflow off for a run of days. Off only once it has failed for OFF_AFTER_S without one success: a server gone for good.
+PAUSE_MAX_S = 60.0
+OFF_AFTER_S = 1800.0
 
 
 class Trackers:
@@ -85,7 +90,8 @@ class Trackers:
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=cfg.tracking.queue_rows)
         self._live: dict[str, Any] = {}
         self._off: dict[str, Any] = {}  # switched off mid-run: still told the run's end (MLflow's run left RUNNING otherwise)
-        self._failing: dict[str, int] = {}  # a tracker's log calls that failed in a row
+        # A failing tracker: its failures in a row, since when, paused until when, the rows it missed.
+        self._failing: dict[str, tuple[int, float, float, int]] = {}
         self._dropped = 0
         self._copied = 0.0
         self._copy_failed = False  # the last copy into the run directory missed a store
@@ -215,20 +221,32 @@ class Trackers:
     def _call(self, name: str, method: str, *args: Any) -> None:
         if name not in self._live:  # switched off meanwhile (a backfill's rows go on calling)
             return
+        now = time.monotonic()
+        failed, since, paused_until, skipped = self._failing.get(name, (0, now, 0.0, 0))
+        if method == "log" and now < paused_until:
+            self._failing[name] = (failed, since, paused_until, skipped + 1)
+            return
         try:
             getattr(self._live[name], method)(*args)
-            self._failing.pop(name, None)
         except Exception as exc:  # a tracker's failure costs a warning, never the run
-            failed = self._failing[name] = self._failing.get(name, 0) + 1
-            if method == "log" and failed < LOG_FAILURES_TOLERATED:
-                # A server restarting, a 429, a short outage: its client gives up in seconds, and one such
-                # failure switched MLflow off for a run of days. Those rows are lost to it (a resume adds them back).
-                if failed == 1:
-                    log.warning("tracking: %s failed to log step %s (%s); the next rows are tried", name, args[-1], _first_line(exc))
+            if method == "log" and time.monotonic() - since < OFF_AFTER_S:
+                if not failed:
+                    log.warning("tracking: %s failed to log step %s (%s); it is tried again in a while", name, args[-1], _first_line(exc))
+                pause = min(PAUSE_MAX_S, 2.0**failed)
+                self._failing[name] = (failed + 1, since, time.monotonic() + pause, skipped + 1)
                 return
             log.warning("tracking: %s failed (%s); it is switched off for this run", name, _first_line(exc))
             if (backend := self._live.pop(name, None)) is not None:
                 self._off[name] = backend
+            return
+        if failed:
+            log.info(
+                "tracking: %s logs again after %.0f s; %d rows in between did not reach it (metrics.jsonl has them)",
+                name,
+                now - since,
+                skipped,
+            )
+            del self._failing[name]
 
     def _start_all(self, config: dict[str, Any]) -> None:
         from aura_hpc.train.loop import tracker_backends
