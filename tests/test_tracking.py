@@ -597,3 +597,50 @@ def test_a_worker_whose_node_lacks_a_tracker_refuses_before_it_builds_anything(t
     said = r.stdout + r.stderr
     assert r.returncode == 2 and "tracking.backends asks for wandb, not installed here (fix: pip install" in said, said[-3000:]
     assert "parameters" not in said and not (cfg.run_dir / "checkpoints").exists(), said[-3000:]
+
+
+def test_mlflow_names_a_deleted_experiment_and_takes_one_another_job_just_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MLflow finds a deleted experiment by its name, then refuses runs in it: every later run lost MLflow with a line
+    that named no fix. Two jobs starting a new project together both made the experiment: the second was refused."""
+    from mlflow.tracking import MlflowClient
+
+    from aura_hpc.config import load_config
+    from aura_hpc.train.loop.trackers import Trackers
+
+    uri = f"sqlite:///{tmp_path / 'server.db'}"  # a server's store, shared by the runs
+    client = MlflowClient(tracking_uri=uri)
+
+    def attempt(name: str) -> Trackers:
+        sets = ["tracking.backends=mlflow", "tracking.sqlite_local=false", f"tracking.mlflow_uri={uri}"]
+        cfg = load_config(None, sets, output_dir=str(tmp_path / "runs"), run_name=name)
+        cfg.run_dir.mkdir(parents=True)
+        trackers = Trackers(cfg, 0)
+        trackers.start()
+        trackers.log({"loss": 1.0}, 1)
+        trackers.finish()
+        return trackers
+
+    made = client.create_experiment("aura_hpc")
+    real = MlflowClient.get_experiment_by_name
+    calls = [0]
+
+    def not_yet(self: Any, name: str) -> Any:  # another job makes it between this one's look-up and its create
+        calls[0] += 1
+        return None if calls[0] == 1 else real(self, name)
+
+    monkeypatch.setattr(MlflowClient, "get_experiment_by_name", not_yet)
+    with caplog.at_level(logging.WARNING, logger="aura_hpc"):
+        attempt("raced")
+    assert "could not start" not in caplog.text, caplog.text
+    [run] = client.search_runs([made])
+    assert run.info.status == "FINISHED" and run.info.run_name == "raced"
+    monkeypatch.setattr(MlflowClient, "get_experiment_by_name", real)
+    client.delete_experiment(made)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="aura_hpc"):
+        attempt("deleted")
+    said = f"mlflow could not start (the MLflow experiment 'aura_hpc' (id {made}) was deleted (fix: restore it with `mlflow experiments"
+    assert said in caplog.text and "--set tracking.project=ANOTHER" in caplog.text, caplog.text
+    assert client.get_experiment(made).lifecycle_stage == "deleted"  # the user's deletion stands

@@ -192,6 +192,27 @@ class Mlflow:
         self.cfg, self.local, self.folder = cfg, local, folder
         self.uri = cfg.tracking.mlflow_uri or f"sqlite:///{local / 'mlflow.db'}"
 
+    def _experiment(self, project: str) -> str:
+        """The project's experiment, made if there is none. MLflow finds a deleted one by its name too, and refuses
+        runs in it; and two jobs starting a new project together both made it, the second refused: MLflow was off."""
+        from mlflow.exceptions import MlflowException
+
+        exp = self.client.get_experiment_by_name(project)
+        if exp is None:
+            try:
+                return str(self.client.create_experiment(project, artifact_location=str(self.folder / "mlflow-artifacts")))
+            except MlflowException as exc:
+                if "already exists" not in str(exc).lower() and getattr(exc, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                exp = self.client.get_experiment_by_name(project)  # another job made it meanwhile
+        if exp is None or exp.lifecycle_stage == "deleted":
+            found = f" (id {exp.experiment_id})" if exp is not None else ""
+            raise RuntimeError(
+                f"the MLflow experiment '{project}'{found} was deleted (fix: restore it with `mlflow experiments restore "
+                f"--experiment-id {exp.experiment_id if exp else 'ID'}`, or --set tracking.project=ANOTHER)"
+            )
+        return str(exp.experiment_id)
+
     def start(self, config: dict[str, Any], run_id: str | None, resume_step: int) -> str:
         # An unreachable server fails in seconds (its default is minutes of retries, in our thread but
         # holding rows back): the queue and its warning take it from there.
@@ -204,9 +225,7 @@ class Mlflow:
 
         self.client = MlflowClient(tracking_uri=self.uri)
         project = self.cfg.tracking.project
-        exp = self.client.get_experiment_by_name(project)
-        artifacts = str(self.folder / "mlflow-artifacts")
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(project, artifact_location=artifacts)
+        exp_id = self._experiment(project)
         if run_id and not self._exists(run_id):  # a store lost (or another mlflow_uri): the kept id names nothing
             run_id = None
         if not run_id and self.run_key.isalnum():  # an attempt killed before it kept MLflow's id: found by its tag
