@@ -4,6 +4,7 @@ test_faults.py::test_stop_signal_checkpoints_once_and_exits_resumable (rank 0 id
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,3 +48,31 @@ def test_the_clock_counts_the_time_between_exchanges_and_not_across_a_pause() ->
     clock.exchange_begins()
     assert clock.steps == 2
     assert 0 < clock.take() < 0.1 and clock.take() == 0.0
+
+
+def _record_many(run_dir: str, prefix: str) -> None:
+    from aura_hpc.ops import excluded_nodes
+
+    for i in range(40):
+        excluded_nodes.record(Path(run_dir), f"{prefix}{i}", "a test")
+
+
+def test_nodes_left_out_by_several_writers_at_once_are_all_kept_and_an_unreadable_list_is_never_written_over(tmp_path: Path) -> None:
+    """Each node's Slurm watchdog and rank 0 add to one list: each read it, added its node and renamed its copy over the
+    others', which lost nodes. A list that could not be read (an NFS error) was taken for empty and written over."""
+    import multiprocessing
+
+    from aura_hpc.ops import excluded_nodes
+
+    ctx = multiprocessing.get_context("fork")
+    writers = [ctx.Process(target=_record_many, args=(str(tmp_path), p)) for p in ("a", "b", "c")]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(60)
+    assert all(w.exitcode == 0 for w in writers)
+    assert sorted(excluded_nodes.wanted(tmp_path)) == sorted(f"{p}{i}" for p in "abc" for i in range(40))
+    (tmp_path / excluded_nodes.FILE).write_text('{"n1": {"why": "hung"}, "n2"')  # not what aura_hpc writes
+    with pytest.raises(OSError, match="is not the list aura_hpc writes"):
+        excluded_nodes.record(tmp_path, "n3", "a straggler")
+    assert (tmp_path / excluded_nodes.FILE).read_text() == '{"n1": {"why": "hung"}, "n2"'

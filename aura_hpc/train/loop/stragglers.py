@@ -128,7 +128,11 @@ def straggler_action(cfg: RunConfig, env: DistEnv) -> Callable[[int, str], None]
     if env.launcher == "slurm":
 
         def keep(rank: int, host: str) -> None:
-            excluded_nodes.record(cfg.run_dir, host, f"rank {rank} was a straggler")
+            try:  # rank 0 writes it inside the training loop: a shared disk's error costs a warning, not the run
+                excluded_nodes.record(cfg.run_dir, host, f"rank {rank} was a straggler")
+            except OSError as exc:
+                log.warning("straggler: %s could not be kept for the next requeue (%s); training goes on", host, exc)
+                return
             log.warning("straggler: %s is left out at this job's next requeue (health.straggler_action=exclude)", host)
 
         return keep
