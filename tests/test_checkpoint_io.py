@@ -416,3 +416,38 @@ def test_a_zero_checkpoint_resumes_only_in_the_precision_that_wrote_it() -> None
     same_precision("step_00000010", {"bf16": True}, "zero1", bf16=True)
     same_precision("step_00000010", {"bf16": True}, "fsdp", bf16=False)
     same_precision("step_00000010", {}, "zero2", bf16=False)  # written before the precision was recorded: as before
+
+
+def test_a_commit_marker_there_but_unreadable_stops_the_resume_and_is_not_taken_for_unshared_storage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Which ranks see rank 0's checkpoint decides how it is loaded: those that do not get it whole over the network
+    (three copies in each receiver's memory, on every rank of a node). An NFS error reading the marker (ESTALE, EIO)
+    was taken for "not shared": one node's hiccup sent the whole checkpoint to every rank. Tried again, then said."""
+    import errno
+
+    from aura_hpc.errors import CheckpointError
+    from aura_hpc.train.checkpoint import checkpointer
+
+    monkeypatch.setattr(checkpointer, "MARKER_RETRY_S", 0.0)
+    step = tmp_path / "step_00000010"
+    step.mkdir()
+    (step / checkpoint.MARKER).write_text('{"step": 10}')
+    assert checkpointer._seen_alike(step, True) == [True]
+    assert checkpointer._seen_alike(tmp_path / "step_00000020", True) == [False]  # not there: unshared, as before
+    reads = [0]
+    real = Path.read_bytes
+
+    def stale(self: Path) -> bytes:
+        if self.name == checkpoint.MARKER:
+            reads[0] += 1
+            if reads[0] < 3:  # a hiccup that passes on the third read
+                raise OSError(errno.ESTALE, "Stale file handle")
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", stale)
+    assert checkpointer._seen_alike(step, True) == [True] and reads[0] == 3
+    reads[0] = -100  # one that does not pass
+    said = r"checkpoint step_00000010: rank\(s\) \[0\] could not read its commit marker \(\[Errno 116\]"
+    with pytest.raises(CheckpointError, match=said):
+        checkpointer._seen_alike(step, True)

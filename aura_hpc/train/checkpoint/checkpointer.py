@@ -373,12 +373,30 @@ def _seen_alike(local: Path, is_main: bool) -> list[bool]:
     that rank resumed from its own old checkpoint, another position and optimizer state, unsaid."""
     import hashlib
 
-    try:
-        mine: str | None = hashlib.sha256((local / checkpoint.MARKER).read_bytes()).hexdigest()
-    except OSError:
-        mine = None
+    mine: str | None = None
+    for attempt in range(MARKER_READS):
+        try:
+            mine = hashlib.sha256((local / checkpoint.MARKER).read_bytes()).hexdigest()
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            break  # not there: storage rank 0 does not share
+        except OSError as exc:  # there, unreadable (ESTALE, EIO): not "unshared", whose answer is the whole checkpoint sent
+            mine = f"error: {exc}"
+            if attempt + 1 < MARKER_READS:
+                time.sleep(MARKER_RETRY_S * (attempt + 1))
     theirs = collectives.broadcast_json(mine if is_main else None)
-    return collectives.flags(mine is not None and mine == theirs)
+    said = collectives.gather_json("error" if mine and mine.startswith("error: ") else "same" if mine and mine == theirs else "other")
+    if failed := [r for r, a in enumerate(said) if a == "error"]:
+        raise CheckpointError(
+            f"checkpoint {local.name}: rank(s) {failed} could not read its commit marker"
+            + (f" ({mine.removeprefix('error: ')})" if mine and mine.startswith("error: ") else "")
+            + " (fix: the shared file system on that node (an NFS error?); the checkpoint is kept, re-run the same command)"
+        )
+    return [a == "same" for a in said]
+
+
+MARKER_READS = 3  # a read of the commit marker that fails, tried again (an NFS hiccup)
+MARKER_RETRY_S = 1.0
 
 
 def _restore_position(pos: Position, meta: dict[str, Any]) -> None:
