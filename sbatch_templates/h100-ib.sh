@@ -11,6 +11,10 @@
 #   anything else            runs in the job script before the trainer (modules, venv, exports)
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=14
+# Consecutive ranks on one socket (ranks 0-3 beside GPUs 0-3, 4-7 beside 4-7, as a DGX wires them). Slurm's default
+# second level is cyclic: ranks 0, 2, 4, 6 on socket 0, so half the ranks ran their host work and NCCL's proxy thread
+# on the socket far from their GPU. Check yours with `nvidia-smi topo -m` (CPU Affinity) and change it if it differs.
+#SBATCH --distribution=block:block
 #SBATCH --mem=0
 #SBATCH --time=24:00:00
 #SBATCH --exclusive

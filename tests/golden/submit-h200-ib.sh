@@ -3,6 +3,7 @@
 # Parameters
 #SBATCH --comment=aura_hpc
 #SBATCH --cpus-per-task=14
+#SBATCH --distribution=block:block
 #SBATCH --error=/shared/aura/runs/gpt2/slurm/%j_0_log.err
 #SBATCH --exclusive
 #SBATCH --gpus-per-node=8
