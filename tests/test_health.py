@@ -11,7 +11,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 
@@ -585,12 +585,17 @@ def test_a_job_given_some_of_a_nodes_gpus_reads_those_and_is_told_when_it_reads_
     monkeypatch.setattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", event_reasons)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", lambda h: 0x48)
     assert by_uuid.read()[1]["throttle_reasons"] == 0x48
-    # GPU 5 answers "Unknown Error" to every call: it kept its UUID and is lost, not dropped from the watch.
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: (_ for _ in ()).throw(pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)))
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda h: (_ for _ in ()).throw(pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)))
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", pynvml.nvmlDeviceGetName)
+
+    # GPU 5 answers "Unknown Error" to every call but its name (a driver answers it from what it kept): it kept its UUID
+    # and is lost, not dropped from the watch.
+    def unknown(*args: Any) -> Any:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: "NVIDIA H100 80GB HBM3")
+    for call in ("nvmlDeviceGetUUID", "nvmlDeviceGetCurrentClocksThrottleReasons", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetTemperature"):
+        monkeypatch.setattr(pynvml, call, unknown)
     rows = by_uuid.read()
-    assert rows[1] == {"index": 5, "uuid": "GPU-h5", "lost": True}, rows
+    assert rows[1] == {"index": 5, "uuid": "GPU-h5", "name": "NVIDIA H100 80GB HBM3", "lost": True}, rows
     allowed.clear()  # a driver that lets this job read none of them: said once, not silent
     monkeypatch.setattr(health, "_cuda", lambda: True)
     monkeypatch.setattr(health, "_visible_uuids", lambda: None)

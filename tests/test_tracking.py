@@ -362,6 +362,7 @@ def test_a_tracker_switched_off_while_rows_are_added_back_at_a_resume_leaves_the
 
     from aura_hpc.config import load_config
     from aura_hpc.train.loop import tracker_backends
+    from aura_hpc.train.loop import trackers as trackers_module
     from aura_hpc.train.loop.trackers import Trackers
 
     cfg = load_config(None, ["tracking.backends=mlflow", "tracking.sqlite_local=false"], output_dir=str(tmp_path / "runs"), run_name="t")
@@ -379,6 +380,7 @@ def test_a_tracker_switched_off_while_rows_are_added_back_at_a_resume_leaves_the
         return backend
 
     monkeypatch.setattr(tracker_backends, "make", make)
+    monkeypatch.setattr(trackers_module, "OFF_AFTER_S", 0.0)  # off at its first failure, among the rows added back
     trackers = Trackers(cfg, 20)
     trackers.start()
     trackers.log({"loss": 0.01}, 21)

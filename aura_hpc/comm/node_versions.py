@@ -31,7 +31,10 @@ def of_this_process(node: int, host: str, nccl: bool, torch_version: str = "") -
     }
     if nccl and dist.is_nccl_available():
         # The library's own version (no CUDA context): what NCCL's bootstrap compares across ranks.
-        said["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        try:  # major.minor.patch: NCCL compares its version code, not torch's suffix field
+            said["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version()[:3])
+        except Exception as exc:  # a broken libnccl: said, so the others do not wait for this rank
+            said["nccl"] = f"unreadable ({str(exc)[:80]})"
     return said
 
 
@@ -42,9 +45,9 @@ _FIX = {
 }
 
 
-def mismatch(said: list[Any], who: str = "rank") -> str:
-    """The first process whose versions differ from the first one's, as a one-line error ("" when all
-    agree). `said`: each one's answer in order, a dict or its JSON, as read from a store: a peer's
+def mismatch(said: list[Any], who: str = "rank") -> tuple[str, str]:
+    """The first process whose versions differ from the first one's: what differs ("aura_hpc", "torch", "nccl") and
+    a one-line error; ("", "") when all agree. `said`: each one's answer in order, a dict or its JSON, as read from a store: a peer's
     bytes, parsed and never trusted to hold what they should."""
     answers: list[dict[str, Any]] = []
     for r, one in enumerate(said):
@@ -52,7 +55,7 @@ def mismatch(said: list[Any], who: str = "rank") -> str:
             with contextlib.suppress(ValueError):
                 one = json.loads(one)
         if not isinstance(one, dict):
-            return f"{who} {r} did not say which versions it runs: {_text(one)} (fix: {_FIX['aura_hpc']})"
+            return "aura_hpc", f"{who} {r} did not say which versions it runs: {_text(one)} (fix: {_FIX['aura_hpc']})"
         answers.append(one)
     first = answers[0]
     for r, other in enumerate(answers[1:], start=1):
@@ -62,11 +65,11 @@ def mismatch(said: list[Any], who: str = "rank") -> str:
                 continue  # a node without NCCL: the backend's own decision names it
             if want != got:
                 fix = _FIX[name].format(want=_text(want), host=_text(other.get("host")))
-                return (
+                return name, (
                     f"the nodes run different {name} versions: {_where(who, r, other)} runs {name} {_text(got)} "
                     f"and {_where(who, 0, first)} {name} {_text(want)} (fix: {fix})"
                 )
-    return ""
+    return "", ""
 
 
 def _where(who: str, r: int, one: dict[str, Any]) -> str:

@@ -185,13 +185,15 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
     report.nodes = nodes
     # Node 0's store goes with its process: a finding every node makes from these facts (other versions, no GPU)
     # ended node 0 first and the others, still reading, said node 0 never joined.
+    # (A few seconds at most: a node gone since, or one of an older release that says nothing, costs no more.)
     store.add("facts-read", 1)
-    while a.node_rank == 0 and store.add("facts-read", 0) < a.nnodes and time.monotonic() < deadline:
+    until = min(deadline, time.monotonic() + FACTS_READ_S)
+    while a.node_rank == 0 and all("versions" in n for n in nodes) and store.add("facts-read", 0) < a.nnodes and time.monotonic() < until:
         time.sleep(0.05)
     report.add("rendezvous", True, f"{a.nnodes} nodes joined: " + ", ".join(f"{n['node_rank']}={n['hostname']}/{n['ip']}" for n in nodes))
     _address_findings(report, a, nodes)
     if any("versions" in n for n in nodes):  # (a node of an older release says nothing)
-        problem = node_versions.mismatch([n.get("versions") for n in nodes], who="node")
+        _, problem = node_versions.mismatch([n.get("versions") for n in nodes], who="node")
         if problem:
             message, _, fix = problem.partition(" (fix: ")
             report.add("versions", False, message, fix.removesuffix(")"))
@@ -257,6 +259,9 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
         dist.destroy_process_group()
 
 
+FACTS_READ_S = 10.0  # node 0's wait for the others to have read the nodes' facts
+
+
 def timedelta_s(seconds: float) -> Any:
     from datetime import timedelta
 
@@ -316,7 +321,7 @@ def _clock_skew(report: Report, a: ClusterArgs) -> None:
     if skew >= RENDEZVOUS_SKEW_S:
         # torch's rendezvous stamps each node's heartbeat with that node's clock, and drops a node whose last one looks
         # older than 15 s (3 x 5 s: dynamic_rendezvous._sanitize): the run churns or stops at its start.
-        detail = f"{skew:.1f} s between the nodes' clocks: torch's rendezvous takes a node whose clock is that far off for dead"
+        detail = f"{skew:.1f} s between the nodes' clocks: torch's rendezvous (local, torchrun) takes a node this far off for dead"
         report.add("clock skew", False, detail, fix)
         return
     report.add(

@@ -6,7 +6,6 @@ Slurm watchdog, rank 0's straggler scores); slurm/exclude.py leaves them out of 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -26,10 +25,7 @@ def record(run_dir: Path, node: str, why: str) -> None:
     path = run_dir / FILE
     fd = os.open(run_dir / f".{FILE}.lock", os.O_CREAT | os.O_RDWR, 0o600)
     try:
-        with contextlib.suppress(OSError, ImportError):  # a mount without locks (Lustre without flock), Windows: unlocked
-            import fcntl
-
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        _lock(fd)
         kept = _read(path) if path.exists() else {}
         if node in kept:
             return
@@ -39,6 +35,30 @@ def record(run_dir: Path, node: str, why: str) -> None:
         os.replace(tmp, path)
     finally:
         os.close(fd)
+
+
+def _lock(fd: int) -> None:
+    """The list's lock, waited for LOCK_WAIT_S at most (rank 0 asks inside the training loop: a holder stuck on a mount
+    that stopped answering must not hold it up); unlocked past it, where the mount has no locks (Lustre without flock),
+    and on Windows."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    until = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > until:
+                return
+            time.sleep(0.05)
+        except OSError:
+            return
+
+
+LOCK_WAIT_S = 10.0
 
 
 def wanted(run_dir: Path) -> dict[str, dict[str, object]]:

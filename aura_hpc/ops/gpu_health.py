@@ -141,8 +141,8 @@ class NvmlReader:
                         break
                     unknown = unknown or getattr(exc, "value", None) == _UNKNOWN
                     continue
-                read += 1
                 if value is not None:
+                    read += key not in ("name", "uuid")  # (a driver answers those two from what it kept of a GPU gone)
                     g[key] = round(value, 1) if isinstance(value, float) else value
             else:
                 if not read and unknown:  # every call answered "Unknown Error": a GPU in that state answers nothing else

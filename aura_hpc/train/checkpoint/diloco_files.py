@@ -118,7 +118,7 @@ def load_all(
     if rank == 0:
         missing = [r for r, ok in enumerate(have) if not ok]
         log.warning(
-            "checkpoint %s: the per-rank state of rank(s) %s is missing or does not match (another world size?): every "
+            "checkpoint %s: the per-rank state of rank(s) %s is missing or does not match (another world size or strategy?): every "
             "rank starts it afresh (DiLoCo: from the last meeting's weights; PowerSGD: no error feedback) (not bit-identical)",
             chosen,
             missing,

@@ -218,14 +218,15 @@ class Trackers:
                         backend.finish(bool(payload))
                 return
 
-    def _call(self, name: str, method: str, *args: Any) -> None:
+    def _call(self, name: str, method: str, *args: Any) -> bool:
+        """True where the tracker took the call."""
         if name not in self._live:  # switched off meanwhile (a backfill's rows go on calling)
-            return
+            return False
         now = time.monotonic()
         failed, since, paused_until, skipped = self._failing.get(name, (0, now, 0.0, 0))
         if method == "log" and now < paused_until:
             self._failing[name] = (failed, since, paused_until, skipped + 1)
-            return
+            return False
         try:
             getattr(self._live[name], method)(*args)
         except Exception as exc:  # a tracker's failure costs a warning, never the run
@@ -234,11 +235,11 @@ class Trackers:
                     log.warning("tracking: %s failed to log step %s (%s); it is tried again in a while", name, args[-1], _first_line(exc))
                 pause = min(PAUSE_MAX_S, 2.0**failed)
                 self._failing[name] = (failed + 1, since, time.monotonic() + pause, skipped + 1)
-                return
+                return False
             log.warning("tracking: %s failed (%s); it is switched off for this run", name, _first_line(exc))
             if (backend := self._live.pop(name, None)) is not None:
                 self._off[name] = backend
-            return
+            return False
         if failed:
             log.info(
                 "tracking: %s logs again after %.0f s; %d rows in between did not reach it (metrics.jsonl has them)",
@@ -247,6 +248,7 @@ class Trackers:
                 skipped,
             )
             del self._failing[name]
+        return True
 
     def _start_all(self, config: dict[str, Any]) -> None:
         from aura_hpc.train.loop import tracker_backends
@@ -297,12 +299,15 @@ class Trackers:
             if last is None and name == "wandb":
                 continue
             missing = [r for r in rows if last is None or r["step"] > last]
-            for row in missing:
-                if name not in self._live:
+            sent = 0
+            for row in missing:  # in order, up to the first row it does not take: a gap it could never fill again
+                if not self._call(name, "log", scalars(row), row["step"]):
                     break
-                self._call(name, "log", scalars(row), row["step"])
-            if missing:
-                log.info("tracking: %s had rows up to step %s; %d earlier rows added from metrics.jsonl", name, last, len(missing))
+                sent += 1
+            if sent:
+                log.info("tracking: %s had rows up to step %s; %d earlier rows added from metrics.jsonl", name, last, sent)
+            if sent < len(missing):
+                log.warning("tracking: %s took %d of the %d earlier rows; the rest stay in metrics.jsonl", name, sent, len(missing))
 
     def _own_local_folder(self) -> None:
         """The node-local folder is named after the run directory's path: one left by a run whose directory was deleted

@@ -46,8 +46,8 @@ def pick_device(env: DistEnv, backend: str) -> torch.device:
             # local_rank % seen put two ranks on one GPU, and NCCL stopped at "Duplicate GPU detected".
             raise LaunchError(
                 f"rank {env.rank} sees {seen} GPUs for the {env.local_world_size} ranks of its node, so two would share one "
-                "(fix: let every rank see all the node's GPUs, or exactly one: no --gpu-bind=closest or SLURM_GPU_BIND, "
-                "and no CUDA_VISIBLE_DEVICES set per rank)"
+                "(fix: one rank per GPU: --nproc-per-node or --gpus no more than the node's GPUs; and every rank sees all the "
+                "node's GPUs, or exactly one: no --gpu-bind=closest or SLURM_GPU_BIND, no CUDA_VISIBLE_DEVICES set per rank)"
             )
         return torch.device("cuda", env.local_rank % seen)
     return torch.device("cpu")
@@ -239,15 +239,20 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, init_ti
     _AGREE = (rdzv.store, f"{rdzv.prefix}/agree", env.rank, env.world_size, rdzv.key)
     simulated = faults.primary_backend()  # gloo plays NCCL's part (tests on CPU)
     timeout = timedelta(seconds=timeout_s)
+    group_store = dist.PrefixStore(f"{rdzv.prefix}/pg", rdzv.store)
     if env.world_size > 1:
         nccl = backend != "gloo" and device.type == "cuda"
         said = node_versions.of_this_process(env.node_rank, socket.gethostname(), nccl, faults.torch_version(env.rank))
         answers = _answers("versions", json.dumps(said), init_timeout_s, "waiting for every rank to say what it runs")
         if isinstance(answers, str):  # a rank that never said: one gone, or one that runs another aura_hpc
             raise LaunchError(f"{answers} (fix: the same aura_hpc on every node; a node's log says why a rank stopped)")
-        if problem := node_versions.mismatch(answers):
+        differs, problem = node_versions.mismatch(answers)
+        if differs == "nccl" and backend == "auto":  # NCCL alone cannot start across them: auto's fallback, said
+            if env.is_main:
+                log.warning("NCCL could not start (%s); fallback=gloo", problem)
+            return _gloo(group_store, env, device, timeout)
+        if problem:
             raise LaunchError(problem)
-    group_store = dist.PrefixStore(f"{rdzv.prefix}/pg", rdzv.store)
     if backend == "gloo" and not simulated:
         return _gloo(group_store, env, device, timeout)
     # Every rank says whether it can start NCCL here, from local facts (a CPU-only node among GPU
