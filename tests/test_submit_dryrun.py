@@ -164,12 +164,18 @@ def test_gpus_asked_in_any_of_sbatchs_ways_plan_one_task_per_gpu_and_every_optio
     advice (--constraint) that selects node features, not GPU types; a line's second option was dropped."""
     prof = tmp_path / "site.sh"
     out = str(tmp_path / "runs")
-    prof.write_text("#SBATCH --partition=gpu --account=proj42\n#SBATCH --gres=gpu:h100:8,nvme:1\n#SBATCH --exclusive --qos=high\n")
+    # A site's wckey: the profile's, never submitit's own "submitit" (refused where a site enforces wckeys).
+    prof.write_text(
+        "#SBATCH --partition=gpu --account=proj42 --wckey=nlp\n#SBATCH --gres=gpu:h100:8,nvme:1\n#SBATCH --exclusive --qos=high\n"
+    )
     planned = run_cli(["submit", "--cluster", str(prof), "--nodes", "2", "--output-dir", out, "--dry-run"])
     assert planned.returncode == 0, planned.stdout + planned.stderr
     lines = set(_script(planned.stdout).splitlines())
     expected = {"#SBATCH --gpus-per-node=h100:8", "#SBATCH --ntasks-per-node=8", "#SBATCH --gres=nvme:1", "#SBATCH --account=proj42"}
-    assert expected | {"#SBATCH --partition=gpu", "#SBATCH --qos=high", "#SBATCH --exclusive"} <= lines, planned.stdout
+    assert expected | {"#SBATCH --partition=gpu", "#SBATCH --qos=high", "#SBATCH --exclusive", "#SBATCH --wckey=nlp"} <= lines, (
+        planned.stdout
+    )
+    assert "submitit" not in " ".join(x for x in lines if x.startswith("#SBATCH --wckey"))
     assert "tasks: 2 node(s) x 8 task(s) = world size 16" in planned.stdout
     # The CLI's count keeps the profile's type; the CLI's type wins over it.
     four = run_cli(["submit", "--cluster", str(prof), "--gpus", "a100:4", "--output-dir", out, "--dry-run"])

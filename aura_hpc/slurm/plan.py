@@ -306,6 +306,9 @@ def plan_submit(
         "time": slurm_minutes(slurm.time),
         "signal_delay_s": slurm.signal_lead_s,
         "comment": "aura_hpc",
+        # No wckey unless the profile sets one (#SBATCH --wckey): submitit's "submitit" failed sbatch where a site
+        # enforces wckeys ("Invalid wckey specification"); without it Slurm takes the user's default.
+        "wckey": None,
         "setup": setup,
         # A rank that dies takes the others down at once instead of leaving them in a collective;
         # the per-task logs are appended across requeues, not truncated.
@@ -412,8 +415,7 @@ def _check_script_values(params: dict[str, Any], folder: Path, env: dict[str, st
 def _planned_directives(params: dict[str, Any], n_points: int) -> set[str]:
     keys = {k.replace("_", "-") for k, v in params.items() if k not in _NOT_DIRECTIVES and v is not None}
     keys |= {k.replace("_", "-") for k in params["additional_parameters"]}
-    # submitit adds these itself (wckey is its default "submitit").
-    keys |= {"signal", "output", "error", "open-mode", "wckey"} | ({"array"} if n_points > 1 else set())
+    keys |= {"signal", "output", "error", "open-mode"} | ({"array"} if n_points > 1 else set())  # (submitit's own)
     return keys
 
 

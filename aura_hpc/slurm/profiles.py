@@ -32,7 +32,7 @@ SBATCH_TO_KEY = {
     "job-name": "job_name",
 }
 # Options aura_hpc decides itself; a profile setting them would break the task layout.
-RESERVED = {"ntasks", "ntasks-per-node", "output", "error", "array", "signal", "open-mode", "dependency", "wckey"}
+RESERVED = {"ntasks", "ntasks-per-node", "output", "error", "array", "signal", "open-mode", "dependency"}
 # #AURA keys that set slurm.* values (containers), and the ones that are the profile's own.
 CONTAINER_KEYS = {"container", "container_image", "container_mounts", "container_workdir", "container_python"}
 # The figures pre-flight screening expects of this hardware (health.screen_*: ops/screen.py).

@@ -12,7 +12,6 @@
 #SBATCH --requeue
 #SBATCH --signal=USR2@120
 #SBATCH --time=60
-#SBATCH --wckey=submitit
 
 # setup
 export AURA_RUN_DIR=/shared/aura/runs/gpt2

@@ -16,7 +16,6 @@
 #SBATCH --requeue
 #SBATCH --signal=USR2@120
 #SBATCH --time=1440
-#SBATCH --wckey=submitit
 
 # setup
 export AURA_RUN_DIR=/shared/aura/runs/gpt2
