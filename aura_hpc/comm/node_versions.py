@@ -58,8 +58,8 @@ def mismatch(said: list[Any], who: str = "rank") -> tuple[str, str]:
             return "aura_hpc", f"{who} {r} did not say which versions it runs: {_text(one)} (fix: {_FIX['aura_hpc']})"
         answers.append(one)
     first = answers[0]
-    for r, other in enumerate(answers[1:], start=1):
-        for name in ("aura_hpc", "torch", "nccl"):
+    for name in ("aura_hpc", "torch", "nccl"):  # across every rank, one field at a time: NCCL's last, as auto falls back on it
+        for r, other in enumerate(answers[1:], start=1):
             want, got = first.get(name), other.get(name)
             if name == "nccl" and (want is None or got is None):
                 continue  # a node without NCCL: the backend's own decision names it

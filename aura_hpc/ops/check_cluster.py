@@ -188,7 +188,7 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
     # (A few seconds at most: a node gone since, or one of an older release that says nothing, costs no more.)
     store.add("facts-read", 1)
     until = min(deadline, time.monotonic() + FACTS_READ_S)
-    while a.node_rank == 0 and all("versions" in n for n in nodes) and store.add("facts-read", 0) < a.nnodes and time.monotonic() < until:
+    while a.node_rank == 0 and store.add("facts-read", 0) < a.nnodes and time.monotonic() < until:
         time.sleep(0.05)
     report.add("rendezvous", True, f"{a.nnodes} nodes joined: " + ", ".join(f"{n['node_rank']}={n['hostname']}/{n['ip']}" for n in nodes))
     _address_findings(report, a, nodes)

@@ -110,6 +110,7 @@ def submit(spec: PrepareSpec, nodes: int, partition: str | None, time_min: int, 
     ex = submitit.SlurmExecutor(folder=logs, python=sys.executable)
     params: dict[str, Any] = {"nodes": 1, "ntasks_per_node": 1, "cpus_per_task": max(1, spec.workers), "time": time_min}
     params["job_name"] = "aura-prepare"
+    params["wckey"] = None  # not submitit's "submitit": refused where a site enforces wckeys (as `submit`)
     params["srun_args"] = [f"--cpus-per-task={params['cpus_per_task']}"]  # srun does not inherit it (Slurm 22.05+)
     if partition:
         params["partition"] = partition

@@ -246,13 +246,11 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, init_ti
         answers = _answers("versions", json.dumps(said), init_timeout_s, "waiting for every rank to say what it runs")
         if isinstance(answers, str):  # a rank that never said: one gone, or one that runs another aura_hpc
             raise LaunchError(f"{answers} (fix: the same aura_hpc on every node; a node's log says why a rank stopped)")
-        differs, problem = node_versions.mismatch(answers)
-        if differs == "nccl" and backend == "auto":  # NCCL alone cannot start across them: auto's fallback, said
-            if env.is_main:
-                log.warning("NCCL could not start (%s); fallback=gloo", problem)
-            return _gloo(group_store, env, device, timeout)
-        if problem:
-            raise LaunchError(problem)
+        differs, versions_differ = node_versions.mismatch(answers)
+        if versions_differ and not (differs == "nccl" and backend == "auto"):
+            raise LaunchError(versions_differ)  # (NCCL alone under auto: every rank says it cannot start it, below)
+    else:
+        versions_differ = ""
     if backend == "gloo" and not simulated:
         return _gloo(group_store, env, device, timeout)
     # Every rank says whether it can start NCCL here, from local facts (a CPU-only node among GPU
@@ -261,6 +259,7 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device, init_ti
         problem = faults.backend_fails(env.rank) or (f"{NO_KERNELS}(fault injection)" if faults.backend_fails(env.rank, "device") else "")
     else:
         problem = _nccl_problem(device, env)
+    problem = problem or versions_differ
     failed = agree("backend-ready", problem, init_timeout_s, waiting="waiting for every rank to say whether NCCL can start")
     if broken := [f for f in failed if NO_KERNELS in f]:
         raise LaunchError(

@@ -26,14 +26,20 @@ def said_by_rank_0(topic: str, text: str | None, patience_s: float) -> tuple[boo
     store, prefix, rank, _, key = agree
     name = f"{prefix}/{topic}"
     if rank == 0:
-        store.set(name, distributed._signed(key, name, json.dumps(text)))
+        # Cut to what a reader opens (1,200 bytes with the signature): a longer one would read as a stranger's.
+        cut = text
+        while cut is not None and len(json.dumps(cut)) > 1000:
+            cut = cut[: len(cut) * 3 // 4]
+        store.set(name, distributed._signed(key, name, json.dumps(cut)))
         return True, text
-    deadline = time.monotonic() + patience_s
+    deadline, pause = time.monotonic() + patience_s, 0.01
     # Looked for, not waited on: a wait holds the store client (shared with this process's other threads) throughout.
+    # Soon at first (most saves have nothing left to write), then once a second.
     while not store.check([name]):
         if time.monotonic() > deadline:
             return False, None
-        time.sleep(POLL_S)
+        time.sleep(pause)
+        pause = min(POLL_S, pause * 2)
     said = distributed._opened(key, name, store.get(name))
     try:
         value: Any = json.loads(said)
