@@ -24,7 +24,6 @@ from aura_hpc.train.checkpoint.writer import SHARDS, Commit, check_one_folder, d
 from aura_hpc.train.parts.schedule import apply_settings, scale_learning_rate
 from aura_hpc.train.parts.state import Layout, Parts, Position
 from aura_hpc.train.process.dist_env import DistEnv
-from aura_hpc.train.process.from_rank0 import said_by_rank_0
 from aura_hpc.train.process.runtime import Runtime, rng_state, set_rng_state
 from aura_hpc.train.strategies import Wrapped
 from aura_hpc.train.strategies.base import OuterLoop, ShardedCheckpoints, capability, sharding
@@ -39,7 +38,7 @@ class Checkpointer:
         self.root = cfg.run_dir / "checkpoints"
         self.writer: Future[str | None] | None = None  # rank 0's commit of the newest save: its error or None
         self.shards: Future[Any] | None = None  # this rank's background shard write, until the next wait()
-        self._waits = 0  # wait()'s calls: each its own key for rank 0's word on the save's outcome
+        self._waits = _wait_group(layout.world)  # made now, while the store is there (a stop's save may come without it)
         self.mirror = HostMirror()  # rank 0's host copies of what it saves, reused from save to save
         self.saved_at = time.perf_counter()  # the last save began (train.checkpoint_every_s counts from it)
 
@@ -283,11 +282,8 @@ class Checkpointer:
             self.shards = None
         if self.env.is_main and self.writer is not None:
             error, self.writer = self.writer.result(), None
-        # All learn that the save failed, so all stop together: through the store, as NCCL's timed out during a big write.
-        self._waits, patience = self._waits + 1, max(self.cfg.dist.timeout_s, WRITE_WAIT_S)
-        said, error = said_by_rank_0(f"checkpoint-wait/{self._waits}", error, patience)
-        if error or not said:
-            error = error or f"rank 0 did not say within {patience} s whether the checkpoint was written"
+        error = collectives.broadcast_json(error, group=self._waits)  # all learn that the save failed: all stop together
+        if error:
             raise CheckpointWriteError(error)
 
     # ---- rollback -----------------------------------------------------------------------
@@ -396,7 +392,14 @@ def _seen_alike(local: Path, is_main: bool) -> list[bool]:
     return [a == "same" for a in said]
 
 
-WRITE_WAIT_S = 3600  # the others' wait for rank 0's write (a big model to a slow shared disk), dist.timeout_s if longer
+def _wait_group(world: int) -> Any:
+    """The group the ranks learn a save's outcome on: a host group, which waits 30 min at least (the world's, NCCL's,
+    timed out at dist.timeout_s while rank 0 wrote a big model). Not the rendezvous store: under `local` it lives in the
+    launcher, and a launcher killed left the stop's own checkpoint no store to wait on. Collective: every rank makes its
+    Checkpointer at the same point."""
+    return collectives.new_group("checkpoint-wait", host_only=True) if collectives.active() and world > 1 else None
+
+
 MARKER_READS = 3  # a read of the commit marker that fails, tried again (an NFS hiccup)
 MARKER_RETRY_S = 1.0
 
