@@ -12,6 +12,10 @@ import re
 import time
 from pathlib import Path
 
+from aura_hpc.ops.file_lock import lock_briefly
+
+LOCK_WAIT_S = 10.0
+
 FILE = "excluded_nodes.json"
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -25,7 +29,7 @@ def record(run_dir: Path, node: str, why: str) -> None:
     path = run_dir / FILE
     fd = os.open(run_dir / f".{FILE}.lock", os.O_CREAT | os.O_RDWR, 0o600)
     try:
-        _lock(fd)
+        lock_briefly(fd, LOCK_WAIT_S)  # (rank 0 asks inside the training loop: never held up past it)
         kept = _read(path) if path.exists() else {}
         if node in kept:
             return
@@ -35,30 +39,6 @@ def record(run_dir: Path, node: str, why: str) -> None:
         os.replace(tmp, path)
     finally:
         os.close(fd)
-
-
-def _lock(fd: int) -> None:
-    """The list's lock, waited for LOCK_WAIT_S at most (rank 0 asks inside the training loop: a holder stuck on a mount
-    that stopped answering must not hold it up); unlocked past it, where the mount has no locks (Lustre without flock),
-    and on Windows."""
-    try:
-        import fcntl
-    except ImportError:
-        return
-    until = time.monotonic() + LOCK_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() > until:
-                return
-            time.sleep(0.05)
-        except OSError:
-            return
-
-
-LOCK_WAIT_S = 10.0
 
 
 def wanted(run_dir: Path) -> dict[str, dict[str, object]]:

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
 import re
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from aura_hpc.errors import LaunchError
+from aura_hpc.ops.file_lock import lock_briefly
 
 
 def index_path() -> Path:
@@ -25,26 +22,11 @@ def record(job_id: str, run_dir: Path, name: str, submitted: str) -> None:
     line = json.dumps({"job_id": job_id, "run_dir": str(run_dir), "name": name, "submitted": submitted})
     with path.open("a", encoding="utf-8") as f:
         # O_APPEND alone is not atomic on NFS (open(2)), where ~/.aura_hpc usually is on a cluster: two login
-        # nodes' submits wrote at one offset and a job lost its line. A POSIX lock (NLM, NFSv4) orders them, and
-        # taking it makes the NFS client read the file's size afresh. Where the server has no locking, as before.
-        # Never blocking: an NFS lock daemon that does not answer (LOCK_NB does not stop its RPC from retrying)
-        # would hold a submit whose job is queued already, before its id is printed. 5 s, then as before.
-        locking = threading.Thread(target=_lock, args=(f,), daemon=True)
-        locking.start()
-        locking.join(5.0)
+        # nodes' submits wrote at one offset and a job lost its line. A POSIX lock orders them, and taking it makes
+        # the NFS client read the file's size afresh. Never holding up a submit whose job is queued already: 5 s.
+        lock_briefly(f, 5.0)
         f.write(line + "\n")
         f.flush()  # before the lock goes with the file's closing
-
-
-def _lock(f: Any) -> None:
-    for _ in range(50):
-        try:
-            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                return  # no locking there (ENOLCK): as before
-            time.sleep(0.1)
 
 
 def entries() -> list[dict[str, Any]]:
