@@ -338,6 +338,7 @@ def test_a_live_lock_on_a_filesystem_whose_clock_runs_behind_this_machines_is_no
     import json
 
     from aura_hpc.launch import run_lock
+    from aura_hpc.launch.run_status import local_status
 
     (tmp_path / run_lock.LOCK_NAME).write_text(json.dumps({"host": "gpu07", "pid": 4242, "token": "t", "boot_id": "b"}))
     real = time.time()
@@ -346,10 +347,34 @@ def test_a_live_lock_on_a_filesystem_whose_clock_runs_behind_this_machines_is_no
         run_lock.check_free(tmp_path)
     with pytest.raises(errors.LaunchError, match="gpu07"):
         run_lock.RunLock(tmp_path).acquire()
+    # `status` and `logs -f` judge it by the same clock: they read the live run as STOPPED, and the follow ended at once.
+    assert local_status(tmp_path, {})["state"] == "RUNNING"
     assert sorted(p.name for p in tmp_path.iterdir()) == [run_lock.LOCK_NAME]  # no probe left behind
     old = real - 200.0  # a heartbeat that stopped 200 s ago by the files' clock: stale whatever this one says
     os.utime(tmp_path / run_lock.LOCK_NAME, (old, old))
     run_lock.check_free(tmp_path)
+
+
+def test_a_lock_whose_pid_another_process_took_since_reads_as_no_run(tmp_path: Path) -> None:
+    """A launcher killed outright (SIGKILL, the OOM killer) leaves its lock; once its PID is another process's, `status`
+    read the run as RUNNING for ever, `logs -f` never ended and `cancel` said to kill that stranger's PID."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from aura_hpc.launch import run_lock
+    from aura_hpc.launch.run_status import local_status
+
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        held = {"host": socket.gethostname(), "pid": stranger.pid, "token": "t", "boot_id": run_lock._boot_id()}
+        for started, state in (("1", "STOPPED"), (run_lock._started(stranger.pid), "RUNNING")):
+            (tmp_path / run_lock.LOCK_NAME).write_text(json.dumps({**held, "pid_started": started}))
+            assert local_status(tmp_path, {})["state"] == state, started
+    finally:
+        stranger.kill()
+        stranger.wait()
 
 
 def test_an_exit_handler_that_never_returns_holds_the_exit_a_bounded_time_and_logs_are_still_flushed(tmp_path: Path) -> None:

@@ -427,14 +427,17 @@ def test_text_with_nul_bytes_is_refused_at_once_and_a_rows_stray_nul_is_removed(
     assert time.perf_counter() - t0 < 30 and not (tmp_path / "p").exists()
     # One row of a dataset is not a file: a stray NUL among its rows (a JSON escape) stopped the whole prepare, and
     # a stream at that window on every retry. It is removed from its row: the tokens of the same rows without it.
+    # Half an emoji (a lone surrogate escape, \\ud83d, from text cut in the middle of one) raised in the tokenizer: it
+    # becomes U+FFFD, the tokens of the same row with U+FFFD in its place.
     tokens = []
-    for name, odd in (("stray", "a\u0000b "), ("clean", "ab ")):
+    odd_rows = (("stray", "a\u0000b "), ("clean", "ab "), ("half", "a\ud83db "), ("replaced", "a\ufffdb "))
+    for name, odd in odd_rows:
         rows = tmp_path / name / "rows.jsonl"
         rows.parent.mkdir()
         rows.write_text("".join(json.dumps({"text": d}) + "\n" for d in [DOCS[0], odd + DOCS[1], *DOCS[2:40]]), encoding="utf-8")
         prepare(PrepareSpec(out_dir=tmp_path / name / "p", inputs=[str(rows)], vocab_size=300))
         tokens.append([b.read_bytes() for b in sorted((tmp_path / name / "p").rglob("*.bin"))])
-    assert tokens[0] and tokens[0] == tokens[1]
+    assert tokens[0] and tokens[0] == tokens[1] and tokens[2] == tokens[3] and tokens[2] != tokens[1]
 
 
 def test_an_out_that_is_a_link_gets_the_data_where_it_points_and_stays_a_link(tmp_path: Path) -> None:
@@ -488,6 +491,21 @@ def test_truncated_token_file_is_detected(tmp_path: Path) -> None:
         f.truncate(10)
     with pytest.raises(DataError, match="re-run prepare with --force"):
         PackedTokens(out, 16)
+
+
+def test_a_damaged_manifest_is_named_as_damaged_and_force_prepares_the_folder_again(tmp_path: Path) -> None:
+    """A manifest.json cut short (a copy interrupted, a full disk) read as no manifest: the run advised preparing the
+    prepared folder as text, and `prepare --force`, the fix, refused it as a manifest prepare did not write."""
+    files = _write_inputs(tmp_path / "in")
+    out = tmp_path / "p"
+    spec = PrepareSpec(out_dir=out, inputs=[str(files["txt"])], vocab_size=300)
+    prepare(spec)
+    (out / "manifest.json").write_bytes((out / "manifest.json").read_bytes()[:100])
+    for attempt in (lambda: PackedTokens(out, 16), lambda: prepare(spec)):
+        with pytest.raises(DataError, match=r"manifest\.json is damaged: it is not JSON .*\(fix: prepare the data there again"):
+            attempt()
+    spec.force = True
+    assert prepare(spec)["format"] == 2 and PackedTokens(out, 16).num_sequences("train") > 0
 
 
 def test_a_prepared_folder_copied_without_its_tokenizer_is_refused_before_training(tmp_path: Path, prepared: Path) -> None:
@@ -613,14 +631,17 @@ def test_an_interrupted_build_redoes_only_the_unfinished_pieces(tmp_path: Path, 
     assert m["data_sha256"] == fresh["data_sha256"]
 
 
-def test_a_vocabulary_above_65535_is_stored_as_uint32(tmp_path: Path) -> None:
+@pytest.mark.parametrize("filler", [70_000, 0], ids=["every id", "ids with a gap"])
+def test_a_vocabulary_above_65535_is_stored_as_uint32(tmp_path: Path, filler: int) -> None:
+    """Its ids, not its count of tokens: a vocabulary of a few hundred tokens whose ids go past 65,535 (a gap) was
+    stored as uint16, and numpy wrapped each id past it onto another token, unsaid."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
     from transformers import PreTrainedTokenizerFast
 
     words = sorted({w for d in DOCS for w in d.replace(",", " ").replace(".", " ").split()})
-    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{f"relleno{i}": i + 2 for i in range(70_000)}}
+    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{f"relleno{i}": i + 2 for i in range(filler)}}
     vocab.update({w: 70_002 + i for i, w in enumerate(words)})  # every real word above 65,535
     backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = Whitespace()

@@ -515,6 +515,7 @@ def test_data_replaced_in_a_bucket_leaves_no_file_of_the_old_tokenizer(tmp_path:
     """The old shards went, the old tokenizer's vocab.json and merges.txt (an earlier --tokenizer) stayed beside the new
     tokenizer.json, and were fetched with it."""
     from aura_hpc.data import storage
+    from aura_hpc.errors import DataError
 
     for k, v in s3.env().items():
         monkeypatch.setenv(k, v)
@@ -528,6 +529,15 @@ def test_data_replaced_in_a_bucket_leaves_no_file_of_the_old_tokenizer(tmp_path:
     prepare(spec)
     left = sorted(p.rsplit("/", 1)[1] for p in fs.ls("prep/replaced/tokenizer"))
     assert "merges.txt" not in left and "tokenizer.json" in left, left
+    # A manifest cut short (an upload interrupted by hand, a full disk where it was copied from): the fix it names,
+    # --force, was refused by the same reader before --force was looked at.
+    fs.pipe("prep/replaced/manifest.json", b'{"format": 2, "dtyp')
+    storage._FS.clear()
+    spec.force, spec.vocab_size = False, 300
+    with pytest.raises(DataError, match=r"manifest\.json is damaged: it is not JSON .*\(fix: prepare the data there again with --force"):
+        prepare(spec)
+    spec.force = True
+    assert prepare(spec)["tokenizer"]["vocab_size"] <= 300 and json.loads(fs.cat("prep/replaced/manifest.json"))["format"] == 2
     storage._FS.clear()
 
 

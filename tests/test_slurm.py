@@ -182,6 +182,11 @@ def test_two_node_job_completes_and_status_logs_find_it(slurm_cluster: Path, pre
     by_dir = json.loads(run_cli(["status", str(run_dir), "--json"]).stdout)["jobs"][0]
     assert by_dir["job_id"] == job
 
+    # `logs --follow` of a job that has ended: its lines, then how it ended, and its status.
+    followed = run_cli(["logs", job, "--follow"], timeout=120)
+    assert followed.returncode == 0 and "all 2 ranks finished at step 12" in followed.stdout, followed.stdout + followed.stderr
+    assert f"job {job} ended: COMPLETED" in followed.stdout, followed.stdout
+
     own = resolve(socket.gethostname())  # where gloo would listen: told the route to the master instead where loopback
     told = 1 if own is None or own.startswith("127.") else 0
     gloo_line = f"GLOO_SOCKET_IFNAME=lo: this node's name {socket.gethostname()} resolves to {own or 'nothing'}"
@@ -198,6 +203,18 @@ def test_two_node_job_completes_and_status_logs_find_it(slurm_cluster: Path, pre
 
     history = run_cli(["history", "--json"])
     assert history.returncode == 0, history.stderr
+
+    # The run submitted again (a resume): job.json names the new job, and the index has both.
+    from aura_hpc.slurm import index
+
+    recorded = json.loads((run_dir / "job.json").read_text())
+    index.record("999999", run_dir, recorded["job_name"], recorded["submitted"], run_dir / "slurm", 2)
+    (run_dir / "job.json").write_text(json.dumps({**recorded, "job_id": "999999"}))
+    earlier = json.loads(run_cli(["status", job, "--json"]).stdout)
+    [row] = earlier["jobs"]
+    assert row["state"] == "COMPLETED" and row["step"] is None and row["loss"] is None, earlier  # step 12 is the run's, not the job's
+    assert any("submitted again as job 999999" in n for n in earlier["notes"]), earlier
+    assert "all 2 ranks finished at step 12" in run_cli(["logs", job, "--rank", "1"]).stdout
     assert any(r["job_id"] == job and r["run_dir"] == str(run_dir) for r in json.loads(history.stdout)["jobs"])
 
 
@@ -394,6 +411,27 @@ def test_a_damaged_index_line_or_job_file_is_a_line_not_a_keyerror(tmp_path: Pat
         (run / "job.json").write_text(damaged)
         with pytest.raises(LaunchError, match=r"job\.json is damaged \(not the record submit writes\) \(fix: "):
             index.resolve(str(run))
+
+
+def test_the_logs_of_a_runs_earlier_job_stay_reachable_after_it_was_submitted_again(tmp_path: Path, home: Path) -> None:
+    """A resume submits the same run again, and job.json then names the new job: `logs` of the earlier one said no run
+    directory was known for it (its log files still there), and following that fix showed the new job's."""
+    from aura_hpc.slurm import index
+
+    run = tmp_path / "runs" / "again"
+    (run / "slurm").mkdir(parents=True)
+    index.record("7", run, "aura-again", "2026-12-01T10:00:00+0000", run / "slurm", 2)
+    index.record("8", run, "aura-again", "2026-12-02T10:00:00+0000", run / "slurm", 4)
+    (run / "job.json").write_text(json.dumps({"job_id": "8", "job_name": "aura-again", "log_dir": str(run / "slurm"), "world_size": 4}))
+    for job in ("7", "8"):
+        (run / "slurm" / f"{job}_1_log.out").write_text(f"[rank1] the log of job {job}\n")
+    shown = run_cli(["logs", "7", "--rank", "1"])
+    assert shown.returncode == 0 and shown.stdout.strip() == "[rank1] the log of job 7", shown.stdout + shown.stderr
+    assert run_cli(["logs", "8", "--rank", "1"]).stdout.strip() == "[rank1] the log of job 8"
+    beyond = run_cli(["logs", "7", "--rank", "3"])  # job 7 had 2 ranks, job 8 has 4
+    assert beyond.returncode == 2 and "--rank 0..1" in beyond.stderr, beyond.stderr
+    _, _, info = index.resolve("7")
+    assert info is not None and info["superseded_by"] == "8" and info["world_size"] == 2
 
 
 def test_a_watch_outlasts_a_controller_that_misses_an_answer_and_prints_the_jobs_last_words(
@@ -714,11 +752,22 @@ def test_missing_slurm_is_a_clear_error(tmp_path: Path, prepared: Path) -> None:
     assert overview.returncode == 0 and "no Slurm jobs" in overview.stdout and "not on PATH" in overview.stdout, overview.stdout
 
 
-def test_unknown_job_is_a_clear_error(slurm_cluster: Path, home: Path) -> None:
+def test_unknown_job_is_a_clear_error_and_another_users_job_is_not_cancelled(slurm_cluster: Path, home: Path) -> None:
     res = run_cli(["status", "987654"])
     assert res.returncode == 2 and "987654" in res.stderr and "fix:" in res.stderr, res.stderr
     res = run_cli(["cancel", "987654"])
     assert res.returncode == 2 and "not in the queue" in res.stderr
+    from aura_hpc.slurm import query
+
+    # An id of someone else's job (a typo, or ids restarted): an operator's scancel would have ended it.
+    sub = ["sbatch", "--parsable", "--hold", "--uid=nobody", "-o", "/dev/null", "--wrap", "true"]
+    other = subprocess.run(sub, capture_output=True, text=True, check=True, cwd="/tmp").stdout.strip().split(";")[0]
+    try:
+        res = run_cli(["cancel", other])
+        assert res.returncode == 2 and f"job {other} is nobody's, not yours: not cancelled" in res.stderr, res.stderr
+        assert query.squeue_job(other).state == "PENDING"
+    finally:
+        subprocess.run(["scancel", other], check=False)
 
 
 def test_status_and_history_read_sweep_elements_and_names_with_a_pipe_as_slurm_holds_them(
@@ -1004,6 +1053,8 @@ def test_a_job_requeued_and_held_is_not_taken_for_ended(slurm_cluster: Path, tmp
         _wait_for_state(job, "RUNNING", "the job never started")
         subprocess.run(["scontrol", "requeuehold", "State=SpecialExit", job], check=True)
         _wait_for_state(job, "SPECIAL_EXIT", "the job was not held in SPECIAL_EXIT")
+        [row] = json.loads(run_cli(["status", job, "--json"]).stdout)["jobs"]
+        assert row["requeues"] == 1, row  # squeue's RestartCnt: it said 0 until the job had left the queue
         said: list[str] = []
         assert submit.wait([job], poll_s=0.5, printer=said.append) == 1
         assert said and "will not start" in said[0] and f"scontrol release {job}" in said[0], said

@@ -71,7 +71,7 @@ def cmd_status(a: argparse.Namespace) -> int:
 def cmd_logs(a: argparse.Namespace) -> int:
     from aura_hpc import console
     from aura_hpc.launch.run_status import is_local_run, local_log
-    from aura_hpc.slurm.commands import follow, log_file
+    from aura_hpc.slurm.commands import follow_log, log_file
 
     if is_local_run(a.target):
         path = local_log(Path(a.target), a.rank, a.stderr)
@@ -80,10 +80,9 @@ def cmd_logs(a: argparse.Namespace) -> int:
         else:
             console.plain(path.read_text(encoding="utf-8", errors="replace").rstrip("\n"))
         return 0
-    job_id, path = log_file(a.target, a.rank, a.stderr)
     if a.follow:
-        follow(job_id, path, console.plain)
-        return 0
+        return follow_log(a.target, a.rank, a.stderr, console.plain, console.info)
+    _, path = log_file(a.target, a.rank, a.stderr)
     if not path.exists():
         console.info(f"{path} does not exist yet (the job may still be pending; --follow waits for it)")
         return 0
@@ -185,7 +184,12 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("target", help="a job id or a run directory")
     p.add_argument("--rank", type=int, default=0, help="which rank (default 0)")
     p.add_argument("--stderr", action="store_true", help="the rank's stderr instead of stdout")
-    p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    p.add_argument(
+        "--follow",
+        "-f",
+        action="store_true",
+        help="keep printing until the job ends, then say how (exit status: the job's, 0 if it COMPLETED)",
+    )
     p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser(

@@ -62,9 +62,12 @@ def _listing(names: list[str], limit: int = 3) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def check_out_dir(out: Path, inputs: list[Path], input_dirs: list[Path], manifest: dict[str, Any] | None, force: bool) -> None:
+def check_out_dir(
+    out: Path, inputs: list[Path], input_dirs: list[Path], manifest: dict[str, Any] | None, force: bool, damaged: bool = False
+) -> None:
     """Refuse an --out that is an input, holds an input, lies inside an input folder, or holds files
-    that are not ours; refuse to replace prepared data of other inputs without --force."""
+    that are not ours; refuse to replace prepared data of other inputs without --force. `damaged`: its manifest.json
+    is not JSON (--force given): ours if every file there has a name prepare writes."""
     out_abs = out.expanduser().resolve()
     for f in inputs:
         if f == out_abs or out_abs in f.parents:
@@ -86,7 +89,7 @@ def check_out_dir(out: Path, inputs: list[Path], input_dirs: list[Path], manifes
     if not entries:
         return
     foreign = foreign_files(out_abs)
-    if foreign or not our_manifest(manifest):
+    if foreign or not (our_manifest(manifest) or damaged):
         what = _listing(foreign) if foreign else "a manifest.json prepare did not write"
         raise DataError(
             f"--out {out} is not empty and is not a prepared directory (it holds {what}); prepare never replaces "

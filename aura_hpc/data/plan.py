@@ -86,8 +86,10 @@ def _vocab(spec: PrepareSpec) -> int:
     if spec.tokenizer and (Path(spec.tokenizer) / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
 
+        from aura_hpc.data.tokenizer import id_space
+
         try:
-            return int(Tokenizer.from_file(str(Path(spec.tokenizer) / "tokenizer.json")).get_vocab_size(with_added_tokens=True))
+            return id_space(Tokenizer.from_file(str(Path(spec.tokenizer) / "tokenizer.json")))
         except Exception:  # tokenizers raises its own for a damaged file: the run says it; the estimate takes --vocab-size
             return spec.vocab_size
     return spec.vocab_size

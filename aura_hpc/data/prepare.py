@@ -117,12 +117,26 @@ def prepare_hint(path: Path) -> str:
 
 
 def read_manifest(prepared: Path) -> dict[str, Any] | None:
-    """The folder's manifest.json as a JSON object; None when there is none (or it is no object: not ours)."""
+    """The folder's manifest.json as a JSON object; None when there is none (or it is no object: not ours). One that
+    is not JSON raises storage.DamagedManifest: read as none, a run said the folder was no prepared data and advised
+    preparing it as text, and `prepare --force` refused it as a manifest not ours."""
     try:
-        value = json.loads((prepared / "manifest.json").read_text())
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):  # ValueError: not JSON, not UTF-8
+        value = json.loads((prepared / "manifest.json").read_text(encoding="utf-8"))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
+    except ValueError:  # not JSON, not UTF-8
+        raise storage.damaged_manifest(str(prepared / "manifest.json")) from None
     return value if isinstance(value, dict) else None
+
+
+def existing_manifest(out: Path, force: bool) -> tuple[dict[str, Any] | None, bool]:
+    """--out's manifest, and whether it is a damaged one that --force replaces (without --force: refused, with the fix)."""
+    try:
+        return read_manifest(out), False
+    except storage.DamagedManifest:
+        if not force:
+            raise
+        return None, True
 
 
 def check_spec(spec: PrepareSpec) -> None:
@@ -147,11 +161,11 @@ def check_out(spec: PrepareSpec) -> None:
         check_inputs(str(spec.out_dir), spec.inputs, files)
         return
     out = Path(spec.out_dir).expanduser().resolve()
-    existing = read_manifest(out)
+    existing, damaged = existing_manifest(out, spec.force)
     if existing and existing.get("input_key") == input_key(spec, files) and not spec.force:
         return  # up to date: the run would do nothing
     local_files = [f for f in files if isinstance(f, Path)]
-    out_dir.check_out_dir(out, local_files, _input_folders(spec), existing, spec.force)
+    out_dir.check_out_dir(out, local_files, _input_folders(spec), existing, spec.force, damaged)
 
 
 def _input_folders(spec: PrepareSpec) -> list[Path]:
@@ -188,12 +202,12 @@ def prepare(spec: PrepareSpec) -> dict[str, Any]:
     if out.parent.is_dir():
         for note in out_dir.clean_leftovers(out, key):
             log.info("%s", note)
-    existing = read_manifest(out)
+    existing, damaged = existing_manifest(out, spec.force)
     if existing and existing.get("input_key") == key and not spec.force:
         existing["up_to_date"] = True
         return existing
     local_files = [f for f in files if isinstance(f, Path)]
-    out_dir.check_out_dir(out, local_files, _input_folders(spec), existing, spec.force)
+    out_dir.check_out_dir(out, local_files, _input_folders(spec), existing, spec.force, damaged)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -311,8 +311,19 @@ def row_text(text: str) -> str:
     """One row's text of a dataset (Parquet, JSON lines, the Hub) without its NUL characters. A row is not a file: one
     stray NUL among millions of rows (scraped text, a JSON escape \u0000) stopped `prepare`, and every retry of a
     stream at the same window, with a fix no one can apply to a Hub dataset. Removed, as the tokenizer would have
-    to; a whole file that holds NULs is still refused as binary (check_text)."""
-    return text.replace("\0", "") if "\0" in text else text
+    to; a whole file that holds NULs is still refused as binary (check_text). A lone surrogate (a JSON escape of half
+    an emoji, `\ud83d`, cut in scraped text) is no UTF-8: the tokenizer raised on it, mid-prepare, and a stream stopped
+    at that window on every retry. It becomes U+FFFD, as a decoder replaces a bad byte."""
+    if "\0" in text:
+        text = text.replace("\0", "")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = _SURROGATE.sub("\ufffd", text)
+    return text
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_text(source: Path | str, text: str) -> None:

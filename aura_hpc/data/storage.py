@@ -299,6 +299,18 @@ def write_bytes(url: str, data: bytes, policy: Policy = Policy()) -> None:
     retrying(url, lambda: fs.pipe_file(strip(url), data), policy)
 
 
+class DamagedManifest(DataError):
+    """A manifest.json that is not JSON (a copy or an upload cut short, a full disk): the data beside it is prepare's
+    by its names, and `prepare --force` may replace it."""
+
+
+def damaged_manifest(where: str) -> DamagedManifest:
+    return DamagedManifest(
+        f"{where} is damaged: it is not JSON (a copy cut short, or a full disk) (fix: prepare the data there again with --force, "
+        "or copy the prepared folder again whole)"
+    )
+
+
 def read_manifest(url: str, policy: Policy, check: bool = True) -> dict[str, Any] | None:
     """The manifest under `url` (None: there is none); `check`: refused unless every field is as
     prepare writes it (what a run reads), not when prepare only looks whose the prefix is."""
@@ -311,7 +323,7 @@ def read_manifest(url: str, policy: Policy, check: bool = True) -> dict[str, Any
     try:
         value = json.loads(raw)
     except ValueError:
-        raise DataError(f"{join(url, 'manifest.json')} is not JSON (fix: prepare the data there again with --force)") from None
+        raise damaged_manifest(join(url, "manifest.json")) from None
     if not isinstance(value, dict):
         return None
     if check:

@@ -90,7 +90,7 @@ class StreamTokens(TokenReader):
 
     def __init__(self, d: Any, seq_len: int, local_rank: int = 0, local_world: int = 1) -> None:
         from aura_hpc.data.prepare import sha256_file
-        from aura_hpc.data.tokenizer import STREAM_TOKENIZER_FIX, read_saved
+        from aura_hpc.data.tokenizer import STREAM_TOKENIZER_FIX, TOKENIZER_FILES, read_saved
 
         if not d.tokenizer:
             raise DataError(
@@ -123,7 +123,12 @@ class StreamTokens(TokenReader):
             if not (self._tokenizer_dir / "tokenizer.json").is_file():
                 tmp = self.build / ".tokenizer.tmp"
                 shutil.rmtree(tmp, ignore_errors=True)
-                shutil.copytree(tok_src, tmp, ignore=shutil.ignore_patterns("*.bin", "*.safetensors", "*.pt"))
+                # The tokenizer's files alone: data.tokenizer may be a model's snapshot, whose other weights (TF, Flax,
+                # ONNX: gigabytes) were copied into every stream build on every node, counted against data.cache_gb.
+                tmp.mkdir()
+                for name in sorted(TOKENIZER_FILES):
+                    if (tok_src / name).is_file():
+                        shutil.copyfile(tok_src / name, tmp / name)
                 tmp.rename(self._tokenizer_dir)
         if gone := stream_builds.forget_unused(self.build.parent, self.build, int(d.cache_gb * 2**30)):
             log.info("data.cache_gb: removed %d stream build(s) no run uses (%s)", len(gone), ", ".join(gone))

@@ -56,11 +56,17 @@ def check_inputs(url: str, inputs: list[str], files: list[Any]) -> None:
 
 
 def _check_prefix(
-    url: str, present: dict[str, int], manifest: dict[str, Any] | None, key: str, marker: dict[str, Any] | None, force: bool
+    url: str,
+    present: dict[str, int],
+    manifest: dict[str, Any] | None,
+    key: str,
+    marker: dict[str, Any] | None,
+    force: bool,
+    damaged: bool = False,
 ) -> None:
     names = [u[len(url) + 1 :] for u in present]
     foreign = [n for n in names if not out_dir.our_file(n)]  # a user's tokenizer/notes.txt is theirs: judged by name
-    if present and (foreign or (not out_dir.our_manifest(manifest) and marker is None)):
+    if present and (foreign or (not out_dir.our_manifest(manifest) and marker is None and not damaged)):
         shown = ", ".join((foreign or names)[:3])
         raise DataError(
             f"--out {url} holds {len(present)} object(s) ({shown}) and no prepared data of ours; prepare never replaces what it "
@@ -92,13 +98,18 @@ def prepare_to_bucket(spec: Any, key: str, build_here: Callable[[Path], dict[str
     url = str(spec.out_dir).rstrip("/")
     storage.check_url(url, "--out")
     policy = storage.Policy()
-    existing = storage.read_manifest(url, policy, check=False)  # a damaged one of ours is replaced with --force
+    try:
+        existing, damaged = storage.read_manifest(url, policy, check=False), False
+    except storage.DamagedManifest:
+        if not spec.force:
+            raise
+        existing, damaged = None, True  # replaced with --force where every object there has a name prepare writes
     if existing and existing.get("input_key") == key and not spec.force:
         return {**existing, "up_to_date": True}
     present = storage.listing(url, policy)
     marker_url = storage.join(url, MARKER)
     marker = _read_marker(marker_url, policy) if marker_url in present else None
-    _check_prefix(url, present, existing, key, marker, spec.force)
+    _check_prefix(url, present, existing, key, marker, spec.force, damaged)
 
     # The local build: under the cache, named after the URL, resumable like a local one.
     local_out = cache_root / "prepare" / hashlib.sha256(url.encode()).hexdigest()[:16] / "data"
@@ -111,7 +122,7 @@ def prepare_to_bucket(spec: Any, key: str, build_here: Callable[[Path], dict[str
 
     same_upload = marker is not None and marker.get("input_key") == key
     storage.write_bytes(marker_url, json.dumps({"input_key": key}).encode(), policy)
-    if existing is not None:
+    if existing is not None or damaged:
         storage.delete(storage.join(url, "manifest.json"), policy)  # from here on, no run takes this prefix for data
     width = 4 if manifest["dtype"] == "uint32" else 2
     for s in manifest["shards"]:

@@ -49,7 +49,14 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int, out: Path) -> _Tok:
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, unk_token=EOS_TOKEN, pad_token=EOS_TOKEN)
     tok.save_pretrained(str(out))
     _portable_tokenizer_class(out)
-    return _Tok(tok.backend_tokenizer, len(tok), int(tok.eos_token_id))
+    return _Tok(tok.backend_tokenizer, id_space(tok.backend_tokenizer), int(tok.eos_token_id))
+
+
+def id_space(backend: Any) -> int:
+    """How many token ids a tokenizer can emit: its highest id plus one. Its vocabulary size counts tokens, and a
+    vocabulary with gaps (ids 0, 1, 70000: size 3) took uint16 and numpy wrapped 70000 to 4464, unsaid."""
+    ids = backend.get_vocab(with_added_tokens=True).values()
+    return max(backend.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
 
 
 def _portable_tokenizer_class(folder: Path) -> None:
@@ -94,7 +101,7 @@ def load_tokenizer(name_or_path: str, out: Path) -> _Tok:
         for name in sorted(TOKENIZER_FILES):
             if (folder / name).is_file():
                 shutil.copyfile(folder / name, out / name)
-        return _Tok(backend, backend.get_vocab_size(with_added_tokens=True), int(eos_id))
+        return _Tok(backend, id_space(backend), int(eos_id))
     from transformers import AutoTokenizer
 
     try:
@@ -110,7 +117,7 @@ def load_tokenizer(name_or_path: str, out: Path) -> _Tok:
         raise DataError(f"tokenizer {name_or_path!r} has no eos token (fix: use a tokenizer that defines eos_token)")
     tok.save_pretrained(str(out))
     _portable_tokenizer_class(out)
-    return _Tok(tok.backend_tokenizer, len(tok), int(tok.eos_token_id))
+    return _Tok(tok.backend_tokenizer, id_space(tok.backend_tokenizer), int(tok.eos_token_id))
 
 
 # The fix for a stream's tokenizer folder, which the user gave (not one this package wrote).
@@ -124,7 +131,7 @@ def read_saved(folder: Path, fix: str = "prepare again with --force") -> _Tok:
     eos_id = backend.token_to_id(eos)
     if eos_id is None:
         raise DataError(f"tokenizer in {folder} has no eos token (fix: {fix})")
-    return _Tok(backend, backend.get_vocab_size(with_added_tokens=True), int(eos_id))
+    return _Tok(backend, id_space(backend), int(eos_id))
 
 
 def _backend(path: Path, fix: str) -> Any:

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from aura_hpc.errors import DataError
+
 TINY_VALIDATION = 32  # sequences: below this an eval_loss moves more with the batch than with the model
 
 
@@ -26,10 +28,8 @@ def _manifest(cfg: Any) -> dict[str, Any] | None:
         manifest = json.loads(where.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    except Exception as exc:  # a DataError from storage: the preflight says it in full
-        if type(exc).__name__ == "DataError":
-            return None
-        raise
+    except DataError:  # from storage (a damaged manifest's own class too): the preflight says it in full
+        return None
     from aura_hpc.data.manifest import check_manifest
 
     return check_manifest(manifest, str(where))  # a folder anyone could write: its values become counts here
@@ -63,8 +63,6 @@ def coverage(cfg: Any, world: int) -> tuple[list[str], list[str]]:
 
     refusal = too_few_sequences(cfg, n_train, world)
     if refusal:
-        from aura_hpc.errors import DataError
-
         raise DataError(refusal)
     lines, warnings = [], []
     if n_train:

@@ -63,6 +63,16 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _started(pid: int) -> str:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat's 22nd field), "" where unknown: with the
+    PID, a process no later one can be taken for (PIDs are reused; a launcher killed outright left its lock)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+        return stat.rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
 def _boot_id() -> str:
     """This boot of the machine (Linux): a PID from another boot is another process."""
     try:
@@ -84,6 +94,7 @@ class RunLock:
             "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
             "token": uuid.uuid4().hex,
             "boot_id": _boot_id(),
+            "pid_started": _started(pid or os.getpid()),
         }
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -99,7 +110,9 @@ class RunLock:
             # Our own PID: a launcher restarted in a container, as PID 1 again. A lock of an earlier boot (a power cut)
             # names a PID another program may hold now: not a trainer to wait for, nor to kill.
             rebooted = bool(holder.get("boot_id")) and holder.get("boot_id") != self.record["boot_id"]
-            if pid != os.getpid() and _pid_alive(pid) and not rebooted:
+            # Its PID taken by a process started since (the launcher was killed outright): `status` read it running.
+            reused = bool(holder.get("pid_started")) and holder.get("pid_started") != _started(pid)
+            if pid != os.getpid() and _pid_alive(pid) and not rebooted and not reused:
                 return False
             left = workers_left(self.path.parent)
             if left:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.errors import LaunchError
-from aura_hpc.launch.run_lock import LOCK_NAME, RunLock, read_json
+from aura_hpc.launch.run_lock import LOCK_NAME, RunLock, fs_now, read_json
 from aura_hpc.train.loop.stragglers import THRESHOLD as STRAGGLER_THRESHOLD
 from aura_hpc.train.process.worker_log import JOINED
 
@@ -41,8 +41,12 @@ def local_status(run_dir: Path, latest: dict[str, Any]) -> dict[str, Any]:
     except OSError:  # released since it was read: the run ended meanwhile
         lock = None
     if lock is not None:
+        mine = RunLock(run_dir)
+        # Another host's heartbeat is judged by the clock that stamps the folder's files (an NFS server's): a login
+        # node whose clock ran ahead read a live run as STOPPED, and `logs -f` ended at once.
+        now = fs_now(run_dir) if lock.get("host") != mine.record["host"] else None
         try:
-            if not RunLock(run_dir).holder_is_gone(lock, mtime):
+            if not mine.holder_is_gone(lock, mtime, now):
                 state, reason = "RUNNING", f"PID {lock.get('pid')} on {lock.get('host')} since {lock.get('since')}"
         except LaunchError as exc:  # its launcher is gone, its workers still stop (a SIGKILLed launcher): one row, not a traceback
             state, reason = "STOPPING", str(exc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,16 @@ from aura_hpc.errors import LaunchError
 from aura_hpc.launch.run_status import goodput_note
 from aura_hpc.slurm import index as job_index
 from aura_hpc.slurm import query as slurm_query
-from aura_hpc.slurm.submit import never_starts, print_new_lines, rank_log, squeue_all_patiently, waits_for_ever, why_it_waits
+from aura_hpc.slurm.submit import (
+    exit_status,
+    final_state,
+    never_starts,
+    print_new_lines,
+    rank_log,
+    squeue_all_patiently,
+    waits_for_ever,
+    why_it_waits,
+)
 
 
 def latest_metrics(run_dir: Path | None) -> dict[str, Any]:
@@ -38,11 +48,12 @@ def latest_metrics(run_dir: Path | None) -> dict[str, Any]:
     return {}
 
 
-def _row_dict(row: slurm_query.JobRow, run_dir: Path | None) -> dict[str, Any]:
+def _row_dict(row: slurm_query.JobRow, run_dir: Path | None, its_metrics: bool = True) -> dict[str, Any]:
+    """`its_metrics`: whether the run's newest metrics row is this job's (not where a later job resumed the run)."""
     d: dict[str, Any] = row.to_dict()
     if not row.active:
         d["time_left"] = ""
-    m = latest_metrics(run_dir)
+    m = latest_metrics(run_dir) if its_metrics else {}
     d["run_dir"] = str(run_dir) if run_dir else None
     d["step"] = m.get("step")
     d["loss"] = m.get("loss")
@@ -55,6 +66,9 @@ def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], li
     notes: list[str] = []
     if target:
         job_id, run_dir, info = job_index.resolve(target)
+        later = str((info or {}).get("superseded_by") or "")
+        if later:
+            notes.append(f"run {run_dir} was submitted again as job {later}: its step and loss are that job's (`status {later}`)")
         row = slurm_query.squeue_job(job_id)
         if row is None:
             if not slurm_query.accounting_enabled():
@@ -65,7 +79,7 @@ def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], li
                 state = "COMPLETED" if summary.get("finished") else "UNKNOWN"
                 row = slurm_query.JobRow(job_id, "", state, "", "", source="run directory")
             else:
-                found = slurm_query.sacct([job_id])
+                found = list(_attempts_folded(slurm_query.sacct([job_id], attempts=True)).values())
                 rows = [r for r in found if r.job_id == job_id]
                 elements = [r for r in found if r.job_id.startswith(f"{job_id}_")]
                 if not rows and elements:  # a sweep's array id, once its elements have left the queue
@@ -78,9 +92,9 @@ def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], li
             notes.append(launch)
         if row.active and (why := why_it_waits(row)):
             notes.append(why)  # pending for "Dependency" behind a held job, or held itself: no time cures it
-        if run_dir is not None and (split := goodput_note(run_dir, row.state)):
+        if run_dir is not None and not later and (split := goodput_note(run_dir, row.state)):
             notes.append(split)  # where the job's time went, across its requeues
-        return [_row_dict(row, run_dir)], notes
+        return [_row_dict(row, run_dir, its_metrics=not later)], notes
     rows = slurm_query.squeue()
     known = job_index.run_dirs()
     # The jobs ours may wait for, an array also under its own id (`afterok:123_*`); pending elements share one row,
@@ -134,14 +148,40 @@ def log_file(target: str, rank: int, stderr: bool) -> tuple[str, Path]:
         )
     if info is None:
         raise LaunchError(f"no run directory is known for job {job_id} (fix: pass its RUN_DIR, or submit it with `submit`)")
-    world = int(info.get("world_size", 1))
-    if not 0 <= rank < world:
+    world = info.get("world_size")  # unknown for an earlier job of a run submitted again, from an older index line
+    if isinstance(world, int) and not 0 <= rank < world:
         raise LaunchError(f"--rank {rank} is not a rank of job {job_id}, which has {world} (fix: --rank 0..{world - 1})")
     return job_id, rank_log(Path(info["log_dir"]), job_id, rank, stderr)
 
 
-def follow(job_id: str, path: Path, printer: Any, poll_s: float = 0.5) -> None:
-    """Print the log as it grows; return once the job has ended and the last lines are out."""
+def follow_log(target: str, rank: int, stderr: bool, printer: Any, say: Any) -> int:
+    """`logs --follow`: the log as it grows, then how the job ended (`say`), even where it left no line (it failed at
+    launch, or was cancelled while pending). The status is the job's, as `submit --wait` gives it."""
+    job_id, path = log_file(target, rank, stderr)
+    _, run_dir, info = job_index.resolve(target)
+    final = follow(job_id, path, printer, since=_before((info or {}).get("submitted")))
+    code = exit_status({job_id: final})
+    if final is None:
+        say(f"job {job_id} has left the queue and the accounting has no record of how it ended")
+        return code
+    say(f"job {job_id} ended: {final.state}" + (f" (exit status {code})" if code else ""))
+    if why := _failed_at_launch(final, run_dir, Path(info["log_dir"]) if info else None):
+        say(why)
+    return code
+
+
+def _before(submitted: object) -> str | None:
+    """sacct's -S for a job submitted at `submitted` (job.json's local time), a minute early; None where unknown."""
+    try:
+        at = time.mktime(time.strptime(str(submitted)[:19], "%Y-%m-%dT%H:%M:%S"))
+    except (ValueError, OverflowError):
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(at - 60))
+
+
+def follow(job_id: str, path: Path, printer: Any, poll_s: float = 0.5, since: str | None = None) -> slurm_query.JobRow | None:
+    """Print the log as it grows; once the job has ended and the last lines are out, its final row (None where
+    neither the queue nor the accounting knows it). `since`: sacct's start time for that row."""
     offset = 0
     upstream: set[str] = set()  # the jobs it waits for (--after), asked in the same squeue
     while True:
@@ -151,7 +191,7 @@ def follow(job_id: str, path: Path, printer: Any, poll_s: float = 0.5) -> None:
         offset = print_new_lines(path, offset, printer)
         if ended:
             print_new_lines(path, offset, printer, final=True)
-            return
+            return final_state(job_id, row, since or "")
         upstream = set()
         if why := never_starts(row) or waits_for_ever(row, rows, upstream):
             raise LaunchError(why)
@@ -165,6 +205,13 @@ def cancel(target: str) -> str:
         raise LaunchError(f"job {job_id} is not in the queue (fix: `python -m aura_hpc status --all` lists the jobs you can cancel)")
     if not row.active:
         raise LaunchError(f"job {job_id} has already ended ({row.state}); nothing to cancel")
+    if row.user and (me := _me()) and row.user not in me:
+        # An id not in this user's index, or one of a cluster whose ids restarted: an operator's or a coordinator's
+        # scancel would end someone else's job.
+        raise LaunchError(
+            f"job {job_id} is {row.user}'s, not yours: not cancelled (fix: `python -m aura_hpc status` lists your jobs; "
+            "scancel it yourself if you mean to end another user's job)"
+        )
     recorded = str((info or {}).get("job_name") or "")
     if recorded and row.name and row.name != recorded:
         # Job ids restart (a controller's state reset), and two clusters may share one output_dir: the id in an old
@@ -188,7 +235,6 @@ def history(since: str, all_jobs: bool = False) -> list[dict[str, Any]]:
     # NODE_FAIL / PREEMPTED under the same name (Slurm requeued it itself: a node went down under a job
     # submitted with --requeue, or PreemptMode=REQUEUE). A job id seen before with another end is an
     # older job (ids restart when a cluster's state is reset).
-    jobs: dict[str, slurm_query.JobRow] = {}
     rows = slurm_query.sacct(since=since, attempts=True)
     # A time window leaves out the jobs that were never eligible to start (held, or waiting on a dependency, then
     # cancelled: a prepare chain's later jobs): Slurm's accounting keeps only those eligible before its end.
@@ -197,12 +243,7 @@ def history(since: str, all_jobs: bool = False) -> list[dict[str, Any]]:
     seen = {(r.job_id, r.submit) for r in rows}  # an id alone may be an older job's (a cluster's state reset)
     ended = slurm_query.sacct(since=since, attempts=True, ended_as="CANCELLED,DEADLINE")
     rows += [r for r in ended if (r.job_id, r.submit) not in seen and r.nodes not in ("", "0")]
-    # Oldest first, attempts included: a job id restarted by a reset cluster folds onto the newer job, not the older.
-    for r in sorted(rows, key=lambda r: r.submit):
-        earlier = jobs.get(r.job_id)
-        if earlier is not None and _requeued_into(earlier, r):
-            r.submit, r.requeues = earlier.submit, earlier.requeues + 1
-        jobs[r.job_id] = r
+    jobs = _attempts_folded(rows)
     out = []
     known = job_index.run_dirs()
     for r in jobs.values():
@@ -213,6 +254,29 @@ def history(since: str, all_jobs: bool = False) -> list[dict[str, Any]]:
         d["run_dir"] = str(run_dir) if run_dir else None
         out.append(d)
     return sorted(out, key=lambda d: str(d.get("submit") or ""))
+
+
+def _attempts_folded(rows: list[slurm_query.JobRow]) -> dict[str, slurm_query.JobRow]:
+    """sacct -D's rows, one per attempt, as one row per job: its last attempt's state, its first attempt's submit time
+    and how often it was requeued. Oldest first: a job id restarted by a reset cluster folds onto the newer job."""
+    jobs: dict[str, slurm_query.JobRow] = {}
+    for r in sorted(rows, key=lambda r: r.submit):
+        earlier = jobs.get(r.job_id)
+        if earlier is not None and _requeued_into(earlier, r):
+            r.submit, r.requeues = earlier.submit, earlier.requeues + 1
+        jobs[r.job_id] = r
+    return jobs
+
+
+def _me() -> set[str]:
+    """The names squeue may give this user's jobs: the login name of the real uid, and the uid itself."""
+    import pwd
+
+    uid = os.getuid()
+    try:
+        return {pwd.getpwuid(uid).pw_name, str(uid)}
+    except KeyError:  # no name for this uid here (a container's user): whose squeue's name is, is unknown
+        return set()
 
 
 def _requeued_into(earlier: slurm_query.JobRow, later: slurm_query.JobRow) -> bool:

@@ -16,10 +16,15 @@ def index_path() -> Path:
     return Path(os.environ.get("AURA_HPC_HOME") or Path.home() / ".aura_hpc") / "jobs.jsonl"
 
 
-def record(job_id: str, run_dir: Path, name: str, submitted: str) -> None:
+def record(job_id: str, run_dir: Path, name: str, submitted: str, log_dir: Path | None = None, world_size: int | None = None) -> None:
+    """One line per submitted job. Its logs' folder and world size are kept here too: a resume submits the same run
+    again and job.json then names the new job, which left the earlier job's logs out of reach."""
     path = index_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"job_id": job_id, "run_dir": str(run_dir), "name": name, "submitted": submitted})
+    entry: dict[str, Any] = {"job_id": job_id, "run_dir": str(run_dir), "name": name, "submitted": submitted}
+    if log_dir is not None:
+        entry.update(log_dir=str(log_dir), world_size=world_size)
+    line = json.dumps(entry)
     with path.open("a", encoding="utf-8") as f:
         # O_APPEND alone is not atomic on NFS (open(2)), where ~/.aura_hpc usually is on a cluster: two login
         # nodes' submits wrote at one offset and a job lost its line. A POSIX lock orders them, and taking it makes
@@ -88,5 +93,23 @@ def resolve(target: str) -> tuple[str, Path | None, dict[str, Any] | None]:
     if run_dir is not None and (run_dir / "job.json").exists():
         info = read_job_file(run_dir)
         if str(info.get("job_id")) != target:
-            info = None
+            info = _replaced_job(target, run_dir, info)
     return target, run_dir, info
+
+
+def _replaced_job(job_id: str, run_dir: Path, newer: dict[str, Any]) -> dict[str, Any] | None:
+    """An earlier job of a run that was submitted again (a resume), as its own index line describes it, with
+    `superseded_by`: the job job.json names now. None where the index knows no such job of this run."""
+    entry = next((e for e in reversed(entries()) if str(e.get("job_id")) == job_id and e.get("run_dir") == str(run_dir)), None)
+    if entry is None:
+        return None
+    world = entry.get("world_size")
+    return {
+        "job_id": job_id,
+        "job_name": str(entry.get("name") or ""),
+        # Lines written before they carried it: a run's jobs all log to the folder its job.json names.
+        "log_dir": str(entry.get("log_dir") or newer["log_dir"]),
+        "world_size": world if isinstance(world, int) else None,
+        "submitted": str(entry.get("submitted") or ""),
+        "superseded_by": str(newer["job_id"]),
+    }

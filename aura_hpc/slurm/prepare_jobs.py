@@ -89,13 +89,14 @@ def submit(spec: PrepareSpec, nodes: int, partition: str | None, time_min: int, 
     key = input_key(spec, files)
     out = Path(spec.out_dir).expanduser().resolve()  # a link followed, as prepare() does: the finish job's build is the array's
     spec.out_dir = out
-    from aura_hpc.data.prepare import input_folders, read_manifest
+    from aura_hpc.data.prepare import existing_manifest, input_folders
 
-    existing = read_manifest(out)
+    existing, damaged = existing_manifest(out, spec.force)
     if existing and existing.get("input_key") == key and not spec.force:
         raise DataError(f"{out} is already prepared from these inputs (fix: nothing to do; --force to redo)")
     local = [f for f in files if isinstance(f, Path)]
-    out_dir.check_out_dir(out, local, [] if spec.builtin or spec.dataset else input_folders(spec.inputs), existing, spec.force)
+    folders = [] if spec.builtin or spec.dataset else input_folders(spec.inputs)
+    out_dir.check_out_dir(out, local, folders, existing, spec.force, damaged)
     out.parent.mkdir(parents=True, exist_ok=True)
     for note in out_dir.clean_leftovers(out, key):
         print(note)

@@ -40,6 +40,7 @@ SEP = "\x1f"
 # JobArrayID: a sweep's element as `123_4` (the id its index and logs know); squeue's JobID is the raw id.
 SQUEUE_FIELDS = (
     "JobArrayID", "Name", "State", "NumNodes", "TimeUsed", "TimeLeft", "Reason", "Comment", "SubmitTime", "UserName", "Dependency",
+    "RestartCnt",
 )  # fmt: skip
 
 
@@ -59,6 +60,7 @@ class JobRow:
     requeues: int = 0  # earlier attempts of this job (requeued), from sacct -D
     nodelist: str = ""  # the nodes it ran (or failed to start) on, from sacct
     dependency: str = ""  # what a pending job still waits for, as squeue says it: afterok:123_*(unfulfilled)
+    user: str = ""  # whose job it is, as squeue names the owner (`cancel` cancels only the caller's own)
 
     @property
     def active(self) -> bool:
@@ -198,6 +200,8 @@ def squeue(job_ids: list[str] | None = None, all_users: bool = False, all_states
                 comment="" if v["Comment"] == "(null)" else v["Comment"],
                 submit=v["SubmitTime"],
                 dependency="" if v["Dependency"] == "(null)" else v["Dependency"],
+                user=v["UserName"],
+                requeues=int(v["RestartCnt"]) if v["RestartCnt"].isdigit() else 0,
             )
         )
     return rows

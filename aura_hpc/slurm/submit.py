@@ -146,7 +146,7 @@ def _record(plan: SubmitPlan, ids: list[str], script: str, submitted: str) -> No
         tmp = p.cfg.run_dir / (JOB_FILE + ".tmp")
         tmp.write_text(json.dumps(record, indent=2), encoding="utf-8")
         tmp.replace(p.cfg.run_dir / JOB_FILE)
-        job_index.record(job_id, p.cfg.run_dir, plan.params["job_name"], submitted)
+        job_index.record(job_id, p.cfg.run_dir, plan.params["job_name"], submitted, plan.folder, plan.world_size)
 
 
 def _since(submit_time: str, started: float) -> bool:
@@ -233,7 +233,7 @@ def watch(
             row = rows[j]
             if row is None or not row.active:
                 stuck.pop(j, None)
-                final[j] = _final_state(j, row, since)
+                final[j] = final_state(j, row, since)
             elif why := never_starts(row) or waits_for_ever(row, rows, upstream):
                 if j not in stuck:
                     printer(why)
@@ -338,7 +338,7 @@ _FIXES = {
 }
 
 
-def _final_state(job_id: str, row: slurm_query.JobRow | None, since: str, timeout_s: float = 60) -> slurm_query.JobRow | None:
+def final_state(job_id: str, row: slurm_query.JobRow | None, since: str, timeout_s: float = 60) -> slurm_query.JobRow | None:
     if row is not None and row.state in slurm_query.FINAL_STATES:
         # squeue knows the state but not the exit code: ask accounting for it when there is one, a few seconds
         # (it records the end after the controller: read at once, it could still lack the job, and the wait gave 1 for
