@@ -46,6 +46,7 @@ def _files(tmp: Path, _prepared: Path) -> None:
     (tmp / "afile").write_text("not a directory")
     (tmp / "doc.docx").write_bytes(b"PK")
     (tmp / "latin1.txt").write_bytes("año y señal".encode("latin-1"))
+    (tmp / "unicode.txt").write_bytes("año y señal".encode("utf-16"))  # Notepad's and Excel's "Unicode": a BOM, then UTF-16
     (tmp / "rows.jsonl").write_text('{"body": "hola"}\n')
     (tmp / "latin1.json").write_bytes('[{"text": "año y señal"}]'.encode("latin-1"))
     (tmp / "broken.json").write_text('{"text": "hola"}\n' * 60 + '{"text": roto\n')
@@ -277,6 +278,12 @@ ROWS = [
         "prepare: not UTF-8",
         ["prepare", "{tmp}/latin1.txt", "--out", "{tmp}/p"],
         "(fix: convert a copy, e.g. iconv -f WINDOWS-1252 -t UTF-8 ",
+        _files,
+    ),
+    Row(  # told to convert it from WINDOWS-1252, the copy held NUL bytes and was refused again
+        "prepare: UTF-16",
+        ["prepare", "{tmp}/unicode.txt", "--out", "{tmp}/p"],
+        "(fix: convert a copy, e.g. iconv -f UTF-16 -t UTF-8 ",
         _files,
     ),
     Row("prepare: missing text column", ["prepare", "{tmp}/rows.jsonl", "--out", "{tmp}/p"], "column 'text' not in", _files),

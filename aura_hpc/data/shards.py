@@ -188,9 +188,13 @@ def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
+            # A UTF-16 file (Windows' "Unicode", Excel's "Unicode text") starts with its byte-order mark: told to read it
+            # as WINDOWS-1252, the copy held NUL bytes and was refused again.
+            head = raw[:2] if p.start == 0 else read_range(p.source, 0, 2, job.policy())
+            source = "UTF-16" if head in (b"\xff\xfe", b"\xfe\xff") else "WINDOWS-1252"
             raise DataError(
                 f"{p.source} is not UTF-8 text ({exc.reason} at byte {p.start + exc.start}) (fix: convert a copy, e.g. "
-                f"iconv -f WINDOWS-1252 -t UTF-8 {p.source} > utf8/{os.path.basename(p.source)}, and prepare that)"
+                f"iconv -f {source} -t UTF-8 {p.source} > utf8/{os.path.basename(p.source)}, and prepare that)"
             ) from None
         if p.start == 0:  # a byte-order mark (PowerShell, Excel, Notepad): not text to train on, nor JSON
             text = text.removeprefix("\ufeff")
