@@ -369,9 +369,12 @@ def test_a_lock_whose_pid_another_process_took_since_reads_as_no_run(tmp_path: P
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         held = {"host": socket.gethostname(), "pid": stranger.pid, "token": "t", "boot_id": run_lock._boot_id()}
-        for started, state in (("1", "STOPPED"), (run_lock._started(stranger.pid), "RUNNING")):
-            (tmp_path / run_lock.LOCK_NAME).write_text(json.dumps({**held, "pid_started": started}))
-            assert local_status(tmp_path, {})["state"] == state, started
+        here = run_lock._pid_namespace()
+        # A start time /proc does not show (hidepid), or a PID of another namespace (a container's launcher): alive, as before.
+        cases = [("1", here, "STOPPED"), (run_lock._started(stranger.pid), here, "RUNNING"), ("1", "pid:[1]", "RUNNING")]
+        for started, namespace, state in cases:
+            (tmp_path / run_lock.LOCK_NAME).write_text(json.dumps({**held, "pid_started": started, "pid_ns": namespace}))
+            assert local_status(tmp_path, {})["state"] == state, (started, namespace)
     finally:
         stranger.kill()
         stranger.wait()

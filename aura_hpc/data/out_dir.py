@@ -89,7 +89,10 @@ def check_out_dir(
     if not entries:
         return
     foreign = foreign_files(out_abs)
-    if foreign or not (our_manifest(manifest) or damaged):
+    # A damaged manifest is prepare's where the folder also holds the tokenizer prepare writes: a user's own train.bin
+    # beside some other tool's manifest.json is not taken for it.
+    damaged_ours = damaged and (out_abs / "tokenizer" / "tokenizer.json").is_file()
+    if foreign or not (our_manifest(manifest) or damaged_ours):
         what = _listing(foreign) if foreign else "a manifest.json prepare did not write"
         raise DataError(
             f"--out {out} is not empty and is not a prepared directory (it holds {what}); prepare never replaces "

@@ -66,7 +66,8 @@ def _check_prefix(
 ) -> None:
     names = [u[len(url) + 1 :] for u in present]
     foreign = [n for n in names if not out_dir.our_file(n)]  # a user's tokenizer/notes.txt is theirs: judged by name
-    if present and (foreign or (not out_dir.our_manifest(manifest) and marker is None and not damaged)):
+    damaged_ours = damaged and "tokenizer/tokenizer.json" in names  # as locally: with the tokenizer prepare uploads
+    if present and (foreign or (not out_dir.our_manifest(manifest) and marker is None and not damaged_ours)):
         shown = ", ".join((foreign or names)[:3])
         raise DataError(
             f"--out {url} holds {len(present)} object(s) ({shown}) and no prepared data of ours; prepare never replaces what it "

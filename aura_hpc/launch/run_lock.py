@@ -73,6 +73,14 @@ def _started(pid: int) -> str:
         return ""
 
 
+def _pid_namespace() -> str:
+    """This process's PID namespace (Linux): PIDs of another one (a container's) name other processes here."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def _boot_id() -> str:
     """This boot of the machine (Linux): a PID from another boot is another process."""
     try:
@@ -95,6 +103,7 @@ class RunLock:
             "token": uuid.uuid4().hex,
             "boot_id": _boot_id(),
             "pid_started": _started(pid or os.getpid()),
+            "pid_ns": _pid_namespace(),
         }
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -111,7 +120,10 @@ class RunLock:
             # names a PID another program may hold now: not a trainer to wait for, nor to kill.
             rebooted = bool(holder.get("boot_id")) and holder.get("boot_id") != self.record["boot_id"]
             # Its PID taken by a process started since (the launcher was killed outright): `status` read it running.
-            reused = bool(holder.get("pid_started")) and holder.get("pid_started") != _started(pid)
+            # Judged only where both start times are known (a /proc mounted hidepid hides another user's) and the PID
+            # is one of our namespace's (a container's launcher, on a host sharing its name, has a PID of its own).
+            then, started = holder.get("pid_started"), _started(pid)
+            reused = bool(then and started) and then != started and holder.get("pid_ns") == self.record["pid_ns"] != ""
             if pid != os.getpid() and _pid_alive(pid) and not rebooted and not reused:
                 return False
             left = workers_left(self.path.parent)

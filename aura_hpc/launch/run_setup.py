@@ -352,9 +352,15 @@ def ensure_data(cfg: RunConfig, world_size: int) -> None:
     """The built-in corpus prepared when no data.path is given, then the data checks."""
     if not cfg.data.path and not cfg.data.stream:
         from aura_hpc.data.prepare import PrepareSpec, prepare
+        from aura_hpc.data.storage import DamagedManifest
 
         target = builtin_data_dir(cfg)
-        manifest = prepare(PrepareSpec(out_dir=target, builtin=True, vocab_size=cfg.data.vocab_size, val_fraction=0.05))
+        spec = PrepareSpec(out_dir=target, builtin=True, vocab_size=cfg.data.vocab_size, val_fraction=0.05)
+        try:
+            manifest = prepare(spec)
+        except DamagedManifest:  # the package's own corpus, which no `prepare` command of the user's writes: made again
+            spec.force = True
+            manifest = prepare(spec)
         if not manifest.get("up_to_date"):
             logging.getLogger("aura_hpc").info("prepared the built-in Spanish corpus in %s", target)
         cfg.data.path = str(target)

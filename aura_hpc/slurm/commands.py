@@ -87,7 +87,8 @@ def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], li
                 if not rows:
                     raise LaunchError(f"job {job_id} is unknown to squeue and sacct (fix: check the id with `python -m aura_hpc history`)")
                 row = rows[-1]
-        launch = _failed_at_launch(row, run_dir, Path(info["log_dir"]) if info is not None else None)
+        guessed = bool((info or {}).get("log_dir_guessed"))
+        launch = None if guessed else _failed_at_launch(row, run_dir, Path(info["log_dir"]) if info is not None else None)
         if launch:
             notes.append(launch)
         if row.active and (why := why_it_waits(row)):
@@ -162,18 +163,27 @@ def follow_log(target: str, rank: int, stderr: bool, printer: Any, say: Any) -> 
     final = follow(job_id, path, printer, since=_before((info or {}).get("submitted")))
     code = exit_status({job_id: final})
     if final is None:
-        say(f"job {job_id} has left the queue and the accounting has no record of how it ended")
+        try:
+            kept = slurm_query.accounting_enabled()
+        except LaunchError as exc:
+            say(f"job {job_id} has left the queue, and how it ended could not be asked: {exc}")
+            return code
+        said = "the accounting has no record of how it ended" if kept else "this cluster keeps no job accounting to say how it ended"
+        say(f"job {job_id} has left the queue; {said} (its log above is what is known)")
         return code
     say(f"job {job_id} ended: {final.state}" + (f" (exit status {code})" if code else ""))
-    if why := _failed_at_launch(final, run_dir, Path(info["log_dir"]) if info else None):
+    if not (info or {}).get("log_dir_guessed") and (why := _failed_at_launch(final, run_dir, Path(info["log_dir"]) if info else None)):
         say(why)
     return code
 
 
 def _before(submitted: object) -> str | None:
-    """sacct's -S for a job submitted at `submitted` (job.json's local time), a minute early; None where unknown."""
+    """sacct's -S (this machine's local time) for a job submitted at `submitted` (job.json's, with the submitting
+    machine's UTC offset: a login node in another time zone), a minute early; None where unknown."""
+    from datetime import datetime
+
     try:
-        at = time.mktime(time.strptime(str(submitted)[:19], "%Y-%m-%dT%H:%M:%S"))
+        at = datetime.strptime(str(submitted), "%Y-%m-%dT%H:%M:%S%z").timestamp()
     except (ValueError, OverflowError):
         return None
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(at - 60))
@@ -184,6 +194,7 @@ def follow(job_id: str, path: Path, printer: Any, poll_s: float = 0.5, since: st
     neither the queue nor the accounting knows it). `since`: sacct's start time for that row."""
     offset = 0
     upstream: set[str] = set()  # the jobs it waits for (--after), asked in the same squeue
+    first = True
     while True:
         rows = squeue_all_patiently([job_id, *sorted(upstream - {job_id})])
         row = rows[job_id]
@@ -191,7 +202,11 @@ def follow(job_id: str, path: Path, printer: Any, poll_s: float = 0.5, since: st
         offset = print_new_lines(path, offset, printer)
         if ended:
             print_new_lines(path, offset, printer, final=True)
-            return final_state(job_id, row, since or "")
+            # Gone from the queue before the follow began: the accounting has it by now, or never will (purged, another
+            # cluster's id); a job that just ended is given the accounting's usual lag.
+            wait_s = slurm_query.ACCOUNTING_LAG_S if first and row is None else 60.0
+            return final_state(job_id, row, since or "", timeout_s=wait_s)
+        first = False
         upstream = set()
         if why := never_starts(row) or waits_for_ever(row, rows, upstream):
             raise LaunchError(why)

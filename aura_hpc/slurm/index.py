@@ -107,8 +107,10 @@ def _replaced_job(job_id: str, run_dir: Path, newer: dict[str, Any]) -> dict[str
     return {
         "job_id": job_id,
         "job_name": str(entry.get("name") or ""),
-        # Lines written before they carried it: a run's jobs all log to the folder its job.json names.
+        # Lines written before they carried it: a run's jobs log to the folder its job.json names, unless a job was a
+        # sweep's point (its logs in the sweep's folder): a guess, which no verdict on the job is drawn from.
         "log_dir": str(entry.get("log_dir") or newer["log_dir"]),
+        "log_dir_guessed": not entry.get("log_dir"),
         "world_size": world if isinstance(world, int) else None,
         "submitted": str(entry.get("submitted") or ""),
         "superseded_by": str(newer["job_id"]),
