@@ -418,6 +418,16 @@ def test_a_deepspeed_json_is_judged_in_one_line_and_its_batch_size_at_the_real_w
     assert deepspeed_config(cfg, 8, bf16=False)["train_batch_size"] == 64
     with pytest.raises(ConfigError, match=re.escape("train_batch_size (64 vs 16)")):
         deepspeed_config(cfg, 2, bf16=False)  # each worker, at the world size it has
+    # ...and each plan, at the world size it launches: only the workers said it, after a Slurm queue's wait.
+    from aura_hpc.launch.local import plan_local
+    from aura_hpc.slurm.plan import plan_submit
+
+    json_path = str(tmp_path / "batch.json")
+    sets = ["dist.strategy=zero2", f"dist.deepspeed_config={json_path}", "train.batch_size=8", f"output_dir={tmp_path}"]
+    with pytest.raises(ConfigError, match=re.escape("train_batch_size (64 vs 16)")):
+        plan_local(None, sets, str(tmp_path), "x", nproc=2)
+    with pytest.raises(ConfigError, match=re.escape("train_batch_size (64 vs 32)")):
+        plan_submit(None, sets, str(tmp_path), "x", {"nodes": 2, "gpus_per_node": 2})
 
 
 def test_the_settings_every_rank_compares_include_the_sample_order_and_leave_out_where_data_lives() -> None:

@@ -4,7 +4,7 @@ Deliberately free of torch/transformers imports (and of the rest of the package)
 and validates configs before deciding whether any heavy machinery is needed at all.
 """
 
-from aura_hpc.config.checks import embedding_rows, fit_to_horizon, max_steps_for, recorded_horizon, validate
+from aura_hpc.config.checks import check_at_world_size, embedding_rows, fit_to_horizon, max_steps_for, recorded_horizon, validate
 from aura_hpc.config.loading import coerce, from_dict, load_config, load_run_file, parse_overrides, resolve_config_path, shipped_configs
 from aura_hpc.config.slurm_checks import slurm_minutes, validate_slurm
 from aura_hpc.config.tree import (
@@ -31,6 +31,7 @@ __all__ = [
     "RunConfig",
     "SlurmConfig",
     "TrainConfig",
+    "check_at_world_size",
     "coerce",
     "embedding_rows",
     "fit_to_horizon",

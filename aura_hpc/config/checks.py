@@ -314,6 +314,19 @@ def fit_to_horizon(cfg: RunConfig, world_size: int) -> list[str]:
     return notes
 
 
+def check_at_world_size(cfg: RunConfig, world_size: int) -> list[str]:
+    """What the plans check once the world size is known, before anything starts: the schedule's horizon
+    (fit_to_horizon, its warnings returned), and a DeepSpeed JSON's train_batch_size, which only the workers compared,
+    after a Slurm queue's wait and the process group's start."""
+    notes = fit_to_horizon(cfg, world_size)
+    d = cfg.dist
+    if d.strategy.startswith("zero") and d.deepspeed_config:
+        from aura_hpc.config.deepspeed import deepspeed_config
+
+        deepspeed_config(cfg, world_size, bf16={"bf16": True, "auto": None}.get(cfg.train.precision, False))
+    return notes
+
+
 def embedding_rows(m: ModelConfig, tokenizer_vocab: int) -> int:
     """The tokenizer's vocabulary, or model.padded_vocab_size when set (never fewer rows than tokens)."""
     if m.padded_vocab_size and m.padded_vocab_size < tokenizer_vocab:

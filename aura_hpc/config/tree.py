@@ -105,8 +105,8 @@ class TrainConfig:
     allow_oversubscription: bool = False  # repeat the data when it holds fewer sequences than one effective batch
     threads: int = 0  # torch intra-op threads per process; 0 = launcher's OMP_NUM_THREADS
     tune_malloc: bool = True  # CPU training: fixed glibc mmap/trim thresholds (see aura_hpc/train/process/malloc_tuning.py)
-    compile: str = "auto"  # torch.compile of the transformer blocks: auto (on for CUDA, off for CPU) | true | false
-    loss: str = "auto"  # cross-entropy: auto (chunked on CUDA, full on CPU) | chunked (no full fp32 logits) | full
+    compile: str = "auto"  # torch.compile of the transformer blocks: auto (on for CUDA except zero1/2/3 and ps; off on CPUs) | true | false
+    loss: str = "auto"  # cross-entropy: auto (chunked on CUDA except under fp16, full on CPU) | chunked (no full fp32 logits) | full
     activation_checkpointing: bool = False  # recompute each block's activations in the backward pass (less memory)
     fused_optimizer: str = "auto"  # fused AdamW (one kernel; a bad step skipped on the device): auto (CUDA) | true | false
     async_checkpoint: bool = True  # write checkpoints in a background thread after copying the state to host memory

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.comm.stores import SECRET_ENV, SECRET_FILE, strong_enough
-from aura_hpc.config import fit_to_horizon, load_config
+from aura_hpc.config import check_at_world_size, load_config
 from aura_hpc.config.device import validate_for_device
 from aura_hpc.errors import ConfigError, LaunchError
 from aura_hpc.launch.agent import run_workers
@@ -222,7 +222,7 @@ def plan_local(
         from aura_hpc.config.replicas import check_equal_nodes
 
         check_equal_nodes(cfg.dist.diloco_replicas, range(1, 2), nproc)
-    warnings += fit_to_horizon(cfg, nproc * nnodes)
+    warnings += check_at_world_size(cfg, nproc * nnodes)
     plan = LocalPlan(cfg, nnodes, node_rank, nproc, master_addr, master_port, max_restarts, rdzv_timeout, local_addr, env)
     from aura_hpc.launch.hang_calibration import stop_grace_s
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aura_hpc.config import RunConfig, SlurmConfig, coerce, fit_to_horizon, load_config, slurm_minutes, validate_slurm
+from aura_hpc.config import RunConfig, SlurmConfig, check_at_world_size, coerce, load_config, slurm_minutes, validate_slurm
 from aura_hpc.config.device import validate_for_device
 from aura_hpc.config.slurm_checks import ONE_CPU_PER_RANK
 from aura_hpc.data.vocab import tokenizer_vocab
@@ -282,7 +282,7 @@ def plan_submit(
         if p.cfg.data.path and "://" not in p.cfg.data.path:
             p.cfg.data.path = str(Path(p.cfg.data.path).expanduser().resolve())
     for p in points:
-        for note in fit_to_horizon(p.cfg, slurm.nodes * max(1, slurm.gpus_per_node)):
+        for note in check_at_world_size(p.cfg, slurm.nodes * max(1, slurm.gpus_per_node)):
             if note not in warnings:
                 warnings.append(note)
     data_problem = None
