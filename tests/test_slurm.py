@@ -214,7 +214,7 @@ def test_two_node_job_completes_and_status_logs_find_it(slurm_cluster: Path, pre
     [row] = earlier["jobs"]
     assert row["state"] == "COMPLETED" and row["step"] is None and row["loss"] is None, earlier  # step 12 is the run's, not the job's
     assert any("submitted again as job 999999" in n for n in earlier["notes"]), earlier
-    assert "all 2 ranks finished at step 12" in run_cli(["logs", job, "--rank", "1"]).stdout
+    assert "start rank=1 " in run_cli(["logs", job, "--rank", "1"]).stdout  # rank 1's own log, of this job
     assert any(r["job_id"] == job and r["run_dir"] == str(run_dir) for r in json.loads(history.stdout)["jobs"])
 
 
@@ -466,6 +466,12 @@ def test_a_watch_outlasts_a_controller_that_misses_an_answer_and_prints_the_jobs
     with pytest.raises(LaunchError, match=r"Slurm's squeue is not on PATH: this machine is not a Slurm login node \(fix: ") as said:
         commands.follow("42", log, printed.append, poll_s=0.1)
     assert time.monotonic() - t0 < 5 and "squeue failed for" not in str(said.value)
+    # A login node with squeue and no sacct (the accounting client not installed): told so, not "no Slurm login node".
+    (tmp_path / "no-slurm-here").mkdir()
+    (tmp_path / "no-slurm-here" / "squeue").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "no-slurm-here" / "squeue").chmod(0o755)
+    with pytest.raises(LaunchError, match=r"sacct is not on PATH, though squeue is: finished jobs cannot be asked .*\(fix: install"):
+        submit.slurm_query.accounting_enabled()
     # and what may pass (munge restarting, a controller in standby) is asked again, as a timeout is
     answers[:] = [LaunchError("squeue: error: Munge decode failed: Socket communication error"), None]
     monkeypatch.setattr(submit.slurm_query, "squeue_jobs", squeue_jobs)

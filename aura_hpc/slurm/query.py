@@ -84,6 +84,11 @@ class JobRow:
 
 def require(command: str = "sbatch") -> None:
     if shutil.which(command) is None:
+        if command == "sacct" and shutil.which("squeue"):  # a login node without the accounting client: Slurm is here
+            raise LaunchError(
+                "Slurm's sacct is not on PATH, though squeue is: finished jobs cannot be asked from this machine (fix: install "
+                "Slurm's sacct here (Debian: slurm-client), or ask from another login node; `status` shows queued and running jobs)"
+            )
         raise LaunchError(
             f"Slurm's {command} is not on PATH: this machine is not a Slurm login node "
             "(fix: run on the cluster's login node, `module load slurm`, or use `python -m aura_hpc local`)"
