@@ -67,7 +67,7 @@ def check_out_dir(
 ) -> None:
     """Refuse an --out that is an input, holds an input, lies inside an input folder, or holds files
     that are not ours; refuse to replace prepared data of other inputs without --force. `damaged`: its manifest.json
-    is not JSON (--force given): ours if every file there has a name prepare writes."""
+    is not JSON (--force given): ours if every file there has a name prepare writes, tokenizer/tokenizer.json among them."""
     out_abs = out.expanduser().resolve()
     for f in inputs:
         if f == out_abs or out_abs in f.parents:

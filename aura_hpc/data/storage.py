@@ -300,8 +300,8 @@ def write_bytes(url: str, data: bytes, policy: Policy = Policy()) -> None:
 
 
 class DamagedManifest(DataError):
-    """A manifest.json that is not JSON (a copy or an upload cut short, a full disk): the data beside it is prepare's
-    by its names, and `prepare --force` may replace it."""
+    """A manifest.json that is not JSON (a copy or an upload cut short, a full disk): `prepare --force` replaces it
+    where every file beside it has a name prepare writes and prepare's tokenizer is among them."""
 
 
 def damaged_manifest(where: str) -> DamagedManifest:

@@ -87,9 +87,7 @@ def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], li
                 if not rows:
                     raise LaunchError(f"job {job_id} is unknown to squeue and sacct (fix: check the id with `python -m aura_hpc history`)")
                 row = rows[-1]
-        guessed = bool((info or {}).get("log_dir_guessed"))
-        launch = None if guessed else _failed_at_launch(row, run_dir, Path(info["log_dir"]) if info is not None else None)
-        if launch:
+        if launch := _launch_note(row, run_dir, info):
             notes.append(launch)
         if row.active and (why := why_it_waits(row)):
             notes.append(why)  # pending for "Dependency" behind a held job, or held itself: no time cures it
@@ -112,6 +110,14 @@ def status(target: str | None, all_jobs: bool) -> tuple[list[dict[str, Any]], li
     if not rows:
         notes.append("no aura_hpc jobs in the queue" + ("" if all_jobs else " (--all shows your other jobs; `history` the finished ones)"))
     return [_row_dict(r, known.get(r.job_id)) for r in rows], notes
+
+
+def _launch_note(row: slurm_query.JobRow, run_dir: Path | None, info: dict[str, Any] | None) -> str | None:
+    """_failed_at_launch for a job as its record (job.json, or its index line) places its logs; none where that folder
+    is only a guess (an earlier job's index line from before it held one)."""
+    if info is not None and info.get("log_dir_guessed"):
+        return None
+    return _failed_at_launch(row, run_dir, Path(info["log_dir"]) if info is not None else None)
 
 
 def _failed_at_launch(row: slurm_query.JobRow, run_dir: Path | None, log_dir: Path | None = None) -> str | None:
@@ -141,6 +147,12 @@ def _summary(run_dir: Path | None) -> dict[str, Any] | None:
 
 
 def log_file(target: str, rank: int, stderr: bool) -> tuple[str, Path]:
+    job_id, path, _, _ = _log_of(target, rank, stderr)
+    return job_id, path
+
+
+def _log_of(target: str, rank: int, stderr: bool) -> tuple[str, Path, Path | None, dict[str, Any]]:
+    """The job's id, the rank's log file, the run directory and the job's record."""
     job_id, run_dir, info = job_index.resolve(target)
     if info is None and run_dir is not None and not run_dir.is_dir():
         raise LaunchError(
@@ -152,15 +164,14 @@ def log_file(target: str, rank: int, stderr: bool) -> tuple[str, Path]:
     world = info.get("world_size")  # unknown for an earlier job of a run submitted again, from an older index line
     if isinstance(world, int) and not 0 <= rank < world:
         raise LaunchError(f"--rank {rank} is not a rank of job {job_id}, which has {world} (fix: --rank 0..{world - 1})")
-    return job_id, rank_log(Path(info["log_dir"]), job_id, rank, stderr)
+    return job_id, rank_log(Path(info["log_dir"]), job_id, rank, stderr), run_dir, info
 
 
 def follow_log(target: str, rank: int, stderr: bool, printer: Any, say: Any) -> int:
     """`logs --follow`: the log as it grows, then how the job ended (`say`), even where it left no line (it failed at
     launch, or was cancelled while pending). The status is the job's, as `submit --wait` gives it."""
-    job_id, path = log_file(target, rank, stderr)
-    _, run_dir, info = job_index.resolve(target)
-    final = follow(job_id, path, printer, since=_before((info or {}).get("submitted")))
+    job_id, path, run_dir, info = _log_of(target, rank, stderr)
+    final = follow(job_id, path, printer, since=_before(info.get("submitted")))
     code = exit_status({job_id: final})
     if final is None:
         try:
@@ -172,7 +183,7 @@ def follow_log(target: str, rank: int, stderr: bool, printer: Any, say: Any) -> 
         say(f"job {job_id} has left the queue; {said} (its log above is what is known)")
         return code
     say(f"job {job_id} ended: {final.state}" + (f" (exit status {code})" if code else ""))
-    if not (info or {}).get("log_dir_guessed") and (why := _failed_at_launch(final, run_dir, Path(info["log_dir"]) if info else None)):
+    if why := _launch_note(final, run_dir, info):
         say(why)
     return code
 
