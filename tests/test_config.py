@@ -185,6 +185,9 @@ def test_a_preset_is_the_preset_whatever_the_folder_holds_and_paths_may_name_var
         load_config(str(conf), ["train.lr=1"])
     with pytest.raises(ConfigError, match=r"^unknown config key 'train.lrr'"):
         load_config(None, ["train.lrr=1"])
+    conf.write_text("trian:\n  lr: 1\n")  # a misspelled section: the file's usual slip had no suggestion
+    with pytest.raises(ConfigError, match=rf"^{conf}: unknown config key 'trian': did you mean 'train'\?"):
+        load_config(str(conf))
 
 
 def test_relative_data_path_is_relative_to_the_config_file(tmp_path: Path) -> None:

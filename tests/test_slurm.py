@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -771,7 +772,8 @@ def test_unknown_job_is_a_clear_error_and_another_users_job_is_not_cancelled(slu
     try:
         res = run_cli(["cancel", other])
         assert res.returncode == 2 and f"job {other} is nobody's, not yours: not cancelled" in res.stderr, res.stderr
-        assert query.squeue_job(other).state == "PENDING"
+        row = query.squeue_job(other)  # the owner compared by uid: a failed name lookup reads `nobody`, even for our own
+        assert row.state == "PENDING" and row.uid == str(pwd.getpwnam("nobody").pw_uid), row
     finally:
         subprocess.run(["scancel", other], check=False)
 
@@ -1270,6 +1272,13 @@ def test_a_wait_on_a_job_whose_dependency_failed_ends_with_the_fix(slurm_cluster
         said = res.stdout + res.stderr
         assert res.returncode != 0 and f"job {job} will never start: the job it waits for (--after)" in said, said
         assert f"python -m aura_hpc cancel {job}" in said
+        # `logs` of a job that never wrote one: it said "may still be pending" even once the job had ended.
+        logs = run_cli(["logs", job])
+        assert logs.returncode == 0 and f"job {job} is PENDING (DependencyNeverSatisfied)" in logs.stdout, logs.stdout
+        run_cli(["cancel", job])
+        _wait_gone(job)
+        logs = run_cli(["logs", job], timeout=120)
+        assert logs.returncode == 0 and f"job {job} ended CANCELLED without writing it" in logs.stdout, logs.stdout
     finally:
         run_cli(["cancel", job])
 

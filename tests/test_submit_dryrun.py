@@ -103,6 +103,19 @@ def test_precedence_cli_over_config_over_profile(tmp_path: Path) -> None:
         assert line.endswith(f"from={source}"), line
 
 
+def test_a_profiles_screen_figures_yield_to_a_sweep_of_them(tmp_path: Path) -> None:
+    """h100-ib states screen_gemm_tflops=790; a sweep of that figure (what a user runs to find the threshold
+    their nodes pass) planned every point at 790: the profile's value replaced each point's own."""
+    from aura_hpc.slurm.plan import plan_submit
+
+    sweep = ["health.screen_gemm_tflops=500,600"]
+    plan = plan_submit(None, ["slurm.cluster=h100-ib"], str(tmp_path), "s", {"nodes": 1, "gpus_per_node": 8}, sweep)
+    assert [p.cfg.health.screen_gemm_tflops for p in plan.points] == [500.0, 600.0]
+    assert {p.cfg.health.screen_allreduce_gbps for p in plan.points} == {440.0}  # not swept: the profile's
+    one = plan_submit(None, ["slurm.cluster=h100-ib", "health.screen_gemm_tflops=500"], str(tmp_path), "o", {"gpus_per_node": 8})
+    assert one.points[0].cfg.health.screen_gemm_tflops == 500.0
+
+
 def test_nccl_debug_and_signal_settings(tmp_path: Path) -> None:
     res = run_cli(
         [

@@ -71,7 +71,7 @@ def cmd_status(a: argparse.Namespace) -> int:
 def cmd_logs(a: argparse.Namespace) -> int:
     from aura_hpc import console
     from aura_hpc.launch.run_status import is_local_run, local_log
-    from aura_hpc.slurm.commands import follow_log, log_file
+    from aura_hpc.slurm.commands import absent_log_note, follow_log, log_file
 
     if is_local_run(a.target):
         path = local_log(Path(a.target), a.rank, a.stderr)
@@ -84,7 +84,7 @@ def cmd_logs(a: argparse.Namespace) -> int:
         return follow_log(a.target, a.rank, a.stderr, console.plain, console.info)
     _, path = log_file(a.target, a.rank, a.stderr)
     if not path.exists():
-        console.info(f"{path} does not exist yet (the job may still be pending; --follow waits for it)")
+        console.info(absent_log_note(a.target, a.rank, a.stderr))
         return 0
     console.plain(path.read_text(encoding="utf-8", errors="replace").rstrip("\n"))
     return 0

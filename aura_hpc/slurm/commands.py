@@ -188,6 +188,22 @@ def follow_log(target: str, rank: int, stderr: bool, printer: Any, say: Any) -> 
     return code
 
 
+def absent_log_note(target: str, rank: int, stderr: bool) -> str:
+    """What `logs` says of a rank's log that is not there: whether the job still waits to start, or ended without it
+    (a job that failed at launch a day ago was said to be perhaps still pending)."""
+    job_id, path, run_dir, info = _log_of(target, rank, stderr)
+    row = slurm_query.squeue_job(job_id)
+    if row is not None and row.active:
+        why = f" ({row.reason})" if row.state == "PENDING" and row.reason else ""
+        return f"{path} does not exist yet: job {job_id} is {row.state}{why} (--follow waits for it)"
+    final = final_state(job_id, row, _before(info.get("submitted")) or "", timeout_s=1)
+    if final is None:
+        return f"{path} does not exist, and job {job_id} has left the queue (how it ended is not known here)"
+    return " ".join(
+        filter(None, [f"{path} does not exist: job {job_id} ended {final.state} without writing it.", _launch_note(final, run_dir, info)])
+    )
+
+
 def _before(submitted: object) -> str | None:
     """sacct's -S (this machine's local time) for a job submitted at `submitted` (job.json's, with the submitting
     machine's UTC offset: a login node in another time zone), a minute early; None where unknown."""
@@ -231,12 +247,12 @@ def cancel(target: str) -> str:
         raise LaunchError(f"job {job_id} is not in the queue (fix: `python -m aura_hpc status --all` lists the jobs you can cancel)")
     if not row.active:
         raise LaunchError(f"job {job_id} has already ended ({row.state}); nothing to cancel")
-    if row.user and (me := _me()) and row.user not in me:
+    if row.uid and row.uid != str(os.getuid()):
         # An id not in this user's index, or one of a cluster whose ids restarted: an operator's or a coordinator's
         # scancel would end someone else's job.
         raise LaunchError(
-            f"job {job_id} is {row.user}'s, not yours: not cancelled (fix: `python -m aura_hpc status` lists your jobs; "
-            "scancel it yourself if you mean to end another user's job)"
+            f"job {job_id} is {row.user or 'uid ' + row.uid}'s, not yours: not cancelled "
+            "(fix: `python -m aura_hpc status` lists your jobs; scancel it yourself if you mean to end another user's job)"
         )
     recorded = str((info or {}).get("job_name") or "")
     if recorded and row.name and row.name != recorded:
@@ -292,17 +308,6 @@ def _attempts_folded(rows: list[slurm_query.JobRow]) -> dict[str, slurm_query.Jo
             r.submit, r.requeues = earlier.submit, earlier.requeues + 1
         jobs[r.job_id] = r
     return jobs
-
-
-def _me() -> set[str]:
-    """The names squeue may give this user's jobs: the login name of the real uid, and the uid itself."""
-    import pwd
-
-    uid = os.getuid()
-    try:
-        return {pwd.getpwuid(uid).pw_name, str(uid)}
-    except KeyError:  # no name for this uid here (a container's user): whose squeue's name is, is unknown
-        return set()
 
 
 def _requeued_into(earlier: slurm_query.JobRow, later: slurm_query.JobRow) -> bool:

@@ -38,6 +38,7 @@ class RunPoint:
 
     cfg: RunConfig
     label: str = ""  # e.g. "train.lr=3e-4" for a sweep point
+    swept: frozenset[str] = frozenset()  # the keys this point sets itself (a profile's figure does not replace them)
 
     @property
     def config_path(self) -> Path:
@@ -272,12 +273,12 @@ def plan_submit(
                     f"--sweep points {same.label!r} and {', '.join(extra)!r} share the run directory {pcfg.run_dir.name} "
                     "(fix: list each value once)"
                 )
-            points.append(RunPoint(pcfg, ", ".join(extra)))
+            points.append(RunPoint(pcfg, ", ".join(extra), frozenset(o.partition("=")[0] for o in extra)))
         folder = sweep_dir / "slurm"
         run_dir_env = str(sweep_dir)
     for p in points:
         for key, value in prof.screen.items():  # what the screen expects of this hardware, unless set
-            if f"health.{key}" not in given:
+            if f"health.{key}" not in given.keys() | p.swept:
                 setattr(p.cfg.health, key, value)
         if p.cfg.data.path and "://" not in p.cfg.data.path:
             p.cfg.data.path = str(Path(p.cfg.data.path).expanduser().resolve())

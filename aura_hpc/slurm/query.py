@@ -40,7 +40,7 @@ SEP = "\x1f"
 # JobArrayID: a sweep's element as `123_4` (the id its index and logs know); squeue's JobID is the raw id.
 SQUEUE_FIELDS = (
     "JobArrayID", "Name", "State", "NumNodes", "TimeUsed", "TimeLeft", "Reason", "Comment", "SubmitTime", "UserName", "Dependency",
-    "RestartCnt",
+    "RestartCnt", "UserId",
 )  # fmt: skip
 
 
@@ -61,6 +61,7 @@ class JobRow:
     nodelist: str = ""  # the nodes it ran (or failed to start) on, from sacct
     dependency: str = ""  # what a pending job still waits for, as squeue says it: afterok:123_*(unfulfilled)
     user: str = ""  # whose job it is, as squeue names the owner (`cancel` cancels only the caller's own)
+    uid: str = ""  # the owner's numeric id: what `cancel` compares (a name lookup that failed reads `nobody`)
 
     @property
     def active(self) -> bool:
@@ -206,6 +207,7 @@ def squeue(job_ids: list[str] | None = None, all_users: bool = False, all_states
                 submit=v["SubmitTime"],
                 dependency="" if v["Dependency"] == "(null)" else v["Dependency"],
                 user=v["UserName"],
+                uid=v["UserId"] if v["UserId"].isdigit() else "",
                 requeues=int(v["RestartCnt"]) if v["RestartCnt"].isdigit() else 0,
             )
         )
