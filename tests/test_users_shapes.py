@@ -199,6 +199,22 @@ def test_diloco_puts_one_copy_of_a_meeting_per_node_on_the_wire(shapes: tuple[Pa
     assert sent[1].get("diloco-inner", 0) > 0
 
 
+def test_nodes_compare_a_deepspeed_configs_contents_not_its_path(tmp_path: Path) -> None:
+    """dist.deepspeed_config was compared as a path: two laptops with another JSON at one path trained on (ZeRO's
+    buckets then differ: a hang), and one JSON kept at two paths was refused."""
+    from aura_hpc.config import load_config
+    from aura_hpc.train.parts.build import _shared_settings
+
+    def settings(name: str, text: str) -> dict[str, str]:
+        (tmp_path / name).write_text(text)
+        return _shared_settings(load_config("tiny", ["dist.strategy=zero2", f"dist.deepspeed_config={tmp_path / name}"]))
+
+    bucket = '{"zero_optimization": {"reduce_bucket_size": %d}}'
+    assert settings("a.json", bucket % 5e7) == settings("b.json", bucket % 5e7)  # elsewhere on each machine: the same
+    first = settings("a.json", bucket % 5e7)
+    assert first != settings("a.json", bucket % 2e8)  # the same path, another content
+
+
 def test_unequal_nodes_train_and_differing_settings_or_secrets_are_refused(tmp_path: Path, prepared: Path) -> None:
     """A 2-process node beside a 1-process one (a 2-GPU desktop and a 1-GPU laptop): DiLoCo trains one
     replica per node (before: mismatched groups, hung until killed). Two nodes sharing a run folder with

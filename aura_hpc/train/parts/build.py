@@ -189,6 +189,10 @@ def seed_dropout(seed: int, rank: int) -> None:
 def _shared_settings(cfg: RunConfig) -> dict[str, str]:
     """What every rank must hold alike (config/per_machine.py), as text that compares exactly."""
     settings = per_machine.shared(cfg, ("model", "train", "dist"), per_machine.PER_MACHINE) | per_machine.shared_data(cfg)
+    if cfg.dist.deepspeed_config:  # what it holds, not where: one path on two laptops can hold two configs (a hang in ZeRO)
+        from aura_hpc.config.deepspeed import load_user_config
+
+        settings["dist.deepspeed_config"] = load_user_config(cfg.dist.deepspeed_config)
     return {"model.fingerprint": cfg.model_fingerprint(), **{k: json.dumps(v, default=str) for k, v in settings.items()}}
 
 
@@ -211,6 +215,11 @@ def check_same_everywhere(cfg: RunConfig, env: DistEnv, data: PackedTokens) -> N
         differ = sorted(k for k in set(mine[1]) | set(theirs[1]) if mine[1].get(k) != theirs[1].get(k))
         if differ:
             key = next((k for k in differ if k != "model.fingerprint"), differ[0])
+            if key == "dist.deepspeed_config":
+                raise ConfigError(
+                    f"rank {r} runs a different config than rank {env.rank}: the DeepSpeed JSON of dist.deepspeed_config holds "
+                    "other settings there (fix: the same JSON on every node, e.g. copy it)"
+                )
             raise ConfigError(
                 f"rank {r} runs a different config than rank {env.rank}: {key} is {theirs[1].get(key)} there and "
                 f"{mine[1].get(key)} here (fix: pass the same --config/--set on every node)"
