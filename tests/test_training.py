@@ -697,7 +697,7 @@ def test_metrics_rows_dropped_at_a_resume_or_rollback_never_cost_the_others(tmp_
 
 
 def test_a_node_started_with_another_node_count_or_a_master_address_no_node_has_is_refused_in_one_line(
-    tmp_path: Path, prepared: Path
+    tmp_path: Path, prepared: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Node 0 with --nnodes 3 and node 1 with --nnodes 2: torch's rendezvous completed at node 1's count, the two
     trained, and a third machine waited for ever without a word. 0.0.0.0 (every interface, no machine's address) and
@@ -733,8 +733,21 @@ def test_a_node_started_with_another_node_count_or_a_master_address_no_node_has_
     assert "(fix: paste the whole AURA_RUN_SECRET=... line node 0 printed (also in its run folder" in r.stderr, (
         r.stderr
     )  # one made here never matches
-    from aura_hpc.ops.network import interface_problem
+    from aura_hpc.ops.network import exported_interface_problem, interface_problem
 
     assert interface_problem("lo,") == "--ifname 'lo,' holds an empty name (fix: --ifname lo)"  # gloo was given an empty name
     r = run_cli(["local", "--dry-run", "--ifname", "aura-no-such-if0"], timeout=60)
     assert r.returncode == 2 and "--ifname aura-no-such-if0 is no interface with an IPv4 address on this machine (fix: one of" in r.stderr
+    # The same name exported (a tutorial's `export GLOO_SOCKET_IFNAME=eth0` on a laptop with wlan0): every worker failed
+    # in gloo's C++ ("enforce fail ... Unable to find address for"), and the launcher said only "rank 0 exited with status 1".
+    r = run_cli(["local", "--dry-run"], timeout=60, GLOO_SOCKET_IFNAME="aura-no-such-if0")
+    assert r.returncode == 2 and "GLOO_SOCKET_IFNAME=aura-no-such-if0 (exported here) names no interface" in r.stderr, r.stderr
+    assert re.search(r"\(fix: unset GLOO_SOCKET_IFNAME, or one of [^)]*\blo\b", r.stderr), r.stderr
+    r = run_cli(["local", "--dry-run", "--ifname", "lo"], timeout=60, GLOO_SOCKET_IFNAME="aura-no-such-if0")
+    assert r.returncode == 0, r.stderr  # --ifname replaces it
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "l")  # NCCL's prefixes: l is lo's; ^ lists what to avoid
+    assert exported_interface_problem(("NCCL_SOCKET_IFNAME",)) is None
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "=l")
+    assert "NCCL_SOCKET_IFNAME==l (exported here) names no interface" in str(exported_interface_problem(("NCCL_SOCKET_IFNAME",)))
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "^lo")
+    assert exported_interface_problem(("NCCL_SOCKET_IFNAME",)) is None

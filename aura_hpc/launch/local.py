@@ -28,6 +28,7 @@ from aura_hpc.launch.agent import run_workers
 from aura_hpc.launch.plan import LocalPlan
 from aura_hpc.launch.run_setup import ensure_run_secret, prepare_run_dir
 from aura_hpc.ops.network import (
+    exported_interface_problem,
     interface_problem,
     is_own_address,
     is_trusted_range,
@@ -184,6 +185,9 @@ def plan_local(
 
     if ifname and (problem := interface_problem(ifname)):
         raise LaunchError(problem)  # gloo said "Unable to find address for" it inside every worker, after the rendezvous
+    exported = ("NCCL_SOCKET_IFNAME",) * bool(gpus and not (ifname and nnodes > 1)) + ("GLOO_SOCKET_IFNAME",) * (not ifname)
+    if problem := exported_interface_problem(exported):  # what --ifname does not replace reaches the workers as it is
+        raise LaunchError(problem)
     if nnodes == 1 and not master_addr:
         master_addr = "127.0.0.1"
     assert master_addr is not None

@@ -21,7 +21,7 @@ from aura_hpc.errors import LaunchError
 from aura_hpc.ops.check_cluster import ClusterArgs, cluster_checks
 from aura_hpc.ops.check_local import DISK_STAGE, local_checks
 from aura_hpc.ops.check_report import Failed, Report
-from aura_hpc.ops.network import interface_problem, lan_master_problem
+from aura_hpc.ops.network import exported_interface_problem, interface_problem, lan_master_problem
 
 LOCAL_CHECKS_S = 60.0  # CUDA's start and NCCL's self-test on 8 GPUs take seconds
 SERVER_STAGE = "the parameter server"
@@ -117,6 +117,8 @@ def cluster_args(
         raise LaunchError("--nnodes > 1 needs --master-addr (fix: --master-addr <IP of node 0> on every node)")
     if ifname and (problem := interface_problem(ifname)):
         raise LaunchError(problem)  # as `local` refuses it (gloo said "Unable to find address for" it, after the rendezvous)
+    if not ifname and (problem := exported_interface_problem(("GLOO_SOCKET_IFNAME",))):
+        raise LaunchError(problem)
     if not 1 <= master_port <= 65535:  # 0 had node 0 listen on a random port, and the others blame the firewall
         raise LaunchError(f"--master-port {master_port} is not a TCP port (fix: --master-port 29500, the same on every node)")
     # As `local` says it: check must not pass a master that training refuses. A name Slurm gave (typed_master False)

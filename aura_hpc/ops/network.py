@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 
@@ -100,11 +101,35 @@ def lan_master_problem(addr: str, nnodes: int) -> str | None:
     return None
 
 
-def interface_problem(names: str) -> str | None:
-    """Why `--ifname` (one name, or gloo's comma list) names no IPv4 interface of this machine, in one line, or None."""
+def _ipv4_interfaces() -> set[str]:
     import psutil
 
-    have = {n for n, addrs in psutil.net_if_addrs().items() if any(a.family == socket.AF_INET for a in addrs)}
+    return {n for n, addrs in psutil.net_if_addrs().items() if any(a.family == socket.AF_INET for a in addrs)}
+
+
+def exported_interface_problem(variables: tuple[str, ...]) -> str | None:
+    """An exported GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME naming no interface here, in one line, or None: gloo
+    failed in every worker after the rendezvous ("Unable to find address for"), NCCL found no socket interface."""
+    for var in variables:
+        value = os.environ.get(var, "").strip()
+        if not value or value.startswith("^"):  # NCCL's ^: the interfaces to avoid; any other will do
+            continue
+        have, names = _ipv4_interfaces(), [n.strip() for n in value.removeprefix("=").split(",") if n.strip()]
+        if var.startswith("NCCL"):  # NCCL takes prefixes (eth: eth0, eth1), exact names after "=", and any one that matches
+            bad = not any(h == n or (not value.startswith("=") and h.startswith(n)) for n in names for h in have)
+        else:  # gloo makes a device of each name: every one must exist
+            bad = not names or any(n not in have for n in names)
+        if bad:
+            return (
+                f"{var}={value} (exported here) names no interface with an IPv4 address on this machine "
+                f"(fix: unset {var}, or one of {', '.join(sorted(have))})"
+            )
+    return None
+
+
+def interface_problem(names: str) -> str | None:
+    """Why `--ifname` (one name, or gloo's comma list) names no IPv4 interface of this machine, in one line, or None."""
+    have = _ipv4_interfaces()
     listed = [n.strip() for n in names.split(",")]
     if "" in listed:  # gloo would be given an empty name
         return f"--ifname {names!r} holds an empty name (fix: --ifname {','.join(n for n in listed if n) or 'NAME'})"
