@@ -231,7 +231,7 @@ def test_a_prune_killed_mid_delete_leaves_no_checkpoint_that_says_it_is_complete
 
     monkeypatch.setattr(files.shutil, "rmtree", killed)
     with pytest.raises(KeyboardInterrupt):
-        files.prune(tmp_path, keep_last=1)
+        files.prune(tmp_path, keep_last=1, step=30)
     assert [c.step for c in files.list_complete(tmp_path)] == [30, 10], files.list_complete(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["step_00000010", "step_00000030"]
     assert [p.name.split("-")[1] for p in tmp_path.glob(".del-*")] == ["step_00000020"]
@@ -240,10 +240,51 @@ def test_a_prune_killed_mid_delete_leaves_no_checkpoint_that_says_it_is_complete
     assert not list(tmp_path.glob(".*")) and [c.step for c in files.list_complete(tmp_path)] == [30, 10]
     monkeypatch.setattr(files.shutil, "rmtree", killed)
     with pytest.raises(KeyboardInterrupt):
-        files.prune(tmp_path, keep_last=1)
+        files.prune(tmp_path, keep_last=1, step=30)
     monkeypatch.undo()
     files._clean_stale_temps(tmp_path)  # a writer that goes on: its next save's clean-up
     assert not list(tmp_path.glob(".*")) and [p.name for p in tmp_path.iterdir()] == ["step_00000030"]
+
+
+def test_a_save_keeps_what_is_not_its_own_and_no_clean_up_costs_a_good_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three ways a save lost what it should have kept: (1) a folder named like a step without a commit marker (a
+    user's copy, export or notes) was swapped out and deleted when the run reached that step; (2) a newer corrupt
+    checkpoint the resume could not move aside counted towards keep_last, so saving after the resume deleted every
+    good one; (3) a clean-up that failed after the commit was said as a failed write, and every rank stopped."""
+    from aura_hpc.errors import CheckpointWriteError
+
+    root, model = tmp_path / "ckpts", _model()
+
+    def save(step: int, keep_last: int = 3) -> Path:
+        return checkpoint.save(root, step, model, {"s": torch.ones(1)}, {"step": step}, None, "a: 1\n", keep_last=keep_last)
+
+    save(100)
+    theirs = root / checkpoint.step_dir_name(200)
+    theirs.mkdir()
+    (theirs / "my_notes.txt").write_text("precious")
+    with pytest.raises(CheckpointWriteError, match=rf"^{theirs} holds no COMPLETE.json, so it is no checkpoint this run committed"):
+        save(200)
+    assert (theirs / "my_notes.txt").read_text() == "precious" and not list(root.glob(".*"))
+    (theirs / "my_notes.txt").unlink()
+    (theirs / "meta.json").write_text("{}")  # our own save's files without their marker: replaced
+    assert (save(200) / checkpoint.MARKER).is_file()
+    # (2) step 200 corrupt and where it cannot be moved aside: the run resumed from 100 and saves 150 with keep_last 1.
+    save(150, keep_last=1)
+    assert [c.step for c in checkpoint.list_complete(root)] == [200, 150]  # it kept 200 alone
+    # (3) the clean-up after a committed save fails.
+    real, calls = checkpoint.prune, []
+
+    def failing(*args: Any) -> None:
+        calls.append(args)
+        if len(calls) == 2:
+            raise PermissionError(13, "Permission denied")
+        real(*args)
+
+    monkeypatch.setattr(checkpoint, "prune", failing)
+    assert save(175, keep_last=1).name == checkpoint.step_dir_name(175)
+    assert "checkpoint step 175 is written; removing older ones failed (Permission denied)" in caplog.text
 
 
 def test_a_consolidation_that_safetensors_cannot_write_is_one_line_and_leaves_the_checkpoint_as_it_was(

@@ -186,7 +186,7 @@ def save(
 
     try:
         # Room first: a lowered train.keep_last takes effect before this write, not after it.
-        prune(root, keep_last)
+        prune(root, keep_last, step)
         if tmp is None:
             tmp = begin(root, step)
         hashes = dict(known_hashes or {})
@@ -233,6 +233,12 @@ def save(
         _write(tmp / MARKER, json.dumps({"step": step, "files": files}, indent=1).encode())
         stage("marker")
         fsync(tmp)
+        if final.exists() and not (final / MARKER).is_file() and not {p.name for p in final.iterdir()} <= _OURS:
+            # Not a save of ours interrupted (a copy, an export, notes in a folder named like a step): the user's.
+            raise CheckpointWriteError(
+                f"{final} holds no {MARKER}, so it is no checkpoint this run committed, and it was not replaced "
+                f"(fix: move it out of {root}, then re-run the same command to resume)"
+            )
         if final.exists():
             # The same step written again (after a rollback the weights differ): swap it in.
             old = root / f".old-{final.name}-{os.getpid()}"
@@ -245,9 +251,16 @@ def save(
     except Exception as exc:  # torch.save reports a full disk as RuntimeError("... unexpected pos ...")
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # the partial write would keep the disk full
-        raise write_failure(exc, root, step) from None
-    prune(root, keep_last)
+        raise exc if isinstance(exc, CheckpointWriteError) else write_failure(exc, root, step) from None
+    try:
+        prune(root, keep_last, step)
+    except OSError as exc:  # step is committed: a failed clean-up is no failed write (every rank stopped on it)
+        log.warning("checkpoint step %d is written; removing older ones failed (%s)", step, exc.strerror or exc)
     return final
+
+
+# What a step folder of ours holds (writer.py's SHARDS: sharded strategies' per-rank files).
+_OURS = {MARKER, "meta.json", "trainer_state.pt", "model", "config.yaml", "tokenizer", "sharded"}
 
 
 def write_failure(exc: BaseException, root: Path, step: int) -> CheckpointWriteError:
@@ -332,10 +345,11 @@ def best(root: Path) -> Checkpoint | None:
     return min(scored, key=lambda x: (x[0], -x[1].step))[1] if scored else None
 
 
-def prune(root: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` and the best by validation loss."""
+def prune(root: Path, keep_last: int, step: int) -> None:
+    """Keep the newest `keep_last` up to `step` (the one written now) and the best by validation loss. A newer one is
+    one the resume passed over (corrupt, and it could not be moved aside): counted, it left only itself."""
     keep_best = best(root)
-    for ckpt in list_complete(root)[keep_last:]:
+    for ckpt in [c for c in list_complete(root) if c.step <= step][keep_last:]:
         if not ckpt.path.is_symlink() and (keep_best is None or ckpt.path != keep_best.path):  # a link: not ours
             # Out of the step folders' names first, in one rename: a process killed mid-delete left a half-deleted
             # checkpoint that still said complete, and, its marker removed first, one nothing ever removed or named
@@ -419,7 +433,7 @@ def note_interrupted(root: Path) -> None:
         for p in sorted(root.iterdir()):
             m = _NAME.match(p.name)
             if m and p.is_dir() and not (p / MARKER).exists() and int(m.group(1)) > newest_complete:
-                log.warning("checkpoint %s has no %s (its save was interrupted): ignored", p.name, MARKER)
+                log.warning("checkpoint %s has no %s (an interrupted save, or a folder not ours): ignored", p.name, MARKER)
 
 
 def newest_valid(root: Path) -> Checkpoint | None:
