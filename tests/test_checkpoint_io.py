@@ -492,3 +492,23 @@ def test_a_commit_marker_there_but_unreadable_stops_the_resume_and_is_not_taken_
     said = r"checkpoint step_00000010: rank\(s\) \[0\] could not read its commit marker \(\[Errno 116\]"
     with pytest.raises(CheckpointError, match=said):
         checkpointer._seen_alike(step, True)
+
+
+def test_a_rollbacks_save_of_the_same_step_leaves_the_committed_replica_readable(tmp_path: Path) -> None:
+    """DiLoCo's replicas: a rollback loads step S, lowers the learning rate and saves S again. That save replaced
+    the committed checkpoint's replica file (one name per step) before its own commit: a commit that then failed
+    (a full disk, a kill) left step S resuming 'afresh, not bit-identical'."""
+    from aura_hpc.train.checkpoint import diloco_files
+
+    def state(lr: float) -> dict[str, Any]:
+        return {"optimizer": {"state": {}, "param_groups": [{"lr": lr, "params": [0]}]}, "model": {"w": torch.ones(2)}}
+
+    committed = diloco_files.write_replica(tmp_path, 300, 0, state(1e-3))
+    again = diloco_files.write_replica(tmp_path, 300, 0, state(5e-4))  # the rollback's save, not committed
+    assert again["file"] != committed["file"]
+    assert diloco_files.read_replica(tmp_path, committed)["optimizer"]["param_groups"][0]["lr"] == 1e-3
+    old = tmp_path / diloco_files.REPLICAS / "step_00000200.rank0.pt"  # an older release's name: still read and pruned
+    torch.save(state(2e-3), old)
+    assert diloco_files.read_replica(tmp_path, {"file": old.name, "size": old.stat().st_size, "sha256": checkpoint.sha256_of(old)})
+    diloco_files.prune_replicas(tmp_path, 0, keep=2)
+    assert sorted(p.name for p in (tmp_path / diloco_files.REPLICAS).iterdir()) == sorted([committed["file"], again["file"]])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ def write_replica(root: Path, step: int, rank: int, state: dict[str, Any]) -> di
     """This rank's replica state, atomically: {file, size, sha256} for rank 0's meta.json."""
     folder = root / REPLICAS
     folder.mkdir(parents=True, exist_ok=True)
-    name = replica_name(step, rank)
+    name = replica_name(step, rank, time.time_ns())
     tmp = folder / f".{name}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -41,11 +42,13 @@ def write_replica(root: Path, step: int, rank: int, state: dict[str, Any]) -> di
     return {"file": name, "size": (folder / name).stat().st_size, "sha256": hashing.h.hexdigest()}
 
 
-def replica_name(step: int, rank: int) -> str:
-    return f"{step_dir_name(step)}.rank{rank}.pt"
+def replica_name(step: int, rank: int, written_ns: int) -> str:
+    """A name of its own for each save: a rollback's save of the same step replaced the committed checkpoint's file
+    before its own commit, and a commit that then failed left that checkpoint's replicas unreadable."""
+    return f"{step_dir_name(step)}.rank{rank}.{written_ns:020d}.pt"
 
 
-_NAME = re.compile(r"^step_\d{8,}\.rank\d+\.pt$")
+_NAME = re.compile(r"^step_\d{8,}\.rank\d+(\.\d{20})?\.pt$")  # without the time: an older release's
 
 
 def read_replica(root: Path, info: dict[str, Any]) -> dict[str, Any] | None:
@@ -62,7 +65,7 @@ def read_replica(root: Path, info: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def prune_replicas(root: Path, rank: int, keep: int) -> None:
-    files = sorted((root / REPLICAS).glob(f"step_*.rank{rank}.pt"))
+    files = sorted([*(root / REPLICAS).glob(f"step_*.rank{rank}.pt"), *(root / REPLICAS).glob(f"step_*.rank{rank}.*.pt")])
     for f in files[:-keep] if keep else []:
         f.unlink(missing_ok=True)
 
