@@ -1,14 +1,13 @@
 """The checkpoint writer's durable file operations: fsync, a write that is synced and hashed in one pass, a file
-that hashes what torch.save streams into it, and the hash of an unchanged file taken once per process."""
+that hashes what torch.save streams into it, and a copy hashed as it is written."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 from typing import Any
-
-from aura_hpc.data.prepare import sha256_file as _sha256
 
 
 def fsync(path: Path) -> None:
@@ -42,13 +41,10 @@ class HashingFile:
         self.f.flush()
 
 
-# Unchanged files (the tokenizer) are hashed once per process, not at every save.
-_HASHES: dict[tuple[str, int, int], str] = {}
-
-
-def sha256_cached(path: Path) -> str:
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _HASHES:
-        _HASHES[key] = _sha256(path)
-    return _HASHES[key]
+def copy_hashed(src: Path, dst: Path) -> str:
+    """Copy `src` and return the hash of the bytes written: a hash of the source taken apart (it was cached by size
+    and mtime) named other bytes where the file changed meanwhile, and every later checkpoint failed its check."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        hashing = HashingFile(fout)
+        shutil.copyfileobj(fin, hashing)
+    return hashing.h.hexdigest()

@@ -31,8 +31,8 @@ from aura_hpc.data.prepare import sha256_file as _sha256
 from aura_hpc.errors import CheckpointError, CheckpointWriteError
 from aura_hpc.ops.disk import disk_full, disk_of
 from aura_hpc.train.checkpoint.durable_io import HashingFile as HashingFile
+from aura_hpc.train.checkpoint.durable_io import copy_hashed
 from aura_hpc.train.checkpoint.durable_io import fsync as fsync
-from aura_hpc.train.checkpoint.durable_io import sha256_cached as _sha256_cached
 from aura_hpc.train.checkpoint.durable_io import write_synced as _write
 from aura_hpc.train.checkpoint.reading import load_weights as load_weights
 from aura_hpc.train.checkpoint.reading import load_weights_from as load_weights_from
@@ -209,14 +209,12 @@ def save(
             for src in sorted(p for p in tokenizer_dir.rglob("*") if p.is_file()):
                 dst = tmp / "tokenizer" / src.relative_to(tokenizer_dir)
                 dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src, dst)
-                hashes[str(dst.relative_to(tmp))] = _sha256_cached(src)
+                hashes[str(dst.relative_to(tmp))] = copy_hashed(src, dst)
                 # Also beside the weights: transformers' AutoTokenizer (and pipeline) on model/ alone built an empty
                 # GPT-2 tokenizer from config.json's model_type, and generated nothing, without an error.
                 beside = tmp / "model" / src.name
                 if src.name in TOKENIZER_FILES and src.parent == tokenizer_dir and (tmp / "model").is_dir() and not beside.exists():
-                    shutil.copyfile(src, beside)
-                    hashes[str(beside.relative_to(tmp))] = _sha256_cached(src)
+                    hashes[str(beside.relative_to(tmp))] = copy_hashed(src, beside)
         stage("tokenizer")
         absent = sorted(rel for rel in known_hashes or {} if not (tmp / rel).is_file())
         if absent:  # another rank's shards written elsewhere: a checkpoint without them would verify and not resume
