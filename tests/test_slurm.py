@@ -279,6 +279,10 @@ def test_sweep_is_an_array_and_after_waits(slurm_cluster: Path, prepared: Path, 
     ids = [_job_id(p) for p in points]
     array = {i.split("_")[0] for i in ids}
     assert len(array) == 1 and sorted(i.split("_")[1] for i in ids) == ["0", "1"], ids
+    logs = run_cli(["logs", next(iter(array))])  # the id `submit` printed: it said "no run directory is known"
+    assert logs.returncode == 2 and f"is a sweep of 2 points, each with its own logs (fix: `logs {sorted(ids)[0]}`" in logs.stderr, (
+        logs.stderr
+    )
     lrs = []
     for p in points:
         cfg = (p / "config.yaml").read_text()

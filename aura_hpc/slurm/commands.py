@@ -159,6 +159,11 @@ def _log_of(target: str, rank: int, stderr: bool) -> tuple[str, Path, Path | Non
             f"job {job_id}'s run directory {run_dir} does not exist on this machine: output_dir was deleted, or is not "
             "mounted here (fix: mount the shared output_dir on this node and on every compute node, then resubmit)"
         )
+    points = sorted({str(e.get("job_id")) for e in job_index.entries() if str(e.get("job_id", "")).startswith(f"{job_id}_")})
+    if info is None and points:  # a sweep's id, as `submit` printed it: each point has its own logs
+        raise LaunchError(
+            f"job {job_id} is a sweep of {len(points)} points, each with its own logs (fix: `logs {points[0]}`, one of {', '.join(points)})"
+        )
     if info is None:
         raise LaunchError(f"no run directory is known for job {job_id} (fix: pass its RUN_DIR, or submit it with `submit`)")
     world = info.get("world_size")  # unknown for an earlier job of a run submitted again, from an older index line
