@@ -597,10 +597,19 @@ def test_a_run_whose_killed_launchers_workers_still_run_is_refused_until_they_ex
 
 def test_ifname_wins_over_an_exported_gloo_socket_ifname_on_a_lan_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--ifname on a LAN node was overridden, in silence, by a GLOO_SOCKET_IFNAME left in the shell (compose.yaml
-    passes it through); on one machine the flag won. Without the flag, the environment still beats the route."""
+    passes it through); on one machine the flag won. Without the flag, the environment still beats the route, when it
+    names an interface of this machine (one that does not is refused before any worker starts)."""
+    from aura_hpc.errors import LaunchError
     from aura_hpc.launch.local import plan_local
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "bogus0")
     lan = {"nnodes": 2, "node_rank": 1, "master_addr": "127.0.0.1", "master_port": 29999}
     assert plan_local(None, [], str(tmp_path), "x", **lan, ifname="lo").env["GLOO_SOCKET_IFNAME"] == "lo"  # type: ignore[arg-type]
-    assert plan_local(None, [], str(tmp_path), "x", **lan).env["GLOO_SOCKET_IFNAME"] == "bogus0"  # type: ignore[arg-type]
+    with pytest.raises(LaunchError, match=r"GLOO_SOCKET_IFNAME=bogus0 \(exported here\) names no interface"):
+        plan_local(None, [], str(tmp_path), "x", **lan)  # type: ignore[arg-type]
+    from aura_hpc.ops.network import _ipv4_interfaces, route_to
+
+    # A real interface other than the route's, where there is one: the exported name, not the route's, reaches gloo.
+    other = sorted(_ipv4_interfaces() - {route_to("127.0.0.1")[1]}) or sorted(_ipv4_interfaces())
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", other[0])
+    assert plan_local(None, [], str(tmp_path), "x", **lan).env["GLOO_SOCKET_IFNAME"] == other[0]  # type: ignore[arg-type]
