@@ -319,6 +319,37 @@ def test_a_consolidation_that_safetensors_cannot_write_is_one_line_and_leaves_th
     assert (ckpt / checkpoint.MARKER).read_text() == marker and sorted(p.name for p in ckpt.rglob("*")) == ["COMPLETE.json", "model"]
 
 
+def test_a_consolidation_clears_the_parts_a_killed_one_left_and_no_other_file(tmp_path: Path) -> None:
+    """A consolidation killed mid-write (OOM, SIGKILL) left `.model.safetensors.PID.tmp`, a model's size, in model/ for
+    good: the last checkpoint is never pruned. The next one removes such parts when their writer is gone, and nothing
+    else: a part another machine may be writing, or a file of the user's that looks alike."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from aura_hpc.train.checkpoint import consolidate
+
+    ckpt = tmp_path / "step_00000004"
+    model = ckpt / "model"
+    model.mkdir(parents=True)
+    (ckpt / checkpoint.MARKER).write_text(json.dumps({"files": {}}))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    host, dead = socket.gethostname(), int(gone.stdout)
+    dead_parts = [model / f".model.safetensors.{host}.{dead}.tmp", ckpt / f".{checkpoint.MARKER}.{host}.{dead}.tmp"]
+    old_style = model / ".model.safetensors.4242.tmp"  # the names before the host was in them: by age alone
+    kept = [model / ".model.safetensors.other-node.1.tmp", model / ".model.safetensors.4243.tmp", model / ".model.safetensors.notes.tmp"]
+    for f in [*dead_parts, old_style, *kept]:
+        f.write_bytes(b"x" * 64)
+    two_hours_ago = time.time() - 7200
+    os.utime(old_style, (two_hours_ago, two_hours_ago))
+    os.utime(kept[2], (two_hours_ago, two_hours_ago))  # old, but not a name we write
+    consolidate._commit(ckpt, {"w": torch.zeros(2)})
+    left = {p.name for p in ckpt.rglob(".*.tmp")}
+    assert left == {p.name for p in kept}, left
+    assert checkpoint.verify(ckpt) is None and (model / "model.safetensors").is_file()
+
+
 def test_weights_of_another_shape_are_one_line_on_either_way_of_loading(tmp_path: Path) -> None:
     """copy_ broadcast a smaller saved tensor into the model in silence (shared storage), and load_state_dict's size
     mismatch was a traceback (a node without shared storage, which receives the weights)."""

@@ -14,6 +14,9 @@ import io
 import json
 import logging
 import os
+import re
+import socket
+import time
 import warnings
 from pathlib import Path
 
@@ -146,8 +149,10 @@ def _commit(ckpt: Path, weights: dict[str, torch.Tensor]) -> None:
     marker_path = ckpt / checkpoint.MARKER
     marker = json.loads(marker_path.read_text())
     final = ckpt / WEIGHTS
-    part = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    new_marker = marker_path.with_name(f".{marker_path.name}.{os.getpid()}.tmp")
+    writer = f"{socket.gethostname()}.{os.getpid()}"  # whose part it is: another machine of a shared folder may write too
+    part = final.with_name(f".{final.name}.{writer}.tmp")
+    new_marker = marker_path.with_name(f".{marker_path.name}.{writer}.tmp")
+    _clear_dead_parts(final, marker_path)
     try:
         save_file(weights, str(part), metadata={"format": "pt"})
         checkpoint.fsync(part)
@@ -166,3 +171,32 @@ def _commit(ckpt: Path, weights: dict[str, torch.Tensor]) -> None:
     finally:
         for leftover in (part, new_marker):
             leftover.unlink(missing_ok=True)
+
+
+DEAD_PART_S = 3600.0  # a part unchanged this long has no writer left, whichever machine it was on
+
+
+def _clear_dead_parts(*targets: Path) -> None:
+    """Remove the parts a killed consolidation left beside `targets` (a model's size each, which the last checkpoint
+    kept for good): only our own names (`.NAME.HOST.PID.tmp`), and only when their writer is gone: a process of this
+    machine no longer there, or, for another machine's, a part unchanged for DEAD_PART_S."""
+    host = socket.gethostname()
+    for target in targets:
+        ours = re.compile(rf"\.{re.escape(target.name)}\.(?:(.+)\.)?(\d+)\.tmp")
+        for part in target.parent.glob(f".{target.name}.*.tmp"):
+            if not (found := ours.fullmatch(part.name)):
+                continue
+            with contextlib.suppress(OSError):
+                gone = found[1] == host and not _alive(int(found[2]))
+                if part.is_file() and (gone or time.time() - part.stat().st_mtime > DEAD_PART_S):
+                    part.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process; an absurd number is left to the age rule
+    return True
