@@ -350,6 +350,37 @@ def test_a_consolidation_clears_the_parts_a_killed_one_left_and_no_other_file(tm
     assert checkpoint.verify(ckpt) is None and (model / "model.safetensors").is_file()
 
 
+def test_a_sharded_checkpoint_pruned_while_generate_consolidates_it_is_said_as_pruned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`generate` on a sharded checkpoint its run pruned meanwhile said the shards were incomplete, or that the disk
+    was full (fix: use an earlier checkpoint / free space): the fix is to run it again."""
+    import shutil
+
+    from aura_hpc.errors import CheckpointError
+    from aura_hpc.train.checkpoint import consolidate
+    from aura_hpc.train.generate import generate
+    from aura_hpc.train.model.gpt import GPT, GPTConfig
+
+    root = tmp_path / "run" / "checkpoints"
+    model = GPT(GPTConfig(vocab_size=300, n_positions=32, n_embd=32, n_layer=1, n_head=2))
+    checkpoint.save(root, 4, model, {}, {"step": 4}, None, "", keep_last=2)
+    ckpt = root / "step_00000004"
+    (ckpt / "sharded").mkdir()  # a save of a sharded run but the last: its marker lists no full weights
+    marker = json.loads((ckpt / checkpoint.MARKER).read_text())
+    del marker["files"][consolidate.WEIGHTS]
+    (ckpt / checkpoint.MARKER).write_text(json.dumps(marker))
+    assert consolidate.needs_full_weights(ckpt) and checkpoint.verify(ckpt) is None
+
+    def pruned_meanwhile(folder: Path) -> dict:
+        shutil.rmtree(ckpt)
+        raise FileNotFoundError(2, "No such file or directory", str(folder / "mp_rank_00_model_states.pt"))
+
+    monkeypatch.setattr(consolidate, "_from_deepspeed", pruned_meanwhile)
+    with pytest.raises(CheckpointError, match=r"checkpoint step_00000004 went away while it was read .*fix: run generate again"):
+        generate(str(tmp_path / "run"), "", 5, 1.0, 0, 0)
+
+
 def test_weights_of_another_shape_are_one_line_on_either_way_of_loading(tmp_path: Path) -> None:
     """copy_ broadcast a smaller saved tensor into the model in silence (shared storage), and load_state_dict's size
     mismatch was a traceback (a node without shared storage, which receives the weights)."""

@@ -26,7 +26,10 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
     from aura_hpc.train.process.deepspeed_import import quiet_deepspeed
 
     quiet_deepspeed()
-    consolidate(ckpt.path)  # a sharded checkpoint (not a run's last) holds no full weights yet
+    try:
+        consolidate(ckpt.path)  # a sharded checkpoint (not a run's last) holds no full weights yet
+    except CheckpointError as exc:
+        raise _went_away(ckpt.path, str(exc).split(" (fix: ")[0][:200]) or exc from None
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -39,11 +42,8 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
         model = load_pretrained(str(ckpt.path / "model"))
     except OSError as exc:  # transformers says OSError for a file gone too
         why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        if not (ckpt.path / checkpoint.MARKER).exists():  # its run pruned it while this read it
-            raise CheckpointError(
-                f"checkpoint {ckpt.path.name} went away while it was read ({why}): its run keeps only train.keep_last of them "
-                "(fix: run generate again, it reads the newest)"
-            ) from None
+        if gone := _went_away(ckpt.path, why):
+            raise gone from None
         raise CheckpointError(
             f"checkpoint {ckpt.path.name} cannot be loaded ({why}) (fix: move it away to use the one before it)"
         ) from None
@@ -74,6 +74,17 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
             )
             out.append(tok.decode(gen[0], skip_special_tokens=True))
     return out
+
+
+def _went_away(ckpt: Path, why: str) -> CheckpointError | None:
+    """The error for checkpoint `ckpt` pruned by its run while this read it, or None while it is still there (the
+    failure then is the checkpoint's own: its fix, not "free space" or "use an earlier one")."""
+    if (ckpt / checkpoint.MARKER).exists():
+        return None
+    return CheckpointError(
+        f"checkpoint {ckpt.name} went away while it was read ({why}): its run keeps only train.keep_last of them "
+        "(fix: run generate again, it reads the newest)"
+    )
 
 
 def _newest_valid(root: Path) -> checkpoint.Checkpoint:
