@@ -188,6 +188,12 @@ def test_a_preset_is_the_preset_whatever_the_folder_holds_and_paths_may_name_var
     conf.write_text("trian:\n  lr: 1\n")  # a misspelled section: the file's usual slip had no suggestion
     with pytest.raises(ConfigError, match=rf"^{conf}: unknown config key 'trian': did you mean 'train'\?"):
         load_config(str(conf))
+    # A section's key at the top of the file: the section that holds it, whatever its name's length.
+    slips = (("keep_last: 2", "train.keep_last"), ("strategy: zero2", "dist.strategy"), ("val_fraction: 0.1", "data.val_fraction"))
+    for line, meant in slips:
+        conf.write_text(line + "\n")
+        with pytest.raises(ConfigError, match=rf"^{conf}: unknown config key '{line.split(':')[0]}': did you mean '{meant}'\?"):
+            load_config(str(conf))
 
 
 def test_relative_data_path_is_relative_to_the_config_file(tmp_path: Path) -> None:

@@ -60,8 +60,11 @@ def _unknown_key(key: str, valid: list[str]) -> ConfigError:
         # The commonest slip: the key of another section (train.seq_len is data.seq_len).
         elsewhere = [k for k in valid if k.rpartition(".")[2] == name]
         close = [f"{section}.{near[0]}"] if near else elsewhere[:1]
-    else:  # a section alone is a YAML file's section: compared with the sections, not with their keys
-        close = difflib.get_close_matches(key, valid if section else [*SECTIONS, *TOP_LEVEL], n=1, cutoff=0.75)
+    elif section:
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
+    else:  # a YAML file's section misspelt (trian:), else a section's key put at the top (keep_last: 2)
+        close = difflib.get_close_matches(key, [*SECTIONS, *TOP_LEVEL], n=1, cutoff=0.75)
+        close = close or [k for k in valid if k.rpartition(".")[2] == key][:1] or difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
     if close:
         return ConfigError(f"unknown config key '{key}': did you mean '{close[0]}'? (fix: use that, or see every key with `{LIST_KEYS}`)")
     return ConfigError(f"unknown config key '{key}' (fix: see every key with `{LIST_KEYS}`)")
