@@ -371,12 +371,23 @@ def test_a_sharded_checkpoint_pruned_while_generate_consolidates_it_is_said_as_p
     del marker["files"][consolidate.WEIGHTS]
     (ckpt / checkpoint.MARKER).write_text(json.dumps(marker))
     assert consolidate.needs_full_weights(ckpt) and checkpoint.verify(ckpt) is None
+    kept = shutil.copytree(ckpt, tmp_path / "kept")
 
     def pruned_meanwhile(folder: Path) -> dict:
         shutil.rmtree(ckpt)
         raise FileNotFoundError(2, "No such file or directory", str(folder / "mp_rank_00_model_states.pt"))
 
     monkeypatch.setattr(consolidate, "_from_deepspeed", pruned_meanwhile)
+    with pytest.raises(CheckpointError, match=r"checkpoint step_00000004 went away while it was read .*fix: run generate again"):
+        generate(str(tmp_path / "run"), "", 5, 1.0, 0, 0)
+    # Pruned after the shards were read, before the marker was read again to list the weights: a traceback.
+    shutil.copytree(kept, ckpt)
+
+    def read_then_pruned(folder: Path) -> dict:
+        shutil.rmtree(ckpt)
+        return {"w": torch.zeros(2)}
+
+    monkeypatch.setattr(consolidate, "_from_deepspeed", read_then_pruned)
     with pytest.raises(CheckpointError, match=r"checkpoint step_00000004 went away while it was read .*fix: run generate again"):
         generate(str(tmp_path / "run"), "", 5, 1.0, 0, 0)
 

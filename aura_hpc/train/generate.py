@@ -30,6 +30,11 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
         consolidate(ckpt.path)  # a sharded checkpoint (not a run's last) holds no full weights yet
     except CheckpointError as exc:
         raise _went_away(ckpt.path, str(exc).split(" (fix: ")[0][:200]) or exc from None
+    except OSError as exc:  # its marker, read again to list the weights, gone or unreadable
+        why = f"{type(exc).__name__}: {exc}"[:200]
+        raise _went_away(ckpt.path, why) or CheckpointError(
+            f"checkpoint {ckpt.path.name} could not be read ({why}) (fix: check the storage and try again)"
+        ) from None
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
