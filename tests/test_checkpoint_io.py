@@ -590,5 +590,15 @@ def test_a_rollbacks_save_of_the_same_step_leaves_the_committed_replica_readable
     old = tmp_path / diloco_files.REPLICAS / "step_00000200.rank0.pt"  # an older release's name: still read and pruned
     torch.save(state(2e-3), old)
     assert diloco_files.read_replica(tmp_path, {"file": old.name, "size": old.stat().st_size, "sha256": checkpoint.sha256_of(old)})
-    diloco_files.prune_replicas(tmp_path, 0, keep=2)
+    diloco_files.prune_replicas(tmp_path, 0, keep=1, step=300)
     assert sorted(p.name for p in (tmp_path / diloco_files.REPLICAS).iterdir()) == sorted([committed["file"], again["file"]])
+    # Steps are kept, not files: three more rollbacks to step 300 deleted the replica of step 100 and 200's checkpoints,
+    # still kept (keep_last + 2 files of 300 alone). A newer step's file, a future a rollback left, is not counted.
+    earlier = [diloco_files.write_replica(tmp_path, s, 0, state(1e-3))["file"] for s in (100, 200)]
+    rollbacks = [diloco_files.write_replica(tmp_path, 300, 0, state(1e-4))["file"] for _ in range(3)]
+    future = diloco_files.write_replica(tmp_path, 400, 0, state(1e-3))["file"]
+    diloco_files.prune_replicas(tmp_path, 0, keep=3, step=300)
+    left = sorted(p.name for p in (tmp_path / diloco_files.REPLICAS).iterdir())
+    assert left == sorted([*earlier, committed["file"], again["file"], *rollbacks, future]), left
+    diloco_files.prune_replicas(tmp_path, 0, keep=2, step=300)
+    assert sorted(p.name for p in (tmp_path / diloco_files.REPLICAS).iterdir()) == sorted(set(left) - {earlier[0]})

@@ -64,10 +64,16 @@ def read_replica(root: Path, info: dict[str, Any]) -> dict[str, Any] | None:
         return None
 
 
-def prune_replicas(root: Path, rank: int, keep: int) -> None:
-    files = sorted([*(root / REPLICAS).glob(f"step_*.rank{rank}.pt"), *(root / REPLICAS).glob(f"step_*.rank{rank}.*.pt")])
-    for f in files[:-keep] if keep else []:
-        f.unlink(missing_ok=True)
+def prune_replicas(root: Path, rank: int, keep: int, step: int) -> None:
+    """This rank's files of all but the newest `keep` steps up to `step`. Steps, not files: each rollback's save of a
+    step adds a file, and counting files deleted the replicas of checkpoints still kept. A newer step's files (a
+    future a rollback left) count for nothing and stay, as files.prune does with newer checkpoints."""
+    files = [*(root / REPLICAS).glob(f"step_*.rank{rank}.pt"), *(root / REPLICAS).glob(f"step_*.rank{rank}.*.pt")]
+    steps = {f: int(f.name.split(".")[0].removeprefix("step_")) for f in files if _NAME.match(f.name)}
+    kept = sorted({s for s in steps.values() if s <= step})[-keep:] if keep else []
+    for f, s in steps.items():
+        if s <= step and s not in kept:
+            f.unlink(missing_ok=True)
 
 
 def save_all(wrapped: Wrapped, optimizer: Any, root: Path, step: int, rank: int, keep_last: int) -> dict[str, Any] | None:
@@ -83,7 +89,7 @@ def save_all(wrapped: Wrapped, optimizer: Any, root: Path, step: int, rank: int,
             info = write_replica(root, step, rank, host_copy(own.replica_state(optimizer)))
         except Exception as exc:  # said on every rank at the gather below: one raising alone left the others in it
             info = str(write_failure(exc, root, step))
-        prune_replicas(root, rank, keep_last + 2)
+        prune_replicas(root, rank, keep_last + 2, step)
     infos = collectives.gather_json(info)
     failed = [i for i in infos if isinstance(i, str)]
     if failed:
