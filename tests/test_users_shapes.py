@@ -213,6 +213,12 @@ def test_nodes_compare_a_deepspeed_configs_contents_not_its_path(tmp_path: Path)
     assert settings("a.json", bucket % 5e7) == settings("b.json", bucket % 5e7)  # elsewhere on each machine: the same
     first = settings("a.json", bucket % 5e7)
     assert first != settings("a.json", bucket % 2e8)  # the same path, another content
+    # The same settings in another key order, and the paths each machine places itself (offload's NVMe, a monitor's
+    # folder), were refused as different.
+    nvme = '{"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "%s"}, "reduce_bucket_size": 50000000}}'
+    reordered = '{"zero_optimization": {"reduce_bucket_size": 50000000, "offload_param": {"nvme_path": "%s", "device": "nvme"}}}'
+    assert settings("a.json", nvme % "/local_nvme") == settings("b.json", reordered % "/mnt/ssd")
+    assert settings("a.json", nvme % "/local_nvme") != settings("b.json", (nvme % "/mnt/ssd").replace('nvme"', 'cpu"', 1))
 
 
 def test_unequal_nodes_train_and_differing_settings_or_secrets_are_refused(tmp_path: Path, prepared: Path) -> None:

@@ -192,8 +192,15 @@ def _shared_settings(cfg: RunConfig) -> dict[str, str]:
     if cfg.dist.deepspeed_config:  # what it holds, not where: one path on two laptops can hold two configs (a hang in ZeRO)
         from aura_hpc.config.deepspeed import load_user_config
 
-        settings["dist.deepspeed_config"] = load_user_config(cfg.dist.deepspeed_config)
-    return {"model.fingerprint": cfg.model_fingerprint(), **{k: json.dumps(v, default=str) for k, v in settings.items()}}
+        settings["dist.deepspeed_config"] = _without_paths(load_user_config(cfg.dist.deepspeed_config))
+    return {"model.fingerprint": cfg.model_fingerprint(), **{k: json.dumps(v, default=str, sort_keys=True) for k, v in settings.items()}}
+
+
+def _without_paths(ds: object) -> object:
+    """A DeepSpeed config less what each machine may place itself (offload's nvme_path, a monitor's output_path)."""
+    if isinstance(ds, dict):
+        return {k: _without_paths(v) for k, v in ds.items() if not str(k).endswith("path")}
+    return [_without_paths(v) for v in ds] if isinstance(ds, list) else ds
 
 
 def check_same_everywhere(cfg: RunConfig, env: DistEnv, data: PackedTokens) -> None:
