@@ -613,3 +613,11 @@ def test_ifname_wins_over_an_exported_gloo_socket_ifname_on_a_lan_node(tmp_path:
     other = sorted(_ipv4_interfaces() - {route_to("127.0.0.1")[1]}) or sorted(_ipv4_interfaces())
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", other[0])
     assert plan_local(None, [], str(tmp_path), "x", **lan).env["GLOO_SOCKET_IFNAME"] == other[0]  # type: ignore[arg-type]
+    # NCCL's variable is refused where NCCL runs, not on a GPU machine told to use gloo (it was).
+    import aura_hpc.launch.local as local
+
+    monkeypatch.setattr(local, "_cuda_count", lambda: 2)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "bogus1")
+    assert plan_local(None, ["dist.backend=gloo"], str(tmp_path), "x").nproc == 2
+    with pytest.raises(LaunchError, match=r"NCCL_SOCKET_IFNAME=bogus1 \(exported here\) names no interface"):
+        plan_local(None, [], str(tmp_path), "x")

@@ -185,7 +185,8 @@ def plan_local(
 
     if ifname and (problem := interface_problem(ifname)):
         raise LaunchError(problem)  # gloo said "Unable to find address for" it inside every worker, after the rendezvous
-    exported = ("NCCL_SOCKET_IFNAME",) * bool(gpus and not (ifname and nnodes > 1)) + ("GLOO_SOCKET_IFNAME",) * (not ifname)
+    nccl = gpus and wanted != "gloo" and not (ifname and nnodes > 1)  # NCCL reads it only where it runs
+    exported = ("NCCL_SOCKET_IFNAME",) * bool(nccl) + ("GLOO_SOCKET_IFNAME",) * (not ifname)
     if problem := exported_interface_problem(exported):  # what --ifname does not replace reaches the workers as it is
         raise LaunchError(problem)
     if nnodes == 1 and not master_addr:
