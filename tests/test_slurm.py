@@ -1764,3 +1764,21 @@ def test_a_node_its_screen_finds_slow_is_left_out_and_the_job_completes_on_the_o
     assert again["findings"] == [] and slow not in {d["host"] for d in again["devices"]}, again
     assert "model: GPT-2 " not in log0.split("requeuing job")[0], "the screen comes before the model is built"
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 8
+
+
+def test_logs_of_an_absent_log_while_the_controller_is_away_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`logs` of a log not written yet asks the queue whether the job waits: with the controller unreachable that
+    was an error, where the log's absence alone was the answer before."""
+    from aura_hpc.errors import LaunchError
+    from aura_hpc.slurm import commands
+
+    log = tmp_path / "logs" / "77_0_log.out"
+    monkeypatch.setattr(commands, "_log_of", lambda target, rank, stderr: ("77", log, tmp_path, {}))
+
+    def away(job_id: str) -> None:
+        raise LaunchError("squeue failed: slurm_load_jobs error: Unable to contact slurm controller (fix: check slurmctld)")
+
+    monkeypatch.setattr(commands.slurm_query, "squeue_job", away)
+    said = commands.absent_log_note("77", 0, False)
+    assert said.startswith(f"{log} does not exist yet, and Slurm could not say how job 77 is (squeue failed"), said
+    assert "Unable to contact slurm controller)" in said, said

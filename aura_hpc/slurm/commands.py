@@ -197,11 +197,14 @@ def absent_log_note(target: str, rank: int, stderr: bool) -> str:
     """What `logs` says of a rank's log that is not there: whether the job still waits to start, or ended without it
     (a job that failed at launch a day ago was said to be perhaps still pending)."""
     job_id, path, run_dir, info = _log_of(target, rank, stderr)
-    row = slurm_query.squeue_job(job_id)
-    if row is not None and row.active:
-        why = f" ({row.reason})" if row.state == "PENDING" and row.reason else ""
-        return f"{path} does not exist yet: job {job_id} is {row.state}{why} (--follow waits for it)"
-    final = final_state(job_id, row, _before(info.get("submitted")) or "", timeout_s=1)
+    try:
+        row = slurm_query.squeue_job(job_id)
+        if row is not None and row.active:
+            why = f" ({row.reason})" if row.state == "PENDING" and row.reason else ""
+            return f"{path} does not exist yet: job {job_id} is {row.state}{why} (--follow waits for it)"
+        final = final_state(job_id, row, _before(info.get("submitted")) or "", timeout_s=1)
+    except LaunchError as exc:  # the controller away: the log's absence is still the answer
+        return f"{path} does not exist yet, and Slurm could not say how job {job_id} is ({str(exc).split(' (fix: ')[0][:160]})"
     if final is None:
         return f"{path} does not exist, and job {job_id} has left the queue (how it ended is not known here)"
     return " ".join(
