@@ -335,10 +335,12 @@ def test_a_consolidation_clears_the_parts_a_killed_one_left_and_no_other_file(tm
     model.mkdir(parents=True)
     (ckpt / checkpoint.MARKER).write_text(json.dumps({"files": {}}))
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
-    host, dead = socket.gethostname(), int(gone.stdout)
+    host, dead = consolidate._pid_space(), int(gone.stdout)
     dead_parts = [model / f".model.safetensors.{host}.{dead}.tmp", ckpt / f".{checkpoint.MARKER}.{host}.{dead}.tmp"]
     old_style = model / ".model.safetensors.4242.tmp"  # the names before the host was in them: by age alone
     kept = [model / ".model.safetensors.other-node.1.tmp", model / ".model.safetensors.4243.tmp", model / ".model.safetensors.notes.tmp"]
+    # The same host name with a PID not alive here: another laptop called alike, or a container's PID space.
+    kept.append(model / f".model.safetensors.{socket.gethostname()}.{dead}.tmp")
     for f in [*dead_parts, old_style, *kept]:
         f.write_bytes(b"x" * 64)
     two_hours_ago = time.time() - 7200

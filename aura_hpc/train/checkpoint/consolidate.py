@@ -149,7 +149,7 @@ def _commit(ckpt: Path, weights: dict[str, torch.Tensor]) -> None:
     marker_path = ckpt / checkpoint.MARKER
     marker = json.loads(marker_path.read_text())
     final = ckpt / WEIGHTS
-    writer = f"{socket.gethostname()}.{os.getpid()}"  # whose part it is: another machine of a shared folder may write too
+    writer = f"{_pid_space()}.{os.getpid()}"  # whose part it is: another machine of a shared folder may write too
     part = final.with_name(f".{final.name}.{writer}.tmp")
     new_marker = marker_path.with_name(f".{marker_path.name}.{writer}.tmp")
     _clear_dead_parts(final, marker_path)
@@ -178,9 +178,9 @@ DEAD_PART_S = 3600.0  # a part unchanged this long has no writer left, whichever
 
 def _clear_dead_parts(*targets: Path) -> None:
     """Remove the parts a killed consolidation left beside `targets` (a model's size each, which the last checkpoint
-    kept for good): only our own names (`.NAME.HOST.PID.tmp`), and only when their writer is gone: a process of this
-    machine no longer there, or, for another machine's, a part unchanged for DEAD_PART_S."""
-    host = socket.gethostname()
+    kept for good): only our own names (`.NAME.SPACE.PID.tmp`), and only when their writer is gone: a process of this
+    PID space no longer there, or, for another's, a part unchanged for DEAD_PART_S."""
+    host = _pid_space()
     for target in targets:
         ours = re.compile(rf"\.{re.escape(target.name)}\.(?:(.+)\.)?(\d+)\.tmp")
         for part in target.parent.glob(f".{target.name}.*.tmp"):
@@ -200,3 +200,13 @@ def _alive(pid: int) -> bool:
     except (PermissionError, OverflowError):
         return True  # another user's process; an absurd number is left to the age rule
     return True
+
+
+def _pid_space() -> str:
+    """Where a PID names one process: the host, its boot and its PID namespace. A host name alone is not that: two
+    laptops called `ubuntu` share a folder, and containers with the host's network see the host's name."""
+    space = socket.gethostname().replace(".", "_")
+    with contextlib.suppress(OSError):
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+        space += f"-{boot}-{os.stat('/proc/self/ns/pid').st_ino}"
+    return space
