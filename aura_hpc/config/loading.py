@@ -52,19 +52,17 @@ def _unknown_key(key: str, valid: list[str]) -> ConfigError:
         return ConfigError(f"unknown config key {shown(key)} (fix: see every key with `{LIST_KEYS}`)")
     section, _, name = key.rpartition(".")
     lowered = {k.lower(): k for k in valid}
+    # The commonest slip: the key of another section (train.seq_len is data.seq_len), or of none (keep_last: 2).
+    elsewhere = [k for k in valid if k.rpartition(".")[2] == name]
     if key.lower() in lowered:  # train.LR, TRAIN.lr
         close = [lowered[key.lower()]]
     elif section in SECTIONS:  # a known section: compare the name with that section's names first
         names = [f.name for f in dataclasses.fields(SECTIONS[section])]
         near = difflib.get_close_matches(name, names, n=1, cutoff=0.75)
-        # The commonest slip: the key of another section (train.seq_len is data.seq_len).
-        elsewhere = [k for k in valid if k.rpartition(".")[2] == name]
         close = [f"{section}.{near[0]}"] if near else elsewhere[:1]
-    elif section:
-        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
-    else:  # a YAML file's section misspelt (trian:), else a section's key put at the top (keep_last: 2)
-        close = difflib.get_close_matches(key, [*SECTIONS, *TOP_LEVEL], n=1, cutoff=0.75)
-        close = close or [k for k in valid if k.rpartition(".")[2] == key][:1] or difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
+    else:  # a YAML file's section misspelt (trian:) comes first, then a section's key put at the top
+        sections = [] if section else difflib.get_close_matches(key, [*SECTIONS, *TOP_LEVEL], n=1, cutoff=0.75)
+        close = sections or (elsewhere[:1] if not section else []) or difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
     if close:
         return ConfigError(f"unknown config key '{key}': did you mean '{close[0]}'? (fix: use that, or see every key with `{LIST_KEYS}`)")
     return ConfigError(f"unknown config key '{key}' (fix: see every key with `{LIST_KEYS}`)")

@@ -149,10 +149,10 @@ def _commit(ckpt: Path, weights: dict[str, torch.Tensor]) -> None:
     marker_path = ckpt / checkpoint.MARKER
     marker = json.loads(marker_path.read_text())
     final = ckpt / WEIGHTS
-    writer = f"{_pid_space()}.{os.getpid()}"  # whose part it is: another machine of a shared folder may write too
-    part = final.with_name(f".{final.name}.{writer}.tmp")
-    new_marker = marker_path.with_name(f".{marker_path.name}.{writer}.tmp")
-    _clear_dead_parts(final, marker_path)
+    space = _pid_space()  # whose part it is: another machine of a shared folder may write too
+    part = final.with_name(f".{final.name}.{space}.{os.getpid()}.tmp")
+    new_marker = marker_path.with_name(f".{marker_path.name}.{space}.{os.getpid()}.tmp")
+    _clear_dead_parts(space, final, marker_path)
     try:
         save_file(weights, str(part), metadata={"format": "pt"})
         checkpoint.fsync(part)
@@ -176,18 +176,17 @@ def _commit(ckpt: Path, weights: dict[str, torch.Tensor]) -> None:
 DEAD_PART_S = 3600.0  # a part unchanged this long has no writer left, whichever machine it was on
 
 
-def _clear_dead_parts(*targets: Path) -> None:
+def _clear_dead_parts(space: str, *targets: Path) -> None:
     """Remove the parts a killed consolidation left beside `targets` (a model's size each, which the last checkpoint
     kept for good): only our own names (`.NAME.SPACE.PID.tmp`), and only when their writer is gone: a process of this
-    PID space no longer there, or, for another's, a part unchanged for DEAD_PART_S."""
-    host = _pid_space()
+    PID space (`space`) no longer there, or, for another's, a part unchanged for DEAD_PART_S."""
     for target in targets:
         ours = re.compile(rf"\.{re.escape(target.name)}\.(?:(.+)\.)?(\d+)\.tmp")
         for part in target.parent.glob(f".{target.name}.*.tmp"):
             if not (found := ours.fullmatch(part.name)):
                 continue
             with contextlib.suppress(OSError):
-                gone = found[1] == host and not _alive(int(found[2]))
+                gone = found[1] == space and not _alive(int(found[2]))
                 if part.is_file() and (gone or time.time() - part.stat().st_mtime > DEAD_PART_S):
                     part.unlink()
 
