@@ -230,7 +230,7 @@ def test_a_prune_killed_mid_delete_leaves_no_checkpoint_that_says_it_is_complete
     for step in (10, 20, 30):
         (tmp_path / f"step_{step:08d}").mkdir()
         (tmp_path / f"step_{step:08d}" / "model.safetensors").write_bytes(b"w")
-        (tmp_path / f"step_{step:08d}" / files.MARKER).write_text("{}")
+        (tmp_path / f"step_{step:08d}" / files.MARKER).write_text(json.dumps({"files": {"model.safetensors": {"size": 1}}}))
 
     def killed(path: Path, ignore_errors: bool = False) -> None:
         (Path(path) / "model.safetensors").unlink()
@@ -292,6 +292,64 @@ def test_a_save_keeps_what_is_not_its_own_and_no_clean_up_costs_a_good_checkpoin
     monkeypatch.setattr(checkpoint, "prune", failing)
     assert save(175, keep_last=1).name == checkpoint.step_dir_name(175)
     assert "checkpoint step 175 is written; removing older ones failed (Permission denied)" in caplog.text
+
+
+def test_a_committed_checkpoint_holding_a_users_files_is_neither_replaced_nor_pruned_and_a_file_in_its_place_is_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A user's notes, or a model card put beside the weights for the Hub, in a committed step folder: a re-save of
+    that step (a rollback) swapped the folder out and deleted them, after writing the whole new checkpoint; a prune
+    deleted them with the checkpoint. A file where a step folder goes was said as a permissions problem."""
+    from aura_hpc.errors import CheckpointWriteError
+
+    root, model = tmp_path / "ckpts", _model()
+
+    def save(step: int, keep_last: int = 3) -> Path:
+        return checkpoint.save(root, step, model, {"s": torch.ones(1)}, {"step": step}, None, "a: 1\n", keep_last=keep_last)
+
+    save(100), save(200)
+    ckpt = root / checkpoint.step_dir_name(200)
+    (ckpt / "notes.txt").write_text("lr too high after 150")
+    (ckpt / "model" / "README.md").write_text("---\nlanguage: es\n---\n")
+    written = []
+    real_write = checkpoint._write_model
+    monkeypatch.setattr(checkpoint, "_write_model", lambda *a: written.append(a) or real_write(*a))
+    with pytest.raises(CheckpointWriteError) as refused:
+        save(200)
+    assert str(refused.value) == (
+        f"{ckpt} holds files this run did not write (model/README.md, notes.txt), so a new save of its step did not "
+        f"replace it (fix: move those files out of {ckpt.name}, then re-run the same command to resume)"
+    )
+    assert not written, "the guard runs before the new checkpoint is written"
+    assert (ckpt / "notes.txt").read_text() == "lr too high after 150" and (ckpt / "model" / "README.md").is_file()
+    assert checkpoint.verify(ckpt) is None and not list(root.glob(".*"))
+
+    # Past keep_last: 100 goes, 200 is kept whole and said once, not at every save.
+    caplog.set_level("WARNING", logger="aura_hpc")
+    save(300, keep_last=1)
+    save(400, keep_last=1)
+    assert sorted(c.step for c in checkpoint.list_complete(root)) == [200, 400]
+    assert (ckpt / "notes.txt").is_file() and (ckpt / "model" / "README.md").is_file()
+    kept = [r.getMessage() for r in caplog.records if "past train.keep_last" in r.getMessage()]
+    assert kept == [
+        f"checkpoint {ckpt.name} is past train.keep_last but holds files this run did not write (model/README.md, "
+        "notes.txt): kept whole (fix: move them out of it; the next save removes it)"
+    ]
+    # A consolidation's part (ours, however it was left) is no user's file; the files moved out, the next save prunes.
+    (root / checkpoint.step_dir_name(400) / "model" / ".model.safetensors.host-boot-ns.99999.tmp").write_bytes(b"part")
+    (ckpt / "notes.txt").unlink(), (ckpt / "model" / "README.md").unlink()
+    save(500, keep_last=1)
+    assert [c.step for c in checkpoint.list_complete(root)] == [500] and sorted(os.listdir(root)) == ["step_00000500"]
+
+    # A file (or a link) where a step folder goes: said as such, and left as it is.
+    (root / checkpoint.step_dir_name(600)).write_text("mine")
+    with pytest.raises(CheckpointWriteError, match=rf"^{root / 'step_00000600'} is a file, not a checkpoint folder this run wrote"):
+        save(600)
+    assert (root / checkpoint.step_dir_name(600)).read_text() == "mine" and not list(root.glob(".*"))
+    (root / checkpoint.step_dir_name(700)).symlink_to(tmp_path)
+    with pytest.raises(CheckpointWriteError, match=r"step_00000700 is a link, not a checkpoint folder"):
+        save(700)
+    assert (root / checkpoint.step_dir_name(700)).is_symlink()
 
 
 def test_a_consolidation_that_safetensors_cannot_write_is_one_line_and_leaves_the_checkpoint_as_it_was(

@@ -34,6 +34,8 @@ from aura_hpc.train.checkpoint.durable_io import HashingFile as HashingFile
 from aura_hpc.train.checkpoint.durable_io import copy_hashed
 from aura_hpc.train.checkpoint.durable_io import fsync as fsync
 from aura_hpc.train.checkpoint.durable_io import write_synced as _write
+from aura_hpc.train.checkpoint.ownership import MARKER as MARKER
+from aura_hpc.train.checkpoint.ownership import holds_files_not_ours, refuse_replacing
 from aura_hpc.train.checkpoint.reading import load_weights as load_weights
 from aura_hpc.train.checkpoint.reading import load_weights_from as load_weights_from
 from aura_hpc.train.checkpoint.reading import own_cpu_tensors as own_cpu_tensors
@@ -46,7 +48,6 @@ if TYPE_CHECKING:  # torch is imported where a tensor is handled: `generate` ref
 
 log = logging.getLogger("aura_hpc")
 
-MARKER = "COMPLETE.json"
 # A tokenizer's own files (a Hub snapshot's folder may hold weights and adapters of other formats: not copied beside ours).
 TOKENIZER_FILES = {
     "tokenizer.json",
@@ -187,6 +188,7 @@ def save(
     try:
         # Room first: a lowered train.keep_last takes effect before this write, not after it.
         prune(root, keep_last, step)
+        refuse_replacing(final)  # before the write: a large model's write would be time lost
         if tmp is None:
             tmp = begin(root, step)
         hashes = dict(known_hashes or {})
@@ -231,12 +233,7 @@ def save(
         _write(tmp / MARKER, json.dumps({"step": step, "files": files}, indent=1).encode())
         stage("marker")
         fsync(tmp)
-        if final.exists() and not (final / MARKER).is_file() and not {p.name for p in final.iterdir()} <= _OURS:
-            # Not a save of ours interrupted (a copy, an export, notes in a folder named like a step): the user's.
-            raise CheckpointWriteError(
-                f"{final} holds no {MARKER}, so it is no checkpoint this run committed, and it was not replaced "
-                f"(fix: move it out of {root}, then re-run the same command to resume)"
-            )
+        refuse_replacing(final)  # a user's file put there while this was written
         if final.exists():
             # The same step written again (after a rollback the weights differ): swap it in.
             old = root / f".old-{final.name}-{os.getpid()}"
@@ -255,10 +252,6 @@ def save(
     except OSError as exc:  # step is committed: a failed clean-up is no failed write (every rank stopped on it)
         log.warning("checkpoint step %d is written; removing older ones failed (%s)", step, exc.strerror or exc)
     return final
-
-
-# What a step folder of ours holds (writer.py's SHARDS: sharded strategies' per-rank files).
-_OURS = {MARKER, "meta.json", "trainer_state.pt", "model", "config.yaml", "tokenizer", "sharded"}
 
 
 def write_failure(exc: BaseException, root: Path, step: int) -> CheckpointWriteError:
@@ -348,17 +341,20 @@ def prune(root: Path, keep_last: int, step: int) -> None:
     one the resume passed over (corrupt, and it could not be moved aside): counted, it left only itself."""
     keep_best = best(root)
     for ckpt in [c for c in list_complete(root) if c.step <= step][keep_last:]:
-        if not ckpt.path.is_symlink() and (keep_best is None or ckpt.path != keep_best.path):  # a link: not ours
-            # Out of the step folders' names first, in one rename: a process killed mid-delete left a half-deleted
-            # checkpoint that still said complete, and, its marker removed first, one nothing ever removed or named
-            # (gigabytes under a step folder's name). A `.del-` folder is removed by the next save's clean-up.
-            gone = root / f".del-{ckpt.path.name}-{os.getpid()}-{time.monotonic_ns()}"
-            try:
-                ckpt.path.rename(gone)
-            except OSError:
-                (ckpt.path / MARKER).unlink(missing_ok=True)
-                gone = ckpt.path
-            shutil.rmtree(gone, ignore_errors=True)  # a file still open elsewhere on NFS (.nfsXXXX) can keep it
+        if ckpt.path.is_symlink() or (keep_best is not None and ckpt.path == keep_best.path):  # a link: not ours
+            continue
+        if holds_files_not_ours(ckpt.path):
+            continue
+        # Out of the step folders' names first, in one rename: a process killed mid-delete left a half-deleted
+        # checkpoint that still said complete, and, its marker removed first, one nothing ever removed or named
+        # (gigabytes under a step folder's name). A `.del-` folder is removed by the next save's clean-up.
+        gone = root / f".del-{ckpt.path.name}-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            ckpt.path.rename(gone)
+        except OSError:
+            (ckpt.path / MARKER).unlink(missing_ok=True)
+            gone = ckpt.path
+        shutil.rmtree(gone, ignore_errors=True)  # a file still open elsewhere on NFS (.nfsXXXX) can keep it
 
 
 def verify(ckpt: Path, share: tuple[int, int] = (0, 1)) -> str | None:
