@@ -621,3 +621,15 @@ def test_ifname_wins_over_an_exported_gloo_socket_ifname_on_a_lan_node(tmp_path:
     assert plan_local(None, ["dist.backend=gloo"], str(tmp_path), "x").nproc == 2
     with pytest.raises(LaunchError, match=r"NCCL_SOCKET_IFNAME=bogus1 \(exported here\) names no interface"):
         plan_local(None, [], str(tmp_path), "x")
+    # `check` asks the same where NCCL would run (it looked at GLOO_SOCKET_IFNAME alone): told --backend nccl, or
+    # auto on a GPU machine; not told gloo, nor given --ifname (which replaces both).
+    import aura_hpc.ops.check as check
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", other[0])
+    with pytest.raises(LaunchError, match=r"NCCL_SOCKET_IFNAME=bogus1 \(exported here\) names no interface"):
+        check.cluster_args(2, 1, "127.0.0.1", 29999, backend="nccl")
+    monkeypatch.setattr(check, "has_cuda", lambda: True)
+    with pytest.raises(LaunchError, match=r"NCCL_SOCKET_IFNAME=bogus1"):
+        check.cluster_args(2, 1, "127.0.0.1", 29999)
+    assert check.cluster_args(2, 1, "127.0.0.1", 29999, backend="gloo") is not None
+    assert check.cluster_args(2, 1, "127.0.0.1", 29999, backend="nccl", ifname="lo") is not None

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from aura_hpc.ops.network import loopback_interface
 from tests.conftest import cli_env, free_port
 
 # The check's own time limit where a fault makes it wait for that limit (what those tests measure).
@@ -38,12 +39,14 @@ OTHER_TORCH = (
 CLOCK_AHEAD = "import time\nreal = time.time\ntime.time = lambda: real() + 30"
 
 
-def _check(args: list[str], netns: str | None = None, timeout: int = TIMEOUT, patch: str = "") -> subprocess.Popen[str]:
+def _check(
+    args: list[str], netns: str | None = None, timeout: int = TIMEOUT, patch: str = "", env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     start = [sys.executable, "-c", _PATCHED, patch] if patch else [sys.executable, "-m", "aura_hpc"]
     cmd = [*start, "check", "--timeout", str(timeout), "--sizes-mb", "1,4", *args]
     if netns:
         cmd = ["nsenter", f"--net=/run/netns/{netns}", *cmd]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(**(env or {})))
 
 
 def _finish(p: subprocess.Popen[str]) -> tuple[int, str, str]:
@@ -57,14 +60,19 @@ def _finish(p: subprocess.Popen[str]) -> tuple[int, str, str]:
 
 
 def _pair(
-    extra0: list[str], extra1: list[str], addr: str = "127.0.0.1", ns: tuple[str | None, str | None] = (None, None), patch1: str = ""
+    extra0: list[str],
+    extra1: list[str],
+    addr: str = "127.0.0.1",
+    ns: tuple[str | None, str | None] = (None, None),
+    patch1: str = "",
+    env1: dict[str, str] | None = None,
 ) -> list[tuple[int, str, str]]:
     """Two nodes that meet and run every check (HEALTHY_TIMEOUT: nothing in them should wait for a limit)."""
     port = str(free_port())
     base = ["--nnodes", "2", "--master-addr", addr, "--master-port", port]
     p0 = _check([*base, "--node-rank", "0", *extra0], ns[0], HEALTHY_TIMEOUT)
     time.sleep(0.3)
-    p1 = _check([*base, "--node-rank", "1", *extra1], ns[1], HEALTHY_TIMEOUT, patch1)
+    p1 = _check([*base, "--node-rank", "1", *extra1], ns[1], HEALTHY_TIMEOUT, patch1, env1)
     return [_finish(p0), _finish(p1)]
 
 
@@ -158,8 +166,12 @@ def test_the_local_checks_get_timeout_and_check_server_has_the_watchdog_too(
 
 
 def test_healthy_pair_on_this_host_with_a_shared_dir(tmp_path: Path) -> None:
+    """Node 1 is told --ifname in a shell that exports other names: the flag wins, as in `local` (the exported
+    GLOO_SOCKET_IFNAME won, so check tested an interface training would not use, and here failed on it)."""
     t0 = time.perf_counter()
-    results = _pair(["--json", "--shared-dir", str(tmp_path)], ["--json", "--shared-dir", str(tmp_path)])
+    exported = {"GLOO_SOCKET_IFNAME": "bogus0", "NCCL_SOCKET_IFNAME": "bogus1"}
+    lo = loopback_interface() or "lo"
+    results = _pair(["--json", "--shared-dir", str(tmp_path)], ["--json", "--shared-dir", str(tmp_path), "--ifname", lo], env1=exported)
     print(f"healthy pair on one host: {time.perf_counter() - t0:.1f}s")
     for code, out, err in results:
         assert code == 0, out + err

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from aura_hpc.errors import LaunchError
-from aura_hpc.ops.check_cluster import ClusterArgs, cluster_checks
+from aura_hpc.ops.check_cluster import ClusterArgs, cluster_checks, has_cuda
 from aura_hpc.ops.check_local import DISK_STAGE, local_checks
 from aura_hpc.ops.check_report import Failed, Report
 from aura_hpc.ops.network import exported_interface_problem, interface_problem, lan_master_problem
@@ -66,6 +66,8 @@ def run(
 
     if cluster is not None:
         report.node_rank, report.nnodes = cluster.node_rank, cluster.nnodes
+        if cluster.ifname and cluster.nnodes > 1:  # over the environment, as `local` does (an exported name won, in silence)
+            os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = cluster.ifname
     # This machine alone too: a GPU or driver that stops answering hung a plain `check` for ever.
     timer = watch(local_deadline(cluster.timeout if cluster is not None else timeout))
     try:
@@ -117,7 +119,10 @@ def cluster_args(
         raise LaunchError("--nnodes > 1 needs --master-addr (fix: --master-addr <IP of node 0> on every node)")
     if ifname and (problem := interface_problem(ifname)):
         raise LaunchError(problem)  # as `local` refuses it (gloo said "Unable to find address for" it, after the rendezvous)
-    if not ifname and (problem := exported_interface_problem(("GLOO_SOCKET_IFNAME",))):
+    # What --ifname does not replace reaches gloo and NCCL as it is: NCCL's only where NCCL runs (as `local` checks it).
+    nccl = os.environ.get("NCCL_SOCKET_IFNAME") and (backend == "nccl" or (backend == "auto" and has_cuda()))
+    exported = ("GLOO_SOCKET_IFNAME",) + ("NCCL_SOCKET_IFNAME",) * bool(nccl)
+    if not ifname and (problem := exported_interface_problem(exported)):
         raise LaunchError(problem)
     if not 1 <= master_port <= 65535:  # 0 had node 0 listen on a random port, and the others blame the firewall
         raise LaunchError(f"--master-port {master_port} is not a TCP port (fix: --master-port 29500, the same on every node)")

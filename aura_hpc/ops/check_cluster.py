@@ -107,12 +107,12 @@ def _node_info(a: ClusterArgs) -> dict[str, Any]:
         "gid": os.getgid() if hasattr(os, "getgid") else None,
         "user": os.environ.get("USER") or os.environ.get("USERNAME") or "",
         "pid": os.getpid(),
-        "cuda": _has_cuda(),  # `auto` is decided from every node's (training agrees on one backend too)
-        "versions": node_versions.of_this_process(a.node_rank, host, a.backend != "gloo" and _has_cuda()),
+        "cuda": has_cuda(),  # `auto` is decided from every node's (training agrees on one backend too)
+        "versions": node_versions.of_this_process(a.node_rank, host, a.backend != "gloo" and has_cuda()),
     }
 
 
-def _has_cuda() -> bool:
+def has_cuda() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
@@ -213,7 +213,7 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
         report.add("process group", False, f"--backend nccl, and node(s) {without} have no CUDA GPU", "--backend auto (gloo then) or gloo")
         raise Failed
     iface = info["interface"]
-    if iface and a.nnodes > 1:
+    if iface and a.nnodes > 1:  # --ifname is in the environment already (ops/check.py)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
