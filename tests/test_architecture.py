@@ -21,7 +21,7 @@ LAYERS = [
     {"comm"},
     {"data"},
     {"config"},
-    {"errors", "console", "__init__"},
+    {"errors", "console", "processes", "__init__"},
 ]
 RANK = {wing: i for i, wings in enumerate(LAYERS) for wing in wings}
 

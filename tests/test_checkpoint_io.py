@@ -386,6 +386,7 @@ def test_a_consolidation_clears_the_parts_a_killed_one_left_and_no_other_file(tm
     import sys
     import time
 
+    from aura_hpc.processes import pid_space
     from aura_hpc.train.checkpoint import consolidate
 
     ckpt = tmp_path / "step_00000004"
@@ -393,7 +394,7 @@ def test_a_consolidation_clears_the_parts_a_killed_one_left_and_no_other_file(tm
     model.mkdir(parents=True)
     (ckpt / checkpoint.MARKER).write_text(json.dumps({"files": {}}))
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
-    host, dead = consolidate._pid_space(), int(gone.stdout)
+    host, dead = pid_space(), int(gone.stdout)
     dead_parts = [model / f".model.safetensors.{host}.{dead}.tmp", ckpt / f".{checkpoint.MARKER}.{host}.{dead}.tmp"]
     old_style = model / ".model.safetensors.4242.tmp"  # the names before the host was in them: by age alone
     kept = [model / ".model.safetensors.other-node.1.tmp", model / ".model.safetensors.4243.tmp", model / ".model.safetensors.notes.tmp"]

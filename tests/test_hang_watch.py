@@ -233,9 +233,21 @@ def test_a_killed_launchers_progress_folder_is_removed_by_the_next_and_a_live_on
         f.mkdir()
         (f / "rank0").write_bytes(b"x")
     (other / "notes.txt").write_text("not ours")  # something we did not write: the folder stays
-    _sweep(tmp_path)
+    # A launcher that exited and was never reaped (a container's PID 1 that does not reap): a zombie, not alive.
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the child never exited"
+        time.sleep(0.05)
+    unreaped = tmp_path / f"aura-progress-{zombie.pid}-n{ns}-zzz"
+    unreaped.mkdir()
+    (unreaped / "rank0").write_bytes(b"x")
+    try:
+        _sweep(tmp_path)
+    finally:
+        zombie.wait()
     assert not gone.exists() and not gone_here.exists() and (alive / "rank0").exists() and (other / "notes.txt").exists()
-    assert (elsewhere / "rank0").exists()
+    assert (elsewhere / "rank0").exists() and not unreaped.exists()
 
 
 def test_a_slurm_nodes_page_folder_another_user_made_first_is_refused(tmp_path: Path) -> None:

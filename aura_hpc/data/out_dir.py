@@ -23,6 +23,7 @@ from typing import Any
 
 from aura_hpc.data.tokenizer import TOKENIZER_FILES
 from aura_hpc.errors import DataError
+from aura_hpc.processes import alive
 
 # What a prepared directory holds; anything else in --out is somebody else's.
 MARKER = ".aura-prepare"  # inside a temporary sibling: who is building it (removed once it is in place)
@@ -109,19 +110,6 @@ def check_out_dir(
         )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is not alive (PID 1 may reap late)
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def _owner(folder: Path) -> dict[str, Any] | None:
     try:
         value = json.loads((folder / MARKER).read_text(encoding="utf-8"))
@@ -147,7 +135,7 @@ def clean_leftovers(out: Path, key: str = "") -> list[str]:
         # Compared as text, not as a pattern: --out data[12] matched data1's and data2's, and removed data2's only copy.
         for sib in sorted(p for p in out.parent.iterdir() if p.name.startswith(prefix)) if out.parent.is_dir() else []:
             owner = _owner(sib)
-            if owner is None or owner.get("host") != host or _alive(int(owner.get("pid", 0))):
+            if owner is None or owner.get("host") != host or alive(int(owner.get("pid", 0))):
                 continue  # not ours, another machine's, or a prepare still running
             if kind == "build" and sib == build_name(out, key):
                 continue  # resumed below
@@ -171,7 +159,7 @@ def start_build(out: Path, key: str) -> Path:
     if (
         owner is not None
         and owner.get("host") == socket.gethostname()
-        and _alive(int(owner.get("pid", 0)))
+        and alive(int(owner.get("pid", 0)))
         and owner.get("pid") != os.getpid()
     ):
         raise DataError(f"another prepare (pid {owner.get('pid')}) is building {out} from the same inputs (fix: wait for it)")

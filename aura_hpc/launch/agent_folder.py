@@ -10,30 +10,18 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from aura_hpc.processes import alive, pid_namespace
+
 PREFIX = "aura_agent_"
 _OURS = re.compile(rf"{PREFIX}(\d+)(?:n(\d+))?_[A-Za-z0-9_]+")
 
 
-def pid_namespace() -> str:
-    """This process's PID namespace (its inode), or "" where unknown. A temporary folder shared between
-    containers (`-v /tmp:/tmp`, `--ipc=host`) holds other namespaces' launchers, whose PIDs look dead here."""
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return ""
-
-
 def gone(pid: str, namespace: str | None) -> bool:
-    """Whether the launcher that named a folder is gone: never said of another PID namespace's."""
+    """Whether the launcher that named a folder is gone: never said of another PID namespace's (a temporary folder
+    shared between containers, `-v /tmp:/tmp`, holds other namespaces' launchers, whose PIDs look dead here)."""
     if namespace and namespace != pid_namespace():
         return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except (OSError, OverflowError, ValueError):
-        return False  # alive under another user (PermissionError), or unreadable: kept
-    return False
+    return pid.isdigit() and not alive(int(pid))
 
 
 def make() -> str:

@@ -46,6 +46,7 @@ from aura_hpc.launch.hang_evidence import (
 from aura_hpc.launch.hang_notice import notify
 from aura_hpc.launch.in_time import in_time
 from aura_hpc.launch.stop_signals import StopSignals
+from aura_hpc.processes import alive as process_alive
 from aura_hpc.train.process import progress
 from aura_hpc.train.process.dist_env import node_name
 
@@ -395,21 +396,6 @@ def _sweep(base: Path) -> None:
         remove_pipes(folder)
         with contextlib.suppress(OSError):
             folder.rmdir()  # only when nothing else is in it
-
-
-def process_alive(pid: int) -> bool:
-    """The process exists and is not a zombie (stopped counts as alive: that is a hang)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

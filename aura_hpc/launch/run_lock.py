@@ -21,20 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from aura_hpc.errors import LaunchError
+from aura_hpc.processes import alive
 
 LOCK_NAME = "run.lock"
 HEARTBEAT_S = 15.0
 STALE_AFTER_S = 90.0  # six missed heartbeats: the holder's host is down or cut off
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, someone else's
-    return True
 
 
 def workers_left(run_dir: Path, parent: int | None = None) -> list[int]:
@@ -124,7 +115,7 @@ class RunLock:
             # is one of our namespace's (a container's launcher, on a host sharing its name, has a PID of its own).
             then, started = holder.get("pid_started"), _started(pid)
             reused = bool(then and started) and then != started and holder.get("pid_ns") == self.record["pid_ns"] != ""
-            if pid != os.getpid() and _pid_alive(pid) and not rebooted and not reused:
+            if pid != os.getpid() and alive(pid) and not rebooted and not reused:
                 return False
             left = workers_left(self.path.parent)
             if left:

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import re
-import socket
 import time
 import warnings
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from aura_hpc.errors import CheckpointError
+from aura_hpc.processes import alive, pid_space
 from aura_hpc.train.checkpoint import files as checkpoint
 from aura_hpc.train.checkpoint.writer import SHARDS
 
@@ -149,7 +149,7 @@ def _commit(ckpt: Path, weights: dict[str, torch.Tensor]) -> None:
     marker_path = ckpt / checkpoint.MARKER
     marker = json.loads(marker_path.read_text())
     final = ckpt / WEIGHTS
-    space = _pid_space()  # whose part it is: another machine of a shared folder may write too
+    space = pid_space()  # whose part it is: another machine of a shared folder may write too
     part = final.with_name(f".{final.name}.{space}.{os.getpid()}.tmp")
     new_marker = marker_path.with_name(f".{marker_path.name}.{space}.{os.getpid()}.tmp")
     _clear_dead_parts(space, final, marker_path)
@@ -186,26 +186,6 @@ def _clear_dead_parts(space: str, *targets: Path) -> None:
             if not (found := ours.fullmatch(part.name)):
                 continue
             with contextlib.suppress(OSError):
-                gone = found[1] == space and not _alive(int(found[2]))
+                gone = found[1] == space and not alive(int(found[2]))
                 if part.is_file() and (gone or time.time() - part.stat().st_mtime > DEAD_PART_S):
                     part.unlink()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True  # another user's process; an absurd number is left to the age rule
-    return True
-
-
-def _pid_space() -> str:
-    """Where a PID names one process: the host, its boot and its PID namespace. A host name alone is not that: two
-    laptops called `ubuntu` share a folder, and containers with the host's network see the host's name."""
-    space = socket.gethostname().replace(".", "_")
-    with contextlib.suppress(OSError):
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
-        space += f"-{boot}-{os.stat('/proc/self/ns/pid').st_ino}"
-    return space
