@@ -194,6 +194,19 @@ def test_clocks_30_s_apart_fail_the_check_as_torchs_rendezvous_would_drop_a_node
         assert "timedatectl set-ntp true" in skew["fix"], skew
 
 
+def test_a_backend_that_did_not_start_on_one_node_is_named_on_every_node_without_a_wait() -> None:
+    """gloo failed to start in node 1's own check (here a transport it does not have): that node then numbered its
+    next group apart from node 0's, and the pair's process group waited out the whole timeout, said on both nodes as
+    a firewall or an interface to set."""
+    results = _pair(["--json"], ["--json"], env1={"GLOO_DEVICE_TRANSPORT": "bogus"})
+    for code, out, err in results:
+        group = _findings(out)["process group"]
+        assert code == 1 and not group["ok"], out + err
+        assert group["detail"] == "gloo did not start on node(s) 1 in that node's own check, so no node tried it together", group
+        assert group["fix"] == "the backend finding in node 1's report first" and json.loads(out)["elapsed_s"] < HEALTHY_TIMEOUT / 2
+    assert "unsupported gloo device" in _findings(results[1][1])["backend gloo"]["detail"]
+
+
 def test_nothing_listening_a_node_that_never_joins_and_a_duplicate_node_rank_are_each_named_with_the_fix() -> None:
     """The start-up mistakes on one host, started together (each waits out its timeout): node 1 with
     nothing listening at the master; node 0 whose node 1 never joins; and the usual mistake of three

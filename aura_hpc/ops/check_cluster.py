@@ -90,7 +90,7 @@ def _explain_connect(a: ClusterArgs, exc: OSError | None) -> tuple[str, str]:
     )
 
 
-def _node_info(a: ClusterArgs) -> dict[str, Any]:
+def _node_info(a: ClusterArgs, report: Report) -> dict[str, Any]:
     ip, iface = route_to(a.master_addr)
     host = socket.gethostname()
     try:
@@ -109,6 +109,9 @@ def _node_info(a: ClusterArgs) -> dict[str, Any]:
         "pid": os.getpid(),
         "cuda": has_cuda(),  # `auto` is decided from every node's (training agrees on one backend too)
         "versions": node_versions.of_this_process(a.node_rank, host, a.backend != "gloo" and has_cuda()),
+        # A backend that did not start in this node's own check: no node tries it together (a failed start here also
+        # numbered this node's next group apart from the others', and the group then waited for its whole timeout).
+        "backends_failed": [f.name.removeprefix("backend ") for f in report.findings if f.name.startswith("backend ") and not f.ok],
     }
 
 
@@ -158,7 +161,7 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
             f"give every machine its own --node-rank 0..{a.nnodes - 1} (0 only on the master)",
         )
         raise Failed
-    info = _node_info(a)
+    info = _node_info(a, report)
     store.set(f"info{a.node_rank}", json.dumps(info))
     missing = []
     for r in range(a.nnodes):
@@ -198,10 +201,8 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
             message, _, fix = problem.partition(" (fix: ")
             report.add("versions", False, message, fix.removesuffix(")"))
             raise Failed
-    stage[0] = "inbound connections"
-    inbound(report, a.node_rank, a.nnodes, store, nodes, deadline)
-
-    stage[0] = f"process group ({a.backend})"
+    # Decided, and refused, from the facts every node has read: a node that stopped later than that, before the
+    # others had read what it said at the inbound stage, had them report a closed firewall instead.
     backend = a.backend
     cuda = [n.get("cuda") is True for n in nodes]
     if backend == "auto" and all("cuda" in n for n in nodes):  # NCCL where every node has a GPU, as training decides
@@ -212,6 +213,19 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
         without = ", ".join(str(r) for r, c in enumerate(cuda) if not c)
         report.add("process group", False, f"--backend nccl, and node(s) {without} have no CUDA GPU", "--backend auto (gloo then) or gloo")
         raise Failed
+    said = [(n["node_rank"], n.get("backends_failed")) for n in nodes]  # from the network: a list, or not said
+    if failed := [str(r) for r, names in said if isinstance(names, list) and backend in names]:
+        report.add(
+            "process group",
+            False,
+            f"{backend} did not start on node(s) {', '.join(failed)} in that node's own check, so no node tried it together",
+            f"the backend finding in node {failed[0]}'s report first",
+        )
+        raise Failed
+    stage[0] = "inbound connections"
+    inbound(report, a.node_rank, a.nnodes, store, nodes, deadline)
+
+    stage[0] = f"process group ({a.backend})"
     iface = info["interface"]
     if iface and a.nnodes > 1:  # --ifname is in the environment already (ops/check.py)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
