@@ -400,6 +400,21 @@ def test_a_queued_job_whose_record_cannot_be_written_is_named_by_its_id(
     assert res.returncode == 2 and said and "Traceback" not in res.stderr, res.stdout + res.stderr
 
 
+def test_logs_of_a_large_sweeps_id_names_its_points_in_index_order_and_not_all_of_them(tmp_path: Path, home: Path) -> None:
+    """The points were listed as text (123_10 before 123_2, the first to try was not the first point) and every one
+    of them: a 100-point sweep made a line of a thousand characters."""
+    from aura_hpc.errors import LaunchError
+    from aura_hpc.slurm import commands, index
+
+    for i in range(12):
+        index.record(f"77_{i}", tmp_path / f"p{i}", f"aura-p{i}", "2026-12-03T00:00:00")
+    with pytest.raises(LaunchError) as said:
+        commands.log_file("77", 0, False)
+    assert str(said.value) == (
+        "job 77 is a sweep of 12 points, each with its own logs (fix: `logs 77_0`, one of 77_0, 77_1, 77_2, ... 77_10, 77_11)"
+    )
+
+
 def test_a_damaged_index_line_or_job_file_is_a_line_not_a_keyerror(tmp_path: Path, home: Path) -> None:
     """A jobs.jsonl line without run_dir (an older version's, or half written) made every status and history a
     KeyError traceback; an empty job.json a JSONDecodeError, one without log_dir a KeyError at `logs`."""

@@ -159,10 +159,12 @@ def _log_of(target: str, rank: int, stderr: bool) -> tuple[str, Path, Path | Non
             f"job {job_id}'s run directory {run_dir} does not exist on this machine: output_dir was deleted, or is not "
             "mounted here (fix: mount the shared output_dir on this node and on every compute node, then resubmit)"
         )
-    points = sorted({str(e.get("job_id")) for e in job_index.entries() if str(e.get("job_id", "")).startswith(f"{job_id}_")})
+    found = {str(e.get("job_id")) for e in job_index.entries() if str(e.get("job_id", "")).startswith(f"{job_id}_")}
+    points = sorted(found, key=lambda p: (len(p), p))  # by index: 123_2 before 123_10
     if info is None and points:  # a sweep's id, as `submit` printed it: each point has its own logs
+        shown = ", ".join(points) if len(points) <= 8 else f"{', '.join(points[:3])}, ... {', '.join(points[-2:])}"
         raise LaunchError(
-            f"job {job_id} is a sweep of {len(points)} points, each with its own logs (fix: `logs {points[0]}`, one of {', '.join(points)})"
+            f"job {job_id} is a sweep of {len(points)} points, each with its own logs (fix: `logs {points[0]}`, one of {shown})"
         )
     if info is None:
         raise LaunchError(f"no run directory is known for job {job_id} (fix: pass its RUN_DIR, or submit it with `submit`)")
