@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import subprocess
@@ -437,6 +438,36 @@ def test_a_deepspeed_json_is_judged_in_one_line_and_its_batch_size_at_the_real_w
         plan_local(None, sets, str(tmp_path), "x", nproc=2)
     with pytest.raises(ConfigError, match=re.escape("train_batch_size (64 vs 32)")):
         plan_submit(None, sets, str(tmp_path), "x", {"nodes": 2, "gpus_per_node": 2})
+
+
+def test_a_runs_deepspeed_json_is_its_own_copy_so_an_edit_after_submit_changes_nothing(tmp_path: Path, prepared: Path) -> None:
+    """A Slurm job read the user's DeepSpeed JSON when it started, and again at each requeue: an edit made while it
+    waited in the queue changed a run already submitted (a file in a folder the compute nodes do not mount stopped
+    it there). The run directory keeps its own copy, and its config.yaml names it; a LAN node's config its own."""
+    from aura_hpc.config import load_run_file
+    from aura_hpc.config.deepspeed import deepspeed_config
+    from aura_hpc.launch.run_setup import prepare_run_dir
+
+    users = tmp_path / "mine" / "ds.json"
+    users.parent.mkdir()
+    users.write_text('{"zero_optimization": {"reduce_bucket_size": 50000000}}\n')
+    sets = ["dist.strategy=zero2", f"dist.deepspeed_config={users}", f"data.path={prepared}", "train.batch_size=2"]
+    cfg = load_config("tiny", sets, str(tmp_path / "runs"), "ds")
+    prepare_run_dir(cfg, 2)
+    prepare_run_dir(cfg, 2, check_lock=False, config_name="config.node1.yaml", secret=False)
+    users.write_text('{"zero_optimization": {"reduce_bucket_size": 1}}\n')  # edited while the job waits
+    for config, kept in (("config.yaml", "deepspeed.json"), ("config.node1.yaml", "deepspeed.node1.json")):
+        run_cfg = load_run_file(cfg.run_dir / config)  # what the workers read
+        assert run_cfg.dist.deepspeed_config == str(cfg.run_dir / kept)
+        assert deepspeed_config(run_cfg, 2, bf16=False)["zero_optimization"]["reduce_bucket_size"] == 50000000
+    users.unlink()  # or not there at all on the compute nodes
+    assert deepspeed_config(load_run_file(cfg.run_dir / "config.yaml"), 2, bf16=False)["zero_optimization"]["stage"] == 2
+    # Started again from its own config.yaml (a resume as run): the copy is what it names, not copied onto itself.
+    again = load_run_file(cfg.run_dir / "config.yaml")
+    prepare_run_dir(again, 2)
+    assert load_run_file(cfg.run_dir / "config.yaml").dist.deepspeed_config == str(cfg.run_dir / "deepspeed.json")
+    assert json.loads((cfg.run_dir / "deepspeed.json").read_text())["zero_optimization"]["reduce_bucket_size"] == 50000000
+    assert not [p.name for p in cfg.run_dir.iterdir() if ".tmp-" in p.name]
 
 
 def test_the_settings_every_rank_compares_include_the_sample_order_and_leave_out_where_data_lives() -> None:

@@ -5,7 +5,9 @@ Pure Python (no DeepSpeed, no torch): `submit --dry-run` and `local` name a conf
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -124,3 +126,24 @@ def load_user_config(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"dist.deepspeed_config {path} must hold a JSON object (fix: a DeepSpeed config)")
     return data
+
+
+def kept_in_run_dir(cfg: RunConfig, config_name: str) -> RunConfig:
+    """The config to write into the run directory: its dist.deepspeed_config a copy of the user's JSON kept there
+    (deepspeed.json beside config.yaml; beside a LAN node's config.node1.yaml, deepspeed.node1.json). A Slurm job
+    read the user's file when it started, and again at each requeue: an edit made while it waited in the queue
+    changed a run already submitted, and a file in a folder the compute nodes do not mount stopped it there."""
+    source = cfg.dist.deepspeed_config
+    if not source:
+        return cfg
+    name = "deepspeed" + config_name.removeprefix("config").removesuffix(".yaml") + ".json"
+    kept = cfg.run_dir / name
+    if Path(source).resolve() == kept.resolve():
+        return cfg  # a run started again from its own copy
+    load_user_config(source)  # as the workers read it: a file changed since the checks is said as such
+    tmp = kept.with_name(f".{name}.tmp-{os.getpid()}")
+    tmp.write_bytes(Path(source).read_bytes())
+    tmp.replace(kept)
+    written = copy.deepcopy(cfg)
+    written.dist.deepspeed_config = str(kept)
+    return written

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from aura_hpc.config import RunConfig, embedding_rows, load_run_file
+from aura_hpc.config.deepspeed import kept_in_run_dir
 from aura_hpc.errors import ConfigError, DataError, LaunchError, shown
 from aura_hpc.launch.run_lock import RunLock, check_free
 
@@ -399,7 +400,7 @@ def prepare_run_dir(
             ensure_run_secret(cfg.run_dir)
         config_path = cfg.run_dir / config_name
         tmp = config_path.with_name(f".{config_name}.tmp-{os.getpid()}")
-        tmp.write_text(cfg.to_yaml(), encoding="utf-8")
+        tmp.write_text(kept_in_run_dir(cfg, config_name).to_yaml(), encoding="utf-8")
         tmp.replace(config_path)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
