@@ -315,7 +315,7 @@ def test_a_committed_checkpoint_holding_a_users_files_is_neither_replaced_nor_pr
     real_write = checkpoint._write_model
     monkeypatch.setattr(checkpoint, "_write_model", lambda *a: written.append(a) or real_write(*a))
     with pytest.raises(CheckpointWriteError) as refused:
-        save(200)
+        save(200, keep_last=1)  # refused before its prune too: step 100 stays
     assert str(refused.value) == (
         f"{ckpt} holds files this run did not write (model/README.md, notes.txt), so a new save of its step did not "
         f"replace it (fix: move those files out of {ckpt.name}, then re-run the same command to resume)"
@@ -323,6 +323,7 @@ def test_a_committed_checkpoint_holding_a_users_files_is_neither_replaced_nor_pr
     assert not written, "the guard runs before the new checkpoint is written"
     assert (ckpt / "notes.txt").read_text() == "lr too high after 150" and (ckpt / "model" / "README.md").is_file()
     assert checkpoint.verify(ckpt) is None and not list(root.glob(".*"))
+    assert [c.step for c in checkpoint.list_complete(root)] == [200, 100]
 
     # Past keep_last: 100 goes, 200 is kept whole and said once, not at every save.
     caplog.set_level("WARNING", logger="aura_hpc")

@@ -186,9 +186,9 @@ def save(
         faults.checkpoint_stage(name, run_dir)
 
     try:
+        refuse_replacing(final)  # before anything is removed or written (a large model's write would be time lost)
         # Room first: a lowered train.keep_last takes effect before this write, not after it.
         prune(root, keep_last, step)
-        refuse_replacing(final)  # before the write: a large model's write would be time lost
         if tmp is None:
             tmp = begin(root, step)
         hashes = dict(known_hashes or {})
