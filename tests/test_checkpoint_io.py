@@ -339,6 +339,10 @@ def test_a_committed_checkpoint_holding_a_users_files_is_neither_replaced_nor_pr
     # A consolidation's part (ours, however it was left) is no user's file; the files moved out, the next save prunes.
     (root / checkpoint.step_dir_name(400) / "model" / ".model.safetensors.host-boot-ns.99999.tmp").write_bytes(b"part")
     (root / checkpoint.step_dir_name(400) / "model" / ".nfs000000000123abcd00000001").write_bytes(b"read while deleted")
+    marker = root / checkpoint.step_dir_name(400) / checkpoint.MARKER  # full weights a consolidation left unlisted
+    listed = json.loads(marker.read_text())
+    del listed["files"]["model/model.safetensors"]
+    marker.write_text(json.dumps(listed))
     (ckpt / "notes.txt").unlink(), (ckpt / "model" / "README.md").unlink()
     save(500, keep_last=1)
     assert [c.step for c in checkpoint.list_complete(root)] == [500] and sorted(os.listdir(root)) == ["step_00000500"]

@@ -15,7 +15,7 @@ log = logging.getLogger("aura_hpc")
 MARKER = "COMPLETE.json"
 # What a step folder of ours holds at its top (writer.py's SHARDS: sharded strategies' per-rank files).
 OURS = {MARKER, "meta.json", "trainer_state.pt", "model", "config.yaml", "tokenizer", "sharded"}
-# What a consolidation adds to a committed sharded checkpoint (consolidate.py), its parts named after it.
+# The marker, and what a consolidation adds to a committed sharded checkpoint (consolidate.py), with its parts.
 _CONSOLIDATED = {"model/model.safetensors", MARKER}
 
 
@@ -26,15 +26,17 @@ def not_ours(folder: Path) -> list[str]:
     try:
         listed = set(json.loads((folder / MARKER).read_text())["files"])
     except (OSError, ValueError, KeyError, TypeError):
-        return sorted(p.name for p in folder.iterdir() if p.name not in OURS)
-    listed.add(MARKER)
+        return sorted(p.name for p in folder.iterdir() if p.name not in OURS and not p.name.startswith(".nfs"))
+    # The full weights a consolidation puts in place are ours before the marker that lists them is rewritten (one
+    # interrupted between the two left them unlisted).
+    listed |= _CONSOLIDATED
     found = []
     for p in folder.rglob("*"):
         if p.is_dir() and not p.is_symlink():
             continue
         rel = p.relative_to(folder).as_posix()
         # `.nfsXXXX`: an NFS client's name for a file of ours deleted while a reader held it open; it goes at the close.
-        if rel in listed or _part_of_listed(rel, listed | _CONSOLIDATED) or p.name.startswith(".nfs"):
+        if rel in listed or _part_of_listed(rel, listed) or p.name.startswith(".nfs"):
             continue
         found.append(rel)
     return sorted(found)
