@@ -628,7 +628,7 @@ def test_ifname_wins_over_an_exported_gloo_socket_ifname_on_a_lan_node(tmp_path:
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", other[0])
     with pytest.raises(LaunchError, match=r"NCCL_SOCKET_IFNAME=bogus1 \(exported here\) names no interface"):
         check.cluster_args(2, 1, "127.0.0.1", 29999, backend="nccl")
-    monkeypatch.setattr(check, "has_cuda", lambda: True)
+    monkeypatch.setattr(check, "gpu_nodes_here", lambda: True)
     with pytest.raises(LaunchError, match=r"NCCL_SOCKET_IFNAME=bogus1"):
         check.cluster_args(2, 1, "127.0.0.1", 29999)
     assert check.cluster_args(2, 1, "127.0.0.1", 29999, backend="gloo") is not None

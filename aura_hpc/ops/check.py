@@ -11,6 +11,7 @@ hangs it.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import threading
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from aura_hpc.errors import LaunchError
-from aura_hpc.ops.check_cluster import ClusterArgs, cluster_checks, has_cuda
+from aura_hpc.ops.check_cluster import ClusterArgs, cluster_checks
 from aura_hpc.ops.check_local import DISK_STAGE, local_checks
 from aura_hpc.ops.check_report import Failed, Report
 from aura_hpc.ops.network import exported_interface_problem, interface_problem, lan_master_problem
@@ -98,6 +99,12 @@ def run(
     return report
 
 
+def gpu_nodes_here() -> bool:
+    """Whether this machine has GPU device nodes: asked before the watchdog runs, so without CUDA (a GPU that stopped
+    answering hung its start-up) and without torch (1-2 s)."""
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/dxg") or os.path.exists("/dev/kfd")
+
+
 def cluster_args(
     nnodes: int,
     node_rank: int,
@@ -120,7 +127,7 @@ def cluster_args(
     if ifname and (problem := interface_problem(ifname)):
         raise LaunchError(problem)  # as `local` refuses it (gloo said "Unable to find address for" it, after the rendezvous)
     # What --ifname does not replace reaches gloo and NCCL as it is: NCCL's only where NCCL runs (as `local` checks it).
-    nccl = os.environ.get("NCCL_SOCKET_IFNAME") and (backend == "nccl" or (backend == "auto" and has_cuda()))
+    nccl = os.environ.get("NCCL_SOCKET_IFNAME") and (backend == "nccl" or (backend == "auto" and gpu_nodes_here()))
     exported = ("GLOO_SOCKET_IFNAME",) + ("NCCL_SOCKET_IFNAME",) * bool(nccl)
     if not ifname and (problem := exported_interface_problem(exported)):
         raise LaunchError(problem)
