@@ -468,6 +468,14 @@ def test_a_runs_deepspeed_json_is_its_own_copy_so_an_edit_after_submit_changes_n
     assert load_run_file(cfg.run_dir / "config.yaml").dist.deepspeed_config == str(cfg.run_dir / "deepspeed.json")
     assert json.loads((cfg.run_dir / "deepspeed.json").read_text())["zero_optimization"]["reduce_bucket_size"] == 50000000
     assert not [p.name for p in cfg.run_dir.iterdir() if ".tmp-" in p.name]
+    # A folder of the user's (a project's, with its own deepspeed.json) named as a run's: that file is not replaced.
+    users.write_text('{"zero_optimization": {"reduce_bucket_size": 50000000}}\n')
+    project = load_config("tiny", sets, str(tmp_path), "mine")
+    (project.run_dir / "deepspeed.json").write_text('{"train_micro_batch_size_per_gpu": 4}\n')
+    with pytest.raises(ConfigError, match=rf"^{project.run_dir / 'deepspeed.json'} is no copy this run made"):
+        prepare_run_dir(project, 2)
+    assert (project.run_dir / "deepspeed.json").read_text() == '{"train_micro_batch_size_per_gpu": 4}\n'
+    assert not (project.run_dir / "config.yaml").exists()
 
 
 def test_the_settings_every_rank_compares_include_the_sample_order_and_leave_out_where_data_lives() -> None:

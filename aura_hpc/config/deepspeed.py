@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from aura_hpc.config.tree import RunConfig
 from aura_hpc.errors import ConfigError, shown
 
@@ -134,16 +136,34 @@ def kept_in_run_dir(cfg: RunConfig, config_name: str) -> RunConfig:
     read the user's file when it started, and again at each requeue: an edit made while it waited in the queue
     changed a run already submitted, and a file in a folder the compute nodes do not mount stopped it there."""
     source = cfg.dist.deepspeed_config
-    if not source:
-        return cfg
-    name = "deepspeed" + config_name.removeprefix("config").removesuffix(".yaml") + ".json"
-    kept = cfg.run_dir / name
-    if Path(source).resolve() == kept.resolve():
-        return cfg  # a run started again from its own copy
+    kept = cfg.run_dir / _kept_name(config_name)
+    if not source or Path(source).resolve() == kept.resolve():
+        return cfg  # none, or a run started again from its own copy
     load_user_config(source)  # as the workers read it: a file changed since the checks is said as such
-    tmp = kept.with_name(f".{name}.tmp-{os.getpid()}")
+    tmp = kept.with_name(f".{kept.name}.tmp-{os.getpid()}")
     tmp.write_bytes(Path(source).read_bytes())
     tmp.replace(kept)
     written = copy.deepcopy(cfg)
     written.dist.deepspeed_config = str(kept)
     return written
+
+
+def _kept_name(config_name: str) -> str:
+    return "deepspeed" + config_name.removeprefix("config").removesuffix(".yaml") + ".json"
+
+
+def check_kept_copy(cfg: RunConfig, config_name: str) -> None:
+    """Before anything in the run directory changes: where the run keeps its copy of the user's JSON is free, or holds
+    the copy this run made (its config names it), never a file of the user's (a project folder used as a run's)."""
+    kept = cfg.run_dir / _kept_name(config_name)
+    if not cfg.dist.deepspeed_config or not kept.exists() or Path(cfg.dist.deepspeed_config).resolve() == kept.resolve():
+        return
+    try:
+        named = yaml.safe_load((cfg.run_dir / config_name).read_text(encoding="utf-8"))["dist"]["deepspeed_config"]
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):
+        named = None
+    if named != str(kept):
+        raise ConfigError(
+            f"{kept} is no copy this run made, and the run keeps its copy of dist.deepspeed_config there: it was not "
+            f"replaced (fix: move it out of {cfg.run_dir}, or --set dist.deepspeed_config={kept} to train with it)"
+        )

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from aura_hpc.config import RunConfig, embedding_rows, load_run_file
-from aura_hpc.config.deepspeed import kept_in_run_dir
+from aura_hpc.config.deepspeed import check_kept_copy, kept_in_run_dir
 from aura_hpc.errors import ConfigError, DataError, LaunchError, shown
 from aura_hpc.launch.run_lock import RunLock, check_free
 
@@ -388,6 +388,7 @@ def prepare_run_dir(
     if check_lock:
         check_free(cfg.run_dir)
     _refuse_a_folder_not_ours(cfg.run_dir / config_name)
+    check_kept_copy(cfg, config_name)
     ensure_data(cfg, world_size)
     _check_resume_compatible(cfg, world_size, exact_world)
     export_webhook_secret(cfg)
