@@ -11,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,6 +41,7 @@ def _args(out: Path, name: str, dataset: Path, tokenizer: Path, cache: Path, npr
         "--set", f"data.tokenizer={tokenizer}", "--set", f"data.cache_dir={cache}", "--set", "data.shuffle_window=2",
         "--set", "train.batch_size=4", "--set", "train.max_steps=40", "--set", "train.warmup_steps=2",
         "--set", "train.checkpoint_every=0", "--set", "train.eval_every=20", *SMALL_MODEL, *extra,
+        "--set", "data.shard_mb=0.01",  # under one file: each of the dataset's files stays a piece of its own
     ]  # fmt: skip
 
 
@@ -393,6 +395,80 @@ def test_a_stream_without_one_complete_sequence_says_so_in_one_line(tmp_path: Pa
         data.fetch("train", order.window_shards(0, 0))
         with pytest.raises(DataError, match=r"no complete sequence \(fix: more data or a smaller data\.seq_len"):
             order.refresh()
+    finally:
+        data.close()
+
+
+def test_a_folder_of_small_files_streams_them_together_with_no_tail_dropped_and_a_validation_split(tmp_path: Path, tok: Path) -> None:
+    """Each file was a piece of its own, and a piece's tail shorter than a sequence is dropped: a folder of one-paragraph
+    files streamed at seq_len 128 trained on half its text and kept 4 sequences of validation (at GPT-2's 1024, a
+    folder of 1 KB articles trained on almost nothing). Small files are now read together up to data.shard_mb, in
+    order, each still a document of its own; a large file among them is still cut, and a dataset folder likewise."""
+    from aura_hpc.config.tree import DataConfig, RunConfig
+    from aura_hpc.data import shards
+    from aura_hpc.data.stream import StreamTokens
+    from aura_hpc.train.parts.build import data_line
+
+    paragraphs = generate(700, seed=5).split("\n\n")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, para in enumerate(paragraphs[:-200]):
+        (docs / f"a{i:04d}.txt").write_text(para, encoding="utf-8")
+    (docs / "b-big.txt").write_text("\n\n".join(paragraphs[-200:]), encoding="utf-8")  # over data.shard_mb: cut
+    for i in range(20):
+        (docs / f"c{i:04d}.jsonl").write_text(json.dumps({"text": paragraphs[i]}) + "\n", encoding="utf-8")
+    files = sorted(docs.iterdir())
+    shard_mb = 16384 / 2**20
+    seq_len = 128
+    d = DataConfig(stream=True, path=str(docs), tokenizer=str(tok), cache_dir=str(tmp_path / "c"), shard_mb=shard_mb, val_fraction=0.05)
+    data = StreamTokens(d, seq_len=seq_len)
+    try:
+        pieces = data.pieces
+        assert len(pieces) < len(files) / 10, len(pieces)
+        # Every file once, in order (the large one in several ranges); no piece mixes text and JSON lines.
+        read = [f for p in pieces for f, _ in (p.files or ((p.source, 0),))]
+        assert list(dict.fromkeys(read)) == [str(f) for f in files]
+        assert all(p.kind == ("jsonl" if p.source.endswith(".jsonl") else "text") for p in pieces)
+        assert all(sum(n for _, n in p.files) <= 16384 for p in pieces)
+        assert sum(1 for p in pieces if p.source.endswith("b-big.txt")) >= 2
+        data.fetch("train", list(range(len(pieces))))
+        data.fetch_validation(8, list(range(len(pieces))))
+        records = [json.loads(f.read_text()) for f in sorted((data.build / shards.DONE).glob("*.json"))]
+        tokens = sum(r["train"]["tokens"] for r in records)
+        assert data.num_sequences("train") * seq_len > 0.95 * tokens, (data.num_sequences("train"), tokens)
+        assert data.num_sequences("val") >= 4
+        # Each file is a document: its end-of-text token, in whichever split its last paragraph went.
+        eos = int(data.manifest["tokenizer"]["eos_id"])
+        joined = next(r for r in records if len(r["piece"].get("files", [])) > 1)
+        ends = sum(int((np.fromfile(data.build / r[s]["file"], dtype=data.dtype) == eos).sum()) for r in [joined] for s in ("train", "val"))
+        assert ends >= len(joined["piece"]["files"])
+        # A one-file piece is recorded as before: what an earlier release encoded is still found.
+        assert "files" not in shards.piece_record(next(p for p in pieces if not p.files))
+        assert "no validation sequence" not in data_line(RunConfig(data=d), data)
+    finally:
+        data.close()
+    # A stream too small for one validation sequence says so where the run describes its data (eval_loss never came).
+    small = DataConfig(stream=True, path=str(files[0]), tokenizer=str(tok), cache_dir=str(tmp_path / "c1"))
+    data = StreamTokens(small, seq_len=8)
+    try:
+        data.fetch("train", [0])
+        data.fetch_validation(8, [0])
+        said = data_line(RunConfig(data=small), data)
+        assert said.endswith("no validation sequence, so no eval_loss (fix: a larger data.val_fraction or data.shard_mb: a "
+                             "stream's validation comes from its first pieces)"), said  # fmt: skip
+    finally:
+        data.close()
+
+    # A local dataset folder of many small files: `datasets` reads several as one piece.
+    folder = _dataset(tmp_path / "ds", files=24)
+    d = DataConfig(stream=True, dataset=str(folder), text_column="texto", tokenizer=str(tok), cache_dir=str(tmp_path / "c2"))
+    d.shard_mb = sum(f.stat().st_size for f in (folder / "data").iterdir()) / 3.5 / 2**20
+    data = StreamTokens(d, seq_len=seq_len)
+    try:
+        assert len(data.pieces) == 4
+        data.fetch("train", [0, 3])
+        whole = sum(json.loads(f.read_text())["train"]["tokens"] for f in (data.build / shards.DONE).glob("*.json"))
+        assert data.num_sequences("train") * seq_len > 0.95 * whole
     finally:
         data.close()
 

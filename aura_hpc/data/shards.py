@@ -40,6 +40,17 @@ class Piece:
     start: int = 0  # byte range of a text or JSON-lines file
     end: int = -1
     last: bool = True  # the file's last piece: its last paragraph ends a document
+    # A stream's consecutive small files of one kind, read as one piece of up to piece_bytes, as (source, size); `source` is
+    # the first. Each a piece of its own (a stream's sequences never cross pieces) dropped its tail shorter than a sequence and
+    # kept under one of validation: 1 KB articles streamed at seq_len 1024 trained on almost nothing, evaluated on nothing.
+    files: tuple[tuple[str, int], ...] = ()
+
+
+def piece_record(p: Piece) -> dict[str, Any]:
+    """A piece as its record and a stream's key hold it (JSON's types). `files` only where set: a piece of one file is
+    recorded as before it existed, so the pieces and streams an earlier release encoded are still found."""
+    out = asdict(p) | {"files": [list(f) for f in p.files]}
+    return out if p.files else {k: v for k, v in out.items() if k != "files"}
 
 
 def _size(source: str) -> int:
@@ -107,22 +118,43 @@ def plan(
     builtin: bool,
     dataset_pieces: int = 1,
     policy: storage.Policy | None = None,
+    join_small: bool = False,
 ) -> list[Piece]:
+    """The pieces of the input; with `join_small` (a stream), see Piece.files."""
     if builtin:
         return [Piece(0, "builtin", "builtin")]
     if dataset:  # one piece per data file of the dataset (what `datasets` calls its shards)
         n = dataset_pieces or 1
         return [Piece(i, dataset, "dataset", i, n, True) for i in range(n)]
     pieces: list[Piece] = []
+    group: list[Piece] = []  # whole small files not yet a piece (join_small)
+
+    def close_group() -> None:
+        if len(group) == 1:
+            pieces.append(replace(group[0], index=len(pieces)))
+        elif group:
+            files = tuple((g.source, g.end) for g in group)
+            pieces.append(Piece(len(pieces), group[0].source, group[0].kind, 0, group[0].end, True, files))
+        group.clear()
+
     for f in map(str, files):
         suffix = os.path.splitext(f.rsplit("/", 1)[-1])[1].lower()
         kind = kinds[suffix]
         if kind == "text" or (kind == "json" and suffix == ".jsonl"):
+            kind = "text" if kind == "text" else "jsonl"
             ranges = _cut(f, piece_bytes, _BLANK_LINE if kind == "text" else _LINE_END, policy)
+            if join_small and len(ranges) == 1:
+                if group and (group[0].kind != kind or sum(g.end for g in group) + ranges[0][1] > piece_bytes):
+                    close_group()
+                group.append(Piece(-1, f, kind, 0, ranges[0][1], True))
+                continue
+            close_group()
             for i, (a, b) in enumerate(ranges):
-                pieces.append(Piece(len(pieces), f, "text" if kind == "text" else "jsonl", a, b, i == len(ranges) - 1))
+                pieces.append(Piece(len(pieces), f, kind, a, b, i == len(ranges) - 1))
         else:
+            close_group()
             pieces.append(Piece(len(pieces), f, kind))
+    close_group()
     return pieces
 
 
@@ -150,7 +182,7 @@ class Job:
 def head_of(p: Piece, nbytes: int, policy: storage.Policy | None = None) -> Piece:
     """The first ~`nbytes` of a text or JSON-lines piece, up to a line end: what a tokenizer sample of that much
     reads (the whole piece was read, so a 256 MB sample of a 500 GB corpus read all of it, objects downloaded)."""
-    if p.kind not in ("text", "jsonl") or p.end - p.start <= nbytes:
+    if p.files or p.kind not in ("text", "jsonl") or p.end - p.start <= nbytes:
         return p
     stop = p.start + nbytes
     window = read_range(p.source, max(p.start, stop - 65536), stop, policy)
@@ -172,6 +204,10 @@ def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
             yield piece, i == len(pieces) - 1
 
     p = job.piece
+    if p.files:
+        for source, size in p.files:
+            yield from piece_texts(replace(job, piece=Piece(p.index, source, p.kind, 0, size, True)))
+        return
     if p.kind == "builtin":
         from aura_hpc.data.corpus import generate
 
@@ -315,7 +351,7 @@ def encode(job: Job) -> dict[str, Any]:
                     break
         if batch and not full:
             full = flush()
-    record: dict[str, Any] = {"piece": asdict(p), "max_tokens": job.max_tokens, "full": full}
+    record: dict[str, Any] = {"piece": piece_record(p), "max_tokens": job.max_tokens, "full": full}
     for s in ("train", "val"):
         with open(tmp[s], "rb") as f:
             os.fsync(f.fileno())
@@ -346,7 +382,7 @@ def finished(build: Path, piece: Piece, max_tokens: int, itemsize: int) -> dict[
         record: dict[str, Any] = json.loads((build / DONE / f"{piece.index:05d}.json").read_text())
     except (OSError, ValueError):
         return None
-    if record.get("piece") != asdict(piece) or record.get("max_tokens") != max_tokens:
+    if record.get("piece") != piece_record(piece) or record.get("max_tokens") != max_tokens:
         return None
     for s in ("train", "val"):
         try:

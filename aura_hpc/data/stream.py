@@ -24,7 +24,6 @@ import threading
 from concurrent.futures import CancelledError, ProcessPoolExecutor
 from concurrent.futures import wait as futures_wait
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +53,20 @@ def tokenizer_folder(name: str) -> Path:
 
 
 def plan_pieces(d: Any) -> list[shards.Piece]:
-    from aura_hpc.data.sources import TEXT_SUFFIXES, dataset_shards, resolve_inputs
+    from aura_hpc.data.sources import TEXT_SUFFIXES, dataset_folder_files, dataset_shards, resolve_inputs
 
+    piece_bytes = int(d.shard_mb * 2**20)
     if d.dataset:
-        return shards.plan([], TEXT_SUFFIXES, 0, d.dataset, False, dataset_shards(d.dataset, d.dataset_subset or None, d.dataset_split))
+        n = dataset_shards(d.dataset, d.dataset_subset or None, d.dataset_split)
+        # A local folder of many small data files: `datasets` reads several of them as one piece (see shards.Piece.files).
+        # A Hub name's files are not sized without the network; its data files are large ones.
+        if local := dataset_folder_files(d.dataset):
+            n = min(n, max(1, -(-sum(f.stat().st_size for f in local) // max(1, piece_bytes))))
+        return shards.plan([], TEXT_SUFFIXES, 0, d.dataset, False, n)
     if not d.path:
         raise DataError("data.stream needs a source (fix: --set data.path=s3://bucket/raw-text or local files, or data.dataset=NAME)")
     policy = storage.Policy(tries=d.read_tries, timeout_s=d.read_timeout_s)
-    return shards.plan(resolve_inputs([d.path]), TEXT_SUFFIXES, int(d.shard_mb * 2**20), None, False, policy=policy)
+    return shards.plan(resolve_inputs([d.path]), TEXT_SUFFIXES, piece_bytes, None, False, policy=policy, join_small=True)
 
 
 # Slurm signals every process of the step (slurmstepd signals the whole container): SIGUSR2 ahead of the time
@@ -107,7 +112,8 @@ class StreamTokens(TokenReader):
         # Local files are named relative to their common folder: LAN nodes may keep their copies elsewhere.
         named = _portable(self.pieces)
         # "encoder": what a piece's tokens are (2: a document's end in both splits); another release's pieces are not these.
-        key = {"pieces": [asdict(p) for p in named], "tokenizer": tok_sha, "val": d.val_fraction, "column": d.text_column, "encoder": 2}
+        key = {"pieces": [shards.piece_record(p) for p in named], "tokenizer": tok_sha, "val": d.val_fraction, "column": d.text_column}
+        key["encoder"] = 2
         if d.dataset:  # c4's es/train, en/train and es/validation have the same pieces: not the same text
             key["dataset"] = [d.dataset_subset, d.dataset_split]
             key["objects"] = _folder_versions(d.dataset)
@@ -362,11 +368,19 @@ def _portable(pieces: list[shards.Piece]) -> list[shards.Piece]:
     import os
 
     pieces = [dataclasses.replace(p, source="") if p.kind == "dataset" and Path(p.source).expanduser().is_dir() else p for p in pieces]
-    local = [p.source for p in pieces if not storage.is_remote(p.source) and p.kind not in ("builtin", "dataset")]
+    local = {s for p in pieces if p.kind not in ("builtin", "dataset") for s in _sources(p) if not storage.is_remote(s)}
     if not local:
         return pieces
     root = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in local])
-    return [dataclasses.replace(p, source=os.path.relpath(os.path.abspath(p.source), root)) if p.source in local else p for p in pieces]
+
+    def named(source: str) -> str:
+        return os.path.relpath(os.path.abspath(source), root) if source in local else source
+
+    return [dataclasses.replace(p, source=named(p.source), files=tuple((named(f), n) for f, n in p.files)) for p in pieces]
+
+
+def _sources(p: shards.Piece) -> list[str]:
+    return [f for f, _ in p.files] or [p.source]
 
 
 def _object_versions(pieces: list[shards.Piece]) -> list[list[Any]]:
@@ -375,7 +389,7 @@ def _object_versions(pieces: list[shards.Piece]) -> list[list[Any]]:
     copy of the text has another mtime and the same data)."""
     out: list[list[Any]] = []
     listed: dict[str, tuple[int, str]] = {}
-    for src in dict.fromkeys(p.source for p in pieces):
+    for src in dict.fromkeys(s for p in pieces for s in _sources(p)):
         if storage.is_remote(src):
             if src not in listed:
                 listed.update(storage.objects(src))

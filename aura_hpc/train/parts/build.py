@@ -233,6 +233,21 @@ def check_same_everywhere(cfg: RunConfig, env: DistEnv, data: PackedTokens) -> N
             )
 
 
+def data_line(cfg: RunConfig, data: Any) -> str:
+    """What the run reads; a validation split without one sequence is said (eval_loss was simply never logged)."""
+    n_val = data.num_sequences("val")
+    line = f"data: {data.num_sequences('train'):,} train / {n_val:,} val sequences of {cfg.data.seq_len} tokens from "
+    line += cfg.data.dataset if cfg.data.stream and cfg.data.dataset else cfg.data.path
+    if n_val == 0:
+        fix = (
+            "a larger data.val_fraction or data.shard_mb: a stream's validation comes from its first pieces"
+            if cfg.data.stream
+            else "prepare the data again with a larger --val-fraction"
+        )
+        line += f"; no validation sequence, so no eval_loss (fix: {fix})"
+    return line
+
+
 def describe(cfg: RunConfig, parts: Parts, layout: Layout, rt: Runtime, start_step: int, run_dir: str) -> list[str]:
     """The lines rank 0 prints before the first step: model, batch arithmetic, data, schedule."""
     t, data = cfg.train, parts.data
@@ -243,8 +258,7 @@ def describe(cfg: RunConfig, parts: Parts, layout: Layout, rt: Runtime, start_st
         + (f" (embedding padded to {cfg.model.padded_vocab_size})" if cfg.model.padded_vocab_size > data.vocab_size else ""),
         f"batch: {t.batch_size} per device x {layout.world} process{'es' if layout.world != 1 else ''} x {t.grad_accum} accumulation = "
         f"effective batch {layout.per_step} sequences = {layout.tokens_per_step:,} tokens per step",
-        f"data: {data.num_sequences('train'):,} train / {data.num_sequences('val'):,} val sequences "
-        f"of {cfg.data.seq_len} tokens from {cfg.data.path}",
+        data_line(cfg, data),
         f"steps: {start_step} -> {layout.end_step} (schedule horizon {layout.max_steps}), lr {t.lr:g} "
         f"{t.schedule} with {min(t.warmup_steps, layout.max_steps)} warmup, precision {t.precision} "
         f"(params {str(rt.param_dtype).removeprefix('torch.')}, autocast "
