@@ -357,6 +357,27 @@ def test_a_committed_checkpoint_holding_a_users_files_is_neither_replaced_nor_pr
         save(700)
     assert (root / checkpoint.step_dir_name(700)).is_symlink()
 
+    # A marker there but unread at that moment (ESTALE on NFS while another node rewrites it): nothing in the folder is
+    # taken for ours. The names at the top alone passed the user's model card under model/, and the prune deleted it.
+    import errno
+
+    root = tmp_path / "nfs"
+    save(100)
+    (root / checkpoint.step_dir_name(100) / "model" / "README.md").write_text("---\nlanguage: es\n---\n")
+    real_read = Path.read_text
+
+    def stale(self: Path, *a: object, **k: object) -> str:
+        if self.name == checkpoint.MARKER and self.parent.name == checkpoint.step_dir_name(100):
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        return real_read(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", stale)
+    save(200, keep_last=1)
+    monkeypatch.setattr(Path, "read_text", real_read)
+    assert (root / checkpoint.step_dir_name(100) / "model" / "README.md").is_file()
+    assert any("step_00000100 is past train.keep_last" in m and "COMPLETE.json (unreadable: Stale file handle)" in m
+               for m in (r.getMessage() for r in caplog.records))  # fmt: skip
+
 
 def test_a_consolidation_that_safetensors_cannot_write_is_one_line_and_leaves_the_checkpoint_as_it_was(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

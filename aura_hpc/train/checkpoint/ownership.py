@@ -25,8 +25,14 @@ def not_ours(folder: Path) -> list[str]:
     folder never ours) they are the names at its top that our save never writes."""
     try:
         listed = set(json.loads((folder / MARKER).read_text())["files"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return sorted(p.name for p in folder.iterdir() if p.name not in OURS and not p.name.startswith(".nfs"))
+    except FileNotFoundError:
+        return _unlisted_at_top(folder)
+    except OSError as exc:
+        # There but unread at this moment (ESTALE on NFS while another node rewrites it): what it lists is not known, so
+        # nothing in the folder is taken for ours (the names at the top alone passed a user's model/README.md).
+        return [f"{MARKER} (unreadable: {exc.strerror or type(exc).__name__})"]
+    except (ValueError, KeyError, TypeError):
+        return _unlisted_at_top(folder)
     # The full weights a consolidation puts in place are ours before the marker that lists them is rewritten (one
     # interrupted between the two left them unlisted).
     listed |= _CONSOLIDATED
@@ -40,6 +46,10 @@ def not_ours(folder: Path) -> list[str]:
             continue
         found.append(rel)
     return sorted(found)
+
+
+def _unlisted_at_top(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name not in OURS and not p.name.startswith(".nfs"))
 
 
 def _part_of_listed(rel: str, listed: set[str]) -> bool:
