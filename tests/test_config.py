@@ -478,6 +478,39 @@ def test_a_runs_deepspeed_json_is_its_own_copy_so_an_edit_after_submit_changes_n
     assert not (project.run_dir / "config.yaml").exists()
 
 
+def test_a_start_that_fails_while_the_run_directory_is_set_up_leaves_neither_its_lock_nor_a_part_file(
+    tmp_path: Path, prepared: Path
+) -> None:
+    """The copy of the user's DeepSpeed JSON, made after the run lock was taken: a JSON broken since the checks left
+    run.lock behind (another machine of a shared folder waited out its heartbeat), and a copy cut short by the disk
+    left .deepspeed.json.tmp-PID in the run directory for good."""
+    import resource
+    import signal
+
+    from aura_hpc.launch.run_setup import prepare_run_dir
+
+    users = tmp_path / "ds.json"
+    users.write_text('{"zero_optimization": {"reduce_bucket_size": 50000000}, "x": "' + "y" * 20000 + '"}\n')
+    sets = ["dist.strategy=zero2", f"dist.deepspeed_config={users}", f"data.path={prepared}", "train.batch_size=2"]
+    cfg = load_config("tiny", sets, str(tmp_path / "runs"), "ds")
+    users.write_text("{ not json")  # edited between the launcher's checks and the copy
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        prepare_run_dir(cfg, 2, lock=True)
+    assert not (cfg.run_dir / "run.lock").exists()
+    users.write_text('{"zero_optimization": {"reduce_bucket_size": 50000000}, "x": "' + "y" * 20000 + '"}\n')
+    was_signal, was_limit = signal.signal(signal.SIGXFSZ, signal.SIG_IGN), resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8192, was_limit[1]))  # a file may not grow past 8 KiB: a full disk's error
+    try:
+        with pytest.raises(OSError, match="too large"):
+            prepare_run_dir(cfg, 2, lock=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, was_limit)
+        signal.signal(signal.SIGXFSZ, was_signal)
+    assert not [p.name for p in cfg.run_dir.iterdir() if ".tmp-" in p.name or p.name == "run.lock"]
+    prepare_run_dir(cfg, 2, lock=True).release()  # the next try starts as if nothing had happened
+    assert json.loads((cfg.run_dir / "deepspeed.json").read_text())["zero_optimization"]["reduce_bucket_size"] == 50000000
+
+
 def test_the_settings_every_rank_compares_include_the_sample_order_and_leave_out_where_data_lives() -> None:
     """LAN nodes with data.shuffle_window 0 and 2 trained in silence, each reading its own order: 745 distinct
     sequences of 992 positions. Where a machine finds its data (path, cache, tokenizer folder) may differ."""

@@ -141,8 +141,11 @@ def kept_in_run_dir(cfg: RunConfig, config_name: str) -> RunConfig:
         return cfg  # none, or a run started again from its own copy
     load_user_config(source)  # as the workers read it: a file changed since the checks is said as such
     tmp = kept.with_name(f".{kept.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(Path(source).read_bytes())
-    tmp.replace(kept)
+    try:
+        tmp.write_bytes(Path(source).read_bytes())
+        tmp.replace(kept)
+    finally:
+        tmp.unlink(missing_ok=True)  # a copy cut short (a full disk) is no one's file: left, it stayed for good
     written = copy.deepcopy(cfg)
     written.dist.deepspeed_config = str(kept)
     return written

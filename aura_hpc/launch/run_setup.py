@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -28,8 +30,6 @@ def _newest_complete_checkpoint(run_dir: Path) -> Path | None:
 
 
 def _file_digest(path: Path) -> str | None:
-    import hashlib
-
     try:
         return hashlib.sha256(path.read_bytes()).hexdigest()
     except OSError:
@@ -40,8 +40,6 @@ def _trained_with(ckpt: Path) -> str | None:
     """The checksum of the tokenizer a checkpoint was written with: as its commit marker recorded it (a damaged
     copy of the file, which the workers set aside for the previous checkpoint, read as "another tokenizer" and
     refused the run), else the file's own."""
-    import json
-
     try:
         recorded = json.loads((ckpt / "COMPLETE.json").read_text(encoding="utf-8"))["files"]["tokenizer/tokenizer.json"]["sha256"]
         if isinstance(recorded, str) and len(recorded) == 64:
@@ -54,8 +52,6 @@ def _trained_with(ckpt: Path) -> str | None:
 def _stream_tokenizer_of(ckpt: Path) -> str:
     """The data.tokenizer the checkpoint's run encoded with, where it is still there; else a copy of the checkpoint's
     own to make (a checkpoint's folder is pruned as the run goes on)."""
-    import yaml
-
     try:
         then = str(yaml.safe_load((ckpt / "config.yaml").read_text(encoding="utf-8"))["data"]["tokenizer"])
         folder = Path(then).expanduser()
@@ -98,8 +94,6 @@ def _check_same_tokenizer(cfg: RunConfig) -> None:
 
 def _check_zero_world_size(cfg: RunConfig, world_size: int) -> None:
     """ZeRO partitions resume only at the world size that wrote them: refused here, once, before any worker."""
-    import json
-
     ckpt = _newest_complete_checkpoint(cfg.run_dir)
     if ckpt is None or not cfg.dist.strategy.startswith("zero"):
         return
@@ -392,6 +386,8 @@ def prepare_run_dir(
     ensure_data(cfg, world_size)
     _check_resume_compatible(cfg, world_size, exact_world)
     export_webhook_secret(cfg)
+    held: RunLock | None = None
+    tmp = cfg.run_dir / f".{config_name}.tmp-{os.getpid()}"
     try:
         make_run_dir(cfg.run_dir)
         held = RunLock(cfg.run_dir).acquire() if lock else None
@@ -399,12 +395,13 @@ def prepare_run_dir(
             _remove_partial_checkpoints(cfg.run_dir / "checkpoints")
         if secret:
             ensure_run_secret(cfg.run_dir)
-        config_path = cfg.run_dir / config_name
-        tmp = config_path.with_name(f".{config_name}.tmp-{os.getpid()}")
         tmp.write_text(kept_in_run_dir(cfg, config_name).to_yaml(), encoding="utf-8")
-        tmp.replace(config_path)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        tmp.replace(cfg.run_dir / config_name)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)  # a run that did not start leaves no part, nor a lock another host waits out
+        if held is not None:
+            held.release()
+        if not isinstance(exc, OSError) or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise LaunchError(
             f"no space left on the disk of {cfg.run_dir} ({exc.strerror}) before training started "
