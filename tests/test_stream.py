@@ -454,8 +454,8 @@ def test_a_folder_of_small_files_streams_them_together_with_no_tail_dropped_and_
         data.fetch("train", [0])
         data.fetch_validation(8, [0])
         said = data_line(RunConfig(data=small), data)
-        assert said.endswith("no validation sequence, so no eval_loss (fix: a larger data.val_fraction or data.shard_mb: a "
-                             "stream's validation comes from its first pieces)"), said  # fmt: skip
+        assert said.endswith("no validation sequence, so no eval_loss (fix: a larger data.val_fraction or data.shuffle_window: "
+                             "a stream's validation comes from the pieces of its first window)"), said  # fmt: skip
     finally:
         data.close()
 

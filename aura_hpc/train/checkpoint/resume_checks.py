@@ -45,7 +45,8 @@ def same_data(chosen: str, meta: dict[str, Any], ours: Any, said: bool) -> bool:
             "checkpoint %s was trained on other data (data_sha256 %s, this data's %s): the run goes on at sample %s of this "
             "data's order, so some of its sequences may train twice and others never, and its validation split may now hold text "
             "already trained on (eval_loss reads low) (fix: for an exact resume, the data the "
-            "checkpoint was trained on: the same prepared folder, or a stream's files as they were)",
+            "checkpoint was trained on: the same prepared folder, or a stream's files as they were and the release that "
+            "started the run, as a release of 2026-12-03 streams consecutive small files as one piece)",
             chosen, theirs[:12], ours[:12], meta["samples_seen"],
         )  # fmt: skip
     return False

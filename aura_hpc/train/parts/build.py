@@ -240,7 +240,7 @@ def data_line(cfg: RunConfig, data: Any) -> str:
     line += cfg.data.dataset if cfg.data.stream and cfg.data.dataset else cfg.data.path
     if n_val == 0:
         fix = (
-            "a larger data.val_fraction or data.shard_mb: a stream's validation comes from its first pieces"
+            "a larger data.val_fraction or data.shuffle_window: a stream's validation comes from the pieces of its first window"
             if cfg.data.stream
             else "prepare the data again with a larger --val-fraction"
         )
