@@ -329,7 +329,10 @@ ROWS = [
         "master address 'fd00::1' is an IPv6 address: IPv4 only",
     ),
     # generate
-    Row("generate: no checkpoint", ["generate", "--run", "{tmp}/norun"], "no complete checkpoint", _files),
+    Row("generate: no checkpoint", ["generate", "{tmp}/norun"], "no complete checkpoint", _files),
+    Row("generate: no run", ["generate"], "no run given (fix: python -m aura_hpc generate RUN_DIR"),  # argparse: "required: --run"
+    Row("generate: two runs", ["generate", "{tmp}/a", "--run", "{tmp}/b"], "two runs given, one as --run ("),
+    Row("generate: a job submitted from elsewhere", ["generate", "999999"], "job 999999 is not among the jobs submitted from here"),
     Row(
         "generate: nan temperature",
         ["generate", "--run", "{tmp}/norun", "--temperature", "nan"],
@@ -514,7 +517,6 @@ def test_a_damaged_copy_of_a_checkpoints_tokenizer_is_not_another_tokenizer_and_
         (["local", "--lr=0.01"], "--lr: did you mean --set train.lr=0.01?"),
         (["local", "--mastr-port", "5"], "--mastr-port: did you mean --master-port?"),
         (["local", "--nproc_per_node", "2"], "--nproc_per_node: did you mean --nproc-per-node?"),
-        (["generate"], "the following arguments are required: --run"),
         # torchrun's words for the default are taken (auto, gpu); anything else is named with the fix.
         (["local", "--nproc-per-node", "all"], "'all' is no count (fix: a number, or omit it for one per GPU, 2 on CPU)"),
     ],

@@ -204,6 +204,9 @@ def test_two_node_job_completes_and_status_logs_find_it(slurm_cluster: Path, pre
 
     history = run_cli(["history", "--json"])
     assert history.returncode == 0, history.stderr
+    # `generate` takes the job id as `status` and `logs` do: the run directory the index holds for it.
+    sampled = run_cli(["generate", job, "--max-new-tokens", "3"], timeout=120)
+    assert sampled.returncode == 0 and sampled.stdout.startswith("En un lugar de la Mancha"), sampled.stdout + sampled.stderr
 
     # The run submitted again (a resume): job.json names the new job, and the index has both.
     from aura_hpc.slurm import index

@@ -117,7 +117,7 @@ def test_default_local_runs_to_completion(tmp_path: Path) -> None:
     # The README's quick start says what you see: each of its lines, numbers and names aside, is printed.
     for pattern in _readme_lines():
         assert any(re.fullmatch(pattern, line) for line in out.splitlines()), f"README line not printed: {pattern}\n{out[-3000:]}"
-    readme = run_cli(["generate", "--run", "runs/tiny", "--prompt", "En un lugar de la Mancha"], cwd=tmp_path, timeout=120)
+    readme = run_cli(["generate", "runs/tiny", "--prompt", "En un lugar de la Mancha"], cwd=tmp_path, timeout=120)
     assert readme.returncode == 0 and readme.stdout.startswith("En un lugar de la Mancha"), readme.stderr
     two = run_cli(["generate", "--run", str(run), "--prompt", "La panadera", "--num", "2", "--max-new-tokens", "8"], timeout=120)
     assert two.returncode == 0 and two.stdout.count("--- sample ") == 2 and "--- sample 2 of 2 ---" in two.stdout, two.stderr

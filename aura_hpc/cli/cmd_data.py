@@ -137,11 +137,38 @@ def guidance(m: dict, asked_vocab: int) -> list[tuple[str, str]]:
     return rows
 
 
+def _run_to_sample(target: str | None, flag: str | None) -> str:
+    """The run directory `generate` samples from: given as `status` and `logs` take it (a run directory or the job id
+    `submit` printed), or with --run. `generate runs/tiny` was refused ("required: --run") where `status runs/tiny` works."""
+    from pathlib import Path
+
+    from aura_hpc.errors import ConfigError
+
+    if target and flag and Path(target).expanduser().resolve() != Path(flag).expanduser().resolve():
+        raise ConfigError(f"two runs given, one as --run ({target}, {flag}) (fix: name one: python -m aura_hpc generate RUN_DIR)")
+    run = target or flag
+    if not run:
+        raise ConfigError("no run given (fix: python -m aura_hpc generate RUN_DIR, e.g. runs/tiny, or the job id submit printed)")
+    if Path(run).expanduser().is_dir() or not run.replace("_", "").isdigit():
+        return str(Path(run).expanduser())  # --run=~/runs/x: bash leaves `~` after `=` to us
+    from aura_hpc.slurm.index import run_dir_of
+
+    found = run_dir_of(run)
+    if found is None:
+        raise ConfigError(
+            f"job {run} is not among the jobs submitted from here, and no folder {run} exists "
+            "(fix: pass its run directory, output_dir/run_name, as `status` shows it)"
+        )
+    return str(found)
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from aura_hpc import console
+
+    run = _run_to_sample(a.target, a.run)
     from aura_hpc.train.generate import generate
 
-    texts = generate(a.run, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed, a.num)
+    texts = generate(run, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed, a.num)
     for i, text in enumerate(texts):
         if len(texts) > 1:  # samples are multi-line text: a header line keeps them apart
             console.plain(f"--- sample {i + 1} of {len(texts)} ---")
@@ -190,7 +217,8 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="sample text from a run's latest checkpoint",
         description="Sample text from the newest valid checkpoint of a run (on CPU; the samples go to stdout).",
     )
-    p.add_argument("--run", required=True, help="a run directory (output_dir/run_name)")
+    p.add_argument("target", nargs="?", help="a run directory (output_dir/run_name), or the job id `submit` printed")
+    p.add_argument("--run", help="the same, as a flag")
     p.add_argument("--prompt", default="En un lugar de la Mancha", help="the text to continue (default: En un lugar de la Mancha)")
     p.add_argument("--max-new-tokens", type=int, default=60, help="tokens to generate after the prompt (default 60)")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; lower is more conservative (default 0.8)")
