@@ -762,9 +762,18 @@ def test_nodes_not_responding_or_in_maintenance_are_not_counted_as_spare(tmp_pat
     assert exclude._nodes_by_use("gpu") == (["n1", "n3", "n6", "n7"], ["n2", "n4", "n5"])
 
 
-def test_relative_output_dir_is_refused(tmp_path: Path) -> None:
-    res = run_cli(["submit", "--output-dir", "runs", "--dry-run"], cwd=tmp_path)
-    assert res.returncode == 2 and "is not an absolute path" in res.stderr and "fix:" in res.stderr
+def test_a_relative_output_dir_is_where_sbatch_starts_the_job_however_it_is_given(tmp_path: Path) -> None:
+    """`--output-dir runs`, and the default `runs` of a profile without one, were refused ("not an absolute path")
+    while `--set output_dir=runs` was taken from the directory submit ran in, where sbatch starts the job."""
+    (tmp_path / "sub").mkdir()
+    plans = [
+        run_cli(["submit", *flags, "--nodes", "2", "--run-name", "r", "--dry-run"], cwd=tmp_path / "sub")
+        for flags in (["--output-dir", "runs"], ["--set", "output_dir=runs"], [], ["--output-dir", "../sub/runs"])
+    ]
+    for res in plans:
+        assert res.returncode == 0 and f"run directory: {tmp_path}/sub/runs/r" in res.stdout, res.stdout[-2000:] + res.stderr
+    # Two nodes on this machine's local disk: said, as for an absolute path there (a job's nodes see no shared folder).
+    assert all(f"output_dir {tmp_path}/sub/runs is on a local filesystem" in res.stdout + res.stderr for res in plans), plans[0].stdout
 
 
 def test_missing_slurm_is_a_clear_error(tmp_path: Path, prepared: Path) -> None:

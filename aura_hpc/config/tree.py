@@ -232,7 +232,7 @@ class TrackingConfig:
 @dataclass
 class RunConfig:
     run_name: str = "tiny"  # the run directory's name under output_dir (re-using it resumes)
-    output_dir: str = "runs"  # where run directories go (absolute and shared by every node for Slurm)
+    output_dir: str = "runs"  # where run directories go (shared by every node for Slurm; a relative one starts where submit runs)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -116,11 +116,6 @@ def _point_name(overrides: list[str]) -> str:
 
 
 def _check_output_dir(out: str, nodes: int, warnings: list[str]) -> None:
-    if not os.path.isabs(out):
-        raise ConfigError(
-            f"output_dir {out!r} is not an absolute path: every node must find the same run directory "
-            "(fix: --output-dir /shared/path/runs, or #AURA output_dir=... in the cluster profile)"
-        )
     p = Path(out)
     existing = p
     while not existing.exists() and existing != existing.parent:
@@ -237,6 +232,9 @@ def plan_submit(
     else:
         sources["output_dir"] = "default"
     warnings: list[str] = []
+    # Where sbatch starts the job: `--set output_dir=runs` was taken so, `--output-dir runs` (and the default) refused.
+    if not os.path.isabs(cfg.output_dir):
+        cfg.output_dir = str((Path.cwd() / cfg.output_dir).resolve())
     _check_output_dir(cfg.output_dir, slurm.nodes, warnings)
     max_gpus = prof.max_gpus_per_node
     if max_gpus is not None and slurm.gpus_per_node > max_gpus:
