@@ -1238,6 +1238,37 @@ def test_no_slurm_configuration_is_named_at_once(command: list[str], tmp_path: P
     assert time.perf_counter() - t0 < 45, "Slurm's own 60 s retry loop was not waited out"
 
 
+def test_slurms_clients_without_a_readable_configuration_say_which_in_one_line(tmp_path: Path, home: Path) -> None:
+    """Debian's slurm-client with no slurm.conf looks for a configless controller (DNS SRV records, then a fetch) and
+    logs each step before its fatal line: `status` beside a laptop's local runs quoted four lines of Slurm's internals
+    in its note, each prefixed twice ("squeue: squeue: error: resolve_ctls_from_dns_srv: ..."). A slurm.conf Slurm
+    could not parse was called unreachable, with no slurm.conf."""
+    if shutil.which("squeue") is None:
+        pytest.skip("needs Slurm's client commands")
+    broken = tmp_path / "slurm.conf"
+    broken.write_text("ClusterName=x\nSlurmctldHost=localhost\nFooBar=1\n")
+    res = run_cli(["status", "123"], SLURM_CONF=str(broken), timeout=120)
+    assert res.returncode == 2 and "unrecognized key: FooBar fatal: Unable to process configuration file" in res.stderr, res.stderr
+    assert "(fix: Slurm could not read its slurm.conf" in res.stderr and "not reachable" not in res.stderr, res.stderr
+    if Path("/etc/slurm/slurm.conf").exists():
+        pytest.skip("this machine has a slurm.conf, which Slurm reads without SLURM_CONF")
+    env = cli_env()
+    env.pop("SLURM_CONF", None)
+    fix = "(fix: no Slurm configuration is reachable from this machine"
+    said = {}
+    for command in ("status", "history"):
+        said[command] = subprocess.run(
+            [sys.executable, "-m", "aura_hpc", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
+    status, history = said["status"], said["history"]
+    assert status.returncode == 0 and history.returncode == 2, status.stdout + status.stderr + history.stderr
+    note = [line for line in status.stdout.splitlines() if line.startswith("no Slurm jobs:")]
+    assert len(note) == 1 and note[0].startswith(f"no Slurm jobs: squeue: fatal: Could not establish a configuration source {fix}"), note
+    assert history.stderr.startswith(f"error: sacct: fatal: Could not establish a configuration source {fix}"), history.stderr
+    for text in (note[0], history.stderr):
+        assert "dns_srv" not in text and "fetch_config" not in text and "squeue: squeue:" not in text and "sacct: sacct:" not in text, text
+
+
 def test_submit_without_a_slurm_configuration_is_named_at_once(tmp_path: Path, home: Path) -> None:
     """submit's sbatch --test-only waited out Slurm's 60 s retry loop first (59.5 s measured)."""
     if shutil.which("sbatch") is None:

@@ -124,11 +124,17 @@ def _run(cmd: list[str], timeout: float = 30) -> str:
 
 
 # Slurm's error texts (lower case) -> what the user should change; the first match wins.
+_NO_CONFIG_FIX = (
+    "no Slurm configuration is reachable from this machine (no slurm.conf, and no controller found for a configless "
+    "setup): export SLURM_CONF=/path/to/slurm.conf, or run on the cluster's login node"
+)
+_CONFIGLESS_STEPS = ("resolve_ctls_from_dns_srv:", "fetch_config:", "_establish_config_source:")
 _FIXES: list[tuple[tuple[str, ...], str]] = [
+    (("failed to fetch config", "dns srv lookup failed", "cannot stat file"), _NO_CONFIG_FIX),
     (
-        ("failed to fetch config", "dns srv lookup failed", "unable to process configuration file", "cannot stat file"),
-        "no Slurm configuration is reachable from this machine (no slurm.conf, and no controller found for a configless "
-        "setup): export SLURM_CONF=/path/to/slurm.conf, or run on the cluster's login node",
+        ("unable to process configuration file",),
+        "Slurm could not read its slurm.conf (its message names the key or line): correct that line, or export "
+        "SLURM_CONF=/path/to/the cluster's slurm.conf",
     ),
     (  # before slurmctld's: its "Connection refused" is the accounting database's here (scontrol ping says all is well)
         ("problem talking to the database", "persistent connection"),
@@ -170,10 +176,15 @@ _DEFAULT_FIX = "see Slurm's message; `sinfo -s` and `scontrol show partition` sh
 
 def explain(command: str, stderr: str) -> str:
     """Slurm's own message plus what to change."""
-    msg = " ".join(line.strip() for line in stderr.strip().splitlines() if line.strip()) or f"{command} failed"
-    low = msg.lower()
+    lines = [line.strip().removeprefix(f"{command}: ") for line in stderr.strip().splitlines() if line.strip()]
+    low = " ".join(lines).lower()
     fix = next((fix for needles, fix in _FIXES if any(n in low for n in needles)), _DEFAULT_FIX)
-    return f"{command}: {msg} (fix: {fix})"
+    if fix is _NO_CONFIG_FIX:
+        # Without a slurm.conf Slurm logs each place it then looked for a configless controller (DNS SRV records, a
+        # fetch) before its fatal line: three lines of its internals in a laptop user's `status`, which the fix says
+        # in words. A slurm.conf it could not read keeps every line (the one that names the bad line of the file).
+        lines = [line for line in lines if not any(step in line for step in _CONFIGLESS_STEPS)] or lines
+    return f"{command}: {' '.join(lines) or f'{command} failed'} (fix: {fix})"
 
 
 def squeue(job_ids: list[str] | None = None, all_users: bool = False, all_states: bool = False) -> list[JobRow]:
