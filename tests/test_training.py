@@ -109,6 +109,9 @@ def test_default_local_runs_to_completion(tmp_path: Path) -> None:
     assert split["seconds"]["hangs"] == 0 and split["seconds"]["recomputed"] == 0, split
     status = run_cli(["status", "runs/tiny"], cwd=tmp_path, timeout=60)
     assert status.returncode == 0 and "productive steps" in status.stdout and "(goodput ledger)" in status.stdout, status.stdout
+    # A clean run keeps no stderr log: said so, not "node 0 keeps it" to node 0 itself.
+    stderr = run_cli(["logs", "runs/tiny", "--stderr"], cwd=tmp_path, timeout=60)
+    assert stderr.returncode == 0 and "has no stderr log: nothing was written to stderr where rank 0 ran" in stderr.stdout, stderr
     history = run_cli(["history", "--json"], cwd=tmp_path, timeout=60)  # local runs too, not only Slurm's
     assert history.returncode == 0, history.stderr
     mine = [r for r in json.loads(history.stdout)["jobs"] if r["job_id"] == "local"]

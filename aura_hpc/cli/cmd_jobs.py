@@ -70,10 +70,13 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 def cmd_logs(a: argparse.Namespace) -> int:
     from aura_hpc import console
-    from aura_hpc.launch.run_status import is_local_run, local_log
+    from aura_hpc.launch.run_status import is_local_run, local_log, no_stderr_note
     from aura_hpc.slurm.commands import absent_log_note, follow_log, log_file
 
     if is_local_run(a.target):
+        if a.stderr and (note := no_stderr_note(Path(a.target), a.rank)) is not None:
+            console.info(note)
+            return 0
         path = local_log(Path(a.target), a.rank, a.stderr)
         if a.follow:
             _follow_local(path, console.plain)

@@ -113,6 +113,18 @@ def local_log(run_dir: Path, rank: int, stderr: bool = False) -> Path:
     return path
 
 
+def no_stderr_note(run_dir: Path, rank: int) -> str | None:
+    """What `logs --stderr` says of a run whose ranks ran here and wrote nothing to stderr: a clean launch keeps no
+    stderr log (launch/native_stderr.py), and sending the user to node 0's folder was wrong on node 0 itself."""
+    logs = run_dir.expanduser() / "logs"
+    if any(logs.glob("stderr_node*.log")) or not (logs / f"rank_{rank}.log").is_file():
+        return None
+    return (
+        f"{logs} has no stderr log: nothing was written to stderr where rank {rank} ran (one is kept only when a process "
+        f"wrote there: a traceback, torch's C++ warnings); its log: python -m aura_hpc logs {run_dir} --rank {rank}"
+    )
+
+
 def _node_stderr(logs: Path, rank: int) -> Path:
     """The stderr log of the node that ran `rank` (a node's workers share one: Python's tracebacks and
     torch's C++ lines): the one where the rank said it joined, else this machine's only one if no rank
