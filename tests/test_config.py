@@ -116,7 +116,7 @@ def test_bad_overrides_give_one_line_errors(overrides: list[str], expected: str)
     assert "fix" in msg or "valid keys" in msg or "did you mean" in msg
 
 
-def test_unknown_key_is_one_short_line_with_the_closest_key_only_when_there_is_one() -> None:
+def test_unknown_key_is_one_short_line_with_the_closest_key_only_when_there_is_one(tmp_path: Path) -> None:
     for overrides, suggestion in (
         (["train.learning_rate=1"], None),
         (["train.nonexistent_key=1"], None),  # suggested train.weight_decay before
@@ -132,6 +132,18 @@ def test_unknown_key_is_one_short_line_with_the_closest_key_only_when_there_is_o
     assert keys.returncode == 0 and "dist.backend" in keys.stdout and "train.max_steps" in keys.stdout
     shown = run_cli(["config", "--config", "gpt2-small", "--set", "train.lr=3e-4"])
     assert shown.returncode == 0 and "lr: 0.0003" in shown.stdout and "n_embd: 768" in shown.stdout
+    # A preset or a run directory named plainly, as `local --config` and `status RUN_DIR` take them.
+    assert run_cli(["config", "gpt2-small", "--set", "train.lr=3e-4"]).stdout == shown.stdout
+    run = tmp_path / "runs" / "mine"
+    run.mkdir(parents=True)
+    made = run_cli(["config", "gpt2-small", "--output-dir", str(tmp_path / "runs"), "--run-name", "mine"])
+    (run / "config.yaml").write_text(made.stdout)  # as `local` stores it: output_dir whole
+    stored = run_cli(["config", str(run)])
+    assert stored.returncode == 0 and stored.stdout == made.stdout and "run_name: mine" in made.stdout, stored.stderr
+    two = run_cli(["config", "gpt2-small", "--config", "tiny"])
+    assert two.returncode == 2 and "two configs given, gpt2-small and --config tiny (fix: name one" in two.stderr, two.stderr
+    empty = run_cli(["config", str(tmp_path / "runs")])
+    assert empty.returncode == 2 and "holds no config.yaml (fix: a run directory local or submit made" in empty.stderr, empty.stderr
 
 
 def test_bad_yaml_files(tmp_path: Path) -> None:

@@ -26,9 +26,30 @@ def cmd_config(a: argparse.Namespace) -> int:
 
         console.plain(markdown().rstrip())
         return 0
-    cfg = load_config(a.config, a.overrides, a.output_dir, a.run_name)
+    cfg = load_config(_config_named(a), a.overrides, a.output_dir, a.run_name)
     console.plain(cfg.to_yaml().rstrip())  # as stored in the run directory: secrets redacted
     return 0
+
+
+def _config_named(a: argparse.Namespace) -> str | None:
+    """`config gpt2-small` as `config --config gpt2-small`, and `config RUN_DIR` as the config that run stored."""
+    from pathlib import Path
+
+    from aura_hpc.errors import ConfigError
+
+    if a.what is None:
+        return a.config
+    if a.config is not None and a.config != a.what:
+        raise ConfigError(f"two configs given, {a.what} and --config {a.config} (fix: name one: python -m aura_hpc config {a.what})")
+    folder = Path(a.what).expanduser()
+    if not folder.is_dir():
+        return a.what  # a preset or a YAML file: load_config says which it is not
+    stored = folder / "config.yaml"
+    if not stored.is_file():
+        raise ConfigError(
+            f"{folder} holds no config.yaml (fix: a run directory local or submit made, a preset (config --list) or a YAML file)"
+        )
+    return str(stored)
 
 
 def preset_summary(text: str, name: str) -> str:
@@ -52,6 +73,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Print the config a run would use (defaults <- preset <- file <- --set), as stored in its run directory.",
     )
     add_run_options(p)
+    p.add_argument("what", nargs="?", help="a preset, a YAML file or a run directory (its stored config), as --config takes")
     p.add_argument("--keys", action="store_true", help="list every config key with its type, default and allowed values")
     p.add_argument("--list", action="store_true", help="list the shipped presets")
     p.add_argument("--markdown", action="store_true", help="print the config reference as Markdown (docs/config.md)")
