@@ -336,7 +336,7 @@ ROWS = [
     Row(
         "generate: nan temperature",
         ["generate", "--run", "{tmp}/norun", "--temperature", "nan"],
-        "--temperature must be above 0, got nan",
+        "--temperature must be 0 (greedy) or above, got nan",
         _files,
     ),
     Row(

@@ -122,9 +122,13 @@ def test_default_local_runs_to_completion(tmp_path: Path) -> None:
         assert any(re.fullmatch(pattern, line) for line in out.splitlines()), f"README line not printed: {pattern}\n{out[-3000:]}"
     readme = run_cli(["generate", "runs/tiny", "--prompt", "En un lugar de la Mancha"], cwd=tmp_path, timeout=120)
     assert readme.returncode == 0 and readme.stdout.startswith("En un lugar de la Mancha"), readme.stderr
-    two = run_cli(["generate", "--run", str(run), "--prompt", "La panadera", "--num", "2", "--max-new-tokens", "8"], timeout=120)
+    # Temperature 0 is greedy, as most tools read it (it was refused): both samples the same.
+    greedy = ["--temperature", "0", "--num", "2", "--max-new-tokens", "8"]
+    two = run_cli(["generate", "--run", str(run), "--prompt", "La panadera", *greedy], timeout=120)
     assert two.returncode == 0 and two.stdout.count("--- sample ") == 2 and "--- sample 2 of 2 ---" in two.stdout, two.stderr
     assert two.stdout.count("La panadera") == 2 and len(two.stdout.split()) > 8
+    first, second = (part.split("---\n", 1)[1] for part in two.stdout.split("--- sample ")[1:])
+    assert first.strip() == second.strip(), two.stdout
     assert "Loading" not in two.stdout + two.stderr and "%|" not in two.stdout + two.stderr, two.stderr
 
     again = run_cli(["local"], cwd=tmp_path, timeout=300)

@@ -221,7 +221,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--run", help="the same, as a flag")
     p.add_argument("--prompt", default="En un lugar de la Mancha", help="the text to continue (default: En un lugar de la Mancha)")
     p.add_argument("--max-new-tokens", type=int, default=60, help="tokens to generate after the prompt (default 60)")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; lower is more conservative (default 0.8)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, lower is safer; 0 is greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens; 0 = all (default 40)")
     p.add_argument("--seed", type=int, default=0, help="random seed: the same seed gives the same samples (default 0)")
     p.add_argument("--num", type=int, default=1, help="how many samples, each preceded by a separator line (default 1)")

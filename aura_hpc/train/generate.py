@@ -11,8 +11,8 @@ from aura_hpc.train.checkpoint import files as checkpoint
 def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int, num: int = 1) -> list[str]:
     if max_new_tokens <= 0:
         raise CheckpointError(f"--max-new-tokens must be at least 1, got {max_new_tokens} (fix: --max-new-tokens 100)")
-    if not temperature > 0:  # nan too
-        raise CheckpointError(f"--temperature must be above 0, got {temperature} (fix: --temperature 0.8)")
+    if not temperature >= 0:  # nan too
+        raise CheckpointError(f"--temperature must be 0 (greedy) or above, got {temperature} (fix: --temperature 0.8)")
     if num < 1 or top_k < 0:
         raise CheckpointError("--num must be at least 1 and --top-k 0 or more (fix: --num 1 --top-k 40)")
     root = Path(run_dir) / "checkpoints"
@@ -64,6 +64,9 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
             f"the prompt is {ids.shape[1]} tokens and --max-new-tokens {max_new_tokens}: more than the model's "
             f"{room} positions (fix: {fix})"
         )
+    # Temperature 0 is greedy decoding, as most tools read it: the most likely token each time (transformers
+    # refuses a temperature of 0 for sampling, and warns on one given without it).
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k} if temperature > 0 else {"do_sample": False}
     out = []
     with torch.no_grad():
         for _ in range(num):
@@ -71,9 +74,7 @@ def generate(run_dir: str, prompt: str, max_new_tokens: int, temperature: float,
                 ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=max_new_tokens,
-                do_sample=True,
-                temperature=temperature,
-                top_k=top_k,
+                **sampling,
                 pad_token_id=tok.eos_token_id,
                 **padding_suppressed(model, len(tok)),
             )
