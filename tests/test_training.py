@@ -112,6 +112,8 @@ def test_default_local_runs_to_completion(tmp_path: Path) -> None:
     # A clean run keeps no stderr log: said so, not "node 0 keeps it" to node 0 itself.
     stderr = run_cli(["logs", "runs/tiny", "--stderr"], cwd=tmp_path, timeout=60)
     assert stderr.returncode == 0 and "has no stderr log: nothing was written to stderr where rank 0 ran" in stderr.stdout, stderr
+    stranger = run_cli(["logs", "runs/tiny", "--stderr", "--rank", "4"], cwd=tmp_path, timeout=60)
+    assert stranger.returncode == 2 and "rank 4 did not run here (fix: --rank one of 0, 1, or read it" in stranger.stderr, stranger
     history = run_cli(["history", "--json"], cwd=tmp_path, timeout=60)  # local runs too, not only Slurm's
     assert history.returncode == 0, history.stderr
     mine = [r for r in json.loads(history.stdout)["jobs"] if r["job_id"] == "local"]

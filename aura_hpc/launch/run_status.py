@@ -140,8 +140,12 @@ def _node_stderr(logs: Path, rank: int) -> Path:
     if len(nodes) == 1 and not joined:  # no rank got as far as joining: the start-up failure is there
         return nodes[0]
     names = ", ".join(p.name for p in nodes)
+    ranks = ", ".join(sorted(p.stem.removeprefix("rank_") for p in logs.glob("rank_*.log")))
     raise LaunchError(
         f"no stderr log here names rank {rank} (fix: read it on the machine that ran it; here: {names})"
         if nodes
+        else f"{logs} has no stderr log, and rank {rank} did not run here (fix: --rank one of {ranks}, or read it on the machine "
+        f"that ran rank {rank})"
+        if ranks
         else f"{logs} has no stderr log (fix: the run's node 0 keeps it in its logs/ folder)"
     )
