@@ -44,7 +44,10 @@ def _config_named(a: argparse.Namespace) -> str | None:
     folder = Path(a.what).expanduser()
     if not folder.is_dir():
         return a.what  # a preset or a YAML file: load_config says which it is not
-    stored = folder / "config.yaml"
+    from aura_hpc.launch.run_status import local_config
+
+    # A local run's (on a LAN node other than 0, config.nodeN.yaml), or a Slurm run's config.yaml beside its job.json.
+    stored = local_config(folder) or folder / "config.yaml"
     if not stored.is_file():
         raise ConfigError(
             f"{folder} holds no config.yaml (fix: a run directory local or submit made, a preset (config --list) or a YAML file)"

@@ -108,8 +108,8 @@ def local_log(run_dir: Path, rank: int, stderr: bool = False) -> Path:
         return _node_stderr(run_dir.expanduser() / "logs", rank)
     path = run_dir.expanduser() / "logs" / f"rank_{rank}.log"
     if not path.exists():
-        ranks = sorted(p.stem.removeprefix("rank_") for p in (run_dir / "logs").glob("rank_*.log"))
-        raise LaunchError(f"{path} does not exist (fix: --rank one of {', '.join(ranks)})" if ranks else f"{run_dir} has no rank logs yet")
+        ranks = _ranks_logged(run_dir.expanduser() / "logs")
+        raise LaunchError(f"{path} does not exist (fix: --rank one of {ranks})" if ranks else f"{run_dir} has no rank logs yet")
     return path
 
 
@@ -123,6 +123,11 @@ def no_stderr_note(run_dir: Path, rank: int) -> str | None:
         f"{logs} has no stderr log: nothing was written to stderr where rank {rank} ran (one is kept only when a process "
         f"wrote there: a traceback, torch's C++ warnings); its log: python -m aura_hpc logs {run_dir} --rank {rank}"
     )
+
+
+def _ranks_logged(logs: Path) -> str:
+    """The ranks whose logs are in `logs`, for a fix that names them ("" where none is)."""
+    return ", ".join(sorted(p.stem.removeprefix("rank_") for p in logs.glob("rank_*.log")))
 
 
 def _node_stderr(logs: Path, rank: int) -> Path:
@@ -140,7 +145,7 @@ def _node_stderr(logs: Path, rank: int) -> Path:
     if len(nodes) == 1 and not joined:  # no rank got as far as joining: the start-up failure is there
         return nodes[0]
     names = ", ".join(p.name for p in nodes)
-    ranks = ", ".join(sorted(p.stem.removeprefix("rank_") for p in logs.glob("rank_*.log")))
+    ranks = _ranks_logged(logs)
     raise LaunchError(
         f"no stderr log here names rank {rank} (fix: read it on the machine that ran it; here: {names})"
         if nodes
