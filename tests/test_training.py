@@ -150,6 +150,24 @@ def test_default_local_runs_to_completion(tmp_path: Path) -> None:
     assert oct(run.stat().st_mode & 0o777) == "0o750" and not (run / "run.lock").exists()
 
 
+def test_a_rank_not_logged_here_names_the_ranks_that_are_in_number_order_and_as_ranges(tmp_path: Path) -> None:
+    """8 nodes of 8 GPUs on one shared folder: 64 rank logs. The fix listed them as text (0, 1, 10, 11, ..., 2, 20):
+    now in number order, runs of ranks as ranges."""
+    from aura_hpc.errors import LaunchError
+    from aura_hpc.launch.run_status import local_log
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for rank in [*range(12), 16, 17, 20, 22, 23, 24]:
+        (logs / f"rank_{rank}.log").write_text("")
+    (logs / "rank_x.log").write_text("")  # not a rank's: left out
+    with pytest.raises(LaunchError, match=r"\(fix: --rank one of 0-11, 16, 17, 20, 22-24\)$"):
+        local_log(tmp_path, 40)
+    assert local_log(tmp_path, 10) == logs / "rank_10.log"
+    with pytest.raises(LaunchError, match=r"--rank one of 0-11, 16, 17, 20, 22-24, or read it"):
+        local_log(tmp_path, 40, stderr=True)
+
+
 def test_ddp_two_ranks_equals_one_rank_with_accumulation(tmp_path: Path, prepared: Path) -> None:
     common = [
         "--set",

@@ -126,8 +126,16 @@ def no_stderr_note(run_dir: Path, rank: int) -> str | None:
 
 
 def _ranks_logged(logs: Path) -> str:
-    """The ranks whose logs are in `logs`, for a fix that names them ("" where none is)."""
-    return ", ".join(sorted(p.stem.removeprefix("rank_") for p in logs.glob("rank_*.log")))
+    """The ranks whose logs are in `logs`, for a fix that names them ("" where none is): in number order, runs of
+    ranks as ranges ("0-15, 24-31": 8 nodes of 8 GPUs on one shared folder name 64 ranks, not a line of them)."""
+    ranks = sorted({int(n) for p in logs.glob("rank_*.log") if (n := p.stem.removeprefix("rank_")).isdigit()})
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in spans)
 
 
 def _node_stderr(logs: Path, rank: int) -> Path:
