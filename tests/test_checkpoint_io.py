@@ -311,13 +311,14 @@ def test_a_committed_checkpoint_holding_a_users_files_is_neither_replaced_nor_pr
     ckpt = root / checkpoint.step_dir_name(200)
     (ckpt / "notes.txt").write_text("lr too high after 150")
     (ckpt / "model" / "README.md").write_text("---\nlanguage: es\n---\n")
+    (ckpt / "model" / "card").mkdir()  # empty, for files to come: a user's too
     written = []
     real_write = checkpoint._write_model
     monkeypatch.setattr(checkpoint, "_write_model", lambda *a: written.append(a) or real_write(*a))
     with pytest.raises(CheckpointWriteError) as refused:
         save(200, keep_last=1)  # refused before its prune too: step 100 stays
     assert str(refused.value) == (
-        f"{ckpt} holds files this run did not write (model/README.md, notes.txt), so a new save of its step did not "
+        f"{ckpt} holds files this run did not write (model/README.md, model/card/, notes.txt), so a new save of its step did not "
         f"replace it (fix: move those files out of {ckpt.name}, then re-run the same command to resume)"
     )
     assert not written, "the guard runs before the new checkpoint is written"
@@ -330,11 +331,11 @@ def test_a_committed_checkpoint_holding_a_users_files_is_neither_replaced_nor_pr
     save(300, keep_last=1)
     save(400, keep_last=1)
     assert sorted(c.step for c in checkpoint.list_complete(root)) == [200, 400]
-    assert (ckpt / "notes.txt").is_file() and (ckpt / "model" / "README.md").is_file()
+    assert (ckpt / "notes.txt").is_file() and (ckpt / "model" / "README.md").is_file() and (ckpt / "model" / "card").is_dir()
     kept = [r.getMessage() for r in caplog.records if "past train.keep_last" in r.getMessage()]
     assert kept == [
         f"checkpoint {ckpt.name} is past train.keep_last but holds files this run did not write (model/README.md, "
-        "notes.txt): kept whole (fix: move them out of it; the next save removes it)"
+        "model/card/, notes.txt): kept whole (fix: move them out of it; the next save removes it)"
     ]
     # A consolidation's part (ours, however it was left) is no user's file; the files moved out, the next save prunes.
     (root / checkpoint.step_dir_name(400) / "model" / ".model.safetensors.host-boot-ns.99999.tmp").write_bytes(b"part")
@@ -343,7 +344,7 @@ def test_a_committed_checkpoint_holding_a_users_files_is_neither_replaced_nor_pr
     listed = json.loads(marker.read_text())
     del listed["files"]["model/model.safetensors"]
     marker.write_text(json.dumps(listed))
-    (ckpt / "notes.txt").unlink(), (ckpt / "model" / "README.md").unlink()
+    (ckpt / "notes.txt").unlink(), (ckpt / "model" / "README.md").unlink(), (ckpt / "model" / "card").rmdir()
     save(500, keep_last=1)
     assert [c.step for c in checkpoint.list_complete(root)] == [500] and sorted(os.listdir(root)) == ["step_00000500"]
 

@@ -38,14 +38,24 @@ def not_ours(folder: Path) -> list[str]:
     listed |= _CONSOLIDATED
     found = []
     for p in folder.rglob("*"):
-        if p.is_dir() and not p.is_symlink():
-            continue
         rel = p.relative_to(folder).as_posix()
+        if p.is_dir() and not p.is_symlink():
+            # An empty folder that none of our saves makes (a user's, for files to come) went with a pruned checkpoint.
+            if rel not in OURS and _empty(p):
+                found.append(f"{rel}/")
+            continue
         # `.nfsXXXX`: an NFS client's name for a file of ours deleted while a reader held it open; it goes at the close.
         if rel in listed or _part_of_listed(rel, listed) or p.name.startswith(".nfs"):
             continue
         found.append(rel)
     return sorted(found)
+
+
+def _empty(folder: Path) -> bool:
+    try:
+        return next(folder.iterdir(), None) is None
+    except OSError:  # gone meanwhile (a prune of its own run on another node): nothing of a user's to keep
+        return False
 
 
 def _unlisted_at_top(folder: Path) -> list[str]:
