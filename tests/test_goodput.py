@@ -61,3 +61,29 @@ def test_status_reads_a_summary_only_when_the_newest_launch_wrote_it(tmp_path: P
     os.utime(tmp_path / "summary.json")  # written by this launch
     assert local_status(tmp_path, {"step": 100})["state"] == "COMPLETED"
     assert goodput_note(tmp_path, "COMPLETED") == "time: 100% step of 0m50s (goodput ledger)"
+
+
+def test_status_of_a_copied_run_directory_goes_by_the_launch_its_summary_names_not_by_file_times(tmp_path: Path) -> None:
+    """`cp -r` and `scp -r` give a run directory's files new times in the order they copy them: a finished run whose
+    config.yaml was copied after its summary.json read STOPPED, and the newest launch was the one copied last."""
+    import os
+
+    from aura_hpc.launch.run_status import local_status
+
+    folder = tmp_path / goodput.FOLDER
+    folder.mkdir()
+    for launch, started in (("100.000-7", 100.0), ("200.000-8", 200.0)):
+        (folder / f"launch-{launch}.json").write_text(json.dumps({"started": started, "hangs": [], "requeues": []}))
+    os.utime(folder / "launch-100.000-7.json", (3_000_000, 3_000_000))  # copied after the newer one
+    os.utime(folder / "launch-200.000-8.json", (2_000_000, 2_000_000))
+    assert goodput.newest_launch(tmp_path) == "200.000-8"
+    (tmp_path / "config.yaml").write_text("train:\n  max_steps: 100\n")
+    summary = {"step": 100, "finished": True, "launch": "200.000-8"}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    os.utime(tmp_path / "summary.json", (1_000_000, 1_000_000))  # copied before config.yaml
+    row = local_status(tmp_path, {"step": 100})
+    assert row["state"] == "COMPLETED" and row["reason"] == "", row
+    # The earlier launch's summary, copied last: the newest launch (extended, then crashed) wrote none.
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, "launch": "100.000-7"}))
+    row = local_status(tmp_path, {"step": 100})
+    assert row["state"] == "STOPPED" and "resume" in row["reason"], row

@@ -95,7 +95,17 @@ def _attempts(run_dir: Path, launch_id: str) -> list[dict[str, Any]]:
 
 
 def newest_launch(run_dir: Path) -> str | None:
-    launches = sorted((run_dir / FOLDER).glob("launch-*.json"), key=lambda p: p.stat().st_mtime)
+    """By the start its record holds: a run directory copied with `cp -r` or `scp -r` has new file times, in the order
+    the copy made them."""
+
+    def started(path: Path) -> float:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            return float(json.loads(path.read_text(encoding="utf-8"))["started"])
+        with contextlib.suppress(OSError):
+            return path.stat().st_mtime
+        return 0.0
+
+    launches = sorted((run_dir / FOLDER).glob("launch-*.json"), key=started)
     return launches[-1].stem.removeprefix("launch-") if launches else None
 
 

@@ -78,10 +78,17 @@ def local_status(run_dir: Path, latest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _this_launchs_summary(run_dir: Path) -> dict[str, Any] | None:
-    """summary.json when the newest launch wrote it: each launch writes config.yaml first, so an older summary is an
-    earlier launch's (a finished run extended with a larger train.max_steps, then crashed, read COMPLETED)."""
+    """summary.json when the newest launch wrote it, not an earlier launch's (a finished run extended with a larger
+    train.max_steps, then crashed, read COMPLETED). The summary names its launch; one written before that did is judged by
+    file times (each launch writes config.yaml first), which a copy (`cp -r`, `scp -r`) does not keep: a finished run read
+    STOPPED there."""
+    from aura_hpc.launch import goodput
+
     summary = read_json(run_dir / "summary.json")
     config = local_config(run_dir)
+    wrote = summary.get("launch") if summary is not None else None
+    if isinstance(wrote, str) and wrote and (newest := goodput.newest_launch(run_dir)) is not None:
+        return summary if wrote == newest else None
     if summary is not None and config is not None:
         with contextlib.suppress(OSError):
             if (run_dir / "summary.json").stat().st_mtime < config.stat().st_mtime:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -33,6 +34,7 @@ from aura_hpc.train.process import progress as progress_page
 from aura_hpc.train.process import runtime
 from aura_hpc.train.process.dist_env import DistEnv
 from aura_hpc.train.process.stop import StopRequest
+from aura_hpc.train.process.time_ledger import LAUNCH_ENV
 from aura_hpc.train.strategies.base import OuterLoop, capability, sharding
 
 log = logging.getLogger("aura_hpc")
@@ -305,8 +307,7 @@ class Trainer:
             self.ckpt.save(last=True)  # the last save was refused (weights not finite): try once more
         self.ckpt.wait()
         final_ckpt = checkpoint.list_complete(self.ckpt.root)
-        last_sample = self.sample(pos.step, hold_others=False)
-        if last_sample is not None:
+        if (last_sample := self.sample(pos.step, hold_others=False)) is not None:
             log.info("sample: %s", last_sample.replace("\n", " "))
             if self.metrics is not None:
                 self.metrics.text("sample", last_sample, pos.step)
@@ -325,6 +326,7 @@ class Trainer:
                 "strategy": self.wrapped.name,
                 "peak_memory_gib": round(runtime.peak_memory(self.rt.device, self.memory_base) / 2**30, 3),
                 **self.instruments.summary(),
+                "launch": os.environ.get(LAUNCH_ENV) or None,  # the one that wrote it, for `status` (a copy's file times are new)
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
         try:
