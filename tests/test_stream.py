@@ -176,6 +176,33 @@ def test_a_local_dataset_folder_edited_is_another_stream(tmp_path: Path, tok: Pa
     assert key(folder) != first
 
 
+def test_a_file_kept_through_a_link_to_another_name_is_the_same_stream_and_one_given_twice_is_read_once(tmp_path: Path, tok: Path) -> None:
+    """A LAN node whose corpus.txt links to quijote_v2.txt on another disk named the file by its target: another key
+    (every rank refused as "different prepared data") and another order of pieces. Read through both names, once."""
+    from aura_hpc.config.tree import DataConfig
+    from aura_hpc.data.stream import StreamTokens
+
+    text = generate(300, seed=5)
+    for node in ("a", "b"):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "otro.txt").write_text(text[: len(text) // 3], encoding="utf-8")
+    (tmp_path / "a" / "corpus.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "disk2").mkdir()
+    (tmp_path / "disk2" / "quijote_v2.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "b" / "corpus.txt").symlink_to(tmp_path / "disk2" / "quijote_v2.txt")
+
+    def stream(path: str) -> StreamTokens:
+        data = StreamTokens(DataConfig(stream=True, path=path, tokenizer=str(tok), cache_dir=str(tmp_path / "cache")), seq_len=16)
+        data.close()
+        return data
+
+    a = stream(str(tmp_path / "a"))
+    assert stream(str(tmp_path / "b")).key == a.key
+    twice = stream(str(tmp_path / "b" / "*.txt"))  # a glob that takes the link and the file it names would read it twice
+    (tmp_path / "b" / "también.txt").symlink_to(tmp_path / "b" / "otro.txt")
+    assert stream(str(tmp_path / "b" / "*.txt")).pieces == twice.pieces
+
+
 def test_a_step_across_a_windows_boundary_keeps_the_window_it_still_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Shards in object storage, a step whose positions span windows 0 and 1: making window 1 ready pinned windows 1
     and 2 and prefetched 2, which evicted window 0's shards while the step still read them; they were fetched again

@@ -36,9 +36,11 @@ def _suffix(name: str) -> str:
     return os.path.splitext(name.rsplit("/", 1)[-1])[1].lower()
 
 
-def resolve_inputs(inputs: list[str]) -> list[Path | str]:
+def resolve_inputs(inputs: list[str], keep_links: bool = False) -> list[Path | str]:
     """Files, folders (recursive), globs and s3:// prefixes to a sorted list of supported files
-    (local ones as resolved Paths, objects as s3:// URLs)."""
+    (local ones as resolved Paths, objects as s3:// URLs). `keep_links`: local ones as absolute paths that keep their
+    symbolic links, in that order (a stream names its files so: a LAN node whose corpus.txt links to quijote_v2.txt on
+    another disk holds the same stream as one with the file itself); a file given twice is still listed once."""
     files: list[Path | str] = []
     for item in inputs:
         if storage.is_remote(item):
@@ -90,7 +92,11 @@ def resolve_inputs(inputs: list[str]) -> list[Path | str]:
                 raise DataError(f"input {str(m)!r} has an unsupported type {m.suffix!r} (fix: use {', '.join(TEXT_SUFFIXES)})")
     if not files:
         raise DataError(f"no .txt/.jsonl/.parquet files found in {inputs} (fix: point at the files or their folder)")
-    local = sorted({f.resolve() for f in files if isinstance(f, Path)})
+    if keep_links:
+        by_target = {f.resolve(): Path(os.path.abspath(f)) for f in sorted(files, key=str, reverse=True) if isinstance(f, Path)}
+        local = sorted(by_target.values())
+    else:
+        local = sorted({f.resolve() for f in files if isinstance(f, Path)})
     remote = sorted({f for f in files if isinstance(f, str)})
     return [*local, *remote]
 

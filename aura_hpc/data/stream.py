@@ -66,7 +66,7 @@ def plan_pieces(d: Any) -> list[shards.Piece]:
     if not d.path:
         raise DataError("data.stream needs a source (fix: --set data.path=s3://bucket/raw-text or local files, or data.dataset=NAME)")
     policy = storage.Policy(tries=d.read_tries, timeout_s=d.read_timeout_s)
-    return shards.plan(resolve_inputs([d.path]), TEXT_SUFFIXES, piece_bytes, None, False, policy=policy, join_small=True)
+    return shards.plan(resolve_inputs([d.path], keep_links=True), TEXT_SUFFIXES, piece_bytes, None, False, policy=policy, join_small=True)
 
 
 # Slurm signals every process of the step (slurmstepd signals the whole container): SIGUSR2 ahead of the time
