@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -212,6 +213,14 @@ def test_text_added_to_a_local_dataset_folder_is_new_input(tmp_path: Path) -> No
     assert input_key(spec, []) == first
     train.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 10), encoding="utf-8")
     assert input_key(spec, []) != first
+    # A Hub dataset's --revision is other input; a local folder has no commit to pin (`datasets` ignored it in silence).
+    from aura_hpc.data.prepare import check_spec
+
+    hub = PrepareSpec(out_dir=tmp_path / "p", dataset="someone/corpus-es")
+    assert input_key(dataclasses.replace(hub, revision="4f2a9c1"), []) != input_key(hub, [])
+    fix = f"--revision 'v2' applies to a dataset on the Hugging Face Hub.*git -C {re.escape(str(spec.dataset))} checkout v2"
+    with pytest.raises(DataError, match=fix):
+        check_spec(dataclasses.replace(spec, revision="v2"))
 
 
 def test_given_tokenizer_is_used(tmp_path: Path, prepared: Path) -> None:

@@ -135,7 +135,7 @@ def test_each_subset_and_split_of_a_dataset_has_its_own_stream_cache(tmp_path: P
     from aura_hpc.data import sources
     from aura_hpc.data.stream import StreamTokens
 
-    monkeypatch.setattr(sources, "dataset_shards", lambda name, subset, split: 4)  # no network
+    monkeypatch.setattr(sources, "dataset_shards", lambda name, subset, split, revision=None: 4)  # no network
     builds = set()
     for subset, split in (("es", "train"), ("en", "train"), ("es", "validation")):
         d = DataConfig(
@@ -147,6 +147,56 @@ def test_each_subset_and_split_of_a_dataset_has_its_own_stream_cache(tmp_path: P
     assert len(builds) == 3
 
 
+def test_a_pinned_hub_revision_is_its_own_stream_every_read_asks_for_it_and_a_local_folder_refuses_one(
+    tmp_path: Path, tok: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Hub dataset was streamed at whatever its newest commit was: a resume after a new commit met other text (said,
+    with no way to pin it). data.dataset_revision (prepare --revision) is its own cache and reaches `datasets` at every
+    read; a local folder has no commit (`datasets` ignores one in silence): refused, with the fix."""
+    import datasets
+
+    from aura_hpc.config import load_config
+    from aura_hpc.config.tree import DataConfig
+    from aura_hpc.data import shards, sources
+    from aura_hpc.data.stream import StreamTokens
+    from aura_hpc.errors import ConfigError, DataError
+
+    monkeypatch.setattr(sources, "dataset_shards", lambda name, subset, split, revision=None: 2)  # no network
+    hub = "someone/corpus-es"
+    streams = {}
+    for revision in ("", "4f2a9c1", "v2"):
+        d = DataConfig(stream=True, dataset=hub, dataset_revision=revision, tokenizer=str(tok), cache_dir=str(tmp_path / "cache"))
+        streams[revision] = StreamTokens(d, seq_len=16)
+        streams[revision].close()
+    assert len({s.build for s in streams.values()}) == 3
+    newest = streams[""]
+    newest._sizes["train"][0] = 5  # counted by the run before a new commit of the dataset changed piece 0
+    with pytest.raises(DataError, match=r"piece 0 .* holds 3 sequences, not the 5 .* --set data.dataset_revision=COMMIT"):
+        newest._learn(0, {"train": {"tokens": 3 * 16 + 1}, "val": {"tokens": 0}})
+    asked: list[tuple[str, str | None]] = []
+
+    def offline(name: str, *args: object, **kwargs: object) -> object:  # records what datasets was asked for; tests have no network
+        asked.append((name, kwargs.get("revision")))  # type: ignore[arg-type]
+        raise ConnectionError("offline")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    pinned = streams["4f2a9c1"]
+    with pytest.raises(DataError, match="needs the network"):
+        list(shards.piece_texts(shards.Job(pinned.pieces[1], **pinned._job)))  # what the encoder of piece 1 reads
+    monkeypatch.undo()
+    with pytest.raises(DataError, match="needs the network"):
+        monkeypatch.setattr(datasets, "load_dataset", offline)
+        sources.dataset_shards(hub, None, "train", "4f2a9c1")  # how many pieces it has
+    assert asked == [(hub, "4f2a9c1"), (hub, "4f2a9c1")]
+    folder = _dataset(tmp_path, files=1)
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["data.stream=true", f"data.dataset={folder}", "data.dataset_revision=v2", f"data.tokenizer={tok}"])
+    said = str(refused.value)
+    assert "applies to a dataset on the Hugging Face Hub" in said and f"git -C {folder} checkout v2" in said, said
+    with pytest.raises(ConfigError, match="no dataset is given"):
+        load_config(None, [f"data.path={folder}", "data.stream=true", "data.dataset_revision=v2", f"data.tokenizer={tok}"])
+
+
 def test_a_local_dataset_folder_edited_is_another_stream(tmp_path: Path, tok: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A local dataset folder was known by its name alone: the pieces encoded before an edit were
     trained on as the new text. Another node's copy of it (other mtimes) is the same stream."""
@@ -154,7 +204,7 @@ def test_a_local_dataset_folder_edited_is_another_stream(tmp_path: Path, tok: Pa
     from aura_hpc.data import sources
     from aura_hpc.data.stream import StreamTokens
 
-    monkeypatch.setattr(sources, "dataset_shards", lambda name, subset, split: 1)  # datasets not started: the key is what is tested
+    monkeypatch.setattr(sources, "dataset_shards", lambda name, subset, split, revision=None: 1)  # the key is what is tested
     folder = _dataset(tmp_path, files=2)
 
     def key(dataset: Path) -> str:

@@ -44,6 +44,7 @@ def cmd_prepare(a: argparse.Namespace) -> int:
         dataset=a.dataset,
         subset=a.subset,
         split=a.split,
+        revision=a.revision,
         text_column=a.text_column,
         max_tokens=a.max_tokens,
         tokenizer=a.tokenizer,
@@ -189,6 +190,7 @@ def add(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--dataset", help="a Hugging Face dataset name (or a local dataset folder, or one save_to_disk wrote)")
     p.add_argument("--subset", help="the dataset's configuration/subset name")
     p.add_argument("--split", default="train", help="dataset split (default: train)")
+    p.add_argument("--revision", help="the Hub dataset's commit, tag or branch (default: its newest commit, which may change)")
     p.add_argument("--text-column", default="text", help="column holding the text (default: text)")
     p.add_argument("--max-tokens", type=int, default=0, help="stop after this many tokens (default: all)")
     p.add_argument("--tokenizer", help="a tokenizer folder or name; default: train a byte-level BPE on the input")

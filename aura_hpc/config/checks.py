@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import unicodedata
 
@@ -126,7 +127,21 @@ def url_problem(url: str, what: str) -> str | None:
     return None
 
 
+def revision_problem(dataset: str, revision: str | None, setting: str) -> str | None:
+    """A revision pins a Hub dataset's commit; a local folder has none to pin (`datasets` ignores one in silence)."""
+    if revision and not dataset:
+        return f"{setting} {revision!r} pins a Hugging Face dataset's commit, and no dataset is given (fix: drop it)"
+    if revision and (os.path.exists(os.path.expanduser(dataset)) or dataset.startswith(("/", ".", "~"))):
+        return (
+            f"{setting} {revision!r} applies to a dataset on the Hugging Face Hub, and {dataset!r} is a local folder "
+            f"(fix: check that revision out in the folder, `git -C {dataset} checkout {revision}`, and drop {setting})"
+        )
+    return None
+
+
 def _check_stream(d: DataConfig) -> None:
+    if problem := revision_problem(d.dataset, d.dataset_revision, "data.dataset_revision"):
+        raise ConfigError(problem)
     if d.dataset and not d.stream:
         raise ConfigError(
             "data.dataset is streamed only with data.stream=true (fix: --set data.stream=true, or prepare it first: "

@@ -28,6 +28,7 @@ SHARED_DATA = (
     "data.text_column",
     "data.dataset_subset",
     "data.dataset_split",
+    "data.dataset_revision",
 )
 PER_PS_WORKER = PER_MACHINE | {
     "train.log_every",

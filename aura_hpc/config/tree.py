@@ -68,6 +68,7 @@ class DataConfig:
     dataset: str = ""  # with data.stream: a Hugging Face dataset name (or local dataset folder) to stream
     dataset_subset: str = ""  # that dataset's configuration/subset
     dataset_split: str = "train"  # that dataset's split
+    dataset_revision: str = ""  # that Hub dataset's commit (or tag, branch): pinned, a resumed run reads the text it began on
     text_column: str = "text"  # the text column of JSON lines, Parquet or a dataset
     tokenizer: str = ""  # with data.stream: a tokenizer folder (or a prepared directory) to encode with
     shard_mb: float = 64.0  # with data.stream: raw text per piece, each encoded when first needed

@@ -40,7 +40,8 @@ def _sizes(inputs: list[str], files: list[Path | str]) -> list[int]:
 
 def describe(spec: PrepareSpec) -> list[tuple[str, str]]:
     if spec.dataset or spec.builtin:
-        what = f"dataset {spec.dataset}" if spec.dataset else "the built-in corpus"
+        pinned = f" at revision {spec.revision}" if spec.revision else ""
+        what = f"dataset {spec.dataset}{pinned}" if spec.dataset else "the built-in corpus"
         budget = f", stopping at {spec.max_tokens:,} tokens" if spec.max_tokens else ""
         return [
             ("read", f"{what}, streamed, by one process{budget} (its size is not known before it is read)"),

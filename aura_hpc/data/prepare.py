@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from aura_hpc.config.checks import revision_problem
 from aura_hpc.data import out_dir, shards, storage
 from aura_hpc.data.sources import (  # noqa: F401  (split_paragraphs re-exported for tests)
     TEXT_SUFFIXES,
@@ -52,6 +53,7 @@ class PrepareSpec:
     dataset: str | None = None  # a Hugging Face dataset name (or a local dataset folder), streamed
     subset: str | None = None
     split: str = "train"
+    revision: str | None = None  # the Hub dataset's commit (or tag, branch): the same text whenever it is prepared
     text_column: str = "text"
     max_tokens: int = 0
     tokenizer: str | None = None  # a tokenizer folder or hub name; None = train a byte-level BPE
@@ -81,7 +83,7 @@ def input_key(spec: PrepareSpec, files: list[Path | str]) -> str:
 
         key["builtin"] = CORPUS_VERSION
     elif spec.dataset:
-        key["dataset"] = [spec.dataset, spec.subset, spec.split]
+        key["dataset"] = [spec.dataset, spec.subset, spec.split, *([spec.revision] if spec.revision else [])]
         folder = dataset_folder_files(spec.dataset)
         if folder:  # a local dataset folder: text added to it is new input, as for files
             key["dataset_files"] = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in folder]
@@ -149,6 +151,8 @@ def check_spec(spec: PrepareSpec) -> None:
         raise DataError(f"--vocab-size must be between 256 and 1000000, got {spec.vocab_size} (fix: --vocab-size 8192)")
     if not spec.builtin and not spec.dataset and not spec.inputs:
         raise DataError("nothing to prepare (fix: pass input files/folders/globs, or --dataset NAME)")
+    if problem := revision_problem(spec.dataset or "", spec.revision, "--revision"):
+        raise DataError(problem)
 
 
 def check_out(spec: PrepareSpec) -> None:
@@ -227,7 +231,7 @@ def prepare(spec: PrepareSpec) -> dict[str, Any]:
 
 
 def plan_pieces(spec: PrepareSpec, files: list[Path | str]) -> list[shards.Piece]:
-    n_dataset = dataset_shards(spec.dataset, spec.subset, spec.split) if spec.dataset else 1
+    n_dataset = dataset_shards(spec.dataset, spec.subset, spec.split, spec.revision) if spec.dataset else 1
     return shards.plan(files, TEXT_SUFFIXES, int(spec.shard_mb * 2**20), spec.dataset, spec.builtin, n_dataset)
 
 
@@ -237,7 +241,7 @@ def encode_jobs(spec: PrepareSpec, pieces: list[shards.Piece], build: Path, tok:
     tok_json = str(build / "tokenizer" / "tokenizer.json")
     return [
         shards.Job(p, str(build), tok_json, tok.eos_id, np.dtype(dtype).name, spec.val_fraction,
-                   spec.text_column, spec.subset, spec.split, spec.max_tokens if single else 0)
+                   spec.text_column, spec.subset, spec.split, spec.max_tokens if single else 0, revision=spec.revision)
         for p in pieces
     ]  # fmt: skip
 
@@ -265,7 +269,13 @@ def _build(spec: PrepareSpec, files: list[Path | str], build: Path, key: str) ->
         "format": FORMAT_VERSION,
         "input_key": key,
         "sources": sources,
-        "dataset": {"name": spec.dataset, "subset": spec.subset, "split": spec.split, "text_column": spec.text_column}
+        "dataset": {
+            "name": spec.dataset,
+            "subset": spec.subset,
+            "split": spec.split,
+            "revision": spec.revision,
+            "text_column": spec.text_column,
+        }
         if spec.dataset
         else None,
         "tokenizer": {
@@ -313,7 +323,8 @@ def make_tokenizer(spec: PrepareSpec, pieces: list[shards.Piece], tok_dir: Path)
                     # A window at a time: characters of the text are fewer than the bytes that hold them (JSON rows'
                     # other fields, \uXXXX escapes: a Chinese corpus gave a fifth of its share in one window).
                     p = shards.head_of(dataclasses.replace(whole, start=start), int(share * 1.25) + 4096)
-                    job = shards.Job(p, str(tok_dir.parent), "", 0, "uint16", spec.val_fraction, spec.text_column, spec.subset, spec.split)
+                    job = shards.Job(p, str(tok_dir.parent), "", 0, "uint16", spec.val_fraction, spec.text_column, spec.subset, spec.split,
+                                     revision=spec.revision)  # fmt: skip
                     for text, _ in shards.piece_texts(job):
                         if text:
                             yield text

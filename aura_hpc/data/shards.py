@@ -174,6 +174,7 @@ class Job:
     max_tokens: int = 0  # > 0: stop this piece there (a token budget's last piece)
     read_tries: int = 0  # how an object's bytes are read (data.read_tries, data.read_timeout_s); 0: storage's defaults
     read_timeout_s: float = 0.0
+    revision: str | None = None  # a Hub dataset's pinned commit (data.dataset_revision, prepare --revision)
 
     def policy(self) -> storage.Policy | None:
         return storage.Policy(tries=self.read_tries, timeout_s=self.read_timeout_s) if self.read_tries > 0 else None
@@ -216,7 +217,7 @@ def piece_texts(job: Job) -> Iterator[tuple[str, bool]]:
         yield "", True
         return
     if p.kind == "dataset":
-        for text in records("", None, p.source, job.subset, job.split, job.text_column, p.source, shard=(p.start, p.end)):
+        for text in records("", None, p.source, job.subset, job.split, job.text_column, p.source, (p.start, p.end), job.revision):
             yield from document(text)
         return
     if p.kind in ("text", "jsonl"):
@@ -399,8 +400,7 @@ def encode_all(jobs: list[Job], workers: int, budget: int) -> list[dict[str, Any
     order, `workers` at a time, and encoding stops at the piece that reaches it (that one is
     encoded again up to the budget): a small budget over a huge corpus reads only its start."""
     out: list[dict[str, Any]] = []
-    used = 0
-    wave = max(1, workers) if budget else len(jobs)
+    used, wave = 0, (max(1, workers) if budget else len(jobs))
     for at in range(0, len(jobs), wave):
         # Each piece of a wave stops at what is left of the budget: the first wave was encoded whole (8 workers,
         # 8 whole data files of a Hub dataset for a budget the first one's start covers), then again, cut.

@@ -200,7 +200,9 @@ def bounded(line: str) -> list[str]:
     return [*pieces, line[at:]] if at else [line]
 
 
-def open_dataset(builder: str, data_files: list[str] | None, name: str | None, subset: str | None, split: str, source: str) -> Any:
+def open_dataset(
+    builder: str, data_files: list[str] | None, name: str | None, subset: str | None, split: str, source: str, revision: str | None = None
+) -> Any:
     """A streaming `datasets` dataset (hub name, local dataset folder, or local files of a builder)."""
     import datasets
 
@@ -215,7 +217,7 @@ def open_dataset(builder: str, data_files: list[str] | None, name: str | None, s
         if name and (saved / "state.json").is_file():  # Dataset.save_to_disk's folder: load_dataset says "use load_from_disk"
             ds = datasets.load_from_disk(str(saved))
             return ds.to_iterable_dataset(num_shards=max(1, len(ds.cache_files)))
-        return datasets.load_dataset(name, subset, split=split, streaming=True)
+        return datasets.load_dataset(name, subset, split=split, streaming=True, revision=revision or None)
     except FileNotFoundError as exc:
         raise DataError(f"dataset {source!r} not found ({exc}) (fix: check the name/path, or --subset/--split)") from None
     except ValueError as exc:
@@ -235,9 +237,9 @@ def dataset_folder_files(name: str) -> list[Path]:
     return [f for f in sorted(folder.rglob("*")) if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts)]
 
 
-def dataset_shards(name: str, subset: str | None, split: str) -> int:
+def dataset_shards(name: str, subset: str | None, split: str, revision: str | None = None) -> int:
     """How many shards (data files) a dataset streams from: its pieces."""
-    return max(1, int(getattr(open_dataset("", None, name, subset, split, name), "n_shards", 1) or 1))
+    return max(1, int(getattr(open_dataset("", None, name, subset, split, name, revision), "n_shards", 1) or 1))
 
 
 def records(
@@ -249,9 +251,10 @@ def records(
     column: str,
     source: str,
     shard: tuple[int, int] | None = None,
+    revision: str | None = None,
 ) -> Iterator[str]:
     """Stream the text column of a dataset through `datasets`; `shard` = (index, of how many)."""
-    ds = open_dataset(builder, data_files, name, subset, split, source)
+    ds = open_dataset(builder, data_files, name, subset, split, source, revision)
     if shard is not None and shard[1] > 1:
         ds = ds.shard(num_shards=shard[1], index=shard[0])
     first = True

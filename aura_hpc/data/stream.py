@@ -57,7 +57,7 @@ def plan_pieces(d: Any) -> list[shards.Piece]:
 
     piece_bytes = int(d.shard_mb * 2**20)
     if d.dataset:
-        n = dataset_shards(d.dataset, d.dataset_subset or None, d.dataset_split)
+        n = dataset_shards(d.dataset, d.dataset_subset or None, d.dataset_split, d.dataset_revision or None)
         # A local folder of many small data files: `datasets` reads several of them as one piece (see shards.Piece.files).
         # A Hub name's files are not sized without the network; its data files are large ones.
         if local := dataset_folder_files(d.dataset):
@@ -115,7 +115,7 @@ class StreamTokens(TokenReader):
         key = {"pieces": [shards.piece_record(p) for p in named], "tokenizer": tok_sha, "val": d.val_fraction, "column": d.text_column}
         key["encoder"] = 2
         if d.dataset:  # c4's es/train, en/train and es/validation have the same pieces: not the same text
-            key["dataset"] = [d.dataset_subset, d.dataset_split]
+            key["dataset"] = [d.dataset_subset, d.dataset_split, *([d.dataset_revision] if d.dataset_revision else [])]
             key["objects"] = _folder_versions(d.dataset)
         else:
             key["objects"] = _object_versions(self.pieces)
@@ -146,7 +146,7 @@ class StreamTokens(TokenReader):
         }
         self._job = dict(build=str(self.build), tokenizer_json=str(self._tokenizer_dir / "tokenizer.json"), eos_id=tok.eos_id,
                          dtype=self.dtype.name, val_fraction=d.val_fraction, text_column=d.text_column,
-                         subset=d.dataset_subset or None, split=d.dataset_split,
+                         subset=d.dataset_subset or None, split=d.dataset_split, revision=d.dataset_revision or None,
                          read_tries=d.read_tries, read_timeout_s=d.read_timeout_s)  # fmt: skip
         self.cache_policy = storage.Policy(tries=d.read_tries, timeout_s=d.read_timeout_s)
         self.max_bytes = int(d.cache_gb * 2**30)
@@ -175,8 +175,11 @@ class StreamTokens(TokenReader):
         sizes = {split: max(0, (int(record[split]["tokens"]) - 1) // self.seq_len) for split in ("train", "val")}
         if 0 <= self._sizes["train"][i] != sizes["train"]:
             # Positions map to sequences through these sizes: taken in silence, samples were trained twice or never.
-            if self.dataset:  # a Hub name: its key holds no revision, so a new run of it would meet the old counts again
-                fix = "stream a copy that does not change (`hf download --repo-type dataset NAME --local-dir DIR`, data.dataset=DIR)"
+            if self.dataset:  # a Hub name without data.dataset_revision: its key holds no commit, a new run of it meets the old counts
+                fix = (
+                    "pin the commit the run started on, --set data.dataset_revision=COMMIT (the dataset's history on the Hub), "
+                    "or stream a copy that does not change (`hf download --repo-type dataset NAME --local-dir DIR`, data.dataset=DIR)"
+                )
             else:
                 fix = f"the text as it was, then re-run to resume; or, for the new text, a new --run-name after removing {self.build}"
             raise DataError(
