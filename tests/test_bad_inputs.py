@@ -620,9 +620,22 @@ def test_ifname_wins_over_an_exported_gloo_socket_ifname_on_a_lan_node(tmp_path:
 
     monkeypatch.setattr(local, "_cuda_count", lambda: 2)
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "bogus1")
-    assert plan_local(None, ["dist.backend=gloo"], str(tmp_path), "x").nproc == 2
+    on_gloo = plan_local(None, ["dist.backend=gloo"], str(tmp_path), "x")
+    assert on_gloo.nproc == 2 and "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in on_gloo.env
     with pytest.raises(LaunchError, match=r"NCCL_SOCKET_IFNAME=bogus1 \(exported here\) names no interface"):
         plan_local(None, [], str(tmp_path), "x")
+    # NCCL's workers end at a failed collective without first aborting its communicators (which can hang), as under
+    # the cluster profiles: torch's agent gives them TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless the launcher has one.
+    import types
+
+    import torch
+
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", other[0])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=80 * 2**30, major=9))
+    assert plan_local(None, [], str(tmp_path), "x").env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # the user's own choice
+    assert plan_local(None, [], str(tmp_path), "x").env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "bogus1")
     # `check` asks the same where NCCL would run (it looked at GLOO_SOCKET_IFNAME alone): told --backend nccl, or
     # auto on a GPU machine; not told gloo, nor given --ifname (which replaces both).
     import aura_hpc.ops.check as check

@@ -191,9 +191,13 @@ def stopped(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 def test_sigkill_of_a_rank_restarts_and_ends_bit_identical(tmp_path: Path, prepared: Path, reference: dict, seed: int) -> None:
     rng = random.Random(seed)
     rank, step = rng.randrange(2), rng.randrange(1, STEPS)
-    r = run_cli([*_args(tmp_path, "run", prepared), "--max-restarts", "1"], AURA_FAULT_KILL=f"{rank}:{step}")
+    # AURA_FAULT_NCCL_SIGNAL: the first attempt leaves in the workers' store what NCCL's watchdog leaves there on a
+    # failed collective; left for the restart, NCCL's monitor would abort every healthy rank of it (comm/stores.py).
+    env = {"AURA_FAULT_KILL": f"{rank}:{step}", "AURA_FAULT_NCCL_SIGNAL": "1"}
+    r = run_cli([*_args(tmp_path, "run", prepared), "--max-restarts", "1"], **env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "restart=1" in r.stdout, "the elastic agent did not restart the workers"
+    assert r.stdout.count("cleared exception_dump: NCCL's signal of a failed collective of the attempt before") == 1, r.stdout[-3000:]
     last_ckpt = (step // 5) * 5
     if last_ckpt:
         # That save is written in the background: a kill before its commit (a loaded machine, CI's floor run once)

@@ -187,6 +187,23 @@ def read_now(store: Any, key: str) -> bytes | None:
     return None if held == _ABSENT else held
 
 
+# NCCL's watchdog tells every rank's monitor thread of a failed or timed-out collective under these keys at the
+# store's root, past any prefix (ProcessGroupNCCL's globalStore; remote_error only with TORCH_NCCL_PROPAGATE_ERROR).
+# The workers' store of a `local` launch outlives an attempt: left there, every rank of the restarted attempt read
+# the old signal and NCCL's monitor aborted it (SIGABRT) a heartbeat timeout later, healthy, its restarts spent.
+NCCL_SIGNALS = ("exception_dump", "remote_error")
+
+
+def forget_nccl_signals(store: Any, rank: int) -> None:
+    """On an attempt's first rank, before any rank proves itself there (so before any group exists): the signals of
+    the attempt before. AURA_FAULT_NCCL_SIGNAL (tests): one left, as NCCL's watchdog leaves it, for the next attempt."""
+    cleared = [key for key in NCCL_SIGNALS if read_now(store, key) is not None and store.delete_key(key)]
+    if cleared:
+        print(f"[rank{rank}] cleared {', '.join(cleared)}: NCCL's signal of a failed collective of the attempt before", flush=True)
+    elif os.environ.get("AURA_FAULT_NCCL_SIGNAL") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        store.set(NCCL_SIGNALS[0], rank.to_bytes(4, "little"))
+
+
 def _same_node_count(store: Any, nnodes: int, host: str, port: int) -> None:
     """Node 0's --nnodes against this node's. Torch's rendezvous completes at its own max_nodes: node 0 with 3 and
     node 1 with 2 trained on 2 machines, and the third waited for ever on a full rendezvous, without a word."""

@@ -206,6 +206,9 @@ def plan_local(
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(max(1, cores // nproc))
     if platform.system() == "Windows":
         env["TORCH_DISTRIBUTED_USE_LIBUV"] = "0"  # the Windows build of torch has no libuv TCPStore
+    if gpus and wanted != "gloo":  # as the cluster profiles: torch's agent gives its workers 1, which aborts NCCL's
+        # communicators before the process ends, and that abort can hang itself (a survivor of a lost peer stuck in it).
+        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") or "3"
     # The agent's stores listen on this address alone (comm/stores.py): loopback on one machine.
     local_addr: str | None = "127.0.0.1" if nnodes == 1 else None
     if nnodes > 1:

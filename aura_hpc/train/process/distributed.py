@@ -67,7 +67,10 @@ _RDZV: _Rendezvous | None = None
 def _store(env: DistEnv, timeout: timedelta) -> Any:
     """The agent's store under torchrun (its rendezvous binds it), else one that rank 0 hosts."""
     if env.uses_agent_store or env.launcher_rank != 0:
-        return stores.client(master_address.dialled(env), env.master_port, timeout)
+        client = stores.client(master_address.dialled(env), env.master_port, timeout)
+        if env.uses_agent_store and env.launcher_rank == 0:  # the agent's store outlives an attempt: NCCL's signals of the last
+            stores.forget_nccl_signals(client, env.rank)
+        return client
     addr = master_address.reached_at(env)
     try:
         return stores.bound_server(addr, env.master_port, timeout)
