@@ -184,6 +184,21 @@ def test_healthy_pair_on_this_host_with_a_shared_dir(tmp_path: Path) -> None:
     assert not (tmp_path / ".aura-check").exists(), "the shared-dir probe files and folders are cleaned up"
 
 
+def test_a_slurm_jobs_check_leaves_nccls_interface_to_nccl_as_its_training_does() -> None:
+    """`submit --check` set NCCL_SOCKET_IFNAME (and gloo's) to the route to the master, often the management Ethernet,
+    where the job's training leaves NCCL to pick its own (IPoIB first): a node whose InfiniBand interface is up but
+    reaches no other node passed the check, then its training hung. `check` between LAN machines sets both, as `local`."""
+    from aura_hpc.ops import check
+
+    lan = check.cluster_args(2, 0, "127.0.0.1", 29999, backend="gloo")
+    job = check.cluster_args(2, 0, "127.0.0.1", 29999, backend="gloo", typed_master=False)
+    assert lan is not None and job is not None and job.slurm and not lan.slurm
+    from aura_hpc.ops.check_cluster import group_interfaces
+
+    assert group_interfaces(lan, "eth0") == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert group_interfaces(job, "eth0") == {}
+
+
 def test_clocks_30_s_apart_fail_the_check_as_torchs_rendezvous_would_drop_a_node() -> None:
     """torch's rendezvous stamps each node's heartbeat with its own clock and drops a node whose last one looks older than
     15 s: clocks that far apart churn or stop the run at its start. It was a warning, and `check` passed."""

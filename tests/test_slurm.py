@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-from aura_hpc.ops.network import resolve
+from aura_hpc.ops.network import loopback_interface, resolve
 from tests.conftest import SMALL_MODEL, cli_env, final_weights, free_port, run_cli
 
 TINY = [
@@ -644,10 +644,14 @@ def test_submit_check_meets_where_training_does_on_a_master_srun_reached_over_lo
     from aura_hpc.slurm.job import CheckJob
     from aura_hpc.train.process import master_address
 
-    asked: list[str] = []
-    monkeypatch.setattr(check, "run_and_show", lambda shared, cluster: asked.append(cluster.master_addr) or 0)
+    asked: list[tuple[str, str | None]] = []
+    # The interfaces too, as training's: gloo's from the route where the node's name is loopback (it resolves to
+    # nothing here), NCCL's its own choice (it was set to the route's, often not the one NCCL trains on).
+    seen = lambda shared, cluster: asked.append((cluster.master_addr, os.environ.get("GLOO_SOCKET_IFNAME"))) or 0  # noqa: E731
+    monkeypatch.setattr(check, "run_and_show", seen)
     monkeypatch.setattr(master_address, "resolve", lambda name, patient=False: {"127.0.0.1": "127.0.0.1", "n4": "10.1.0.8"}.get(name))
-    monkeypatch.setattr(master_address, "route_to", lambda addr: ("10.1.0.7", "eth1") if addr.startswith("10.") else (None, None))
+    lo = loopback_interface() or "lo"  # the route's interface: one this machine has (`check` refuses another)
+    monkeypatch.setattr(master_address, "route_to", lambda addr: ("10.1.0.7", lo) if addr.startswith("10.") else (None, None))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "unset by the test")
@@ -655,8 +659,12 @@ def test_submit_check_meets_where_training_does_on_a_master_srun_reached_over_lo
     for node, launched_from in ((0, "127.0.0.1"), (1, "10.1.0.7")):
         for name, value in {**job, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node), "SLURM_LAUNCH_NODE_IPADDR": launched_from}.items():
             monkeypatch.setenv(name, value)
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # each node's task its own (and restored after the test)
+            monkeypatch.setenv(name, "")
+            monkeypatch.delenv(name)
         assert CheckJob("gloo", "/nowhere")() == 0
-    assert asked == ["10.1.0.7", "10.1.0.7"]
+        assert "NCCL_SOCKET_IFNAME" not in os.environ
+    assert asked == [("10.1.0.7", lo), ("10.1.0.7", lo)]
 
 
 def test_a_lookup_the_resolver_calls_temporary_is_tried_again_on_the_masters_node(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -143,7 +143,9 @@ def cluster_args(
         sizes = ()
     if not sizes or not all(0 < s <= 4096 for s in sizes):
         raise LaunchError(f"--sizes-mb {sizes_mb!r} is not a comma list of sizes in MB, each in (0, 4096] (fix: --sizes-mb 1,8,32)")
-    return ClusterArgs(nnodes, node_rank, master_addr or "127.0.0.1", master_port, backend, shared_dir, timeout, sizes, ifname)
+    return ClusterArgs(
+        nnodes, node_rank, master_addr or "127.0.0.1", master_port, backend, shared_dir, timeout, sizes, ifname, slurm=not typed_master
+    )
 
 
 def show(report: Report, as_json: bool, timeout: float, timed_out_at: str | None = None) -> None:

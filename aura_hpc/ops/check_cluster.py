@@ -34,6 +34,14 @@ class ClusterArgs:
     ifname: str | None = None
     deadline: float = 0.0  # monotonic; set when the check starts
     run_config: Any = None  # a RunConfig: the model and batch the link advice is for (None: the defaults)
+    slurm: bool = False  # a Slurm job's check (`submit --check`): its nodes' interfaces are chosen as its training's
+
+
+def group_interfaces(a: ClusterArgs, iface: str | None) -> dict[str, str]:
+    """The interfaces the process-group stage gives gloo and NCCL, as training does: `local`'s, the route's to the
+    master for both; a Slurm job's, none (NCCL picks its own, IPoIB first; gloo's is set by the job where the node's
+    name is loopback): a node whose InfiniBand interface is up but reaches no other passed, and training hung."""
+    return {} if not iface or a.nnodes <= 1 or a.slurm else {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface}
 
 
 def reach_master(report: Report, a: ClusterArgs, deadline: float) -> None:
@@ -227,9 +235,8 @@ def cluster_checks(report: Report, a: ClusterArgs, stage: list[str]) -> None:
 
     stage[0] = f"process group ({a.backend})"
     iface = info["interface"]
-    if iface and a.nnodes > 1:  # --ifname is in the environment already (ops/check.py)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+    for name, value in group_interfaces(a, iface).items():  # --ifname is in the environment already (ops/check.py)
+        os.environ.setdefault(name, value)
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
     try:
         dist.init_process_group(

@@ -274,6 +274,8 @@ class CheckJob:
         # Where training's ranks meet, node 0 included: its store listens where the other nodes reach it, not at a
         # loopback address srun reached its own slurmd at (check must not fail where training works, nor pass where it fails).
         e["MASTER_ADDR"] = rendezvous_host(e["SLURM_JOB_NODELIST"])
+        if gloo := master_address.gloo_interface(DistEnv.from_environ()):  # as training's join() sets it; NCCL's left to NCCL
+            e["GLOO_SOCKET_IFNAME"] = gloo[0]
         cluster = check.cluster_args(
             int(e.get("SLURM_NNODES", "1")),
             int(e.get("SLURM_NODEID", "0")),
