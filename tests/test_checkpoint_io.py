@@ -691,3 +691,40 @@ def test_a_rollbacks_save_of_the_same_step_leaves_the_committed_replica_readable
     assert left == sorted([*earlier, committed["file"], again["file"], *rollbacks, future]), left
     diloco_files.prune_replicas(tmp_path, 0, keep=2, step=300)
     assert sorted(p.name for p in (tmp_path / diloco_files.REPLICAS).iterdir()) == sorted(set(left) - {earlier[0]})
+
+
+_STAGING = r"""
+import sys
+from pathlib import Path
+import torch, torch.distributed as dist
+torch.Tensor.pin_memory = lambda self, *a, **k: self  # a GPU's pinned staging buffers, on a machine without one
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.checkpoint import FileSystemWriter
+from aura_hpc.train.strategies.fsdp import staging_writer
+weight = distribute_tensor(torch.ones(4, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+# What this torch's cache stages of a DTensor: a copy, or the DTensor itself (2.6).
+copies = FileSystemWriter(sys.argv[1], cache_staged_state_dict=True).stage({"w": weight})["w"] is not weight
+writer = staging_writer(Path(sys.argv[1]), True, weight)  # as on a GPU
+staged = writer.stage({"model": {"w": weight}})["model"]["w"]
+weight.to_local().add_(1)  # the next optimizer step, while DCP's thread writes what was staged
+print(int(writer.cache_staged_state_dict), int(copies), float(staged.to_local()[0, 0]), writer.per_thread_copy_ahead, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdps_background_save_stages_a_copy_of_its_shards_that_the_next_steps_leave_alone(tmp_path: Path) -> None:
+    """On a GPU, fsdp's background saves stage into pinned buffers kept from save to save; torch 2.6's cache kept the
+    live DTensors instead of copying them, so DCP's thread wrote shards the next steps were changing (a checkpoint of no
+    one step, resumed without a word). What was staged must stay what it was, on the host, on every torch we support."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _STAGING, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cached, copies, value, ahead = run.stdout.split()
+    assert cached == copies and int(ahead) == 0, run.stdout  # 0: no copy ahead (it synchronised the writer thread's cuda:0)
+    # Where the cache is used, what it staged is a copy. (Without it, torch copies a GPU's shards to the host; on
+    # this CPU-only machine the host's tensor is the staged one, so nothing is asked of that case here.)
+    assert cached == "0" or float(value) == 1.0, run.stdout

@@ -69,7 +69,7 @@ class FsdpWrapped(Wrapped, ShardedCheckpoints):
         # The optimizer's state appears at its first step: buffers shaped before then cannot take it.
         layout = sorted((str(k), tuple(sorted(v))) for k, v in osd.get("state", {}).items())
         if self._writer is None or layout != self._layout:
-            self._writer = dcp.FileSystemWriter(str(folder), cache_staged_state_dict=self.device.type == "cuda")
+            self._writer = staging_writer(folder, self.device.type == "cuda", next(iter(self.model.parameters())))
             self._layout = layout
         return dcp.async_save(state, checkpoint_id=str(folder), storage_writer=self._writer, process_group=self._group)
 
@@ -95,6 +95,29 @@ class FsdpWrapped(Wrapped, ShardedCheckpoints):
         if getattr(getattr(self.model, "config", None), "tie_word_embeddings", False):
             sd.pop("lm_head.weight", None)  # stored once, as transformers does
         return {k: v.detach().contiguous() for k, v in sd.items()}
+
+
+def staging_writer(folder: Path, gpu: bool, sample: Any) -> Any:
+    """DCP's writer of background saves. On a GPU it stages into pinned host buffers kept from save to save, where that
+    cache copies DTensors: torch 2.6's kept the live ones (`# TODO: support DTensor`), so its thread wrote shards the
+    next steps were changing, a checkpoint of no one step (its checksums over what was written). No copy ahead: the
+    staged state is on the host, and DCP's overlapping loader synchronised the writer thread's current device, cuda:0
+    on every rank (a CUDA context of each rank on GPU 0)."""
+    import torch.distributed.checkpoint as dcp
+
+    cache = gpu and _cache_copies_dtensors(folder, sample)
+    return dcp.FileSystemWriter(str(folder), cache_staged_state_dict=cache, per_thread_copy_ahead=0)
+
+
+def _cache_copies_dtensors(folder: Path, sample: Any) -> bool:
+    """Whether staging's cache holds a copy of a DTensor like `sample` (a parameter), not the DTensor itself."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = sample.device_mesh
+    probe = DTensor.from_local(torch.zeros(1, dtype=sample.dtype, device=sample.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
+    staged = dcp.FileSystemWriter(str(folder), cache_staged_state_dict=True).stage({"probe": probe})["probe"]
+    return staged is not probe and staged.device.type == "cpu"
 
 
 def _local(t: Any) -> torch.Tensor:
