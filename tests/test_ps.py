@@ -292,6 +292,7 @@ def test_three_workers_one_killed_one_late_and_the_loss_falls(tmp_path: Path, ba
     assert f"training finished at version {end}" in log
     assert re.search(r"training finished at version \d+; best eval loss (\d+\.\d{4}|none \(no evaluation ran\))$", log, re.M), log[-2000:]
     assert f"the server ended training at version {end}" in w1.text and "as worker 2 of 3" in late.text, late.text
+    assert "; training on the CPU" in late.text, late.text  # where a worker trains, said (a GPU's index and name)
     rows = _rows(run_dir)
     assert rows[-1]["version"] == end
     # Each row's lr is the one its version's update was taken at, as `local` logs it (it was the next update's).
@@ -462,11 +463,16 @@ def test_an_evaluation_longer_than_the_workers_timeout_holds_up_no_worker(tmp_pa
 def test_a_token_budget_counts_every_batch_a_pushed_gradient_carries() -> None:
     """Each version carries ps.push_every batches of a worker: max_tokens=1,048,576 with push_every=4 ran 1,024
     versions, 4,194,304 tokens."""
+    from aura_hpc.errors import ConfigError
     from aura_hpc.ps.commands import load_ps_config
 
     sets = ["train.max_tokens=1048576", "data.seq_len=128", "train.batch_size=8", "train.grad_accum=1", "model.n_positions=128"]
     assert load_ps_config(None, [*sets, "ps.push_every=4"], "/tmp/aura-unused", "ps", None, 1).train.max_steps == 256
     assert load_ps_config(None, sets, "/tmp/aura-unused", "ps", None, 1).train.max_steps == 1024
+    # fp16 was refused as "needs a CUDA GPU" on a server PC that has one: the server's copy trains on the CPU, and the
+    # workers' gradients have no loss scaling.
+    with pytest.raises(ConfigError, match=r"fp16 is not for the parameter server.*--set train.precision=bf16"):
+        load_ps_config(None, [*sets, "train.precision=fp16"], "/tmp/aura-unused", "ps", None, 1)
 
 
 def test_a_worker_whose_gradients_are_mostly_too_stale_is_named_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -44,6 +44,11 @@ def load_ps_config(
             f"dist.strategy {cfg.dist.strategy} shards a model over synchronous ranks; the parameter server holds it whole "
             "(fix: --set dist.strategy=ddp, or use `local`/`submit` for sharded training)"
         )
+    if cfg.train.precision == "fp16":  # it said "fp16 needs a CUDA GPU" on a server PC that has one
+        raise ConfigError(
+            "train.precision fp16 is not for the parameter server: its model copy trains on the CPU, and a worker's "
+            "gradients have no loss scaling to keep them from underflowing (fix: --set train.precision=bf16, or auto)"
+        )
     # A token budget counts server updates: each applies one worker's ps.push_every batches (counted as 1, the run
     # trained push_every times its budget).
     cfg.train.max_steps = max_steps_for(cfg, cfg.ps.push_every)

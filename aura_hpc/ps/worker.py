@@ -68,7 +68,10 @@ class PsWorker:
         self.key = key  # the HMAC key of the run's secret (ps/auth.py)
         # Built before joining: the server starts counting a worker's time (and its pair group's
         # timeout) from the join, and a worker that joins ready trains at once.
-        device = torch.device("cuda") if torch.cuda.is_available() and cfg.dist.backend != "gloo" else torch.device("cpu")
+        gpu = torch.cuda.is_available() and cfg.dist.backend != "gloo"
+        device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+        # Said in the join line: a PC's first visible GPU (CUDA_VISIBLE_DEVICES picks another), or its CPUs.
+        self.device_said = f"{device} ({torch.cuda.get_device_name(device)})" if gpu else "the CPU"
         self.model_copy: ModelCopy = build_model_copy(cfg, device)
         self.rank = 0  # given by the server at the first join, kept when rejoining after a drop
         self.dropped_links: list[wire.Link] = []  # kept alive: destroying a gloo pair mid-wait can abort
@@ -162,7 +165,8 @@ class PsWorker:
         link = wire.Link(wire.pair_group(store, prefix, 1, own, cfg.ps.worker_timeout_s), 1, cfg.ps.worker_timeout_s)
         wire.handshake(link, self.key, nonce)
         log.info(
-            "%s the parameter server at %s:%d as worker %d of %d (version %d); reading shard %d of the data from sequence %d",
+            "%s the parameter server at %s:%d as worker %d of %d (version %d); reading shard %d of the data from sequence %d; "
+            "training on %s",
             "rejoined" if rejoin else "joined",
             self.addr,
             self.port,
@@ -171,6 +175,7 @@ class PsWorker:
             int(reply["version"]),
             self.rank,
             int(reply["position"]),
+            self.device_said,
         )
         return link, int(reply["position"])
 
