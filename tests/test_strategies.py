@@ -287,6 +287,30 @@ def test_zero3_on_cpus_keeps_no_persistent_parameters_unless_the_users_json_says
     assert deepspeed_config(cfg, 2, bf16=True, on_cpu=True)["zero_optimization"]["stage3_param_persistence_threshold"] == 1000
 
 
+def test_a_non_finite_group_norm_is_seen_in_every_form_deepspeed_hands_it_back(tmp_path: Path) -> None:
+    """DeepSpeed 0.16's optimizer offload returns a group's norm as a float, or as the int -1 when it is not finite
+    (stage_1_and_2.py, complete_grad_norm_calculation_for_cpu_offload); 0.19 a tensor. The int was not seen: under
+    dist.zero_offload_optimizer the other group stepped while the log said the step was skipped. And a JSON that turns
+    DeepSpeed 0.19's norms off (zero_optimization.compute_grad_norm) made every step read as skipped: refused."""
+    from types import SimpleNamespace
+
+    from aura_hpc.config import RunConfig
+    from aura_hpc.config.deepspeed import deepspeed_config
+    from aura_hpc.errors import ConfigError
+    from aura_hpc.train.strategies.zero_skip import GroupNormWatch
+
+    for norm, bad in ((-1, True), (2.5, False), (3, False), (float("nan"), True), (float("inf"), True), (torch.tensor(-1.0), True)):
+        offload = SimpleNamespace(complete_grad_norm_calculation_for_cpu_offload=lambda params, norm=norm: norm)
+        watch = GroupNormWatch(offload, torch.device("cpu"))
+        offload.complete_grad_norm_calculation_for_cpu_offload([])
+        assert bool(watch.bad) is bad, norm
+    cfg = RunConfig()
+    cfg.dist.strategy, cfg.dist.deepspeed_config = "zero2", str(tmp_path / "ds.json")
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"compute_grad_norm": False}}))
+    with pytest.raises(ConfigError, match=r"sets what the trainer controls: zero_optimization.compute_grad_norm \(False vs True\)"):
+        deepspeed_config(cfg, 2, bf16=True, on_cpu=True)
+
+
 def test_deepspeed_is_not_asked_to_synchronise_the_device_each_micro_step(tmp_path: Path) -> None:
     """DeepSpeed's throughput timer (on unless the JSON says) synchronises the device as each forward starts
     and each step ends: two host waits a micro-step on a GPU (a no-op on CPU, so no run here shows it).

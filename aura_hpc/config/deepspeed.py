@@ -43,7 +43,8 @@ def deepspeed_config(cfg: RunConfig, world_size: int | None, bf16: bool | None, 
         "bf16": {"enabled": bf16},  # and check_grad_overflow off (below)
         "fp16": {"enabled": False},
         # Gradients accumulated and reduced in fp32, as FSDP's MixedPrecisionPolicy(reduce_dtype=fp32)
-        # does (DeepSpeed defaults both to the model dtype, bf16).
+        # does (DeepSpeed defaults both to the model dtype, bf16). Not at stage 2: its gradient partition stays in
+        # the model dtype whatever grad_accum_dtype says (stage_1_and_2.py), nor at stage 3 under DeepSpeed 0.16 (0.19 keeps it).
         "data_types": {"grad_accum_dtype": "fp32"},
         "communication_data_type": "fp32",
         "zero_allow_untested_optimizer": True,  # our torch AdamW, partitioned by ZeRO
@@ -92,6 +93,8 @@ def deepspeed_config(cfg: RunConfig, world_size: int | None, bf16: bool | None, 
         )
     if "stage" in user_zero and int(user_zero["stage"]) != zero["stage"]:
         conflicts.append(f"zero_optimization.stage ({user_zero['stage']} vs {zero['stage']})")
+    if user_zero.get("compute_grad_norm", True) is not True:  # 0.19+: no norms, every step read as skipped (zero_skip.py)
+        conflicts.append(f"zero_optimization.compute_grad_norm ({user_zero['compute_grad_norm']!r} vs True)")
     if conflicts:
         raise ConfigError(
             f"dist.deepspeed_config {d.deepspeed_config} sets what the trainer controls: {'; '.join(conflicts)} "

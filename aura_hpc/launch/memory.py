@@ -136,7 +136,8 @@ def plan(cfg: RunConfig, tokenizer_vocab: int, world: int, gpu: bool = True, str
         params, grads, optim = 4 * p / n + unsharded, 4 * p / n + 4 * block, 8 * p / n
     elif bf16:  # DeepSpeed bf16: bf16 weights and gradients, fp32 master + moments in the optimizer
         params = 2 * p / n if s == "zero3" else 2 * p
-        grads = 4 * p / n if s in ("zero2", "zero3") else 4 * p  # accumulated in fp32 (config/deepspeed.py)
+        # Accumulated in fp32 (config/deepspeed.py), but for ZeRO-2's partition: its stage keeps it in bf16.
+        grads = {"zero2": 2 * p / n, "zero3": 4 * p / n}.get(s, 4 * p)
         optim = 12 * p / n
     else:
         params = 4 * p / n if s == "zero3" else 4 * p

@@ -20,6 +20,8 @@ per-group norms and the whole step is skipped when any of them is bad.
 
 from __future__ import annotations
 
+import math
+import numbers
 import types
 from typing import Any
 
@@ -51,8 +53,9 @@ class GroupNormWatch:
             if isinstance(out, torch.Tensor):
                 value = out.detach().to(self.device, torch.float32, non_blocking=True)
                 self.bad = self.bad | (value < 0).any() | ~torch.isfinite(value).all()
-            elif isinstance(out, float):  # a norm handed back as a Python number (no DeepSpeed we run does)
-                self.bad = self.bad | torch.full((), out < 0 or out != out, dtype=torch.bool, device=self.device)
+            elif isinstance(out, numbers.Real):  # DeepSpeed 0.16's offload path: a float, or the int -1 for a bad norm
+                bad = out < 0 or not math.isfinite(out)  # (taken for a norm, -1 made one group step and the other skip)
+                self.bad = self.bad | torch.full((), bad, dtype=torch.bool, device=self.device)
             return out
 
         return norm
