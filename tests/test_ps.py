@@ -475,20 +475,6 @@ def test_a_token_budget_counts_every_batch_a_pushed_gradient_carries() -> None:
         load_ps_config(None, [*sets, "train.precision=fp16"], "/tmp/aura-unused", "ps", None, 1)
 
 
-def test_a_workers_first_gradient_with_its_compilation_is_not_taken_for_its_pace() -> None:
-    """A worker that lost the server after a gradient slower than 0.8 x ps.worker_timeout_s leaves instead of
-    rejoining (it would be as slow again); its first gradient, with torch.compile's and CUDA's set-up, made a worker
-    that trains fast leave for good after any later network timeout."""
-    from aura_hpc.config import load_config
-    from aura_hpc.ps.worker import PsWorker
-
-    worker = PsWorker.__new__(PsWorker)  # its pace alone: no model, no server
-    worker.cfg, worker.slowest_gradient_s, worker.gradients_timed = load_config(None, ["ps.worker_timeout_s=120"]), 0.0, 0
-    for took in (110.0, 2.0, 3.0, 2.5):
-        worker._timed_gradient(took)
-    assert worker.slowest_gradient_s == 3.0
-
-
 def test_a_worker_whose_gradients_are_mostly_too_stale_is_named_once(caplog: pytest.LogCaptureFixture) -> None:
     """Its position in the shard moves on with each dropped gradient: a slow worker's whole shard could pass untrained,
     said only by a `dropped` count in the rows."""

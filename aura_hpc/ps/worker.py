@@ -77,7 +77,6 @@ class PsWorker:
         self.dropped_links: list[wire.Link] = []  # kept alive: destroying a gloo pair mid-wait can abort
         self.server_gone = False  # then the store is not written to any more
         self.slowest_gradient_s = 0.0  # weights in to gradient out: what the server's ps.worker_timeout_s must cover
-        self.gradients_timed = 0
 
     def run(self, progress: Any, on_rank: Any = None) -> int:
         try:
@@ -267,9 +266,7 @@ class PsWorker:
                 self.cfg.ps.worker_timeout_s,
                 max(2 * self.cfg.ps.worker_timeout_s, int(3 * took)),
             )
-        self.gradients_timed += 1
-        if self.gradients_timed > 1:  # the first includes torch.compile's and CUDA's set-up, which a rejoin does not repeat
-            self.slowest_gradient_s = max(self.slowest_gradient_s, took)
+        self.slowest_gradient_s = max(self.slowest_gradient_s, took)
 
     def _gradient(self, position: int, lr: float) -> tuple[float, torch.Tensor]:
         """(loss, the flat gradient to push) of ps.push_every local steps from `position`. With
