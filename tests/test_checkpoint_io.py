@@ -202,6 +202,30 @@ def test_sharded_checkpoints_are_read_as_data_and_one_that_would_run_code_is_ref
     assert not witness.exists()
 
 
+def test_the_ranks_of_a_zero_resume_check_deepspeeds_files_each_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank checked every rank's file: world² opens of shared storage per resume (260k at 512 GPUs)."""
+    from aura_hpc.errors import CheckpointError
+    from aura_hpc.train.checkpoint.data_only import check_deepspeed_files
+
+    ds = tmp_path / "sharded" / "ds"
+    ds.mkdir(parents=True)
+    names = ["mp_rank_00_model_states.pt", *(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3))]
+    for name in names:
+        torch.save({"optimizer_state_dict": {"step": torch.ones(2)}}, ds / name)
+    opened: list[list[str]] = []
+    real = torch.serialization.get_unsafe_globals_in_checkpoint
+    monkeypatch.setattr(torch.serialization, "get_unsafe_globals_in_checkpoint", lambda f: opened[-1].append(Path(f).name) or real(f))
+    for rank in range(3):
+        opened.append([])
+        check_deepspeed_files(tmp_path / "sharded", (rank, 3))
+    assert sorted(n for share in opened for n in share) == sorted(names) and all(opened), opened  # each file once, every rank a share
+    torch.save({"optimizer_state_dict": {"loss_scaler": _Runs(tmp_path / "ran")}}, ds / names[1])
+    opened.append([])
+    check_deepspeed_files(tmp_path / "sharded", (0, 3))  # another rank's share
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt asks to run posix\.system"):
+        check_deepspeed_files(tmp_path / "sharded", (1, 3))
+
+
 def test_a_worker_refuses_a_checkpoint_of_another_strategy_or_optimizer_by_its_meta(tmp_path: Path) -> None:
     """The workers' own check (the launcher's run_setup refuses first, from config.yaml): meta.json
     names what wrote the state; an older checkpoint without the field is taken as it is."""

@@ -245,6 +245,23 @@ def test_zero_shards_are_written_behind_the_loop_and_a_failed_shard_write_keeps_
         assert [c.step for c in ckpts][:2] == [20, 15] and all(checkpoint.verify(c.path) is None for c in ckpts), name
         shards = sorted(p.name for p in (ckpts[0].path / "sharded").rglob("*optim_states.pt"))
         assert len(shards) == 2, shards  # one per rank
+    # Rank 0's optimizer file made to run a command (its commit marker rewritten to match): the ranks check the files
+    # between them, so rank 1 finds it. Every rank stops with the line; none goes on into DeepSpeed's load alone.
+    import hashlib
+
+    from tests.test_checkpoint_io import _Runs
+
+    newest = checkpoint.list_complete(tmp_path / "full" / "checkpoints")[0].path
+    rel = "sharded/ds/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"loss_scaler": _Runs(tmp_path / "ran")}}, newest / rel)
+    marker = json.loads((newest / checkpoint.MARKER).read_text())
+    data = (newest / rel).read_bytes()
+    marker["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (newest / checkpoint.MARKER).write_text(json.dumps(marker))
+    r = run_cli([*_args(tmp_path, "full", prepared, "zero2"), "--set", "train.max_steps=25"], timeout=300)
+    said = f"{rel.split('/')[-1]} asks to run posix.system, which DeepSpeed never writes (fix: "
+    assert r.returncode == 2 and said in r.stderr, r.stdout[-3000:] + r.stderr[-2000:]
+    assert all(said in (tmp_path / "full" / "logs" / f"rank_{k}.log").read_text() for k in (0, 1)) and not (tmp_path / "ran").exists()
 
 
 def test_zero3_local_weights_are_the_real_elements_of_each_partition(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -165,10 +165,16 @@ def load_dcp(state: dict[str, Any], folder: Path) -> None:
         raise
 
 
-def check_deepspeed_files(folder: Path) -> None:
+def check_deepspeed_files(folder: Path, share: tuple[int, int] = (0, 1)) -> None:
     """Every DeepSpeed file under `folder` calls only what DeepSpeed writes there (torch's own tensor
-    records aside), checked without unpickling it: the message that names the file, before DeepSpeed's loads."""
-    for path in sorted(folder.rglob("*.pt")):
+    records aside), checked without unpickling it: the message that names the file, before DeepSpeed's loads.
+    `share` (rank, world): this rank's share of the files, every world-th one. The ranks of a resume check a
+    checkpoint together, each file once: every rank checking every rank's file was world² opens of shared
+    storage per resume (260k at 512 GPUs), and a legacy-format file was read whole by every rank."""
+    rank, world = share
+    for i, path in enumerate(sorted(folder.rglob("*.pt"))):
+        if i % world != rank:
+            continue
         try:
             unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
         except ValueError:  # not a zip: DeepSpeed told to write torch's legacy format; read whole, as data

@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
+from aura_hpc.comm import collectives
 from aura_hpc.config import RunConfig
 from aura_hpc.config.deepspeed import deepspeed_config
+from aura_hpc.errors import CheckpointError
 from aura_hpc.train.checkpoint.background_shards import FailureKept, ShardWriter
 from aura_hpc.train.model.meta_init import build_on_meta
 from aura_hpc.train.process.deepspeed_import import quiet_deepspeed
@@ -125,7 +127,14 @@ class ZeroWrapped(Wrapped, ShardedCheckpoints):
     def load_sharded(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
         from aura_hpc.train.checkpoint.data_only import check_deepspeed_files, deepspeed_loads_as_data
 
-        check_deepspeed_files(folder)  # the message that names the file; DeepSpeed's loads then read data only
+        world = collectives.world()
+        try:  # the message that names the file; DeepSpeed's loads then read data only
+            check_deepspeed_files(folder, (world.rank, world.size))
+            mine = None
+        except CheckpointError as exc:
+            mine = str(exc)
+        if problems := [p for p in collectives.gather_json(mine) if p]:
+            raise CheckpointError(problems[0])  # on every rank: none goes on into DeepSpeed's collective load alone
         with deepspeed_loads_as_data(folder):
             path, _ = self.engine.load_checkpoint(
                 str(folder), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False, load_module_strict=True
