@@ -1677,7 +1677,11 @@ def test_a_stopped_rank_of_a_two_node_job_is_named_by_its_nodes_watchdog_and_the
     common = [*TINY, "--output-dir", str(out), "--set", f"data.path={prepared}", "--set", "train.max_steps=20"]
     common += ["--set", "train.checkpoint_every=5"]
     straight = run_cli(["submit", *common, "--run-name", "straight"])
-    hung = run_cli(["submit", *common, "--run-name", "hung", "--set", "health.hang_step_floor_s=10"], AURA_FAULT_STOP="1:12")
+    # The other node's rank waits in a collective that times out after 20 s (NCCL's, on GPUs): its task fails and
+    # --kill-on-bad-exit ends the step while this node's watchdog still waits for that node's evidence (kept late here).
+    # The watchdog got SIGTERM and left: the job ended FAILED, not requeued. It now acts within Slurm's KillWait.
+    hung_args = [*common, "--run-name", "hung", "--set", "health.hang_step_floor_s=10", "--set", "dist.timeout_s=20"]
+    hung = run_cli(["submit", *hung_args], AURA_FAULT_STOP="1:12", AURA_FAULT_PEER_RECORDS_LATE_S="60")
     assert straight.returncode == 0 and hung.returncode == 0, straight.stderr + hung.stderr
     job, run_dir = _job_id(out / "hung"), out / "hung"
     _wait_gone(job, timeout=420)
@@ -1703,6 +1707,7 @@ def test_a_stopped_rank_of_a_two_node_job_is_named_by_its_nodes_watchdog_and_the
     assert "[watchdog] hang: rank 1 on " in log1 and "did not answer" in log1 and f"requeuing job {job} after the hang" in log1, log1[
         -3000:
     ]
+    assert "the job step is ending (SIGTERM" in log1, log1[-3000:]
     # From step 10, or from the checkpoint rank 0 writes when the requeue's signal reaches it while it waits:
     # on a loaded machine rank 1 stops a step or two after the step its line names (reports are read one step
     # late), and both ranks had completed those steps (a CI run resumed at 14). The end is bit-identical either way.

@@ -21,6 +21,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -403,15 +404,19 @@ def _signal(pid: int, sig: signal.Signals) -> None:
         os.kill(pid, sig)
 
 
-def investigate_in_time(watch: HangWatch, ranks: dict[int, dict[str, Any]]) -> Hang:
+def investigate_in_time(watch: HangWatch, ranks: dict[int, dict[str, Any]], hurry: Callable[[], bool] | None = None) -> Hang:
     """`investigate`, given INVESTIGATE_S: it writes RUN_DIR (shared storage), and on a mount that stopped
     answering (ranks stuck in state D on it: the hang itself) the watch waited with it forever, and named nothing,
     killed nothing. Past its time the hang is declared without the evidence (with its culprit where the stacks
-    were read), and the mount named."""
+    were read), and the mount named. `hurry`: once it says so, the culprit named is enough (the files go on being
+    written)."""
     late, named = threading.Event(), []
-    finished, result = in_time(watch.investigate, ranks, late, named, limit=INVESTIGATE_S)
+    until = (lambda: bool(named) and hurry()) if hurry is not None else None
+    finished, result = in_time(watch.investigate, ranks, late, named, limit=INVESTIGATE_S, until=until)
     if finished and isinstance(result, Hang):
         return result
+    if named and hurry is not None and hurry():
+        return named[0]  # its files are still being written: the act cannot wait for them
     late.set()
     why = f"{result}" if finished else f"{watch.cfg.run_dir} did not answer within {INVESTIGATE_S:.0f} s (a hung mount there?)"
     if named:  # the stacks were read and the culprit named; the files were not all written

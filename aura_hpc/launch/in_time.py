@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 
-def in_time(work: Any, *args: Any, limit: float) -> tuple[bool, Any]:
+def in_time(work: Any, *args: Any, limit: float, until: Callable[[], bool] | None = None) -> tuple[bool, Any]:
     """`work(*args)` on a thread of its own, waited for `limit` seconds: (True, its result or the exception it raised),
-    or (False, None) while it still runs (a call into a mount that stopped answering never returns)."""
+    or (False, None) while it still runs (a call into a mount that stopped answering never returns). `until`: waited
+    no longer once it says so (read every quarter second; a signal handler's flag)."""
     done: list[Any] = []
     thread = threading.Thread(target=lambda: done.append(_attempt(work, *args)), name="aura-in-time", daemon=True)
     thread.start()
-    thread.join(limit)
+    if until is None:
+        thread.join(limit)
+    else:
+        deadline = time.monotonic() + limit
+        while thread.is_alive() and not until() and (left := deadline - time.monotonic()) > 0:
+            thread.join(min(0.25, left))
     return (True, done[0]) if done else (False, None)
 
 

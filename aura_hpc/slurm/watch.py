@@ -61,6 +61,11 @@ class SlurmHangWatch(HangWatch):
     earlier: frozenset[str] | set[str] = frozenset()  # RUN_DIR/hangs/ folders of earlier attempts (note_earlier_records)
     stop_asked: bool = False  # Slurm's pre-timeout signal (or scancel --signal) reached the step: the ranks stop
     run_dir_hung: bool = False  # a look into RUN_DIR went unanswered: the act goes on without it
+    handling: bool = False  # a hang is declared and not yet acted on: SIGTERM no longer ends this process (main)
+    # SIGTERM came while a hang is handled: the step is ending, most often because a waiting rank's own collective
+    # timed out first (--kill-on-bad-exit ends every task). Slurm's KillWait (30 s by default) is left before SIGKILL:
+    # the requeue goes at once, without the waits for the other nodes' evidence and py-spy's frames.
+    ending: bool = False
 
     def in_run_dir(self, work: Any, *args: Any, default: Any, slurm_s: float = 0.0) -> Any:
         """`work(*args)`, which reads or writes RUN_DIR, waited for RUN_DIR_S (and `slurm_s` more for the scontrol
@@ -84,6 +89,9 @@ class SlurmHangWatch(HangWatch):
             return False
         if hang.culprits and self.nodes > 1:
             self._wait_for_evidence_elsewhere()
+        if self.ending:
+            print("[watchdog] the job step is ending (SIGTERM: a rank's own collective timeout, or a cancel) while the hang is "
+                  "handled: acting now, within Slurm's KillWait", flush=True)  # fmt: skip
         # Alone, after the node that named the culprit acted (and counted the hang) without ending this task:
         # the same hang, not one more against the budget.
         requeue, why = self.in_run_dir(self._within_budget, hang.progress_step, not alone, default=(None, ""))
@@ -153,23 +161,28 @@ class SlurmHangWatch(HangWatch):
         return sorted(found, key=lambda v: (not v.culprits, v.declared_at))
 
     def _another_node_named(self, hang: Hang) -> bool:
-        """Another node's watchdog named the culprit (its record in the shared hangs/ folder)."""
+        """Another node's watchdog named the culprit (its record in the shared hangs/ folder). Looked for once when the
+        step is ending: then this node acts itself (a second requeue of one attempt is told apart: exclude.why_stopped)."""
         deadline = time.time() + ELSEWHERE_WAIT_S
-        while time.time() < deadline and not self.run_dir_hung:
+        while not self.run_dir_hung:
             named = [v for v in self.in_run_dir(self.peer_verdicts, default=[]) if v.culprits]
             if named:
                 print(f"[watchdog] {named[0].line[:2000]}", flush=True)
                 return True
+            if self.ending or time.time() >= deadline:
+                break
             time.sleep(1.0)
         return False
 
     def _wait_for_evidence_elsewhere(self) -> None:
-        """Until every other node of the job has kept its ranks' stacks (its record), or EVIDENCE_WAIT_S."""
-        deadline = time.time() + EVIDENCE_WAIT_S
-        while time.time() < deadline and not self.run_dir_hung:
-            if len({v.host for v in self.in_run_dir(self.peer_verdicts, default=[])}) >= self.nodes - 1:
+        """Until every other node of the job has kept its ranks' stacks (its record), or EVIDENCE_WAIT_S, or the step ends."""
+        started = time.time()
+        # Tests: the other nodes' records seen this late (a node whose run directory answers slowly).
+        late_s = float(os.environ.get("AURA_FAULT_PEER_RECORDS_LATE_S") or 0)
+        while time.time() < started + EVIDENCE_WAIT_S and not self.run_dir_hung and not self.ending:
+            if time.time() - started >= late_s and len({v.host for v in self.in_run_dir(self.peer_verdicts, default=[])}) >= self.nodes - 1:
                 return
-            time.sleep(0.5)
+            time.sleep(0.25)
 
     def _within_budget(self, step: int, count: bool = True) -> tuple[bool, str]:
         """Hangs without progress in a row (kept in the run directory across the job's requeues); `count`:
@@ -218,9 +231,16 @@ def main(argv: list[str]) -> int:
         if asked["watch"] is not None:
             asked["watch"].stop_asked = True
 
+    def terminated(*_: object) -> None:
+        # Only a flag: the main thread may be inside a print, and a second one from here raises.
+        watch = asked["watch"]
+        if watch is None or not watch.handling:
+            sys.exit(0)
+        watch.ending = True
+
     for sig in STOP_ASKED:
         signal.signal(sig, stop_asked)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, terminated)
     config, folder, job_id, restarts, task_pid = argv
     try:
         cfg = load_config(config)
@@ -261,15 +281,21 @@ def _watch(watch: SlurmHangWatch, task_pid: int) -> int:
                 finished, verdicts = in_time(watch.peer_verdicts, limit=PEER_POLL_IDLE_S)
                 watch.peer_hangs = verdicts if finished and isinstance(verdicts, list) else watch.peer_hangs
             if watch.hung(ranks, now, stopping=watch.stop_asked) or watch.named_elsewhere(ranks, now):
-                hang = investigate_in_time(watch, ranks)  # its evidence, within a time: RUN_DIR may be a mount that hangs
+                watch.handling = True
+                hurry = lambda: watch.ending  # noqa: E731
+                hang = investigate_in_time(watch, ranks, hurry)  # its evidence, within a time: RUN_DIR may be a mount that hangs
                 print(f"[watchdog] {hang.line}", flush=True)
                 sys.stderr.write(f"error: {hang.line}\n")
                 # After the record: the other nodes wait for it; py-spy may take 20 s, and it writes into RUN_DIR.
-                in_time(watch.add_native_stacks, hang, ranks, limit=60.0)
+                if not watch.ending:
+                    in_time(watch.add_native_stacks, hang, ranks, limit=60.0, until=hurry)
                 if watch.act(hang, ranks, alone=still):
                     watch.in_run_dir(record_hang, watch.cfg.run_dir, f"slurm-{watch.job_id}", hang.last_progress, time.time(), default=None)
                     notify(watch, hang)
                     return 0
+                if watch.ending:  # another node acts on the hang; this node's step ends
+                    return 0
+                watch.handling = False
                 watch._seen, left_at = {}, (time.time(), newest)
         time.sleep(watch.poll_s)
     return 0
