@@ -475,6 +475,35 @@ def test_a_token_budget_counts_every_batch_a_pushed_gradient_carries() -> None:
         load_ps_config(None, [*sets, "train.precision=fp16"], "/tmp/aura-unused", "ps", None, 1)
 
 
+def test_a_workers_first_gradient_explains_one_drop_at_most_and_its_later_ones_are_its_pace() -> None:
+    """A drop after a gradient slower than 0.8 x ps.worker_timeout_s ends the worker (a rejoin would be as slow). Its
+    first gradient holds torch.compile's and the device's set-up: it made a worker that trains fast leave for good at
+    any later network timeout. Now that gradient explains one drop, answered with a rejoin; the next gradient tells."""
+    from aura_hpc.config import load_config
+    from aura_hpc.ps.worker import PsWorker
+
+    def worker(*took: float) -> PsWorker:
+        w = PsWorker.__new__(PsWorker)  # its pace alone: no model, no server
+        w.cfg, w.slowest_gradient_s, w.slowest_later_s, w.gradients_timed, w.first_excused = cfg, 0.0, 0.0, 0, False
+        for t in took:
+            w._timed_gradient(t)
+        return w
+
+    cfg = load_config(None, ["ps.worker_timeout_s=120"])
+    fast = worker(110.0, 2.0, 3.0)
+    assert fast._pace() == "" and fast._pace() == ""  # a network timeout, as often as it comes: rejoined
+    dropped_at_first = worker(110.0)
+    assert dropped_at_first._pace() == "first"
+    dropped_at_first._timed_gradient(2.0)
+    assert dropped_at_first._pace() == ""
+    slow_pc = worker(110.0)
+    assert slow_pc._pace() == "first"
+    slow_pc._timed_gradient(100.0)
+    assert slow_pc._pace() == "slow" and "a gradient took 100 s on this PC" in str(slow_pc._too_slow())
+    again = worker(110.0)  # dropped again before a second gradient was timed
+    assert again._pace() == "first" and again._pace() == "slow"
+
+
 def test_a_worker_whose_gradients_are_mostly_too_stale_is_named_once(caplog: pytest.LogCaptureFixture) -> None:
     """Its position in the shard moves on with each dropped gradient: a slow worker's whole shard could pass untrained,
     said only by a `dropped` count in the rows."""

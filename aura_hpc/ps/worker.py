@@ -77,6 +77,9 @@ class PsWorker:
         self.dropped_links: list[wire.Link] = []  # kept alive: destroying a gloo pair mid-wait can abort
         self.server_gone = False  # then the store is not written to any more
         self.slowest_gradient_s = 0.0  # weights in to gradient out: what the server's ps.worker_timeout_s must cover
+        self.slowest_later_s = 0.0  # the same but the first, which holds torch.compile's and the device's set-up
+        self.gradients_timed = 0
+        self.first_excused = False  # a drop the first gradient alone explained was answered with a rejoin
 
     def run(self, progress: Any, on_rank: Any = None) -> int:
         try:
@@ -108,23 +111,34 @@ class PsWorker:
                     return 0
                 except wire.LinkLost as exc:
                     first = str(exc)
-                    if self.slowest_gradient_s > 0.8 * self.cfg.ps.worker_timeout_s and not stop.requested:
+                    pace = "" if stop.requested else self._pace()
+                    if pace == "slow":
                         # The server dropped this worker for being silent while it computed (it said "lost the server,
                         # re-run when it runs again" of a server that ran on); a rejoin would compute as slowly.
                         raise self._too_slow() from None
-                    if not wire.timed_out(first) or stop.requested:
+                    if not pace and (not wire.timed_out(first) or stop.requested):
                         raise self._lost(first) from None
-                # A silent server is a network that dropped (Wi-Fi) more often than a server that
-                # died (that closes the connection): come back as the same worker when it answers.
-                log.warning(
-                    "no answer from the parameter server for ps.worker_timeout_s (%ss): the network may have dropped; "
-                    "rejoining as worker %d when %s:%d answers again (up to ps.join_timeout_s, %ss)",
-                    self.cfg.ps.worker_timeout_s,
-                    self.rank,
-                    self.addr,
-                    self.port,
-                    self.cfg.ps.join_timeout_s,
-                )
+                if pace == "first":
+                    log.warning(
+                        "dropped by the parameter server after the first gradient (%.0f s, torch.compile's and the device's "
+                        "set-up included, over 0.8 x ps.worker_timeout_s = %ss): rejoining once as worker %d; dropped "
+                        "again as slowly, this PC is too slow for ps.worker_timeout_s",
+                        self.slowest_gradient_s,
+                        self.cfg.ps.worker_timeout_s,
+                        self.rank,
+                    )
+                else:
+                    # A silent server is a network that dropped (Wi-Fi) more often than a server that
+                    # died (that closes the connection): come back as the same worker when it answers.
+                    log.warning(
+                        "no answer from the parameter server for ps.worker_timeout_s (%ss): the network may have dropped; "
+                        "rejoining as worker %d when %s:%d answers again (up to ps.join_timeout_s, %ss)",
+                        self.cfg.ps.worker_timeout_s,
+                        self.rank,
+                        self.addr,
+                        self.port,
+                        self.cfg.ps.join_timeout_s,
+                    )
                 self.dropped_links.append(link)
                 try:
                     link, position = self._join(progress, lambda: stop.requested)
@@ -179,13 +193,28 @@ class PsWorker:
         )
         return link, int(reply["position"])
 
+    def _pace(self) -> str:
+        """Why the server may have dropped this worker, by its own pace: "slow" (a gradient over 0.8 x
+        ps.worker_timeout_s: a rejoin would compute as slowly), "first" (only the first gradient was that slow:
+        torch.compile's and the device's set-up, which a rejoin does not repeat; answered once with a rejoin,
+        as the next gradient tells), or "" (not the pace: the network, or the server)."""
+        limit = 0.8 * self.cfg.ps.worker_timeout_s
+        if self.slowest_later_s > limit:
+            return "slow"
+        if self.gradients_timed == 1 and self.slowest_gradient_s > limit:
+            if self.first_excused:
+                return "slow"
+            self.first_excused = True
+            return "first"
+        return ""
+
     def _too_slow(self) -> TrainingFailed:
         self.server_gone = True
-        timeout = self.cfg.ps.worker_timeout_s
+        timeout, took = self.cfg.ps.worker_timeout_s, self.slowest_later_s or self.slowest_gradient_s
         return TrainingFailed(
-            f"a gradient took {self.slowest_gradient_s:.0f} s on this PC, and the parameter server drops a worker silent for "
+            f"a gradient took {took:.0f} s on this PC, and the parameter server drops a worker silent for "
             f"ps.worker_timeout_s ({timeout} s) (fix: re-run the server and every worker with --set "
-            f"ps.worker_timeout_s={max(2 * timeout, int(3 * self.slowest_gradient_s))}, or a smaller train.batch_size or ps.push_every)"
+            f"ps.worker_timeout_s={max(2 * timeout, int(3 * took))}, or a smaller train.batch_size or ps.push_every)"
         )
 
     def _lost(self, first: str, rejoin_error: str = "") -> TrainingFailed:
@@ -267,6 +296,9 @@ class PsWorker:
                 max(2 * self.cfg.ps.worker_timeout_s, int(3 * took)),
             )
         self.slowest_gradient_s = max(self.slowest_gradient_s, took)
+        self.gradients_timed += 1
+        if self.gradients_timed > 1:
+            self.slowest_later_s = max(self.slowest_later_s, took)
 
     def _gradient(self, position: int, lr: float) -> tuple[float, torch.Tensor]:
         """(loss, the flat gradient to push) of ps.push_every local steps from `position`. With
