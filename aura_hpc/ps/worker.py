@@ -120,9 +120,9 @@ class PsWorker:
                         raise self._lost(first) from None
                 if pace == "first":
                     log.warning(
-                        "dropped by the parameter server after the first gradient (%.0f s, torch.compile's and the device's "
-                        "set-up included, over 0.8 x ps.worker_timeout_s = %ss): rejoining once as worker %d; dropped "
-                        "again as slowly, this PC is too slow for ps.worker_timeout_s",
+                        "lost the parameter server after the first gradient (%.0f s, torch.compile's and the device's set-up "
+                        "included, over 0.8 x ps.worker_timeout_s = %ss, after which the server drops a silent worker): "
+                        "rejoining once as worker %d; if the next gradient is as slow, this PC is too slow for it",
                         self.slowest_gradient_s,
                         self.cfg.ps.worker_timeout_s,
                         self.rank,
@@ -201,12 +201,10 @@ class PsWorker:
         limit = 0.8 * self.cfg.ps.worker_timeout_s
         if self.slowest_later_s > limit:
             return "slow"
-        if self.gradients_timed == 1 and self.slowest_gradient_s > limit:
-            if self.first_excused:
-                return "slow"
+        if self.gradients_timed == 1 and self.slowest_gradient_s > limit and not self.first_excused:
             self.first_excused = True
             return "first"
-        return ""
+        return ""  # after the rejoin, a drop before the next gradient was timed is not that gradient's
 
     def _too_slow(self) -> TrainingFailed:
         self.server_gone = True

@@ -139,10 +139,11 @@ class TrainJob:
             if watcher is not None and watcher.poll() is None:
                 # This node's ranks are done: the watchdog leaves now (SIGTERM, through its cleanup), not at its next
                 # look at the pages up to a second later, which the requeue and the goodput ledger would wait for.
-                # One that is requeuing the job after a hang ignores SIGTERM and gets a few seconds to finish.
+                # One that handles a hang ignores SIGTERM: this task waits for its requeue (the step's processes are
+                # killed once its last task has exited, the watchdog with them).
                 watcher.terminate()
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    watcher.wait(timeout=5)
+                    watcher.wait(timeout=25)
         if status == EXIT_SCREEN:  # the screen named nodes the allocation can spare: requeued without them
             if rank != 0:
                 print(f"[rank{rank}] this attempt stops here: rank 0 requeues the job without the nodes the screen named", flush=True)

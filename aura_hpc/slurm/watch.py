@@ -90,8 +90,11 @@ class SlurmHangWatch(HangWatch):
         if hang.culprits and self.nodes > 1:
             self._wait_for_evidence_elsewhere()
         if self.ending:
+            if self._trained_to_the_end():
+                print("[watchdog] the ranks trained to the end while the hang was handled: not requeued", flush=True)
+                return True
             print("[watchdog] the job step is ending (SIGTERM: a rank's own collective timeout, or a cancel) while the hang is "
-                  "handled: acting now, within Slurm's KillWait", flush=True)  # fmt: skip
+                  "handled: requeuing first, within Slurm's KillWait", flush=True)  # fmt: skip
         # Alone, after the node that named the culprit acted (and counted the hang) without ending this task:
         # the same hang, not one more against the budget.
         requeue, why = self.in_run_dir(self._within_budget, hang.progress_step, not alone, default=(None, ""))
@@ -109,13 +112,15 @@ class SlurmHangWatch(HangWatch):
         if requeue:
             print(f"[watchdog] requeuing job {self.job_id} after the hang: it resumes from its newest checkpoint ({why})", flush=True)
             say = lambda m: print(f"[watchdog] {m}", flush=True)  # noqa: E731
-            # The judgement asks scontrol too (JUDGE_BUDGET_S, then why_stopped's own wait): that time is Slurm's, not the mount's.
-            judge, slurm_s = exclude.judge_unless_stopped, exclude.JUDGE_BUDGET_S + 40.0
-            judged, stopped = self.in_run_dir(
-                judge, self.job_id, self.cfg.run_dir, say, self.restarts, default=(None, None), slurm_s=slurm_s
-            )
-            if stopped is None:  # not judged in time: a cancel meanwhile is still not undone by the requeue
-                stopped = exclude.why_stopped(self.job_id, self.restarts)
+            judged: Any = True  # the step ending: judged after the requeue, which must come first
+            if not self.ending:
+                # The judgement asks scontrol too (JUDGE_BUDGET_S, then why_stopped's own wait): that time is Slurm's, not the mount's.
+                judge, slurm_s = exclude.judge_unless_stopped, exclude.JUDGE_BUDGET_S + 40.0
+                judged, stopped = self.in_run_dir(
+                    judge, self.job_id, self.cfg.run_dir, say, self.restarts, default=(None, None), slurm_s=slurm_s
+                )
+                if stopped is None:  # not judged in time: a cancel meanwhile is still not undone by the requeue
+                    stopped = exclude.why_stopped(self.job_id, self.restarts)
             if stopped:
                 self._not_requeued(stopped)
             else:
@@ -123,13 +128,20 @@ class SlurmHangWatch(HangWatch):
                 if failed := exclude.requeue(self.job_id):
                     print(f"[watchdog] scontrol requeue {self.job_id} failed: {failed} (fix: resubmit the same command)", flush=True)
                 else:
-                    self.in_run_dir(exclude.apply_after_requeue, self.job_id, self.cfg.run_dir, say, judged, default=None, slurm_s=40.0)
+                    slurm_s = 40.0 + (exclude.JUDGE_BUDGET_S if judged is True else 0.0)
+                    self.in_run_dir(exclude.apply_after_requeue, self.job_id, self.cfg.run_dir, say, judged, default=None, slurm_s=slurm_s)
         elif stopped:
             self._not_requeued(stopped)
         else:
             print(f"[watchdog] not requeued: {why} (fix: see the hang's line and stacks, then resubmit)", flush=True)
         self.kill(ranks)
         return True
+
+    def _trained_to_the_end(self) -> bool:
+        """Every rank of this node finished the run's steps (a stall that ended by itself while it was handled: the
+        SIGTERM is job.py's, its ranks done). Not a rank that only stopped: SIGCONT wakes a stopped culprit too."""
+        ranks = self.read()
+        return bool(ranks) and all(p["section"] == "finished" and p["step"] >= self.cfg.train.max_steps for p in ranks.values())
 
     def _not_requeued(self, stopped: exclude.Stopped) -> None:
         if not stopped.requeued_anyway:  # a cancel
@@ -177,12 +189,12 @@ class SlurmHangWatch(HangWatch):
     def _wait_for_evidence_elsewhere(self) -> None:
         """Until every other node of the job has kept its ranks' stacks (its record), or EVIDENCE_WAIT_S, or the step ends."""
         started = time.time()
-        # Tests: the other nodes' records seen this late (a node whose run directory answers slowly).
-        late_s = float(os.environ.get("AURA_FAULT_PEER_RECORDS_LATE_S") or 0)
+        late = os.environ.get("AURA_FAULT_PEER_RECORDS_LATE_S", "")  # tests: the other nodes' records seen this late
+        late_s = float(late) if late.isdigit() else 0.0
         while time.time() < started + EVIDENCE_WAIT_S and not self.run_dir_hung and not self.ending:
             if time.time() - started >= late_s and len({v.host for v in self.in_run_dir(self.peer_verdicts, default=[])}) >= self.nodes - 1:
                 return
-            time.sleep(0.25)
+            time.sleep(0.5)
 
     def _within_budget(self, step: int, count: bool = True) -> tuple[bool, str]:
         """Hangs without progress in a row (kept in the run directory across the job's requeues); `count`:

@@ -133,6 +133,8 @@ class ZeroWrapped(Wrapped, ShardedCheckpoints):
             mine = None
         except CheckpointError as exc:
             mine = str(exc)
+        except OSError as exc:  # listing the folder (EIO, ESTALE): said on every rank, none left waiting in the gather
+            mine = f"{folder}: the storage could not list it ({exc.strerror or type(exc).__name__}) (fix: check the mount, then run again)"
         if problems := [p for p in collectives.gather_json(mine) if p]:
             raise CheckpointError(problems[0])  # on every rank: none goes on into DeepSpeed's collective load alone
         with deepspeed_loads_as_data(folder):
