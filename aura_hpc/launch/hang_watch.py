@@ -415,7 +415,7 @@ def investigate_in_time(watch: HangWatch, ranks: dict[int, dict[str, Any]], hurr
     finished, result = in_time(watch.investigate, ranks, late, named, limit=INVESTIGATE_S, until=until)
     if finished and isinstance(result, Hang):
         return result
-    if named and hurry is not None and hurry():
+    if until is not None and until():
         return named[0]  # its files are still being written: the act cannot wait for them
     late.set()
     why = f"{result}" if finished else f"{watch.cfg.run_dir} did not answer within {INVESTIGATE_S:.0f} s (a hung mount there?)"
