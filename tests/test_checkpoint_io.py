@@ -226,6 +226,26 @@ def test_the_ranks_of_a_zero_resume_check_deepspeeds_files_each_file_once(tmp_pa
         check_deepspeed_files(tmp_path / "sharded", (1, 3))
 
 
+def test_the_ranks_of_a_resume_check_a_checkpoints_files_each_file_once(tmp_path: Path) -> None:
+    """Every rank stat-ed every file of the checkpoint (only the checksums were shared out): world² metadata calls on
+    shared storage per resume. Each rank now checks its share alone, and the gathered verdicts cover every file."""
+    from aura_hpc.data.prepare import sha256_file
+
+    ckpt = tmp_path / "step_00000010"
+    ckpt.mkdir()
+    names = [f"shard_{i}.bin" for i in range(4)]
+    for i, name in enumerate(names):
+        (ckpt / name).write_bytes(bytes([i]) * (100 + i))
+    files = {n: {"size": (ckpt / n).stat().st_size, "sha256": sha256_file(ckpt / n)} for n in names}
+    (ckpt / checkpoint.MARKER).write_text(json.dumps({"step": 10, "files": files}))
+    assert [checkpoint.verify(ckpt, (r, 3)) for r in range(3)] == [None, None, None]
+    (ckpt / names[1]).write_bytes(b"short")  # in rank 1's share (every 3rd file from its rank)
+    (ckpt / names[2]).unlink()  # in rank 2's
+    found = [checkpoint.verify(ckpt, (r, 3)) for r in range(3)]
+    assert found == [None, "shard_1.bin has 5 bytes, expected 101", "missing file shard_2.bin"], found
+    assert checkpoint.verify(ckpt) == "shard_1.bin has 5 bytes, expected 101"  # one process alone checks every file
+
+
 def test_a_worker_refuses_a_checkpoint_of_another_strategy_or_optimizer_by_its_meta(tmp_path: Path) -> None:
     """The workers' own check (the launcher's run_setup refuses first, from config.yaml): meta.json
     names what wrote the state; an older checkpoint without the field is taken as it is."""

@@ -62,7 +62,7 @@ class Checkpointer:
 
     def newest_name(self) -> str | None:
         """The newest valid checkpoint, agreed by every rank. Rank 0 lists the complete ones; where
-        every rank sees the files (shared storage), the ranks hash each checkpoint together, each
+        every rank sees the files (shared storage), the ranks check each checkpoint together (presence, size, hash), each
         file once (rank 0 alone would hash all of it while the others wait: ~50 GB for gpt2-3b);
         the writer's own checksums in COMPLETE.json are what they are compared with."""
         env = self.env
