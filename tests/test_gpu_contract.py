@@ -84,6 +84,28 @@ def test_our_gpt2_equals_transformers_and_checkpoints_convert_both_ways(tmp_path
     assert max((p.grad - grads[n].grad).abs().max().item() for n, p in ours.named_parameters()) < 1e-5
 
 
+def test_a_sample_runs_every_forward_at_one_width_and_reads_what_the_unpadded_sequence_gives() -> None:
+    """A sample grew its sequence one token a step: a new shape per token (on Hopper GPUs, one cuDNN attention plan
+    each: ~4 s for a tiny model's 40 tokens on an H200). Every forward now has one width, the context padded on the
+    right; the logits read at the last real position are those of the unpadded sequence, and past n_positions the
+    window slides at that width."""
+    from aura_hpc.train.model.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=97, n_positions=16, n_embd=32, n_layer=2, n_head=2)).eval()
+    widths: list[int] = []
+    model.transformer.h[0].register_forward_pre_hook(lambda _m, args: widths.append(args[0].shape[1]))
+    prompt = torch.tensor([[5, 6, 7]])
+    out = model.sample(prompt, 6, top_k=1)  # top-1: each token is the unpadded sequence's argmax
+    assert widths == [9] * 6, widths
+    for t in range(3, 9):
+        assert int(out[0, t]) == int(model(out[:, :t])[0, -1].argmax()), t
+    widths.clear()
+    long = model.sample(prompt, 20, top_k=1, generator=torch.Generator().manual_seed(1))
+    assert long.shape == (1, 23) and widths == [16] * 20, widths
+    assert int(long[0, 22]) == int(model(long[:, 6:22])[0, -1].argmax())  # the last 16 tokens, as before
+
+
 def test_the_probes_see_what_they_are_for() -> None:
     """Each kind of host read and of misplaced tensor is counted, with the line that made it."""
     from aura_hpc.train.instruments.probes import StepProbe

@@ -153,9 +153,19 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """`idx` followed by `new_tokens` sampled ones (top-k, temperature); rows at or past `allowed`
-        (padded embedding rows with no token behind them) are never sampled."""
+        (padded embedding rows with no token behind them) are never sampled.
+
+        Every forward has one width: the context padded on the right (causal attention keeps the padding
+        out of the positions read). A sequence one token longer at each step was a new shape each time: on
+        an H200 the 40 tokens of a tiny model's last sample took ~4 s where a fixed-shape evaluation took
+        milliseconds (torch >= 2.10 prefers cuDNN's attention on Hopper, which plans per shape)."""
+        n = self.config.n_positions
+        width = min(n, idx.shape[1] + new_tokens)
         for _ in range(new_tokens):
-            logits = self(idx[:, -self.config.n_positions :])[:, -1, :].float() / temperature
+            context = idx[:, -n:]
+            t = context.shape[1]
+            padded = F.pad(context, (0, width - t)) if t < width else context
+            logits = self.lm_head(self.hidden(padded)[:, t - 1, :]).float() / temperature
             if allowed is not None and allowed < logits.shape[-1]:
                 logits[:, allowed:] = -float("inf")
             if top_k:
