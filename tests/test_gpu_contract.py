@@ -86,9 +86,9 @@ def test_our_gpt2_equals_transformers_and_checkpoints_convert_both_ways(tmp_path
 
 def test_a_sample_runs_every_forward_at_one_width_and_reads_what_the_unpadded_sequence_gives() -> None:
     """A sample grew its sequence one token a step: a new shape per token (on Hopper GPUs, one cuDNN attention plan
-    each: ~4 s for a tiny model's 40 tokens on an H200). Every forward now has one width, the context padded on the
-    right; the logits read at the last real position are those of the unpadded sequence, and past n_positions the
-    window slides at that width."""
+    each: ~4 s for a tiny model's 40 tokens on an H200). On a GPU every forward now has one width, the context padded
+    on the right; the tokens are those of the unpadded sequence, and past n_positions the window slides at that width.
+    On a CPU (the host copy sharded strategies sample from) the sequence grows as before: padding there is work for nothing."""
     from aura_hpc.train.model.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
@@ -96,14 +96,19 @@ def test_a_sample_runs_every_forward_at_one_width_and_reads_what_the_unpadded_se
     widths: list[int] = []
     model.transformer.h[0].register_forward_pre_hook(lambda _m, args: widths.append(args[0].shape[1]))
     prompt = torch.tensor([[5, 6, 7]])
-    out = model.sample(prompt, 6, top_k=1)  # top-1: each token is the unpadded sequence's argmax
-    assert widths == [9] * 6, widths
+    grown = model.sample(prompt, 6, top_k=1)  # on a CPU, by default, one position wider a token (no padding for nothing)
+    assert widths == [3, 4, 5, 6, 7, 8], widths
+    widths.clear()
+    out = model.sample(prompt, 6, top_k=1, one_width=True)  # a GPU's default; top-1: each token the unpadded argmax
+    assert widths == [9] * 6 and torch.equal(out, grown), widths
     for t in range(3, 9):
         assert int(out[0, t]) == int(model(out[:, :t])[0, -1].argmax()), t
     widths.clear()
-    long = model.sample(prompt, 20, top_k=1, generator=torch.Generator().manual_seed(1))
+    long = model.sample(prompt, 20, top_k=1, generator=torch.Generator().manual_seed(1), one_width=True)
     assert long.shape == (1, 23) and widths == [16] * 20, widths
     assert int(long[0, 22]) == int(model(long[:, 6:22])[0, -1].argmax())  # the last 16 tokens, as before
+    with pytest.raises(ValueError, match="a prompt of one token at least"):
+        model.sample(prompt[:, :0], 1)
 
 
 def test_the_probes_see_what_they_are_for() -> None:

@@ -73,7 +73,7 @@ def sample(parts: Parts, t: TrainConfig, step: int, rt: Runtime, model: Any = No
     model.eval()
     # Its own generator: the training RNG streams (resume would diverge) and every GPU's generator
     # (torch.manual_seed would reseed them all, the one training on this rank too) stay as they are.
-    # Compiled blocks run eagerly here: every generated token has another length, each would be one more compilation.
+    # Compiled blocks run eagerly here: eval mode and a sample's lengths would each be one more compilation.
     generator = torch.Generator(device=device)
     generator.manual_seed(t.seed + step)
     with _eager(), rt.autocast() if live else contextlib.nullcontext():

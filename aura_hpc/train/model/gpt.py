@@ -151,16 +151,20 @@ class GPT(nn.Module):
         top_k: int = 40,
         allowed: int | None = None,
         generator: torch.Generator | None = None,
+        one_width: bool | None = None,
     ) -> torch.Tensor:
         """`idx` followed by `new_tokens` sampled ones (top-k, temperature); rows at or past `allowed`
         (padded embedding rows with no token behind them) are never sampled.
 
-        Every forward has one width: the context padded on the right (causal attention keeps the padding
-        out of the positions read). A sequence one token longer at each step was a new shape each time: on
-        an H200 the 40 tokens of a tiny model's last sample took ~4 s where a fixed-shape evaluation took
-        milliseconds (torch >= 2.10 prefers cuDNN's attention on Hopper, which plans per shape)."""
+        one_width (default: on a GPU): every forward at one width, the context padded on the right (causal
+        attention keeps the padding out of the positions read). A sequence one token longer at each step is a
+        new shape each time: on an H200 the 40 tokens of a tiny model's last sample took ~4 s where a
+        fixed-shape evaluation took milliseconds (torch >= 2.10 prefers cuDNN's attention on Hopper, which
+        plans per shape). On a CPU there is no such cost, and the padding would be work for nothing."""
+        if idx.shape[1] == 0:
+            raise ValueError("a sample needs a prompt of one token at least")
         n = self.config.n_positions
-        width = min(n, idx.shape[1] + new_tokens)
+        width = min(n, idx.shape[1] + new_tokens) if (idx.is_cuda if one_width is None else one_width) else 0
         for _ in range(new_tokens):
             context = idx[:, -n:]
             t = context.shape[1]
