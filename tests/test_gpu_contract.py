@@ -85,8 +85,8 @@ def test_our_gpt2_equals_transformers_and_checkpoints_convert_both_ways(tmp_path
 
 
 def test_a_sample_runs_every_forward_at_one_width_and_reads_what_the_unpadded_sequence_gives() -> None:
-    """A sample grew its sequence one token a step: a new shape per token (on Hopper GPUs, one cuDNN attention plan
-    each: ~4 s for a tiny model's 40 tokens on an H200). On a GPU every forward now has one width, the context padded
+    """A sample grew its sequence one token a step: a new shape per token (on Hopper GPUs, by torch's source, one cuDNN
+    attention plan each; ~4 s for a tiny model's 40 tokens on an H200). On a GPU every forward now has one width, the context padded
     on the right; the tokens are those of the unpadded sequence, and past n_positions the window slides at that width.
     On a CPU (the host copy sharded strategies sample from) the sequence grows as before: padding there is work for nothing."""
     from aura_hpc.train.model.gpt import GPT, GPTConfig

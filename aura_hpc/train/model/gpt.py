@@ -159,8 +159,8 @@ class GPT(nn.Module):
         one_width (default: on a GPU): every forward at one width, the context padded on the right (causal
         attention keeps the padding out of the positions read). A sequence one token longer at each step is a
         new shape each time: on an H200 the 40 tokens of a tiny model's last sample took ~4 s where a
-        fixed-shape evaluation took milliseconds (torch >= 2.10 prefers cuDNN's attention on Hopper, which
-        plans per shape). On a CPU there is no such cost, and the padding would be work for nothing."""
+        fixed-shape evaluation took milliseconds (by torch's source, not measured: torch >= 2.10 prefers
+        cuDNN's attention on Hopper, which plans per shape). On a CPU there is no such cost, and the padding would be work for nothing."""
         if idx.shape[1] == 0:
             raise ValueError("a sample needs a prompt of one token at least")
         n = self.config.n_positions
