@@ -40,11 +40,27 @@ for sdist in "$wheels"/*.tar.gz; do
 done
 echo "wheels: $(ls "$wheels" | wc -l) files, $(du -sh "$wheels" | cut -f1), $(( $(date +%s) - t0 ))s"
 
+# Every build leaves the previous image and its install stage behind as untagged images, about 4 GB a
+# build; on a machine that keeps its disk (CI here did) they filled it within a day. The install stage is
+# tagged while it is built and removed after (its untagged parents go with it), and the image this tag
+# named before is removed once replaced, if this script built it (its label says so): nothing else.
+LABEL=org.aura-hpc.built-by=docker/build-cpu-image.sh
+STAGE=aura-hpc-install-stage:$$
+previous=$(docker image inspect -f "{{.Id}} {{index .Config.Labels \"${LABEL%%=*}\"}}" "$TAG" 2>/dev/null || true)
+trap 'docker rmi "$STAGE" >/dev/null 2>&1 || true' EXIT
 t0=$(date +%s)
 log=$(mktemp /tmp/aura-docker-build.XXXXXX)
-docker build --network host -t "$TAG" \
-  --build-arg BASE_IMAGE="$BASE" \
-  --build-arg PIP_INSTALL_ARGS="--no-index --find-links /opt/aura_hpc/src/docker/wheels" . >"$log" 2>&1 \
-  || { tail -40 "$log"; echo "docker build failed (whole log: $log)" >&2; exit 1; }
+build() {
+  docker build --network host --force-rm "$@" \
+    --build-arg BASE_IMAGE="$BASE" \
+    --build-arg PIP_INSTALL_ARGS="--no-index --find-links /opt/aura_hpc/src/docker/wheels" . >>"$log" 2>&1 \
+    || { tail -40 "$log"; echo "docker build failed (whole log: $log)" >&2; exit 1; }
+}
+build --target build -t "$STAGE"
+build --label "$LABEL" -t "$TAG"
 rm -f "$log"  # kept only when the build failed
 echo "image $TAG: $(( $(date +%s) - t0 ))s, $(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.2f GB", $1/1e9}')"
+if [ -n "$previous" ] && [ "${previous#* }" = "${LABEL#*=}" ] && [ "${previous%% *}" != "$(docker image inspect -f '{{.Id}}' "$TAG")" ]; then
+  # A container still running the previous image keeps it (docker refuses); the next build tries again.
+  docker rmi "${previous%% *}" >/dev/null 2>&1 || echo "the previous $TAG (${previous%% *}) is still used by a container: kept (docker rmi it once unused)"
+fi

@@ -126,6 +126,22 @@ def image() -> str:
     return IMAGE
 
 
+def test_a_build_keeps_one_image_of_its_own_and_removes_its_install_stage(image: str) -> None:
+    """Each build used to leave the image its tag named before and its install stage as untagged images, about
+    4 GB a build: on a disk kept between CI runs, 55 GB of them made a run fail with "no space left on device".
+    The script labels what it builds, removes the previous labelled image and its own install stage."""
+    if not os.environ.get("AURA_TEST_IMAGE_BUILD"):
+        pytest.skip("the image was not built by this run (CI builds it with docker/build-cpu-image.sh)")
+
+    def ids(*args: str) -> list[str]:
+        listed = subprocess.run(["docker", "images", "-q", "--no-trunc", *args], capture_output=True, text=True, timeout=60, check=True)
+        return listed.stdout.split()
+
+    tagged = subprocess.run(["docker", "image", "inspect", "-f", "{{.Id}}", image], capture_output=True, text=True, timeout=60, check=True)
+    assert ids("-a", "--filter", "label=org.aura-hpc.built-by=docker/build-cpu-image.sh") == [tagged.stdout.strip()]
+    assert ids("-a", "--filter", "reference=aura-hpc-install-stage") == []
+
+
 def _runs_dir(path: Path) -> Path:
     path.mkdir(parents=True)
     os.chown(path, 1000, 1000)  # the image's non-root user writes there, as the compose file's default uid
