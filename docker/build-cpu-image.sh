@@ -41,7 +41,7 @@ done
 echo "wheels: $(ls "$wheels" | wc -l) files, $(du -sh "$wheels" | cut -f1), $(( $(date +%s) - t0 ))s"
 
 # Every build leaves the previous image and its install stage behind as untagged images, about 4 GB a
-# build; on a machine that keeps its disk (CI here did) they filled it within a day. The install stage is
+# build; on a machine that keeps its disk (CI's here does) 55 GB of them filled it. The install stage is
 # tagged while it is built and removed after (its untagged parents go with it), and the image this tag
 # named before is removed once replaced, if this script built it (its label says so): nothing else.
 LABEL=org.aura-hpc.built-by=docker/build-cpu-image.sh
@@ -60,7 +60,9 @@ build --target build -t "$STAGE"
 build --label "$LABEL" -t "$TAG"
 rm -f "$log"  # kept only when the build failed
 echo "image $TAG: $(( $(date +%s) - t0 ))s, $(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.2f GB", $1/1e9}')"
-if [ -n "$previous" ] && [ "${previous#* }" = "${LABEL#*=}" ] && [ "${previous%% *}" != "$(docker image inspect -f '{{.Id}}' "$TAG")" ]; then
-  # A container still running the previous image keeps it (docker refuses); the next build tries again.
-  docker rmi "${previous%% *}" >/dev/null 2>&1 || echo "the previous $TAG (${previous%% *}) is still used by a container: kept (docker rmi it once unused)"
+# Only once no tag names it any more: one a user gave it (`docker tag`) keeps it.
+if [ -n "$previous" ] && [ "${previous#* }" = "${LABEL#*=}" ] \
+  && [ "$(docker image inspect -f '{{len .RepoTags}}' "${previous%% *}" 2>/dev/null)" = 0 ]; then
+  # docker refuses while a container (even a stopped one) uses it: then it stays, and is said.
+  docker rmi "${previous%% *}" >/dev/null 2>&1 || echo "the previous $TAG (${previous%% *}) is kept: a container uses it"
 fi
