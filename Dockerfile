@@ -16,6 +16,9 @@ ARG BASE_IMAGE=pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime
 # conflict, instead of being replaced by PyPI's (gigabytes, another CUDA). NGC images 25.01/25.02 ship
 # 2.6.0a0+..., a pre-release that >=2.6 does not admit: use a released torch's base or a newer NGC.
 FROM ${BASE_IMAGE} AS build
+# Marks this stage's images, which are never shipped: docker/build-cpu-image.sh removes what a failed or
+# stopped build of it left behind, and nothing else.
+LABEL org.aura-hpc.stage=install
 ARG PIP_INSTALL_ARGS=""
 COPY . /opt/aura_hpc/src
 RUN python3 -m venv --system-site-packages /opt/aura_hpc/venv \

@@ -47,7 +47,10 @@ echo "wheels: $(ls "$wheels" | wc -l) files, $(du -sh "$wheels" | cut -f1), $(( 
 LABEL=org.aura-hpc.built-by=docker/build-cpu-image.sh
 STAGE=aura-hpc-install-stage:$$
 previous=$(docker image inspect -f "{{.Id}} {{index .Config.Labels \"${LABEL%%=*}\"}}" "$TAG" 2>/dev/null || true)
-trap 'docker rmi "$STAGE" >/dev/null 2>&1 || true' EXIT
+# A failed or stopped build leaves the install stage's steps so far as untagged images: they carry the
+# stage's label (Dockerfile), and only those that no tag names are removed, at every exit. One the daemon
+# still held (a stopped build's last step, as the script was stopped) goes at the next build's exit.
+trap 'docker rmi "$STAGE" >/dev/null 2>&1; docker image prune -f --filter label=org.aura-hpc.stage=install >/dev/null 2>&1 || true' EXIT
 t0=$(date +%s)
 log=$(mktemp /tmp/aura-docker-build.XXXXXX)
 build() {

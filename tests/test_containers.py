@@ -140,6 +140,7 @@ def test_a_build_keeps_one_image_of_its_own_and_removes_its_install_stage(image:
     tagged = subprocess.run(["docker", "image", "inspect", "-f", "{{.Id}}", image], capture_output=True, text=True, timeout=60, check=True)
     assert ids("-a", "--filter", "label=org.aura-hpc.built-by=docker/build-cpu-image.sh") == [tagged.stdout.strip()]
     assert ids("-a", "--filter", "reference=aura-hpc-install-stage") == []
+    assert ids("-a", "--filter", "label=org.aura-hpc.stage=install") == []  # nor any step of it
 
 
 def _runs_dir(path: Path) -> Path:
