@@ -16,9 +16,10 @@ ARG BASE_IMAGE=pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime
 # conflict, instead of being replaced by PyPI's (gigabytes, another CUDA). NGC images 25.01/25.02 ship
 # 2.6.0a0+..., a pre-release that >=2.6 does not admit: use a released torch's base or a newer NGC.
 FROM ${BASE_IMAGE} AS build
-# Marks this stage's images, which are never shipped: docker/build-cpu-image.sh removes what a failed or
-# stopped build of it left behind, and nothing else.
-LABEL org.aura-hpc.stage=install
+# docker/build-cpu-image.sh names itself here, in both stages: it removes the untagged images of its own
+# builds (a replaced image, a failed or stopped build's steps) and no other (empty in `docker compose build`).
+ARG AURA_BUILT_BY=""
+LABEL org.aura-hpc.built-by=${AURA_BUILT_BY}
 ARG PIP_INSTALL_ARGS=""
 COPY . /opt/aura_hpc/src
 RUN python3 -m venv --system-site-packages /opt/aura_hpc/venv \
@@ -27,6 +28,8 @@ RUN python3 -m venv --system-site-packages /opt/aura_hpc/venv \
 
 # Stage 2: the same base, the venv, a non-root user.
 FROM ${BASE_IMAGE}
+ARG AURA_BUILT_BY=""
+LABEL org.aura-hpc.built-by=${AURA_BUILT_BY}
 ARG AURA_UID=1000
 COPY --from=build /opt/aura_hpc/venv /opt/aura_hpc/venv
 COPY docker/entrypoint.sh /opt/aura_hpc/entrypoint.sh
