@@ -42,25 +42,18 @@ echo "wheels: $(ls "$wheels" | wc -l) files, $(du -sh "$wheels" | cut -f1), $(( 
 
 # Every build left the previous image and its install stage behind as untagged images, about 4 GB a
 # build; on a machine that keeps its disk (CI's here does) 55 GB of them filled it. Now every image of
-# this script's builds carries its label (the Dockerfile's AURA_BUILT_BY), the install stage is tagged
-# while it is built and untagged after, and at every exit (a failed or stopped build's included) the
-# untagged images with the label that no container holds are removed: the install stage, the image this
-# tag named before, a stopped build's steps. A tag a user gave one (`docker tag`) keeps it, and docker
-# keeps one a container uses. An untagged image built FROM this one inherits the label: it goes too.
-# Images of `docker compose build` have the label empty: never touched.
+# this script's builds carries its label (the Dockerfile's AURA_BUILT_BY), and at every exit (a failed or
+# stopped build's included) the untagged images with the label that no container holds are removed: the
+# install stage, the image this tag named before, a stopped build's steps. A tag a user gave one
+# (`docker tag`) keeps it, and docker keeps one a container uses. An untagged image built FROM this one
+# inherits the label: it goes too. Images of `docker compose build` have the label empty: never touched.
 BUILT_BY=docker/build-cpu-image.sh
-STAGE=aura-hpc-install-stage:building
-# set -e still holds in a trap: one block, so that a failed rmi (the stage never tagged) skips no prune.
-trap '{ docker rmi "$STAGE"; docker image prune -f --filter "label=org.aura-hpc.built-by=$BUILT_BY"; } >/dev/null 2>&1 || true' EXIT
+trap 'docker image prune -f --filter "label=org.aura-hpc.built-by=$BUILT_BY" >/dev/null 2>&1 || true' EXIT
 t0=$(date +%s)
 log=$(mktemp /tmp/aura-docker-build.XXXXXX)
-build() {
-  docker build --network host --force-rm "$@" \
-    --build-arg BASE_IMAGE="$BASE" --build-arg AURA_BUILT_BY="$BUILT_BY" \
-    --build-arg PIP_INSTALL_ARGS="--no-index --find-links /opt/aura_hpc/src/docker/wheels" . >>"$log" 2>&1 \
-    || { tail -40 "$log"; echo "docker build failed (whole log: $log)" >&2; exit 1; }
-}
-build --target build -t "$STAGE"
-build -t "$TAG"
+docker build --network host --force-rm -t "$TAG" \
+  --build-arg BASE_IMAGE="$BASE" --build-arg AURA_BUILT_BY="$BUILT_BY" \
+  --build-arg PIP_INSTALL_ARGS="--no-index --find-links /opt/aura_hpc/src/docker/wheels" . >"$log" 2>&1 \
+  || { tail -40 "$log"; echo "docker build failed (whole log: $log)" >&2; exit 1; }
 rm -f "$log"  # kept only when the build failed
 echo "image $TAG: $(( $(date +%s) - t0 ))s, $(docker image inspect -f '{{.Size}}' "$TAG" | awk '{printf "%.2f GB", $1/1e9}')"
