@@ -89,13 +89,19 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> dict[int, dict[str, torch.Tensor]]:
-    """Uninterrupted runs: the weights every faulted run must end with, bit for bit."""
+def reference_runs(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> Path:
+    """Uninterrupted runs of STEPS and LONG steps (folders ref20 and ref60), never changed by a test."""
     out = tmp_path_factory.mktemp("reference")
     done = run_cli_together([_args(out, f"ref{steps}", prepared, steps) for steps in (STEPS, LONG)])
     for r in done:
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    return {steps: final_weights(out / f"ref{steps}") for steps in (STEPS, LONG)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(reference_runs: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """The weights every faulted run must end with, bit for bit."""
+    return {steps: final_weights(reference_runs / f"ref{steps}") for steps in (STEPS, LONG)}
 
 
 # The runs whose rank 1 stops (SIGSTOP) after step 12 spend most of their time idle, in a hang window: one
@@ -519,12 +525,14 @@ def test_nan_forever_stops_with_a_clear_error(tmp_path: Path, prepared: Path) ->
 
 
 @pytest.fixture(scope="module")
-def stopped_at_15(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> Path:
-    """A run stopped at step 15 (checkpoints 5, 10 and 15); each damage test works on a copy."""
-    out = tmp_path_factory.mktemp("stopped")
-    first = run_cli(_args(out, "run", prepared, extra=("--set", "train.stop_at=15")))
-    assert first.returncode == 0, _diagnose(first, out / "run")
-    return out / "run"
+def stopped_at_15(tmp_path_factory: pytest.TempPathFactory, reference_runs: Path) -> Path:
+    """A run whose newest checkpoint is step 15 (and 5 and 10 before it); each damage test works on a copy. The
+    reference run to step 20 without its last checkpoint: the same state as a run stopped at 15, one launch fewer."""
+    run = tmp_path_factory.mktemp("stopped") / "run"
+    shutil.copytree(reference_runs / f"ref{STEPS}", run)
+    shutil.rmtree(run / "checkpoints" / f"step_{STEPS:08d}")
+    assert [c.step for c in checkpoint.list_complete(run / "checkpoints")] == [15, 10, 5]
+    return run
 
 
 def test_damaged_newest_checkpoints_fall_back_to_the_one_before_them(

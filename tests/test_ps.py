@@ -445,19 +445,19 @@ def test_an_evaluation_longer_than_the_workers_timeout_holds_up_no_worker(tmp_pa
     assert kept[-1] == "step_00000160", kept
     # Ctrl+C while an evaluation runs (here 600 s): it is cut short at its next batch, the checkpoint written, exit 75
     # (a stop waited for the whole evaluation: minutes for a large model on the server's CPU).
-    again = [*base, "--run-name", "ps2", "--set", "train.max_steps=100000", "--set", "train.eval_every=170", "--set", "train.log_every=10"]
+    again = [*base, "--run-name", "ps2", "--set", "train.max_steps=100000", "--set", "train.eval_every=40", "--set", "train.log_every=10"]
     again += ["--set", "train.checkpoint_every=0"]
     server = Proc(["ps", "--workers", "1", "--port", str(port + 1), *again], tmp_path / "ps2.log", AURA_FAULT_SLOW_EVAL="600")
     _listening(port + 1, server)
     worker = Proc(["worker", "--server", f"127.0.0.1:{port + 1}", *again], tmp_path / "w2.log")
     try:
-        _wait_version(tmp_path / "runs" / "ps2", 180, server)
+        _wait_version(tmp_path / "runs" / "ps2", 50, server)
         server.signal(signal.SIGINT)
         assert server.finish(timeout=120) == EXIT_RESUMABLE, server.text
     finally:
         worker.signal(signal.SIGINT)
         worker.finish(timeout=120)
-    assert "the evaluation of version 170 was cut short by the stop" in server.text, server.text
+    assert "the evaluation of version 40 was cut short by the stop" in server.text, server.text
 
 
 def test_a_token_budget_counts_every_batch_a_pushed_gradient_carries() -> None:
@@ -675,12 +675,14 @@ def test_server_and_workers_on_three_lan_addresses_and_a_wifi_drop(tmp_path: Pat
         # Off the network for good: after ps.worker_timeout_s + ps.join_timeout_s it gives up in one line.
         rejoined_at = _version(run_dir)
         subprocess.run(["nsenter", f"--net={hub}", "ip", "link", "set", switch_port, "down"], check=True, timeout=20)
-        assert dropped.finish(timeout=60) == 1, dropped.text
-        last = dropped.text.strip().splitlines()[-1]
-        assert "lost the parameter server at 10.78.1.1:30005" in last and "could not rejoin" in last and "fix:" in last, last
+        # The run ends now, not after the dropped worker's 19 s of tries (two processes training on busy cores the
+        # while): off the network, that worker cannot tell a stopped server from a lost link, and says the same.
         server.signal(signal.SIGINT)
         assert server.finish() == 75, server.text
         assert workers[0].finish() == 0 and "the server is stopping" in workers[0].text, workers[0].text
+        assert dropped.finish(timeout=60) == 1, dropped.text
+        last = dropped.text.strip().splitlines()[-1]
+        assert "lost the parameter server at 10.78.1.1:30005" in last and "could not rejoin" in last and "fix:" in last, last
     finally:
         for proc in (server, *workers):
             if proc.p.poll() is None:

@@ -350,22 +350,27 @@ def test_a_node_started_when_the_run_has_all_its_nodes_says_it_waits_as_a_spare(
     base = ["local", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "1",
             "--set", f"data.path={prepared}", *SMALL_MODEL, "--set", "train.max_steps=40", "--run-name", "full"]  # fmt: skip
 
-    def start(node: int, folder: str) -> subprocess.Popen[str]:
+    def start(node: int, folder: str, python: list[str]) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            [sys.executable, "-m", "aura_hpc", *base, "--node-rank", str(node), "--output-dir", str(tmp_path / folder)],
-            # Rank 0 idles 1.5 s a step: the run (60 s) outlasts the spare's start and SURE_S (20 s) twice over on a busy
-            # machine, and the cores stay free.
-            env=cli_env(AURA_FAULT_SLOW="0:+1.5"),
+            [*python, *base, "--node-rank", str(node), "--output-dir", str(tmp_path / folder)],
+            # Rank 0 idles 0.75 s a step: the run (30 s) outlasts the spare's start and its 2 s of being sure three times
+            # over on a busy machine, and the cores stay free.
+            env=cli_env(AURA_FAULT_SLOW="0:+0.75"),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
 
-    nodes = [start(0, "m0"), start(1, "m1")]
+    plain = [sys.executable, "-m", "aura_hpc"]
+    nodes = [start(0, "m0", plain), start(1, "m1", plain)]
     log, deadline = tmp_path / "m0" / "full" / "logs" / "rank_0.log", time.monotonic() + 240
     while time.monotonic() < deadline and not (log.is_file() and "first step" in log.read_text()):
         time.sleep(0.2)
-    spare = start(1, "m2")
+    # The watch's SURE_S (20 s) waits out a relaunched node's old self, which this test has none of: 2 s here, in the
+    # spare's own launcher, so the run need not last 60 s.
+    quick = "import runpy, aura_hpc.launch.spare_watch as w; w.SURE_S, w.POLL_S = 2.0, 0.5; "
+    quick += "runpy.run_module('aura_hpc', run_name='__main__')"
+    spare = start(1, "m2", [sys.executable, "-c", quick])
     node0, _ = _collect(nodes)
     said = spare.communicate(timeout=120)[0]
     assert "all 2 ranks finished at step 40" in node0
