@@ -556,20 +556,26 @@ def _old_page(folder: Path, rank: int, pid: int, step: int, idle_s: float) -> No
     progress.file_for(folder, rank).write_bytes(progress.page_bytes(pid, progress.SECTIONS.index("step"), step, 60, 1, beat, beat))
 
 
-def test_a_node_whose_ranks_only_wait_keeps_their_stacks_before_the_naming_node_kills(tmp_path: Path) -> None:
+def test_a_node_whose_ranks_only_wait_keeps_their_stacks_before_the_naming_node_kills(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two nodes' watchdogs on one board. Node 1's rank is silent (the culprit); node 0's rank waits, and
     node 0's own timeout is far off (1,000 s). Node 0 still takes its rank's stack as soon as it reads node
     1's verdict, and node 1 kills only after node 0's verdict is on the board: a kill first would have ended
-    node 0's rank on a broken connection, with no stack."""
+    node 0's rank on a broken connection, with no stack. (The waits scaled down, in order: node 0 reads the board
+    after 2 s without progress, node 1 names its rank after 3, and gives it 1.5 s to answer for its stack.)"""
     import subprocess
     import sys
     from datetime import timedelta
 
     from aura_hpc.comm import stores
+    from aura_hpc.launch import hang_watch
     from aura_hpc.launch.hang_board import HangBoard
 
+    monkeypatch.setattr(hang_watch, "PEER_POLL_IDLE_S", 2.0)
+    monkeypatch.setattr(hang_watch, "ANSWER_WAIT_S", 1.5)
     store = stores.bound_server("127.0.0.1", 0, timedelta(seconds=10), multi_tenant=True)
-    watches = [_watch(tmp_path / "n0", "health.hang_step_floor_s=1000"), _watch(tmp_path / "n1", "health.hang_step_floor_s=10")]
+    watches = [_watch(tmp_path / "n0", "health.hang_step_floor_s=1000"), _watch(tmp_path / "n1", "health.hang_step_floor_s=3")]
     log0 = watches[0].cfg.run_dir / "logs" / "rank_0.log"
     log0.parent.mkdir(exist_ok=True)
     waits = subprocess.Popen([sys.executable, "-c", _WAITS, str(log0)], stdout=subprocess.PIPE, text=True)

@@ -269,17 +269,22 @@ class _StrangerInTheGap:
         return getattr(self.client, name)
 
 
-def test_a_key_deleted_between_the_servers_check_and_its_read_costs_seconds_not_the_join_timeout(tmp_path: Path) -> None:
+def test_a_key_deleted_between_the_servers_check_and_its_read_costs_seconds_not_the_join_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A TCPStore `get` waits for its key for its client's whole timeout: a key deleted after the server
     checked it held the serve loop, its joins and its stop signals for ps.join_timeout_s (60 s by default;
     the server's store here has 300). The join queue and the workers' stats are read on clients of their
-    own (made as `ps` makes them) that give up after seconds, and each read's failure is a note."""
+    own (made as `ps` makes them) that give up after seconds, and each read's failure is a note. (Those
+    seconds are 2 here, not 5: the test waits for them twice.)"""
     import torch.distributed as dist
 
     from aura_hpc.ps import wire
     from aura_hpc.ps.join import QUEUE, JoinQueue
     from aura_hpc.ps.stats import copy_worker_stats
 
+    assert wire.QUICK_S > 2
+    monkeypatch.setattr(wire, "QUICK_S", 2.0)
     port = free_port()
     store = wire.host_store(port, 300.0)  # the server's, with --set ps.join_timeout_s=300
     stranger = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))
@@ -300,18 +305,22 @@ def test_a_key_deleted_between_the_servers_check_and_its_read_costs_seconds_not_
     assert not list(tmp_path.iterdir()), "nothing written from a read that failed"
 
 
-def test_a_forged_refusal_does_not_turn_away_a_worker_that_holds_the_secret() -> None:
+def test_a_forged_refusal_does_not_turn_away_a_worker_that_holds_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     """The join queue is readable by anyone, and the refusal for a worker without the secret cannot be
     signed: a stranger wrote it for a real worker's nonce, and that worker quit with "does not hold the
     run's secret". Now it is a hint: the worker announces again and takes the server's signed answer; a
-    refusal that stands (nothing signed comes) is still the one line."""
+    refusal that stands (nothing signed comes) is still the one line. (The worker's waits scaled down: an
+    announce every second, not 3, and a refusal stands after 4 s unsigned, not 9.)"""
     import threading
 
     from aura_hpc.comm import stores
     from aura_hpc.errors import LaunchError
-    from aura_hpc.ps import auth
+    from aura_hpc.ps import auth, join
     from aura_hpc.ps.join import EPOCH, QUEUE, request_join
 
+    assert join.ANNOUNCE_EVERY_S > 1 and join.UNSIGNED_GRACE_S > 4
+    monkeypatch.setattr(join, "ANNOUNCE_EVERY_S", 1.0)
+    monkeypatch.setattr(join, "UNSIGNED_GRACE_S", 4.0)
     key = auth.key_of(SECRET)
     for server_answers in (True, False):
         store = stores.bound_server("127.0.0.1", 0, timedelta(seconds=30))
@@ -332,7 +341,7 @@ def test_a_forged_refusal_does_not_turn_away_a_worker_that_holds_the_secret() ->
         nonce = store.get(QUEUE).decode().split()[0]
         store.set(f"join/reply/{nonce}", json.dumps({"unauthenticated": True}))  # the stranger, first
         if server_answers:  # the server, at the worker's next announce
-            time.sleep(4)
+            time.sleep(1.5)
             body = json.dumps({"ok": True, "rank": 1})
             store.set(f"join/reply/{nonce}", json.dumps({"body": body, "mac": auth.tag(key, "reply", nonce, body)}))
         thread.join(60)
